@@ -1,0 +1,58 @@
+"""Checkpoint section of the agent config (YAML key ``checkpoint``, env ``TRAINGUARD_CHECKPOINT_*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.agent.configbase import require
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    url: str = ""
+    """Where checkpoints go: a path, ``file://``, ``s3://bucket/prefix``, ``gs://bucket/prefix`` or
+    ``memory://`` (tests). Kept as ``str``: ``pathlib.Path`` collapses the ``//`` in ``gs://``.
+    Empty disables checkpoints (the agent then only forwards SIGTERM to workers)."""
+
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec (e.g. ``{"endpoint_url": ...}`` for s3fs). Credentials come from the standard
+    provider chains; secrets here are redacted in logs."""
+
+    interval_steps: int = 0
+    """Periodic async checkpoint every N steps (0 = off)."""
+
+    interval_s: float = 0.0
+    """Periodic async checkpoint every T seconds of training (0 = off)."""
+
+    keep_last: int = 3
+    """Committed checkpoints to retain (>= 2: the newest may still be being restored from)."""
+
+    async_save: bool = True
+    """Persist in the background; training blocks only while state is staged to host memory."""
+
+    retry_attempts: int = 5
+    """Attempts per storage operation on transient errors (exponential backoff)."""
+
+    retry_deadline_s: float = 120.0
+    """Total time budget for the retries of one storage operation."""
+
+    verify: bool = True
+    """Verify sizes and checksums from the manifest on restore."""
+
+    def __post_init__(self) -> None:
+        require(self.keep_last >= 2, "keep_last", f"must be >= 2, got {self.keep_last}",
+                "keep at least 2 committed checkpoints, as the newest may be the one being restored")
+        require(self.interval_steps >= 0, "interval_steps", f"must be >= 0, got {self.interval_steps}",
+                "use 0 to disable step-based periodic checkpoints")
+        require(self.interval_s >= 0, "interval_s", f"must be >= 0, got {self.interval_s}",
+                "use 0 to disable time-based periodic checkpoints")
+        require(self.retry_attempts >= 1, "retry_attempts", f"must be >= 1, got {self.retry_attempts}",
+                "use 1 for no retries")
+        require(self.retry_deadline_s > 0, "retry_deadline_s", f"must be > 0, got {self.retry_deadline_s}",
+                "give the retries of one storage operation a positive time budget in seconds")
+        if self.url:
+            scheme = self.url.split("://", 1)[0] if "://" in self.url else "file"
+            require(scheme in {"file", "s3", "gs", "gcs", "memory"}, "url",
+                    f"unsupported scheme {scheme!r} in {self.url!r}",
+                    "use a path, file://, s3://, gs:// or memory://")

@@ -1,0 +1,1 @@
+"""trainguard.examples."""
