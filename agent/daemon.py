@@ -1,0 +1,63 @@
+"""The agent process: wires config, logging, watchers, metrics and sd_notify around the supervisor.
+
+Main thread: starts everything, then waits on the supervisor thread while watchers (signals run
+here) turn notices into drain requests. Data flows one way: watchers -> notices -> supervisor
+(drain) -> workers; metrics only observe.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from trainguard.agent.config import TrainguardConfig
+from trainguard.agent.log import get_logger
+from trainguard.agent.states import AgentState
+from trainguard.agent.supervisor import Supervisor
+
+log = get_logger("trainguard.agent.daemon")
+
+
+def _start_watchers(cfg: TrainguardConfig, sup: Supervisor) -> list[Any]:
+    try:
+        from trainguard.agent.watchers import build_watchers
+    except ImportError:
+        log.warning("watchers_unavailable")
+        return []
+
+    def on_notice(notice: Any) -> None:
+        log.warning("preemption_notice", source=notice.source, kind=notice.kind,
+                    deadline_in_s=round(notice.deadline - time.time(), 1))
+        sup.request_drain(notice.source, notice.kind, notice.deadline, reason=f"{notice.source}:{notice.kind}")
+
+    watchers = build_watchers(cfg.preemption)
+    for w in watchers:
+        w.start(on_notice)
+    return watchers
+
+
+def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners: list[Callable[..., Any]] | None = None) -> int:
+    """Run one node's agent until the job ends or this node leaves. Returns the process exit code."""
+    sup = Supervisor(cfg, listeners=extra_listeners)
+    services: list[Any] = []
+    try:
+        services += _start_watchers(cfg, sup)
+        sup.start()
+        while True:
+            code = sup.wait(timeout=0.5)
+            if code is not None:
+                return code
+            drain = sup.drain
+            # A drain that arrives while the supervisor thread blocks in a rendezvous wait: leave from
+            # here once the deadline is near, so the node never overstays its notice.
+            if drain is not None and sup.sm.state == AgentState.RENDEZVOUS and time.time() > drain.deadline - 2:
+                log.warning("drain_during_rendezvous", action="leaving from the main thread")
+                sup.leave_now()
+                return 0
+    finally:
+        for s in reversed(services):
+            try:
+                s.stop()
+            except Exception as e:
+                log.warning("service_stop_failed", service=type(s).__name__, error=str(e))

@@ -1,0 +1,80 @@
+"""What the agent does next: a pure function of what it observes (no I/O, no clocks).
+
+Kept apart from the executor (:mod:`trainguard.agent.supervisor`) in the style of
+``dynamic_rendezvous._RendezvousJoinOp``, so the whole policy is unit-tested with tables of cases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from trainguard.agent import exitcodes
+
+
+class Act(str, Enum):
+    WAIT = "wait"
+    ASK_DRAIN = "ask_drain"  # tell API workers: checkpoint at an agreed step, exit RESIZE
+    ASK_RESIZE = "ask_resize"  # tell API workers: checkpoint at an agreed step for a scale-up, exit RESIZE
+    TERMINATE = "terminate"  # SIGTERM the workers with the grace period (scripts without the API, or deadline hit)
+    RESTART = "restart"  # stop, re-rendezvous, start
+    LEAVE = "leave"  # leave the rendezvous (without closing it) and stop: this node drained
+    SUCCEED = "succeed"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    workers: str
+    """``healthy`` (running), ``exited`` (all local workers are done) or ``unknown``."""
+    exit_codes: tuple[int, ...] = ()
+    remaining_restarts: int = 0
+    nodes_waiting: int = 0
+    """Nodes waiting to join (scale-up)."""
+    draining: bool = False
+    """This node has a notice and is leaving."""
+    drain_deadline_passed: bool = False
+    asked: str = ""
+    """What the workers were already asked: ``""``, ``drain`` or ``resize``."""
+    api_workers: bool = False
+    """The local workers use the worker API (they registered on the control socket)."""
+    peer_draining: bool = False
+    """Another node announced a drain; a crash of our non-API workers is then its consequence."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    act: Act
+    reason: str = ""
+    consume_restart: bool = False
+
+
+def decide(o: Observation) -> Decision:
+    """Map one observation to one action. See tests/agent/test_decisions.py for the full table."""
+    if o.workers in ("exited", "unknown"):
+        kind = exitcodes.classify(list(o.exit_codes)) if o.workers == "exited" else "crash"
+        if kind == "success":
+            return Decision(Act.SUCCEED, "workers_finished")
+        if o.draining:
+            return Decision(Act.LEAVE, "drained" if kind == "resize" else "drained_workers_failed")
+        if kind == "resize":
+            return Decision(Act.RESTART, o.asked or "resize", consume_restart=False)
+        if o.peer_draining and not o.api_workers:
+            return Decision(Act.RESTART, "peer_drain", consume_restart=False)
+        if o.remaining_restarts > 0:
+            return Decision(Act.RESTART, "worker_failure", consume_restart=True)
+        return Decision(Act.FAIL, "max_restarts_exhausted")
+
+    # workers are running
+    if o.draining:
+        if o.drain_deadline_passed:
+            return Decision(Act.TERMINATE, "drain_deadline_passed")
+        if o.asked != "drain":
+            return Decision(Act.ASK_DRAIN, "notice") if o.api_workers else Decision(Act.TERMINATE, "notice")
+        return Decision(Act.WAIT, "draining")
+    if o.nodes_waiting > 0:
+        if not o.api_workers:
+            return Decision(Act.RESTART, "scale_up", consume_restart=False)
+        if o.asked == "":
+            return Decision(Act.ASK_RESIZE, "scale_up")
+    return Decision(Act.WAIT)

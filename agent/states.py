@@ -1,0 +1,100 @@
+"""The agent's explicit state machine.
+
+::
+
+    STARTING --> RENDEZVOUS --> RUNNING --> SUCCEEDED
+                    ^  |          |  |  \\--> FAILED          (crash with no restarts left)
+                    |  v          |  |
+                    | FAILED      |  +--> RESTARTING --> RENDEZVOUS   (crash; consumes a restart)
+                    |             |
+                    +-- RESIZING <+--- DRAINING -----> STOPPED   (this node leaves: notice/stop)
+                                  |       |
+                                  +-------+--> RESIZING   (a peer drains / a node joins)
+
+* ``STARTING``: config loaded, watchers/exporter starting.
+* ``RENDEZVOUS``: waiting for the rendezvous round to close.
+* ``RUNNING``: local workers healthy.
+* ``DRAINING``: a notice arrived; workers checkpoint and exit (or get SIGTERM + grace).
+* ``RESIZING``: workers exited with the resize code; re-forming without consuming a restart.
+* ``RESTARTING``: workers crashed; backing off, then re-forming (consumes a restart).
+* ``STOPPED``: left the job on purpose (drained); exit code 0.
+* ``SUCCEEDED``: the job finished. ``FAILED``: gave up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+from trainguard.agent.log import get_logger
+
+
+class AgentState(str, Enum):
+    STARTING = "starting"
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    DRAINING = "draining"
+    RESIZING = "resizing"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (AgentState.STOPPED, AgentState.SUCCEEDED, AgentState.FAILED)
+
+
+S = AgentState
+TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
+    S.STARTING: frozenset({S.RENDEZVOUS, S.STOPPED, S.FAILED}),
+    S.RENDEZVOUS: frozenset({S.RUNNING, S.DRAINING, S.STOPPED, S.FAILED}),
+    S.RUNNING: frozenset({S.DRAINING, S.RESIZING, S.RESTARTING, S.SUCCEEDED, S.FAILED, S.STOPPED}),
+    S.DRAINING: frozenset({S.STOPPED, S.FAILED, S.RESIZING, S.RESTARTING}),
+    S.RESIZING: frozenset({S.RENDEZVOUS, S.DRAINING, S.STOPPED, S.FAILED}),
+    S.RESTARTING: frozenset({S.RENDEZVOUS, S.DRAINING, S.STOPPED, S.FAILED}),
+    S.STOPPED: frozenset(),
+    S.SUCCEEDED: frozenset(),
+    S.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class StateMachine:
+    """Holds the current state; every transition is checked and logged as one ``state_change`` line."""
+
+    def __init__(self, listeners: list[Callable[[AgentState, AgentState, dict[str, Any]], None]] | None = None) -> None:
+        self._state = AgentState.STARTING
+        self._since = time.monotonic()
+        self._lock = threading.Lock()
+        self._listeners = list(listeners or [])
+        self._log = get_logger("trainguard.agent.state")
+
+    @property
+    def state(self) -> AgentState:
+        return self._state
+
+    def add_listener(self, fn: Callable[[AgentState, AgentState, dict[str, Any]], None]) -> None:
+        self._listeners.append(fn)
+
+    def to(self, new: AgentState, **details: Any) -> None:
+        with self._lock:
+            old = self._state
+            if new == old:
+                return
+            if new not in TRANSITIONS[old]:
+                raise IllegalTransition(f"{old.value} -> {new.value} is not a legal agent transition")
+            now = time.monotonic()
+            self._log.info("state_change", old=old.value, new=new.value, after_s=round(now - self._since, 3), **details)
+            self._state, self._since = new, now
+        for fn in self._listeners:
+            try:
+                fn(old, new, details)
+            except Exception:  # a listener (metrics, sd_notify) must never break supervision
+                self._log.exception("state_listener_failed", listener=repr(fn))

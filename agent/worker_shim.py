@@ -1,0 +1,51 @@
+"""Orphan safety: the first code every worker process runs.
+
+``python -m trainguard.agent.worker_shim [--no-python] -- ARGV...``
+
+torch.distributed.elastic starts workers in their own session (``start_new_session=True``), so when
+an agent is SIGKILLed nothing reaches them and they train on at the old world size. The shim asks
+the kernel for ``PR_SET_PDEATHSIG = SIGKILL`` (delivered when the thread that started us dies; the
+agent starts workers from its long-lived supervisor thread), checks that the agent has not already
+died in between (``getppid()`` against ``TRAINGUARD_RT_AGENT_PID``), then ``exec``s the real worker.
+The setting survives ``execve`` of non-setuid programs. systemd's ``KillMode=control-group`` is the
+second line of defence.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent (thread) dies. False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    no_python = False
+    if argv and argv[0] == "--no-python":
+        no_python, argv = True, argv[1:]
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        sys.exit("worker_shim: nothing to run (usage: python -m trainguard.agent.worker_shim [--no-python] -- ARGV...)")
+    set_parent_death_signal(signal.SIGKILL)
+    expected = os.environ.get("TRAINGUARD_RT_AGENT_PID")
+    if expected and os.getppid() != int(expected):
+        sys.exit(f"worker_shim: the agent (pid {expected}) died before this worker started")
+    if no_python:
+        os.execvp(argv[0], argv)
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+if __name__ == "__main__":
+    main()
