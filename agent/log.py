@@ -45,5 +45,6 @@ def configure(fmt: str = "auto", level: str = "info", stream: TextIO | None = No
 
 
 def get_logger(name: str) -> Any:
-    """A bound structlog logger carrying ``logger=name``."""
-    return structlog.get_logger().bind(logger=name)
+    """A lazy structlog logger carrying ``component=name``; it picks up :func:`configure` even when
+    created at import time, before configuration."""
+    return structlog.get_logger(component=name)

@@ -10,10 +10,7 @@ waiting in their own ``next_rendezvous``, form the next one at once: no keep-ali
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 import time
-from datetime import timedelta
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -25,24 +22,6 @@ from trainguard.agent.log import get_logger
 log = get_logger("trainguard.agent.rendezvous")
 
 
-def endpoint_is_local(endpoint: str) -> bool:
-    """torchrun's rule for c10d ``is_host``: the endpoint's host is an address of this machine."""
-    host = endpoint.rpartition(":")[0].strip("[]")
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        addr = ipaddress.ip_address(socket.gethostbyname(host))
-    except (OSError, ValueError):
-        return False
-    if addr.is_loopback:
-        return True
-    try:
-        local = {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
-        local = set()
-    return str(addr) in local
-
-
 def build_handler(cfg: RendezvousConfig, run_id: str) -> RendezvousHandler:
     """Create the torch elastic rendezvous handler for ``cfg``."""
     extra: dict[str, Any] = {
@@ -52,8 +31,10 @@ def build_handler(cfg: RendezvousConfig, run_id: str) -> RendezvousHandler:
         "keep_alive_interval": cfg.keep_alive_interval_s,
         "keep_alive_max_attempt": cfg.keep_alive_max_attempts,
     }
-    if cfg.backend == "c10d":
-        extra["is_host"] = endpoint_is_local(cfg.endpoint) if cfg.is_host is None else cfg.is_host
+    if cfg.backend == "c10d" and cfg.is_host is not None:
+        # Left unset, torch hosts the store if the endpoint is this machine and falls back to being a
+        # client when another local agent already hosts it; an explicit value disables that fallback.
+        extra["is_host"] = cfg.is_host
     if cfg.backend == "static":
         extra = {"rank": 0}
     params = RendezvousParameters(
@@ -98,4 +79,4 @@ def leave_rendezvous(handler: RendezvousHandler, timeout_s: float = 10.0) -> boo
     return True
 
 
-__all__ = ["build_handler", "current_round", "leave_rendezvous", "endpoint_is_local", "timedelta"]
+__all__ = ["build_handler", "current_round", "leave_rendezvous"]

@@ -112,7 +112,7 @@ class TrainguardElasticAgent(LocalElasticAgent):
 class Supervisor:
     """Owns one node's supervision: config, control socket, state machine, the elastic agent thread."""
 
-    def __init__(self, cfg: TrainguardConfig, *, listeners: list[Any] | None = None) -> None:
+    def __init__(self, cfg: TrainguardConfig, *, listeners: list[Any] | None = None, handler: Any = None) -> None:
         self.cfg = cfg
         self.sm = StateMachine(listeners)
         self._drain: DrainRequest | None = None
@@ -123,7 +123,7 @@ class Supervisor:
         self._error: BaseException | None = None
         self._world: dict[str, Any] = {}
         self._run_started = time.monotonic()
-        self.handler = rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
+        self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
         os.makedirs(cfg.agent.state_dir, mode=0o700, exist_ok=True)
         self.control_path = os.path.join(cfg.agent.state_dir, f"{cfg.agent.job_id}.sock")
         self.control = ControlServer(self.control_path, self._on_control)
@@ -344,7 +344,8 @@ class Supervisor:
         self._outcome = AgentState.STOPPED
         self.sm.to(AgentState.STOPPED, reason=reason,
                    seconds_since_notice=round(time.time() - drain.received_at, 3) if drain else None)
-        return RunResult(state=WorkerState.SUCCEEDED)
+        # elastic's run() records one event per worker and needs a value for each global rank.
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in wg.workers})
 
     # ---- lifecycle (main thread) --------------------------------------------------------------
     def start(self) -> None:

@@ -1,0 +1,125 @@
+"""Run real ``trainguard`` agents as subprocesses on localhost and read their JSON log events."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "train_gpt.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    out.append(int(entry))
+            except (OSError, IndexError):
+                pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class Node:
+    """One agent (``trainguard run``) standing in for one node."""
+
+    def __init__(self, name: str, tmp: str, endpoint: str, *, nnodes: str = "1:2", job: str = "job",
+                 script_args: list[str] | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None,
+                 script: str = EXAMPLE) -> None:
+        self.name = name
+        self.log_path = os.path.join(tmp, f"{name}.log")
+        self.state_dir = os.path.join(tmp, f"state-{name}")
+        cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-name", name,
+               "--state-dir", self.state_dir, "--log-dir", os.path.join(tmp, f"logs-{name}"),
+               "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "preemption.sources=signal",
+               *(extra or []), script, *(script_args or [])]
+        penv = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+        penv.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+        self._fh = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=penv, cwd=REPO)
+        self.socket = os.path.join(self.state_dir, f"{job}.sock")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def lines(self) -> list[str]:
+        with open(self.log_path, errors="replace") as fh:
+            return fh.read().splitlines()
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Agent JSON events, and worker JSON lines (the ``[trainer0]:`` prefix stripped)."""
+        out = []
+        for line in self.lines():
+            if line.startswith("[trainer"):
+                line = line.split("]:", 1)[-1]
+            if not line.startswith("{"):
+                continue
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if name is None or ev.get("event") == name:
+                out.append(ev)
+        return out
+
+    def worker_pids(self) -> list[int]:
+        return [c for c in children(self.pid) if alive(c)]
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """Teardown: SIGKILL the agent and whatever it left (the test must not leak processes)."""
+        if self.proc.poll() is None:
+            kids = self.worker_pids()
+            self.proc.kill()
+            self.proc.wait(10)
+            for k in kids:
+                try:
+                    os.kill(k, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._fh.close()
+
+    def dump(self, n: int = 40) -> str:
+        return f"--- {self.name} (last {n} lines) ---\n" + "\n".join(self.lines()[-n:])
