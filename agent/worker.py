@@ -1,0 +1,284 @@
+"""The trainguard worker API: a few lines in a training script buy emergency checkpoints, async
+sharded checkpoints and exact data resumption at any world size.
+
+::
+
+    rt = Runtime.from_env()                                   # process group from the torchelastic env
+    model, opt = rt.setup(model, opt, dataset_size=N, global_batch=24, micro_batch=4, seed=1)
+    rt.restore()                                              # latest committed checkpoint, resharded
+    while rt.step < total_steps:
+        micro = rt.next_batches()                             # this rank's sample ids, per micro-batch
+        for i, ids in enumerate(micro):
+            with rt.accumulating(last=i == len(micro) - 1):   # DDP no_sync except on the last one
+                loss = loss_fn(model(x[ids]), y[ids]) / len(micro)
+                loss.backward()
+        opt.step(); opt.zero_grad()
+        rt.end_step()                                         # checkpoints; may exit with code 75
+    rt.finish()
+
+**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) a 2-element flag over a side gloo
+group: ``[stop, periodic_due]`` where ``stop`` is 2 for a drain and 1 for a resize request this rank's
+agent pushed over the control socket (or SIGTERM under plain torchrun). Every rank therefore sees
+the same flags after the same step: all of them save the same step ``s``, rank 0 commits it, and all
+exit with :data:`~trainguard.agent.exitcodes.RESIZE`. The new world restores ``s`` and continues at
+``s + 1``. Cost: one 8-byte all-reduce per step.
+
+**Data.** A :class:`~trainguard.agent.data.GlobalSampleCursor` (seeded permutation per epoch,
+samples consumed) is part of the checkpoint; each global batch is split over the current ranks and
+the global batch stays constant by adapting gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.agent import exitcodes
+from trainguard.agent.data import GlobalSampleCursor, plan, split
+from trainguard.agent.log import get_logger
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
+
+log = get_logger("trainguard.worker")
+NONE, RESIZE_REQ, DRAIN_REQ = 0, 1, 2
+
+
+class _AgentLink:
+    """The worker's end of the agent's control socket: says hello, then listens for requests."""
+
+    def __init__(self, path: str, rank: int, local_rank: int) -> None:
+        self.request = NONE
+        self.deadline: float | None = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(5)
+        self._sock.connect(path)
+        self._send({"op": "hello", "rank": rank, "local_rank": local_rank, "pid": os.getpid()})
+        self._sock.settimeout(1.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, name="trainguard-agent-link", daemon=True)
+        self._thread.start()
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        self._sock.sendall((json.dumps(msg) + "\n").encode())
+
+    def _listen(self) -> None:
+        buf = b""
+        while not self._stop.is_set():
+            try:
+                chunk = self._sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if msg.get("op") == "drain":
+                    self.deadline = float(msg.get("deadline") or 0) or None
+                    self.request = DRAIN_REQ
+                elif msg.get("op") == "resize":
+                    self.request = max(self.request, RESIZE_REQ)
+
+    def committed(self, step: int, kind: str, seconds: float, rank: int) -> None:
+        with contextlib.suppress(OSError):
+            self._send({"op": "committed", "step": step, "kind": kind, "seconds": round(seconds, 3), "rank": rank})
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class Runtime:
+    """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
+
+    def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
+                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str = "ddp") -> None:
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.job_id, self.fence, self.strategy_name = job_id, fence, strategy
+        self.checkpoint_config = checkpoint
+        self.step = 0
+        self.cursor: GlobalSampleCursor | None = None
+        self.accum_steps = 1
+        self.micro_batch = 1
+        self._signal_request = NONE
+        self._model: torch.nn.Module | None = None
+        self._ddp: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._trainer = TrainerState()
+        self._manager: CheckpointManager | None = None
+        self._last_periodic = time.monotonic()
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._link = _AgentLink(control_path, rank, local_rank) if control_path and os.path.exists(control_path) else None
+        if threading.current_thread() is threading.main_thread():
+            # Under plain torchrun (no agent link) a SIGTERM is the only notice a worker gets.
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._log = log.bind(rank=rank, world_size=world_size, fence=fence)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Runtime:
+        """Initialise the process group from the torchelastic env (gloo on CPU, NCCL on GPU) and read
+        the ``TRAINGUARD_RT_*`` variables the agent sets. Works under plain torchrun and alone too."""
+        env = dict(os.environ if env is None else env)
+        from trainguard.agent import log as tglog
+
+        tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
+        world = int(env.get("WORLD_SIZE", "1"))
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        cfg = json.loads(env.get("TRAINGUARD_RT_CONFIG", "{}") or "{}")
+        ck = cfg.get("checkpoint") or {}
+        if not ck.get("url") and env.get("TRAINGUARD_CHECKPOINT_URL"):
+            ck["url"] = env["TRAINGUARD_CHECKPOINT_URL"]  # plain torchrun: the same variable as the agent's config
+        return cls(rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
+                   job_id=cfg.get("job_id") or env.get("TORCHELASTIC_RUN_ID") or "trainguard",
+                   fence=int(env.get("TRAINGUARD_RT_ROUND", "0")), checkpoint=CheckpointConfig(**ck),
+                   control_path=env.get("TRAINGUARD_RT_CONTROL", ""))
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, dataset_size: int,
+              global_batch: int, micro_batch: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Wrap ``model`` for data parallelism (DDP when world_size > 1), set up the data cursor and the
+        checkpoint manager. ``global_batch`` stays constant at every world size: ranks x
+        accumulation steps x ``micro_batch``; raises ``ValueError`` when it cannot divide."""
+        self.accum_steps, _ = plan(global_batch, self.world_size, micro_batch)
+        self.micro_batch = micro_batch
+        self.cursor = GlobalSampleCursor(dataset_size, global_batch, seed)
+        self._model, self._optimizer = model, optimizer
+        self._ddp = torch.nn.parallel.DistributedDataParallel(model) if self.world_size > 1 else model
+        self._trainer = TrainerState(seed=seed,
+                                     config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
+        if self.checkpoint_config.url:
+            # The manager makes its own gloo group: its background persist thread runs collectives that
+            # must never interleave with the step-flag all-reduce the training thread runs on ours.
+            self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
+                                              fence=self.fence, strategy=self.strategy_name)
+        self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
+                       checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None)
+        return self._ddp, optimizer
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        assert self._model is not None and self.cursor is not None, "setup() first"
+        self._trainer.step = self.step
+        self._trainer.cursor = self.cursor.state_dict()
+        return {"app": ModelOptimizerState(self._model, self._optimizer), "trainer": self._trainer}
+
+    def restore(self) -> int:
+        """Load the newest committed checkpoint (any world size) and return the step to continue from."""
+        if self._manager is None:
+            return self.step
+        state = self._state()
+        step = self._manager.restore(state)
+        if step is not None:
+            self.step = self._trainer.step
+            assert self.cursor is not None
+            self.cursor.load_state_dict(self._trainer.cursor)
+            self._log.info("worker_restored", step=step, saved_world_size=self._trainer.saved_world_size,
+                           epoch=self.cursor.epoch, consumed=self.cursor.consumed)
+        return self.step
+
+    def _save(self, kind: str) -> float:
+        assert self._manager is not None
+        t0 = time.monotonic()
+        self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
+        return time.monotonic() - t0
+
+    # ---- the step -------------------------------------------------------------------------------
+    def next_batches(self) -> list[list[int]]:
+        """This rank's share of the next global batch, as ``accum_steps`` lists of sample ids."""
+        assert self.cursor is not None, "setup() first"
+        ids = self.cursor.next_global_batch()
+        return split(ids, self.rank, self.world_size, self.micro_batch)
+
+    @contextlib.contextmanager
+    def accumulating(self, last: bool) -> Iterator[None]:
+        """Skip DDP's gradient all-reduce on all but the last micro-batch of a step."""
+        if not last and isinstance(self._ddp, torch.nn.parallel.DistributedDataParallel):
+            with self._ddp.no_sync():
+                yield
+        else:
+            yield
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._signal_request = DRAIN_REQ
+
+    def _local_request(self) -> int:
+        return max(self._signal_request, self._link.request if self._link else NONE)
+
+    def end_step(self) -> None:
+        """Call after ``optimizer.step()``: counts the step, agrees with every rank on drain/resize and
+        periodic checkpoints, saves, and exits with code 75 after an emergency/resize checkpoint."""
+        self.step += 1
+        cfg = self.checkpoint_config
+        due = bool(self._manager) and (
+            (cfg.interval_steps and self.step % cfg.interval_steps == 0)
+            or (cfg.interval_s and time.monotonic() - self._last_periodic >= cfg.interval_s))
+        flags = torch.tensor([self._local_request(), int(bool(due))], dtype=torch.int32)
+        if self._group is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        stop, periodic = int(flags[0]), bool(flags[1])
+        if stop:
+            self._stop(DRAIN_REQ if stop == DRAIN_REQ else RESIZE_REQ)
+        if periodic:
+            self._last_periodic = time.monotonic()
+            self._save("periodic")
+
+    def _stop(self, why: int) -> None:
+        kind = "emergency" if why == DRAIN_REQ else "resize"
+        deadline = self._link.deadline if self._link else None
+        self._log.warning("worker_stopping", step=self.step, kind=kind,
+                          deadline_in_s=round(deadline - time.time(), 1) if deadline else None)
+        if self._manager is not None:
+            try:
+                seconds = self._save(kind)
+                committed = self._manager.wait()
+                self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
+                               before_deadline=deadline is None or time.time() <= deadline)
+                if self._link:
+                    self._link.committed(self.step, kind, seconds, self.rank)
+            except Exception as e:  # the last committed checkpoint stands; say how much work that loses
+                last = None
+                with contextlib.suppress(Exception):
+                    last = self._manager.latest()
+                self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
+                                lost_steps=self.step - (last or 0))
+        if self._manager is not None:
+            self._manager.close()
+        if self._link is not None:
+            self._link.close()
+        # The checkpoint is committed on every rank: leave at once. A clean interpreter teardown with
+        # gloo/torch takes seconds that a drain deadline should not pay for.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exitcodes.RESIZE)
+
+    def finish(self, barrier: bool = True) -> None:
+        """Wait for an in-flight save, close the agent link and the process group."""
+        if self._manager is not None:
+            self._manager.close()
+        if self._link is not None:
+            self._link.close()
+        if dist.is_initialized():
+            if barrier:
+                dist.barrier()
+            dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""The heart: a spot notice on one node -> emergency checkpoint on every rank -> the survivor resumes
+at the new world size from the next step -> the node rejoins. Every sample is used exactly once."""
+
+import glob
+import json
+import os
+import time
+
+import pytest
+
+from tests.emulators.fixtures import aws_imds  # noqa: F401
+from tests.harness import REPO, Node, free_port, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+GLOBAL_BATCH = 24
+
+
+def worlds(node):
+    return [e["world_size"] for e in node.events("rendezvous_complete")]
+
+
+def sample_log(tmp):
+    steps = {}
+    for path in glob.glob(os.path.join(tmp, "samples", "*.jsonl")):
+        with open(path) as fh:
+            for line in fh:
+                rec = json.loads(line)
+                steps.setdefault(rec["step"], []).append(rec)
+    return steps
+
+
+def check_exactly_once(steps):
+    """Each finished step appears once per rank of its world; each id once overall; batch constant."""
+    seen = []
+    for step in sorted(steps):
+        recs = steps[step]
+        world = recs[0]["world_size"]
+        assert len(recs) == world and sorted(r["rank"] for r in recs) == list(range(world)), f"step {step}: {recs}"
+        ids = [i for r in recs for i in r["ids"]]
+        assert len(ids) == GLOBAL_BATCH, f"step {step}: global batch {len(ids)}"
+        seen += ids
+    assert sorted(steps) == list(range(1, max(steps) + 1)), "a step is missing or repeated"
+    assert len(seen) == len(set(seen)), "a sample was used twice"
+    return seen
+
+
+def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_imds):  # noqa: F811
+    tmp = str(tmp_path)
+    os.makedirs(os.path.join(tmp, "samples"))
+    ep = f"127.0.0.1:{free_port()}"
+    ckpt = os.path.join(tmp, "ckpt")
+    common = ["--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=15"]
+    args = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.03", "--global-batch", str(GLOBAL_BATCH),
+            "--sample-log", os.path.join(tmp, "samples")]
+    a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common)
+    time.sleep(0.5)
+    b_extra = common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_imds.url}",
+                        "--set", "preemption.poll_interval_s=0.5"]
+    b = Node("b", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=b_extra)
+    nodes = [a, b]
+    try:
+        wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "world size 2")
+        wait_until(lambda: any(e["step"] >= 20 for e in a.events("train_step")), 90, "20 steps at world 2")
+
+        t_notice = time.time()
+        aws_imds.schedule_termination(in_s=120)  # the spot two-minute warning, for node b only
+        assert b.wait(90) == 0, b.dump()
+        committed = [e for n in (a, b) for e in n.events("checkpoint_committed")
+                     if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
+        assert committed, a.dump() + b.dump()
+        s = committed[0]["step"]
+        assert all(e["step"] == s for e in committed)  # every rank stopped at the same step
+        assert all(e["before_deadline"] for e in committed)
+
+        wait_until(lambda: worlds(a)[-1:] == [1], 60, "survivor at world size 1")
+        resumed = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 1], 60, "resume at 1")
+        assert resumed[0]["step"] == s  # continues at s + 1: nothing lost, nothing redone
+        t_resume = time.time()
+        restarts_left = [e for e in a.events("state_change") if e["new"] == "restarting"]
+        assert not restarts_left, "a planned drain must not consume a restart"
+        wait_until(lambda: any(e["step"] >= s + 10 and e["world_size"] == 1 for e in a.events("train_step")), 90,
+                   "training at world size 1")
+
+        aws_imds.clear()
+        b2 = Node("b2", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common)
+        nodes.append(b2)
+        wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b2) == [2], 90, "world size 2 again")
+        r2 = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 2], 60, "resume at 2")
+        resize = [e for e in a.events("checkpoint_committed") if e.get("kind") == "resize" and e.get("component") == "trainguard.worker"]
+        assert resize and r2[-1]["step"] == resize[-1]["step"]
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] > r2[-1]["step"] + 5 for e in a.events("train_step")),
+                   90, "training at world size 2 again")
+        for n in (a, b2):
+            n.signal(15)
+        for n in (a, b2):
+            n.wait(60)
+        seen = check_exactly_once(sample_log(tmp))
+        print(f"notice_to_resume_s={t_resume - t_notice:.1f} steps={len(seen) // GLOBAL_BATCH} emergency_step={s}")
+    except AssertionError:
+        print(a.dump(60), b.dump(60), sep="\n")
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
