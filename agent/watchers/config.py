@@ -36,8 +36,25 @@ class PreemptionConfig:
     azure_acknowledge: bool = True
     """Acknowledge (StartRequests) the Azure Preempt event once the checkpoint is committed."""
 
+    azure_vm_name: str = ""
+    """This VM's name as Azure Scheduled Events lists it in ``Resources``; empty: read it from IMDS
+    ``/metadata/instance/compute/name``. Only events naming this VM count."""
+
+    aws_token_ttl_s: int = 21600
+    """Lifetime requested for the IMDSv2 session token (1..21600 s); refreshed before it expires."""
+
+    gcp_wait_timeout_s: int = 60
+    """``timeout_sec`` of one GCP ``wait_for_change`` long-poll (the watcher re-polls at once)."""
+
+    probe_timeout_s: float = 1.0
+    """Timeout of each ``auto`` cloud probe; off-cloud the probes fail fast (refused or timeout)."""
+
     sigusr1: bool = False
     """Treat SIGUSR1 as a notice (SLURM ``--signal=USR1@N``)."""
+
+    signal_escalate: bool = True
+    """A second SIGTERM/SIGINT escalates to a ``stop`` notice with no grace (deadline now); a third
+    restores the previous handler and re-delivers the signal, so the agent can always be killed."""
 
     signal_deadline_s: float = 30.0
     """Deadline assumed for SIGTERM/SIGINT/SIGUSR1 notices (systemd ``TimeoutStopSec`` minus margin)."""
@@ -55,4 +72,14 @@ class PreemptionConfig:
         require(self.poll_interval_s > 0, "poll_interval_s", f"must be > 0, got {self.poll_interval_s}", "e.g. 2")
         require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}", "e.g. 2")
         require(self.term_grace_s >= 0, "term_grace_s", f"must be >= 0, got {self.term_grace_s}", "e.g. 25")
+        require(bool(self.sources), "sources", "is empty", "list at least one source, or [none]")
+        require("none" not in self.sources or len(set(self.sources)) == 1, "sources",
+                f"`none` cannot be combined with other sources ({self.sources})", "use [none] alone")
+        require(self.default_deadline_s > 0, "default_deadline_s", f"must be > 0, got {self.default_deadline_s}",
+                "e.g. 30")
+        require(1 <= self.aws_token_ttl_s <= 21600, "aws_token_ttl_s",
+                f"must be within 1..21600 (IMDSv2 limit), got {self.aws_token_ttl_s}", "e.g. 21600")
+        require(1 <= self.gcp_wait_timeout_s <= 3600, "gcp_wait_timeout_s",
+                f"must be within 1..3600, got {self.gcp_wait_timeout_s}", "e.g. 60")
+        require(self.probe_timeout_s > 0, "probe_timeout_s", f"must be > 0, got {self.probe_timeout_s}", "e.g. 1")
         require(self.signal_deadline_s > 0, "signal_deadline_s", f"must be > 0, got {self.signal_deadline_s}", "e.g. 30")
