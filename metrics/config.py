@@ -18,8 +18,25 @@ class MetricsConfig:
     port: int = 9400
     """Exporter port (0 picks a free one; tests use that)."""
 
+    sample_interval_s: float = 1.0
+    """Seconds between the agent's reads of worker progress (step, samples, tokens) for the
+    throughput gauges and the goodput ledger. Runs in the agent, never in the workers."""
+
+    throughput_window_s: float = 30.0
+    """Window (seconds) over which ``trainguard_samples_per_second``/``tokens_per_second`` are averaged."""
+
+    gpu: bool = True
+    """Read GPU memory and utilisation through NVML. Without GPUs (or NVML) the GPU series are
+    absent and one log line says why."""
+
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}", "pick a free TCP port, e.g. 9400")
+        require(bool(self.bind_address.strip()), "bind_address", "must not be empty",
+                "use 127.0.0.1 (default), or the address Prometheus scrapes, e.g. 0.0.0.0")
+        require(self.sample_interval_s > 0, "sample_interval_s", f"must be > 0, got {self.sample_interval_s}", "e.g. 1")
+        require(self.throughput_window_s >= 2 * self.sample_interval_s, "throughput_window_s",
+                f"must be >= 2 x sample_interval_s ({2 * self.sample_interval_s}), got {self.throughput_window_s}",
+                "e.g. 30")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,3 +66,9 @@ class CostConfig:
                 "give the node's spot price per hour")
         require(self.on_demand_price_per_hour >= 0, "on_demand_price_per_hour",
                 f"must be >= 0, got {self.on_demand_price_per_hour}", "give the node's on-demand price per hour")
+        require(not self.price_table_file or bool(self.instance_type), "instance_type",
+                f"is empty but price_table_file is set ({self.price_table_file!r})",
+                "set the node's instance type as spelled in the price table")
+        require(not self.price_table_file or self.price_table_file.endswith((".yaml", ".yml", ".json")),
+                "price_table_file", f"must be a .yaml/.yml/.json file, got {self.price_table_file!r}",
+                "convert the table to YAML or JSON")

@@ -1,0 +1,451 @@
+"""Agent-side metrics: the node's registry, fed by the agent and by its workers.
+
+:class:`AgentMetrics` is created once by the agent at start. It owns
+
+* a private registry of agent metrics (state, world size, rendezvous, restarts, notices, drains),
+* the worker channel directory (wiped at start; see :mod:`trainguard.metrics.channel`),
+* a :class:`~trainguard.metrics.goodput.GoodputLedger` and the node's price,
+* an NVML :class:`~trainguard.metrics.gpu.GpuSampler`,
+* a sampler thread (``metrics.sample_interval_s``) that reads worker progress for the throughput
+  gauges and the ledger,
+
+and exposes all of it, plus the merged worker metrics, through :attr:`AgentMetrics.registry`, each
+series labelled ``node``. Cost, goodput and GPU families are computed at scrape time, so they are
+exact at the moment Prometheus asks.
+
+Metrics observe the agent; they never steer it. No method raises on bad *observations*
+(unknown label values are normalised and bounded); only construction raises, on bad config.
+
+Threading: every public method may be called from any agent thread; the ledger is guarded by one
+lock, prometheus_client metrics by their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, CounterMetricFamily, InfoMetricFamily, Metric
+
+from trainguard.agent.log import get_logger
+from trainguard.metrics import channel, names
+from trainguard.metrics.config import CostConfig, MetricsConfig
+from trainguard.metrics.cost import cost_snapshot, resolve_price
+from trainguard.metrics.goodput import GoodputLedger, GoodputSnapshot
+from trainguard.metrics.gpu import GpuSampler
+
+log = get_logger("trainguard.metrics.agent")
+
+P = names.PREFIX
+
+
+def _state_name(state: Any) -> str:
+    """Accept a plain string or an ``Enum`` member (its ``name``), lower-cased."""
+    return str(getattr(state, "name", state)).lower()
+
+
+class _ReadWriteLock:
+    """Many concurrent readers (scrapes, the sampler) or one writer (compaction of dead workers).
+
+    Reads of the channel never wait for each other, only for a compaction, which is rare and short.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class _Bounded:
+    """Free-form label values, normalised, at most ``MAX_DYNAMIC_LABEL_VALUES`` distinct."""
+
+    def __init__(self, known: Iterable[str]) -> None:
+        self.seen = set(known)
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        v = names.normalize_label(value)
+        with self._lock:
+            if v in self.seen:
+                return v
+            if len(self.seen) >= names.MAX_DYNAMIC_LABEL_VALUES:
+                return "other"
+            self.seen.add(v)
+            return v
+
+
+class AgentMetrics:
+    """The node's metrics. See the module docstring.
+
+    ``node``: the node's name (``node`` label on every series). ``run_dir``: the agent's local run
+    directory; the worker channel lives in ``<run_dir>/prometheus_multiproc`` and is wiped here. Without
+    it there is no worker channel (tier-1 scripts only get node-level metrics).
+    ``clock`` (monotonic seconds) and ``wall_clock`` (unix seconds) are injectable for tests;
+    ``nvml`` injects a fake NVML module; ``start_sampler=False`` leaves :meth:`sample` to the caller.
+    """
+
+    def __init__(self, config: MetricsConfig, cost_config: CostConfig, node: str, *, run_dir: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 nvml: Any | None = None, start_sampler: bool = True) -> None:
+        self.config = config
+        self.cost_config = cost_config
+        self.node = node
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.Lock()
+        self._channel_lock = _ReadWriteLock()  # reads of the channel dir vs. compaction
+        self._closed = False
+        self._exporter: Any = None
+        self._sampler: threading.Thread | None = None
+        self._stop = threading.Event()
+
+        self.price = resolve_price(cost_config)
+        if self.price.source == "unset":
+            log.info("cost_price_unset", capacity=cost_config.capacity,
+                     effect="cost metrics read 0",
+                     fix="set cost.spot_price_per_hour / cost.on_demand_price_per_hour "
+                         "(env TRAINGUARD_COST_SPOT_PRICE_PER_HOUR / TRAINGUARD_COST_ON_DEMAND_PRICE_PER_HOUR) "
+                         "or cost.instance_type + cost.price_table_file")
+
+        self.multiproc_dir: str | None = None
+        if run_dir is not None:
+            self.multiproc_dir = channel.prepare_dir(channel.multiproc_dir(run_dir))
+
+        self.ledger = GoodputLedger(clock)
+        self._window: deque[tuple[float, float, float]] = deque()
+        self._rates: tuple[float, float] | None = None
+        self._state = "starting"
+
+        self._gpu = GpuSampler(enabled=config.gpu, nvml=nvml)
+        self._build_agent_metrics()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_NodeCollector(self))
+
+        if start_sampler and self.multiproc_dir is not None:
+            self._sampler = threading.Thread(target=self._sample_loop, name="trainguard-metrics-sampler", daemon=True)
+            self._sampler.start()
+
+    # -- agent metrics --------------------------------------------------------------------------
+    def _build_agent_metrics(self) -> None:
+        r = self._inner = CollectorRegistry(auto_describe=False)
+        self._m_state = Gauge(P + "agent_state", "1 for the agent's current state, 0 for the others.", ["state"], registry=r)
+        for s in names.AGENT_STATES:
+            self._m_state.labels(state=s).set(1 if s == self._state else 0)
+        self._states = _Bounded(names.AGENT_STATES)
+        self._m_world = Gauge(P + "world_size", "Worker processes in the current world (all nodes).", registry=r)
+        self._m_nodes = Gauge(P + "nodes", "Nodes in the current world.", registry=r)
+        self._m_round = Gauge(P + "rendezvous_round", "Current rendezvous round number.", registry=r)
+        self._m_rounds = Counter(P + "rendezvous_rounds", "Rendezvous rounds this agent completed.", registry=r)
+        self._m_restarts = Counter(P + "restarts", "Worker-group restarts by reason.", ["reason"], registry=r)
+        self._restart_reasons = _Bounded(names.RESTART_REASONS)
+        for reason in names.RESTART_REASONS:
+            self._m_restarts.labels(reason=reason)
+        self._m_notices = Counter(P + "preemption_notices", "Preemption notices received, by source.", ["source"], registry=r)
+        self._sources = _Bounded(names.NOTICE_SOURCES)
+        for src in names.NOTICE_SOURCES:
+            self._m_notices.labels(source=src)
+        self._m_drain = Histogram(P + "drain_duration_seconds", "Time from a preemption notice to the drain being done.",
+                                  buckets=names.DRAIN_BUCKETS_S, registry=r)
+        self._m_ckpt_interval = Gauge(P + "checkpoint_interval_seconds",
+                                      "Configured (or estimated) time between periodic checkpoints.", registry=r)
+        self._m_start = Gauge(P + "agent_start_time_seconds", "Unix time the agent started.", registry=r)
+        self._m_start.set(self._wall())
+        self._m_dead = Counter(P + "worker_exits", "Worker processes that exited (marked dead in the channel).", registry=r)
+        self._round_seen: int | None = None
+
+    # -- the owner's API ------------------------------------------------------------------------
+    def set_state(self, state: Any) -> None:
+        """The agent entered ``state`` (a string or an Enum member; compared lower-case)."""
+        s = self._states(_state_name(state))
+        with self._lock:
+            prev, self._state = self._state, s
+            self.ledger.set_state(s)
+        if prev != s:
+            self._m_state.labels(state=prev).set(0)
+        self._m_state.labels(state=s).set(1)
+
+    def set_world(self, world_size: int, nodes: int, round: int) -> None:  # noqa: A002 - elastic's name
+        """A rendezvous completed: ``world_size`` workers over ``nodes`` nodes, round ``round``."""
+        self._m_world.set(world_size)
+        self._m_nodes.set(nodes)
+        self._m_round.set(round)
+        if round != self._round_seen:
+            self._round_seen = round
+            self._m_rounds.inc()
+
+    def restart(self, reason: str) -> None:
+        """The worker group is restarted after a failure (``reason``: e.g. ``worker_failure``).
+
+        Counts the restart and attributes the downtime until training runs again to ``restart``.
+        Planned resizes are not restarts: use :meth:`set_state` (``resizing``) for those.
+        """
+        self._m_restarts.labels(reason=self._restart_reasons(reason)).inc()
+        with self._lock:
+            self.ledger.set_cause("restart")
+
+    def notice(self, source: str) -> None:
+        """A preemption notice arrived from ``source`` (``aws``, ``gcp``, ``azure``, ``signal``,
+        ``manual``); downtime until training runs again counts as ``drain``."""
+        self._m_notices.labels(source=self._sources(source)).inc()
+        with self._lock:
+            self.ledger.set_cause("drain")
+
+    def drain_done(self, seconds: float) -> None:
+        """A drain finished ``seconds`` after its notice (checkpoint committed, workers out)."""
+        self._m_drain.observe(seconds)
+
+    def lost_work(self, seconds: float, steps: int, reason: str = "recompute") -> float:
+        """``seconds`` of recent training (``steps`` steps) were lost and will be recomputed.
+
+        Use this when the caller measured the loss (e.g. a drain that missed its deadline), *or*
+        :meth:`restored`, not both. Returns the seconds reclassified from productive to wasted.
+        """
+        with self._lock:
+            return self.ledger.lost_work(seconds, steps, reason)
+
+    def restored(self, step: int) -> tuple[float, int]:
+        """Workers restart from checkpoint ``step``; work done past it (as sampled from the workers)
+        becomes ``recompute`` waste. Returns ``(seconds, steps)`` reclassified."""
+        self.sample()
+        with self._lock:
+            seconds, steps = self.ledger.restored(step)
+        if steps:
+            log.info("work_lost", restored_step=step, recomputed_steps=steps, recomputed_s=round(seconds, 3))
+        return seconds, steps
+
+    def set_checkpoint_interval(self, seconds: float) -> None:
+        """Time between periodic checkpoints (``checkpoint.interval_s``, or ``interval_steps`` x the
+        mean step time); the staleness alert fires at 3x this."""
+        self._m_ckpt_interval.set(seconds)
+
+    def mark_worker_dead(self, pid: int) -> None:
+        """Worker ``pid`` exited: drop its live gauges. Call for every exited worker process.
+
+        Samples worker progress first, so the dead worker's last step still reaches the goodput
+        ledger (a later :meth:`restored` needs it to size the rollback).
+        """
+        self._m_dead.inc()
+        if self.multiproc_dir is not None:
+            try:
+                self.sample()
+            except Exception as e:  # observing must not stop the agent from cleaning up
+                log.warning("metrics_sample_failed", error=repr(e))
+            with self._channel_lock.write():
+                channel.mark_dead(pid, self.multiproc_dir)
+                try:
+                    channel.compact_dead(self.multiproc_dir, pid)
+                except Exception as e:  # uncompacted files are still read correctly, only slower
+                    log.warning("metrics_compaction_failed", pid=pid, error=repr(e))
+
+    def worker_env(self) -> dict[str, str]:
+        """Env vars for the workers this agent starts (empty without a ``run_dir``)."""
+        return {} if self.multiproc_dir is None else {channel.ENV_VAR: self.multiproc_dir}
+
+    def serve(self) -> Any:
+        """Start the HTTP exporter on ``metrics.bind_address:port`` (daemon thread) and return it."""
+        from trainguard.metrics.exporter import MetricsExporter
+
+        if self._exporter is None:
+            self._exporter = MetricsExporter(self.registry, self.config.bind_address, self.config.port,
+                                             health=self.health)
+        return self._exporter
+
+    def health(self) -> dict[str, Any]:
+        """What ``/healthz`` reports: ``ok`` is False when the sampler thread died."""
+        sampler_ok = self._sampler is None or self._sampler.is_alive() or self._closed
+        return {"ok": sampler_ok, "node": self.node, "state": self._state,
+                "gpu_metrics": self._gpu.available, "worker_channel": self.multiproc_dir is not None}
+
+    def goodput(self) -> GoodputSnapshot:
+        """The ledger's current partition of paid time."""
+        with self._lock:
+            return self.ledger.snapshot()
+
+    def close(self) -> None:
+        """Stop the sampler and the exporter, release NVML. Idempotent; safe on a half-built object."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join(timeout=5)
+        if self._exporter is not None:
+            self._exporter.close()
+        gpu = getattr(self, "_gpu", None)
+        if gpu is not None:
+            gpu.close()
+
+    def __enter__(self) -> "AgentMetrics":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sampling -------------------------------------------------------------------------------
+    def _worker_families(self, pattern: str | tuple[str, ...] = "*.db") -> list[Metric]:
+        if self.multiproc_dir is None:
+            return []
+        with self._channel_lock.read():
+            return channel.collect_files(self.multiproc_dir, pattern, exclude_pid=os.getpid())
+
+    def sample(self, now: float | None = None) -> None:
+        """Read worker progress once: feeds the throughput window and the goodput ledger.
+
+        Called by the sampler thread every ``metrics.sample_interval_s``; tests call it directly.
+        """
+        if self.multiproc_dir is None:
+            return
+        # Counters and gauges only: histogram files are most of the bytes and not needed here.
+        vals = _values(self._worker_families(("counter_*.db", "gauge_*.db")))
+        t = self._clock() if now is None else now
+        samples = vals.get(P + "samples_total", 0.0)
+        tokens = vals.get(P + "tokens_total", 0.0)
+        with self._lock:
+            if P + "step" in vals:
+                self.ledger.progress(int(vals[P + "step"]), t)
+            if P + "checkpoint_last_committed_step" in vals:
+                self.ledger.committed(int(vals[P + "checkpoint_last_committed_step"]), t)
+            w = self._window
+            if w and (samples < w[-1][1] or tokens < w[-1][2]):
+                w.clear()  # counter reset: nothing to difference against
+            w.append((t, samples, tokens))
+            while len(w) > 2 and w[1][0] <= t - self.config.throughput_window_s:
+                w.popleft()
+            if len(w) >= 2 and w[-1][0] > w[0][0]:
+                dt = w[-1][0] - w[0][0]
+                self._rates = ((w[-1][1] - w[0][1]) / dt, (w[-1][2] - w[0][2]) / dt)
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.config.sample_interval_s):
+            try:
+                self.sample()
+            except Exception as e:  # a bad file or a race must not kill the sampler
+                log.warning("metrics_sample_failed", error=repr(e))
+
+    # -- exposition -----------------------------------------------------------------------------
+    def _computed(self, worker: list[Metric]) -> Iterator[Metric]:
+        vals = _values(worker)
+        with self._lock:
+            g = self.ledger.snapshot()
+            rates = self._rates
+        c = cost_snapshot(g, self.price.per_hour, tokens=vals.get(P + "tokens_total", 0.0),
+                          samples=vals.get(P + "samples_total", 0.0))
+
+        yield CounterMetricFamily(P + "paid_seconds", "Paid time of this node since the agent started.", value=g.paid_s)
+        yield GaugeMetricFamily(P + "productive_seconds",
+                                "Paid time spent training steps that were kept (drops when a rollback is found).",
+                                value=g.productive_s)
+        m = CounterMetricFamily(P + "wasted_seconds", "Paid time not spent on kept training, by reason.", labels=["reason"])
+        for reason, s in g.wasted_s.items():
+            m.add_metric([reason], s)
+        yield m
+        yield CounterMetricFamily(P + "recomputed_steps", "Steps rolled back to a checkpoint and trained again.",
+                                  value=g.recomputed_steps)
+        yield GaugeMetricFamily(P + "goodput_ratio", "Productive time / paid time since the agent started (0..1).",
+                                value=g.goodput)
+        yield GaugeMetricFamily(P + "price_per_hour", "Price of this node per hour, in the currency of trainguard_pricing_info.",
+                                value=self.price.per_hour)
+        yield InfoMetricFamily(P + "pricing", "Where the node's price comes from.",
+                               value={"capacity": self.price.capacity, "currency": self.cost_config.currency,
+                                      "source": self.price.source.split(":", 1)[0]})
+        yield CounterMetricFamily(P + "cost", "Cost of this node since the agent started.", value=c.total)
+        m = CounterMetricFamily(P + "cost_wasted", "Cost of wasted time on this node, by reason.", labels=["reason"])
+        for reason, v in c.wasted.items():
+            m.add_metric([reason], v)
+        yield m
+        if c.per_million_tokens is not None:
+            yield GaugeMetricFamily(P + "cost_per_million_tokens", "This node's cost / its tokens x 1e6.",
+                                    value=c.per_million_tokens)
+        if c.per_thousand_samples is not None:
+            yield GaugeMetricFamily(P + "cost_per_thousand_samples", "This node's cost / its samples x 1e3.",
+                                    value=c.per_thousand_samples)
+        if rates is not None:
+            yield GaugeMetricFamily(P + "samples_per_second",
+                                    f"Samples/s on this node over the last {self.config.throughput_window_s:g} s.",
+                                    value=rates[0])
+            yield GaugeMetricFamily(P + "tokens_per_second",
+                                    f"Tokens/s on this node over the last {self.config.throughput_window_s:g} s.",
+                                    value=rates[1])
+        readings = self._gpu.read()
+        if readings:
+            used = GaugeMetricFamily(P + "gpu_memory_used_bytes", "GPU memory in use (NVML), per GPU.", labels=["gpu"])
+            total = GaugeMetricFamily(P + "gpu_memory_total_bytes", "GPU memory size (NVML), per GPU.", labels=["gpu"])
+            util = GaugeMetricFamily(P + "gpu_utilization_ratio",
+                                     "Fraction of the last sample period a kernel ran (NVML), per GPU.", labels=["gpu"])
+            for rd in readings:
+                used.add_metric([str(rd.index)], rd.used_bytes)
+                total.add_metric([str(rd.index)], rd.total_bytes)
+                if rd.utilization_ratio is not None:
+                    util.add_metric([str(rd.index)], rd.utilization_ratio)
+            yield used
+            yield total
+            if util.samples:
+                yield util
+
+    def collect(self) -> Iterator[Metric]:
+        """All families of this node, before the ``node`` label is added (see :class:`_NodeCollector`)."""
+        yield from self._inner.collect()
+        worker = self._worker_families()
+        yield from worker
+        yield from self._computed(worker)
+
+
+def _values(families: Iterable[Metric]) -> dict[str, float]:
+    """Unlabelled sample values by sample name (labelled samples are summed)."""
+    out: dict[str, float] = {}
+    for fam in families:
+        for s in fam.samples:
+            if s.name.endswith("_bucket"):
+                continue
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+class _NodeCollector:
+    """Adds ``node`` to every sample and drops ``_created`` samples (noise in the text format)."""
+
+    def __init__(self, owner: AgentMetrics) -> None:
+        self._owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        node = self._owner.node
+        for fam in self._owner.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for s in fam.samples:
+                if s.name.endswith("_created"):
+                    continue
+                out.samples.append(s._replace(labels={"node": node, **s.labels}))
+            yield out

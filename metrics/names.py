@@ -1,0 +1,49 @@
+"""Metric names, label values and buckets shared by the worker and agent sides.
+
+Names follow the Prometheus naming guide: prefix ``trainguard_``, base units (``_seconds``,
+``_bytes``, ``_ratio`` in 0..1), ``_total`` on counters. Every series carries ``node`` (added by
+the agent at exposition). Other labels have small, fixed value sets so cardinality is bounded:
+``gpu`` (device index), ``kind``, ``reason``, ``source``, ``state``. The full list with help texts
+is in ``docs/metrics.md``; ``tests/metrics/snapshot_metrics.json`` freezes it.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "trainguard_"
+
+AGENT_STATES: tuple[str, ...] = ("starting", "rendezvous", "running", "draining", "resizing", "stopped", "failed")
+"""States of the agent's state machine (lower-case ``Enum`` names); one gauge series per state."""
+
+CHECKPOINT_KINDS: tuple[str, ...] = ("periodic", "emergency", "resize", "final", "other")
+"""``kind`` label of checkpoint metrics. ``periodic``: the async interval save; ``emergency``: taken
+on a drain; ``resize``: taken before a scale-up; ``final``: at the end of training; ``other``: anything else."""
+
+NOTICE_SOURCES: tuple[str, ...] = ("aws", "gcp", "azure", "signal", "manual")
+"""``source`` label of preemption notices (one per watcher kind)."""
+
+RESTART_REASONS: tuple[str, ...] = ("worker_failure", "worker_hang", "rendezvous_failure", "agent_restart")
+"""``reason`` values pre-declared for ``trainguard_restarts_total`` (others are accepted, up to
+:data:`MAX_DYNAMIC_LABEL_VALUES`)."""
+
+WASTE_REASONS: tuple[str, ...] = ("startup", "drain", "resize", "restart", "recompute", "other")
+"""``reason`` label of wasted time/cost: ``startup`` until the first step; ``drain`` from a
+preemption notice until training runs again; ``resize`` a scale-up re-formation; ``restart`` from a
+failure until training runs again; ``recompute`` training time of steps later rolled back and
+recomputed; ``other`` downtime with no known cause."""
+
+MAX_DYNAMIC_LABEL_VALUES = 16
+"""Beyond this many distinct values of one free-form label, further values are reported as ``other``."""
+
+STEP_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+CHECKPOINT_BUCKETS_S: tuple[float, ...] = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+DRAIN_BUCKETS_S: tuple[float, ...] = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+_LABEL_VALUE = re.compile(r"^[a-z0-9_]{1,40}$")
+
+
+def normalize_label(value: str) -> str:
+    """``"Worker-Failure"`` -> ``"worker_failure"``; anything unusable becomes ``other``."""
+    v = re.sub(r"[^a-z0-9_]+", "_", str(value).strip().lower()).strip("_")
+    return v if _LABEL_VALUE.match(v) else "other"

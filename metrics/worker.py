@@ -1,0 +1,213 @@
+"""Worker-side metrics: what a training process reports to its agent.
+
+Called by the trainguard worker runtime (tier-2 scripts) in the training loop. Every observation is
+an ``mmap`` write into this process's file in ``PROMETHEUS_MULTIPROC_DIR`` (see
+:mod:`trainguard.metrics.channel` for why); the agent merges the files when it is scraped.
+
+Counting rules (so sums over nodes mean something):
+
+* ``trainguard_steps_total`` is counted by local rank 0 only: it is the job's step count as seen
+  on this node. Across nodes use ``max``, not ``sum``.
+* samples and tokens are counted by every rank, each passing *its own* share of the step, so the
+  node total is the node's share and ``sum`` over nodes is the job's total.
+* the step-time histogram gets one observation per rank per step (the node's distribution).
+
+Threading: the metric objects are per process and guarded by prometheus_client's lock; call from
+the training thread (or any thread). Per step cost is a handful of microseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.agent.log import get_logger
+from trainguard.metrics import names
+from trainguard.metrics.channel import ENV_VAR
+
+log = get_logger("trainguard.metrics.worker")
+
+
+class MetricsChannelError(RuntimeError):
+    """The worker cannot reach its agent through the multiprocess channel."""
+
+
+def multiprocess_active() -> bool:
+    """Whether prometheus_client in *this* process writes to ``PROMETHEUS_MULTIPROC_DIR`` files.
+
+    False when the variable was not in the environment when ``prometheus_client`` was first
+    imported: setting it later has no effect.
+    """
+    from prometheus_client import values
+
+    return getattr(values.ValueClass, "__name__", "") == "MmapedValue"
+
+
+@dataclass(slots=True)
+class _Families:
+    steps: Any
+    samples: Any
+    tokens: Any
+    step_time: Any
+    step: Any
+    last_step_ts: Any
+    ckpt_stage: Any
+    ckpt_persist: Any
+    ckpt_blocked: Any
+    ckpt_bytes: Any
+    ckpt_saves: Any
+    ckpt_failures: Any
+    ckpt_step: Any
+    ckpt_ts: Any
+    gpu_peak: Any
+
+
+_families: _Families | None = None
+
+
+def _make_families() -> _Families:
+    """Create the metric objects once per process.
+
+    Two objects for the same series in one process would each cache the value and overwrite each
+    other's writes to the shared file, so they are module-level singletons. ``registry=None``: in
+    multiprocess mode only the files matter, and the global registry is left alone.
+    """
+    global _families
+    if _families is not None:
+        return _families
+    from prometheus_client import Counter, Gauge, Histogram
+
+    p = names.PREFIX
+    _families = _Families(
+        steps=Counter(p + "steps", "Training steps completed by the job, as seen on this node (counted by local rank 0).",
+                      registry=None),
+        samples=Counter(p + "samples", "Training samples processed by this node's ranks.", registry=None),
+        tokens=Counter(p + "tokens", "Training tokens processed by this node's ranks.", registry=None),
+        step_time=Histogram(p + "step_duration_seconds", "Wall time of one training step, per rank.",
+                            buckets=names.STEP_BUCKETS_S, registry=None),
+        step=Gauge(p + "step", "Last completed training step of the live workers on this node.",
+                   multiprocess_mode="livemax", registry=None),
+        last_step_ts=Gauge(p + "last_step_timestamp_seconds", "Unix time of the last completed step on this node.",
+                           multiprocess_mode="max", registry=None),
+        ckpt_stage=Histogram(p + "checkpoint_stage_duration_seconds",
+                             "Time to stage checkpoint state to host memory, per rank.", ["kind"],
+                             buckets=names.CHECKPOINT_BUCKETS_S, registry=None),
+        ckpt_persist=Histogram(p + "checkpoint_persist_duration_seconds",
+                               "Time to persist a staged checkpoint to storage, per rank.", ["kind"],
+                               buckets=names.CHECKPOINT_BUCKETS_S, registry=None),
+        ckpt_blocked=Counter(p + "checkpoint_blocked_seconds", "Training time blocked by checkpoints, summed over ranks.",
+                             ["kind"], registry=None),
+        ckpt_bytes=Counter(p + "checkpoint_written_bytes", "Checkpoint bytes written by this node's ranks.", ["kind"],
+                           registry=None),
+        ckpt_saves=Counter(p + "checkpoint_saves", "Checkpoint saves completed by this node's ranks.", ["kind"],
+                           registry=None),
+        ckpt_failures=Counter(p + "checkpoint_failures", "Checkpoint saves that failed on this node's ranks.", ["kind"],
+                              registry=None),
+        ckpt_step=Gauge(p + "checkpoint_last_committed_step", "Step of the newest committed checkpoint.",
+                        multiprocess_mode="max", registry=None),
+        ckpt_ts=Gauge(p + "checkpoint_last_commit_timestamp_seconds", "Unix time of the newest committed checkpoint.",
+                      multiprocess_mode="max", registry=None),
+        gpu_peak=Gauge(p + "gpu_allocator_peak_bytes", "torch.cuda.max_memory_allocated of the live workers, per GPU.",
+                       ["gpu"], multiprocess_mode="livemax", registry=None),
+    )
+    return _families
+
+
+class WorkerMetrics:
+    """One per worker process; the worker runtime owns it.
+
+    ``rank``/``local_rank`` come from the elastic environment. ``strict=True`` raises
+    :class:`MetricsChannelError` when the channel is not in effect; the default disables the
+    object (every method a no-op) with one warning, because metrics must never stop training.
+    """
+
+    def __init__(self, rank: int, local_rank: int, *, strict: bool = False) -> None:
+        self.rank = rank
+        self.local_rank = local_rank
+        self._f: _Families | None = None
+        self._kinds_warned: set[str] = set()
+        if not multiprocess_active():
+            reason = (f"{ENV_VAR} was not set when prometheus_client was first imported in this process, so "
+                      "worker metrics would never reach the agent")
+            fix = (f"start workers through the trainguard agent (it sets {ENV_VAR} via "
+                   "trainguard.metrics.worker_env), or export it before Python starts")
+            if strict:
+                raise MetricsChannelError(f"{reason}. Fix: {fix}")
+            log.warning("worker_metrics_disabled", rank=rank, reason=reason, fix=fix)
+            return
+        self._f = _make_families()
+        if local_rank == 0:
+            # Declare the checkpoint series at 0 so increase()/rate() see the first event (a series
+            # born at 1 has no increase). One rank per node is enough: the agent sums the files,
+            # and every extra declared series costs each scrape ~17 keys per histogram per process.
+            for kind in names.CHECKPOINT_KINDS:
+                for fam in (self._f.ckpt_stage, self._f.ckpt_persist, self._f.ckpt_blocked, self._f.ckpt_bytes,
+                            self._f.ckpt_saves, self._f.ckpt_failures):
+                    fam.labels(kind=kind)
+
+    @property
+    def enabled(self) -> bool:
+        """False when the channel is not in effect and every method is a no-op."""
+        return self._f is not None
+
+    def observe_step(self, step: int, samples: int, tokens: int, step_time_s: float) -> None:
+        """Record one completed step: its number, this rank's samples and tokens, its wall time (s)."""
+        f = self._f
+        if f is None:
+            return
+        if self.local_rank == 0:
+            f.steps.inc()
+        if samples:
+            f.samples.inc(samples)
+        if tokens:
+            f.tokens.inc(tokens)
+        f.step_time.observe(step_time_s)
+        f.step.set(step)
+        f.last_step_ts.set(time.time())
+
+    def _kind(self, kind: str) -> str:
+        k = names.normalize_label(kind)
+        if k in names.CHECKPOINT_KINDS:
+            return k
+        if k not in self._kinds_warned:
+            self._kinds_warned.add(k)
+            log.warning("checkpoint_kind_unknown", kind=kind, known=list(names.CHECKPOINT_KINDS),
+                        fix="pass one of the known kinds; reported as 'other'")
+        return "other"
+
+    def observe_checkpoint(self, kind: str, stage_s: float | None, persist_s: float | None, blocked_s: float,
+                           nbytes: int, step: int, ok: bool) -> None:
+        """Record one checkpoint save by this rank.
+
+        ``stage_s``: staging to host memory (s), ``persist_s``: writing to storage (s), either ``None``
+        when that phase did not run; ``blocked_s``: how long training waited (s); ``nbytes``: bytes
+        this rank wrote; ``ok=True`` means step ``step`` is committed (call it after the commit
+        barrier), ``ok=False`` counts a failure.
+        """
+        f = self._f
+        if f is None:
+            return
+        k = self._kind(kind)
+        if blocked_s:
+            f.ckpt_blocked.labels(kind=k).inc(blocked_s)
+        if stage_s is not None:
+            f.ckpt_stage.labels(kind=k).observe(stage_s)
+        if not ok:
+            f.ckpt_failures.labels(kind=k).inc()
+            return
+        if persist_s is not None:
+            f.ckpt_persist.labels(kind=k).observe(persist_s)
+        if nbytes:
+            f.ckpt_bytes.labels(kind=k).inc(nbytes)
+        f.ckpt_saves.labels(kind=k).inc()
+        f.ckpt_step.set(step)
+        f.ckpt_ts.set(time.time())
+
+    def observe_gpu_peak(self, nbytes: int, gpu: int | None = None) -> None:
+        """Record the allocator peak (``torch.cuda.max_memory_allocated``, bytes) of GPU ``gpu``
+        (default: this worker's local rank)."""
+        f = self._f
+        if f is None:
+            return
+        f.gpu_peak.labels(gpu=str(self.local_rank if gpu is None else gpu)).set(nbytes)

@@ -1,0 +1,55 @@
+"""A stand-in training worker for the metrics tests: reports through the real WorkerMetrics API.
+
+Run as a script in a process whose environment already holds ``PROMETHEUS_MULTIPROC_DIR`` (from
+``AgentMetrics.worker_env()``), exactly as the agent starts workers. It "trains" by sleeping
+``--step-time`` per step, checkpoints every ``--ckpt-every`` steps (one failure at
+``--fail-ckpt-at``), reports an allocator peak, and stops after ``--steps`` steps or when
+``--stop-file`` appears. It prints ``step N`` lines so the parent can follow it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--local-rank", type=int, default=0)
+    ap.add_argument("--start-step", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=10**9)
+    ap.add_argument("--step-time", type=float, default=0.02)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--ckpt-every", type=int, default=0)
+    ap.add_argument("--fail-ckpt-at", type=int, default=-1)
+    ap.add_argument("--gpu-peak", type=int, default=0)
+    ap.add_argument("--stop-file", default="")
+    a = ap.parse_args()
+
+    from trainguard.metrics.worker import WorkerMetrics
+
+    w = WorkerMetrics(a.rank, a.local_rank, strict=True)
+    if a.gpu_peak:
+        w.observe_gpu_peak(a.gpu_peak)
+    step = a.start_step
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        time.sleep(a.step_time)
+        step += 1
+        w.observe_step(step, a.samples, a.samples * a.seq_len, time.perf_counter() - t0)
+        if a.ckpt_every and step % a.ckpt_every == 0:
+            ok = step != a.fail_ckpt_at
+            w.observe_checkpoint("periodic", stage_s=0.01, persist_s=0.05 if ok else None, blocked_s=0.01,
+                                 nbytes=4096, step=step, ok=ok)
+        print(f"step {step}", flush=True)
+        if a.stop_file and os.path.exists(a.stop_file):
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""AgentMetrics, the exporter, the NVML path (fake NVML), ``trainguard status`` — in one process."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
+
+from trainguard.agent.configbase import ConfigError
+from trainguard.metrics.agent import AgentMetrics
+from trainguard.metrics.config import CostConfig, MetricsConfig
+from trainguard.metrics.exporter import MetricsExporter
+from trainguard.metrics.status import build_view, fetch_metrics, register, status
+
+from .conftest import FakeNvml
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Clock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def samples(m: AgentMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in m.registry.collect() for s in fam.samples}
+
+
+def value(m: AgentMetrics, name: str, **labels: str) -> float:
+    want = tuple(sorted({"node": m.node, **labels}.items()))
+    return samples(m)[(name, want)]
+
+
+@pytest.fixture
+def metrics_factory():
+    made: list[AgentMetrics] = []
+
+    def make(**kw) -> AgentMetrics:
+        kw.setdefault("nvml", FakeNvml([]))
+        cfg = kw.pop("config", MetricsConfig(port=0))
+        cost = kw.pop("cost", CostConfig(spot_price_per_hour=3.6))
+        m = AgentMetrics(cfg, cost, kw.pop("node", "node-a"), start_sampler=False, **kw)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def test_agent_timeline_drives_exported_cost_and_goodput(metrics_factory) -> None:
+    clock = Clock(100.0)
+    m = metrics_factory(clock=clock, wall_clock=lambda: 1.7e9)
+    m.set_state("RENDEZVOUS")
+    clock.t += 20
+    m.set_world(8, 2, 1)
+    m.set_state("running")
+    clock.t += 3600
+    m.notice("aws")
+    m.set_state("draining")
+    clock.t += 60
+    m.drain_done(55.0)
+    m.set_state("resizing")
+    m.set_world(4, 1, 2)
+    clock.t += 40
+    m.set_state("running")
+    clock.t += 1000
+    m.restart("Worker-Failure")
+    m.set_state("rendezvous")
+    clock.t += 80
+    assert m.lost_work(300, 30) == pytest.approx(300)
+    m.set_state("running")
+    clock.t += 500
+
+    assert value(m, "trainguard_agent_state", state="running") == 1
+    assert value(m, "trainguard_agent_state", state="rendezvous") == 0
+    assert value(m, "trainguard_world_size") == 4
+    assert value(m, "trainguard_rendezvous_rounds_total") == 2
+    assert value(m, "trainguard_restarts_total", reason="worker_failure") == 1
+    assert value(m, "trainguard_preemption_notices_total", source="aws") == 1
+    assert value(m, "trainguard_drain_duration_seconds_count") == 1
+    paid = 20 + 3600 + 60 + 40 + 1000 + 80 + 500
+    assert value(m, "trainguard_paid_seconds_total") == pytest.approx(paid)
+    assert value(m, "trainguard_wasted_seconds_total", reason="startup") == pytest.approx(20)
+    assert value(m, "trainguard_wasted_seconds_total", reason="drain") == pytest.approx(100)
+    assert value(m, "trainguard_wasted_seconds_total", reason="restart") == pytest.approx(80)
+    assert value(m, "trainguard_wasted_seconds_total", reason="recompute") == pytest.approx(300)
+    productive = 3600 + 1000 + 500 - 300
+    assert value(m, "trainguard_productive_seconds") == pytest.approx(productive)
+    assert value(m, "trainguard_goodput_ratio") == pytest.approx(productive / paid)
+    assert value(m, "trainguard_cost_total") == pytest.approx(paid / 3600 * 3.6)
+    assert value(m, "trainguard_cost_wasted_total", reason="drain") == pytest.approx(0.1)
+    assert value(m, "trainguard_pricing_info", capacity="spot", currency="USD", source="config") == 1
+    # No worker channel and no tokens: the unit-cost series are absent, never inf.
+    names = {n for n, _ in samples(m)}
+    assert "trainguard_cost_per_million_tokens" not in names
+    assert not any(n.endswith("_created") for n in names)
+
+
+def test_unknown_labels_are_normalised_and_bounded(metrics_factory) -> None:
+    m = metrics_factory()
+    for i in range(40):
+        m.restart(f"reason {i}")
+    reasons = {dict(lbl)["reason"] for n, lbl in samples(m) if n == "trainguard_restarts_total"}
+    assert len(reasons) <= 17 and "other" in reasons
+    m.set_state("SomethingNew")
+    assert value(m, "trainguard_agent_state", state="somethingnew") == 1
+
+
+def test_gpu_series_from_fake_nvml(metrics_factory, fake_nvml: FakeNvml) -> None:
+    m = metrics_factory(nvml=fake_nvml)
+    assert value(m, "trainguard_gpu_memory_used_bytes", gpu="0") == 1 << 30
+    assert value(m, "trainguard_gpu_memory_total_bytes", gpu="1") == 80 << 30
+    assert value(m, "trainguard_gpu_utilization_ratio", gpu="1") == pytest.approx(0.75)
+    m.close()
+    assert fake_nvml.shutdown_calls == 1
+
+
+def test_gpu_read_failure_drops_only_that_gpu(metrics_factory) -> None:
+    nvml = FakeNvml([(1, 2, 3), (4, 5, 6)], broken=(1,))
+    with capture_logs() as logs:
+        m = metrics_factory(nvml=nvml)
+        samples(m)
+        got = samples(m)
+    gpus = {dict(lbl)["gpu"] for n, lbl in got if n == "trainguard_gpu_memory_used_bytes"}
+    assert gpus == {"0"}
+    assert [e["event"] for e in logs].count("gpu_read_failed") == 1
+
+
+@pytest.mark.parametrize("nvml, reason", [
+    (FakeNvml([], fail_init=True), "NVML init failed"),
+    (FakeNvml([]), "no GPU"),
+])
+def test_no_gpu_means_absent_series_and_one_log_line(metrics_factory, nvml, reason) -> None:
+    with capture_logs() as logs:
+        m = metrics_factory(nvml=nvml)
+        for _ in range(3):
+            got = samples(m)
+    assert not any(n.startswith("trainguard_gpu_") for n, _ in got)
+    lines = [e for e in logs if e["event"] == "gpu_metrics_unavailable"]
+    assert len(lines) == 1 and reason in lines[0]["reason"]
+
+
+def test_gpu_disabled_by_config(metrics_factory, fake_nvml) -> None:
+    with capture_logs() as logs:
+        m = metrics_factory(config=MetricsConfig(port=0, gpu=False), nvml=fake_nvml)
+    assert fake_nvml.init_calls == 0
+    assert "metrics.gpu" in [e for e in logs if e["event"] == "gpu_metrics_unavailable"][0]["reason"]
+    assert not any(n.startswith("trainguard_gpu_") for n, _ in samples(m))
+
+
+def test_exporter_serves_metrics_and_healthz(metrics_factory) -> None:
+    m = metrics_factory()
+    ex = m.serve()
+    assert ex.port != 0 and ex.url == f"http://127.0.0.1:{ex.port}"
+    text = urllib.request.urlopen(ex.url + "/metrics", timeout=5).read().decode()
+    fams = {f.name for f in text_string_to_metric_families(text)}
+    assert {"trainguard_agent_state", "trainguard_cost", "trainguard_goodput_ratio"} <= fams
+    health = json.loads(urllib.request.urlopen(ex.url + "/healthz", timeout=5).read())
+    assert health["ok"] is True and health["node"] == "node-a"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(ex.url + "/nope", timeout=5)
+    assert e.value.code == 404
+    port = ex.port
+    m.close()
+    m.close()  # idempotent
+    from prometheus_client import CollectorRegistry
+
+    with MetricsExporter(CollectorRegistry(), "127.0.0.1", port) as again:  # the port is released
+        assert again.port == port
+
+
+def test_healthz_503_when_unhealthy() -> None:
+    from prometheus_client import CollectorRegistry
+
+    with MetricsExporter(CollectorRegistry(), "127.0.0.1", 0, health=lambda: {"ok": False, "why": "x"}) as ex:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(ex.url + "/healthz", timeout=5)
+        assert e.value.code == 503
+
+
+def test_exporter_port_in_use_names_the_setting() -> None:
+    from prometheus_client import CollectorRegistry
+
+    with MetricsExporter(CollectorRegistry(), "127.0.0.1", 0) as first:
+        with pytest.raises(ConfigError) as e:
+            MetricsExporter(CollectorRegistry(), "127.0.0.1", first.port)
+    assert "metrics.port" in str(e.value) and "TRAINGUARD_METRICS_PORT" in str(e.value)
+
+
+def test_status_prints_the_live_view(metrics_factory, fake_nvml) -> None:
+    m = metrics_factory(nvml=fake_nvml, node="gpu-node-7")
+    m.set_state("running")
+    m.set_world(16, 2, 3)
+    ex = m.serve()
+    out = io.StringIO()
+    assert status(ex.url, out=out) == 0
+    text = out.getvalue()
+    assert "gpu-node-7" in text and "running" in text and "16 workers on 2 nodes (round 3)" in text
+    assert "USD" in text and "gpu 0" in text
+    view = build_view(fetch_metrics(ex.url))
+    assert view["state"] == "running" and view["world_size"] == 16
+
+
+def test_status_unreachable_names_the_fix() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    err = io.StringIO()
+    assert status(f"http://127.0.0.1:{port}", out=io.StringIO(), err=err, timeout_s=2) == 1
+    assert "metrics.bind_address" in err.getvalue() and "--url" in err.getvalue()
+
+
+def test_status_register_adds_the_subcommand() -> None:
+    parser = argparse.ArgumentParser(prog="trainguard")
+    sub = parser.add_subparsers(dest="command")
+    register(sub)
+    args = parser.parse_args(["status", "--url", "http://127.0.0.1:1"])
+    assert args.url == "http://127.0.0.1:1" and callable(args.func)
+    assert parser.parse_args(["status"]).url == "http://127.0.0.1:9400"

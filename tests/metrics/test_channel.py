@@ -1,0 +1,121 @@
+"""The worker -> agent channel (prometheus_client multiprocess mode) with real worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from structlog.testing import capture_logs
+
+from trainguard.metrics import channel, worker_env
+from trainguard.metrics.agent import AgentMetrics
+from trainguard.metrics.config import CostConfig, MetricsConfig
+from trainguard.metrics.worker import MetricsChannelError, WorkerMetrics
+
+from .conftest import FakeNvml, Workers
+
+
+def test_worker_env_and_prepare_dir(tmp_path) -> None:
+    env = worker_env(str(tmp_path))
+    assert env == {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prometheus_multiproc")}
+    d = tmp_path / "prometheus_multiproc"
+    d.mkdir()
+    (d / "counter_123.db").write_bytes(b"x")
+    (d / "keep.txt").write_text("not ours")
+    channel.prepare_dir(str(d))
+    assert sorted(p.name for p in d.iterdir()) == ["keep.txt"]
+
+
+def test_worker_metrics_without_channel_is_a_noop_with_one_warning() -> None:
+    # This test process imported prometheus_client without PROMETHEUS_MULTIPROC_DIR.
+    with capture_logs() as logs:
+        w = WorkerMetrics(0, 0)
+        w.observe_step(1, 8, 1024, 0.1)
+        w.observe_checkpoint("periodic", 0.1, 0.2, 0.1, 10, 1, True)
+        w.observe_gpu_peak(1)
+    assert not w.enabled
+    assert [e["event"] for e in logs] == ["worker_metrics_disabled"]
+    with pytest.raises(MetricsChannelError, match="PROMETHEUS_MULTIPROC_DIR.*Fix:"):
+        WorkerMetrics(0, 0, strict=True)
+
+
+def _values(m: AgentMetrics) -> dict[str, dict[tuple, float]]:
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in m.registry.collect():
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted((k, v) for k, v in s.labels.items() if k != "node"))] = s.value
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_real_workers_report_and_a_dead_worker_is_marked(tmp_path, workers: Workers) -> None:
+    m = AgentMetrics(MetricsConfig(port=0, sample_interval_s=0.2, throughput_window_s=2.0), CostConfig(),
+                     "node-a", run_dir=str(tmp_path), nvml=FakeNvml([]), start_sampler=True)
+    try:
+        env = m.worker_env()
+        m.set_state("running")
+        # Rank 0 trains 60 steps and exits; rank 1 runs until killed; rank 2 keeps running.
+        p0 = workers.start(env, "--rank", "0", "--local-rank", "0", "--steps", "60", "--step-time", "0.01",
+                           "--ckpt-every", "20", "--gpu-peak", "1000")
+        p1 = workers.start(env, "--rank", "1", "--local-rank", "1", "--step-time", "0.01", "--gpu-peak", "5000")
+        p2 = workers.start(env, "--rank", "2", "--local-rank", "2", "--step-time", "0.01", "--gpu-peak", "3000")
+        assert p0.wait(timeout=60) == 0
+        m.mark_worker_dead(p0.pid)
+        workers.wait_step(p1, 30)
+        workers.wait_step(p2, 30)
+        p1.send_signal(signal.SIGKILL)
+        p1.wait(timeout=10)
+        before = _values(m)
+        dead_samples = before["trainguard_samples_total"][()]
+        m.mark_worker_dead(p1.pid)
+        time.sleep(0.6)  # let the sampler see a few progress marks
+
+        v = _values(m)
+        # Compaction changes no total (rank 2 is still running, so only compare what is frozen).
+        assert v["trainguard_steps_total"] == before["trainguard_steps_total"]
+        assert v["trainguard_checkpoint_written_bytes_total"] == before["trainguard_checkpoint_written_bytes_total"]
+        # Counters keep the dead workers' contributions: totals never go backwards.
+        assert v["trainguard_samples_total"][()] >= dead_samples >= 8 * (60 + 30 + 30)
+        assert v["trainguard_steps_total"][()] == 60  # local rank 0 only
+        assert v["trainguard_step_duration_seconds_count"][()] >= 120
+        # Live gauges: only rank 2 is alive.
+        assert v["trainguard_gpu_allocator_peak_bytes"] == {(("gpu", "2"),): 3000.0}
+        assert v["trainguard_step"][()] >= 30
+        # Max gauges survive their worker: rank 0 committed steps 20, 40, 60.
+        assert v["trainguard_checkpoint_last_committed_step"][()] == 60
+        assert v["trainguard_checkpoint_saves_total"][(("kind", "periodic"),)] == 3
+        assert v["trainguard_samples_per_second"][()] > 0
+        assert v["trainguard_tokens_per_second"][()] == pytest.approx(128 * v["trainguard_samples_per_second"][()])
+        assert v["trainguard_cost_per_million_tokens"][()] == 0.0  # price unset: 0, stated in the log
+        # Dead workers' files are folded into the archive: a scrape reads live workers + 1 archive.
+        left = sorted(os.listdir(m.multiproc_dir))
+        assert not [f for f in left if str(p0.pid) in f or str(p1.pid) in f], left
+        assert "counter_archive.db" in left and "histogram_archive.db" in left and "gauge_max_archive.db" in left
+
+        # Rollback: rank 2 is past step 30; restoring 20 turns the time since step 20 into recompute.
+        p2.send_signal(signal.SIGKILL)
+        p2.wait(timeout=10)
+        m.set_state("rendezvous")
+        m.restart("worker_failure")
+        seconds, steps = m.restored(20)
+        m.mark_worker_dead(p2.pid)
+        assert steps >= 10 and seconds > 0
+        assert _values(m)["trainguard_wasted_seconds_total"][(("reason", "recompute"),)] == pytest.approx(seconds)
+        assert "trainguard_step" not in _values(m)  # no live worker: absent, not stale
+    finally:
+        m.close()
+
+
+def test_a_file_being_created_does_not_break_a_scrape(tmp_path) -> None:
+    """A worker creating its file leaves it empty for a moment (seen in the benchmark as struct.error)."""
+    m = AgentMetrics(MetricsConfig(port=0), CostConfig(), "node-a", run_dir=str(tmp_path), nvml=FakeNvml([]),
+                     start_sampler=False)
+    try:
+        open(os.path.join(m.multiproc_dir, "counter_4242.db"), "wb").close()
+        m.sample()
+        assert "trainguard_agent_state" in {f.name for f in m.registry.collect()}
+    finally:
+        m.close()

@@ -1,0 +1,234 @@
+"""Cost and goodput arithmetic on scripted timelines (no processes, no sleeps)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainguard.agent.configbase import ConfigError, FieldError
+from trainguard.metrics.config import CostConfig, MetricsConfig
+from trainguard.metrics.cost import cost_of, cost_snapshot, load_price_table, resolve_price
+from trainguard.metrics.goodput import GoodputLedger, GoodputSnapshot
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def tick(self, dt: float) -> float:
+        self.t += dt
+        return self.t
+
+
+def check_partition(g: GoodputSnapshot) -> None:
+    assert g.paid_s == pytest.approx(g.productive_s + g.wasted_total_s, abs=1e-9)
+
+
+def train(ledger: GoodputLedger, clock: Clock, first: int, last: int, step_s: float) -> None:
+    """Steps ``first..last`` at ``step_s`` each, marking progress after every step."""
+    for s in range(first, last + 1):
+        clock.tick(step_s)
+        ledger.progress(s)
+
+
+def test_startup_then_training() -> None:
+    c = Clock()
+    led = GoodputLedger(c)
+    c.tick(10)
+    led.set_state("rendezvous")
+    c.tick(5)
+    led.set_state("running")
+    train(led, c, 1, 100, 1.0)
+    g = led.snapshot()
+    check_partition(g)
+    assert g.paid_s == pytest.approx(115)
+    assert g.productive_s == pytest.approx(100)
+    assert g.wasted_s["startup"] == pytest.approx(15)
+    assert g.goodput == pytest.approx(100 / 115)
+
+
+def test_drain_then_resize_is_drain_downtime() -> None:
+    c = Clock()
+    led = GoodputLedger(c)
+    led.set_state("running")
+    train(led, c, 1, 50, 1.0)
+    led.set_cause("drain")        # notice arrives while running
+    c.tick(2)                      # workers reach the agreed step
+    led.set_state("draining")
+    c.tick(6)                      # emergency checkpoint
+    led.set_state("resizing")
+    c.tick(4)                      # re-rendezvous at the smaller size
+    led.set_state("running")
+    train(led, c, 51, 60, 1.0)
+    g = led.snapshot()
+    check_partition(g)
+    assert g.productive_s == pytest.approx(50 + 2 + 10)  # the 2 s before draining were still training
+    assert g.wasted_s["drain"] == pytest.approx(10)
+    assert g.wasted_s["restart"] == 0 and g.wasted_s["recompute"] == 0
+
+
+def test_crash_restart_and_recompute() -> None:
+    c = Clock()
+    led = GoodputLedger(c)
+    led.set_state("running")
+    train(led, c, 1, 40, 1.0)
+    led.committed(40)
+    train(led, c, 41, 55, 1.0)
+    c.tick(0.5)                    # half of step 56, then a worker dies
+    led.set_state("rendezvous")    # state change first ...
+    c.tick(1)
+    led.set_cause("restart")       # ... then the supervisor says why
+    c.tick(3)
+    seconds, steps = led.restored(40)
+    c.tick(1)
+    led.set_state("running")
+    train(led, c, 41, 60, 1.0)
+    g = led.snapshot()
+    check_partition(g)
+    assert steps == 15
+    assert seconds == pytest.approx(15.5)           # steps 41..55 and half of 56
+    assert g.wasted_s["recompute"] == pytest.approx(15.5)
+    assert g.wasted_s["restart"] == pytest.approx(5)  # the whole downtime, relabelled
+    assert g.productive_s == pytest.approx(40 + 20)
+    assert g.recomputed_steps == 15
+    # A second rollback to the same checkpoint reclaims only what was trained since the first.
+    c.tick(0.0)
+    led.set_state("starting")
+    seconds2, steps2 = led.restored(40)
+    assert steps2 == 20 and seconds2 == pytest.approx(20)
+    check_partition(led.snapshot())
+
+
+def test_restore_between_sampled_marks_interpolates() -> None:
+    c = Clock(0)
+    led = GoodputLedger(c)
+    led.set_state("running")
+    for s in (10, 20, 30):         # sampled every 10 s, 1 step/s
+        c.tick(10)
+        led.progress(s)
+    led.set_state("rendezvous")
+    seconds, steps = led.restored(25)
+    assert steps == 5 and seconds == pytest.approx(5)
+
+
+def test_lost_work_reported_by_caller() -> None:
+    c = Clock()
+    led = GoodputLedger(c)
+    led.set_state("running")
+    c.tick(30)
+    moved = led.lost_work(12, steps=12, reason="recompute")
+    assert moved == pytest.approx(12)
+    c.tick(10)
+    g = led.snapshot()
+    check_partition(g)
+    assert g.productive_s == pytest.approx(28)
+    assert g.wasted_s["recompute"] == pytest.approx(12)
+    assert led.lost_work(1e9) == pytest.approx(28)  # capped at what is there
+    check_partition(led.snapshot())
+
+
+def test_stop_ends_the_paid_clock_and_unknown_reason_is_other() -> None:
+    c = Clock()
+    led = GoodputLedger(c)
+    led.set_state("running")
+    c.tick(10)
+    led.set_state("weird_state")
+    c.tick(2)
+    led.set_cause("not-a-reason")
+    c.tick(3)
+    led.set_state("stopped")
+    c.tick(100)
+    g = led.snapshot()
+    check_partition(g)
+    assert g.paid_s == pytest.approx(15)
+    assert g.wasted_s["other"] == pytest.approx(5)
+    led.set_state("running")   # ignored after stop
+    assert led.snapshot().paid_s == pytest.approx(15)
+
+
+def test_committed_prunes_without_changing_totals() -> None:
+    c = Clock()
+    led = GoodputLedger(c)
+    led.set_state("running")
+    for chunk in range(5):
+        train(led, c, chunk * 100 + 1, chunk * 100 + 100, 0.1)
+        led.set_state("resizing")
+        c.tick(1)
+        led.set_state("running")
+        led.committed(chunk * 100 + 100)
+    before = led.snapshot()
+    assert len(led._marks) <= 2 and len(led._intervals) <= 1  # noqa: SLF001 - bounded memory
+    check_partition(before)
+    assert before.productive_s == pytest.approx(50)
+    assert before.wasted_s["resize"] == pytest.approx(5)
+
+
+def test_cost_arithmetic() -> None:
+    g = GoodputSnapshot(paid_s=7200, productive_s=5400,
+                        wasted_s={"startup": 600, "drain": 600, "restart": 300, "recompute": 300})
+    c = cost_snapshot(g, 3.0, tokens=2_000_000, samples=4_000)
+    assert c.total == pytest.approx(6.0)
+    assert c.wasted == pytest.approx({"startup": 0.5, "drain": 0.5, "restart": 0.25, "recompute": 0.25})
+    assert c.per_million_tokens == pytest.approx(3.0)
+    assert c.per_thousand_samples == pytest.approx(1.5)
+    assert g.goodput == pytest.approx(0.75)
+    none = cost_snapshot(g, 3.0)
+    assert none.per_million_tokens is None and none.per_thousand_samples is None
+    assert cost_of(1800, 2.0) == pytest.approx(1.0)
+
+
+def test_price_resolution(tmp_path) -> None:
+    assert resolve_price(CostConfig(spot_price_per_hour=1.5)).per_hour == 1.5
+    od = resolve_price(CostConfig(capacity="on_demand", spot_price_per_hour=1.0, on_demand_price_per_hour=4.0))
+    assert (od.per_hour, od.capacity, od.source) == (4.0, "on_demand", "config")
+    assert resolve_price(CostConfig()).source == "unset"
+
+    yml = tmp_path / "prices.yaml"
+    yml.write_text("g5.xlarge: {spot: 0.4, on_demand: 1.006}\np4d.24xlarge: {on_demand: 32.77}\n")
+    p = resolve_price(CostConfig(instance_type="g5.xlarge", price_table_file=str(yml)))
+    assert p.per_hour == 0.4 and p.source.startswith("table:")
+    js = tmp_path / "prices.json"
+    js.write_text(json.dumps({"g5.xlarge": {"spot": 0.5}}))
+    assert resolve_price(CostConfig(instance_type="g5.xlarge", price_table_file=str(js))).per_hour == 0.5
+
+    with pytest.raises(ConfigError) as e:
+        resolve_price(CostConfig(instance_type="nope", price_table_file=str(yml)))
+    assert "cost.instance_type" in str(e.value) and "TRAINGUARD_COST_INSTANCE_TYPE" in str(e.value)
+    with pytest.raises(ConfigError, match="no 'spot' price"):
+        resolve_price(CostConfig(instance_type="p4d.24xlarge", price_table_file=str(yml)))
+    with pytest.raises(ConfigError, match="TRAINGUARD_COST_PRICE_TABLE_FILE"):
+        load_price_table(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("g5.xlarge: {spot: -1}\n")
+    with pytest.raises(ConfigError, match="must be a number >= 0"):
+        load_price_table(str(bad))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"capacity": "reserved"}, "capacity"),
+    ({"spot_price_per_hour": -1}, "spot_price_per_hour"),
+    ({"price_table_file": "p.yaml"}, "instance_type"),
+    ({"price_table_file": "p.csv", "instance_type": "x"}, "price_table_file"),
+])
+def test_cost_config_errors_name_the_field(kwargs, field) -> None:
+    with pytest.raises(FieldError) as e:
+        CostConfig(**kwargs)
+    assert e.value.field == field and "Fix:" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"port": 70000}, "port"),
+    ({"bind_address": " "}, "bind_address"),
+    ({"sample_interval_s": 0}, "sample_interval_s"),
+    ({"throughput_window_s": 1, "sample_interval_s": 1}, "throughput_window_s"),
+])
+def test_metrics_config_errors_name_the_field(kwargs, field) -> None:
+    with pytest.raises(FieldError) as e:
+        MetricsConfig(**kwargs)
+    assert e.value.field == field
