@@ -19,6 +19,21 @@ from trainguard.agent.supervisor import Supervisor
 log = get_logger("trainguard.agent.daemon")
 
 
+def _start_metrics(cfg: TrainguardConfig) -> tuple[Any, Any]:
+    """The agent's metrics and exporter, or (None, None) when ``metrics.enabled`` is false."""
+    if not cfg.metrics.enabled:
+        return None, None
+    import os
+
+    from trainguard.metrics import AgentMetrics
+
+    metrics = AgentMetrics(cfg.metrics, cfg.cost, cfg.agent.node_name,
+                           run_dir=os.path.join(cfg.agent.state_dir, cfg.agent.job_id))
+    exporter = metrics.serve()
+    log.info("metrics_serving", url=getattr(exporter, "url", None))
+    return metrics, exporter
+
+
 def _start_watchers(cfg: TrainguardConfig, sup: Supervisor) -> list[Any]:
     try:
         from trainguard.agent.watchers import build_watchers
@@ -29,6 +44,7 @@ def _start_watchers(cfg: TrainguardConfig, sup: Supervisor) -> list[Any]:
     def on_notice(notice: Any) -> None:
         log.warning("preemption_notice", source=notice.source, kind=notice.kind,
                     deadline_in_s=round(notice.deadline - time.time(), 1))
+        sup._observe("notice", notice.source)
         sup.request_drain(notice.source, notice.kind, notice.deadline, reason=f"{notice.source}:{notice.kind}")
 
     watchers = build_watchers(cfg.preemption)
@@ -39,8 +55,12 @@ def _start_watchers(cfg: TrainguardConfig, sup: Supervisor) -> list[Any]:
 
 def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners: list[Callable[..., Any]] | None = None) -> int:
     """Run one node's agent until the job ends or this node leaves. Returns the process exit code."""
-    sup = Supervisor(cfg, listeners=extra_listeners)
-    services: list[Any] = []
+    metrics, exporter = _start_metrics(cfg)
+    listeners = list(extra_listeners or [])
+    if metrics is not None:
+        listeners.append(lambda old, new, details: metrics.set_state(new))
+    sup = Supervisor(cfg, listeners=listeners, observer=metrics)
+    services: list[Any] = [s for s in (metrics, exporter) if s is not None]
     try:
         services += _start_watchers(cfg, sup)
         sup.start()
@@ -58,6 +78,6 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
     finally:
         for s in reversed(services):
             try:
-                s.stop()
+                (getattr(s, "stop", None) or s.close)()
             except Exception as e:
                 log.warning("service_stop_failed", service=type(s).__name__, error=str(e))

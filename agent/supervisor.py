@@ -112,8 +112,11 @@ class TrainguardElasticAgent(LocalElasticAgent):
 class Supervisor:
     """Owns one node's supervision: config, control socket, state machine, the elastic agent thread."""
 
-    def __init__(self, cfg: TrainguardConfig, *, listeners: list[Any] | None = None, handler: Any = None) -> None:
+    def __init__(self, cfg: TrainguardConfig, *, listeners: list[Any] | None = None, handler: Any = None,
+                 observer: Any = None) -> None:
         self.cfg = cfg
+        # Metrics observe the supervisor and never steer it (AgentMetrics or None); see _observe().
+        self.observer = observer
         self.sm = StateMachine(listeners)
         self._drain: DrainRequest | None = None
         self._drain_lock = threading.Lock()
@@ -188,6 +191,14 @@ class Supervisor:
             "drain_deadline": d.deadline if d else None,
         }
 
+    def _observe(self, method: str, *args: Any) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, method)(*args)
+        except Exception as e:  # an observer failure must never break supervision
+            log.warning("observer_failed", method=method, error=str(e))
+
     # ---- worker environment -------------------------------------------------------------------
     def worker_env(self, wg: WorkerGroup) -> dict[str, str]:
         """Variables every worker gets besides torchrun's (the worker runtime reads ``TRAINGUARD_RT_*``)."""
@@ -205,6 +216,8 @@ class Supervisor:
             "TRAINGUARD_RT_CONFIG": json.dumps(runtime),
             "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         }
+        if self.observer is not None:
+            env.update(self.observer.worker_env())
         env.update({k: str(v) for k, v in cfg.workers.env.items()})
         return env
 
@@ -231,6 +244,12 @@ class Supervisor:
         }
         log.info("rendezvous_complete", node=self.cfg.agent.node_name, **self._world,
                  global_ranks=[w.global_rank for w in wg.workers])
+        self._observe("set_world", self._world["world_size"], self._world["nodes"], self._world["round"])
+
+    def _workers_gone(self, wg: WorkerGroup) -> None:
+        for w in wg.workers:
+            if w.id is not None:
+                self._observe("mark_worker_dead", int(w.id))
 
     def _loop(self, agent: TrainguardElasticAgent) -> RunResult:
         wg = agent.get_worker_group()
@@ -313,6 +332,8 @@ class Supervisor:
                 return RunResult(state=WorkerState.FAILED, failures=result.failures)
             elif d.act is Act.RESTART:
                 self.control.forget_workers()
+                self._workers_gone(wg)
+                self._observe("restart", d.reason)
                 if d.consume_restart:
                     agent._remaining_restarts -= 1
                     failures_in_a_row += 1
@@ -336,12 +357,15 @@ class Supervisor:
         if self.sm.state != AgentState.DRAINING:
             self.sm.to(AgentState.DRAINING, reason=reason)
         agent._stop_workers(wg)
+        self._workers_gone(wg)
         try:
             rdzv.leave_rendezvous(self.handler, timeout_s=self.cfg.rendezvous.close_timeout_s)
         except Exception as e:  # the store may be gone; leaving is best effort, stopping is not
             log.warning("rendezvous_leave_failed", error=str(e))
         drain = self._drain
         self._outcome = AgentState.STOPPED
+        if drain is not None:
+            self._observe("drain_done", time.time() - drain.received_at)
         self.sm.to(AgentState.STOPPED, reason=reason,
                    seconds_since_notice=round(time.time() - drain.received_at, 3) if drain else None)
         # elastic's run() records one event per worker and needs a value for each global rank.

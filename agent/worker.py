@@ -156,13 +156,20 @@ class Runtime:
                    control_path=env.get("TRAINGUARD_RT_CONTROL", ""))
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, dataset_size: int,
-              global_batch: int, micro_batch: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+              global_batch: int, micro_batch: int, seed: int = 0,
+              tokens_per_sample: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Wrap ``model`` for data parallelism (DDP when world_size > 1), set up the data cursor and the
         checkpoint manager. ``global_batch`` stays constant at every world size: ranks x
         accumulation steps x ``micro_batch``; raises ``ValueError`` when it cannot divide."""
         self.accum_steps, _ = plan(global_batch, self.world_size, micro_batch)
         self.micro_batch = micro_batch
+        self.tokens_per_sample = tokens_per_sample
         self.cursor = GlobalSampleCursor(dataset_size, global_batch, seed)
+        from trainguard.metrics import WorkerMetrics
+
+        # A no-op (one warning) when the agent set up no metrics channel, e.g. under plain torchrun.
+        self._metrics = WorkerMetrics(self.rank, self.local_rank)
+        self._step_started = time.monotonic()
         self._model, self._optimizer = model, optimizer
         self._ddp = torch.nn.parallel.DistributedDataParallel(model) if self.world_size > 1 else model
         self._trainer = TrainerState(seed=seed,
@@ -201,7 +208,12 @@ class Runtime:
         assert self._manager is not None
         t0 = time.monotonic()
         self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
-        return time.monotonic() - t0
+        seconds = time.monotonic() - t0
+        if kind != "periodic":  # committed now (periodic ones commit in the background)
+            with contextlib.suppress(Exception):
+                blocked = getattr(self._manager, "last_blocked_s", 0.0)
+                self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
+        return seconds
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -229,6 +241,12 @@ class Runtime:
         """Call after ``optimizer.step()``: counts the step, agrees with every rank on drain/resize and
         periodic checkpoints, saves, and exits with code 75 after an emergency/resize checkpoint."""
         self.step += 1
+        assert self.cursor is not None, "setup() first"
+        now = time.monotonic()
+        per_rank = self.cursor.global_batch_size // self.world_size
+        with contextlib.suppress(Exception):
+            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, now - self._step_started)
+        self._step_started = now
         cfg = self.checkpoint_config
         due = bool(self._manager) and (
             (cfg.interval_steps and self.step % cfg.interval_steps == 0)

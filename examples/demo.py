@@ -44,7 +44,7 @@ class Node:
         cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "demo", "--node-name", name,
                "--state-dir", self.state_dir, "--log-dir", os.path.join(work, f"logs-{name}"),
-               "--set", "agent.log_format=json", "--set", "preemption.sources=signal",
+               "--set", "agent.log_format=json", "--set", "preemption.sources=signal", "--set", "metrics.port=0",
                os.path.join(HERE, "train_gpt.py"), *train_args]
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "OMP_NUM_THREADS": "1"}
         self.fh = open(self.log, "w")

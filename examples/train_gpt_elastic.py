@@ -45,7 +45,7 @@ def main() -> None:
     model = TinyGPT(args.seq_len, args.d_model, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ddp, opt = rt.setup(model, opt, dataset_size=n_samples, global_batch=args.global_batch,
-                        micro_batch=args.micro_batch, seed=args.seed)
+                        micro_batch=args.micro_batch, seed=args.seed, tokens_per_sample=args.seq_len)
     start = rt.restore()
     if rt.rank == 0:
         print(json.dumps({"event": "resumed" if start else "started", "step": start, "world_size": rt.world_size,

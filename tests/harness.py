@@ -67,7 +67,7 @@ class Node:
         cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-name", name,
                "--state-dir", self.state_dir, "--log-dir", os.path.join(tmp, f"logs-{name}"),
-               "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "preemption.sources=signal",
+               "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "preemption.sources=signal", "--set", "metrics.port=0",
                *(extra or []), script, *(script_args or [])]
         penv = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
         penv.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
