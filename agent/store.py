@@ -1,0 +1,250 @@
+"""``trainguard store``: a long-lived rendezvous store for the ``c10d`` backend.
+
+Why: with ``rdzv_backend=c10d`` torch.distributed.elastic lets the agent whose host matches the
+endpoint *host* the ``TCPStore`` inside its own process. When that node is preempted the store
+dies with it and every survivor fails with ``RendezvousConnectionError`` (pytorch#67742) — on a
+spot cluster that turns the loss of one node into the loss of the job. This command runs the
+store in its own process on a small on-demand coordinator node; every agent then uses
+``rdzv_endpoint=<store-host>:29400`` with ``is_host=false`` and any worker node can disappear.
+See ``docs/rendezvous.md`` for the trade-off against ``etcd-v2``.
+
+Binding: ``TCPStore`` on its own listens on every interface (IPv4 and IPv6) whatever host it is
+given. We bind the listening socket ourselves to ``--host`` and hand it over through
+``master_listen_fd``, so ``--host 10.0.0.5`` really listens on that address only, and
+``--host 0.0.0.0`` on all IPv4 addresses. The store has no authentication: keep the port reachable
+only from the cluster's nodes (security group / firewall).
+
+State: the store is memory-only. A restart loses every run's rendezvous state and breaks the
+agents' client connections, so the unit restarts it only on failure and the coordinator node
+must be on-demand, not spot. One store serves any number of jobs (keys are prefixed by run id).
+
+Environment: this module never reads :data:`os.environ`; the CLI entry point passes it to
+:func:`main` (for ``NOTIFY_SOCKET`` / ``WATCHDOG_USEC``).
+
+Log events: ``store_ready`` (host, port, pid), ``store_stopping`` (signal), ``store_stopped``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any
+
+from trainguard.agent.log import configure, get_logger
+from trainguard.agent.sdnotify import Notifier, WatchdogThread, watchdog_interval
+
+log = get_logger("trainguard.agent.store")
+
+DEFAULT_PORT = 29400
+"""The c10d rendezvous backend's default port (``torch.distributed.elastic`` uses the same)."""
+
+HEARTBEAT_KEY = "trainguard/store/heartbeat"
+"""Key the watchdog health check increments, proving the server answers requests."""
+
+__all__ = ["DEFAULT_PORT", "StoreServer", "main", "register"]
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``store`` subcommand to an ``argparse`` subparsers object; returns its parser.
+
+    The parser's ``func`` default is :func:`main`, so a dispatcher can call ``args.func(args, env)``.
+    """
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "store",
+        help="run a standalone c10d rendezvous store (TCPStore) for a spot cluster",
+        description=(
+            "Run a long-lived torch.distributed TCPStore for the c10d rendezvous backend on a small "
+            "on-demand coordinator node. Agents point rendezvous.endpoint at HOST:PORT with "
+            "is_host=false, so losing any training node (including the first one) is survivable. "
+            "The store is unauthenticated and in-memory: firewall the port to the cluster, and do "
+            "not run it on a spot node. Stops cleanly on SIGTERM/SIGINT."
+        ),
+    )
+    p.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on: 0.0.0.0 (all IPv4, default), :: (all IPv4+IPv6) or one interface address",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"TCP port to listen on (default {DEFAULT_PORT}, the c10d default; 0 picks a free port and logs it)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds the store's own operations may block (default 300)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["auto", "json", "console"],
+        default="auto",
+        help="log format: auto (JSON unless stderr is a TTY, default), json or console",
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.set_defaults(func=main)
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``host:port`` (raises ``OSError`` with the address on failure)."""
+    infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    last: OSError | None = None
+    for family, type_, proto, _, addr in infos:
+        sk = socket.socket(family, type_, proto)
+        try:
+            sk.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and addr[0] == "::":
+                sk.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sk.bind(addr)
+            sk.listen(socket.SOMAXCONN)
+            sk.set_inheritable(False)
+            return sk
+        except OSError as exc:
+            sk.close()
+            last = exc
+    raise OSError(f"cannot listen on {host}:{port}: {last}") from last
+
+
+def _connect_host(host: str) -> str:
+    """The address the server's own in-process client uses to reach a wildcard bind."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+class StoreServer:
+    """A ``TCPStore`` master with no fixed world size, bound to one address.
+
+    ``wait_for_workers=False`` and ``world_size=None``: agents come and go; the store never waits
+    for a count. ``multi_tenant`` stays ``False``: this process owns exactly one server, and the
+    flag only matters to processes that create several stores on one port.
+    :meth:`close` is idempotent.
+    """
+
+    def __init__(self, host: str, port: int, timeout: float = 300.0) -> None:
+        """Bind and start serving; raises ``OSError`` if the address is taken or invalid."""
+        import torch.distributed as dist  # heavy import, only for this subcommand
+
+        self.host = host
+        sock = _bind(host, port)
+        self.port: int = sock.getsockname()[1]
+        try:
+            self._store: Any = dist.TCPStore(
+                _connect_host(host),
+                self.port,
+                world_size=None,
+                is_master=True,
+                timeout=datetime.timedelta(seconds=timeout),
+                wait_for_workers=False,
+                multi_tenant=False,
+                master_listen_fd=sock.fileno(),
+                use_libuv=True,
+            )
+        except BaseException:
+            sock.close()
+            raise
+        # The TCPServer now owns the descriptor and closes it on shutdown; Python must not.
+        sock.detach()
+        self._lock = threading.Lock()
+
+    def healthy(self) -> bool:
+        """Round-trip one request through the server (used as the watchdog health check)."""
+        with self._lock:
+            if self._store is None:
+                return False
+            self._store.add(HEARTBEAT_KEY, 1)
+            return True
+
+    def num_keys(self) -> int:
+        """Number of keys held (includes the heartbeat key); ``-1`` once closed."""
+        with self._lock:
+            return -1 if self._store is None else int(self._store.num_keys())
+
+    def close(self) -> None:
+        """Stop serving and release the port; idempotent."""
+        with self._lock:
+            store, self._store = self._store, None
+        del store  # the TCPServer shuts down (and closes its socket) when its last reference goes
+
+
+def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    """Run the store until SIGTERM or SIGINT; returns the process exit code (0 on a clean stop).
+
+    ``env`` is the process environment, passed by the CLI entry point (``os.environ``), or else
+    taken from ``args.environ`` when a dispatcher that calls ``args.func(args)`` attached it there.
+    It is only read for ``NOTIFY_SOCKET`` and ``WATCHDOG_USEC``/``WATCHDOG_PID``; without it
+    sd_notify is off, and a ``Type=notify`` unit would time out waiting for READY.
+    Must run on the main thread (it installs signal handlers, restored on return).
+    """
+    if env is None:
+        env = getattr(args, "environ", None) or {}
+    configure(getattr(args, "log_format", "auto"), getattr(args, "log_level", "info"))
+    notifier = Notifier.from_env(env)
+    stop = threading.Event()
+    received: list[int] = []
+
+    def _on_signal(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+        stop.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    server: StoreServer | None = None
+    watchdog: WatchdogThread | None = None
+    try:
+        try:
+            server = StoreServer(args.host, args.port, timeout=args.timeout)
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.error(
+                "store_failed",
+                host=args.host,
+                port=args.port,
+                error=str(exc),
+                fix="free the port, or pick another with --port, and check --host is an address of this node",
+            )
+            return 1
+        started = time.monotonic()
+        log.info("store_ready", host=args.host, port=server.port, pid=os.getpid(), backend="c10d")
+        notifier.ready(status=f"serving c10d rendezvous store on {args.host}:{server.port}")
+        interval = watchdog_interval(env)
+        if interval is not None:
+            watchdog = WatchdogThread(notifier, interval, server.healthy).start()
+        while not stop.wait(timeout=1.0):
+            pass
+        signame = signal.Signals(received[0]).name if received else "unknown"
+        log.info("store_stopping", signal=signame, keys=server.num_keys())
+        notifier.stopping(status=f"stopping on {signame}")
+        if watchdog is not None:
+            watchdog.stop()
+        server.close()
+        log.info("store_stopped", port=server.port, uptime_s=round(time.monotonic() - started, 3))
+        return 0
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        if server is not None:
+            server.close()
+        notifier.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+if __name__ == "__main__":  # ``python -m trainguard.agent.store``: an entry point, so it may read os.environ
+    import sys
+
+    _parser = argparse.ArgumentParser(prog="trainguard")
+    _sub = _parser.add_subparsers(dest="command", required=True)
+    register(_sub)
+    _args = _parser.parse_args(["store", *sys.argv[1:]])
+    sys.exit(main(_args, os.environ))

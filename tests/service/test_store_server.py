@@ -1,0 +1,220 @@
+"""``trainguard store``: a standalone TCPStore that agents reach with ``is_host=false``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from trainguard.agent.store import DEFAULT_PORT, register
+from tests.service.test_sdnotify import FakeSystemd
+
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass
+class StoreProcess:
+    """A running ``python -m trainguard.agent.store`` and what it logged."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    port: int = 0
+
+    def events(self) -> list[dict[str, object]]:
+        """The JSON log lines so far (stderr is not a TTY, so structlog writes JSON)."""
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def wait_event(self, name: str, timeout: float = 60.0) -> dict[str, object]:
+        """Block until the event ``name`` is logged; fail with the log if the process dies first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.events():
+                if e.get("event") == name:
+                    return e
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {name!r} event (rc={self.proc.poll()}); log:\n{self.log_path.read_text()}")
+
+
+def _spawn(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> StoreProcess:
+    log_path = tmp_path / f"store-{time.monotonic_ns()}.log"
+    full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    full_env.update(env or {})
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.agent.store", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+        )
+    return StoreProcess(proc, log_path)
+
+
+@pytest.fixture
+def spawned() -> Iterator[list[StoreProcess]]:
+    """Collects spawned stores; kills any still running at teardown (no leaked processes)."""
+    procs: list[StoreProcess] = []
+    yield procs
+    for sp in procs:
+        if sp.proc.poll() is None:
+            sp.proc.kill()
+            sp.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def notify_socket() -> Iterator[FakeSystemd]:
+    d = tempfile.mkdtemp(prefix="tg-store-")
+    fake = FakeSystemd(os.path.join(d, "notify.sock"))
+    yield fake
+    fake.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _client(port: int) -> object:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+
+
+def test_register_defaults() -> None:
+    parser = argparse.ArgumentParser(prog="trainguard")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["store"])
+    assert (args.host, args.port, args.timeout) == ("0.0.0.0", DEFAULT_PORT, 300.0)
+    assert DEFAULT_PORT == 29400
+    assert callable(args.func)
+
+
+def test_store_serves_notifies_and_stops_cleanly_on_sigterm(
+    tmp_path: Path, spawned: list[StoreProcess], notify_socket: FakeSystemd
+) -> None:
+    sp = _spawn(
+        tmp_path, "--host", "127.0.0.1", "--port", "0",
+        env={"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "200000"},
+    )
+    spawned.append(sp)
+    ready = sp.wait_event("store_ready")
+    assert ready["host"] == "127.0.0.1" and ready["pid"] == sp.proc.pid
+    port = int(ready["port"])  # type: ignore[arg-type]
+    assert port > 0
+
+    assert notify_socket.recv(timeout=10)["READY"] == "1"
+
+    a, b = _client(port), _client(port)
+    a.set("trainguard/test/key", "value")  # type: ignore[attr-defined]
+    assert b.get("trainguard/test/key") == b"value"  # type: ignore[attr-defined]
+    assert b.add("trainguard/test/counter", 2) == 2  # type: ignore[attr-defined]
+    del a, b
+
+    time.sleep(0.5)  # a few watchdog periods (0.1 s)
+    sp.proc.send_signal(signal.SIGTERM)
+    rc = sp.proc.wait(timeout=STOP_TIMEOUT_S)
+    assert rc == 0, sp.log_path.read_text()
+    names = [e.get("event") for e in sp.events()]
+    assert names.index("store_ready") < names.index("store_stopping") < names.index("store_stopped")
+    stopping = next(e for e in sp.events() if e.get("event") == "store_stopping")
+    assert stopping["signal"] == "SIGTERM"
+
+    msgs = notify_socket.drain()
+    assert sum(1 for m in msgs if m.get("WATCHDOG") == "1") >= 2, msgs
+    assert msgs[-1].get("STOPPING") == "1", msgs
+
+    # The port is released at once: a restarted store can take it again.
+    sp2 = _spawn(tmp_path, "--host", "127.0.0.1", "--port", str(port))
+    spawned.append(sp2)
+    assert int(sp2.wait_event("store_ready")["port"]) == port  # type: ignore[arg-type]
+    sp2.proc.send_signal(signal.SIGINT)
+    assert sp2.proc.wait(timeout=STOP_TIMEOUT_S) == 0
+
+
+def test_c10d_rendezvous_through_external_store(tmp_path: Path, spawned: list[StoreProcess]) -> None:
+    """An agent-side c10d handler with ``is_host=false`` forms a world on the standalone store."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    sp = _spawn(tmp_path, "--host", "127.0.0.1", "--port", "0")
+    spawned.append(sp)
+    port = int(sp.wait_event("store_ready")["port"])  # type: ignore[arg-type]
+
+    params = RendezvousParameters(
+        backend="c10d",
+        endpoint=f"127.0.0.1:{port}",
+        run_id="store-test",
+        min_nodes=1,
+        max_nodes=1,
+        is_host=False,
+        join_timeout=30,
+        last_call_timeout=1,
+        local_addr="127.0.0.1",
+    )
+    handler = get_rendezvous_handler(params)
+    try:
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        info.store.set("hello", "world")
+        assert info.store.get("hello") == b"world"
+        # The rendezvous state lives in the standalone store, not in this (agent) process.
+        assert _client(port).check(["torch.rendezvous.store-test"])  # type: ignore[attr-defined]
+    finally:
+        handler.shutdown()
+    sp.proc.send_signal(signal.SIGTERM)
+    assert sp.proc.wait(timeout=STOP_TIMEOUT_S) == 0
+
+
+def test_port_in_use_fails_with_store_failed(tmp_path: Path, spawned: list[StoreProcess]) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        sp = _spawn(tmp_path, "--host", "127.0.0.1", "--port", str(port))
+        spawned.append(sp)
+        assert sp.proc.wait(timeout=60) == 1
+    failed = next(e for e in sp.events() if e.get("event") == "store_failed")
+    assert failed["port"] == port and "--port" in str(failed["fix"])
+
+
+def test_cli_store_subcommand_notifies_systemd(
+    tmp_path: Path, spawned: list[StoreProcess], notify_socket: FakeSystemd
+) -> None:
+    """``trainguard store`` through the real CLI must reach sd_notify (the unit is Type=notify).
+
+    The CLI entry point has to hand the environment to :func:`trainguard.agent.store.main`
+    (``main(args, os.environ)`` or ``args.environ = os.environ``); without it systemd never sees
+    READY and stops the unit after TimeoutStartSec.
+    """
+    pytest.importorskip("trainguard.agent.cli")
+    log_path = tmp_path / "cli-store.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_USEC", "WATCHDOG_PID")}
+    env["NOTIFY_SOCKET"] = notify_socket.address
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.agent.cli", "store", "--host", "127.0.0.1", "--port", "0"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        )
+    sp = StoreProcess(proc, log_path)
+    spawned.append(sp)
+    sp.wait_event("store_ready")
+    assert notify_socket.recv(timeout=10).get("READY") == "1", log_path.read_text()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=STOP_TIMEOUT_S) == 0
