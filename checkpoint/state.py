@@ -1,0 +1,150 @@
+"""Stateful helpers for what goes into a checkpoint: model + optimizer, and trainer state.
+
+Both implement ``torch.distributed.checkpoint.stateful.Stateful``; put them in the app-state dict
+given to :meth:`CheckpointManager.save` / :meth:`~CheckpointManager.restore`::
+
+    state = {"model": ModelOptimizerState(model, optimizer), "trainer": TrainerState(seed=1234)}
+
+RNG across world sizes
+    :class:`TrainerState` stores *every* rank's RNG states (gathered over the checkpoint process
+    group at save time, a few KB per rank) in one opaque value, so the checkpoint reads the same at
+    any world size. On restore at ``W'`` ranks, rank ``r`` restores rank ``r``'s states if the saving
+    world had a rank ``r``; otherwise (``r >= W``) it reseeds python ``random``, numpy and torch
+    deterministically from ``(seed, step, r)`` (see :func:`reseed_value`), and ``rng_restored`` is
+    False. At ``W' == W`` restore is bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+class ModelOptimizerState(Stateful):
+    """Model (and optimizer) state through ``get_state_dict`` / ``set_state_dict``.
+
+    Works for plain modules, DDP and FSDP2 (``fully_shard``) at any world size: DDP's ``module.``
+    prefix is dropped and FSDP2 parameters are DTensors that DCP reshards on load.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 options: StateDictOptions | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            model_sd, _ = get_state_dict(self.model, [], options=self.options)
+            return {"model": model_sd}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            set_state_dict(self.model, [], model_state_dict=state_dict["model"], optim_state_dict={},
+                           options=self.options)
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                           optim_state_dict=state_dict["optim"], options=self.options)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states: python ``random``, numpy global, torch CPU, and CUDA if available."""
+    out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                           "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng` (CUDA states only when this process has as many devices)."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def reseed_value(seed: int, step: int, rank: int) -> int:
+    """The deterministic 63-bit seed used for a rank that has no saved RNG state."""
+    digest = hashlib.sha256(f"trainguard-rng/{seed}/{step}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed python, numpy and torch (all devices) from :func:`reseed_value`."""
+    v = reseed_value(seed, step, rank)
+    random.seed(v)
+    np.random.seed(v % (2**32))
+    torch.manual_seed(v)
+
+
+class TrainerState(Stateful):
+    """Step, global data cursor, RNG states (per rank) and config fingerprint.
+
+    ``cursor`` is any picklable dict (e.g. the global sample cursor: epoch, permutation seed, samples
+    consumed); it is global, identical on every rank. ``process_group`` is the group over which RNG
+    states are gathered at save time; :class:`~trainguard.checkpoint.manager.CheckpointManager` binds
+    its checkpoint group through :meth:`bind_checkpoint_group`. ``state_dict()`` is a collective
+    when a group of size > 1 is bound (or the default group exists): call it on every rank.
+    """
+
+    def __init__(self, *, step: int = 0, cursor: dict[str, Any] | None = None, seed: int = 0,
+                 config_fingerprint: str = "", process_group: Any = None) -> None:
+        self.step = step
+        self.cursor: dict[str, Any] = dict(cursor or {})
+        self.seed = seed
+        self.config_fingerprint = config_fingerprint
+        self.process_group = process_group
+        self.rng_restored: bool | None = None
+        """After a restore: True when this rank's own RNG states were restored, False when reseeded."""
+        self.saved_world_size: int | None = None
+
+    def bind_checkpoint_group(self, process_group: Any) -> None:
+        """Use ``process_group`` for the RNG gather (called by the checkpoint manager)."""
+        self.process_group = process_group
+
+    def _rank_world(self) -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        return 0, 1
+
+    def state_dict(self) -> dict[str, Any]:
+        rank, world = self._rank_world()
+        mine = capture_rng()
+        if world > 1:
+            table: list[Any] = [None] * world
+            dist.all_gather_object(table, mine, group=self.process_group)
+        else:
+            table = [mine]
+        # One opaque value (bytes) so that the key set is the same at every world size and DCP's
+        # de-duplication of identical keys across ranks is harmless (every rank holds the same table).
+        return {"step": self.step, "seed": self.seed, "config_fingerprint": self.config_fingerprint,
+                "world_size": world, "cursor": pickle.dumps(self.cursor),
+                "rng": pickle.dumps(dict(enumerate(table)))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.seed = int(state_dict["seed"])
+        self.config_fingerprint = str(state_dict["config_fingerprint"])
+        self.saved_world_size = int(state_dict["world_size"])
+        self.cursor = pickle.loads(state_dict["cursor"])
+        table: dict[int, Any] = pickle.loads(state_dict["rng"])
+        rank, _ = self._rank_world()
+        if rank in table:
+            restore_rng(table[rank])
+            self.rng_restored = True
+        else:
+            reseed(self.seed, self.step, rank)
+            self.rng_restored = False

@@ -1,0 +1,500 @@
+"""Our one wrapper over fsspec and DCP's private fsspec reader/writer.
+
+Everything the checkpoint subsystem does to storage goes through :class:`Storage`: small retried
+operations (list, read, atomic write, remove, checksum) and the DCP ``StorageWriter`` /
+``StorageReader`` built on ``torch.distributed.checkpoint._fsspec_filesystem`` (private in torch
+2.13, so it is imported here and nowhere else).
+
+URLs stay ``str`` (``pathlib.Path`` collapses the ``//`` in ``gs://``). Supported: plain paths,
+``file://``, ``s3://`` (s3fs), ``gs://``/``gcs://`` (gcsfs) and ``memory://`` (tests). Backends are
+imported lazily by fsspec. ``storage_options`` go to fsspec and are never logged.
+
+Two DCP-over-fsspec bugs are worked around in :class:`_DurableFileSystem`:
+
+* pytorch#142396 — s3fs/gcsfs file objects have ``fileno`` but calling it raises
+  ``io.UnsupportedOperation``. torch 2.13 catches it and falls back to ``os.sync()``, which flushes
+  every disk of the host and does nothing for a remote object. We build the writer with
+  ``sync_files=False`` so DCP never calls ``fileno``/``os.sync``, and do durability ourselves.
+* pytorch#183878 — data buffered in the fsspec file object is not guaranteed to be on the remote
+  side after DCP's "sync". Our stream wrapper, on close, flushes the fsspec buffer
+  (``flush(force=True)`` through ``close()``), ``fsync``s local files, and then *checks* that the
+  stored object has exactly the number of bytes written (``fs.info``); a short object raises
+  :class:`StorageError` instead of being committed. It also computes each file's CRC32 while the
+  bytes pass, so the manifest's checksums cost no second read.
+
+Retries: transient errors (connection resets, timeouts, HTTP 429/5xx) are retried with exponential
+backoff and jitter until ``retry_attempts`` or ``retry_deadline_s`` runs out; every failed attempt is
+logged as ``storage_retry``. Threading: a :class:`Storage` may be used from the training thread and
+the checkpoint thread at once; fsspec filesystems are thread-safe for these operations.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from trainguard.agent.log import get_logger
+from trainguard.checkpoint.errors import CheckpointNotFound, StorageError
+
+log = get_logger("trainguard.checkpoint.storage")
+
+T = TypeVar("T")
+
+# A private generator for backoff jitter: drawing from the global `random` would perturb the
+# training script's RNG stream (and break bit-identical resumption).
+_jitter = random.Random()
+
+_CHUNK = 8 * 1024 * 1024
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+_TRANSIENT_NAMES = ("Timeout", "Connection", "ServerDisconnected", "ClientOSError", "ClientPayloadError",
+                    "IncompleteRead", "ProtocolError", "EndpointConnection", "ResponseStreamingError")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the operation that raised ``exc`` may succeed (a pure function, unit-tested)."""
+    if isinstance(exc, StorageError):
+        return exc.transient
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    name = type(exc).__name__
+    if any(k in name for k in _TRANSIENT_NAMES):
+        return True
+    code = getattr(exc, "code", None) or getattr(exc, "status", None)
+    if isinstance(code, int) and (code == 429 or 500 <= code < 600):
+        return True
+    # s3fs/gcsfs translate most network failures into a bare OSError (errno None or EIO/ECONNRESET).
+    if type(exc) is OSError:
+        return True
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and is_transient(cause)
+
+
+def split_scheme(url: str) -> str:
+    """The URL's scheme (``file`` for plain paths)."""
+    return url.split("://", 1)[0] if "://" in url else "file"
+
+
+class Storage:
+    """A checkpoint root (``url``) on some fsspec backend, with retried operations.
+
+    Paths given to methods are relative to the root, ``/``-separated (``run/step-000000000010/x``).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, retry_attempts: int = 5,
+                 retry_deadline_s: float = 120.0, backoff_base_s: float = 0.1, backoff_max_s: float = 5.0) -> None:
+        if not url:
+            raise StorageError("checkpoint url is empty. Fix: set checkpoint.url (TRAINGUARD_CHECKPOINT_URL)")
+        self.url = url.rstrip("/") if url.rstrip("/") else url
+        self._options = dict(storage_options or {})
+        self.retry_attempts = retry_attempts
+        self.retry_deadline_s = retry_deadline_s
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self._fs: Any = None
+        self._root = ""
+        self._lock = threading.Lock()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem (created on first use, so importing s3fs/gcsfs happens lazily)."""
+        with self._lock:
+            if self._fs is None:
+                from fsspec.core import url_to_fs
+
+                try:
+                    self._fs, root = url_to_fs(self.url, **self._options)
+                except (ImportError, ValueError) as e:
+                    raise StorageError(
+                        f"cannot open checkpoint storage {self.url!r}: {e}. Fix: install the backend "
+                        f"(`pip install trainguard[s3]` / `[gcs]`) and check checkpoint.storage_options") from e
+                self._root = root.rstrip("/") if root not in ("/", "") else root
+            return self._fs
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the backend is the local filesystem (``fsync`` and ``os.replace`` apply)."""
+        return "file" in _protocols(self.fs) or "local" in _protocols(self.fs)
+
+    def path(self, rel: str = "") -> str:
+        """The backend path (no scheme) of ``rel``."""
+        _ = self.fs
+        if not rel:
+            return self._root
+        return f"{self._root.rstrip('/')}/{rel.lstrip('/')}" if self._root else rel
+
+    def url_of(self, rel: str = "") -> str:
+        """The user-facing URL of ``rel`` (for messages and logs; carries no credentials)."""
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def retry(self, op: str, rel: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with retries on transient errors; raise :class:`StorageError` when they run out.
+
+        Permanent errors (not found, permission) are re-raised as they are after one attempt, so
+        callers can tell "missing" from "broken".
+        """
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - classified below
+                transient = is_transient(e)
+                elapsed = time.monotonic() - start
+                delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1)) * (0.5 + _jitter.random() / 2)
+                give_up = (not transient or attempt >= self.retry_attempts
+                           or elapsed + delay > self.retry_deadline_s)
+                if not (transient or attempt > 1) and isinstance(e, _PERMANENT):
+                    raise  # an answer ("not found"), not a failure: nothing to retry or log
+                log.warning("storage_retry", op=op, url=self.url_of(rel), attempt=attempt,
+                            max_attempts=self.retry_attempts, elapsed_s=round(elapsed, 3), transient=transient,
+                            error=f"{type(e).__name__}: {e}"[:500], giving_up=give_up)
+                if give_up:
+                    if not transient and isinstance(e, (_PERMANENT, StorageError)):
+                        raise
+                    raise StorageError(
+                        f"{op} {self.url_of(rel)} failed after {attempt} attempt(s) in {elapsed:.1f}s: "
+                        f"{type(e).__name__}: {e}. Fix: check that the storage endpoint is reachable and the "
+                        f"credentials are valid; raise checkpoint.retry_attempts / retry_deadline_s for flaky "
+                        f"storage", transient=transient) from e
+                time.sleep(delay)
+
+    # -- small retried operations ---------------------------------------------------------------
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly under ``rel``; empty when it does not exist."""
+        p = self.path(rel)
+
+        def op() -> list[str]:
+            self.fs.invalidate_cache(p)
+            try:
+                entries = self.fs.ls(p, detail=False)
+            except FileNotFoundError:
+                return []
+            return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != p.rstrip("/")})
+
+        return self.retry("list", rel, op)
+
+    def exists(self, rel: str) -> bool:
+        """Whether ``rel`` exists."""
+        p = self.path(rel)
+
+        def op() -> bool:
+            self.fs.invalidate_cache(p)
+            return bool(self.fs.exists(p))
+
+        return self.retry("exists", rel, op)
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The whole content of ``rel``; :class:`CheckpointNotFound` when missing."""
+        p = self.path(rel)
+        try:
+            return self.retry("read", rel, lambda: self.fs.cat_file(p))
+        except FileNotFoundError as e:
+            raise CheckpointNotFound(f"{self.url_of(rel)} does not exist") from e
+
+    def size(self, rel: str) -> int:
+        """Size of ``rel`` in bytes."""
+        p = self.path(rel)
+
+        def op() -> int:
+            self.fs.invalidate_cache(p)
+            return int(self.fs.info(p)["size"])
+
+        try:
+            return self.retry("stat", rel, op)
+        except FileNotFoundError as e:
+            raise CheckpointNotFound(f"{self.url_of(rel)} does not exist") from e
+
+    def crc32(self, rel: str) -> tuple[int, int]:
+        """``(size, crc32)`` of ``rel``, streamed in 8 MiB chunks (whole read retried on failure)."""
+        p = self.path(rel)
+
+        def op() -> tuple[int, int]:
+            crc, n = 0, 0
+            with self.fs.open(p, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+                    n += len(chunk)
+            return n, crc
+
+        try:
+            return self.retry("checksum", rel, op)
+        except FileNotFoundError as e:
+            raise CheckpointNotFound(f"{self.url_of(rel)} does not exist") from e
+
+    def write_bytes_atomic(self, rel: str, data: bytes) -> None:
+        """Write ``data`` to ``rel`` so that readers see either nothing or all of it, durably.
+
+        Local: temp file, ``fsync``, ``os.replace``, ``fsync`` of the directory. Object stores: one PUT
+        (atomic by the store's contract), then the stored size is checked.
+        """
+        p = self.path(rel)
+
+        def op() -> None:
+            if self.is_local:
+                d = os.path.dirname(p)
+                os.makedirs(d, exist_ok=True)
+                tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, p)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+                fsync_dir(d)
+            else:
+                self.fs.pipe_file(p, data)
+                self.fs.invalidate_cache(p)
+                got = int(self.fs.info(p)["size"])
+                if got != len(data):
+                    raise StorageError(f"{self.url_of(rel)} holds {got} bytes after writing {len(data)}",
+                                       transient=True)
+
+        self.retry("write", rel, op)
+
+    def remove(self, rel: str, *, recursive: bool = False) -> None:
+        """Remove ``rel`` (a file, or a whole directory with ``recursive``); missing is not an error."""
+        p = self.path(rel)
+
+        def op() -> None:
+            try:
+                self.fs.rm(p, recursive=recursive)
+            except FileNotFoundError:
+                pass
+            self.fs.invalidate_cache(p)
+
+        self.retry("remove", rel, op)
+
+    def fsync_dir(self, rel: str) -> None:
+        """Make a local directory's entries durable; no-op on object stores."""
+        if self.is_local:
+            fsync_dir(self.path(rel))
+
+    # -- DCP --------------------------------------------------------------------------------------
+
+    def dcp_writer(self, rel_dir: str) -> DCPWriter:
+        """A DCP ``StorageWriter`` for the directory ``rel_dir`` (one file per rank, durable writes)."""
+        return DCPWriter(self, rel_dir)
+
+    def dcp_reader(self, rel_dir: str) -> DCPReader:
+        """A DCP ``StorageReader`` for the directory ``rel_dir``."""
+        return DCPReader(self, rel_dir)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+def fsync_dir(path: str) -> None:
+    """``fsync`` a local directory so that renames/creations in it survive a crash."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP reader/writer over our storage (the only import of the private torch module)
+# ---------------------------------------------------------------------------------------------
+
+from torch.distributed.checkpoint._fsspec_filesystem import (  # noqa: E402
+    FileSystem as _TorchFsspecFileSystem,
+    FsspecReader as _TorchFsspecReader,
+    FsspecWriter as _TorchFsspecWriter,
+)
+
+
+class _DigestWriter(io.RawIOBase):
+    """Write-only stream over an fsspec file: counts bytes, computes CRC32, commits durably on close.
+
+    ``close()`` is the commit: flush the fsspec buffer (pytorch#183878), ``fsync`` if local, close
+    (which uploads the last part on object stores), then verify the stored size. ``fileno`` is not
+    offered (pytorch#142396).
+    """
+
+    def __init__(self, raw: Any, path: str, storage: Storage, local: bool) -> None:
+        super().__init__()
+        self._raw = raw
+        self._path = path
+        self._storage = storage
+        self._local = local
+        self.size = 0
+        self.crc = 0
+        self._committed = False
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readable(self) -> bool:
+        return False
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = self._raw.write(mv)
+        n = len(mv) if n is None else n
+        if n != len(mv):
+            raise StorageError(f"short write to {self._path}: {n} of {len(mv)} bytes", transient=True)
+        self.crc = zlib.crc32(mv, self.crc)
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        if not self._committed and not self._raw.closed:
+            self._raw.flush()
+
+    def close(self) -> None:
+        if self._committed or self.closed:
+            super().close()
+            return
+        self._committed = True
+        try:
+            if self._local:
+                self._raw.flush()
+                os.fsync(self._raw.fileno())
+            self._raw.close()  # object stores: flush(force=True) uploads the final part here
+            fs = self._storage.fs
+            fs.invalidate_cache(self._path)
+            stored = int(fs.info(self._path)["size"])
+            if stored != self.size:
+                raise StorageError(
+                    f"{self._path}: storage holds {stored} bytes after {self.size} were written (unflushed or "
+                    f"dropped buffer, pytorch#183878). Fix: retry; check the storage backend", transient=True)
+        finally:
+            super().close()
+
+    def __del__(self) -> None:
+        # Never commit from the garbage collector: an unclosed stream is an aborted one.
+        pass
+
+    def abort(self) -> None:
+        """Drop the file without committing it (object stores: abort the multipart upload)."""
+        self._committed = True
+        try:
+            if hasattr(self._raw, "discard") and not self._local:
+                self._raw.discard()
+            self._raw.close()
+        except Exception:  # noqa: BLE001 - best effort on an already failing path
+            pass
+        super().close()
+
+
+class _DurableFileSystem(_TorchFsspecFileSystem):
+    """DCP's fsspec ``FileSystem`` with durable, verified, checksummed writes. See the module docstring."""
+
+    def __init__(self, storage: Storage) -> None:
+        super().__init__()
+        self.storage = storage
+        self.fs = storage.fs
+        self.local = storage.is_local
+        self.digests: dict[str, tuple[int, int]] = {}
+        self._digest_lock = threading.Lock()
+
+    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
+        return path
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return f"{os.fspath(path).rstrip('/')}/{suffix}"
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        path = os.fspath(path)
+        if not any(ch in mode for ch in "w+a"):
+            f = self.storage.retry("open", path, lambda: self.fs.open(path, mode))
+            with f:
+                yield f
+            return
+        raw = self.fs.open(path, mode)
+        stream = _DigestWriter(raw, path, self.storage, self.local)
+        try:
+            yield stream
+            stream.close()
+        except BaseException:
+            stream.abort()
+            try:
+                self.fs.rm(path)
+            except Exception:  # noqa: BLE001 - the file may never have been created
+                pass
+            raise
+        with self._digest_lock:
+            self.digests[path.rsplit("/", 1)[-1]] = (stream.size, stream.crc)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        path, new_path = os.fspath(path), os.fspath(new_path)
+        if self.local:
+            os.replace(path, new_path)
+        else:
+            # Copy + delete rather than fs.mv: gcsfs tries the moveTo API first, which emulators (and
+            # some buckets) refuse with 501 after ~30 s of retries. DCP only renames its small
+            # ``.metadata`` file; our manifest, not this rename, is the commit point.
+            self.storage.retry("copy", path, lambda: self.fs.copy(path, new_path))
+            self.storage.retry("remove", path, lambda: self.fs.rm(path))
+        with self._digest_lock:
+            d = self.digests.pop(path.rsplit("/", 1)[-1], None)
+            if d is not None:
+                self.digests[new_path.rsplit("/", 1)[-1]] = d
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        if self.local:
+            os.makedirs(os.fspath(path), exist_ok=True)
+        # Object stores have no directories; creating a "directory" marker would only cost a request.
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        self.fs.invalidate_cache(os.fspath(path))
+        return bool(self.fs.exists(os.fspath(path)))
+
+
+class DCPWriter(_TorchFsspecWriter):
+    """DCP ``StorageWriter`` over :class:`Storage`: one file per rank, ``sync_files=False`` (we sync).
+
+    After ``dcp.save`` returns, :attr:`digests` maps each file *this rank* wrote (name -> (size,
+    crc32)); on the coordinator it includes DCP's ``.metadata``.
+    """
+
+    def __init__(self, storage: Storage, rel_dir: str) -> None:
+        path = storage.path(rel_dir)
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
+        self.fs = _DurableFileSystem(storage)
+        self.path = path
+
+    @property
+    def digests(self) -> dict[str, tuple[int, int]]:
+        return dict(self.fs.digests)
+
+
+class DCPReader(_TorchFsspecReader):
+    """DCP ``StorageReader`` over :class:`Storage` (opens retried)."""
+
+    def __init__(self, storage: Storage, rel_dir: str) -> None:
+        path = storage.path(rel_dir)
+        super().__init__(path)
+        self.fs = _DurableFileSystem(storage)
+        self.path = path

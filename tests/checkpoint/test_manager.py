@@ -1,0 +1,281 @@
+"""Single-process manager tests: async correctness, in-flight rule, retention, fencing, faults."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoint._launch import ROOT, child_env
+from trainguard.checkpoint import storage as storage_mod
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound, FencedError
+from trainguard.checkpoint.manager import CheckpointManager, scan_run
+from trainguard.checkpoint.manifest import step_dir
+from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    return m, opt
+
+
+def _train(m: torch.nn.Module, opt: torch.optim.Optimizer, n: int = 1) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        m(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+
+
+def _snapshot(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    import copy
+
+    return copy.deepcopy({"m": m.state_dict(), "o": opt.state_dict()})
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if not isinstance(y, dict) or not _same(x, y):
+                return False
+        elif isinstance(x, torch.Tensor):
+            if not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _mgr(url: str, *, fence: int = 0, **cfg: object) -> CheckpointManager:
+    return CheckpointManager(CheckpointConfig(url=url, **cfg), "run", rank=0, world_size=1, fence=fence)
+
+
+def _restore_fresh(mgr: CheckpointManager, step: int | None = None) -> tuple[int | None, dict]:
+    m, opt = _model()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    got = mgr.restore({"model": ModelOptimizerState(m, opt)}, step)
+    return got, _snapshot(m, opt)
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return str(tmp_path / "ckpt")
+
+
+class _Gate:
+    """Blocks the background writer at its first write until released (no sleeps)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        orig = storage_mod._DigestWriter.write
+
+        def write(w: storage_mod._DigestWriter, b: object) -> int:
+            if threading.current_thread() is not threading.main_thread():
+                self.entered.set()
+                assert self.release.wait(30), "gate never released"
+            return orig(w, b)
+
+        monkeypatch.setattr(storage_mod._DigestWriter, "write", write)
+
+
+def test_async_save_is_the_state_at_save_time(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    m, opt = _model()
+    _train(m, opt)
+    gate = _Gate(monkeypatch)
+    with _mgr(url) as mgr:
+        expected = _snapshot(m, opt)
+        mgr.save(1, {"model": ModelOptimizerState(m, opt)})
+        assert gate.entered.wait(30)
+        assert mgr.in_flight == 1  # persisting is under way ...
+        _train(m, opt, 3)  # ... while training mutates parameters and optimizer state in place
+        assert not _same(expected, _snapshot(m, opt))
+        gate.release.set()
+        assert mgr.wait(30) == 1
+        got, restored = _restore_fresh(mgr)
+    assert got == 1 and _same(expected, restored)
+
+
+def test_new_save_waits_for_inflight_and_buffers_are_reused(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    m, opt = _model()
+    _train(m, opt)
+    gate = _Gate(monkeypatch)
+    with _mgr(url) as mgr:
+        state = {"model": ModelOptimizerState(m, opt)}
+        mgr.save(1, state)
+        assert gate.entered.wait(30)
+        returned = threading.Event()
+        t = threading.Thread(target=lambda: (mgr.save(2, state, kind="emergency"), returned.set()))
+        t.start()
+        assert not returned.wait(0.5), "second save returned while the first was still in flight"
+        gate.release.set()
+        t.join(30)
+        assert returned.is_set()
+        assert mgr.wait(30) == 2
+        mgr.save(3, state)
+        mgr.wait(30)
+        assert [(i.step, i.kind) for i in mgr.list()] == [(1, "periodic"), (2, "emergency"), (3, "periodic")]
+        params = sum(p.numel() * 4 for p in m.parameters())
+        assert mgr._stager.rebuilds == 1  # one allocation, reused by saves 2 and 3
+        assert params * 3 <= mgr.staging_bytes <= params * 3 + 64  # params + exp_avg + exp_avg_sq + steps
+
+
+def test_retention_keeps_exactly_k(url: str) -> None:
+    m, opt = _model()
+    with _mgr(url, keep_last=3) as mgr:
+        for s in range(1, 7):
+            _train(m, opt)
+            mgr.save(s, {"model": ModelOptimizerState(m, opt)})
+        mgr.wait(30)
+        assert [i.step for i in mgr.list()] == [4, 5, 6]
+    assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(s) for s in (4, 5, 6)]
+
+
+def test_truncated_shard_falls_back_to_previous_step(url: str) -> None:
+    m, opt = _model()
+    with _mgr(url) as mgr:
+        _train(m, opt)
+        mgr.save(1, {"model": ModelOptimizerState(m, opt)}, block=True)
+        step1 = _snapshot(m, opt)
+        _train(m, opt)
+        mgr.save(2, {"model": ModelOptimizerState(m, opt)}, block=True)
+    shard = Path(url, "run", step_dir(2), "__0_0.distcp")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    for verify in (True, False):  # caught by the size check, or by the load itself
+        with _mgr(url, verify=verify) as mgr:
+            got, restored = _restore_fresh(mgr)
+            assert got == 1 and _same(step1, restored)
+            assert mgr.latest() == 2  # still committed: restore never deletes evidence
+
+
+def test_flipped_byte_is_caught_by_checksum(url: str) -> None:
+    m, opt = _model()
+    with _mgr(url) as mgr:
+        mgr.save(1, {"model": ModelOptimizerState(m, opt)}, block=True)
+        _train(m, opt)
+        mgr.save(2, {"model": ModelOptimizerState(m, opt)}, block=True)
+    shard = Path(url, "run", step_dir(2), "__0_0.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with _mgr(url) as mgr:
+        assert _restore_fresh(mgr)[0] == 1
+    Path(url, "run", step_dir(1), "__0_0.distcp").unlink()
+    with _mgr(url) as mgr, pytest.raises(CheckpointCorrupt, match="step 2.*crc32.*step 1.*missing"):
+        _restore_fresh(mgr)
+
+
+def test_restore_without_checkpoints_and_unknown_step(url: str) -> None:
+    with _mgr(url) as mgr:
+        assert _restore_fresh(mgr)[0] is None
+        assert mgr.latest() is None and mgr.list() == []
+        m, opt = _model()
+        mgr.save(5, {"model": ModelOptimizerState(m, opt)}, block=True)
+        with pytest.raises(CheckpointNotFound, match="step 4 has no committed checkpoint"):
+            _restore_fresh(mgr, 4)
+        assert _restore_fresh(mgr, 5)[0] == 5
+
+
+def test_stale_fence_cannot_commit(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    m, opt = _model()
+    state = {"model": ModelOptimizerState(m, opt)}
+    old = _mgr(url, fence=1)
+    old.save(1, state)
+    old.save(2, state)
+    assert old.wait(30) == 2
+    new = _mgr(url, fence=2)
+    assert _restore_fresh(new)[0] == 2  # the new round registers itself, starting from step 2
+    old.save(3, state)
+    with pytest.raises(FencedError, match="fence .* 1 is older than round 2"):
+        old.wait(30)
+    assert not Path(url, "run", step_dir(3)).exists()  # refused before writing anything
+    with pytest.raises(FencedError):  # the stale world keeps being refused
+        old.save(4, state, block=True)
+    new.save(3, state, block=True)
+    assert new.latest() == 3
+    # A stale commit that raced past the check (simulated) lands on a dead branch: never restored.
+    monkeypatch.setattr(old, "_check_fence", lambda **_: None)
+    old.save(7, state, block=True)
+    assert Path(url, "run", step_dir(7), "manifest.json").exists()
+    assert new.latest() == 3 and scan_run(new.storage, "run").stale == [7]
+    new.save(4, state, block=True)  # and is garbage-collected by the owner's next commit
+    assert not Path(url, "run", step_dir(7)).exists()
+    old.close()
+    new.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_kill_between_shards_and_manifest(url: str) -> None:
+    p = subprocess.run([sys.executable, str(ROOT / "tests/checkpoint/_kill_worker.py"), url], env=child_env(),
+                       capture_output=True, timeout=100)
+    assert p.returncode == -9, p.stderr.decode()[-2000:]
+    assert Path(url, "run", step_dir(2), "__0_0.distcp").exists()
+    assert not Path(url, "run", step_dir(2), "manifest.json").exists()
+    with _mgr(url, fence=1) as mgr:
+        assert mgr.latest() == 1 and [i.step for i in mgr.list()] == [1]
+        assert scan_run(mgr.storage, "run").uncommitted == [2]
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        assert mgr.restore({"model": ModelOptimizerState(model)}) == 1
+        mgr.save(3, {"model": ModelOptimizerState(model)}, block=True)
+    assert not Path(url, "run", step_dir(2)).exists()  # collected after the next commit
+    assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(1), step_dir(3)]
+
+
+def test_trainer_state_round_trip_is_bit_identical(url: str) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    ts = TrainerState(step=42, cursor={"epoch": 1, "samples": 4200, "perm_seed": 9}, seed=11, config_fingerprint="f1")
+    with _mgr(url) as mgr:
+        mgr.save(42, {"trainer": ts}, block=True)
+        want = [random.random(), float(np.random.rand()), torch.rand(3)]
+        back = TrainerState()
+        assert mgr.restore({"trainer": back}) == 42
+        got = [random.random(), float(np.random.rand()), torch.rand(3)]
+    assert (back.step, back.cursor, back.seed, back.config_fingerprint) == (42, ts.cursor, 11, "f1")
+    assert back.rng_restored is True and want[:2] == got[:2] and torch.equal(want[2], got[2])
+
+
+def test_close_is_idempotent_and_safe_half_built(url: str) -> None:
+    mgr = _mgr(url)
+    mgr.close()
+    mgr.close()
+    with pytest.raises(Exception, match="closed"):
+        mgr.save(1, {})
+    with pytest.raises(Exception, match="run_id"):
+        CheckpointManager(CheckpointConfig(url=url), "a/b", rank=0, world_size=1)
+
+
+def test_memory_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uuid
+
+    url = f"memory://tg-{uuid.uuid4().hex[:8]}"
+    m, opt = _model()
+    with _mgr(url) as mgr:
+        _train(m, opt)
+        mgr.save(1, {"model": ModelOptimizerState(m, opt)})
+        expected = _snapshot(m, opt)
+        assert mgr.wait(30) == 1
+        got, restored = _restore_fresh(mgr)
+    assert got == 1 and _same(expected, restored)
+    assert os.environ.get("AWS_SECRET_ACCESS_KEY") in (None, os.environ.get("AWS_SECRET_ACCESS_KEY"))
