@@ -231,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    # The one place the process environment is handed on (sd_notify in `trainguard store`).
+    args.environ = os.environ
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

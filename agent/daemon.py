@@ -41,7 +41,22 @@ def _start_watchers(cfg: TrainguardConfig, sup: Supervisor) -> list[Any]:
         log.warning("watchers_unavailable")
         return []
 
+    notices: list[Any] = []
+
+    def acknowledge_notices() -> None:
+        from trainguard.agent.watchers import acknowledge
+
+        if not cfg.preemption.azure_acknowledge:
+            return
+        while notices:
+            n = notices.pop()
+            if acknowledge(watchers, n):
+                log.info("notice_acknowledged", source=n.source, event_id=getattr(n, "event_id", None))
+
+    sup.on_emergency_commit = acknowledge_notices
+
     def on_notice(notice: Any) -> None:
+        notices.append(notice)
         log.warning("preemption_notice", source=notice.source, kind=notice.kind,
                     deadline_in_s=round(notice.deadline - time.time(), 1))
         sup._observe("notice", notice.source)
@@ -55,12 +70,32 @@ def _start_watchers(cfg: TrainguardConfig, sup: Supervisor) -> list[Any]:
 
 def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners: list[Callable[..., Any]] | None = None) -> int:
     """Run one node's agent until the job ends or this node leaves. Returns the process exit code."""
+    from trainguard.agent.sdnotify import Notifier, WatchdogThread, watchdog_interval
+
+    notifier = Notifier.from_env(env)
+    ready_sent = False
+
+    def tell_systemd(old: Any, new: Any, details: dict[str, Any]) -> None:
+        nonlocal ready_sent
+        size = sup._world.get("world_size")  # sup exists: transitions start after it is built
+        text = f"{new.value}" + (f", world size {size}" if size else "")
+        if new == AgentState.RENDEZVOUS and not ready_sent:
+            ready_sent = True
+            notifier.ready(status=text)  # READY once the first rendezvous attempt has started
+        else:
+            notifier.status(text)
+
     metrics, exporter = _start_metrics(cfg)
     listeners = list(extra_listeners or [])
+    listeners.append(tell_systemd)
     if metrics is not None:
         listeners.append(lambda old, new, details: metrics.set_state(new))
     sup = Supervisor(cfg, listeners=listeners, observer=metrics)
     services: list[Any] = [s for s in (metrics, exporter) if s is not None]
+    interval = watchdog_interval(env)
+    if interval:
+        # Pings only while the supervisor thread lives: a wedged agent is restarted by systemd.
+        services.append(WatchdogThread(notifier, interval, healthy=lambda: sup._thread is not None and sup._thread.is_alive()).start())
     try:
         services += _start_watchers(cfg, sup)
         sup.start()
@@ -76,6 +111,7 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
                 sup.leave_now()
                 return 0
     finally:
+        notifier.stopping()
         for s in reversed(services):
             try:
                 (getattr(s, "stop", None) or s.close)()

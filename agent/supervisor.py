@@ -117,6 +117,9 @@ class Supervisor:
         self.cfg = cfg
         # Metrics observe the supervisor and never steer it (AgentMetrics or None); see _observe().
         self.observer = observer
+        # Called (control thread) once a worker reports the emergency checkpoint committed; the daemon
+        # acknowledges the notice there (Azure StartRequests lets the node go early).
+        self.on_emergency_commit: Any = None
         self.sm = StateMachine(listeners)
         self._drain: DrainRequest | None = None
         self._drain_lock = threading.Lock()
@@ -174,6 +177,11 @@ class Supervisor:
             return {"ok": True, **self.status()}
         if op == "committed":
             log.info("checkpoint_committed_by_worker", step=msg.get("step"), kind=msg.get("kind"), rank=msg.get("rank"))
+            if msg.get("kind") == "emergency" and self.on_emergency_commit is not None:
+                try:
+                    self.on_emergency_commit()
+                except Exception as e:
+                    log.warning("emergency_commit_hook_failed", error=str(e))
             return None
         if op == "hello":
             return None

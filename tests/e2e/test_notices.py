@@ -1,0 +1,105 @@
+"""Every notice source drains the node the same way; two nodes can leave at once."""
+
+import os
+import time
+
+import pytest
+
+from tests.emulators.fixtures import azure_events, gcp_metadata  # noqa: F401
+from tests.harness import REPO, Node, free_port, wait_until
+from trainguard.agent import control
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+ARGS = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.03", "--global-batch", "24"]
+
+
+def worlds(node):
+    return [e["world_size"] for e in node.events("rendezvous_complete")]
+
+
+def emergency_steps(*nodes):
+    return [e["step"] for n in nodes for e in n.events("checkpoint_committed")
+            if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
+
+
+def start_cluster(tmp, names, extra_for):
+    ep = f"127.0.0.1:{free_port()}"
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}"]
+    nodes = []
+    for i, name in enumerate(names):
+        nodes.append(Node(name, tmp, ep, nnodes=f"1:{len(names)}", script=ELASTIC, script_args=ARGS,
+                          extra=common + extra_for.get(name, [])))
+        if i == 0:
+            time.sleep(0.5)
+    wait_until(lambda: all(worlds(n)[-1:] == [len(names)] for n in nodes), 120, f"world size {len(names)}")
+    wait_until(lambda: sum(len(n.events("train_step")) for n in nodes) >= 3, 90, "training")
+    return nodes
+
+
+def survivor_resumes(survivor, leavers, expected_world):
+    for n in leavers:
+        assert n.wait(90) == 0, n.dump()
+    steps = emergency_steps(survivor, *leavers)
+    assert steps and len(set(steps)) == 1, steps  # every rank stopped at the same step
+    s = steps[0]
+    wait_until(lambda: worlds(survivor)[-1:] == [expected_world], 60, f"survivor at {expected_world}")
+    resumed = wait_until(lambda: [e for e in survivor.events("resumed") if e["world_size"] == expected_world], 60, "resume")
+    assert resumed[-1]["step"] == s
+    assert not [e for e in survivor.events("state_change") if e["new"] == "restarting"]
+    return s
+
+
+@pytest.mark.parametrize("source", ["gcp", "azure", "sigterm", "sigterm-during-async-save"])
+def test_notice_source_drains_node(tmp_path, source, request):
+    tmp = str(tmp_path)
+    extra_b = []
+    emu = None
+    if source == "gcp":
+        emu = request.getfixturevalue("gcp_metadata")
+        extra_b = ["--set", "preemption.sources=gcp", "--set", f"preemption.gcp_endpoint={emu.url}"]
+    elif source == "azure":
+        emu = request.getfixturevalue("azure_events")
+        extra_b = ["--set", "preemption.sources=azure", "--set", f"preemption.azure_endpoint={emu.url}",
+                   "--set", "preemption.poll_interval_s=0.5", "--set", f"preemption.azure_vm_name={emu.vm_name}"]
+    extra_all = ["--set", "checkpoint.interval_steps=1"] if source == "sigterm-during-async-save" else []
+    a, b = nodes = start_cluster(tmp, ["a", "b"], {"a": extra_all, "b": extra_b + extra_all})
+    try:
+        if source == "gcp":
+            emu.preempt()
+        elif source == "azure":
+            event_id = emu.preempt(in_s=30)
+        else:
+            b.signal(15)
+        s = survivor_resumes(a, [b], 1)
+        if source == "azure":
+            wait_until(lambda: emu.count("/metadata/scheduledevents", method="POST") >= 1, 10, "StartRequests")
+            assert any(e.get("source") == "azure" for e in b.events("notice_acknowledged")), event_id
+        if source == "sigterm-during-async-save":
+            periodic = [e["step"] for e in a.events("checkpoint_committed") if e.get("kind") == "periodic"]
+            assert periodic and max(periodic) < s  # saves were in flight around the notice; none overwrote step s
+        first = [e for e in b.events("state_change") if e["new"] == "draining"][0]
+        assert first["source"] == ("signal" if source.startswith("sigterm") else source)
+    except AssertionError:
+        print(a.dump(60), b.dump(60), sep="\n")
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_two_notices_on_two_of_three_nodes(tmp_path):
+    tmp = str(tmp_path)
+    nodes = start_cluster(tmp, ["a", "b", "c"], {})
+    a, b, c = nodes
+    try:
+        for n in (b, c):
+            assert control.request(n.socket, {"op": "drain", "deadline_s": 60, "reason": "test"})["ok"]
+        survivor_resumes(a, [b, c], 1)
+        wait_until(lambda: any(e["world_size"] == 1 for e in a.events("train_step")), 60, "training at 1")
+    except AssertionError:
+        print(a.dump(60), b.dump(60), c.dump(40), sep="\n")
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
