@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint.manager import scan_run
-from trainguard.checkpoint.manifest import MANIFEST_NAME, Manifest, step_dir
-from trainguard.checkpoint.storage import Storage
+
+if TYPE_CHECKING:
+    from trainguard.checkpoint.storage import Storage
+# manager/manifest/storage import torch: they are imported inside the commands, so that
+# `trainguard --version` and every other command start without loading torch.
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,6 +46,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _storage(args: argparse.Namespace) -> Storage:
+    from trainguard.checkpoint.storage import Storage
+
     try:
         opts = json.loads(args.storage_options)
         if not isinstance(opts, dict):
@@ -82,6 +86,8 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 
 def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``checkpoints ls``: one row per committed step (and, with ``--all``, the others)."""
+    from trainguard.checkpoint.manager import scan_run
+
     out = out or sys.stdout
     try:
         storage = _storage(args)
@@ -116,6 +122,8 @@ def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def cmd_show(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``checkpoints show``: the manifest of one step (files with sizes and checksums)."""
+    from trainguard.checkpoint.manifest import MANIFEST_NAME, Manifest, step_dir
+
     out = out or sys.stdout
     try:
         storage = _storage(args)
