@@ -60,12 +60,12 @@ class Node:
 
     def __init__(self, name: str, tmp: str, endpoint: str, *, nnodes: str = "1:2", job: str = "job",
                  script_args: list[str] | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 script: str = EXAMPLE) -> None:
+                 script: str = EXAMPLE, backend: str = "c10d") -> None:
         self.name = name
         self.log_path = os.path.join(tmp, f"{name}.log")
         self.state_dir = os.path.join(tmp, f"state-{name}")
         cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-name", name,
+               "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-name", name,
                "--state-dir", self.state_dir, "--log-dir", os.path.join(tmp, f"logs-{name}"),
                "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "preemption.sources=signal", "--set", "metrics.port=0",
                *(extra or []), script, *(script_args or [])]

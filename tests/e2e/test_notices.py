@@ -37,6 +37,15 @@ def start_cluster(tmp, names, extra_for):
     return nodes
 
 
+def timeout_stop_sec():
+    """TimeoutStopSec of the shipped unit: a SIGTERMed agent must be gone well within it."""
+    with open(os.path.join(REPO, "systemd", "trainguard-agent.service")) as fh:
+        for line in fh:
+            if line.strip().startswith("TimeoutStopSec="):
+                return float(line.split("=", 1)[1].strip().rstrip("s"))
+    raise AssertionError("TimeoutStopSec missing from systemd/trainguard-agent.service")
+
+
 def survivor_resumes(survivor, leavers, expected_world):
     for n in leavers:
         assert n.wait(90) == 0, n.dump()
@@ -70,8 +79,12 @@ def test_notice_source_drains_node(tmp_path, source, request):
         elif source == "azure":
             event_id = emu.preempt(in_s=30)
         else:
+            t_term = time.monotonic()
             b.signal(15)
         s = survivor_resumes(a, [b], 1)
+        if source.startswith("sigterm"):
+            # systemd's stop: a drain with a committed checkpoint, exit 0, well inside TimeoutStopSec
+            assert time.monotonic() - t_term < timeout_stop_sec()
         if source == "azure":
             wait_until(lambda: emu.count("/metadata/scheduledevents", method="POST") >= 1, 10, "StartRequests")
             assert any(e.get("source") == "azure" for e in b.events("notice_acknowledged")), event_id
