@@ -1,8 +1,10 @@
 """The local demo: two trainguard agents on this machine stand in for two spot nodes.
 
-Timeline: both nodes rendezvous and train the bundled GPT job (CPU, gloo); node-b gets a simulated
-spot notice (``trainguard drain``), leaves, and node-a carries on alone at world size 1; node-b comes
-back and the world grows to 2 again; the job finishes. Every event is printed as it happens.
+Timeline: both nodes rendezvous and train the bundled GPT job on the worker API (CPU, gloo); node-b
+gets a simulated spot notice (``trainguard drain --deadline 30s``, what a cloud watcher does on a real
+notice): every rank stops at the same step, the emergency checkpoint is committed, node-b leaves, and
+node-a resumes alone at world size 1 from the next step; node-b comes back, the world takes a resize
+checkpoint and grows to 2 again; the job finishes. Every event is printed as it happens.
 
 Run it through ``bash examples/demo.sh`` (installs first) or, in an installed venv,
 ``python examples/demo.py``.
@@ -45,7 +47,8 @@ class Node:
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "demo", "--node-name", name,
                "--state-dir", self.state_dir, "--log-dir", os.path.join(work, f"logs-{name}"),
                "--set", "agent.log_format=json", "--set", "preemption.sources=signal", "--set", "metrics.port=0",
-               os.path.join(HERE, "train_gpt.py"), *train_args]
+               "--set", f"checkpoint.url={os.path.join(work, 'ckpt')}", "--set", "checkpoint.interval_steps=50",
+               os.path.join(HERE, "train_gpt_elastic.py"), *train_args]
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "OMP_NUM_THREADS": "1"}
         self.fh = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.fh, stderr=subprocess.STDOUT, env=env)
@@ -75,7 +78,13 @@ def describe(ev: dict) -> str | None:
     if e == "train_step":
         return f"step {ev['step']:4d}  loss {ev['loss']:.4f}  world size {ev['world_size']}"
     if e == "resumed":
-        return f"workers resumed from checkpoint at step {ev['step']} (world size {ev['world_size']})"
+        return f"workers restored step {ev['step']} and continue at step {ev['step'] + 1} (world size {ev['world_size']}, gradient accumulation x{ev['accum_steps']})"
+    if e == "started":
+        return f"workers started from scratch (world size {ev['world_size']}, gradient accumulation x{ev['accum_steps']})"
+    if e == "checkpoint_committed" and ev.get("component") == "trainguard.worker" and ev.get("rank") == 0:
+        return f"{ev['kind']} checkpoint of step {ev['step']} committed in {ev['seconds']}s (before the deadline: {ev['before_deadline']})"
+    if e == "checkpoint_committed" and ev.get("component") == "trainguard.checkpoint" and ev.get("rank") == 0 and ev.get("kind") == "periodic":
+        return f"periodic async checkpoint of step {ev['step']} committed"
     if e == "state_change":
         extra = f" ({ev['reason']})" if ev.get("reason") else ""
         return f"agent {ev['old']} -> {ev['new']}{extra}"
@@ -94,8 +103,7 @@ def main() -> int:
 
     work = tempfile.mkdtemp(prefix="trainguard-demo-")
     endpoint = f"127.0.0.1:{free_port()}"
-    train = ["--steps", str(args.steps), "--global-batch", "24", "--log-every", "25", "--step-sleep", "0.02",
-             "--ckpt-dir", os.path.join(work, "ckpt"), "--ckpt-every", "25"]
+    train = ["--steps", str(args.steps), "--global-batch", "24", "--log-every", "25", "--step-sleep", "0.02"]
     print(f"trainguard demo: 2 local nodes, job 'demo', rendezvous {endpoint}, work folder {work}\n", flush=True)
     nodes = {"node-a": Node("node-a", work, endpoint, train)}
     time.sleep(1.0)
