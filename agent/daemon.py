@@ -29,6 +29,8 @@ def _start_metrics(cfg: TrainguardConfig) -> tuple[Any, Any]:
 
     metrics = AgentMetrics(cfg.metrics, cfg.cost, cfg.agent.node_name,
                            run_dir=os.path.join(cfg.agent.state_dir, cfg.agent.job_id))
+    if cfg.checkpoint.url:
+        metrics.set_checkpoint_policy(cfg.checkpoint.interval_s, cfg.checkpoint.interval_steps)
     exporter = metrics.serve()
     log.info("metrics_serving", url=getattr(exporter, "url", None))
     return metrics, exporter
@@ -112,6 +114,9 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
                 return 0
     finally:
         notifier.stopping()
+        if metrics is not None:
+            drain = sup.drain
+            metrics.await_final_scrape(deadline=drain.deadline if drain is not None else None)
         for s in reversed(services):
             try:
                 (getattr(s, "stop", None) or s.close)()

@@ -172,6 +172,8 @@ class Supervisor:
         if op == "drain":
             deadline_s = float(msg.get("deadline_s") or self.cfg.preemption.default_deadline_s)
             first = self.request_drain("manual", "drain", time.time() + deadline_s, str(msg.get("reason") or "trainguard drain"))
+            if first:
+                self._observe("notice", "manual")
             return {"ok": True, "already_draining": not first}
         if op == "status":
             return {"ok": True, **self.status()}
@@ -341,8 +343,8 @@ class Supervisor:
             elif d.act is Act.RESTART:
                 self.control.forget_workers()
                 self._workers_gone(wg)
-                self._observe("restart", d.reason)
-                if d.consume_restart:
+                if d.consume_restart:  # a planned resize is no restart (metrics: its downtime is "resize")
+                    self._observe("restart", d.reason)
                     agent._remaining_restarts -= 1
                     failures_in_a_row += 1
                     backoff = min(self.cfg.workers.restart_backoff_max_s,

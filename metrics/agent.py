@@ -44,6 +44,9 @@ log = get_logger("trainguard.metrics.agent")
 
 P = names.PREFIX
 
+FINAL_SCRAPE_MAX_WAIT_S = 30.0
+"""Upper bound of :meth:`AgentMetrics.await_final_scrape` (whatever the observed scrape interval)."""
+
 
 def _state_name(state: Any) -> str:
     """Accept a plain string or an ``Enum`` member (its ``name``), lower-cased."""
@@ -145,8 +148,9 @@ class AgentMetrics:
             self.multiproc_dir = channel.prepare_dir(channel.multiproc_dir(run_dir))
 
         self.ledger = GoodputLedger(clock)
-        self._window: deque[tuple[float, float, float]] = deque()
+        self._window: deque[tuple[float, float, float, float]] = deque()  # (t, samples, tokens, steps)
         self._rates: tuple[float, float] | None = None
+        self._ckpt_policy: tuple[float, int] = (0.0, 0)  # (interval_s, interval_steps)
         self._state = "starting"
 
         self._gpu = GpuSampler(enabled=config.gpu, nvml=nvml)
@@ -251,6 +255,23 @@ class AgentMetrics:
         mean step time); the staleness alert fires at 3x this."""
         self._m_ckpt_interval.set(seconds)
 
+    def set_checkpoint_policy(self, interval_s: float = 0.0, interval_steps: int = 0) -> None:
+        """The workers' periodic checkpoint settings (``checkpoint.interval_s`` / ``interval_steps``,
+        0 = off). ``interval_s`` is exported at once; ``interval_steps`` is turned into seconds by the
+        sampler: steps x the job's step time, from ``trainguard_steps_total`` over the sample periods
+        of the last ``metrics.throughput_window_s`` in which steps ran (the estimate is kept while none
+        run). With both, the shorter one. Both 0 (periodic checkpoints off) exports 0."""
+        interval_s, interval_steps = max(0.0, float(interval_s)), max(0, int(interval_steps))
+        with self._lock:
+            self._ckpt_policy = (interval_s, interval_steps)
+        self._m_ckpt_interval.set(interval_s)
+
+    def _estimate_checkpoint_interval(self, steps_per_s: float) -> None:
+        interval_s, interval_steps = self._ckpt_policy
+        if interval_steps and steps_per_s > 0:
+            est = interval_steps / steps_per_s
+            self._m_ckpt_interval.set(min(est, interval_s) if interval_s else est)
+
     def mark_worker_dead(self, pid: int) -> None:
         """Worker ``pid`` exited: drop its live gauges. Call for every exited worker process.
 
@@ -282,6 +303,36 @@ class AgentMetrics:
             self._exporter = MetricsExporter(self.registry, self.config.bind_address, self.config.port,
                                              health=self.health)
         return self._exporter
+
+    def await_final_scrape(self, deadline: float | None = None) -> bool:
+        """Before the agent exits: give the scraper watching this node one more scrape, so the final
+        values (drain duration, ``stopped`` state, final cost and waste) reach it; a drained node
+        would otherwise vanish with them unscraped.
+
+        Waits only while something scrapes periodically (see
+        :meth:`~trainguard.metrics.exporter.MetricsExporter.scrape_interval_s`), for at most two
+        scrape intervals or :data:`FINAL_SCRAPE_MAX_WAIT_S`, and never past ``deadline`` (unix
+        seconds, e.g. the drain deadline) minus one second. Returns whether a scrape was served.
+        Never raises; logs ``metrics_final_scrape``.
+        """
+        ex = self._exporter
+        try:
+            interval = ex.scrape_interval_s() if ex is not None else None
+            if interval is None:
+                return False
+            wait = min(2 * interval, FINAL_SCRAPE_MAX_WAIT_S)
+            if deadline is not None:
+                wait = min(wait, deadline - 1.0 - self._wall())
+            if wait <= 0:
+                return False
+            t0 = time.monotonic()
+            scraped = ex.wait_for_next_scrape(wait)
+            log.info("metrics_final_scrape", scraped=scraped, waited_s=round(time.monotonic() - t0, 3),
+                     scrape_interval_s=round(interval, 3))
+            return scraped
+        except Exception as e:  # never delay or break the exit over metrics
+            log.warning("metrics_final_scrape_failed", error=repr(e))
+            return False
 
     def health(self) -> dict[str, Any]:
         """What ``/healthz`` reports: ``ok`` is False when the sampler thread died."""
@@ -333,20 +384,28 @@ class AgentMetrics:
         t = self._clock() if now is None else now
         samples = vals.get(P + "samples_total", 0.0)
         tokens = vals.get(P + "tokens_total", 0.0)
+        steps = vals.get(P + "steps_total", 0.0)
+        steps_per_s = 0.0
         with self._lock:
             if P + "step" in vals:
                 self.ledger.progress(int(vals[P + "step"]), t)
             if P + "checkpoint_last_committed_step" in vals:
                 self.ledger.committed(int(vals[P + "checkpoint_last_committed_step"]), t)
             w = self._window
-            if w and (samples < w[-1][1] or tokens < w[-1][2]):
+            if w and (samples < w[-1][1] or tokens < w[-1][2] or steps < w[-1][3]):
                 w.clear()  # counter reset: nothing to difference against
-            w.append((t, samples, tokens))
+            w.append((t, samples, tokens, steps))
             while len(w) > 2 and w[1][0] <= t - self.config.throughput_window_s:
                 w.popleft()
             if len(w) >= 2 and w[-1][0] > w[0][0]:
                 dt = w[-1][0] - w[0][0]
                 self._rates = ((w[-1][1] - w[0][1]) / dt, (w[-1][2] - w[0][2]) / dt)
+                # Step rate while steps run: sample periods without a step (a drain, a rendezvous,
+                # workers loading a checkpoint) would make the checkpoint interval look longer.
+                busy = [(b[0] - a[0], b[3] - a[3]) for a, b in zip(w, list(w)[1:]) if b[3] > a[3]]
+                busy_s = sum(d for d, _ in busy)
+                steps_per_s = sum(n for _, n in busy) / busy_s if busy_s > 0 else 0.0
+        self._estimate_checkpoint_interval(steps_per_s)
 
     def _sample_loop(self) -> None:
         while not self._stop.wait(self.config.sample_interval_s):

@@ -6,6 +6,10 @@ setting). Port 0 binds a free port; :attr:`MetricsExporter.port` tells which.
 
 ``/metrics`` honours prometheus_client's content negotiation (OpenMetrics on request, gzip);
 ``/healthz`` answers JSON, 200 when healthy and 503 otherwise; ``/`` lists both.
+
+The exporter remembers when it was last scraped, so an exiting agent can wait for one more scrape
+(:meth:`MetricsExporter.wait_for_next_scrape`): a drained node's final values (its drain duration,
+the ``stopped`` state, its final cost) would otherwise leave with it unscraped.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 from wsgiref.simple_server import make_server
 
@@ -26,6 +32,26 @@ from trainguard.agent.log import get_logger
 log = get_logger("trainguard.metrics.exporter")
 
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+RECENT_SCRAPES = 4
+"""Start times of this many recent ``/metrics`` requests are kept to estimate the scrape interval."""
+
+
+class _Body:
+    """A WSGI response body that reports when the server has written all of it (``close()``)."""
+
+    def __init__(self, chunks: list[bytes], on_close: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._on_close = on_close
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._chunks)
+
+    def __len__(self) -> int:  # one block: wsgiref then sets Content-Length, as for the plain list
+        return len(self._chunks)
+
+    def close(self) -> None:
+        self._on_close()
 
 
 class MetricsExporter:
@@ -41,13 +67,35 @@ class MetricsExporter:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._httpd: Any = None
+        self._scrapes = threading.Condition()
+        self._scrape_starts: deque[float] = deque(maxlen=RECENT_SCRAPES)  # monotonic s
+        self._started = 0  # /metrics requests begun
+        self._answered = 0  # the highest request number fully answered
         metrics_app = make_wsgi_app(registry)
         health = health or (lambda: {"ok": True})
 
-        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        def scrape(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+            with self._scrapes:
+                self._started += 1
+                n = self._started
+                self._scrape_starts.append(time.monotonic())
+
+            def answered() -> None:
+                with self._scrapes:
+                    self._answered = max(self._answered, n)
+                    self._scrapes.notify_all()
+
+            try:
+                body = metrics_app(environ, start_response)
+            except BaseException:
+                answered()
+                raise
+            return _Body(body, answered)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
             path = environ.get("PATH_INFO", "/")
             if path == "/metrics":
-                return metrics_app(environ, start_response)
+                return scrape(environ, start_response)
             if path == "/healthz":
                 try:
                     body = health()
@@ -84,6 +132,30 @@ class MetricsExporter:
         self._thread.start()
         log.info("metrics_exporter_started", url=self.url + "/metrics",
                  loopback_only=bind_address in _LOOPBACK)
+
+    def scrape_interval_s(self) -> float | None:
+        """The longest gap between the recent ``/metrics`` requests, while they keep coming: None
+        after fewer than two, or when the last one is older than three such gaps (nobody scrapes
+        periodically any more, e.g. two ``trainguard status`` calls long ago)."""
+        with self._scrapes:
+            starts = list(self._scrape_starts)
+        if len(starts) < 2:
+            return None
+        gap = max(b - a for a, b in zip(starts, starts[1:]))
+        return gap if time.monotonic() - starts[-1] <= 3 * gap else None
+
+    def wait_for_next_scrape(self, timeout_s: float) -> bool:
+        """Block until a ``/metrics`` request that *begins after this call* has been answered, or
+        ``timeout_s`` passed; True when one was. Any thread."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._scrapes:
+            after = self._started
+            while self._answered <= after:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._scrapes.wait(left)
+            return True
 
     def close(self) -> None:
         """Stop serving and release the port. Idempotent; safe on a half-built object."""

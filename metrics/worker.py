@@ -18,6 +18,8 @@ the training thread (or any thread). Per step cost is a handful of microseconds.
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +29,9 @@ from trainguard.metrics import names
 from trainguard.metrics.channel import ENV_VAR
 
 log = get_logger("trainguard.metrics.worker")
+
+GPU_PEAK_INTERVAL_S = 5.0
+"""Seconds between reads of ``torch.cuda.max_memory_allocated`` by :meth:`WorkerMetrics.sample_gpu_peak`."""
 
 
 class MetricsChannelError(RuntimeError):
@@ -127,6 +132,7 @@ class WorkerMetrics:
         self.local_rank = local_rank
         self._f: _Families | None = None
         self._kinds_warned: set[str] = set()
+        self._next_gpu_peak = 0.0  # monotonic s; inf once CUDA turned out to be absent
         if not multiprocess_active():
             reason = (f"{ENV_VAR} was not set when prometheus_client was first imported in this process, so "
                       "worker metrics would never reach the agent")
@@ -203,6 +209,39 @@ class WorkerMetrics:
         f.ckpt_saves.labels(kind=k).inc()
         f.ckpt_step.set(step)
         f.ckpt_ts.set(time.time())
+
+    def observe_checkpoint_async(self, done: Any, kind: str, stage_s: float | None, blocked_s: float, step: int) -> None:
+        """Record a save of step ``step`` whose persist and commit run in the background.
+
+        ``done``: its ``concurrent.futures.Future`` (result: committed; exception: failed). The save
+        is recorded when ``done`` finishes, from the thread that finishes it, with ``persist_s``
+        measured from this call; ``stage_s`` and ``blocked_s`` are the foreground part, already over.
+        No bytes are recorded (the checkpoint manager does not say how many this rank wrote).
+        """
+        if self._f is None:
+            return
+        t0 = time.monotonic()
+
+        def finished(f: Any) -> None:
+            ok = not f.cancelled() and f.exception() is None
+            self.observe_checkpoint(kind, stage_s, time.monotonic() - t0, blocked_s, 0, step, ok)
+
+        done.add_done_callback(finished)
+
+    def sample_gpu_peak(self, now: float) -> None:
+        """Report this worker's allocator peak (``torch.cuda.max_memory_allocated`` of its current
+        device, labelled with its local rank) at most every :data:`GPU_PEAK_INTERVAL_S` of ``now``
+        (monotonic seconds). Cheap enough to call every step. Without CUDA (or torch), or while this
+        process has not initialised CUDA, nothing is read and the series stays absent: never faked."""
+        if self._f is None or now < self._next_gpu_peak:
+            return
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_available():
+            self._next_gpu_peak = math.inf
+            return
+        self._next_gpu_peak = now + GPU_PEAK_INTERVAL_S
+        if torch.cuda.is_initialized():  # else this process has not used its GPU (yet): nothing to report
+            self.observe_gpu_peak(int(torch.cuda.max_memory_allocated()))
 
     def observe_gpu_peak(self, nbytes: int, gpu: int | None = None) -> None:
         """Record the allocator peak (``torch.cuda.max_memory_allocated``, bytes) of GPU ``gpu``

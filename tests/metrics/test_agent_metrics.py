@@ -228,3 +228,84 @@ def test_status_register_adds_the_subcommand() -> None:
     args = parser.parse_args(["status", "--url", "http://127.0.0.1:1"])
     assert args.url == "http://127.0.0.1:1" and callable(args.func)
     assert parser.parse_args(["status"]).url == "http://127.0.0.1:9400"
+
+
+def _worker_counters(steps: float, samples: float = 0.0) -> list:
+    from prometheus_client.metrics_core import CounterMetricFamily
+
+    return [CounterMetricFamily("trainguard_steps", "", value=steps),
+            CounterMetricFamily("trainguard_samples", "", value=samples)]
+
+
+def test_checkpoint_interval_from_the_policy(metrics_factory, tmp_path) -> None:
+    m = metrics_factory(config=MetricsConfig(port=0, throughput_window_s=4.0), run_dir=str(tmp_path))
+    assert value(m, "trainguard_checkpoint_interval_seconds") == 0  # periodic checkpoints off
+    m.set_checkpoint_policy(interval_s=120.0)
+    assert value(m, "trainguard_checkpoint_interval_seconds") == 120.0  # exported at once
+    # interval_steps: steps x the job's step time, estimated by the sampler from trainguard_steps_total.
+    m.set_checkpoint_policy(interval_steps=50)
+    feed = {"steps": 0.0}
+    m._worker_families = lambda pattern="*.db": _worker_counters(feed["steps"])
+    for t in range(5):
+        feed["steps"] = 4.0 * t  # 4 steps/s
+        m.sample(now=float(t))
+    assert value(m, "trainguard_checkpoint_interval_seconds") == pytest.approx(12.5)
+    for t in range(5, 12):  # no step runs (a drain, a rendezvous): the estimate is kept
+        m.sample(now=float(t))
+    assert value(m, "trainguard_checkpoint_interval_seconds") == pytest.approx(12.5)
+    m.set_checkpoint_policy(interval_s=10.0, interval_steps=50)  # both: the shorter one
+    for t in range(12, 17):
+        feed["steps"] += 4.0
+        m.sample(now=float(t))
+    assert value(m, "trainguard_checkpoint_interval_seconds") == pytest.approx(10.0)
+
+
+def test_final_scrape_waits_only_for_a_periodic_scraper(metrics_factory) -> None:
+    import threading
+    import time
+
+    m = metrics_factory()
+    assert m.await_final_scrape() is False  # no exporter
+    ex = m.serve()
+    get = lambda: urllib.request.urlopen(ex.url + "/metrics", timeout=5).read()  # noqa: E731
+    t0 = time.monotonic()
+    assert m.await_final_scrape() is False and time.monotonic() - t0 < 0.5  # never scraped: no wait
+    get()
+    assert ex.scrape_interval_s() is None and m.await_final_scrape() is False  # one look (trainguard status)
+    time.sleep(0.2)
+    get()
+    gap = ex.scrape_interval_s()
+    assert gap is not None and 0.15 < gap < 2
+    # A scraper every ~0.2 s: the exit waits for the next scrape, which then sees the final state.
+    m.set_state("stopped")
+    later = threading.Timer(0.1, get)
+    later.start()
+    with capture_logs() as logs:
+        t0 = time.monotonic()
+        assert m.await_final_scrape() is True
+    later.join()
+    assert time.monotonic() - t0 < 2 * gap + 0.5
+    assert [e["scraped"] for e in logs if e["event"] == "metrics_final_scrape"] == [True]
+    # Nobody comes: bounded by two intervals; a drain deadline already (nearly) passed: no wait.
+    t0 = time.monotonic()
+    assert m.await_final_scrape() is False
+    assert time.monotonic() - t0 < 2 * gap + 0.5
+    t0 = time.monotonic()
+    assert m.await_final_scrape(deadline=time.time() + 0.5) is False and time.monotonic() - t0 < 0.1
+
+
+def test_wait_for_next_scrape_ignores_a_scrape_begun_before() -> None:
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    with MetricsExporter(CollectorRegistry(), "127.0.0.1", 0) as ex:
+        assert ex.wait_for_next_scrape(0.05) is False
+        urllib.request.urlopen(ex.url + "/metrics", timeout=5).read()
+        assert ex.wait_for_next_scrape(0.05) is False  # that one was before the call
+        later = threading.Timer(0.1, lambda: urllib.request.urlopen(ex.url + "/metrics", timeout=5).read())
+        later.start()
+        assert ex.wait_for_next_scrape(5) is True
+        later.join()
+        text = urllib.request.urlopen(ex.url + "/metrics", timeout=5).read()  # the body is unchanged
+        assert text == b"" or b"# HELP" in text

@@ -119,3 +119,52 @@ def test_a_file_being_created_does_not_break_a_scrape(tmp_path) -> None:
         assert "trainguard_agent_state" in {f.name for f in m.registry.collect()}
     finally:
         m.close()
+
+
+def test_async_checkpoint_is_recorded_when_its_future_finishes() -> None:
+    from concurrent.futures import Future
+
+    w = WorkerMetrics(0, 0)
+    calls: list[tuple] = []
+    w._f = object()  # enabled, with the recording below instead of the multiprocess files
+    w.observe_checkpoint = lambda *a: calls.append(a)  # type: ignore[method-assign]
+    ok, bad = Future(), Future()
+    w.observe_checkpoint_async(ok, "periodic", 0.01, 0.01, 10)
+    w.observe_checkpoint_async(bad, "periodic", 0.02, 0.02, 20)
+    assert calls == []  # nothing before the background save finishes
+    time.sleep(0.05)
+    ok.set_result(10)
+    bad.set_exception(RuntimeError("storage down"))
+    (k1, s1, p1, b1, n1, st1, ok1), (k2, s2, p2, b2, n2, st2, ok2) = calls
+    assert (k1, s1, b1, n1, st1, ok1) == ("periodic", 0.01, 0.01, 0, 10, True) and p1 >= 0.05
+    assert (k2, st2, ok2) == ("periodic", 20, False)
+    done = Future()
+    done.set_result(30)
+    w.observe_checkpoint_async(done, "periodic", 0.0, 0.0, 30)  # already finished: recorded at once
+    assert calls[-1][5:] == (30, True)
+
+
+def test_gpu_peak_only_from_a_process_that_uses_cuda(monkeypatch) -> None:
+    import torch
+
+    w = WorkerMetrics(0, 1)
+    peaks: list[int] = []
+    w._f = object()
+    w.observe_gpu_peak = lambda n, gpu=None: peaks.append(n)  # type: ignore[method-assign]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 << 30)
+    w.sample_gpu_peak(100.0)
+    assert peaks == []  # CUDA not used by this process (yet): absent, not 0
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    w.sample_gpu_peak(101.0)  # throttled: the next read is due at 105
+    w.sample_gpu_peak(105.0)
+    w.sample_gpu_peak(106.0)
+    assert peaks == [3 << 30]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    w2 = WorkerMetrics(0, 0)
+    w2._f = object()
+    w2.observe_gpu_peak = lambda n, gpu=None: peaks.append(n)  # type: ignore[method-assign]
+    for t in range(100):
+        w2.sample_gpu_peak(float(t) * 10)
+    assert peaks == [3 << 30]  # no GPU: never read
