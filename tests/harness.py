@@ -45,6 +45,22 @@ def alive(pid: int) -> bool:
         return False
 
 
+def wait_listening(endpoint: str, timeout: float = 60.0) -> None:
+    """Wait until something accepts TCP connections at ``host:port`` (the c10d store a hosting agent
+    opens). Start the other nodes only then: under load a later agent could otherwise win the port
+    and host the store itself, and a test that drains "the node that does not host" would drain it."""
+    host, port = endpoint.rsplit(":", 1)
+
+    def listening() -> bool:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return True
+        except OSError:
+            return False
+
+    wait_until(listening, timeout, f"a store listening at {endpoint}")
+
+
 def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -2,11 +2,10 @@
 
 import os
 import signal
-import time
 
 import pytest
 
-from tests.harness import Node, alive, free_port, wait_until
+from tests.harness import Node, alive, free_port, wait_listening, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TRAIN = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.02", "--global-batch", "24"]
@@ -37,7 +36,7 @@ def nodes(tmp_path):
 def test_two_nodes_train_restart_scale_up_and_drain(nodes):
     ep = f"127.0.0.1:{free_port()}"
     a = nodes("a", ep, nnodes="2:3", script_args=TRAIN)
-    time.sleep(0.5)  # a hosts the store
+    wait_listening(ep)  # a hosts the store
     b = nodes("b", ep, nnodes="2:3", script_args=TRAIN)
     try:
         # 1. two agents form world size 2 and train

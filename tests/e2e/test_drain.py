@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.emulators.fixtures import aws_imds  # noqa: F401
-from tests.harness import REPO, Node, free_port, wait_until
+from tests.harness import REPO, Node, free_port, wait_listening, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -54,7 +54,7 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
     args = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.03", "--global-batch", str(GLOBAL_BATCH),
             "--sample-log", os.path.join(tmp, "samples")]
     a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common)
-    time.sleep(0.5)
+    wait_listening(ep)  # a hosts the c10d store; b is the node that leaves
     b_extra = common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_imds.url}",
                         "--set", "preemption.poll_interval_s=0.5"]
     b = Node("b", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=b_extra)

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from tests.emulators.fixtures import azure_events, gcp_metadata  # noqa: F401
-from tests.harness import REPO, Node, free_port, wait_until
+from tests.harness import REPO, Node, free_port, wait_listening, wait_until
 from trainguard.agent import control
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -31,7 +31,7 @@ def start_cluster(tmp, names, extra_for):
         nodes.append(Node(name, tmp, ep, nnodes=f"1:{len(names)}", script=ELASTIC, script_args=ARGS,
                           extra=common + extra_for.get(name, [])))
         if i == 0:
-            time.sleep(0.5)
+            wait_listening(ep)  # the first node hosts the c10d store
     wait_until(lambda: all(worlds(n)[-1:] == [len(names)] for n in nodes), 120, f"world size {len(names)}")
     wait_until(lambda: sum(len(n.events("train_step")) for n in nodes) >= 3, 90, "training")
     return nodes
