@@ -4,17 +4,26 @@ sharded checkpoints and exact data resumption at any world size.
 ::
 
     rt = Runtime.from_env()                                   # process group from the torchelastic env
-    model, opt = rt.setup(model, opt, dataset_size=N, global_batch=24, micro_batch=4, seed=1)
+    model, opt = rt.setup(model, opt, dataset_size=N, global_batch=24, micro_batch=4, seed=1,
+                          strategy="fsdp", precision="bf16-mixed")   # or "ddp" (default), "32", ...
     rt.restore()                                              # latest committed checkpoint, resharded
     while rt.step < total_steps:
         micro = rt.next_batches()                             # this rank's sample ids, per micro-batch
         for i, ids in enumerate(micro):
-            with rt.accumulating(last=i == len(micro) - 1):   # DDP no_sync except on the last one
-                loss = loss_fn(model(x[ids]), y[ids]) / len(micro)
-                loss.backward()
-        opt.step(); opt.zero_grad()
+            with rt.accumulating(last=i == len(micro) - 1):   # gradient sync only on the last one
+                with rt.autocast():                           # the precision's forward context
+                    loss = loss_fn(model(x[ids]), y[ids]) / len(micro)
+                rt.backward(loss)                             # loss.backward(), scaled for 16-mixed
+        rt.optimizer_step(opt); opt.zero_grad()               # opt.step() (+ scaler step/update)
         rt.end_step()                                         # checkpoints; may exit with code 75
     rt.finish()
+
+**Strategy.** How model and optimizer are spread over the ranks (DDP, FSDP2, ...) is a
+:class:`~trainguard.strategies.base.Strategy`, chosen by name or passed built. The runtime only uses
+its interface: ``setup`` wraps, ``no_sync`` drives accumulation, ``state`` is the model/optimizer entry
+of the checkpoint, ``plan`` splits the global batch, and ``name`` goes into the manifest. With the
+32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
+``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
 **Agreement at a step boundary.** ``end_step`` all-reduces (MAX) a 2-element flag over a side gloo
 group: ``[stop, periodic_due]`` where ``stop`` is 2 for a drain and 1 for a resize request this rank's
@@ -45,11 +54,12 @@ import torch
 import torch.distributed as dist
 
 from trainguard.agent import exitcodes
-from trainguard.agent.data import GlobalSampleCursor, plan, split
+from trainguard.agent.data import GlobalSampleCursor, split
 from trainguard.agent.log import get_logger
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
+from trainguard.checkpoint.state import TrainerState
+from trainguard.strategies.base import Strategy, get_strategy
 
 log = get_logger("trainguard.worker")
 NONE, RESIZE_REQ, DRAIN_REQ = 0, 1, 2
@@ -111,9 +121,11 @@ class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
 
     def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
-                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str = "ddp") -> None:
+                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp") -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self.job_id, self.fence, self.strategy_name = job_id, fence, strategy
+        self.job_id, self.fence = job_id, fence
+        self._strategy_arg: str | Strategy = strategy
+        self.strategy: Strategy | None = None
         self.checkpoint_config = checkpoint
         self.step = 0
         self.cursor: GlobalSampleCursor | None = None
@@ -121,7 +133,6 @@ class Runtime:
         self.micro_batch = 1
         self._signal_request = NONE
         self._model: torch.nn.Module | None = None
-        self._ddp: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
@@ -155,13 +166,28 @@ class Runtime:
                    fence=int(env.get("TRAINGUARD_RT_ROUND", "0")), checkpoint=CheckpointConfig(**ck),
                    control_path=env.get("TRAINGUARD_RT_CONTROL", ""))
 
+    @property
+    def strategy_name(self) -> str:
+        """The strategy's registry name (recorded in checkpoint manifests)."""
+        return self.strategy.name if self.strategy is not None else str(getattr(self._strategy_arg, "name", self._strategy_arg))
+
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, dataset_size: int,
-              global_batch: int, micro_batch: int, seed: int = 0,
-              tokens_per_sample: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Wrap ``model`` for data parallelism (DDP when world_size > 1), set up the data cursor and the
-        checkpoint manager. ``global_batch`` stays constant at every world size: ranks x
-        accumulation steps x ``micro_batch``; raises ``ValueError`` when it cannot divide."""
-        self.accum_steps, _ = plan(global_batch, self.world_size, micro_batch)
+              global_batch: int, micro_batch: int, seed: int = 0, tokens_per_sample: int = 0,
+              strategy: str | Strategy | None = None, precision: str | int | None = None,
+              strategy_options: dict[str, Any] | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Wrap ``model`` and ``optimizer`` with the strategy (``"ddp"`` by default, ``"fsdp"``, or a
+        built :class:`~trainguard.strategies.base.Strategy`), set up the data cursor and the checkpoint
+        manager; use the returned model and optimizer from then on (FSDP rebuilds the optimizer over its
+        sharded parameters). ``precision`` (``32``, ``bf16-mixed``, ``16-mixed``) and
+        ``strategy_options`` are passed to the strategy when it is given by name. ``global_batch``
+        stays constant at every world size: ranks x accumulation steps x ``micro_batch``; raises
+        ``ValueError`` when it cannot divide."""
+        chosen = self._strategy_arg if strategy is None else strategy
+        options = dict(strategy_options or {})
+        if precision is not None:
+            options["precision"] = precision
+        self.strategy = get_strategy(chosen, **options)
+        self.accum_steps, _ = self.strategy.plan(global_batch, self.world_size, micro_batch)
         self.micro_batch = micro_batch
         self.tokens_per_sample = tokens_per_sample
         self.cursor = GlobalSampleCursor(dataset_size, global_batch, seed)
@@ -170,8 +196,7 @@ class Runtime:
         # A no-op (one warning) when the agent set up no metrics channel, e.g. under plain torchrun.
         self._metrics = WorkerMetrics(self.rank, self.local_rank)
         self._step_started = time.monotonic()
-        self._model, self._optimizer = model, optimizer
-        self._ddp = torch.nn.parallel.DistributedDataParallel(model) if self.world_size > 1 else model
+        self._model, self._optimizer = self.strategy.setup(model, optimizer)
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
         if self.checkpoint_config.url:
@@ -180,22 +205,24 @@ class Runtime:
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
                                               fence=self.fence, strategy=self.strategy_name)
         self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
-                       checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None)
-        return self._ddp, optimizer
+                       checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None,
+                       resize_rule=self.strategy.resize_rule, **self.strategy.describe())
+        return self._model, self._optimizer
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        assert self._model is not None and self.cursor is not None, "setup() first"
+        assert self._model is not None and self.cursor is not None and self.strategy is not None, "setup() first"
         self._trainer.step = self.step
         self._trainer.cursor = self.cursor.state_dict()
-        return {"app": ModelOptimizerState(self._model, self._optimizer), "trainer": self._trainer}
+        return {"app": self.strategy.state(self._model, self._optimizer), "trainer": self._trainer}
 
-    def restore(self) -> int:
-        """Load the newest committed checkpoint (any world size) and return the step to continue from."""
+    def restore(self, step: int | None = None) -> int:
+        """Load the newest committed checkpoint (or the committed ``step``), saved at any world size,
+        and return the step to continue from."""
         if self._manager is None:
             return self.step
         state = self._state()
-        step = self._manager.restore(state)
+        step = self._manager.restore(state, step)
         if step is not None:
             self.step = self._trainer.step
             assert self.cursor is not None
@@ -209,10 +236,13 @@ class Runtime:
         t0 = time.monotonic()
         self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
         seconds = time.monotonic() - t0
-        if kind != "periodic":  # committed now (periodic ones commit in the background)
-            with contextlib.suppress(Exception):
-                blocked = getattr(self._manager, "last_blocked_s", 0.0)
+        with contextlib.suppress(Exception):
+            blocked = getattr(self._manager, "last_blocked_s", 0.0)
+            in_flight = getattr(self._manager, "_inflight", None) if kind == "periodic" else None
+            if in_flight is None:  # committed now
                 self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
+            else:  # persisted and committed in the background: recorded when that finishes
+                self._metrics.observe_checkpoint_async(in_flight, kind, blocked, blocked, self.step)
         return seconds
 
     # ---- the step -------------------------------------------------------------------------------
@@ -224,12 +254,26 @@ class Runtime:
 
     @contextlib.contextmanager
     def accumulating(self, last: bool) -> Iterator[None]:
-        """Skip DDP's gradient all-reduce on all but the last micro-batch of a step."""
-        if not last and isinstance(self._ddp, torch.nn.parallel.DistributedDataParallel):
-            with self._ddp.no_sync():
-                yield
-        else:
+        """Skip the strategy's gradient synchronisation on all but the last micro-batch of a step."""
+        assert self.strategy is not None and self._model is not None, "setup() first"
+        with self.strategy.no_sync(self._model, last):
             yield
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The precision's context for forward + loss (a no-op at 32-bit)."""
+        assert self.strategy is not None, "setup() first"
+        return self.strategy.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled when the precision uses a loss scaler (``16-mixed``)."""
+        assert self.strategy is not None, "setup() first"
+        self.strategy.backward(loss)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """``optimizer.step()`` (the one ``setup`` returned by default); with a loss scaler it unscales,
+        skips the step on inf/nan gradients (on every rank alike) and updates the scale."""
+        assert self.strategy is not None and self._optimizer is not None, "setup() first"
+        self.strategy.optimizer_step(optimizer or self._optimizer)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._signal_request = DRAIN_REQ
@@ -246,6 +290,7 @@ class Runtime:
         per_rank = self.cursor.global_batch_size // self.world_size
         with contextlib.suppress(Exception):
             self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, now - self._step_started)
+            self._metrics.sample_gpu_peak(now)
         self._step_started = now
         cfg = self.checkpoint_config
         due = bool(self._manager) and (
@@ -278,6 +323,8 @@ class Runtime:
                 last = None
                 with contextlib.suppress(Exception):
                     last = self._manager.latest()
+                with contextlib.suppress(Exception):
+                    self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
         if self._manager is not None:
@@ -296,6 +343,8 @@ class Runtime:
             self._manager.close()
         if self._link is not None:
             self._link.close()
+        if self.strategy is not None:
+            self.strategy.teardown()
         if dist.is_initialized():
             if barrier:
                 dist.barrier()

@@ -2,6 +2,10 @@
 checkpoints, and exact data resumption at any world size (the global batch stays constant through
 gradient accumulation). Runs under ``trainguard run``/``agent`` and under plain ``torchrun`` too.
 
+``--strategy ddp|fsdp`` picks how the model is spread over the ranks (FSDP2 shards per transformer
+block), ``--precision 32|bf16-mixed|16-mixed`` the numeric precision (see docs/strategies.md).
+``--loss-log FILE`` makes rank 0 append ``{"step", "loss"}`` with the global-batch loss of *every* step
+(all-reduced over the ranks; the strategy tests compare runs with it).
 ``--sample-log DIR`` makes every rank append the sample ids of each finished step to
 ``DIR/samples-<pid>.jsonl`` (the end-to-end tests check that each id is used exactly once).
 """
@@ -35,6 +39,11 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--sample-log", default="")
+    p.add_argument("--loss-log", default="")
+    p.add_argument("--strategy", default="ddp", help="ddp | fsdp")
+    p.add_argument("--precision", default="32", help="32 | bf16-mixed | 16-mixed")
+    p.add_argument("--resume-step", type=int, default=None, help="restore this committed step (default: newest)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="fsdp: recompute each block in backward")
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -44,13 +53,16 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = TinyGPT(args.seq_len, args.d_model, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ddp, opt = rt.setup(model, opt, dataset_size=n_samples, global_batch=args.global_batch,
-                        micro_batch=args.micro_batch, seed=args.seed, tokens_per_sample=args.seq_len)
-    start = rt.restore()
+    options = {"activation_checkpointing": True} if args.activation_checkpointing else {}
+    model, opt = rt.setup(model, opt, dataset_size=n_samples, global_batch=args.global_batch,
+                          micro_batch=args.micro_batch, seed=args.seed, tokens_per_sample=args.seq_len,
+                          strategy=args.strategy, precision=args.precision, strategy_options=options)
+    start = rt.restore(args.resume_step)
     if rt.rank == 0:
         print(json.dumps({"event": "resumed" if start else "started", "step": start, "world_size": rt.world_size,
-                          "accum_steps": rt.accum_steps}), flush=True)
+                          "accum_steps": rt.accum_steps, "strategy": rt.strategy_name}), flush=True)
     samples = open(os.path.join(args.sample_log, f"samples-{os.getpid()}.jsonl"), "a") if args.sample_log else None
+    losses = open(args.loss_log, "a") if args.loss_log and rt.rank == 0 else None
     while rt.step < args.steps:
         t0 = time.perf_counter()
         micro = rt.next_batches()
@@ -58,10 +70,11 @@ def main() -> None:
         for i, ids in enumerate(micro):
             x, y = batch_for(corpus, ids, args.seq_len)
             with rt.accumulating(last=i == len(micro) - 1):
-                loss = F.cross_entropy(ddp(x).reshape(-1, 256), y.reshape(-1)) / len(micro)
-                loss.backward()
+                with rt.autocast():
+                    loss = F.cross_entropy(model(x).reshape(-1, 256).float(), y.reshape(-1)) / len(micro)
+                rt.backward(loss)
             total += loss.detach()
-        opt.step()
+        rt.optimizer_step(opt)
         opt.zero_grad(set_to_none=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -70,6 +83,13 @@ def main() -> None:
             samples.write(json.dumps({"step": done, "rank": rt.rank, "world_size": rt.world_size,
                                       "ids": [i for ids in micro for i in ids]}) + "\n")
             samples.flush()
+        if args.loss_log:
+            if rt.world_size > 1:  # the global-batch loss: mean of the ranks' (equal-sized) shares
+                torch.distributed.all_reduce(total)
+                total /= rt.world_size
+            if losses is not None:
+                losses.write(json.dumps({"step": done, "loss": float(total), "world_size": rt.world_size}) + "\n")
+                losses.flush()
         if rt.rank == 0 and (done % args.log_every == 0 or done == args.steps):
             lv = float(total)
             print(json.dumps({"event": "train_step", "step": done, "loss": round(lv, 6), "ppl": round(math.exp(lv), 2),

@@ -1,1 +1,18 @@
-"""trainguard.strategies."""
+"""trainguard.strategies: how model + optimizer are spread over the ranks (``ddp``, ``fsdp``).
+
+See :mod:`trainguard.strategies.base` for the interface and ``docs/strategies.md`` for the options.
+"""
+
+from trainguard.strategies.base import (
+    PRECISIONS,
+    Precision,
+    Strategy,
+    StrategyError,
+    StrategyState,
+    available_strategies,
+    get_strategy,
+    register_strategy,
+)
+
+__all__ = ["PRECISIONS", "Precision", "Strategy", "StrategyError", "StrategyState", "available_strategies",
+           "get_strategy", "register_strategy"]

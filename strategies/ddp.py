@@ -1,0 +1,61 @@
+"""``ddp``: ``DistributedDataParallel`` — every rank holds the whole model and optimizer state.
+
+Resize: native. The state is replicated, so a checkpoint saved at any world size loads at any other
+(``get_state_dict`` drops DDP's ``module.`` prefix); only gradient accumulation changes (see
+:data:`~trainguard.strategies.base.BATCH_RULE`). At world size 1 the model is not wrapped.
+
+Precision: ``bf16-mixed`` / ``16-mixed`` by ``torch.autocast`` around the forward pass, ``16-mixed``
+with a ``GradScaler`` (gradients are all-reduced before the inf check, so every rank agrees).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from trainguard.strategies.base import Strategy, register_strategy, world
+
+
+class DDPStrategy(Strategy):
+    """Args:
+        precision: ``32``, ``bf16-mixed`` or ``16-mixed``.
+        find_unused_parameters, static_graph, bucket_cap_mb, gradient_as_bucket_view: passed to DDP.
+    """
+
+    name = "ddp"
+    reshard_native = True
+
+    def __init__(self, *, precision: Any = "32", find_unused_parameters: bool = False, static_graph: bool = False,
+                 bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False) -> None:
+        super().__init__(precision=precision)
+        self.ddp_kwargs: dict[str, Any] = {"find_unused_parameters": find_unused_parameters,
+                                           "static_graph": static_graph,
+                                           "gradient_as_bucket_view": gradient_as_bucket_view}
+        if bucket_cap_mb is not None:
+            self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+
+    def setup(self, model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """See base class. DDP keeps the parameter objects, so ``optimizer`` is returned unchanged."""
+        self._prepare_precision(model)
+        _, size = world()
+        if size == 1:
+            return model, optimizer
+        dev = next(model.parameters()).device
+        device_ids = [dev.index] if dev.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
+
+    def no_sync(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
+        """See base class (``DistributedDataParallel.no_sync``; nothing at world size 1)."""
+        if last or not isinstance(model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), **self.ddp_kwargs}
+
+
+register_strategy("ddp", DDPStrategy)

@@ -1,0 +1,216 @@
+"""``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) — parameters, gradients and optimizer state
+sharded over the ranks as ``DTensor``\\ s (dim 0, one shard per rank).
+
+Wrap policy
+    ``fully_shard`` is applied to each module the policy selects (bottom-up), then to the root. Each
+    selected module becomes one all-gather/reduce-scatter unit; per transformer block is the usual
+    choice. ``wrap`` is a list of module classes (or class *names*, for CLI flags), a callable
+    ``module -> bool``, or None: every element of every ``nn.ModuleList`` (how transformer blocks are
+    usually held).
+
+Mixed precision
+    ``bf16-mixed`` / ``16-mixed`` use ``MixedPrecisionPolicy(param_dtype=bf16|fp16,
+    reduce_dtype=fp32)``: parameters are all-gathered in the low precision, gradients reduced in fp32,
+    the sharded fp32 parameters stepped by the optimizer; the root's outputs are cast back to fp32
+    (``output_dtype``) so the loss is computed in fp32. Forward code runs inside ``autocast`` as well,
+    so ops mixing parameters with fp32 buffers (attention masks) follow autocast's rules.
+    ``16-mixed`` uses ``ShardedGradScaler`` (the inf check is all-reduced: every rank skips the same
+    step).
+
+Options
+    ``activation_checkpointing``: False, True (the wrapped modules), or a policy like ``wrap``; uses
+    ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``) applied before sharding. The
+    wrapper's ``_checkpoint_wrapped_module.`` prefix is removed from state-dict keys by torch, so
+    checkpoints load with or without it.
+    ``cpu_offload``: ``CPUOffloadPolicy`` — sharded parameters, gradients and the optimizer step live
+    on the CPU (meaningful on GPU; a no-op on a CPU-only run).
+    ``reshard_after_forward``: free the unsharded parameters after forward (ZeRO-3 like, default) or
+    keep them until backward (ZeRO-2 like, more memory, one all-gather fewer).
+
+Optimizer
+    ``fully_shard`` replaces every parameter with a sharded one, so :meth:`FSDPStrategy.setup` builds
+    a new optimizer of the same class, param groups and hyperparameters over the new parameters; use
+    the returned one. The optimizer must not have been stepped yet.
+
+Resize: native. DCP reshards the ``DTensor`` state to the new world size on load. FSDP2 needs a
+device mesh even at world size 1: without a process group, :meth:`setup` creates a one-rank gloo group
+over an in-process ``HashStore`` (no port).
+
+CPU: works with gloo in torch 2.13 — gloo implements the collectives FSDP2 issues
+(``all_gather_into_tensor``, ``reduce_scatter_tensor`` via ``reduce_scatter_single``, ``ReduceOp.AVG``);
+verified by a 2-process run (tests/strategies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainguard.strategies.base import (
+    Strategy,
+    StrategyError,
+    module_device,
+    param_names,
+    rebuild_optimizer,
+    register_strategy,
+)
+
+WrapPolicy = Sequence[type[nn.Module] | str] | Callable[[nn.Module], bool] | None
+
+
+def _module_list_children(model: nn.Module) -> set[int]:
+    return {id(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
+
+
+def resolve_policy(policy: WrapPolicy | bool, model: nn.Module, setting: str) -> Callable[[nn.Module], bool]:
+    """Turn a wrap/checkpointing policy into a predicate over ``model``'s submodules (never the root)."""
+    if policy is None or policy is True:
+        ids = _module_list_children(model)
+        return lambda m: id(m) in ids
+    if callable(policy) and not isinstance(policy, type):
+        return lambda m: m is not model and bool(policy(m))
+    if isinstance(policy, (str, type)):
+        policy = [policy]
+    names: set[str] = set()
+    classes: list[type] = []
+    for p in policy:  # type: ignore[union-attr]
+        if isinstance(p, str):
+            names.add(p)
+        elif isinstance(p, type) and issubclass(p, nn.Module):
+            classes.append(p)
+        else:
+            raise StrategyError(f"`{setting}` entries must be nn.Module classes or class names, got {p!r}. Fix: "
+                                f"e.g. {setting}=[Block] or {setting}=['Block']")
+    present = {type(m).__name__ for m in model.modules()}
+    unknown = names - present
+    if unknown:
+        raise StrategyError(f"`{setting}` names {sorted(unknown)}, which no module of the model is. Fix: use one of "
+                            f"{sorted(present)}")
+    cls_tuple = tuple(classes)
+    return lambda m: m is not model and (type(m).__name__ in names or (bool(cls_tuple) and isinstance(m, cls_tuple)))
+
+
+class FSDPStrategy(Strategy):
+    """Args:
+        precision: ``32``, ``bf16-mixed`` or ``16-mixed``.
+        wrap: wrap policy (see the module docstring).
+        activation_checkpointing: False, True (= the wrapped modules), or a policy like ``wrap``.
+        cpu_offload: offload sharded parameters/gradients/optimizer step to CPU (``CPUOffloadPolicy``).
+        reshard_after_forward: passed to ``fully_shard`` for the non-root modules.
+    """
+
+    name = "fsdp"
+    reshard_native = True
+
+    def __init__(self, *, precision: Any = "32", wrap: WrapPolicy = None,
+                 activation_checkpointing: WrapPolicy | bool = False, cpu_offload: bool = False,
+                 reshard_after_forward: bool = True) -> None:
+        super().__init__(precision=precision)
+        self.wrap = wrap
+        self.activation_checkpointing = activation_checkpointing
+        self.cpu_offload = cpu_offload
+        self.reshard_after_forward = reshard_after_forward
+        self.wrapped: list[str] = []
+        self.checkpointed: list[str] = []
+        self.owns_process_group = False
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _mesh(self, device_type: str) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            # FSDP2 needs a mesh even alone; an in-process store needs no port and no env.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self.owns_process_group = True
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+
+    def _policies(self, root: bool) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        kw: dict[str, Any] = {}
+        dtype = self.precision.compute_dtype
+        if dtype is not None:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                                   output_dtype=torch.float32 if root else None)
+        if self.cpu_offload:
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        return kw
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """See base class. Returns the same (now sharded) model object and a rebuilt optimizer."""
+        from torch.distributed.fsdp import fully_shard
+
+        old = param_names(model)
+        if self.activation_checkpointing is not False:
+            self._apply_checkpointing(model)
+        select = resolve_policy(self.wrap, model, "wrap")
+        mesh = self._mesh(module_device(model).type)
+        self._prepare_precision(model)
+        for name, m in reversed(list(model.named_modules())):  # bottom-up, as FSDP2 requires
+            if m is not model and select(m):
+                fully_shard(m, mesh=mesh, reshard_after_forward=self.reshard_after_forward, **self._policies(False))
+                self.wrapped.append(name)
+        fully_shard(model, mesh=mesh, **self._policies(True))
+        new = dict(model.named_parameters())
+        return model, rebuild_optimizer(optimizer, old, {_strip_ckpt(n): p for n, p in new.items()})
+
+    def _apply_checkpointing(self, model: nn.Module) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
+
+        policy = self.wrap if self.activation_checkpointing is True else self.activation_checkpointing
+        select = resolve_policy(policy, model, "activation_checkpointing")  # type: ignore[arg-type]
+        chosen = [n for n, m in model.named_modules() if select(m)]
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=select)
+        self.checkpointed = chosen
+
+    def make_scaler(self) -> Any:
+        """See base class: the inf check is all-reduced over the ranks (each holds only a shard)."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self._device_type)
+
+    # -- step ------------------------------------------------------------------------------------
+    def no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
+        """See base class: ``set_requires_gradient_sync(False)`` keeps unsharded gradients locally
+        until the last micro-batch, which reduce-scatters the accumulated sum."""
+        return _gradient_sync(model, last)
+
+    def teardown(self) -> None:
+        """See base class: destroys the one-rank group :meth:`setup` created, if it did."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_process_group = False
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "wrapped": self.wrapped, "activation_checkpointing": self.checkpointed,
+                "cpu_offload": self.cpu_offload, "reshard_after_forward": self.reshard_after_forward}
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, last: bool) -> Iterator[None]:
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is None:  # not set up by this strategy
+        raise StrategyError("fsdp no_sync() got a model that fully_shard did not wrap. Fix: pass the model "
+                            "returned by Runtime.setup / FSDPStrategy.setup")
+    setter(last)
+    try:
+        yield
+    finally:
+        if not last:
+            setter(True)
+
+
+def _strip_ckpt(name: str) -> str:
+    return name.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module.", "")
+
+
+register_strategy("fsdp", FSDPStrategy)
+register_strategy("fsdp2", FSDPStrategy)

@@ -1,0 +1,55 @@
+"""Run one segment of the bundled GPT job (``examples/train_gpt_elastic.py``, the worker runtime) as a
+gloo world of ``world`` local processes, torchrun-style env, no agent; read the per-step losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.harness import REPO, free_port
+
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+# Small and fast on 2 shared cores; global batch 8 = 2 ranks x 2 micro-batches x 2 = 1 rank x 4 x 2.
+JOB = ["--global-batch", "8", "--micro-batch", "2", "--seq-len", "32", "--d-model", "32", "--layers", "2",
+       "--max-bytes", "200000", "--log-every", "4", "--lr", "3e-3"]
+
+
+def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interval: int, fence: int, loss_log: str,
+                extra: list[str] | None = None, timeout: float = 120.0) -> None:
+    """Train ranks ``0..world-1`` from the newest committed checkpoint (or ``--resume-step`` in
+    ``extra``) to ``steps``; periodic checkpoints every ``interval`` steps; fence = rendezvous round."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    cfg = {"job_id": "run", "checkpoint": {"url": ckpt_url, "interval_steps": interval}}
+    procs = []
+    for r in range(world):
+        env = {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "TRAINGUARD_RT_ROUND": str(fence), "TRAINGUARD_RT_CONFIG": json.dumps(cfg)}
+        cmd = [sys.executable, ELASTIC, "--strategy", strategy, "--steps", str(steps), "--loss-log", loss_log,
+               *JOB, *(extra or [])]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out.decode(errors="replace")))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = [f"--- rank {r} rc={rc}\n{out[-4000:]}" for r, (rc, out) in enumerate(outs) if rc != 0]
+    assert not bad, f"{strategy} at world size {world} failed:\n" + "\n".join(bad)
+
+
+def losses(path: str) -> dict[int, float]:
+    """step -> global-batch loss (the last record wins: a resumed segment re-logs nothing before it)."""
+    out: dict[int, float] = {}
+    with open(path) as fh:
+        for line in fh:
+            rec = json.loads(line)
+            out[int(rec["step"])] = float(rec["loss"])
+    return out
