@@ -1,0 +1,705 @@
+"""Recovery from a spot preemption: trainguard vs plain ``torchrun`` elastic (benchmark, not a timed test).
+
+Two local "nodes" (a and b) x 1 worker train the bundled byte-level GPT on CPU/gloo, everything on
+127.0.0.1. Two runs of the same scenario:
+
+* **trainguard** -- two ``trainguard run`` agents training ``examples/train_gpt_elastic.py`` (worker
+  API, periodic async checkpoints every ``--baseline-ckpt-every`` steps). After
+  ``--steps-before-notice`` steps at world size 2 an AWS IMDSv2 emulator (in this file) serves a spot
+  ``instance-action`` to node b: b drains (emergency checkpoint on every rank) and leaves, a resumes
+  at world size 1; after ``--steps-after`` steps b's agent is started again and the world grows to 2.
+  Every finished step's sample ids are logged (``--sample-log``) and checked against the global
+  sample cursor's stream.
+* **baseline** -- what users have today: two ``torchrun --nnodes 1:2`` (c10d) agents training
+  ``examples/train_gpt.py`` with a ``torch.save`` checkpoint every K steps and no notice handling. At
+  the same step node b dies the way a spot node does (its torchrun and worker are SIGKILLed, process
+  groups and all); a's worker fails, torchrun restarts it from the last checkpoint at world size 1.
+  Then b's torchrun is started again and the world grows to 2 (again from the last checkpoint).
+
+Prints a timeline per run and a side-by-side table; ``--json PATH`` writes every figure (see
+``docs/benchmarks.md`` for the definitions). Times are wall-clock seconds; worker lines carry no
+timestamp of their own, so each output line is stamped when this process reads it (agent and worker
+output goes through a pipe read by a thread; trainguard's worker lines also pass through the agent's
+log tail, which polls every 0.1 s). The notice -> commit time uses the worker's own log timestamp.
+
+Run: ``OMP_NUM_THREADS=1 python bench/recovery.py [--json out.json] [--keep]`` (a few minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+PLAIN = os.path.join(REPO, "examples", "train_gpt.py")
+GLOBAL_BATCH = 24
+SEQ_LEN = 64  # both examples' default --seq-len
+MAX_BYTES = 2_000_000  # both examples' default --max-bytes
+SEED = 1234  # both examples' default --seed
+STEP_SLEEP = 0.03
+MONITOR_INTERVAL = 0.2  # agent/torchrun worker poll interval, the same for both
+RESUME_TARGET_S = 10.0
+T0 = time.time()
+_GLUED = re.compile(r"(?<=\})(?=\[[a-z]+\d+\]:|\{\")")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def say(who: str, text: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {who:<9} {text}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def iso_z(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
+def parse_ts(ev: dict[str, Any]) -> float | None:
+    """Epoch seconds of a structlog ``timestamp`` (ISO 8601, UTC)."""
+    ts = ev.get("timestamp")
+    if not isinstance(ts, str):
+        return None
+    with contextlib.suppress(ValueError):
+        return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05,
+               procs: Iterable[Proc] = ()) -> Any:
+    """Poll ``pred`` until truthy; ``BenchError`` after ``timeout`` s or when one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise BenchError(f"{p.name} exited with {p.proc.returncode} while waiting for {what}")
+        time.sleep(interval)
+    raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+# ---------------------------------------------------------------------------------------- IMDSv2
+class Imds:
+    """Minimal AWS IMDSv2 on 127.0.0.1: ``PUT /latest/api/token`` -> token; the spot
+    ``instance-action`` 404s until :meth:`schedule_termination`; rebalance always 404s."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokens: set[str] = set()
+        self._action: bytes | None = None
+        imds = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _reply(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+                self.send_response(code)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_PUT(self) -> None:  # noqa: N802
+                if self.path != "/latest/api/token":
+                    return self._reply(405)
+                ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds", "").strip()
+                if not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
+                    return self._reply(400)
+                token = secrets.token_urlsafe(32)
+                with imds._lock:
+                    imds._tokens.add(token)
+                self._reply(200, token.encode(), {"X-aws-ec2-metadata-token-ttl-seconds": ttl})
+
+            def do_GET(self) -> None:  # noqa: N802
+                with imds._lock:
+                    ok = self.headers.get("X-aws-ec2-metadata-token") in imds._tokens
+                    action = imds._action
+                if not ok:
+                    return self._reply(401)
+                if self.path == "/latest/meta-data/spot/instance-action" and action:
+                    return self._reply(200, action, {"Content-Type": "text/plain"})
+                self._reply(404, b"404 - Not Found", {"Content-Type": "text/html"})
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def schedule_termination(self, in_s: float = 120.0) -> str:
+        t = iso_z(time.time() + in_s)
+        with self._lock:
+            self._action = json.dumps({"action": "terminate", "time": t}).encode()
+        return t
+
+    def clear(self) -> None:
+        with self._lock:
+            self._action = None
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+# ---------------------------------------------------------------------------------------- processes
+def _ppids() -> dict[int, int]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as fh:
+                    out[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    ppids = _ppids()
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in ppids.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """``sig`` to ``pid``, its descendants and their process groups (torch elastic starts each worker
+    in a session of its own, so the launcher's group alone does not reach the workers)."""
+    pids = [pid, *descendants(pid)]
+    mine = os.getpgrp()
+    for p in pids:
+        with contextlib.suppress(OSError):
+            pg = os.getpgid(p)
+            if pg != mine:
+                os.killpg(pg, sig)
+        with contextlib.suppress(OSError):
+            os.kill(p, sig)
+
+
+def strays(marker: str) -> list[int]:
+    """Live processes (other than this one) whose command line mentions ``marker`` (the work folder)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    if marker.encode() in fh.read() and alive(int(entry)):
+                        out.append(int(entry))
+    return out
+
+
+def orphans(marker: str, grace: float = 5.0) -> int:
+    """Processes of a run still alive ``grace`` s after its launchers exited (they should be none)."""
+    deadline = time.monotonic() + grace
+    while strays(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return len(strays(marker))
+
+
+class Proc:
+    """One node's launcher (trainguard agent or torchrun) in a session of its own. A thread reads its
+    stdout+stderr (workers' output included) and stamps every line with its arrival time."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: str, env_extra: dict[str, str] | None = None) -> None:
+        self.name = name
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+        env.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+                    "GLOO_SOCKET_IFNAME": "lo", **(env_extra or {})})
+        self._lines: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self._fh = open(log_path, "w")
+        self.started = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+        self._reader.start()
+        say(name, f"started (pid {self.proc.pid})")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            t = time.time()
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._lock:
+                self._lines.append((t, line))
+            self._fh.write(f"{line}\n")
+            self._fh.flush()
+
+    def events(self, name: str | None = None) -> list[tuple[float, dict[str, Any]]]:
+        """``(arrival time, event)`` for each JSON line (agent events, and worker lines with the
+        ``[trainer0]:`` tee prefix stripped)."""
+        with self._lock:
+            lines = list(self._lines)
+        out = []
+        for t, text in lines:
+            # Agent and tee'd worker writes can land on one line: split "...}[trainer0]:{..." and "...}{...".
+            for line in _GLUED.split(text):
+                if line.startswith("[") and "]:" in line[:24]:
+                    line = line.split("]:", 1)[1]
+                if not line.startswith("{"):
+                    continue
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and (name is None or ev.get("event") == name):
+                    out.append((t, ev))
+        return out
+
+    def lines(self) -> list[tuple[float, str]]:
+        with self._lock:
+            return list(self._lines)
+
+    def tail(self, n: int = 30) -> str:
+        with self._lock:
+            lines = [line for _, line in self._lines[-n:]]
+        return f"--- {self.name} (last {len(lines)} lines) ---\n" + "\n".join(lines)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and everything under it; idempotent. Once the launcher is reaped its pid
+        may belong to someone else, so only a live launcher's tree is walked (orphans that outlived it
+        are left to the sweep over the work folder)."""
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._reader.join(5)
+        self._fh.close()
+
+
+def steps_of(nodes: Iterable[Proc]) -> list[tuple[float, dict[str, Any]]]:
+    """Every ``train_step`` of every node, by arrival time."""
+    return sorted((te for n in nodes for te in n.events("train_step")), key=lambda te: te[0])
+
+
+def first(items: Iterable[tuple[float, dict[str, Any]]], pred: Callable[[float, dict[str, Any]], bool]) -> tuple[float, dict[str, Any]] | None:
+    return next(((t, e) for t, e in items if pred(t, e)), None)
+
+
+# ---------------------------------------------------------------------------------------- data accounting
+def dataset_size() -> int:
+    from trainguard.examples.train_gpt import load_corpus
+
+    return (len(load_corpus(MAX_BYTES)) - 1) // SEQ_LEN
+
+
+def cursor_stream(n_steps: int, n: int) -> list[int]:
+    """The ids of steps 1..n_steps as the worker API's global sample cursor serves them."""
+    from trainguard.agent.data import GlobalSampleCursor
+
+    c = GlobalSampleCursor(n, GLOBAL_BATCH, seed=SEED)
+    return [i for _ in range(n_steps) for i in c.next_global_batch()]
+
+
+def plain_batch(step: int, n: int, cache: dict[int, list[int]]) -> list[int]:
+    """The ids ``examples/train_gpt.py`` trains on at finished step ``step`` (1-based), at any world size."""
+    import torch
+
+    per_epoch = n // GLOBAL_BATCH
+    epoch, idx = divmod(step - 1, per_epoch)
+    if epoch not in cache:
+        cache[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(SEED * 1000 + epoch)).tolist()
+    return cache[epoch][idx * GLOBAL_BATCH:(idx + 1) * GLOBAL_BATCH]
+
+
+def account(batches: list[list[int]], expected: list[int]) -> dict[str, int]:
+    """``repeated``: extra uses of ids used more than once; ``skipped``: ids of the expected stream
+    (steps 1..max) never used; ``unexpected``: ids used that are not in it."""
+    seen = collections.Counter(i for b in batches for i in b)
+    exp = set(expected)
+    return {"repeated": sum(c - 1 for c in seen.values() if c > 1), "skipped": len(exp - set(seen)),
+            "unexpected": len(set(seen) - exp), "consumed": sum(seen.values())}
+
+
+def read_sample_log(folder: str) -> list[dict[str, Any]]:
+    recs = []
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as fh:
+            for line in fh:
+                with contextlib.suppress(ValueError):
+                    recs.append(json.loads(line))
+    return recs
+
+
+# ---------------------------------------------------------------------------------------- trainguard run
+def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]]) -> dict[str, Any]:
+    d = os.path.join(work, "trainguard")
+    samples = os.path.join(d, "samples")
+    os.makedirs(samples)
+    ep = f"127.0.0.1:{free_port()}"
+    imds = Imds()
+    res: dict[str, Any] = {}
+    args = ["--steps", "1000000", "--log-every", "1", "--step-sleep", str(STEP_SLEEP), "--global-batch",
+            str(GLOBAL_BATCH), "--sample-log", samples]
+    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval_steps={a.baseline_ckpt_every}"]
+    aws = ["--set", "preemption.sources=aws,signal", "--set", f"preemption.aws_endpoint={imds.url}",
+           "--set", "preemption.poll_interval_s=0.5"]
+
+    def agent(name: str, extra: list[str]) -> Proc:
+        cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", ep, "--rdzv-id", "bench", "--node-name", name,
+               "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
+               "--state-dir", os.path.join(d, f"state-{name}"), "--log-dir", os.path.join(d, f"logs-{name}"),
+               "--set", "agent.log_format=json", "--set", "metrics.port=0", *common, *extra, ELASTIC, *args]
+        p = Proc(f"tg-{name}", cmd, os.path.join(d, f"{name}.log"))
+        procs.append(p)
+        timeline.append((p.started, p.name, "agent started"))
+        return p
+
+    try:
+        na = agent("a", ["--set", "preemption.sources=signal", "--set", "rendezvous.is_host=true"])
+        time.sleep(0.5)
+        nb = agent("b", [*aws, "--set", "rendezvous.is_host=false"])
+        nodes = [na, nb]
+        t_w2, _ = wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2), 120,
+                             "the first step at world size 2", procs=nodes)
+        timeline.append((t_w2, "trainguard", "first step at world size 2"))
+        wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2 and e["step"] >= a.steps_before_notice),
+                   120, f"{a.steps_before_notice} steps at world size 2", procs=nodes)
+
+        t_notice = time.time()
+        imds.schedule_termination(in_s=120)  # the spot two-minute warning, for node b only
+        say("bench", "AWS spot notice for node b (terminate in 120 s)")
+        timeline.append((t_notice, "bench", "AWS spot notice served to node b (deadline +120 s)"))
+        before = [e for t, e in steps_of(nodes) if t <= t_notice]
+        res["world_size_before"] = before[-1]["world_size"] if before else None
+        res["b_exit_code"] = nb.wait(90)
+        timeline.append((time.time(), nb.name, f"agent exited with {res['b_exit_code']}"))
+        for t, e in nb.events("preemption_notice"):
+            res["notice_detected_s"] = round((parse_ts(e) or t) - t_notice, 3)
+            timeline.append((parse_ts(e) or t, nb.name, f"preemption_notice source={e.get('source')} kind={e.get('kind')}"))
+            break
+        commits = [(parse_ts(e) or t, e) for n in nodes for t, e in n.events("checkpoint_committed")
+                   if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
+        if commits:
+            t_commit = max(t for t, _ in commits)
+            res["notice_to_commit_s"] = round(t_commit - t_notice, 3)
+            res["emergency_step"] = commits[0][1]["step"]
+            res["emergency_before_deadline"] = all(e.get("before_deadline") for _, e in commits)
+            res["emergency_ranks"] = len(commits)
+            timeline.append((t_commit, "workers", f"emergency checkpoint committed at step {res['emergency_step']} "
+                                                  f"on {len(commits)} rank(s) ({commits[0][1].get('seconds')} s)"))
+
+        t_resume, ev1 = wait_until(lambda: first(steps_of([na]), lambda t, e: t > t_notice and e["world_size"] == 1), 120,
+                                   "the survivor's first step at world size 1", procs=[na])
+        # Snapshot the sample log now: every world-2 record in it was trained before the notice.
+        w2_before = [r["step"] for r in read_sample_log(samples) if r["world_size"] == 2]
+        resumed = [(t, e) for t, e in na.events("resumed") if e["world_size"] == 1]
+        res["notice_to_resume_s"] = round(t_resume - t_notice, 3)
+        res["world_size_after"] = ev1["world_size"]
+        res["resumed_step"] = resumed[0][1]["step"] if resumed else ev1["step"] - 1
+        if resumed:
+            res["notice_to_resumed_event_s"] = round(resumed[0][0] - t_notice, 3)
+            timeline.append((resumed[0][0], na.name, f"workers resumed from step {res['resumed_step']} at world size 1"))
+        # Where the time goes (agent/worker log timestamps): survivor re-formed, worker restored.
+        for key, event, pred, text in (
+                ("notice_to_rendezvous_s", "rendezvous_complete", lambda e: e.get("world_size") == 1, "rendezvous complete at world size 1"),
+                ("notice_to_worker_up_s", "worker_registered", lambda e: True, "new worker process up (registered with the agent)"),
+                ("notice_to_restored_s", "worker_restored", lambda e: True, "")):
+            ts = [t for t in (parse_ts(e) for _, e in na.events(event) if pred(e)) if t and t > t_notice]
+            if ts:
+                res[key] = round(ts[0] - t_notice, 3)
+                if text:
+                    timeline.append((ts[0], na.name, text))
+        res["last_step_before_notice"] = max(w2_before) if w2_before else None
+        res["lost_steps"] = max(0, max(w2_before) - res["resumed_step"]) if w2_before else None
+        timeline.append((t_resume, na.name, f"step {ev1['step']} at world size 1 (first after the resume)"))
+        say("bench", f"survivor resumed at world size 1, step {ev1['step']} ({res['notice_to_resume_s']:.1f} s after the notice)")
+        wait_until(lambda: first(steps_of([na]), lambda t, e: e["world_size"] == 1 and e["step"] >= ev1["step"] + a.steps_after),
+                   120, f"{a.steps_after} steps at world size 1", procs=[na])
+
+        imds.clear()
+        nb2 = agent("b2", [*aws, "--set", "rendezvous.is_host=false"])
+        nodes = [na, nb2]
+        t_join = nb2.started
+        t_up, ev2 = wait_until(lambda: first(steps_of(nodes), lambda t, e: t > t_join and e["world_size"] == 2), 120,
+                               "the first step at world size 2 after b rejoined", procs=nodes)
+        res["scaleup_join_to_resume_s"] = round(t_up - t_join, 3)
+        last_w1 = max(e["step"] for t, e in steps_of([na]) if e["world_size"] == 1 and t <= t_up)
+        res["scaleup_lost_steps"] = max(0, last_w1 - (ev2["step"] - 1))
+        resize = [(parse_ts(e) or t, e) for n in nodes for t, e in n.events("checkpoint_committed")
+                  if e.get("kind") == "resize" and e.get("component") == "trainguard.worker"]
+        if resize:
+            timeline.append((max(t for t, _ in resize), "workers", f"resize checkpoint committed at step {resize[0][1]['step']}"))
+        timeline.append((t_up, "trainguard", f"step {ev2['step']} at world size 2 (first after the rejoin)"))
+        say("bench", f"world size 2 again at step {ev2['step']} ({res['scaleup_join_to_resume_s']:.1f} s after b's agent started)")
+        wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2 and e["step"] >= ev2["step"] + a.steps_after),
+                   120, f"{a.steps_after} steps at world size 2", procs=nodes)
+
+        t_stop = time.time()
+        for n in nodes:
+            n.proc.send_signal(signal.SIGTERM)
+        res["final_exit_codes"] = {n.name: n.wait(60) for n in nodes}
+        res["stop_s"] = round(time.time() - t_stop, 3)
+        res["orphans_after_stop"] = orphans(d)
+        timeline.append((time.time(), "bench", f"SIGTERM to both agents: exit codes {res['final_exit_codes']}"))
+
+        recs = read_sample_log(samples)
+        max_step = max(r["step"] for r in recs)
+        acc = account([r["ids"] for r in recs], cursor_stream(max_step, dataset_size()))
+        res.update(skipped_samples=acc["skipped"], repeated_samples=acc["repeated"], unexpected_samples=acc["unexpected"],
+                   samples_consumed=acc["consumed"], steps_trained=max_step,
+                   global_batch_constant=all(len(r["ids"]) * r["world_size"] == GLOBAL_BATCH for r in recs))
+        return res
+    finally:
+        imds.close()
+
+
+# ---------------------------------------------------------------------------------------- baseline
+def run_baseline(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]]) -> dict[str, Any]:
+    d = os.path.join(work, "baseline")
+    ckpt = os.path.join(d, "ckpt")
+    os.makedirs(d)
+    ep = f"127.0.0.1:{free_port()}"
+    res: dict[str, Any] = {}
+
+    def torchrun(name: str, is_host: bool) -> Proc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", ep, "--rdzv-id", "bench-baseline",
+               "--rdzv-conf", f"is_host={int(is_host)}", "--max-restarts", "3", "--local-addr", "127.0.0.1",
+               "--monitor-interval", str(MONITOR_INTERVAL), PLAIN, "--steps", "1000000", "--ckpt-dir", ckpt,
+               "--ckpt-every", str(a.baseline_ckpt_every), "--global-batch", str(GLOBAL_BATCH),
+               "--step-sleep", str(STEP_SLEEP), "--log-every", "1"]
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if a.baseline_unshared_store else None
+        p = Proc(f"base-{name}", cmd, os.path.join(d, f"{name}.log"), env)
+        procs.append(p)
+        timeline.append((p.started, p.name, "torchrun started"))
+        return p
+
+    na = torchrun("a", True)
+    time.sleep(0.5)
+    nb = torchrun("b", False)
+    nodes = [na, nb]
+    t_w2, _ = wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2), 120,
+                         "the first step at world size 2", procs=nodes)
+    timeline.append((t_w2, "baseline", "first step at world size 2"))
+    wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2 and e["step"] >= a.steps_before_notice),
+               120, f"{a.steps_before_notice} steps at world size 2", procs=nodes)
+
+    # No notice handling: the node is simply gone (at the deadline; the clock starts there, deadline 0).
+    t_kill = time.time()
+    nb.kill()
+    say("bench", "node b dies: SIGKILL to its torchrun and worker")
+    timeline.append((t_kill, "bench", "node b killed (SIGKILL, process groups)"))
+    before = [e for t, e in steps_of(nodes) if t <= t_kill]
+    res["baseline_world_size_before"] = before[-1]["world_size"] if before else None
+
+    t_resume, ev1 = wait_until(lambda: first(steps_of([na]), lambda t, e: t > t_kill and e["world_size"] == 1), 180,
+                               "node a's first step at world size 1", procs=[na])
+    last_before = max(e["step"] for _, e in steps_of(nodes) if e["world_size"] == 2)
+    resumed = [(t, e) for t, e in na.events("resumed") if e["world_size"] == 1]
+    res["baseline_notice_to_resume_s"] = round(t_resume - t_kill, 3)
+    res["baseline_world_size_after"] = ev1["world_size"]
+    res["baseline_resumed_step"] = resumed[0][1]["step"] if resumed else ev1["step"] - 1
+    res["baseline_last_step_before_notice"] = last_before
+    failed = [t for t, line in na.lines() if t > t_kill and "failed (exitcode" in line]
+    if failed:
+        res["baseline_failure_detected_s"] = round(failed[0] - t_kill, 3)
+        timeline.append((failed[0], na.name, "torchrun: local worker failed (gloo peer gone); restarting via rendezvous"))
+    res["baseline_lost_steps"] = max(0, last_before - res["baseline_resumed_step"])
+    if resumed:
+        timeline.append((resumed[0][0], na.name, f"worker restarted from checkpoint step {res['baseline_resumed_step']} at world size 1"))
+    timeline.append((t_resume, na.name, f"step {ev1['step']} at world size 1 (first after the restart)"))
+    say("bench", f"node a resumed at world size 1, step {ev1['step']} ({res['baseline_notice_to_resume_s']:.1f} s after the kill)")
+    wait_until(lambda: first(steps_of([na]), lambda t, e: e["world_size"] == 1 and e["step"] >= ev1["step"] + a.steps_after),
+               120, f"{a.steps_after} steps at world size 1", procs=[na])
+
+    nb2 = torchrun("b2", False)
+    nodes = [na, nb2]
+    t_join = nb2.started
+    try:
+        t_up, ev2 = wait_until(lambda: first(steps_of(nodes), lambda t, e: t > t_join and e["world_size"] == 2), 180,
+                               "the first step at world size 2 after b rejoined", procs=nodes)
+        last_w1 = max(e["step"] for t, e in steps_of([na]) if e["world_size"] == 1 and t <= t_up)
+        res["baseline_scaleup_join_to_resume_s"] = round(t_up - t_join, 3)
+        res["baseline_scaleup_lost_steps"] = max(0, last_w1 - (ev2["step"] - 1))
+        timeline.append((t_up, "baseline", f"step {ev2['step']} at world size 2 (first after the rejoin)"))
+        say("bench", f"world size 2 again at step {ev2['step']} ({res['baseline_scaleup_join_to_resume_s']:.1f} s after b's torchrun started)")
+        wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2 and e["step"] >= ev2["step"] + a.steps_after),
+                   120, f"{a.steps_after} steps at world size 2", procs=nodes)
+    except BenchError as e:  # a finding, not a bench failure: plain torchrun may not survive a scale-up
+        res["baseline_scaleup_error"] = str(e)
+        timeline.append((time.time(), "baseline", f"scale-up failed: {e}"))
+        say("bench", f"baseline scale-up failed: {e}")
+        for n in nodes:
+            errs = [line for _, line in n.lines() if "Error" in line and not line.lstrip().startswith(("File", "[rank"))]
+            if errs:
+                res.setdefault("baseline_scaleup_failure", {})[n.name] = errs[-1][:300]
+    for n in nodes:
+        if n.proc.poll() is None:
+            n.proc.send_signal(signal.SIGTERM)
+    res["baseline_final_exit_codes"] = {}
+    for n in nodes:
+        try:
+            res["baseline_final_exit_codes"][n.name] = n.wait(60)
+        except subprocess.TimeoutExpired:
+            res["baseline_final_exit_codes"][n.name] = None
+    res["baseline_orphans_after_stop"] = orphans(d)
+
+    # Every finished step is logged once by rank 0 (--log-every 1); train_gpt.py maps a step to its
+    # batch whatever the world size, so the ids follow from the step numbers.
+    n = dataset_size()
+    cache: dict[int, list[int]] = {}
+    trained = [e["step"] for _, e in steps_of([na, nb, nb2])]
+    max_step = max(trained)
+    acc = account([plain_batch(s, n, cache) for s in trained], [i for s in range(1, max_step + 1) for i in plain_batch(s, n, cache)])
+    res.update(baseline_skipped_samples=acc["skipped"], baseline_repeated_samples=acc["repeated"],
+               baseline_samples_consumed=acc["consumed"], baseline_steps_trained=max_step)
+    return res
+
+
+# ---------------------------------------------------------------------------------------- report
+ROWS = [
+    # (field, target text, predicate on the trainguard value)
+    ("notice_to_commit_s", "", None),
+    ("notice_to_resume_s", f"<= {RESUME_TARGET_S:g}", lambda v: v is not None and v <= RESUME_TARGET_S),
+    ("lost_steps", "== 0", lambda v: v == 0),
+    ("skipped_samples", "== 0", lambda v: v == 0),
+    ("repeated_samples", "== 0", lambda v: v == 0),
+    ("world_size_before", "", None),
+    ("world_size_after", "", None),
+    ("scaleup_join_to_resume_s", "", None),
+    ("scaleup_lost_steps", "", None),
+]
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def print_timeline(title: str, timeline: list[tuple[float, str, str]]) -> None:
+    if not timeline:
+        return
+    t0 = min(t for t, _, _ in timeline)
+    print(f"\n{title} timeline")
+    for t, who, text in sorted(timeline):
+        print(f"  {t - t0:7.2f}s  {who:<10} {text}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--steps-before-notice", type=int, default=30, help="steps at world size 2 before the notice")
+    ap.add_argument("--steps-after", type=int, default=40, help="steps trained after each resize before the next action")
+    ap.add_argument("--baseline-ckpt-every", type=int, default=20,
+                    help="checkpoint every K steps (baseline torch.save; trainguard periodic checkpoint.interval_steps)")
+    ap.add_argument("--baseline-unshared-store", action="store_true",
+                    help="baseline only: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13's workaround for the "
+                         "scale-up store bug, see agent/supervisor.py); default: torchrun as installed")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints, sample logs)")
+    ap.add_argument("--only", choices=["trainguard", "baseline"], default=None, help="run one side only")
+    a = ap.parse_args(argv)
+
+    # A SIGTERM to the bench unwinds through the finally blocks below, which kill what it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    work = tempfile.mkdtemp(prefix="tg-bench-recovery-")
+    procs: list[Proc] = []
+    res: dict[str, Any] = {"steps_before_notice": a.steps_before_notice, "steps_after": a.steps_after,
+                           "ckpt_every": a.baseline_ckpt_every, "global_batch": GLOBAL_BATCH, "step_sleep_s": STEP_SLEEP,
+                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpus": os.cpu_count(),
+                           "baseline_unshared_store": a.baseline_unshared_store}
+    errors: dict[str, str] = {}
+    print(f"recovery benchmark: work folder {work}", flush=True)
+    try:
+        for side, fn in (("trainguard", run_trainguard), ("baseline", run_baseline)):
+            if a.only and a.only != side:
+                continue
+            timeline: list[tuple[float, str, str]] = []
+            mine: list[Proc] = []
+            try:
+                res.update(fn(a, work, mine, timeline))
+            except Exception as e:  # one side failing must not lose the other's figures
+                errors[side] = f"{type(e).__name__}: {e}"
+                say("bench", f"{side} run FAILED: {errors[side]}")
+                for p in mine:
+                    print(p.tail(40), flush=True)
+            finally:
+                for p in mine:
+                    p.kill()
+                procs += mine
+                for pid in strays(os.path.join(work, side)):  # orphans of launchers that exited on their own
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            print_timeline(side, timeline)
+    finally:
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.kill()
+        left = strays(work)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        res["leftover_processes"] = len(left)
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    targets = {}
+    for field, text, ok in ROWS:
+        if ok is not None:
+            targets[field] = {"target": text, "value": res.get(field), "met": bool(ok(res.get(field)))}
+    res["targets"] = targets
+    res["targets_met"] = all(t["met"] for t in targets.values()) and "trainguard" not in errors
+    if errors:
+        res["errors"] = errors
+
+    w = max(len(r[0]) for r in ROWS)
+    print(f"\n{'metric'.ljust(w)}  {'trainguard':>11}  {'baseline':>11}  target")
+    for field, text, ok in ROWS:
+        tg, base = res.get(field), res.get(f"baseline_{field}")
+        mark = "" if ok is None else ("  ok" if ok(tg) else "  MISSED")
+        print(f"{field.ljust(w)}  {fmt(tg):>11}  {fmt(base):>11}  {text}{mark}")
+    print(f"targets met: {res['targets_met']}   leftover processes: {res['leftover_processes']}"
+          + (f"   work folder kept: {work}" if a.keep else ""))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1, sort_keys=True)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
