@@ -45,8 +45,9 @@ def test_fsdp_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_p
     ckpt = os.path.join(tmp, "ckpt")
     loss_log = os.path.join(tmp, "loss.jsonl")
     # job "run" is the checkpoint run id run_segment uses, so the references read the same layout.
-    common = ["--set", f"checkpoint.url={ckpt}",
-              "--set", "checkpoint.interval_steps=10"]
+    # keep_last: the references below restore the emergency and the resize steps after the run.
+    common = ["--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=10",
+              "--set", "checkpoint.keep_last=1000"]
     args = ["--strategy", "fsdp", "--steps", "100000", *JOB, *SIZE, "--step-sleep", "0.03", "--log-every", "2",
             "--sample-log", os.path.join(tmp, "samples"), "--loss-log", loss_log]
     a = Node("a", tmp, ep, nnodes="1:2", job="run", script=ELASTIC, script_args=args, extra=common)
