@@ -197,12 +197,14 @@ def test_image_builds_and_cli_runs(engine: Engine, tmp_path: Path) -> None:
     )
 
     version = engine.run("run", "--rm", "--network", "none", IMAGE, "--version", timeout=120)
-    assert b"0." in version.stdout + version.stderr
+    from importlib.metadata import version as installed
+
+    assert version.stdout.decode().strip() == f"trainguard {installed('trainguard')}", version
 
     check = engine.run(
         "run", "--rm", "--network", "none", IMAGE, "config", "check", "/etc/trainguard/agent.yaml", timeout=120,
     )
-    assert check.returncode == 0
+    assert check.returncode == 0 and check.stdout.decode().strip() == "/etc/trainguard/agent.yaml: OK", check
 
     user = engine.run("run", "--rm", "--network", "none", "--entrypoint", "id", IMAGE, "-u", timeout=60)
     assert user.stdout.strip() == b"10001"
