@@ -2,8 +2,9 @@
 checkpoints, and exact data resumption at any world size (the global batch stays constant through
 gradient accumulation). Runs under ``trainguard run``/``agent`` and under plain ``torchrun`` too.
 
-``--strategy ddp|fsdp`` picks how the model is spread over the ranks (FSDP2 shards per transformer
-block), ``--precision 32|bf16-mixed|16-mixed`` the numeric precision (see docs/strategies.md).
+``--strategy ddp|fsdp|deepspeed`` picks how the model is spread over the ranks (FSDP2 shards per transformer
+block; DeepSpeed ZeRO stage ``--zero-stage``, optionally with ``--deepspeed-config FILE``),
+``--precision 32|bf16-mixed|16-mixed`` the numeric precision (see docs/strategies.md).
 ``--loss-log FILE`` makes rank 0 append ``{"step", "loss"}`` with the global-batch loss of *every* step
 (all-reduced over the ranks; the strategy tests compare runs with it).
 ``--sample-log DIR`` makes every rank append the sample ids of each finished step to
@@ -40,10 +41,12 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--sample-log", default="")
     p.add_argument("--loss-log", default="")
-    p.add_argument("--strategy", default="ddp", help="ddp | fsdp")
+    p.add_argument("--strategy", default="ddp", help="ddp | fsdp | deepspeed (ZeRO, see --zero-stage)")
     p.add_argument("--precision", default="32", help="32 | bf16-mixed | 16-mixed")
     p.add_argument("--resume-step", type=int, default=None, help="restore this committed step (default: newest)")
     p.add_argument("--activation-checkpointing", action="store_true", help="fsdp: recompute each block in backward")
+    p.add_argument("--zero-stage", type=int, default=None, help="deepspeed: ZeRO stage 1 | 2 | 3 (default 2)")
+    p.add_argument("--deepspeed-config", default=None, help="deepspeed: a DeepSpeed JSON/YAML config to merge")
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -53,7 +56,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = TinyGPT(args.seq_len, args.d_model, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    options = {"activation_checkpointing": True} if args.activation_checkpointing else {}
+    options: dict[str, object] = {"activation_checkpointing": True} if args.activation_checkpointing else {}
+    if args.strategy == "deepspeed":
+        options.update(stage=args.zero_stage, config=args.deepspeed_config)
     model, opt = rt.setup(model, opt, dataset_size=n_samples, global_batch=args.global_batch,
                           micro_batch=args.micro_batch, seed=args.seed, tokens_per_sample=args.seq_len,
                           strategy=args.strategy, precision=args.precision, strategy_options=options)

@@ -1,4 +1,4 @@
-"""trainguard.strategies: how model + optimizer are spread over the ranks (``ddp``, ``fsdp``).
+"""trainguard.strategies: how model + optimizer are spread over the ranks (``ddp``, ``fsdp``, ``deepspeed``).
 
 See :mod:`trainguard.strategies.base` for the interface and ``docs/strategies.md`` for the options.
 """

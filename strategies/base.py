@@ -8,7 +8,8 @@ needs (:attr:`Strategy.reshard_native`, :attr:`Strategy.resize_rule`, :meth:`Str
 
 The worker runtime and the checkpoint code only ever talk to this interface (STYLE §1: no
 ``isinstance`` on a concrete strategy). Strategies are looked up by name with :func:`get_strategy`;
-implementations register themselves with :func:`register_strategy` (``ddp``, ``fsdp``; others lazily).
+implementations register themselves with :func:`register_strategy` (``ddp``, ``fsdp``, ``deepspeed``;
+imported lazily, so ``deepspeed`` is needed only when that strategy is used).
 
 Precision (:class:`Precision`)
     ``32``            fp32 everywhere (aliases ``32-true``, ``fp32``).
@@ -247,7 +248,7 @@ def param_names(model: torch.nn.Module) -> dict[int, str]:
 
 _REGISTRY: dict[str, Callable[..., Strategy]] = {}
 _LAZY: dict[str, str] = {"ddp": "trainguard.strategies.ddp", "fsdp": "trainguard.strategies.fsdp",
-                         "fsdp2": "trainguard.strategies.fsdp"}
+                         "fsdp2": "trainguard.strategies.fsdp", "deepspeed": "trainguard.strategies.deepspeed"}
 
 
 def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
