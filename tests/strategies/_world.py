@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +15,9 @@ ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 # Small and fast on 2 shared cores; global batch 8 = 2 ranks x 2 micro-batches x 2 = 1 rank x 4 x 2.
 JOB = ["--global-batch", "8", "--micro-batch", "2", "--seq-len", "32", "--d-model", "32", "--layers", "2",
        "--max-bytes", "200000", "--log-every", "4", "--lr", "3e-3"]
+# The same job with the end-to-end tests' global batch (24 = 2 ranks x 3 x 4 = 1 rank x 6 x 4).
+E2E_BATCH = 24
+E2E_SIZE = ["--global-batch", str(E2E_BATCH), "--micro-batch", "4"]
 
 
 def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interval: int, fence: int, loss_log: str,
@@ -53,3 +57,20 @@ def losses(path: str) -> dict[int, float]:
             rec = json.loads(line)
             out[int(rec["step"])] = float(rec["loss"])
     return out
+
+
+def continuity(tmp: str, ckpt: str, strategy: str, step: int, world_before: int, logged: dict[int, float],
+               extra: list[str] | None = None) -> float:
+    """|loss of step+1 as logged by a resized run - loss of step+1 recomputed at ``world_before``|: the
+    loss that step would have had without the resize.
+
+    The reference restores the same committed ``step`` at the old world size from a copy of the run's
+    checkpoints (so nothing it does can touch the run's) and trains one step of the e2e job
+    (:data:`JOB` + :data:`E2E_SIZE` + ``extra``).
+    """
+    ref_dir = os.path.join(tmp, f"ref-{step}")
+    shutil.copytree(ckpt, ref_dir)
+    ref_log = os.path.join(tmp, f"ref-{step}.jsonl")
+    run_segment(world_before, strategy, ref_dir, steps=step + 1, interval=0, fence=1000 + step, loss_log=ref_log,
+                extra=[*E2E_SIZE, *(extra or []), "--resume-step", str(step)])
+    return abs(logged[step + 1] - losses(ref_log)[step + 1])

@@ -9,33 +9,16 @@ without the resize (recomputed by a fixed-size segment from the same checkpoint)
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
 from tests.e2e.test_drain import check_exactly_once, sample_log, worlds
 from tests.harness import Node, free_port, wait_listening, wait_until
-from tests.strategies._world import ELASTIC, JOB, losses, run_segment
+from tests.strategies._world import E2E_BATCH, E2E_SIZE, ELASTIC, JOB, continuity, losses
 from trainguard.agent import control
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-GLOBAL_BATCH = 24  # what check_exactly_once expects
-# The strategy tests' small job, with the e2e global batch (24 = 2 ranks x 3 x 4 = 1 rank x 6 x 4).
-SIZE = ["--global-batch", str(GLOBAL_BATCH), "--micro-batch", "4"]
-
-
-def continuity(tmp: str, ckpt: str, strategy: str, step: int, world_before: int, logged: dict[int, float]) -> float:
-    """|loss of step+1 as logged by the resized run - loss of step+1 recomputed at ``world_before``|.
-
-    The reference restores the same committed ``step`` at the old world size from a copy of the run's
-    checkpoints (so nothing it does can touch the run's), and trains one step.
-    """
-    ref_dir = os.path.join(tmp, f"ref-{step}")
-    shutil.copytree(ckpt, ref_dir)
-    ref_log = os.path.join(tmp, f"ref-{step}.jsonl")
-    run_segment(world_before, strategy, ref_dir, steps=step + 1, interval=0, fence=1000 + step, loss_log=ref_log,
-                extra=[*SIZE, "--resume-step", str(step)])
-    return abs(logged[step + 1] - losses(ref_log)[step + 1])
+GLOBAL_BATCH = E2E_BATCH  # what check_exactly_once expects
 
 
 def test_fsdp_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path):
@@ -48,7 +31,7 @@ def test_fsdp_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_p
     # keep_last: the references below restore the emergency and the resize steps after the run.
     common = ["--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=10",
               "--set", "checkpoint.keep_last=1000"]
-    args = ["--strategy", "fsdp", "--steps", "100000", *JOB, *SIZE, "--step-sleep", "0.03", "--log-every", "2",
+    args = ["--strategy", "fsdp", "--steps", "100000", *JOB, *E2E_SIZE, "--step-sleep", "0.03", "--log-every", "2",
             "--sample-log", os.path.join(tmp, "samples"), "--loss-log", loss_log]
     a = Node("a", tmp, ep, nnodes="1:2", job="run", script=ELASTIC, script_args=args, extra=common)
     wait_listening(ep)  # a hosts the c10d store; b is the node that leaves
