@@ -107,8 +107,8 @@ def test_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path, 
         assert size[s] == 2 and size[s + 1] == 1 and size[r] == 1 and size[r + 1] == 2
         d1 = continuity(tmp, ckpt, strategy, s, 2, loss, strategy_args)  # step s+1 as world 2 would have had it
         d2 = continuity(tmp, ckpt, strategy, r, 1, loss, strategy_args)  # step r+1 as world 1 would have had it
-        print(f"{strategy} {' '.join(strategy_args)} 2->1->2: emergency_step={s} resize_step={r} steps={len(seen) // E2E_BATCH} "
-              f"loss_delta_after_drain={d1:.3g} loss_delta_after_rejoin={d2:.3g}")
+        print(f"{strategy} {' '.join(strategy_args)} 2->1->2: emergency_step={s} resize_step={r} "
+              f"steps={len(seen) // E2E_BATCH} loss_delta_after_drain={d1:.3g} loss_delta_after_rejoin={d2:.3g}")
         assert d1 <= 1e-6 and d2 <= 1e-6, (d1, d2)
     except AssertionError:
         print(*(n.dump(60) for n in nodes), sep="\n")
