@@ -30,26 +30,12 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 try:  # as a module (python -m trainguard.examples.train_accelerate) or as a plain file
-    from .train_gpt import TinyGPT, batch_for, load_corpus
+    from .train_gpt import TinyGPT, Windows, load_corpus
 except ImportError:
-    from train_gpt import TinyGPT, batch_for, load_corpus  # type: ignore[no-redef]
-
-
-class Windows(Dataset):
-    """Sample ``i`` is the ``seq_len + 1`` byte window starting at ``i * seq_len`` (input, target)."""
-
-    def __init__(self, corpus: torch.Tensor, seq_len: int) -> None:
-        self.corpus, self.seq_len = corpus, seq_len
-
-    def __len__(self) -> int:
-        return (len(self.corpus) - 1) // self.seq_len
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = batch_for(self.corpus, [i], self.seq_len)
-        return x[0], y[0]
+    from train_gpt import TinyGPT, Windows, load_corpus  # type: ignore[no-redef]
 
 
 class Progress:

@@ -78,6 +78,21 @@ def batch_for(corpus: torch.Tensor, ids: list[int], seq_len: int) -> tuple[torch
     return win[:, :-1], win[:, 1:]
 
 
+class Windows(torch.utils.data.Dataset):
+    """Map-style dataset for DataLoader-based scripts (the Fabric and Accelerate examples): sample ``i``
+    is the ``seq_len + 1`` byte window starting at ``i * seq_len`` (input, target)."""
+
+    def __init__(self, corpus: torch.Tensor, seq_len: int) -> None:
+        self.corpus, self.seq_len = corpus, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.corpus) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch_for(self.corpus, [i], self.seq_len)
+        return x[0], y[0]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
