@@ -237,8 +237,8 @@ class Runtime:
         self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
         seconds = time.monotonic() - t0
         with contextlib.suppress(Exception):
-            blocked = getattr(self._manager, "last_blocked_s", 0.0)
-            in_flight = getattr(self._manager, "_inflight", None) if kind == "periodic" else None
+            blocked = self._manager.last_blocked_s
+            in_flight = self._manager.pending if kind == "periodic" else None
             if in_flight is None:  # committed now
                 self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
             else:  # persisted and committed in the background: recorded when that finishes

@@ -294,6 +294,8 @@ class CheckpointManager:
         self._closed = True  # until fully built: close() must be safe on a half-built object
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[int] | None = None
+        self.last_blocked_s = 0.0
+        """Seconds the last :meth:`save` blocked its caller (waiting for the previous save + staging)."""
         if not config.url:
             raise CheckpointError("checkpoint.url is empty. Fix: set YAML key `checkpoint.url` or env var "
                                   "TRAINGUARD_CHECKPOINT_URL to a path, s3://, gs:// or memory:// URL")
@@ -349,6 +351,12 @@ class CheckpointManager:
         """The step being persisted in the background, if any."""
         f = self._inflight
         return self._inflight_step if f is not None and not f.done() else None
+
+    @property
+    def pending(self) -> Future[int] | None:
+        """The save persisting in the background (its result: the committed step; its exception: why it
+        failed), or None when the last :meth:`save` returned committed. Callers may add done-callbacks."""
+        return self._inflight
 
     def save(self, step: int, state: dict[str, Any], kind: str = "periodic", *, block: bool | None = None) -> None:
         """Checkpoint ``state`` as ``step`` (a collective: call on every rank).
