@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 
 from trainguard.agent import __version__
-from trainguard.agent import log as tglog
-from trainguard.agent.configbase import ConfigError
+from trainguard.runtime import log as tglog
+from trainguard.runtime.configbase import ConfigError
 from trainguard.agent.configload import CONFIG_PATH_ENV, DEFAULT_CONFIG_PATH, load_config, redacted
 
 # torchrun --rdzv-conf keys -> our config keys
@@ -160,19 +160,20 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def cmd_drain(args: argparse.Namespace) -> int:
     from trainguard.agent import control
+    from trainguard.runtime.protocol import DrainRequest, control_socket_path
 
     path = args.socket
     if not path:
         env = dict(os.environ)
         cfg = load_config(_config_path(args, env, required=False), env, {}, defaults=None if args.config else _user_defaults())
-        path = os.path.join(cfg.agent.state_dir, f"{cfg.agent.job_id}.sock")
+        path = control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
     try:
-        reply = control.request(path, {"op": "drain", "deadline_s": args.deadline, "reason": args.reason})
+        reply = control.request(path, DrainRequest(deadline_s=args.deadline, reason=args.reason or "trainguard drain"))
     except (FileNotFoundError, ConnectionRefusedError):
         print(f"trainguard drain: no agent listening on {path}; is it running? (pass --socket or --config)", file=sys.stderr)
         return 2
-    print(json.dumps(reply))
-    return 0 if reply.get("ok") else 1
+    print(json.dumps(reply.to_dict()))
+    return 0 if reply.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

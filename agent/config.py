@@ -2,7 +2,7 @@
 
 Precedence: defaults < YAML file < ``TRAINGUARD_*`` environment < CLI flags. Every key has one
 env var, derived mechanically (``rendezvous.min_nodes`` -> ``TRAINGUARD_RENDEZVOUS_MIN_NODES``; see
-:func:`trainguard.agent.configbase.env_var_for`). The loader lives in
+:func:`trainguard.runtime.configbase.env_var_for`). The loader lives in
 :mod:`trainguard.agent.configload`; this module only declares.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from trainguard.agent.configbase import require
+from trainguard.runtime.configbase import require
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.metrics.config import CostConfig, MetricsConfig

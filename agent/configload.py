@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from trainguard.agent.config import SECTIONS, TrainguardConfig
-from trainguard.agent.configbase import ENV_PREFIX, ConfigError, FieldError, env_var_for, is_secret
+from trainguard.runtime.configbase import ENV_PREFIX, ConfigError, FieldError, env_var_for, is_secret
 
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.yaml"
 CONFIG_PATH_ENV = "TRAINGUARD_CONFIG"

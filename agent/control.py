@@ -2,41 +2,37 @@
 
 Why a Unix socket: it never leaves the node, its file mode (0600, in a 0700 directory) is the
 authentication, and a connection that drops tells the agent the worker is gone. It is never a
-network port.
-
-Protocol: newline-delimited JSON objects.
-
-* worker -> agent ``{"op": "hello", "rank": r, "local_rank": l, "pid": p}``: the worker uses the worker
-  API and will honour drain/resize requests. The connection stays open; the agent pushes
-  ``{"op": "drain", "deadline": <epoch s>, "reason": ...}`` or ``{"op": "resize", "reason": ...}``.
-* worker -> agent ``{"op": "committed", "step": s, "kind": k, "seconds": t}``: a checkpoint committed.
-* CLI -> agent ``{"op": "drain", "deadline_s": 30, "reason": "manual"}`` and ``{"op": "status"}``:
-  one request, one JSON reply, then the CLI closes.
+network port. The messages and their codec are :mod:`trainguard.runtime.protocol` (one module both
+ends import); this module is the server and the CLI's one-shot client.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
 
-from trainguard.agent.log import get_logger
+from trainguard.runtime import protocol as proto
+from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.agent.control")
-Handler = Callable[[dict[str, Any]], dict[str, Any] | None]
+Handler = Callable[[proto.Message], proto.Reply | None]
 
 
 class ControlServer:
-    """Accepts connections on ``path``; one daemon thread per connection, every read with a timeout."""
+    """Accepts connections on ``path``; one daemon thread per connection, every read with a timeout.
+
+    A worker that says :class:`~trainguard.runtime.protocol.Hello` is registered until its connection
+    closes; :meth:`broadcast` sends it orders. Every other message goes to ``on_request``; a reply it
+    returns is sent back. A malformed message is answered with an error reply and logged, never fatal.
+    """
 
     def __init__(self, path: str, on_request: Handler) -> None:
         self.path = path
         self._on_request = on_request
         self._lock = threading.Lock()
-        self._workers: dict[socket.socket, dict[str, Any]] = {}
+        self._workers: dict[socket.socket, proto.Hello] = {}
         self._closed = threading.Event()
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         if os.path.exists(path):
@@ -54,7 +50,7 @@ class ControlServer:
         self._thread.start()
 
     # -- worker registry -------------------------------------------------------------------------
-    def api_workers(self) -> list[dict[str, Any]]:
+    def api_workers(self) -> list[proto.Hello]:
         with self._lock:
             return list(self._workers.values())
 
@@ -68,9 +64,9 @@ class ControlServer:
                     pass
             self._workers.clear()
 
-    def broadcast(self, message: dict[str, Any]) -> int:
+    def broadcast(self, message: proto.Message) -> int:
         """Send ``message`` to every registered worker; returns how many got it."""
-        data = (json.dumps(message) + "\n").encode()
+        data = proto.encode(message)
         sent = 0
         with self._lock:
             for conn in list(self._workers):
@@ -107,6 +103,9 @@ class ControlServer:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     self._handle_line(conn, line)
+                if len(buf) > proto.MAX_LINE:
+                    self._send(conn, proto.Reply(ok=False, error=f"message longer than {proto.MAX_LINE} bytes"))
+                    return
         except OSError:
             return
         finally:
@@ -117,24 +116,31 @@ class ControlServer:
             except OSError:
                 pass
 
+    @staticmethod
+    def _send(conn: socket.socket, reply: proto.Reply) -> None:
+        try:
+            conn.sendall(proto.encode(reply))
+        except OSError:
+            pass
+
     def _handle_line(self, conn: socket.socket, line: bytes) -> None:
         try:
-            msg = json.loads(line)
-            if not isinstance(msg, dict):
-                raise ValueError("not an object")
-        except ValueError as e:
+            msg = proto.decode(line)
+        except proto.ProtocolError as e:
             log.warning("control_bad_message", error=str(e), excerpt=line[:80].decode(errors="replace"))
+            self._send(conn, proto.Reply(ok=False, error=f"bad request: {e}"))
             return
-        if msg.get("op") == "hello":
+        if isinstance(msg, proto.Hello):
             with self._lock:
-                self._workers[conn] = {k: msg.get(k) for k in ("rank", "local_rank", "pid")}
-            log.info("worker_registered", rank=msg.get("rank"), local_rank=msg.get("local_rank"), pid=msg.get("pid"))
-        reply = self._on_request(msg)
+                self._workers[conn] = msg
+            log.info("worker_registered", rank=msg.rank, local_rank=msg.local_rank, pid=msg.pid)
+        try:
+            reply = self._on_request(msg)
+        except Exception as e:  # noqa: BLE001 - a handler bug must answer the client, not kill the thread
+            log.exception("control_handler_failed", op=msg.OP)
+            reply = proto.Reply(ok=False, error=f"internal error handling {msg.OP!r}: {type(e).__name__}: {e}")
         if reply is not None:
-            try:
-                conn.sendall((json.dumps(reply) + "\n").encode())
-            except OSError:
-                pass
+            self._send(conn, reply)
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -152,12 +158,12 @@ class ControlServer:
             pass
 
 
-def request(path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+def request(path: str, message: proto.Message, timeout: float = 5.0) -> proto.Reply:
     """One request/reply exchange with a running agent (used by the CLI)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
-        s.sendall((json.dumps(message) + "\n").encode())
+        s.sendall(proto.encode(message))
         buf = b""
         while b"\n" not in buf:
             chunk = s.recv(65536)
@@ -166,4 +172,7 @@ def request(path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[st
             buf += chunk
     if not buf:
         raise ConnectionError(f"agent at {path} closed the connection without a reply")
-    return json.loads(buf.split(b"\n", 1)[0])
+    reply = proto.decode(buf.split(b"\n", 1)[0])
+    if not isinstance(reply, proto.Reply):
+        raise proto.ProtocolError(f"agent at {path} answered with {reply.OP!r}, not a reply")
+    return reply

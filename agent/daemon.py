@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainguard.agent.config import TrainguardConfig
-from trainguard.agent.log import get_logger
+from trainguard.runtime.log import get_logger
 from trainguard.agent.states import AgentState
 from trainguard.agent.supervisor import Supervisor
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from trainguard.agent import exitcodes
+from trainguard.runtime.protocol import ExitKind, WorkerStatus, classify_exit
 
 
 class Act(str, Enum):
@@ -25,8 +25,7 @@ class Act(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    workers: str
-    """``healthy`` (running), ``exited`` (all local workers are done) or ``unknown``."""
+    workers: WorkerStatus
     exit_codes: tuple[int, ...] = ()
     remaining_restarts: int = 0
     nodes_waiting: int = 0
@@ -51,13 +50,13 @@ class Decision:
 
 def decide(o: Observation) -> Decision:
     """Map one observation to one action. See tests/agent/test_decisions.py for the full table."""
-    if o.workers in ("exited", "unknown"):
-        kind = exitcodes.classify(list(o.exit_codes)) if o.workers == "exited" else "crash"
-        if kind == "success":
+    if o.workers is not WorkerStatus.HEALTHY:
+        kind = classify_exit(o.exit_codes) if o.workers is WorkerStatus.EXITED else ExitKind.CRASH
+        if kind is ExitKind.SUCCESS:
             return Decision(Act.SUCCEED, "workers_finished")
         if o.draining:
-            return Decision(Act.LEAVE, "drained" if kind == "resize" else "drained_workers_failed")
-        if kind == "resize":
+            return Decision(Act.LEAVE, "drained" if kind is ExitKind.RESIZE else "drained_workers_failed")
+        if kind is ExitKind.RESIZE:
             return Decision(Act.RESTART, o.asked or "resize", consume_restart=False)
         if o.peer_draining and not o.api_workers:
             return Decision(Act.RESTART, "peer_drain", consume_restart=False)

@@ -17,7 +17,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from trainguard.agent.config import RendezvousConfig
-from trainguard.agent.log import get_logger
+from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.agent.rendezvous")
 

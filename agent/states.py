@@ -19,6 +19,9 @@
 * ``RESTARTING``: workers crashed; backing off, then re-forming (consumes a restart).
 * ``STOPPED``: left the job on purpose (drained); exit code 0.
 * ``SUCCEEDED``: the job finished. ``FAILED``: gave up.
+
+The state values themselves are :class:`trainguard.runtime.protocol.AgentState` (they reach the CLI
+and the metrics labels); this module owns the transitions.
 """
 
 from __future__ import annotations
@@ -26,26 +29,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
-from trainguard.agent.log import get_logger
-
-
-class AgentState(str, Enum):
-    STARTING = "starting"
-    RENDEZVOUS = "rendezvous"
-    RUNNING = "running"
-    DRAINING = "draining"
-    RESIZING = "resizing"
-    RESTARTING = "restarting"
-    STOPPED = "stopped"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (AgentState.STOPPED, AgentState.SUCCEEDED, AgentState.FAILED)
+from trainguard.runtime.log import get_logger
+from trainguard.runtime.protocol import AgentState
 
 
 S = AgentState

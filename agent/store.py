@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from trainguard.agent.log import configure, get_logger
+from trainguard.runtime.log import configure, get_logger
 from trainguard.agent.sdnotify import Notifier, WatchdogThread, watchdog_interval
 
 log = get_logger("trainguard.agent.store")

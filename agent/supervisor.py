@@ -3,7 +3,7 @@
 :class:`TrainguardElasticAgent` is a ``LocalElasticAgent`` whose run loop (``_invoke_run``) asks the
 pure :func:`trainguard.agent.decisions.decide` what to do on each observation and executes it, so:
 
-* a worker exit with the resize code (:mod:`trainguard.agent.exitcodes`) re-forms the world without
+* a worker exit with the resize code (:data:`trainguard.runtime.protocol.EXIT_RESIZE`) re-forms the world without
   consuming ``max_restarts``; a crash consumes one, after an exponential backoff;
 * a node with a notice asks its API workers to checkpoint and exit (or SIGTERMs plain scripts with the
   configured grace), then *leaves* the rendezvous without closing it;
@@ -12,7 +12,7 @@ pure :func:`trainguard.agent.decisions.decide` what to do on each observation an
 The elastic loop runs in a dedicated thread ("supervisor"): elastic's process context installs
 SIGTERM/SIGINT handlers only when started from the main thread, and ours must win (SIGTERM is a
 drain, not an abort). Workers are started from that long-lived thread, which their parent-death
-signal (:mod:`trainguard.agent.worker_shim`) is bound to.
+signal (:mod:`trainguard.runtime.shim`) is bound to.
 
 Torch 2.13 pitfalls handled here (see docs/rendezvous.md):
 
@@ -32,7 +32,6 @@ Torch 2.13 pitfalls handled here (see docs/rendezvous.md):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -49,8 +48,10 @@ from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
 from trainguard.agent.decisions import Act, Observation, decide
-from trainguard.agent.log import get_logger
-from trainguard.agent.states import AgentState, StateMachine
+from trainguard.runtime.log import get_logger
+from trainguard.agent.states import StateMachine
+from trainguard.runtime import protocol as proto
+from trainguard.runtime.protocol import AgentState, WorkerStatus
 
 log = get_logger("trainguard.agent.supervisor")
 DRAIN_KEY = "trainguard/draining"
@@ -75,7 +76,7 @@ def worker_command(cfg: TrainguardConfig) -> tuple[str, tuple[str, ...]]:
     if not w.entrypoint:
         raise ValueError("workers.entrypoint is empty: set YAML key `workers.entrypoint` or env var "
                          "TRAINGUARD_WORKERS_ENTRYPOINT (or pass the script to `trainguard run`)")
-    shim = ["-m", "trainguard.agent.worker_shim"]
+    shim = ["-m", "trainguard.runtime.shim"]
     if w.no_python:
         return sys.executable, (*shim, "--no-python", "--", w.entrypoint, *w.args)
     program = ["-u", "-m", w.entrypoint] if w.module else ["-u", w.entrypoint]
@@ -131,7 +132,7 @@ class Supervisor:
         self._run_started = time.monotonic()
         self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
         os.makedirs(cfg.agent.state_dir, mode=0o700, exist_ok=True)
-        self.control_path = os.path.join(cfg.agent.state_dir, f"{cfg.agent.job_id}.sock")
+        self.control_path = proto.control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
         self.control = ControlServer(self.control_path, self._on_control)
         entrypoint, args = worker_command(cfg)
         spec = WorkerSpec(
@@ -167,27 +168,26 @@ class Supervisor:
     def drain(self) -> DrainRequest | None:
         return self._drain
 
-    def _on_control(self, msg: dict[str, Any]) -> dict[str, Any] | None:
-        op = msg.get("op")
-        if op == "drain":
-            deadline_s = float(msg.get("deadline_s") or self.cfg.preemption.default_deadline_s)
-            first = self.request_drain("manual", "drain", time.time() + deadline_s, str(msg.get("reason") or "trainguard drain"))
+    def _on_control(self, msg: proto.Message) -> proto.Reply | None:
+        if isinstance(msg, proto.DrainRequest):
+            deadline_s = msg.deadline_s or self.cfg.preemption.default_deadline_s
+            first = self.request_drain("manual", "drain", time.time() + deadline_s, msg.reason)
             if first:
                 self._observe("notice", "manual")
-            return {"ok": True, "already_draining": not first}
-        if op == "status":
-            return {"ok": True, **self.status()}
-        if op == "committed":
-            log.info("checkpoint_committed_by_worker", step=msg.get("step"), kind=msg.get("kind"), rank=msg.get("rank"))
-            if msg.get("kind") == "emergency" and self.on_emergency_commit is not None:
+            return proto.Reply(ok=True, data={"already_draining": not first})
+        if isinstance(msg, proto.StatusRequest):
+            return proto.Reply(ok=True, data=self.status())
+        if isinstance(msg, proto.Committed):
+            log.info("checkpoint_committed_by_worker", step=msg.step, kind=msg.kind.value, rank=msg.rank, saved=msg.saved)
+            if msg.kind is proto.CheckpointKind.EMERGENCY and msg.saved and self.on_emergency_commit is not None:
                 try:
                     self.on_emergency_commit()
                 except Exception as e:
                     log.warning("emergency_commit_hook_failed", error=str(e))
             return None
-        if op == "hello":
+        if isinstance(msg, proto.Hello):
             return None
-        return {"ok": False, "error": f"unknown op {op!r}"}
+        return proto.Reply(ok=False, error=f"op {msg.OP!r} is not a request to the agent")
 
     def status(self) -> dict[str, Any]:
         d = self._drain
@@ -213,19 +213,12 @@ class Supervisor:
     def worker_env(self, wg: WorkerGroup) -> dict[str, str]:
         """Variables every worker gets besides torchrun's (the worker runtime reads ``TRAINGUARD_RT_*``)."""
         cfg = self.cfg
-        runtime = {
-            "job_id": cfg.agent.job_id,
-            "node": cfg.agent.node_name,
-            "checkpoint": dataclasses.asdict(cfg.checkpoint),
-        }
-        env = {
-            "TRAINGUARD_RT_AGENT_PID": str(os.getpid()),
-            "TRAINGUARD_RT_CONTROL": self.control_path,
-            "TRAINGUARD_RT_ROUND": str(rdzv.current_round(self.handler)),
-            "TRAINGUARD_RT_NODE": cfg.agent.node_name,
-            "TRAINGUARD_RT_CONFIG": json.dumps(runtime),
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        }
+        env = proto.RuntimeEnv(
+            job_id=cfg.agent.job_id, node=cfg.agent.node_name, agent_pid=os.getpid(),
+            control_path=self.control_path, round=rdzv.current_round(self.handler),
+            checkpoint=dataclasses.asdict(cfg.checkpoint),
+        ).to_env()
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         if self.observer is not None:
             env.update(self.observer.worker_env())
         env.update({k: str(v) for k, v in cfg.workers.env.items()})
@@ -281,15 +274,15 @@ class Supervisor:
             if drain is not None and self.sm.state != AgentState.DRAINING:
                 self.sm.to(AgentState.DRAINING, source=drain.source, kind=drain.kind)
             if state == WorkerState.HEALTHY:
-                obs_workers, codes = "healthy", ()
+                obs_workers, codes = WorkerStatus.HEALTHY, ()
             elif state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
                 failed = [f.exitcode for f in result.failures.values()]
                 codes = tuple(failed + [0] * (spec.local_world_size - len(failed)))
-                obs_workers = "exited"
+                obs_workers = WorkerStatus.EXITED
             else:
-                obs_workers, codes = "unknown", ()
+                obs_workers, codes = WorkerStatus.UNKNOWN, ()
             waiting = 0
-            if obs_workers == "healthy" and drain is None:
+            if obs_workers is WorkerStatus.HEALTHY and drain is None:
                 try:
                     waiting = self.handler.num_nodes_waiting()
                 except Exception as e:
@@ -303,7 +296,7 @@ class Supervisor:
                 drain_deadline_passed=drain is not None and time.time() >= drain.deadline,
                 asked=asked,
                 api_workers=bool(self.control.api_workers()),
-                peer_draining=obs_workers != "healthy" and self._peer_draining(wg),
+                peer_draining=obs_workers is not WorkerStatus.HEALTHY and self._peer_draining(wg),
             )
             d = decide(obs)
             if d.act is Act.WAIT:
@@ -313,11 +306,11 @@ class Supervisor:
             if d.act is Act.ASK_DRAIN:
                 assert drain is not None
                 self._publish_drain(wg)
-                n = self.control.broadcast({"op": "drain", "deadline": drain.deadline, "reason": drain.reason or drain.kind})
+                n = self.control.broadcast(proto.Stop(proto.StopReason.DRAIN, drain.deadline, drain.reason or drain.kind))
                 log.info("drain_requested_from_workers", workers=n, deadline_in_s=round(drain.deadline - time.time(), 1))
                 asked = "drain"
             elif d.act is Act.ASK_RESIZE:
-                n = self.control.broadcast({"op": "resize", "reason": d.reason})
+                n = self.control.broadcast(proto.Stop(proto.StopReason.RESIZE, None, d.reason))
                 log.info("resize_requested_from_workers", workers=n, nodes_waiting=waiting)
                 asked = "resize"
             elif d.act is Act.TERMINATE:

@@ -328,7 +328,7 @@ def dataset_size() -> int:
 
 def cursor_stream(n_steps: int, n: int) -> list[int]:
     """The ids of steps 1..n_steps as the worker API's global sample cursor serves them."""
-    from trainguard.agent.data import GlobalSampleCursor
+    from trainguard.runtime.cursor import GlobalSampleCursor
 
     c = GlobalSampleCursor(n, GLOBAL_BATCH, seed=SEED)
     return [i for _ in range(n_steps) for i in c.next_global_batch()]

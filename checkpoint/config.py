@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.agent.configbase import require
+from trainguard.runtime.configbase import require
 
 
 @dataclass(kw_only=True, slots=True)

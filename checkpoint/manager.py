@@ -55,7 +55,7 @@ from torch.distributed._state_dict_utils import (
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainguard.agent.log import get_logger
+from trainguard.runtime.log import get_logger
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import (
     CheckpointCorrupt,

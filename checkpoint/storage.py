@@ -41,7 +41,7 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from trainguard.agent.log import get_logger
+from trainguard.runtime.log import get_logger
 from trainguard.checkpoint.errors import CheckpointNotFound, StorageError
 
 log = get_logger("trainguard.checkpoint.storage")

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from trainguard.agent.worker import Runtime
+from trainguard.runtime import Runtime
 from trainguard.examples.train_gpt import TinyGPT, batch_for, load_corpus
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from trainguard.agent.configbase import ConfigError
+from trainguard.runtime.configbase import ConfigError
 from trainguard.metrics.config import CostConfig
 from trainguard.metrics.goodput import GoodputSnapshot
 

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.agent.log import get_logger
+from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.metrics.gpu")
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.agent.log import get_logger
+from trainguard.runtime.log import get_logger
 from trainguard.metrics import names
 from trainguard.metrics.channel import ENV_VAR
 

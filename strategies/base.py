@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainguard.agent.data import plan as _plan
+from trainguard.strategies.batch import plan as _plan
 from trainguard.checkpoint.state import ModelOptimizerState
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainguard.agent.data import ElasticSampler, GlobalSampleCursor, plan, split
+from trainguard.runtime.cursor import ElasticSampler, GlobalSampleCursor
+from trainguard.strategies.batch import plan, split
 
 pytestmark = pytest.mark.timeout(60)
 

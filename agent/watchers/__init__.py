@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.agent.log import get_logger
+from trainguard.runtime.log import get_logger
 from trainguard.agent.watchers.auto import auto_watchers, cloud_watchers, detect_cloud
 from trainguard.agent.watchers.aws import AwsWatcher
 from trainguard.agent.watchers.azure import AzureWatcher

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.agent.log import get_logger
+from trainguard.runtime.log import get_logger
 from trainguard.agent.watchers.aws import TOKEN_PATH, TTL_HEADER, AwsWatcher
 from trainguard.agent.watchers.azure import AzureWatcher
 from trainguard.agent.watchers.base import Watcher

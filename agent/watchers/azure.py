@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from trainguard.agent.configbase import env_var_for
+from trainguard.runtime.configbase import env_var_for
 from trainguard.agent.watchers.base import Notice, Watcher, parse_rfc1123
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.agent.watchers.http import HttpClient, MetadataError

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from trainguard.agent.log import get_logger
+from trainguard.runtime.log import get_logger
 from trainguard.agent.watchers.http import HttpClient, MetadataError, WatcherError
 
 __all__ = [

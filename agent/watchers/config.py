@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainguard.agent.configbase import require
+from trainguard.runtime.configbase import require
 
 SOURCES = ("auto", "aws", "gcp", "azure", "signal", "none")
 

@@ -2,37 +2,37 @@
 
 import pytest
 
-from trainguard.agent import exitcodes
+from trainguard.runtime.protocol import EXIT_RESIZE, WorkerStatus as W, classify_exit
 from trainguard.agent.decisions import Act, Observation, decide
 
-R = exitcodes.RESIZE
+R = EXIT_RESIZE
 
 CASES = [
     # (name, observation, expected act, expected reason, consumes a restart)
-    ("healthy idle", Observation("healthy", remaining_restarts=3), Act.WAIT, "", False),
-    ("all succeeded", Observation("exited", (0, 0)), Act.SUCCEED, "workers_finished", False),
-    ("crash consumes", Observation("exited", (1, -15), remaining_restarts=2), Act.RESTART, "worker_failure", True),
-    ("sigkill is a crash", Observation("exited", (-9,), remaining_restarts=1), Act.RESTART, "worker_failure", True),
-    ("crash, none left", Observation("exited", (1,), remaining_restarts=0), Act.FAIL, "max_restarts_exhausted", False),
-    ("unknown state is a crash", Observation("unknown", remaining_restarts=1), Act.RESTART, "worker_failure", True),
-    ("resize never consumes", Observation("exited", (R,), remaining_restarts=0), Act.RESTART, "resize", False),
-    ("resize + terminated siblings", Observation("exited", (R, -15, -15), remaining_restarts=0), Act.RESTART, "resize", False),
-    ("resize we asked for", Observation("exited", (R, R), asked="resize"), Act.RESTART, "resize", False),
-    ("resize mixed with crash", Observation("exited", (R, 1), remaining_restarts=1), Act.RESTART, "worker_failure", True),
-    ("drained node leaves", Observation("exited", (R,), draining=True, asked="drain"), Act.LEAVE, "drained", False),
-    ("drained, workers died", Observation("exited", (-15,), draining=True), Act.LEAVE, "drained_workers_failed", False),
-    ("success wins over drain", Observation("exited", (0,), draining=True), Act.SUCCEED, "workers_finished", False),
-    ("notice, API workers", Observation("healthy", draining=True, api_workers=True), Act.ASK_DRAIN, "notice", False),
-    ("notice, plain script", Observation("healthy", draining=True), Act.TERMINATE, "notice", False),
-    ("drain asked, waiting", Observation("healthy", draining=True, asked="drain", api_workers=True), Act.WAIT, "draining", False),
-    ("drain deadline passed", Observation("healthy", draining=True, asked="drain", drain_deadline_passed=True, api_workers=True),
+    ("healthy idle", Observation(W.HEALTHY, remaining_restarts=3), Act.WAIT, "", False),
+    ("all succeeded", Observation(W.EXITED, (0, 0)), Act.SUCCEED, "workers_finished", False),
+    ("crash consumes", Observation(W.EXITED, (1, -15), remaining_restarts=2), Act.RESTART, "worker_failure", True),
+    ("sigkill is a crash", Observation(W.EXITED, (-9,), remaining_restarts=1), Act.RESTART, "worker_failure", True),
+    ("crash, none left", Observation(W.EXITED, (1,), remaining_restarts=0), Act.FAIL, "max_restarts_exhausted", False),
+    ("unknown state is a crash", Observation(W.UNKNOWN, remaining_restarts=1), Act.RESTART, "worker_failure", True),
+    ("resize never consumes", Observation(W.EXITED, (R,), remaining_restarts=0), Act.RESTART, "resize", False),
+    ("resize + terminated siblings", Observation(W.EXITED, (R, -15, -15), remaining_restarts=0), Act.RESTART, "resize", False),
+    ("resize we asked for", Observation(W.EXITED, (R, R), asked="resize"), Act.RESTART, "resize", False),
+    ("resize mixed with crash", Observation(W.EXITED, (R, 1), remaining_restarts=1), Act.RESTART, "worker_failure", True),
+    ("drained node leaves", Observation(W.EXITED, (R,), draining=True, asked="drain"), Act.LEAVE, "drained", False),
+    ("drained, workers died", Observation(W.EXITED, (-15,), draining=True), Act.LEAVE, "drained_workers_failed", False),
+    ("success wins over drain", Observation(W.EXITED, (0,), draining=True), Act.SUCCEED, "workers_finished", False),
+    ("notice, API workers", Observation(W.HEALTHY, draining=True, api_workers=True), Act.ASK_DRAIN, "notice", False),
+    ("notice, plain script", Observation(W.HEALTHY, draining=True), Act.TERMINATE, "notice", False),
+    ("drain asked, waiting", Observation(W.HEALTHY, draining=True, asked="drain", api_workers=True), Act.WAIT, "draining", False),
+    ("drain deadline passed", Observation(W.HEALTHY, draining=True, asked="drain", drain_deadline_passed=True, api_workers=True),
      Act.TERMINATE, "drain_deadline_passed", False),
-    ("scale-up, API workers", Observation("healthy", nodes_waiting=1, api_workers=True), Act.ASK_RESIZE, "scale_up", False),
-    ("scale-up asked, waiting", Observation("healthy", nodes_waiting=1, api_workers=True, asked="resize"), Act.WAIT, "", False),
-    ("scale-up, plain script", Observation("healthy", nodes_waiting=1), Act.RESTART, "scale_up", False),
-    ("drain beats scale-up", Observation("healthy", nodes_waiting=2, draining=True, api_workers=True), Act.ASK_DRAIN, "notice", False),
-    ("peer drained plain scripts", Observation("exited", (1,), peer_draining=True, remaining_restarts=0), Act.RESTART, "peer_drain", False),
-    ("peer drained, API workers crash", Observation("exited", (1,), peer_draining=True, api_workers=True, remaining_restarts=1),
+    ("scale-up, API workers", Observation(W.HEALTHY, nodes_waiting=1, api_workers=True), Act.ASK_RESIZE, "scale_up", False),
+    ("scale-up asked, waiting", Observation(W.HEALTHY, nodes_waiting=1, api_workers=True, asked="resize"), Act.WAIT, "", False),
+    ("scale-up, plain script", Observation(W.HEALTHY, nodes_waiting=1), Act.RESTART, "scale_up", False),
+    ("drain beats scale-up", Observation(W.HEALTHY, nodes_waiting=2, draining=True, api_workers=True), Act.ASK_DRAIN, "notice", False),
+    ("peer drained plain scripts", Observation(W.EXITED, (1,), peer_draining=True, remaining_restarts=0), Act.RESTART, "peer_drain", False),
+    ("peer drained, API workers crash", Observation(W.EXITED, (1,), peer_draining=True, api_workers=True, remaining_restarts=1),
      Act.RESTART, "worker_failure", True),
 ]
 
@@ -50,4 +50,4 @@ def test_decide(name, obs, act, reason, consume):
     ([75, 1], "crash"), ([-15], "crash"), ([1], "crash"), ([-9, 75], "resize"), ([-9], "crash"),
 ])
 def test_classify_exit_codes(codes, kind):
-    assert exitcodes.classify(codes) == kind
+    assert classify_exit(codes) == kind

@@ -54,7 +54,8 @@ def test_two_nodes_train_restart_scale_up_and_drain(nodes):
         wait_until(lambda: len(trainer.events("train_step")) > n_before + 2, 60, "training after restart")
         assert not alive(victim)
         from trainguard.agent import control
-        budget = {n.name: control.request(n.socket, {"op": "status"})["remaining_restarts"] for n in (a, b)}
+        from trainguard.runtime.protocol import DrainRequest, StatusRequest
+        budget = {n.name: control.request(n.socket, StatusRequest()).data["remaining_restarts"] for n in (a, b)}
         assert budget["b"] == 2  # b's own worker crashed: one restart consumed
 
         # 3. a third agent joins -> world size 3, without consuming a restart
@@ -65,14 +66,14 @@ def test_two_nodes_train_restart_scale_up_and_drain(nodes):
         wait_until(lambda: any(e["world_size"] == 3 for e in trainer.events("train_step")[n3:]), 60, "training at 3")
 
         # 4. an agent that does not host the store leaves (drain) -> survivors continue at 2
-        assert control.request(c.socket, {"op": "drain", "deadline_s": 20, "reason": "test"})["ok"]
+        assert control.request(c.socket, DrainRequest(deadline_s=20, reason="test")).ok
         assert c.wait(60) == 0
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "survivors re-form at 2")
         n2 = len(trainer.events("train_step"))
         wait_until(lambda: any(e["world_size"] == 2 for e in trainer.events("train_step")[n2:]), 60, "training at 2 again")
         assert [e["new"] for e in c.events("state_change")][-2:] == ["draining", "stopped"]
         # the survivors' re-formations for the scale-up and for the peer's drain were free
-        assert {n.name: control.request(n.socket, {"op": "status"})["remaining_restarts"] for n in (a, b)} == budget
+        assert {n.name: control.request(n.socket, StatusRequest()).data["remaining_restarts"] for n in (a, b)} == budget
         assert [e["reason"] for e in a.events("decision")][-1] == "peer_drain"
     except AssertionError:
         print(a.dump(), b.dump(), sep="\n")

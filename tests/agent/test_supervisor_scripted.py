@@ -7,7 +7,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from trainguard.agent.configload import load_config
-from trainguard.agent.exitcodes import RESIZE
+from trainguard.runtime.protocol import EXIT_RESIZE as RESIZE
 from trainguard.agent.states import AgentState
 from trainguard.agent.supervisor import Supervisor
 

@@ -14,6 +14,7 @@ from tests.fixtures.prometheus import prometheus_factory  # noqa: F401  (fixture
 from tests.harness import REPO, Node, free_port, wait_listening, wait_until
 from tests.metrics.promql import RULES, alert_rules, dashboard_exprs, referenced_metrics, split_comparison
 from trainguard.agent import control
+from trainguard.runtime.protocol import DrainRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -83,8 +84,8 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         prom.wait_for(f'count_over_time(up{{instance="{targets[1]}"}}[1m]) >= 3', timeout_s=10)
 
         # One drain of node b, as `trainguard drain` does it.
-        reply = control.request(b.socket, {"op": "drain", "deadline_s": 30})
-        assert reply.get("ok"), reply
+        reply = control.request(b.socket, DrainRequest(deadline_s=30))
+        assert reply.ok, reply
         assert b.wait(60) == 0, b.dump()
         # b's final values (drain duration, stopped state) were scraped before it went away.
         assert [e["scraped"] for e in b.events("metrics_final_scrape")] == [True], b.dump()

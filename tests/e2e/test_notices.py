@@ -8,6 +8,7 @@ import pytest
 from tests.emulators.fixtures import azure_events, gcp_metadata  # noqa: F401
 from tests.harness import REPO, Node, free_port, wait_listening, wait_until
 from trainguard.agent import control
+from trainguard.runtime.protocol import DrainRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -107,7 +108,7 @@ def test_two_notices_on_two_of_three_nodes(tmp_path):
     a, b, c = nodes
     try:
         for n in (b, c):
-            assert control.request(n.socket, {"op": "drain", "deadline_s": 60, "reason": "test"})["ok"]
+            assert control.request(n.socket, DrainRequest(deadline_s=60, reason="test")).ok
         survivor_resumes(a, [b, c], 1)
         wait_until(lambda: any(e["world_size"] == 1 for e in a.events("train_step")), 60, "training at 1")
     except AssertionError:

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from trainguard.agent.configbase import ConfigError
+from trainguard.runtime.configbase import ConfigError
 from trainguard.metrics.agent import AgentMetrics
 from trainguard.metrics.config import CostConfig, MetricsConfig
 from trainguard.metrics.exporter import MetricsExporter

@@ -84,7 +84,7 @@ def test_config_merge_owns_batch_stage_precision_and_turns_clipping_off(tmp_path
 
 
 def test_trainguard_imports_without_deepspeed():
-    code = ("import sys, trainguard.strategies, trainguard.agent.worker, trainguard.checkpoint.manager\n"
+    code = ("import sys, trainguard.strategies, trainguard.runtime, trainguard.checkpoint.manager\n"
             "from trainguard.strategies import available_strategies\n"
             "assert 'deepspeed' in available_strategies()\n"
             "assert not any(m == 'deepspeed' or m.startswith('deepspeed.') for m in sys.modules), 'imported'\n")

@@ -19,6 +19,7 @@ from tests.e2e.test_drain import check_exactly_once, sample_log, worlds
 from tests.harness import Node, free_port, wait_listening, wait_until
 from tests.strategies._world import E2E_BATCH, E2E_SIZE, ELASTIC, JOB, continuity
 from trainguard.agent import control
+from trainguard.runtime.protocol import DrainRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -66,8 +67,8 @@ def test_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path, 
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "world size 2")
         wait_until(lambda: any(e["step"] >= 6 for n in (a, b) for e in n.events("train_step")), 90,
                    "6 steps at world size 2")
-        reply = control.request(b.socket, {"op": "drain", "deadline_s": 30})
-        assert reply.get("ok"), reply
+        reply = control.request(b.socket, DrainRequest(deadline_s=30))
+        assert reply.ok, reply
         assert b.wait(60) == 0, b.dump()
         committed = [e for n in (a, b) for e in n.events("checkpoint_committed")
                      if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]

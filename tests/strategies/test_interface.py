@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainguard.agent.data import plan
+from trainguard.strategies.batch import plan
 from trainguard.strategies import (
     PRECISIONS,
     Precision,
@@ -264,7 +264,7 @@ def test_runtime_never_branches_on_a_concrete_strategy():
     import ast
     import inspect
 
-    import trainguard.agent.worker as worker
+    import trainguard.runtime as worker
     import trainguard.checkpoint.manager as manager
     import trainguard.checkpoint.state as state
 

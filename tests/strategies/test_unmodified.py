@@ -108,9 +108,10 @@ def test_unmodified_script_trains_gets_sigterm_on_drain_and_survivor_resumes(kin
         # 2. drain b: its worker gets SIGTERM with the configured grace and dies of it.
         (worker,) = b.worker_pids()
         from trainguard.agent import control
+        from trainguard.runtime.protocol import DrainRequest
 
         t0 = time.monotonic()
-        assert control.request(b.socket, {"op": "drain", "deadline_s": 30})["ok"]
+        assert control.request(b.socket, DrainRequest(deadline_s=30)).ok
         wait_until(lambda: not alive(worker), GRACE_S + 5, f"b's worker {worker} to exit")
         worker_exit_s = time.monotonic() - t0
         assert b.wait(60) == 0, b.dump()

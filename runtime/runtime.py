@@ -29,10 +29,10 @@ of the checkpoint, ``plan`` splits the global batch, and ``name`` goes into the 
 group: ``[stop, periodic_due]`` where ``stop`` is 2 for a drain and 1 for a resize request this rank's
 agent pushed over the control socket (or SIGTERM under plain torchrun). Every rank therefore sees
 the same flags after the same step: all of them save the same step ``s``, rank 0 commits it, and all
-exit with :data:`~trainguard.agent.exitcodes.RESIZE`. The new world restores ``s`` and continues at
+exit with :data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
 ``s + 1``. Cost: one 8-byte all-reduce per step.
 
-**Data.** A :class:`~trainguard.agent.data.GlobalSampleCursor` (seeded permutation per epoch,
+**Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
 samples consumed) is part of the checkpoint; each global batch is split over the current ranks and
 the global batch stays constant by adapting gradient accumulation.
 """
@@ -40,10 +40,8 @@ the global batch stays constant by adapting gradient accumulation.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -53,68 +51,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.agent import exitcodes
-from trainguard.agent.data import GlobalSampleCursor, split
-from trainguard.agent.log import get_logger
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.errors import CheckpointError
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.state import TrainerState
+from trainguard.runtime import protocol as proto
+from trainguard.runtime.cursor import GlobalSampleCursor
+from trainguard.runtime.link import AgentLink
+from trainguard.runtime.log import get_logger
 from trainguard.strategies.base import Strategy, get_strategy
+from trainguard.strategies.batch import split
 
 log = get_logger("trainguard.worker")
-NONE, RESIZE_REQ, DRAIN_REQ = 0, 1, 2
-
-
-class _AgentLink:
-    """The worker's end of the agent's control socket: says hello, then listens for requests."""
-
-    def __init__(self, path: str, rank: int, local_rank: int) -> None:
-        self.request = NONE
-        self.deadline: float | None = None
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(5)
-        self._sock.connect(path)
-        self._send({"op": "hello", "rank": rank, "local_rank": local_rank, "pid": os.getpid()})
-        self._sock.settimeout(1.0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._listen, name="trainguard-agent-link", daemon=True)
-        self._thread.start()
-
-    def _send(self, msg: dict[str, Any]) -> None:
-        self._sock.sendall((json.dumps(msg) + "\n").encode())
-
-    def _listen(self) -> None:
-        buf = b""
-        while not self._stop.is_set():
-            try:
-                chunk = self._sock.recv(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not chunk:
-                return
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if msg.get("op") == "drain":
-                    self.deadline = float(msg.get("deadline") or 0) or None
-                    self.request = DRAIN_REQ
-                elif msg.get("op") == "resize":
-                    self.request = max(self.request, RESIZE_REQ)
-
-    def committed(self, step: int, kind: str, seconds: float, rank: int) -> None:
-        with contextlib.suppress(OSError):
-            self._send({"op": "committed", "step": step, "kind": kind, "seconds": round(seconds, 3), "rank": rank})
-
-    def close(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._sock.close()
 
 
 class Runtime:
@@ -131,14 +79,16 @@ class Runtime:
         self.cursor: GlobalSampleCursor | None = None
         self.accum_steps = 1
         self.micro_batch = 1
-        self._signal_request = NONE
+        self._signal_request = proto.StopReason.NONE
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
         self._last_periodic = time.monotonic()
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self._link = _AgentLink(control_path, rank, local_rank) if control_path and os.path.exists(control_path) else None
+        self._link = (AgentLink(control_path, rank, local_rank, os.getpid())
+                      if control_path and os.path.exists(control_path) else None)
+        self._metrics: Any = None
         if threading.current_thread() is threading.main_thread():
             # Under plain torchrun (no agent link) a SIGTERM is the only notice a worker gets.
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -148,23 +98,17 @@ class Runtime:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Runtime:
         """Initialise the process group from the torchelastic env (gloo on CPU, NCCL on GPU) and read
-        the ``TRAINGUARD_RT_*`` variables the agent sets. Works under plain torchrun and alone too."""
-        env = dict(os.environ if env is None else env)
-        from trainguard.agent import log as tglog
+        the agent's :class:`~trainguard.runtime.protocol.RuntimeEnv`. Works under plain torchrun and alone too."""
+        rtenv = proto.RuntimeEnv.from_env(env)
+        from trainguard.runtime import log as tglog
 
         tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
-        world = int(env.get("WORLD_SIZE", "1"))
-        if world > 1 and not dist.is_initialized():
+        if rtenv.world_size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         rank = dist.get_rank() if dist.is_initialized() else 0
-        cfg = json.loads(env.get("TRAINGUARD_RT_CONFIG", "{}") or "{}")
-        ck = cfg.get("checkpoint") or {}
-        if not ck.get("url") and env.get("TRAINGUARD_CHECKPOINT_URL"):
-            ck["url"] = env["TRAINGUARD_CHECKPOINT_URL"]  # plain torchrun: the same variable as the agent's config
-        return cls(rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
-                   job_id=cfg.get("job_id") or env.get("TORCHELASTIC_RUN_ID") or "trainguard",
-                   fence=int(env.get("TRAINGUARD_RT_ROUND", "0")), checkpoint=CheckpointConfig(**ck),
-                   control_path=env.get("TRAINGUARD_RT_CONTROL", ""))
+        return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
+                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", fence=max(rtenv.round, 0),
+                   checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path)
 
     @property
     def strategy_name(self) -> str:
@@ -236,13 +180,12 @@ class Runtime:
         t0 = time.monotonic()
         self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
         seconds = time.monotonic() - t0
-        with contextlib.suppress(Exception):
-            blocked = self._manager.last_blocked_s
-            in_flight = self._manager.pending if kind == "periodic" else None
-            if in_flight is None:  # committed now
-                self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
-            else:  # persisted and committed in the background: recorded when that finishes
-                self._metrics.observe_checkpoint_async(in_flight, kind, blocked, blocked, self.step)
+        blocked = self._manager.last_blocked_s
+        in_flight = self._manager.pending if kind == "periodic" else None
+        if in_flight is None:  # committed now
+            self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
+        else:  # persisted and committed in the background: recorded when that finishes
+            self._metrics.observe_checkpoint_async(in_flight, kind, blocked, blocked, self.step)
         return seconds
 
     # ---- the step -------------------------------------------------------------------------------
@@ -276,10 +219,10 @@ class Runtime:
         self.strategy.optimizer_step(optimizer or self._optimizer)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._signal_request = DRAIN_REQ
+        self._signal_request = proto.StopReason.DRAIN
 
-    def _local_request(self) -> int:
-        return max(self._signal_request, self._link.request if self._link else NONE)
+    def _local_request(self) -> proto.StopReason:
+        return max(self._signal_request, self._link.request if self._link else proto.StopReason.NONE)
 
     def end_step(self) -> None:
         """Call after ``optimizer.step()``: counts the step, agrees with every rank on drain/resize and
@@ -288,45 +231,50 @@ class Runtime:
         assert self.cursor is not None, "setup() first"
         now = time.monotonic()
         per_rank = self.cursor.global_batch_size // self.world_size
-        with contextlib.suppress(Exception):
-            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, now - self._step_started)
-            self._metrics.sample_gpu_peak(now)
+        self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, now - self._step_started)
+        self._metrics.sample_gpu_peak(now)
         self._step_started = now
         cfg = self.checkpoint_config
         due = bool(self._manager) and (
             (cfg.interval_steps and self.step % cfg.interval_steps == 0)
             or (cfg.interval_s and time.monotonic() - self._last_periodic >= cfg.interval_s))
-        flags = torch.tensor([self._local_request(), int(bool(due))], dtype=torch.int32)
+        flags = torch.tensor([int(self._local_request()), int(bool(due))], dtype=torch.int32)
         if self._group is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        stop, periodic = int(flags[0]), bool(flags[1])
-        if stop:
-            self._stop(DRAIN_REQ if stop == DRAIN_REQ else RESIZE_REQ)
+        stop, periodic = proto.StopReason(int(flags[0])), bool(flags[1])
+        if stop is not proto.StopReason.NONE:
+            self._stop(stop)
         if periodic:
             self._last_periodic = time.monotonic()
             self._save("periodic")
 
-    def _stop(self, why: int) -> None:
-        kind = "emergency" if why == DRAIN_REQ else "resize"
+    def _stop(self, why: proto.StopReason) -> None:
+        kind = why.checkpoint_kind.value
         deadline = self._link.deadline if self._link else None
         self._log.warning("worker_stopping", step=self.step, kind=kind,
                           deadline_in_s=round(deadline - time.time(), 1) if deadline else None)
+        report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False)
         if self._manager is not None:
             try:
                 seconds = self._save(kind)
                 committed = self._manager.wait()
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
-                if self._link:
-                    self._link.committed(self.step, kind, seconds, self.rank)
+                report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, seconds=round(seconds, 3),
+                                         last_committed=committed)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
                 last = None
-                with contextlib.suppress(Exception):
+                try:
                     last = self._manager.latest()
-                with contextlib.suppress(Exception):
-                    self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
+                except CheckpointError as e2:
+                    self._log.warning("checkpoint_latest_unknown", error=str(e2)[:500])
+                self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
+                report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
+                                         last_committed=last)
+        if self._link is not None:
+            self._link.committed(report)
         if self._manager is not None:
             self._manager.close()
         if self._link is not None:
@@ -335,7 +283,7 @@ class Runtime:
         # gloo/torch takes seconds that a drain deadline should not pay for.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(exitcodes.RESIZE)
+        os._exit(proto.EXIT_RESIZE)
 
     def finish(self, barrier: bool = True) -> None:
         """Wait for an in-flight save, close the agent link and the process group."""

@@ -1,12 +1,12 @@
 """Orphan safety: the first code every worker process runs.
 
-``python -m trainguard.agent.worker_shim [--no-python] -- ARGV...``
+``python -m trainguard.runtime.shim [--no-python] -- ARGV...``
 
 torch.distributed.elastic starts workers in their own session (``start_new_session=True``), so when
 an agent is SIGKILLed nothing reaches them and they train on at the old world size. The shim asks
 the kernel for ``PR_SET_PDEATHSIG = SIGKILL`` (delivered when the thread that started us dies; the
 agent starts workers from its long-lived supervisor thread), checks that the agent has not already
-died in between (``getppid()`` against ``TRAINGUARD_RT_AGENT_PID``), then ``exec``s the real worker.
+died in between (``getppid()`` against :attr:`RuntimeEnv.agent_pid <trainguard.runtime.protocol.RuntimeEnv.agent_pid>`), then ``exec``s the real worker.
 The setting survives ``execve`` of non-setuid programs. systemd's ``KillMode=control-group`` is the
 second line of defence.
 """
@@ -17,6 +17,8 @@ import ctypes
 import os
 import signal
 import sys
+
+from trainguard.runtime.protocol import RuntimeEnv
 
 PR_SET_PDEATHSIG = 1
 
@@ -37,10 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        sys.exit("worker_shim: nothing to run (usage: python -m trainguard.agent.worker_shim [--no-python] -- ARGV...)")
+        sys.exit("worker_shim: nothing to run (usage: python -m trainguard.runtime.shim [--no-python] -- ARGV...)")
     set_parent_death_signal(signal.SIGKILL)
-    expected = os.environ.get("TRAINGUARD_RT_AGENT_PID")
-    if expected and os.getppid() != int(expected):
+    expected = RuntimeEnv.from_env().agent_pid
+    if expected is not None and os.getppid() != expected:
         sys.exit(f"worker_shim: the agent (pid {expected}) died before this worker started")
     if no_python:
         os.execvp(argv[0], argv)

@@ -1,0 +1,79 @@
+"""The worker's end of the agent's control socket (:mod:`trainguard.runtime.protocol`).
+
+Says :class:`~trainguard.runtime.protocol.Hello` once, then a daemon thread listens for
+:class:`~trainguard.runtime.protocol.Stop` orders; the training thread reads :attr:`AgentLink.request`
+at each step boundary and reports commits with :meth:`AgentLink.committed`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from trainguard.runtime import protocol as proto
+from trainguard.runtime.log import get_logger
+
+log = get_logger("trainguard.runtime.link")
+
+
+class AgentLink:
+    """One connection to the local agent. :attr:`request` only ever grows (drain beats resize)."""
+
+    def __init__(self, path: str, rank: int, local_rank: int, pid: int, *, connect_timeout_s: float = 5.0) -> None:
+        self.request = proto.StopReason.NONE
+        self.deadline: float | None = None
+        """Epoch seconds by which a draining node must be gone (from the agent's stop order)."""
+        self._send_lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(connect_timeout_s)
+        self._sock.connect(path)
+        self._send(proto.Hello(rank=rank, local_rank=local_rank, pid=pid))
+        self._sock.settimeout(1.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, name="trainguard-agent-link", daemon=True)
+        self._thread.start()
+
+    def _send(self, msg: proto.Message) -> None:
+        with self._send_lock:
+            self._sock.sendall(proto.encode(msg))
+
+    def _listen(self) -> None:
+        buf = b""
+        while not self._stop.is_set():
+            try:
+                chunk = self._sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                try:
+                    msg = proto.decode(line)
+                except proto.ProtocolError as e:
+                    log.warning("control_bad_message", error=str(e))
+                    continue
+                if isinstance(msg, proto.Stop):
+                    self._on_stop(msg)
+
+    def _on_stop(self, msg: proto.Stop) -> None:
+        if msg.reason is proto.StopReason.DRAIN:
+            self.deadline = msg.deadline
+        self.request = max(self.request, msg.reason)
+
+    def committed(self, report: proto.Committed) -> None:
+        """Tell the agent a checkpoint committed (or could not be saved). Best effort: the agent may be gone."""
+        try:
+            self._send(report)
+        except OSError as e:
+            log.warning("agent_link_send_failed", op=report.OP, error=str(e))
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,454 @@
+"""The worker <-> agent <-> CLI protocol: one module both ends import (torchft keeps its whole wire
+format in one file the same way).
+
+It holds, and nothing else in trainguard spells them out again:
+
+* :class:`RuntimeEnv` — the environment contract. The agent writes it for every worker with
+  :meth:`RuntimeEnv.to_env`; the worker reads it with :meth:`RuntimeEnv.from_env`. This is the only
+  reader and writer of ``TRAINGUARD_RT_*`` variables.
+* the exit-code contract (:data:`EXIT_RESIZE`, :func:`classify_exit`);
+* the value enums that cross a process or module boundary — :class:`AgentState`,
+  :class:`StopReason`, :class:`CheckpointKind`, :class:`WorkerStatus`, :class:`NoticeSource` — from
+  which metric label values are derived, so they cannot drift;
+* the control messages over the agent's Unix socket and their line-JSON codec
+  (:func:`encode`, :func:`decode`), validated on decode: a bad message is a :class:`ProtocolError`
+  the server answers with ``{"op": "reply", "ok": false, "error": ...}``;
+* where the control socket lives (:func:`control_socket_path`).
+
+This is a leaf module: it imports nothing of trainguard and nothing heavier than the standard
+library, so the agent, the CLI, the checkpoint and metrics code may all import it.
+
+Control channel (newline-delimited JSON objects over a Unix socket, one ``op`` each):
+
+* worker -> agent :class:`Hello` once per connection: this worker uses the worker API and will honour
+  stop orders; the connection stays open.
+* agent -> worker :class:`Stop`: checkpoint at an agreed step boundary, then stop (``reason`` drain
+  or resize; ``deadline`` for a drain, epoch seconds).
+* worker -> agent :class:`Committed`: a checkpoint committed (or, with ``saved=false``, could not be
+  saved: the work since ``last_committed`` is lost).
+* CLI -> agent :class:`DrainRequest`, :class:`StatusRequest`: one request, one :class:`Reply`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum, IntEnum
+from typing import Any, ClassVar
+
+# ---- value enums --------------------------------------------------------------------------------
+
+
+class AgentState(str, Enum):
+    """States of the agent (the transitions live in :mod:`trainguard.agent.states`)."""
+
+    STARTING = "starting"
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    DRAINING = "draining"
+    RESIZING = "resizing"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (AgentState.STOPPED, AgentState.SUCCEEDED, AgentState.FAILED)
+
+
+class StopReason(IntEnum):
+    """Why the workers stop at a step boundary. The integer is what ranks all-reduce (MAX) at the
+    step boundary, so the most urgent request wins on every rank."""
+
+    NONE = 0
+    RESIZE = 1
+    """A node waits to join (scale-up) or a peer left: checkpoint, then re-form."""
+    DRAIN = 2
+    """This job loses a node (a notice): emergency checkpoint, then re-form without it."""
+
+    @property
+    def checkpoint_kind(self) -> CheckpointKind:
+        return CheckpointKind.EMERGENCY if self is StopReason.DRAIN else CheckpointKind.RESIZE
+
+    @property
+    def wire(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def from_wire(cls, value: str) -> StopReason:
+        try:
+            r = cls[str(value).upper()]
+        except KeyError:
+            raise ProtocolError(f"unknown stop reason {value!r} (expected drain or resize)") from None
+        if r is StopReason.NONE:
+            raise ProtocolError("stop reason 'none' is not an order")
+        return r
+
+
+class CheckpointKind(str, Enum):
+    """``kind`` of a checkpoint: in manifests, logs and the ``kind`` label of checkpoint metrics."""
+
+    PERIODIC = "periodic"
+    """The interval save (asynchronous)."""
+    EMERGENCY = "emergency"
+    """Taken on a drain, at the step every rank agreed on."""
+    RESIZE = "resize"
+    """Taken before the world re-forms for a scale-up (or a peer's departure)."""
+    FINAL = "final"
+    """Taken by :meth:`Runtime.finish` at the end of training."""
+
+
+class WorkerStatus(str, Enum):
+    """What the agent sees of its local worker group in one observation."""
+
+    HEALTHY = "healthy"
+    EXITED = "exited"
+    """Every local worker has exited (see the exit codes)."""
+    UNKNOWN = "unknown"
+    """The process context reported something else (treated as a crash)."""
+
+
+class NoticeSource(str, Enum):
+    """Where a preemption notice came from: the ``source`` of notices, logs and metrics."""
+
+    AWS = "aws"
+    GCP = "gcp"
+    AZURE = "azure"
+    SIGNAL = "signal"
+    MANUAL = "manual"
+
+
+class ExitKind(str, Enum):
+    """A finished worker group classified by its exit codes (:func:`classify_exit`)."""
+
+    SUCCESS = "success"
+    RESIZE = "resize"
+    CRASH = "crash"
+
+
+# ---- exit codes ---------------------------------------------------------------------------------
+
+EXIT_SUCCESS = 0
+EXIT_RESIZE = 75
+"""``EX_TEMPFAIL``: "a checkpoint of the current step is committed (or this node is drained); restart
+me at the new world size". It never consumes one of ``workers.max_restarts``."""
+
+# Codes the process context reports for siblings it terminated after the first worker exited.
+_TERMINATED_BY_AGENT = frozenset({-int(signal.SIGTERM), -int(signal.SIGKILL), 128 + int(signal.SIGTERM)})
+
+
+def classify_exit(exit_codes: list[int] | tuple[int, ...]) -> ExitKind:
+    """Classify a finished worker group by its exit codes.
+
+    When one local worker exits, elastic's process context terminates its siblings (SIGTERM), so a
+    node whose workers resized reports one ``75`` and some ``-15``: that still is a resize, because
+    every rank committed the checkpoint before any of them exited. Anything else is a crash.
+    """
+    if not exit_codes or all(c == EXIT_SUCCESS for c in exit_codes):
+        return ExitKind.SUCCESS
+    if EXIT_RESIZE in exit_codes and all(c in (EXIT_RESIZE, EXIT_SUCCESS) or c in _TERMINATED_BY_AGENT
+                                         for c in exit_codes):
+        return ExitKind.RESIZE
+    return ExitKind.CRASH
+
+
+# ---- the environment contract -------------------------------------------------------------------
+
+RT_PREFIX = "TRAINGUARD_RT_"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeEnv:
+    """What a worker learns from its environment.
+
+    ``TRAINGUARD_RT_*`` fields are written by the agent (:meth:`to_env`); the torchelastic fields
+    (``rank``, ``world_size``, ...) are written by torch's launcher and only read here. Under plain
+    ``torchrun`` (no agent) the ``TRAINGUARD_RT_*`` fields are absent and take their defaults;
+    ``TRAINGUARD_CHECKPOINT_URL`` then names the checkpoint URL, the same variable as the agent's
+    config key ``checkpoint.url``.
+    """
+
+    job_id: str = ""
+    node: str = ""
+    agent_pid: int | None = None
+    control_path: str = ""
+    round: int = -1
+    """The rendezvous round the worker group started in (informational: fencing uses epochs)."""
+    checkpoint: dict[str, Any] = field(default_factory=dict)
+    """The agent's ``checkpoint`` config section (see :class:`trainguard.checkpoint.config.CheckpointConfig`)."""
+    pg_timeout_s: float = 0.0
+    """Timeout of every process group the runtime builds (0: torch's default)."""
+    # torchelastic's variables, read only
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    run_id: str = ""
+
+    _RT_FIELDS: ClassVar[tuple[str, ...]] = ("job_id", "node", "agent_pid", "control_path", "round",
+                                             "checkpoint", "pg_timeout_s")
+
+    def to_env(self) -> dict[str, str]:
+        """The ``TRAINGUARD_RT_*`` variables (torchelastic writes its own)."""
+        out: dict[str, str] = {}
+        for name in self._RT_FIELDS:
+            v = getattr(self, name)
+            if v is None:
+                continue
+            out[RT_PREFIX + name.upper()] = json.dumps(v) if isinstance(v, dict) else str(v)
+        return out
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
+        """Read the contract from ``env`` (``os.environ`` by default). Raises :class:`ProtocolError`
+        naming the variable when one is malformed."""
+        env = os.environ if env is None else env
+
+        def get(name: str) -> str | None:
+            return env.get(RT_PREFIX + name.upper())
+
+        def num(var: str, raw: str | None, conv: Any, default: Any) -> Any:
+            if raw is None or raw == "":
+                return default
+            try:
+                return conv(raw)
+            except ValueError:
+                raise ProtocolError(f"environment variable {var}={raw!r} is not a number; it is set by the "
+                                    f"trainguard agent or torchrun: do not override it") from None
+
+        raw_ck = get("checkpoint")
+        try:
+            checkpoint = json.loads(raw_ck) if raw_ck else {}
+            if not isinstance(checkpoint, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            raise ProtocolError(f"environment variable {RT_PREFIX}CHECKPOINT is not a JSON object ({e}); it is set "
+                                f"by the trainguard agent: do not override it") from None
+        if not checkpoint.get("url") and env.get("TRAINGUARD_CHECKPOINT_URL"):
+            checkpoint = {**checkpoint, "url": env["TRAINGUARD_CHECKPOINT_URL"]}
+        pid = get("agent_pid")
+        return cls(
+            job_id=get("job_id") or "",
+            node=get("node") or "",
+            agent_pid=num(RT_PREFIX + "AGENT_PID", pid, int, None),
+            control_path=get("control_path") or "",
+            round=num(RT_PREFIX + "ROUND", get("round"), int, -1),
+            checkpoint=checkpoint,
+            pg_timeout_s=num(RT_PREFIX + "PG_TIMEOUT_S", get("pg_timeout_s"), float, 0.0),
+            rank=num("RANK", env.get("RANK"), int, 0),
+            local_rank=num("LOCAL_RANK", env.get("LOCAL_RANK"), int, 0),
+            world_size=num("WORLD_SIZE", env.get("WORLD_SIZE"), int, 1),
+            local_world_size=num("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE"), int, 1),
+            run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+        )
+
+    @property
+    def under_agent(self) -> bool:
+        """Whether a trainguard agent started this worker (else: plain torchrun, or alone)."""
+        return self.agent_pid is not None
+
+
+def control_socket_path(state_dir: str, job_id: str) -> str:
+    """The agent's control socket: ``<state_dir>/<job_id>.sock`` (the one place this is derived)."""
+    return os.path.join(state_dir, f"{job_id}.sock")
+
+
+# ---- control messages ---------------------------------------------------------------------------
+
+
+class ProtocolError(ValueError):
+    """A malformed control message or environment variable; the text says which field and why."""
+
+
+def _finite(name: str, v: Any, *, positive: bool = False, optional: bool = False) -> float | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ProtocolError(f"`{name}` must be a number, got {v!r}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise ProtocolError(f"`{name}` must be finite, got {v!r}")
+    if positive and f <= 0:
+        raise ProtocolError(f"`{name}` must be > 0, got {v!r}")
+    return f
+
+
+def _int(name: str, v: Any, *, minimum: int | None = None, optional: bool = False) -> int | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(f"`{name}` must be an integer, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ProtocolError(f"`{name}` must be >= {minimum}, got {v!r}")
+    return v
+
+
+def _str(name: str, v: Any, *, limit: int = 200) -> str:
+    if not isinstance(v, str):
+        raise ProtocolError(f"`{name}` must be a string, got {v!r}")
+    return v[:limit]
+
+
+class Message:
+    """Base of the control messages: ``OP`` names it on the wire."""
+
+    OP: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"op": self.OP}
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            d[f.name] = v.wire if isinstance(v, StopReason) else v.value if isinstance(v, Enum) else v
+        return d
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Message:  # pragma: no cover - every subclass overrides
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    OP: ClassVar[str] = "hello"
+    rank: int
+    local_rank: int
+    pid: int
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Hello:
+        return cls(rank=_int("rank", d.get("rank"), minimum=0), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
+                   pid=_int("pid", d.get("pid"), minimum=1))
+
+
+@dataclass(frozen=True, slots=True)
+class Stop(Message):
+    OP: ClassVar[str] = "stop"
+    reason: StopReason
+    deadline: float | None = None
+    """Epoch seconds by which a draining node must be gone (None for a resize)."""
+    why: str = ""
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Stop:
+        return cls(reason=StopReason.from_wire(d.get("reason", "")),
+                   deadline=_finite("deadline", d.get("deadline"), positive=True, optional=True),
+                   why=_str("why", d.get("why", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class Committed(Message):
+    OP: ClassVar[str] = "committed"
+    step: int
+    kind: CheckpointKind
+    rank: int
+    saved: bool = True
+    """False when the checkpoint could not be saved (no checkpoint URL, or the save failed)."""
+    seconds: float = 0.0
+    nbytes: int = 0
+    stage_s: float = 0.0
+    persist_s: float = 0.0
+    last_committed: int | None = None
+    """The newest committed step (the one a restore will use), for the lost-work log line."""
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Committed:
+        try:
+            kind = CheckpointKind(d.get("kind"))
+        except ValueError:
+            raise ProtocolError(f"`kind` must be one of {[k.value for k in CheckpointKind]}, got {d.get('kind')!r}") from None
+        saved = d.get("saved", True)
+        if not isinstance(saved, bool):
+            raise ProtocolError(f"`saved` must be true or false, got {saved!r}")
+        return cls(step=_int("step", d.get("step"), minimum=0), kind=kind, rank=_int("rank", d.get("rank"), minimum=0),
+                   saved=saved, seconds=_finite("seconds", d.get("seconds", 0.0)),
+                   nbytes=_int("nbytes", d.get("nbytes", 0), minimum=0),
+                   stage_s=_finite("stage_s", d.get("stage_s", 0.0)), persist_s=_finite("persist_s", d.get("persist_s", 0.0)),
+                   last_committed=_int("last_committed", d.get("last_committed"), minimum=0, optional=True))
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRequest(Message):
+    """CLI -> agent: drain this node (``trainguard drain``)."""
+
+    OP: ClassVar[str] = "drain"
+    deadline_s: float | None = None
+    """Seconds from now; None: the configured ``preemption.default_deadline_s``."""
+    reason: str = "trainguard drain"
+
+    MAX_DEADLINE_S: ClassVar[float] = 7 * 24 * 3600.0
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> DrainRequest:
+        deadline = _finite("deadline_s", d.get("deadline_s"), positive=True, optional=True)
+        if deadline is not None and deadline > cls.MAX_DEADLINE_S:
+            raise ProtocolError(f"`deadline_s` must be at most {cls.MAX_DEADLINE_S:.0f} (a week), got {deadline!r}")
+        return cls(deadline_s=deadline, reason=_str("reason", d.get("reason") or "trainguard drain"))
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest(Message):
+    """CLI -> agent: the node's live state."""
+
+    OP: ClassVar[str] = "status"
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> StatusRequest:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Reply(Message):
+    """agent -> CLI: the answer to one request. ``data`` carries the request's result."""
+
+    OP: ClassVar[str] = "reply"
+    ok: bool
+    error: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Reply:
+        ok = d.get("ok")
+        if not isinstance(ok, bool):
+            raise ProtocolError(f"`ok` must be true or false, got {ok!r}")
+        data = d.get("data", {})
+        if not isinstance(data, dict):
+            raise ProtocolError(f"`data` must be an object, got {data!r}")
+        return cls(ok=ok, error=_str("error", d.get("error", ""), limit=2000), data=data)
+
+
+MESSAGES: dict[str, type[Message]] = {m.OP: m for m in (Hello, Stop, Committed, DrainRequest, StatusRequest, Reply)}
+MAX_LINE = 64 * 1024
+"""Longest accepted line (bytes); a longer one is a :class:`ProtocolError`."""
+
+
+def encode(msg: Message) -> bytes:
+    """One line of JSON, newline-terminated."""
+    return (json.dumps(msg.to_dict(), allow_nan=False) + "\n").encode()
+
+
+def decode(line: bytes | str) -> Message:
+    """Parse and validate one line; :class:`ProtocolError` says what is wrong."""
+    if len(line) > MAX_LINE:
+        raise ProtocolError(f"message longer than {MAX_LINE} bytes")
+    try:
+        d = json.loads(line)
+    except ValueError as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ProtocolError("a message must be a JSON object")
+    op = d.get("op")
+    cls = MESSAGES.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown op {op!r} (expected one of {sorted(MESSAGES)})")
+    return cls.parse(d)
+
+
+__all__ = [
+    "EXIT_RESIZE", "EXIT_SUCCESS", "MESSAGES", "AgentState", "CheckpointKind", "Committed", "DrainRequest",
+    "ExitKind", "Hello", "Message", "NoticeSource", "ProtocolError", "Reply", "RuntimeEnv", "StatusRequest",
+    "Stop", "StopReason", "WorkerStatus", "classify_exit", "control_socket_path", "decode", "encode",
+]
