@@ -1,14 +1,13 @@
 """The heart: a spot notice on one node -> emergency checkpoint on every rank -> the survivor resumes
 at the new world size from the next step -> the node rejoins. Every sample is used exactly once."""
 
-import glob
-import json
 import os
 import time
 
 import pytest
 
 from tests.emulators.fixtures import aws_imds  # noqa: F401
+from tests import samples
 from tests.harness import REPO, Node, free_port, wait_listening, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -21,28 +20,12 @@ def worlds(node):
 
 
 def sample_log(tmp):
-    steps = {}
-    for path in glob.glob(os.path.join(tmp, "samples", "*.jsonl")):
-        with open(path) as fh:
-            for line in fh:
-                rec = json.loads(line)
-                steps.setdefault(rec["step"], []).append(rec)
-    return steps
+    return os.path.join(tmp, "samples")
 
 
-def check_exactly_once(steps):
-    """Each finished step appears once per rank of its world; each id once overall; batch constant."""
-    seen = []
-    for step in sorted(steps):
-        recs = steps[step]
-        world = recs[0]["world_size"]
-        assert len(recs) == world and sorted(r["rank"] for r in recs) == list(range(world)), f"step {step}: {recs}"
-        ids = [i for r in recs for i in r["ids"]]
-        assert len(ids) == GLOBAL_BATCH, f"step {step}: global batch {len(ids)}"
-        seen += ids
-    assert sorted(steps) == list(range(1, max(steps) + 1)), "a step is missing or repeated"
-    assert len(seen) == len(set(seen)), "a sample was used twice"
-    return seen
+def check_exactly_once(folder):
+    """Each step committed once with the whole global batch; each id once overall (``tests/samples.py``)."""
+    return samples.check_exactly_once(folder, GLOBAL_BATCH)
 
 
 def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_imds):  # noqa: F811

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from tests.emulators.fixtures import aws_imds, azure_events, gcp_metadata  # noqa: F401
-from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+from tests.harness import REPO, Node, continued, free_port, wait_listening, wait_until
 from trainguard.agent import control
 from trainguard.runtime.protocol import DrainRequest
 
@@ -54,7 +54,7 @@ def survivor_resumes(survivor, leavers, expected_world):
     assert steps and len(set(steps)) == 1, steps  # every rank stopped at the same step
     s = steps[0]
     wait_until(lambda: worlds(survivor)[-1:] == [expected_world], 60, f"survivor at {expected_world}")
-    resumed = wait_until(lambda: [e for e in survivor.events("resumed") if e["world_size"] == expected_world], 60, "resume")
+    resumed = wait_until(lambda: continued(survivor, expected_world), 60, "resume")
     assert resumed[-1]["step"] == s
     assert not [e for e in survivor.events("state_change") if e["new"] == "restarting"]
     return s
