@@ -88,7 +88,7 @@ class Runtime:
     def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
                  checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp",
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
-                 standby: bool = False, local_world_size: int = 1) -> None:
+                 standby: bool = False, local_world_size: int = 1, inject_fault: str = "") -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.local_world_size = local_world_size
         self.job_id, self.fence = job_id, fence
@@ -111,6 +111,7 @@ class Runtime:
         self.current_batch: list[int] = []
         """Sample ids of the whole global batch of the step in progress (all ranks' shares)."""
         self._standby = standby
+        self._inject_fault = inject_fault
         self._broken: BaseException | None = None
         self._stepped = False
         self._cursor_at_step_start: dict[str, Any] | None = None
@@ -154,7 +155,7 @@ class Runtime:
                    job_id=rtenv.job_id or rtenv.run_id or "trainguard", fence=max(rtenv.round, 0),
                    checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path,
                    reform=reform, reform_timeout_s=rtenv.reform_timeout_s, pg_timeout_s=rtenv.pg_timeout_s,
-                   standby=rtenv.standby, local_world_size=rtenv.local_world_size)
+                   standby=rtenv.standby, local_world_size=rtenv.local_world_size, inject_fault=rtenv.inject_fault)
 
     @property
     def strategy_name(self) -> str:
@@ -443,6 +444,7 @@ class Runtime:
                 raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
                                    f"{self.reform_timeout_s:.0f}s")
             t_world = time.monotonic()
+            self._maybe_inject("reform")
             self._join_world(msg)
             assert self.strategy is not None and self._model is not None
             self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
@@ -460,6 +462,15 @@ class Runtime:
                        accum_steps=self.accum_steps, state=outcome, live_step=live,
                        parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
                        seconds=round(time.monotonic() - t0, 3), pid=os.getpid())
+
+    def _maybe_inject(self, point: str) -> None:
+        """Test fault hook (:attr:`RuntimeEnv.inject_fault`): fail once at ``point``."""
+        where, _, flag = self._inject_fault.partition(":")
+        if where != point or not flag or os.path.exists(flag):
+            return
+        with open(flag, "w") as fh:
+            fh.write(f"{point} failed in pid {os.getpid()}\n")
+        raise RuntimeError(f"injected fault at {point} (inject_fault={self._inject_fault!r})")
 
     def _join_world(self, msg: proto.Reform) -> None:
         rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
