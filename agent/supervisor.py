@@ -44,6 +44,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
+from trainguard.agent import workerenv
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
@@ -136,7 +137,7 @@ class Supervisor:
         self.control = ControlServer(self.control_path, self._on_control)
         entrypoint, args = worker_command(cfg)
         spec = WorkerSpec(
-            role="trainer",
+            role=workerenv.ROLE,
             local_world_size=cfg.workers.nproc_per_node,
             rdzv_handler=self.handler,
             entrypoint=entrypoint,
@@ -216,8 +217,9 @@ class Supervisor:
         env = proto.RuntimeEnv(
             job_id=cfg.agent.job_id, node=cfg.agent.node_name, agent_pid=os.getpid(),
             control_path=self.control_path, round=rdzv.current_round(self.handler),
-            checkpoint=dataclasses.asdict(cfg.checkpoint),
+            checkpoint=dataclasses.asdict(cfg.checkpoint), pg_timeout_s=cfg.workers.pg_timeout_s,
         ).to_env()
+        env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         if self.observer is not None:
             env.update(self.observer.worker_env())

@@ -28,7 +28,7 @@ from trainguard.checkpoint.errors import CheckpointCorrupt
 MANIFEST_NAME = "manifest.json"
 FENCES_DIR = "fences"
 FORMAT_VERSION = 1
-KINDS = ("periodic", "emergency", "resize")
+KINDS = ("periodic", "emergency", "resize", "final")
 _STEP_PREFIX = "step-"
 _FENCE_PREFIX = "fence-"
 

@@ -16,7 +16,7 @@ sharded checkpoints and exact data resumption at any world size.
                 rt.backward(loss)                             # loss.backward(), scaled for 16-mixed
         rt.optimizer_step(opt); opt.zero_grad()               # opt.step() (+ scaler step/update)
         rt.end_step()                                         # checkpoints; may exit with code 75
-    rt.finish()
+    rt.finish()                                               # saves the last step (kind "final"), closes
 
 **Strategy.** How model and optimizer are spread over the ranks (DDP, FSDP2, ...) is a
 :class:`~trainguard.strategies.base.Strategy`, chosen by name or passed built. The runtime only uses
@@ -40,6 +40,7 @@ the global batch stays constant by adapting gradient accumulation.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import signal
 import sys
@@ -69,8 +70,11 @@ class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
 
     def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
-                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp") -> None:
+                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp",
+                 pg_timeout_s: float = 0.0) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.pg_timeout_s = pg_timeout_s
+        """Timeout of the process groups this runtime builds (0: torch's default); from ``workers.pg_timeout_s``."""
         self.job_id, self.fence = job_id, fence
         self._strategy_arg: str | Strategy = strategy
         self.strategy: Strategy | None = None
@@ -85,7 +89,9 @@ class Runtime:
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
         self._last_periodic = time.monotonic()
-        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._saved_step: int | None = None
+        """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
+        self._group = self._new_gloo_group() if world_size > 1 else None
         self._link = (AgentLink(control_path, rank, local_rank, os.getpid())
                       if control_path and os.path.exists(control_path) else None)
         self._metrics: Any = None
@@ -95,20 +101,30 @@ class Runtime:
         self._log = log.bind(rank=rank, world_size=world_size, fence=fence)
 
     # ---- construction -------------------------------------------------------------------------
+    @staticmethod
+    def _timeout(pg_timeout_s: float) -> dict[str, Any]:
+        """``timeout=`` for process-group calls (nothing: torch's default, when unset)."""
+        return {"timeout": datetime.timedelta(seconds=pg_timeout_s)} if pg_timeout_s > 0 else {}
+
+    def _new_gloo_group(self) -> Any:
+        return dist.new_group(backend="gloo", **self._timeout(self.pg_timeout_s))
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Runtime:
-        """Initialise the process group from the torchelastic env (gloo on CPU, NCCL on GPU) and read
-        the agent's :class:`~trainguard.runtime.protocol.RuntimeEnv`. Works under plain torchrun and alone too."""
+        """Initialise the process group from the torchelastic env (gloo on CPU, NCCL on GPU) with the
+        agent's ``workers.pg_timeout_s`` and read the agent's :class:`~trainguard.runtime.protocol.RuntimeEnv`.
+        Works under plain torchrun and alone too."""
         rtenv = proto.RuntimeEnv.from_env(env)
         from trainguard.runtime import log as tglog
 
         tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
         if rtenv.world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **cls._timeout(rtenv.pg_timeout_s))
         rank = dist.get_rank() if dist.is_initialized() else 0
         return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
                    job_id=rtenv.job_id or rtenv.run_id or "trainguard", fence=max(rtenv.round, 0),
-                   checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path)
+                   checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path,
+                   pg_timeout_s=rtenv.pg_timeout_s)
 
     @property
     def strategy_name(self) -> str:
@@ -147,7 +163,12 @@ class Runtime:
             # The manager makes its own gloo group: its background persist thread runs collectives that
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
-                                              fence=self.fence, strategy=self.strategy_name)
+                                              fence=self.fence, strategy=self.strategy_name,
+                                              process_group=self._new_gloo_group() if self.world_size > 1 else None)
+        elif self.rank == 0:
+            self._log.warning("checkpoint_url_unset", effect="no checkpoint is saved: a drain, resize or crash loses "
+                              "the work since the start, and finish() saves nothing",
+                              fix="set checkpoint.url (TRAINGUARD_CHECKPOINT_URL) for the agent or torchrun")
         self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
                        checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None,
                        resize_rule=self.strategy.resize_rule, **self.strategy.describe())
@@ -169,6 +190,7 @@ class Runtime:
         step = self._manager.restore(state, step)
         if step is not None:
             self.step = self._trainer.step
+            self._saved_step = self.step
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
             self._log.info("worker_restored", step=step, saved_world_size=self._trainer.saved_world_size,
@@ -178,6 +200,7 @@ class Runtime:
     def _save(self, kind: str) -> float:
         assert self._manager is not None
         t0 = time.monotonic()
+        self._saved_step = self.step
         self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
         seconds = time.monotonic() - t0
         blocked = self._manager.last_blocked_s
@@ -254,7 +277,11 @@ class Runtime:
         self._log.warning("worker_stopping", step=self.step, kind=kind,
                           deadline_in_s=round(deadline - time.time(), 1) if deadline else None)
         report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False)
-        if self._manager is not None:
+        if self._manager is None:
+            self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
+            self._log.warning("checkpoint_not_saved", step=self.step, kind=kind, reason="checkpoint.url is not set",
+                              effect="the next start begins from step 0")
+        else:
             try:
                 seconds = self._save(kind)
                 committed = self._manager.wait()
@@ -286,7 +313,23 @@ class Runtime:
         os._exit(proto.EXIT_RESIZE)
 
     def finish(self, barrier: bool = True) -> None:
-        """Wait for an in-flight save, close the agent link and the process group."""
+        """End of training: save the last step as a ``final`` checkpoint (every rank saves the same
+        step; skipped when that step is already saved or was just restored), wait for it and any
+        in-flight save, then close the agent link and the process group. A failed final save raises
+        after logging ``checkpoint_failed`` (the agent restarts the workers from the last commit)."""
+        if self._manager is not None and self.strategy is not None and self.step > 0 and self._saved_step != self.step:
+            kind = proto.CheckpointKind.FINAL
+            try:
+                seconds = self._save(kind.value)
+                committed = self._manager.wait()
+            except Exception as e:
+                self._metrics.observe_checkpoint(kind.value, None, None, 0.0, 0, self.step, False)
+                self._log.error("checkpoint_failed", step=self.step, kind=kind.value, error=str(e)[:500])
+                raise
+            self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
+            if self._link is not None:
+                self._link.committed(proto.Committed(step=self.step, kind=kind, rank=self.rank,
+                                                     seconds=round(seconds, 3), last_committed=committed))
         if self._manager is not None:
             self._manager.close()
         if self._link is not None:
