@@ -42,6 +42,7 @@ def check(cfg: TrainguardConfig, *, cwd: str | None = None) -> None:
 
     rundir.ensure_private_dir(cfg.agent.state_dir)
     path = control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
+    check_socket_path(path)
     control.refuse_if_live(path, cfg.agent.job_id)
     check_entrypoint(cfg.workers, cwd=cwd)
     check_checkpoint_url(cfg.checkpoint.url)
@@ -49,6 +50,18 @@ def check(cfg: TrainguardConfig, *, cwd: str | None = None) -> None:
         from trainguard.metrics.cost import load_price_table
 
         load_price_table(cfg.cost.price_table_file)
+
+
+UNIX_PATH_MAX = 107
+"""Longest path of a Unix socket (``sun_path`` is 108 bytes with its terminating NUL)."""
+
+
+def check_socket_path(path: str) -> None:
+    """The control socket's path fits a Unix socket address."""
+    n = len(os.fsencode(path))
+    if n > UNIX_PATH_MAX:
+        raise ConfigError("agent.state_dir", f"the control socket path {path} is {n} bytes; Unix sockets allow "
+                          f"{UNIX_PATH_MAX}", "choose a shorter agent.state_dir (or agent.job_id)")
 
 
 def check_entrypoint(w: WorkersConfig, *, cwd: str | None = None) -> None:

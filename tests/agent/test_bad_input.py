@@ -108,6 +108,7 @@ ROWS = [
     ("run-checkpoint-under-a-file", lambda f: run_args(f, "--set", f"checkpoint.url=file://{f['script']}/ckpt"), {},
      "checkpoint.url", "is not a folder"),
     ("run-s3-without-bucket", lambda f: run_args(f, "--set", "checkpoint.url=s3://"), {}, "checkpoint.url", "names no bucket"),
+    ("run-socket-path-too-long", lambda f: run_args(f, "--rdzv-id", "j" * 120), {}, "agent.state_dir", "Unix sockets allow 107"),
     ("drain-nobody-there", lambda f: ["drain", "--state-dir", f["tmp"]], {}, "agent.state_dir", "no live agent"),
     ("drain-socket-missing", lambda f: ["drain", "--socket", f["tmp"] + "/x.sock"], {}, ("--socket", None), "no agent listening"),
     ("drain-zero-deadline", lambda f: ["drain", "--deadline", "0"], {}, None, None),  # argparse: usage + exit 2
