@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import structlog
+import torch._dynamo  # noqa: F401 - its lazy import (first DCP save) sets TORCHINDUCTOR_CACHE_DIR: before the leak guard
 
 from trainguard.agent import preflight, rundir, torchlogs, workerenv
 from trainguard.agent.cli import standalone_job_id

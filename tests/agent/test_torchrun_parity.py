@@ -47,6 +47,7 @@ def test_worker_env_matches_torchrun(tmp_path):
         a, b = torchrun[rank], ours[rank]
         assert a["OMP_NUM_THREADS"] == b["OMP_NUM_THREADS"] == "1"
         assert a["ROLE_NAME"] == b["ROLE_NAME"] == "default"
+        assert b["TRAINGUARD_RT_PG_TIMEOUT_S"] == "600.0"  # workers.pg_timeout_s reaches the runtime
         only_torchrun = set(a) - set(b)
         assert not only_torchrun, f"torchrun gives workers {sorted(only_torchrun)}, trainguard does not"
         extra = {k for k in set(b) - set(a) if not k.startswith("TRAINGUARD_RT_")}
