@@ -85,6 +85,8 @@ def test_process_groups_get_the_configured_timeout(monkeypatch):
     calls: list[tuple[str, dict]] = []
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: calls.append(("init", k)))
     monkeypatch.setattr(torch.distributed, "new_group", lambda *a, **k: calls.append(("new_group", k)))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
            **proto.RuntimeEnv(job_id="j", pg_timeout_s=42.0).to_env()}
     rt = Runtime.from_env(env)
