@@ -88,6 +88,9 @@ def main() -> None:
         done, rank, world, rnd = rt.step + 1, rt.rank, rt.world_size, rt.round
         if args.loss_log:  # the global-batch loss: mean of the ranks' (equal-sized) shares
             rt.all_reduce(total, "mean")
+        if losses is not None and rank == 0:  # before end_step, as the samples (a redone step logs again)
+            losses.write(json.dumps({"step": done, "loss": float(total), "world_size": world}) + "\n")
+            losses.flush()
         if samples:  # before end_step: a draining rank exits inside it once the step is committed
             samples.write(json.dumps({"step": done, "rank": rank, "world_size": world, "round": rnd,
                                       "ids": rt.current_batch}) + "\n")
@@ -97,9 +100,6 @@ def main() -> None:
                 samples.write(json.dumps({"step": done, "rank": rank, "round": rnd, "rolled_back": True}) + "\n")
                 samples.flush()
             continue
-        if losses is not None and rank == 0:
-            losses.write(json.dumps({"step": done, "loss": float(total), "world_size": world}) + "\n")
-            losses.flush()
         if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             lv = float(total)
             print(json.dumps({"event": "train_step", "step": done, "loss": round(lv, 6), "ppl": round(math.exp(lv), 2),
