@@ -64,7 +64,7 @@ class Node:
         self.offset += len(data[:cut].encode())
         out = []
         for line in data[:cut].splitlines():
-            line = line.split("]:", 1)[-1] if line.startswith("[trainer") else line
+            line = line.split("]:", 1)[-1] if line.startswith("[default") else line
             if line.startswith("{"):
                 try:
                     out.append(json.loads(line))
