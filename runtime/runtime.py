@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.manager import CheckpointManager, SaveResult
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import protocol as proto
 from trainguard.runtime.cursor import GlobalSampleCursor
@@ -68,10 +69,12 @@ log = get_logger("trainguard.worker")
 class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
 
-    def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
-                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp") -> None:
+    def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, checkpoint: CheckpointConfig,
+                 control_path: str = "", strategy: str | Strategy = "ddp", rdzv_id: str = "",
+                 rdzv_round: int = -1) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self.job_id, self.fence = job_id, fence
+        # The rendezvous only labels the checkpoint epoch this world claims (fencing uses epochs).
+        self.job_id, self.rdzv_id, self.rdzv_round = job_id, rdzv_id, rdzv_round
         self._strategy_arg: str | Strategy = strategy
         self.strategy: Strategy | None = None
         self.checkpoint_config = checkpoint
@@ -92,7 +95,7 @@ class Runtime:
         if threading.current_thread() is threading.main_thread():
             # Under plain torchrun (no agent link) a SIGTERM is the only notice a worker gets.
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._log = log.bind(rank=rank, world_size=world_size, fence=fence)
+        self._log = log.bind(rank=rank, world_size=world_size, round=rdzv_round)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -107,7 +110,7 @@ class Runtime:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         rank = dist.get_rank() if dist.is_initialized() else 0
         return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
-                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", fence=max(rtenv.round, 0),
+                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", rdzv_id=rtenv.run_id, rdzv_round=rtenv.round,
                    checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path)
 
     @property
@@ -147,7 +150,8 @@ class Runtime:
             # The manager makes its own gloo group: its background persist thread runs collectives that
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
-                                              fence=self.fence, strategy=self.strategy_name)
+                                              strategy=self.strategy_name, rdzv_id=self.rdzv_id,
+                                              rdzv_round=self.rdzv_round)
         self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
                        checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None,
                        resize_rule=self.strategy.resize_rule, **self.strategy.describe())
@@ -175,18 +179,24 @@ class Runtime:
                            epoch=self.cursor.epoch, consumed=self.cursor.consumed)
         return self.step
 
-    def _save(self, kind: str) -> float:
+    def _save(self, kind: str) -> tuple[float, SaveResult | None]:
+        """Save the current step; return the seconds ``save`` took and its result when it is committed
+        already (emergency/resize saves block), None while it persists in the background."""
         assert self._manager is not None
         t0 = time.monotonic()
-        self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
+        done = self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
         seconds = time.monotonic() - t0
-        blocked = self._manager.last_blocked_s
-        in_flight = self._manager.pending if kind == "periodic" else None
-        if in_flight is None:  # committed now
-            self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
-        else:  # persisted and committed in the background: recorded when that finishes
-            self._metrics.observe_checkpoint_async(in_flight, kind, blocked, blocked, self.step)
-        return seconds
+        stage, blocked, step = self._manager.last_stage_s, self._manager.last_blocked_s, self.step
+
+        def record(f: Future[SaveResult]) -> None:  # the persist thread, or here
+            r = None if f.cancelled() or f.exception() is not None else f.result()
+            if r is None:
+                self._metrics.observe_checkpoint(kind, stage, None, blocked, 0, step, False)
+            elif not r.skipped:
+                self._metrics.observe_checkpoint(kind, r.stage_s, r.persist_s, r.blocked_s, r.nbytes, r.step, True)
+
+        done.add_done_callback(record)
+        return seconds, (done.result() if done.done() and done.exception() is None else None)
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -256,11 +266,14 @@ class Runtime:
         report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False)
         if self._manager is not None:
             try:
-                seconds = self._save(kind)
+                seconds, result = self._save(kind)
                 committed = self._manager.wait()
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, seconds=round(seconds, 3),
+                                         nbytes=result.nbytes if result else 0,
+                                         stage_s=round(result.stage_s, 6) if result else 0.0,
+                                         persist_s=round(result.persist_s, 6) if result else 0.0,
                                          last_committed=committed)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
                 last = None
@@ -268,7 +281,7 @@ class Runtime:
                     last = self._manager.latest()
                 except CheckpointError as e2:
                     self._log.warning("checkpoint_latest_unknown", error=str(e2)[:500])
-                self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
+                self._metrics.observe_checkpoint(kind, None, None, self._manager.last_blocked_s, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
