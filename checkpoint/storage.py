@@ -344,22 +344,24 @@ class Storage:
             except CheckpointNotFound:
                 return False
 
+        # An existing object holding exactly ``data`` is ours: a retried create whose first attempt did
+        # land (a PUT whose answer was lost; NFS answering EEXIST to a retried link) still succeeded.
         if proto == "file":
-            return self.retry("create", rel, lambda: _create_local_exclusive(p, data))
+            return self.retry("create", rel, lambda: _create_local_exclusive(p, data)) or ours()
         if proto == "memory":
             with _MEMORY_CREATE_LOCK:
-                if self.fs.exists(p):
-                    return False
-                self.fs.pipe_file(p, data)
-                return True
+                if not self.fs.exists(p):
+                    self.fs.pipe_file(p, data)
+                    return True
+            return ours()
         if mode == "native":
             try:
                 self.retry("create", rel, lambda: self.fs.pipe_file(p, data, mode="create"))
                 return True
             except FileExistsError:
-                return ours()  # a retried PUT whose first attempt did land is still ours
+                return ours()
         if self.exists(rel):
-            return False
+            return ours()
         self.retry("create", rel, lambda: self.fs.pipe_file(p, data))
         time.sleep(settle_s)
         return ours()
