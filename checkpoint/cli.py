@@ -188,7 +188,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO | None = None) -> int:
             epoch = args.epoch
         else:
             scan = scan_run(storage, run, warn=False)
-            same = [r for r in [*scan.committed, *scan.uncommitted, *scan.invalid, *scan.foreign] if r.step == args.step]
+            every = [*scan.committed, *scan.uncommitted, *scan.invalid, *scan.foreign]
+            same = [r for r in every if r.step == args.step]
             if not same:
                 raise CheckpointError(f"step {args.step} does not exist under {storage.url_of(run)}. Fix: pick a step "
                                       f"from `trainguard checkpoints ls --all`")

@@ -179,7 +179,8 @@ def gc_plan(scan: Scan, *, epoch: int, keep_last: int, protected: Iterable[StepR
 def scan_run(storage: Storage, run_id: str, *, warn: bool = True) -> Scan:
     """List ``<url>/<run_id>`` and classify its steps and epochs (rank 0 and the CLI; no collectives).
 
-    ``warn``: log invalid manifests and ignored names (the CLI shows them itself instead). Raises :class:`~trainguard.checkpoint.errors.StorageError` (or ``PermissionError``) when a listing
+    ``warn``: log invalid manifests and ignored names (the CLI shows them itself instead). Raises
+    :class:`~trainguard.checkpoint.errors.StorageError` (or ``PermissionError``) when a listing
     or a manifest cannot be read now.
     """
     scan = Scan()

@@ -2,8 +2,11 @@
 
 This module orchestrates; the concepts live next to it: :mod:`~trainguard.checkpoint.epochs`
 (claiming fencing epochs in the store), :mod:`~trainguard.checkpoint.discovery` (what a run holds,
-lineages, what garbage collection may delete), :mod:`~trainguard.checkpoint.staging` (the host
-copy), :mod:`~trainguard.checkpoint.storage` (all I/O) and :mod:`~trainguard.checkpoint.retry`.
+lineages, what garbage collection may delete), :mod:`~trainguard.checkpoint.integrity` (proven
+corrupt vs unreadable now), :mod:`~trainguard.checkpoint.restore` (verify and load one step),
+:mod:`~trainguard.checkpoint.staging` (the host copy), :mod:`~trainguard.checkpoint.collective`
+(the checkpoint group; errors reach every rank), :mod:`~trainguard.checkpoint.storage` (all I/O) and
+:mod:`~trainguard.checkpoint.retry` (the one backoff policy).
 
 Threading and collectives
     Every public method is called from the training thread, on every rank, in the same order (they
@@ -54,12 +57,11 @@ Restore
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,18 +69,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainguard.checkpoint.collective import Group
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.discovery import Scan, StepRef, gc_plan, scan_run
 from trainguard.checkpoint.epochs import EpochRecord, check_owner, claim_epoch, new_record
 from trainguard.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointError,
-    CheckpointNotFound,
     FencedError,
     StorageError,
 )
+from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.retry import Backoff, retry_call
+from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
 from trainguard.runtime.log import get_logger
@@ -136,64 +139,6 @@ class CheckpointInfo:
                    in_lineage=in_lineage)
 
 
-@dataclass(frozen=True, slots=True)
-class _Verdict:
-    """The outcome of checking or loading one step, agreed by all ranks."""
-
-    status: str
-    """``ok`` | ``corrupt`` (proven) | ``unreadable`` (now) | ``failed`` (load failed, cause unknown yet)."""
-    transient: bool = False
-    problems: tuple[str, ...] = field(default=())
-
-    @staticmethod
-    def combine(parts: list[_Verdict]) -> _Verdict:
-        problems = tuple(p for v in parts for p in v.problems)
-        for status in ("corrupt", "unreadable", "failed"):
-            bad = [v for v in parts if v.status == status]
-            if bad:
-                return _Verdict(status, all(v.transient for v in bad), tuple(dict.fromkeys(problems)))
-        return _Verdict("ok")
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(self.problems)[:2000]
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, CheckpointException):
-        parts = [f"rank {r}: {type(x[0]).__name__}: {x[0]}" if isinstance(x, tuple) else f"rank {r}: {x}"
-                 for r, x in e.failures.items()]
-        return "; ".join(parts)[:2000]
-    return f"{type(e).__name__}: {e}"[:2000]
-
-
-def _root_causes(e: BaseException) -> list[BaseException]:
-    if isinstance(e, CheckpointException):
-        return [x[0] if isinstance(x, tuple) else x for x in e.failures.values()]
-    return [e]
-
-
-def _pack_error(e: BaseException) -> tuple[str, str, dict[str, Any]]:
-    extra: dict[str, Any] = {}
-    if isinstance(e, FencedError):
-        extra = {"epoch": e.epoch, "newest_epoch": e.newest_epoch}
-    elif isinstance(e, StorageError):
-        extra = {"transient": e.transient}
-    return type(e).__name__, str(e), extra
-
-
-def _unpack_error(kind: str, msg: str, extra: dict[str, Any]) -> CheckpointError:
-    if kind == "FencedError":
-        return FencedError(msg, epoch=extra["epoch"], newest_epoch=extra["newest_epoch"])
-    if kind == "StorageError":
-        return StorageError(msg, transient=extra.get("transient", False))
-    if kind == "CheckpointNotFound":
-        return CheckpointNotFound(msg)
-    if kind == "CheckpointCorrupt":
-        return CheckpointCorrupt(msg)
-    return CheckpointError(msg if kind == "CheckpointError" else f"{kind}: {msg}")
-
-
 def _done(value: SaveResult) -> Future[SaveResult]:
     f: Future[SaveResult] = Future()
     f.set_result(value)
@@ -249,7 +194,6 @@ class CheckpointManager:
         self._fenced: FencedError | None = None
         self._corrupt: set[StepRef] = set()
         self._committed_here: dict[int, SaveResult] = {}
-        self._lock = threading.Lock()
         self._log = log.bind(run_id=run_id, rank=self.rank, world_size=self.world_size)
         self._closed = False
 
@@ -270,6 +214,7 @@ class CheckpointManager:
         else:
             pg = process_group
         self.rank, self.world_size, self._distributed, self._pg = rank, world_size, distributed, pg
+        self._group = Group(pg, rank, world_size)
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -357,8 +302,9 @@ class CheckpointManager:
         staged = self._stager.stage(state)
         t2 = time.monotonic()
         stage_s, blocked = t2 - t1, t2 - t0
-        self._log.info("checkpoint_staged", step=step, kind=kind, blocked_s=round(blocked, 6), stage_s=round(stage_s, 6),
-                       waited_inflight_s=round(t_wait, 6), staging_bytes=self._stager.staging_bytes)
+        self._log.info("checkpoint_staged", step=step, kind=kind, blocked_s=round(blocked, 6),
+                       stage_s=round(stage_s, 6), waited_inflight_s=round(t_wait, 6),
+                       staging_bytes=self._stager.staging_bytes)
         self.last_blocked_s, self.last_stage_s = blocked, stage_s
         if sync:
             return _done(self._persist(step, staged, kind, stage_s, blocked))
@@ -438,8 +384,9 @@ class CheckpointManager:
         self._bind(state)
         t_start = time.monotonic()
         deadline = t_start + self.config.restore_deadline_s
-        scan: Scan = self._on_rank0(lambda: self._scan_until(deadline))
-        candidates = self._candidates(scan, step)
+        loader = StepLoader(self.storage, self.run_id, self._group, verify_files=self.config.verify, log=self._log)
+        scan: Scan = self._on_rank0(lambda: loader.scan_until(deadline))
+        candidates = loader.candidates(scan, step)
         if not candidates:
             if scan.invalid:
                 listed = "; ".join(f"{r.name}: {why}" for r, why in sorted(scan.invalid.items()))[:2000]
@@ -452,14 +399,15 @@ class CheckpointManager:
         all_corrupt = True
         for i, ref in enumerate(candidates):
             m = scan.committed.get(ref)
+            where = self.storage.url_of(f"{self.run_id}/{ref.name}")
             t0 = time.monotonic()
-            verdict = self._restore_one(ref, m, state, deadline)
+            verdict = loader.attempt(ref, m, state, deadline)
             if verdict.status == "ok":
                 assert m is not None
                 self._base = ref
                 self._claim()
                 self._log.info("checkpoint_restored", step=m.step, saved_epoch=m.epoch, epoch=self.epoch,
-                               url=self.storage.url_of(f"{self.run_id}/{ref.name}"), saved_world_size=m.world_size,
+                               url=where, saved_world_size=m.world_size,
                                load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3),
                                verified=self.config.verify, skipped=len(problems))
                 return m.step
@@ -467,20 +415,20 @@ class CheckpointManager:
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
             if verdict.status == "corrupt":
                 self._corrupt.add(ref)
-                self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch, proven_corrupt=True,
-                                url=self.storage.url_of(f"{self.run_id}/{ref.name}"), reason=verdict.reason[:1000],
+                self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch,
+                                proven_corrupt=True, url=where, reason=verdict.reason[:1000],
                                 next_step=nxt.step if nxt else None)
                 continue
             all_corrupt = False
-            what = (f"step {ref.step} at {self.storage.url_of(f'{self.run_id}/{ref.name}')} is unreadable"
-                    f"{' now' if verdict.transient else ''}: {verdict.reason}")
+            what = f"step {ref.step} at {where} is unreadable{' now' if verdict.transient else ''}: {verdict.reason}"
             if self.config.on_unreadable == "fallback" and step is None:
-                self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch, proven_corrupt=False,
-                                url=self.storage.url_of(f"{self.run_id}/{ref.name}"), reason=verdict.reason[:1000],
+                self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch,
+                                proven_corrupt=False, url=where, reason=verdict.reason[:1000],
                                 next_step=nxt.step if nxt else None, note="kept as it is; nothing marked or deleted")
                 continue
-            self._log.error("checkpoint_restore_failed", step=ref.step, saved_epoch=ref.epoch, transient=verdict.transient,
-                            reason=verdict.reason[:1000], waited_s=round(time.monotonic() - t_start, 1))
+            self._log.error("checkpoint_restore_failed", step=ref.step, saved_epoch=ref.epoch,
+                            transient=verdict.transient, reason=verdict.reason[:1000],
+                            waited_s=round(time.monotonic() - t_start, 1))
             fix = ("check the storage endpoint; raise checkpoint.restore_deadline_s to wait longer"
                    if verdict.transient else
                    "check that the credentials may read every object under the checkpoint URL (S3 s3:GetObject "
@@ -526,37 +474,8 @@ class CheckpointManager:
             if callable(bind):
                 bind(self._pg)
 
-    def _broadcast(self, obj: Any) -> Any:
-        if not self._distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self._pg, group_src=0)
-        return box[0]
-
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if not self._distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
-
     def _on_rank0(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on rank 0 only and give every rank its result or the same exception."""
-        res: Any = None
-        if self.rank == 0:
-            try:
-                res = ("ok", fn())
-            except CheckpointError as e:
-                res = ("err", *_pack_error(e))
-            except PermissionError as e:
-                res = ("err", "StorageError", f"permission denied: {e}. Fix: check that the credentials may list, "
-                       f"read and write {self.url}", {"transient": False})
-            except Exception as e:  # noqa: BLE001 - must reach the other ranks, not hang them
-                res = ("err", "CheckpointError", f"{type(e).__name__}: {e}", {})
-        res = self._broadcast(res)
-        if res[0] == "ok":
-            return res[1]
-        raise _unpack_error(res[1], res[2], res[3])
+        return self._group.on_rank0(fn, url=self.url)
 
     def _fault(self, point: str, step: int) -> None:
         if self.fault_hook is not None:
@@ -581,7 +500,8 @@ class CheckpointManager:
         if self.rank == 0:
             self._log.info("checkpoint_epoch_claimed", epoch=rec.epoch, world_id=rec.world_id, base_step=rec.base_step,
                            base_epoch=rec.base_epoch, rdzv_id=rec.rdzv_id, rdzv_round=rec.rdzv_round,
-                           conditional_create=rec.conditional_create, conflicts=conflicts, claim_ms=round(took * 1e3, 2))
+                           conditional_create=rec.conditional_create, conflicts=conflicts,
+                           claim_ms=round(took * 1e3, 2))
 
     def _check_owner(self) -> None:
         assert self._record is not None
@@ -620,7 +540,7 @@ class CheckpointManager:
             self._on_rank0(self._check_owner)
             self._fault("before_write", step)
             digests = self._write_shards(ref, staged)
-            gathered = self._all_gather((self.rank, digests))
+            gathered = self._group.all_gather((self.rank, digests))
             files = tuple(FileEntry(path=name, size=size, crc32=crc, rank=r)
                           for r, d in gathered for name, (size, crc) in sorted(d.items()))
             self._fault("before_commit", step)
@@ -630,11 +550,11 @@ class CheckpointManager:
             raise
         except Exception as e:
             where = self.storage.url_of(f"{self.run_id}/{ref.name}") if ref else self.url
-            self._log.error("checkpoint_save_failed", step=step, kind=kind, url=where, error=_describe(e),
+            self._log.error("checkpoint_save_failed", step=step, kind=kind, url=where, error=describe(e),
                             elapsed_s=round(time.monotonic() - t0, 3), last_committed=self._last_committed)
             if isinstance(e, CheckpointError):
                 raise
-            raise CheckpointError(f"checkpoint of step {step} to {where} failed: {_describe(e)}. "
+            raise CheckpointError(f"checkpoint of step {step} to {where} failed: {describe(e)}. "
                                   f"The previous committed step is untouched") from e
         self._last_committed = step
         self._base = ref
@@ -669,15 +589,15 @@ class CheckpointManager:
                 return writer.digests
             elapsed = time.monotonic() - start
             delay = backoff.delay(attempt)
-            transient = all(is_transient(c) for c in _root_causes(err))
+            transient = all(is_transient(c) for c in root_causes(err))
             want_retry = transient and backoff.allows(attempt, elapsed, delay)
-            retry = all(self._all_gather(want_retry))
+            retry = all(self._group.all_gather(want_retry))
             self._log.warning("storage_retry", op="dcp_save", url=self.storage.url_of(rel), attempt=attempt,
                               max_attempts=backoff.attempts, elapsed_s=round(elapsed, 3), transient=transient,
-                              error=_describe(err)[:500], giving_up=not retry)
+                              error=describe(err)[:500], giving_up=not retry)
             if not retry:
                 raise StorageError(f"writing the shards of step {ref.step} to {self.storage.url_of(rel)} failed after "
-                                   f"{attempt} attempt(s) in {elapsed:.1f}s: {_describe(err)}. The previous committed "
+                                   f"{attempt} attempt(s) in {elapsed:.1f}s: {describe(err)}. The previous committed "
                                    f"step is untouched. Fix: check the storage endpoint and credentials; raise "
                                    f"checkpoint.retry_attempts / retry_deadline_s for flaky storage",
                                    transient=transient) from (err if isinstance(err, Exception) else None)
@@ -715,132 +635,9 @@ class CheckpointManager:
                 self._log.info(event, step=d.ref.step, saved_epoch=d.ref.epoch, reason=d.reason,
                                keep_last=self.config.keep_last)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail a committed save
-            self._log.warning("checkpoint_cleanup_failed", error=_describe(e))
+            self._log.warning("checkpoint_cleanup_failed", error=describe(e))
 
     # -- internals: restore ---------------------------------------------------------------------
-
-    def _scan_until(self, deadline: float) -> Scan:
-        """Rank 0: scan, retrying what is unreadable now (after the storage's own retries) until ``deadline``."""
-        def on_failure(e: BaseException, attempt: int, elapsed: float, transient: bool, give_up: bool) -> None:
-            self._log.warning("checkpoint_scan_unreadable", url=self.url, attempt=attempt, transient=transient,
-                              giving_up=give_up, error=_describe(e)[:500])
-
-        budget = max(0.0, deadline - time.monotonic())
-        return retry_call(lambda: scan_run(self.storage, self.run_id), Backoff.until(budget),
-                          transient=is_transient, on_failure=on_failure)
-
-    def _candidates(self, scan: Scan, step: int | None) -> list[StepRef]:
-        """Steps to try, best first: the restore lineage newest first, or the committed ``step``."""
-        line = scan.restore_lineage()
-        if step is None:
-            return list(reversed(line))
-        same = [r for r in [*scan.committed, *scan.foreign] if r.step == step]
-        if not same:
-            raise CheckpointNotFound(f"step {step} has no committed checkpoint under {self.url} (committed: "
-                                     f"{sorted({r.step for r in scan.committed})}). Fix: pick one of those or omit the step")
-        in_line = [r for r in same if r in set(line)]
-        return [max(in_line)] if in_line else [max(same)]
-
-    def _restore_one(self, ref: StepRef, m: Manifest | None, state: dict[str, Any], deadline: float) -> _Verdict:
-        """Verify and load one step, retrying while it is unreadable now (a collective)."""
-        backoff = Backoff.until(max(0.0, deadline - time.monotonic()))
-        start = time.monotonic()
-        attempt = 0
-        while True:
-            attempt += 1
-            if m is None:
-                return _Verdict("unreadable", False, (f"{ref.name} has a manifest of another format version; "
-                                                      f"this trainguard cannot read it",))
-            verdict = self._verify(m) if self.config.verify else _Verdict("ok")
-            if verdict.status == "ok":
-                verdict = self._load(m, state)
-                if verdict.status == "failed":  # intact bytes, or not? find out before deciding anything
-                    proof = self._verify(m)
-                    if proof.status == "ok":
-                        raise CheckpointError(
-                            f"step {m.step} at {self.storage.url_of(f'{self.run_id}/{ref.name}')} is intact (sizes and "
-                            f"checksums match its manifest) but loading it into this job's state failed: "
-                            f"{verdict.reason}. Nothing was changed. Fix: restore with the model, optimizer and "
-                            f"strategy options that saved it (strategy {m.strategy}, world size {m.world_size}), "
-                            f"or start a new run id")
-                    verdict = proof
-            if verdict.status in ("ok", "corrupt"):
-                return verdict
-
-            def decide() -> float | None:
-                elapsed = time.monotonic() - start
-                delay = backoff.delay(attempt)
-                return delay if verdict.transient and backoff.allows(attempt, elapsed, delay) else None
-
-            delay = self._broadcast(decide() if self.rank == 0 else None)
-            if delay is None:
-                return verdict
-            self._log.warning("checkpoint_restore_unreadable", step=ref.step, saved_epoch=ref.epoch, attempt=attempt,
-                              retry_in_s=round(delay, 2), deadline_in_s=round(deadline - time.monotonic(), 1),
-                              reason=verdict.reason[:500])
-            time.sleep(delay)
-
-    def _verify(self, m: Manifest) -> _Verdict:
-        """Check sizes and CRC32s of the step's files, split across ranks; all ranks get the verdict."""
-        rel = f"{self.run_id}/{m.dir_name}"
-        mine: list[_Verdict] = []
-        for i, f in enumerate(sorted(m.files, key=lambda f: f.path)):
-            if i % self.world_size == self.rank:
-                mine.append(self._verify_file(rel, f))
-        verdict = _Verdict.combine(mine)
-        if verdict.status != "ok":
-            self._log.error("checkpoint_verify_failed", step=m.step, saved_epoch=m.epoch, status=verdict.status,
-                            problems=list(verdict.problems)[:20])
-        return _Verdict.combine(self._all_gather(verdict))
-
-    def _verify_file(self, rel: str, f: FileEntry) -> _Verdict:
-        path = f"{rel}/{f.path}"
-        url = self.storage.url_of(path)
-        try:
-            size = self.storage.size(path)
-            if size != f.size:
-                return _Verdict("corrupt", problems=(f"{url}: size {size} != {f.size} in the manifest (truncated or "
-                                                     f"overwritten)",))
-            n, crc = self.storage.crc32(path)
-            if n != f.size:
-                return _Verdict("unreadable", True, (f"{url}: read {n} of {f.size} bytes",))
-            if crc != f.crc32:
-                return _Verdict("corrupt", problems=(f"{url}: crc32 {crc:#010x} != {f.crc32:#010x} in the manifest "
-                                                     f"(corrupt)",))
-            return _Verdict("ok")
-        except CheckpointNotFound:
-            parent, _, name = path.rpartition("/")
-            try:
-                listed = self.storage.listdir(parent)
-            except Exception as e:  # noqa: BLE001 - the listing decides between "missing" and "unreadable"
-                return _Verdict("unreadable", is_transient(e), (f"{url}: not found, and its directory cannot be "
-                                                                f"listed now ({type(e).__name__}: {e})",))
-            if name in listed:
-                return _Verdict("unreadable", True, (f"{url}: listed but not readable now",))
-            return _Verdict("corrupt", problems=(f"{url}: missing",))
-        except PermissionError as e:
-            return _Verdict("unreadable", False, (f"{url}: permission denied ({e})",))
-        except StorageError as e:
-            return _Verdict("unreadable", e.transient, (f"{url}: {e}",))
-        except Exception as e:  # noqa: BLE001 - anything else is not a proof of corruption
-            return _Verdict("unreadable", is_transient(e), (f"{url}: {type(e).__name__}: {e}",))
-
-    def _load(self, m: Manifest, state: dict[str, Any]) -> _Verdict:
-        """``dcp.load`` in place (a collective); a failure is ``unreadable`` when transient, else ``failed``."""
-        rel = f"{self.run_id}/{m.dir_name}"
-        verdict = _Verdict("ok")
-        try:
-            dcp.load(state, storage_reader=self.storage.dcp_reader(rel), process_group=self._pg,
-                     no_dist=not self._distributed)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - classified, agreed, decided by the caller
-            causes = _root_causes(e)
-            if any(isinstance(c, PermissionError) for c in causes):
-                verdict = _Verdict("unreadable", False, (f"load: permission denied: {_describe(e)}",))
-            elif all(is_transient(c) for c in causes):
-                verdict = _Verdict("unreadable", True, (f"load: {_describe(e)}",))
-            else:
-                verdict = _Verdict("failed", False, (f"load failed: {_describe(e)}",))
-        return _Verdict.combine(self._all_gather(verdict))
 
 
 def _versions() -> dict[str, str]:

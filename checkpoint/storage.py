@@ -315,7 +315,8 @@ class Storage:
             except FileExistsError:
                 return "native"
             except Exception as e:  # noqa: BLE001 - an unexpected answer means: do not rely on it
-                log.warning("storage_conditional_create_probe_failed", url=self.url, error=f"{type(e).__name__}: {e}"[:300])
+                log.warning("storage_conditional_create_probe_failed", url=self.url,
+                            error=f"{type(e).__name__}: {e}"[:300])
             return "readback"
         except (TypeError, NotImplementedError, ValueError):
             return "readback"  # the fsspec backend has no mode="create"

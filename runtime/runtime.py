@@ -110,8 +110,9 @@ class Runtime:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         rank = dist.get_rank() if dist.is_initialized() else 0
         return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
-                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", rdzv_id=rtenv.run_id, rdzv_round=rtenv.round,
-                   checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path)
+                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", rdzv_id=rtenv.run_id,
+                   rdzv_round=rtenv.round, checkpoint=CheckpointConfig(**rtenv.checkpoint),
+                   control_path=rtenv.control_path)
 
     @property
     def strategy_name(self) -> str:

@@ -137,7 +137,8 @@ def _scan(records: dict[int, tuple[int, int]], committed: list[tuple[int, int]],
 
 def _plan(scan: Scan, epoch: int, k: int = 2, protected=(), corrupt=()) -> list[tuple[int, int, str]]:
     return [(d.ref.step, d.ref.epoch, d.reason)
-            for d in gc_plan(scan, epoch=epoch, keep_last=k, protected=_refs(*protected), proven_corrupt=_refs(*corrupt))]
+            for d in gc_plan(scan, epoch=epoch, keep_last=k, protected=_refs(*protected),
+                             proven_corrupt=_refs(*corrupt))]
 
 
 GC = [

@@ -214,8 +214,10 @@ class Harness:
                                       weights=[45, 8, 15, 12, 10, 5])[0]
             self.trace.append(f"{w.name}.{op}")
             try:
-                {"start": lambda: self.start(w), "save": lambda: self.save(w), "crash": lambda: self.save(w, crash=True),
-                 "reform": lambda: self.reform(w), "kill": lambda: self.kill(w), "probe": self.probe}[op]()
+                actions = {"start": lambda: self.start(w), "save": lambda: self.save(w),
+                           "crash": lambda: self.save(w, crash=True), "reform": lambda: self.reform(w),
+                           "kill": lambda: self.kill(w), "probe": self.probe}
+                actions[op]()
                 self.check()
             except AssertionError as e:
                 raise AssertionError(f"after {' '.join(self.trace[-30:])}: {e}") from e
