@@ -23,7 +23,7 @@ Lineage
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from trainguard.checkpoint.epochs import EpochRecord, read_record
@@ -58,6 +58,38 @@ class StepRef:
         return f"{self.step}@e{self.epoch}"
 
 
+class EpochRecords(Mapping[int, "EpochRecord | None"]):
+    """The claimed epochs of a run, each record read on first use (and once).
+
+    A long job claims an epoch per re-formation — hundreds a day on spot capacity — while a lineage
+    walk or a restore needs only the newest few: listing the numbers is one request; reading every
+    record at every commit would not scale. Iterating yields the numbers without reading anything.
+    """
+
+    def __init__(self, numbers: Iterable[int], load: Callable[[int], EpochRecord | None]) -> None:
+        self._numbers = frozenset(numbers)
+        self._load = load
+        self._cache: dict[int, EpochRecord | None] = {}
+        self.reads = 0
+
+    def __getitem__(self, epoch: int) -> EpochRecord | None:
+        if epoch not in self._numbers:
+            raise KeyError(epoch)
+        if epoch not in self._cache:
+            self.reads += 1
+            self._cache[epoch] = self._load(epoch)
+        return self._cache[epoch]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._numbers))
+
+    def __len__(self) -> int:
+        return len(self._numbers)
+
+    def __contains__(self, epoch: object) -> bool:
+        return epoch in self._numbers
+
+
 @dataclass(slots=True)
 class Scan:
     """One listing of a run. See the module docstring for the classes of step directories."""
@@ -67,8 +99,9 @@ class Scan:
     invalid: dict[StepRef, str] = field(default_factory=dict)
     """Proven-corrupt manifests and why."""
     foreign: list[StepRef] = field(default_factory=list)
-    epochs: dict[int, EpochRecord | None] = field(default_factory=dict)
-    """Claimed epochs (an ``epochs/epoch-<n>.json`` exists); None when its record is malformed."""
+    epochs: Mapping[int, EpochRecord | None] = field(default_factory=dict)
+    """Claimed epochs (an ``epochs/epoch-<n>.json`` exists); None when its record is malformed. From
+    :func:`scan_run`: an :class:`EpochRecords`, read lazily."""
     ignored: list[str] = field(default_factory=list)
     """Entries whose names are not ours (``step-abc``, ``step-²``, stray files): never touched."""
 
@@ -102,10 +135,11 @@ def lineage_of(epoch: int, records: Mapping[int, EpochRecord | None], refs: Iter
     by_epoch: dict[int, list[StepRef]] = {}
     for r in refs:
         by_epoch.setdefault(r.epoch, []).append(r)
+    lowest = min((r.step for rs in by_epoch.values() for r in rs), default=-1)
     out: list[StepRef] = []
     cutoff: int | None = None
     e = epoch
-    while e >= 0:
+    while e >= 0 and (cutoff is None or cutoff >= lowest):  # below every step: nothing left to find
         out += [r for r in by_epoch.get(e, []) if cutoff is None or r.step <= cutoff]
         rec = records.get(e)
         if rec is None or rec.base_epoch < 0 or rec.base_epoch >= e or rec.base_step < 0:
@@ -184,6 +218,7 @@ def scan_run(storage: Storage, run_id: str, *, warn: bool = True) -> Scan:
     or a manifest cannot be read now.
     """
     scan = Scan()
+    numbers: list[int] = []
     for name in storage.listdir(run_id):
         if name == EPOCHS_DIR:
             for ename in storage.listdir(f"{run_id}/{EPOCHS_DIR}"):
@@ -192,7 +227,7 @@ def scan_run(storage: Storage, run_id: str, *, warn: bool = True) -> Scan:
                     if not ename.startswith("."):  # dot-names: claim temp files, conditional-create probes
                         scan.ignored.append(f"{EPOCHS_DIR}/{ename}")
                     continue
-                scan.epochs[e] = read_record(storage, run_id, e)
+                numbers.append(e)
             continue
         parsed = parse_step_dir(name)
         if parsed is None:
@@ -231,7 +266,8 @@ def scan_run(storage: Storage, run_id: str, *, warn: bool = True) -> Scan:
                     "epoch record: never read, restored or deleted")
     scan.uncommitted.sort()
     scan.foreign.sort()
+    scan.epochs = EpochRecords(numbers, lambda e: read_record(storage, run_id, e))
     return scan
 
 
-__all__ = ["Deletion", "Scan", "StepRef", "gc_plan", "lineage_of", "restore_epoch", "scan_run"]
+__all__ = ["Deletion", "EpochRecords", "Scan", "StepRef", "gc_plan", "lineage_of", "restore_epoch", "scan_run"]

@@ -340,10 +340,13 @@ class CheckpointManager:
 
     def list(self) -> list[CheckpointInfo]:
         """Every committed step, oldest first (a collective when world_size > 1)."""
-        scan = self._on_rank0(lambda: scan_run(self.storage, self.run_id))
-        line = set(scan.restore_lineage())
-        return [CheckpointInfo.from_manifest(m, self.storage.url_of(f"{self.run_id}/{m.dir_name}"),
-                                             StepRef(m.step, m.epoch) in line) for m in scan.manifests()]
+        def infos() -> list[CheckpointInfo]:
+            scan = scan_run(self.storage, self.run_id)
+            line = set(scan.restore_lineage())
+            return [CheckpointInfo.from_manifest(m, self.storage.url_of(f"{self.run_id}/{m.dir_name}"),
+                                                 StepRef(m.step, m.epoch) in line) for m in scan.manifests()]
+
+        return self._on_rank0(infos)
 
     def claim_epoch(self) -> int:
         """Claim a new epoch for this world now (a collective); return it. This world's state is taken
@@ -385,20 +388,19 @@ class CheckpointManager:
         t_start = time.monotonic()
         deadline = t_start + self.config.restore_deadline_s
         loader = StepLoader(self.storage, self.run_id, self._group, verify_files=self.config.verify, log=self._log)
-        scan: Scan = self._on_rank0(lambda: loader.scan_until(deadline))
-        candidates = loader.candidates(scan, step)
+        plan = self._on_rank0(lambda: loader.plan(deadline, step))
+        candidates = [ref for ref, _ in plan.candidates]
         if not candidates:
-            if scan.invalid:
-                listed = "; ".join(f"{r.name}: {why}" for r, why in sorted(scan.invalid.items()))[:2000]
+            if plan.invalid:
+                listed = "; ".join(f"{r.name}: {why}" for r, why in plan.invalid)[:2000]
                 raise CheckpointCorrupt(f"no committed checkpoint under {self.url} can be restored: every step "
                                         f"directory has a corrupt manifest ({listed}). Nothing was changed. Fix: "
                                         f"delete those step directories to start the run from scratch")
-            self._log.info("checkpoint_restore_none", url=self.url, ignored=len(scan.ignored))
+            self._log.info("checkpoint_restore_none", url=self.url, ignored=plan.ignored)
             return None
         problems: list[str] = []
         all_corrupt = True
-        for i, ref in enumerate(candidates):
-            m = scan.committed.get(ref)
+        for i, (ref, m) in enumerate(plan.candidates):
             where = self.storage.url_of(f"{self.run_id}/{ref.name}")
             t0 = time.monotonic()
             verdict = loader.attempt(ref, m, state, deadline)

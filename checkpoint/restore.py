@@ -10,6 +10,7 @@ for the verdicts.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -22,6 +23,17 @@ from trainguard.checkpoint.integrity import OK, Verdict, describe, load_verdict,
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.retry import Backoff, retry_call
 from trainguard.checkpoint.storage import Storage, is_transient
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """What rank 0 found: the steps to try, best first, with their manifests (None: another format)."""
+
+    candidates: list[tuple[StepRef, Manifest | None]]
+    invalid: list[tuple[StepRef, str]]
+    """Proven-corrupt manifests and why (for the error when nothing else is left)."""
+    ignored: int
+    """Names that were not ours."""
 
 
 class StepLoader:
@@ -44,19 +56,25 @@ class StepLoader:
         return retry_call(lambda: scan_run(self.storage, self.run_id), Backoff.until(budget),
                           transient=is_transient, on_failure=on_failure)
 
-    def candidates(self, scan: Scan, step: int | None) -> list[StepRef]:
-        """Steps to try, best first: the restore lineage newest first, or the committed ``step``."""
+    def plan(self, deadline: float, step: int | None) -> RestorePlan:
+        """Rank 0: scan (until ``deadline``) and pick the steps to try, best first: the restore lineage
+        newest first, or the committed ``step`` (from the restore lineage if it holds it, else from the
+        newest epoch that does). Small and picklable, for the broadcast."""
+        scan = self.scan_until(deadline)
         line = scan.restore_lineage()
         if step is None:
-            return list(reversed(line))
-        same = [r for r in [*scan.committed, *scan.foreign] if r.step == step]
-        if not same:
-            url = self.storage.url_of(self.run_id)
-            raise CheckpointNotFound(f"step {step} has no committed checkpoint under {url} "
-                                     f"(committed: {sorted({r.step for r in scan.committed})}). Fix: pick one of those "
-                                     f"or omit the step")
-        in_line = [r for r in same if r in set(line)]
-        return [max(in_line)] if in_line else [max(same)]
+            refs = list(reversed(line))
+        else:
+            same = [r for r in [*scan.committed, *scan.foreign] if r.step == step]
+            if not same:
+                url = self.storage.url_of(self.run_id)
+                raise CheckpointNotFound(f"step {step} has no committed checkpoint under {url} "
+                                         f"(committed: {sorted({r.step for r in scan.committed})}). Fix: pick one of "
+                                         f"those or omit the step")
+            in_line = [r for r in same if r in set(line)]
+            refs = [max(in_line)] if in_line else [max(same)]
+        return RestorePlan(candidates=[(r, scan.committed.get(r)) for r in refs],
+                           invalid=sorted(scan.invalid.items()), ignored=len(scan.ignored))
 
     def attempt(self, ref: StepRef, m: Manifest | None, state: dict[str, Any], deadline: float) -> Verdict:
         """Verify and load one step, retrying while it is unreadable now (a collective)."""
@@ -121,4 +139,4 @@ class StepLoader:
         return Verdict.combine(self.group.all_gather(verdict))
 
 
-__all__ = ["StepLoader"]
+__all__ = ["RestorePlan", "StepLoader"]

@@ -214,3 +214,17 @@ def test_retry_call_retries_transient_only_within_the_policy() -> None:
                    Backoff(base_s=1, max_s=8, attempts=2**31, deadline_s=10, jitter=False),
                    transient=lambda e: True, sleep=sleep, clock=lambda: now[0])
     assert len(slept) == 3 and sum(slept) <= 10
+
+
+def test_epoch_records_are_read_lazily_and_lineage_walks_stop_early() -> None:
+    """A long job claims an epoch per re-formation; a commit must not read all of their records."""
+    from trainguard.checkpoint.discovery import EpochRecords
+
+    n = 500
+    records = EpochRecords(range(1, n + 1), lambda e: _rec(e, e - 1, e - 1) if e > 1 else _rec(1))
+    scan = Scan(committed={r: _manifest(r.step, r.epoch) for r in _refs((n - 1, n - 1), (n, n))}, epochs=records)
+    assert scan.newest_epoch == n and records.reads == 0  # listing numbers reads nothing
+    assert scan.restore_lineage() == _refs((n - 1, n - 1), (n, n))
+    assert _plan(scan, n) == []
+    assert records.reads <= 3, records.reads
+    assert len(records) == n and 7 in records and 0 not in records
