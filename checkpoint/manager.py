@@ -158,12 +158,15 @@ class CheckpointManager:
         storage: a prepared :class:`Storage` (tests); built from ``config`` when None.
         rdzv_id, rdzv_round: the rendezvous this world formed in; written into the epoch record for
             people reading it (rounds restart at 0 with a fresh store: they never fence anything).
+        base: the committed step this process's state descends from when it continues a previous
+            world in place (the manager of that world's :attr:`base`): the epoch this world claims
+            records it, so the lineage goes on. Ranks that do not know it (joiners) pass None.
         fault_hook: see :data:`FaultHook` (tests).
     """
 
     def __init__(self, config: CheckpointConfig, run_id: str, *, rank: int, world_size: int, strategy: str = "ddp",
                  process_group: Any = None, storage: Storage | None = None, rdzv_id: str = "", rdzv_round: int = -1,
-                 fault_hook: FaultHook | None = None) -> None:
+                 base: StepRef | None = None, fault_hook: FaultHook | None = None) -> None:
         self._closed = True  # until fully built: close() must be safe on a half-built object
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[SaveResult] | None = None
@@ -190,7 +193,7 @@ class CheckpointManager:
         self._inflight_step: int | None = None
         self._last_committed: int | None = None
         self._record: EpochRecord | None = None
-        self._base: StepRef | None = None
+        self._base: StepRef | None = base
         self._fenced: FencedError | None = None
         self._corrupt: set[StepRef] = set()
         self._committed_here: dict[int, SaveResult] = {}
@@ -232,6 +235,11 @@ class CheckpointManager:
     def epoch_record(self) -> EpochRecord | None:
         """The record this world claimed (world id, base step, ...), or None before the claim."""
         return self._record
+
+    @property
+    def base(self) -> StepRef | None:
+        """The committed step this world's state descends from: the last one it restored or committed."""
+        return self._base
 
     @property
     def fenced(self) -> bool:
@@ -486,8 +494,9 @@ class CheckpointManager:
     # -- internals: epochs ----------------------------------------------------------------------
 
     def _claim(self) -> None:
-        """Claim a new epoch (rank 0) and give it to every rank. Clears the fenced state."""
-        base = self._base
+        """Claim a new epoch (rank 0) and give it to every rank. Clears the fenced state. The base is
+        the newest any rank knows (after an in-place re-formation a joiner knows none)."""
+        base = max((b for b in self._group.all_gather(self._base) if b is not None), default=None)
 
         def claim() -> tuple[EpochRecord, int, float]:
             t0 = time.monotonic()
@@ -652,4 +661,4 @@ def _versions() -> dict[str, str]:
     return {"trainguard": tg, "torch": torch.__version__, "python": __import__("platform").python_version()}
 
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "FaultHook", "SaveResult", "Scan", "scan_run"]
+__all__ = ["CheckpointInfo", "CheckpointManager", "FaultHook", "SaveResult", "Scan", "StepRef", "scan_run"]
