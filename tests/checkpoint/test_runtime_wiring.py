@@ -38,8 +38,8 @@ class Link:
     def __init__(self) -> None:
         self.reports: list[proto.Committed] = []
 
-    def committed(self, report: proto.Committed) -> None:
-        self.reports.append(report)
+    def report(self, msg: proto.Committed) -> None:
+        self.reports.append(msg)
 
     def close(self) -> None:
         pass
