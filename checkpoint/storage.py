@@ -22,9 +22,15 @@ Two DCP-over-fsspec bugs are worked around in :class:`_DurableFileSystem`:
   :class:`StorageError` instead of being committed. It also computes each file's CRC32 while the
   bytes pass, so the manifest's checksums cost no second read.
 
+Create-exclusive writes (:meth:`Storage.create_exclusive`, the epoch claims): ``link(2)`` of a fully
+written temp file locally, ``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS, a lock on
+``memory://``; object stores are probed once, and one that ignores the condition gets a write, wait,
+read-back-and-compare fallback (logged as ``storage_conditional_create`` with ``mode=readback``).
+
 Retries: transient errors (connection resets, timeouts, HTTP 429/5xx) are retried with exponential
-backoff and jitter until ``retry_attempts`` or ``retry_deadline_s`` runs out; every failed attempt is
-logged as ``storage_retry``. Threading: a :class:`Storage` may be used from the training thread and
+backoff and jitter (:class:`~trainguard.checkpoint.retry.Backoff`, the policy shared with the manager)
+until ``retry_attempts`` or ``retry_deadline_s`` runs out; every failed attempt is logged as
+``storage_retry``. Threading: a :class:`Storage` may be used from the training thread and
 the checkpoint thread at once; fsspec filesystems are thread-safe for these operations.
 """
 
