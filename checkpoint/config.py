@@ -40,6 +40,16 @@ class CheckpointConfig:
     verify: bool = True
     """Verify sizes and checksums from the manifest on restore."""
 
+    restore_deadline_s: float = 300.0
+    """How long a restore keeps retrying a committed step that is *unreadable now* (timeouts, HTTP
+    5xx, throttling) before giving up on it. Keep it below the process-group timeout: the other ranks
+    wait in a collective meanwhile."""
+
+    on_unreadable: str = "fail"
+    """What a restore does with a committed step that stays unreadable (past ``restore_deadline_s``,
+    or at once on a permission error): ``fail`` (raise a clear error; nothing in storage changes) or
+    ``fallback`` (restore the next older step; nothing is marked stale or deleted)."""
+
     def __post_init__(self) -> None:
         require(self.keep_last >= 2, "keep_last", f"must be >= 2, got {self.keep_last}",
                 "keep at least 2 committed checkpoints, as the newest may be the one being restored")
@@ -51,6 +61,11 @@ class CheckpointConfig:
                 "use 1 for no retries")
         require(self.retry_deadline_s > 0, "retry_deadline_s", f"must be > 0, got {self.retry_deadline_s}",
                 "give the retries of one storage operation a positive time budget in seconds")
+        require(self.restore_deadline_s >= 0, "restore_deadline_s", f"must be >= 0, got {self.restore_deadline_s}",
+                "give restore a time budget in seconds for retrying unreadable steps (0: no retries)")
+        require(self.on_unreadable in ("fail", "fallback"), "on_unreadable",
+                f"must be 'fail' or 'fallback', got {self.on_unreadable!r}",
+                "use 'fail' to stop on an unreadable newest step, 'fallback' to restore an older one")
         if self.url:
             scheme = self.url.split("://", 1)[0] if "://" in self.url else "file"
             require(scheme in {"file", "s3", "gs", "gcs", "memory"}, "url",

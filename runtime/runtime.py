@@ -62,6 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -70,7 +71,7 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import protocol as proto
 from trainguard.runtime import reform as rf
@@ -86,15 +87,16 @@ log = get_logger("trainguard.worker")
 class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
 
-    def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
-                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp",
+    def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, checkpoint: CheckpointConfig,
+                 control_path: str = "", strategy: str | Strategy = "ddp", rdzv_id: str = "", rdzv_round: int = -1,
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
                  standby: bool = False, local_world_size: int = 1, inject_fault: str = "") -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.local_world_size = local_world_size
-        self.job_id, self.fence = job_id, fence
-        self.round = fence
-        """The rendezvous round of the current world."""
+        # The rendezvous only labels the checkpoint epoch this world claims (fencing uses epochs).
+        self.job_id, self.rdzv_id = job_id, rdzv_id
+        self.round = rdzv_round
+        """The rendezvous round of the current world (information: checkpoints are fenced by epochs)."""
         self._strategy_arg: str | Strategy = strategy
         self.strategy: Strategy | None = None
         self.checkpoint_config = checkpoint
@@ -131,7 +133,7 @@ class Runtime:
         if threading.current_thread() is threading.main_thread():
             # Under plain torchrun (no agent link) a SIGTERM is the only notice a worker gets.
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._log = log.bind(rank=rank, world_size=world_size, fence=fence)
+        self._log = log.bind(rank=rank, world_size=world_size, round=rdzv_round)
         if reform and self._link is None:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
@@ -158,10 +160,11 @@ class Runtime:
             dist.init_process_group(rf.backend(), **kw)
         rank = dist.get_rank() if dist.is_initialized() else (-1 if rtenv.standby else 0)
         return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
-                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", fence=max(rtenv.round, 0),
-                   checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path,
-                   reform=reform, reform_timeout_s=rtenv.reform_timeout_s, pg_timeout_s=rtenv.pg_timeout_s,
-                   standby=rtenv.standby, local_world_size=rtenv.local_world_size, inject_fault=rtenv.inject_fault)
+                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", rdzv_id=rtenv.run_id,
+                   rdzv_round=rtenv.round, checkpoint=CheckpointConfig(**rtenv.checkpoint),
+                   control_path=rtenv.control_path, reform=reform, reform_timeout_s=rtenv.reform_timeout_s,
+                   pg_timeout_s=rtenv.pg_timeout_s, standby=rtenv.standby, local_world_size=rtenv.local_world_size,
+                   inject_fault=rtenv.inject_fault)
 
     @property
     def strategy_name(self) -> str:
@@ -215,14 +218,17 @@ class Runtime:
                        **self.strategy.describe())
         return self._model, self._optimizer
 
-    def _make_manager(self) -> None:
+    def _make_manager(self, base: StepRef | None = None) -> None:
+        """``base``: the committed step this process's live state descends from, when it continues a
+        previous world in place (the next checkpoint epoch records it: the lineage goes on)."""
         if self.checkpoint_config.url:
             # The manager makes its own gloo group: its background persist thread runs collectives that
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
             # Built here (not by the manager) so that it gets workers.pg_timeout_s; the same one collective.
             group = self._new_gloo_group() if self.world_size > 1 else None
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
-                                              fence=self.fence, strategy=self.strategy_name, process_group=group)
+                                              strategy=self.strategy_name, process_group=group,
+                                              rdzv_id=self.rdzv_id, rdzv_round=self.round, base=base)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -257,20 +263,26 @@ class Runtime:
                 self._link.report(proto.Restored(step=step, rank=self.rank))
         return self.step
 
-    def _save(self, kind: str) -> float:
+    def _save(self, kind: str) -> tuple[float, SaveResult | None]:
+        """Save the current step; return the seconds ``save`` took and its result when it is committed
+        already (emergency/resize saves block), None while it persists in the background."""
         assert self._manager is not None
         t0 = time.monotonic()
         self._saved_step = self.step
         background = kind in (proto.CheckpointKind.PERIODIC.value, proto.CheckpointKind.NOTICE.value)
-        self._manager.save(self.step, self._state(), kind=kind, block=not background)
+        done = self._manager.save(self.step, self._state(), kind=kind, block=not background)
         seconds = time.monotonic() - t0
-        blocked = self._manager.last_blocked_s
-        in_flight = self._manager.pending if background else None
-        if in_flight is None:  # committed now
-            self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
-        else:  # persisted and committed in the background: recorded when that finishes
-            self._metrics.observe_checkpoint_async(in_flight, kind, blocked, blocked, self.step)
-        return seconds
+        stage, blocked, step = self._manager.last_stage_s, self._manager.last_blocked_s, self.step
+
+        def record(f: Future[SaveResult]) -> None:  # the persist thread, or here
+            r = None if f.cancelled() or f.exception() is not None else f.result()
+            if r is None:
+                self._metrics.observe_checkpoint(kind, stage, None, blocked, 0, step, False)
+            elif not r.skipped:
+                self._metrics.observe_checkpoint(kind, r.stage_s, r.persist_s, r.blocked_s, r.nbytes, r.step, True)
+
+        done.add_done_callback(record)
+        return seconds, (done.result() if done.done() and done.exception() is None else None)
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -430,13 +442,16 @@ class Runtime:
         assert self.strategy is not None
         need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state == "checkpoint"
         if self._manager is not None and need_checkpoint:
-            seconds = self._save(kind)
+            seconds, result = self._save(kind)
             committed = self._manager.wait()
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                            before_deadline=True)
             if self._link is not None:
                 self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank,
-                                                  seconds=round(seconds, 3), last_committed=committed))
+                                                  seconds=round(seconds, 3), nbytes=result.nbytes if result else 0,
+                                                  stage_s=round(result.stage_s, 6) if result else 0.0,
+                                                  persist_s=round(result.persist_s, 6) if result else 0.0,
+                                                  last_committed=committed))
         self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
     def _park(self, reason: proto.ParkReason) -> None:
@@ -444,10 +459,11 @@ class Runtime:
         exit with the resize code so that the agent restarts the world (the fallback)."""
         t0 = time.monotonic()
         old = (self.rank, self.world_size)
+        base = None
         try:
             if self._manager is not None:
                 self._manager.close()  # an in-flight save finishes on the old groups first
-                self._manager = None
+                base, self._manager = self._manager.base, None
             self._group = None
             rf.teardown_world()
             assert self._link is not None
@@ -462,7 +478,7 @@ class Runtime:
             self._join_world(msg)
             assert self.strategy is not None and self._model is not None
             self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
-            self._make_manager()
+            self._make_manager(base)
             self.accum_steps, _ = self.strategy.plan(self.global_batch, self.world_size, self.micro_batch)
             outcome, live = self._sync_live_state(self.step)
         except Exception as e:
@@ -492,9 +508,9 @@ class Runtime:
                       group_rank=msg.group_rank, nodes=msg.nodes, timeout_s=self.pg_timeout_s)
         self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
         self.local_world_size = msg.local_world_size
-        self.fence = self.round = msg.round
+        self.round = msg.round
         self._group = self._new_gloo_group()
-        self._log = log.bind(rank=self.rank, world_size=self.world_size, fence=self.fence)
+        self._log = log.bind(rank=self.rank, world_size=self.world_size, round=self.round)
         if self._metrics is not None:
             self._metrics.rank = self.rank
 
@@ -548,11 +564,14 @@ class Runtime:
                               effect="the next start begins from step 0")
         else:
             try:
-                seconds = self._save(kind)
+                seconds, result = self._save(kind)
                 committed = self._manager.wait()
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, seconds=round(seconds, 3),
+                                         nbytes=result.nbytes if result else 0,
+                                         stage_s=round(result.stage_s, 6) if result else 0.0,
+                                         persist_s=round(result.persist_s, 6) if result else 0.0,
                                          last_committed=committed)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
                 last = None
@@ -560,7 +579,7 @@ class Runtime:
                     last = self._manager.latest()
                 except CheckpointError as e2:
                     self._log.warning("checkpoint_latest_unknown", error=str(e2)[:500])
-                self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
+                self._metrics.observe_checkpoint(kind, None, None, self._manager.last_blocked_s, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
@@ -588,7 +607,7 @@ class Runtime:
         if self._manager is not None and self.strategy is not None and self.step > 0 and self._saved_step != self.step:
             kind = proto.CheckpointKind.FINAL
             try:
-                seconds = self._save(kind.value)
+                seconds, result = self._save(kind.value)
                 committed = self._manager.wait()
             except Exception as e:
                 self._metrics.observe_checkpoint(kind.value, None, None, 0.0, 0, self.step, False)
@@ -597,7 +616,10 @@ class Runtime:
             self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
             if self._link is not None:
                 self._link.report(proto.Committed(step=self.step, kind=kind, rank=self.rank,
-                                                  seconds=round(seconds, 3), last_committed=committed))
+                                                  seconds=round(seconds, 3), nbytes=result.nbytes if result else 0,
+                                                  stage_s=round(result.stage_s, 6) if result else 0.0,
+                                                  persist_s=round(result.persist_s, 6) if result else 0.0,
+                                                  last_committed=committed))
         if self._manager is not None:
             self._manager.close()
         if self._link is not None:

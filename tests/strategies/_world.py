@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from tests.harness import REPO, free_port
+from trainguard.runtime.protocol import RuntimeEnv
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 # Small and fast on 2 shared cores; global batch 8 = 2 ranks x 2 micro-batches x 2 = 1 rank x 4 x 2.
@@ -26,12 +27,13 @@ def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interva
     ``extra``) to ``steps``; periodic checkpoints every ``interval`` steps; fence = rendezvous round."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    cfg = {"job_id": "run", "checkpoint": {"url": ckpt_url, "interval_steps": interval}}
+    # The worker contract is written by its one owner (the fence is only the round the epoch record names).
+    rt_env = RuntimeEnv(job_id="run", round=fence, checkpoint={"url": ckpt_url, "interval_steps": interval}).to_env()
     procs = []
     for r in range(world):
         env = {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r), "LOCAL_RANK": str(r),
                "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "TRAINGUARD_RT_ROUND": str(fence), "TRAINGUARD_RT_CONFIG": json.dumps(cfg)}
+               "MASTER_PORT": str(port), **rt_env}
         cmd = [sys.executable, ELASTIC, "--strategy", strategy, "--steps", str(steps), "--loss-log", loss_log,
                *JOB, *(extra or [])]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))

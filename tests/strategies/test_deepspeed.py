@@ -13,6 +13,7 @@ state (exp_avg, exp_avg_sq, step). The ZeRO-2 reference also matches DDP's losse
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import os
 import shutil
@@ -212,12 +213,12 @@ def test_zero_checkpoint_of_2_ranks_resumes_exactly_at_1_rank(tmp_path, deepspee
     run_segment(2, "deepspeed", ref_dir, steps=8, interval=4, fence=0, loss_log=ref_log, extra=zero, timeout=240)
     ref = losses(ref_log)
     assert sorted(ref) == list(range(1, 9))
-    step4 = os.path.join(ref_dir, "run", "step-000000000004")
+    step4 = glob.glob(os.path.join(ref_dir, "run", "step-000000000004-e*"))[0]  # named by step and epoch
     with open(os.path.join(step4, "manifest.json")) as fh:
         manifest = json.load(fh)
     assert manifest["strategy"] == "deepspeed" and manifest["world_size"] == 2
     os.makedirs(os.path.join(el_dir, "run"))
-    shutil.copytree(step4, os.path.join(el_dir, "run", "step-000000000004"))
+    shutil.copytree(step4, os.path.join(el_dir, "run", os.path.basename(step4)))
     run_segment(1, "deepspeed", el_dir, steps=8, interval=0, fence=1, loss_log=el_log, extra=zero, timeout=240)
     el = losses(el_log)
     assert sorted(el) == [5, 6, 7, 8], "the 1-rank segment must resume at step 5"
