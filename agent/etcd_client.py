@@ -149,7 +149,7 @@ def failure_of_exception(exc: BaseException) -> EtcdFailure:
         return EtcdFailure.NAME_MISMATCH if "hostname mismatch" in reason or "ip address mismatch" in reason \
             else EtcdFailure.SERVER_UNTRUSTED
     if isinstance(exc, ssl.SSLError):
-        reason = f"{exc.reason or ''} {exc}".lower()
+        reason = f"{getattr(exc, 'reason', '') or ''} {exc}".lower()
         if "wrong version number" in reason or "record layer failure" in reason or "http request" in reason:
             return EtcdFailure.TLS_MISMATCH
         if "alert" in reason or "certificate required" in reason or "bad certificate" in reason \

@@ -190,22 +190,39 @@ def explain(err: EtcdError, cfg: RendezvousConfig, prefix: str) -> EtcdSetupErro
                           "check etcd's log and the rendezvous settings", f)
 
 
-def speaks_tls(endpoint: str, timeout_s: float = 2.0) -> bool:
-    """Whether the server at ``endpoint`` completes a TLS handshake (certificates not checked): tells a
-    plain-HTTP client why an https-only etcd hangs up on it."""
+def speaks_tls(endpoint: str, timeout_s: float = 2.0) -> bool | None:
+    """Whether the server at ``endpoint`` completes a TLS handshake (certificates not checked); None
+    when nothing answers. Tells "etcd hung up on us" apart: a plain-HTTP etcd drops a TLS hello, an
+    https-only etcd drops plain HTTP, and one that wants a client certificate drops us after the
+    handshake."""
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     host, port = split_host_port(endpoint)
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as raw:
+        raw = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError:
+        return None
+    with raw:
+        try:
             with ctx.wrap_socket(raw, server_hostname=host):
                 return True
-    except ssl.SSLError as e:
-        # A server that wants a client certificate may abort the handshake, which proves it speaks TLS.
-        return "alert" in str(e).lower() or "certificate" in str(e).lower()
-    except OSError:
-        return False
+        except ssl.SSLError as e:
+            # A server that wants a client certificate may abort the handshake with an alert: TLS all the same.
+            return "alert" in str(e).lower()
+        except OSError:
+            return False
+
+
+def _refine(err: EtcdError, settings: EtcdSettings) -> EtcdError:
+    """A hang-up during or right after the handshake: is it TLS spoken to a plain server (or the
+    reverse) rather than a refused client certificate or a member that is down?"""
+    if err.failure in (EtcdFailure.CLIENT_CERT_REJECTED, EtcdFailure.UNAVAILABLE) and err.endpoint:
+        tls = speaks_tls(err.endpoint)
+        if tls is not None and tls != settings.tls:
+            what = "does not speak TLS" if settings.tls else "speaks only TLS"
+            return EtcdError(EtcdFailure.TLS_MISMATCH, f"the server {what} ({err.detail})", endpoint=err.endpoint)
+    return err
 
 
 # ----------------------------------------------------------------------------------- the backend
@@ -410,8 +427,9 @@ def preflight(settings: EtcdSettings, prefix: str, deadline: float) -> None:
             client.txn([cmp_never(probe)], [op_put(probe, b"")])
             return
         except EtcdError as e:
+            e = _refine(e, settings)
             if not e.failure.retryable or time.monotonic() >= deadline:
-                raise
+                raise e from None
         finally:
             client.close()
         time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
@@ -426,8 +444,6 @@ def create_handler(cfg: RendezvousConfig, params: RendezvousParameters) -> Dynam
     try:
         preflight(settings, prefix, started + cfg.join_timeout_s)
     except EtcdError as e:
-        if e.failure is EtcdFailure.UNAVAILABLE and not settings.tls and any(speaks_tls(ep) for ep in settings.endpoints):
-            e = EtcdError(EtcdFailure.TLS_MISMATCH, "the server hung up on plain HTTP", endpoint=e.endpoint)
         err = explain(e, cfg, prefix)
         log.error("etcd_setup_failed", key=err.key, failure=err.failure.value, error=err.message)
         raise err from None
