@@ -334,7 +334,6 @@ class EtcdClient:
         self._preferred = 0
         self._token: str | None = None
         self._lease: tuple[int, float] | None = None  # (id, monotonic time granted)
-        self._closed = False
 
     def __repr__(self) -> str:
         s = self.settings
@@ -376,7 +375,6 @@ class EtcdClient:
         """Close every pooled connection. Safe to call twice and from any thread."""
         with self._lock:
             conns, self._conns = self._conns, []
-            self._closed = True
         for c in conns:
             with contextlib.suppress(Exception):
                 c.close()

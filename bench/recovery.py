@@ -16,6 +16,12 @@ Two local "nodes" (a and b) x 1 worker train the bundled byte-level GPT on CPU/g
   groups and all); a's worker fails, torchrun restarts it from the last checkpoint at world size 1.
   Then b's torchrun is started again and the world grows to 2 (again from the last checkpoint).
 
+``--rdzv c10d,etcd`` runs the trainguard scenario once per rendezvous backend, side by side in one
+run: ``c10d`` (node a hosts the store, as above) and ``etcd`` (etcd v3 started by the bench on
+127.0.0.1 with TLS, client certificates and RBAC, the agents logging in as a job user: the set-up of
+``tests/fixtures/etcd.py``, so run the bench from a checkout). The etcd figures carry an ``etcd_``
+prefix in the JSON.
+
 Prints a timeline per run and a side-by-side table; ``--json PATH`` writes every figure (see
 ``docs/benchmarks.md`` for the definitions). Times are wall-clock seconds; worker lines carry no
 timestamp of their own, so each output line is stamped when this process reads it (agent and worker
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import re
@@ -45,6 +52,7 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -365,11 +373,36 @@ def read_sample_log(folder: str) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------- trainguard run
-def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]]) -> dict[str, Any]:
-    d = os.path.join(work, "trainguard")
+@contextlib.contextmanager
+def rendezvous_for(rdzv: str, d: str) -> Any:
+    """``(flags for every agent, flags for the first agent, flags for the others)`` of a backend;
+    for ``etcd`` a secured etcd v3 runs until the block exits."""
+    if rdzv == "c10d":
+        ep = f"127.0.0.1:{free_port()}"
+        common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", ep, "--rdzv-id", "bench"]
+        yield common, ["--set", "rendezvous.is_host=true"], ["--set", "rendezvous.is_host=false"]
+        return
+    sys.path.insert(0, REPO)  # the secured-etcd set-up of the test suite (certificates, users, roles)
+    from tests.fixtures.etcd import start_secure_etcd
+
+    # Beside the run's folder, not in it: etcd is no orphan of the run (see `orphans`).
+    with start_secure_etcd(Path(os.path.dirname(d)) / "etcd-server", job="bench") as etcd:
+        say("bench", f"etcd v3 with TLS, client certificates and RBAC at {etcd.endpoint}")
+        yield ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "bench", *etcd.set_flags()], [], []
+
+
+def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]],
+                   rdzv: str = "c10d") -> dict[str, Any]:
+    d = os.path.join(work, "trainguard" if rdzv == "c10d" else f"trainguard-{rdzv}")
     samples = os.path.join(d, "samples")
     os.makedirs(samples)
-    ep = f"127.0.0.1:{free_port()}"
+    with rendezvous_for(rdzv, d) as flags:
+        return _run_trainguard(a, d, samples, flags, procs, timeline)
+
+
+def _run_trainguard(a: argparse.Namespace, d: str, samples: str, flags: tuple[list[str], list[str], list[str]],
+                    procs: list[Proc], timeline: list[tuple[float, str, str]]) -> dict[str, Any]:
+    rdzv_common, rdzv_first, rdzv_others = flags
     imds = Imds()
     res: dict[str, Any] = {}
     args = ["--steps", "1000000", "--log-every", "1", "--step-sleep", str(STEP_SLEEP), "--global-batch",
@@ -380,7 +413,7 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
 
     def agent(name: str, extra: list[str]) -> Proc:
         cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", ep, "--rdzv-id", "bench", "--node-name", name,
+               *rdzv_common, "--node-name", name,
                "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
                "--state-dir", os.path.join(d, f"state-{name}"), "--log-dir", os.path.join(d, f"logs-{name}"),
                "--set", "agent.log_format=json", "--set", "metrics.port=0", *common, *extra, ELASTIC, *args]
@@ -390,9 +423,9 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
         return p
 
     try:
-        na = agent("a", ["--set", "preemption.sources=signal", "--set", "rendezvous.is_host=true"])
+        na = agent("a", ["--set", "preemption.sources=signal", *rdzv_first])
         time.sleep(0.5)
-        nb = agent("b", [*aws, "--set", "rendezvous.is_host=false"])
+        nb = agent("b", [*aws, *rdzv_others])
         nodes = [na, nb]
         t_w2, _ = wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2), 120,
                              "the first step at world size 2", procs=nodes)
@@ -452,7 +485,7 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
                    120, f"{a.steps_after} steps at world size 1", procs=[na])
 
         imds.clear()
-        nb2 = agent("b2", [*aws, "--set", "rendezvous.is_host=false"])
+        nb2 = agent("b2", [*aws, *rdzv_others])
         nodes = [na, nb2]
         t_join = nb2.started
         t_up, ev2 = wait_until(lambda: first(steps_of(nodes), lambda t, e: t > t_join and e["world_size"] == 2), 120,
@@ -606,6 +639,15 @@ ROWS = [
 ]
 
 
+RDZV_PREFIX = {"c10d": "", "etcd": "etcd_"}
+"""JSON key prefix of each rendezvous backend's trainguard figures (c10d keeps the historical names)."""
+
+
+def side_name(backend: str) -> str:
+    """The work sub-folder and error key of a trainguard run on ``backend``."""
+    return "trainguard" if backend == "c10d" else f"trainguard-{backend}"
+
+
 def fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -633,7 +675,13 @@ def main(argv: list[str] | None = None) -> int:
                          "scale-up store bug, see agent/supervisor.py); default: torchrun as installed")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints, sample logs)")
     ap.add_argument("--only", choices=["trainguard", "baseline"], default=None, help="run one side only")
+    ap.add_argument("--rdzv", default="c10d", metavar="BACKENDS",
+                    help="rendezvous backend(s) of the trainguard runs, comma-separated: c10d (default), etcd "
+                         "(v3 with TLS + client certificates + RBAC, started by the bench), or c10d,etcd side by side")
     a = ap.parse_args(argv)
+    backends = [b.strip() for b in a.rdzv.split(",") if b.strip()]
+    if not backends or any(b not in RDZV_PREFIX for b in backends):
+        ap.error(f"--rdzv: choose from {sorted(RDZV_PREFIX)}, comma-separated; got {a.rdzv!r}")
 
     # A SIGTERM to the bench unwinds through the finally blocks below, which kill what it started.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -646,13 +694,16 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
     print(f"recovery benchmark: work folder {work}", flush=True)
     try:
-        for side, fn in (("trainguard", run_trainguard), ("baseline", run_baseline)):
-            if a.only and a.only != side:
+        sides: list[tuple[str, str, Callable[..., dict[str, Any]]]] = [
+            (side_name(b), RDZV_PREFIX[b], functools.partial(run_trainguard, rdzv=b)) for b in backends]
+        sides.append(("baseline", "", run_baseline))
+        for side, prefix, fn in sides:
+            if a.only and a.only != side.split("-")[0]:
                 continue
             timeline: list[tuple[float, str, str]] = []
             mine: list[Proc] = []
             try:
-                res.update(fn(a, work, mine, timeline))
+                res.update({f"{prefix}{k}": v for k, v in fn(a, work, mine, timeline).items()})
             except Exception as e:  # one side failing must not lose the other's figures
                 errors[side] = f"{type(e).__name__}: {e}"
                 say("bench", f"{side} run FAILED: {errors[side]}")
@@ -662,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
                 for p in mine:
                     p.kill()
                 procs += mine
-                for pid in strays(os.path.join(work, side)):  # orphans of launchers that exited on their own
+                for pid in strays(os.path.join(work, side) + os.sep):  # orphans of launchers that exited on their own
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
             print_timeline(side, timeline)
@@ -678,21 +729,26 @@ def main(argv: list[str] | None = None) -> int:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
 
+    ran = [b for b in backends if a.only != "baseline"]
     targets = {}
-    for field, text, ok in ROWS:
-        if ok is not None:
-            targets[field] = {"target": text, "value": res.get(field), "met": bool(ok(res.get(field)))}
+    for b in ran:
+        for field, text, ok in ROWS:
+            if ok is not None:
+                key = RDZV_PREFIX[b] + field
+                targets[key] = {"target": text, "value": res.get(key), "met": bool(ok(res.get(key)))}
     res["targets"] = targets
-    res["targets_met"] = all(t["met"] for t in targets.values()) and "trainguard" not in errors
+    res["rdzv_backends"] = ran
+    res["targets_met"] = all(t["met"] for t in targets.values()) and not any(side_name(b) in errors for b in ran)
     if errors:
         res["errors"] = errors
 
     w = max(len(r[0]) for r in ROWS)
-    print(f"\n{'metric'.ljust(w)}  {'trainguard':>11}  {'baseline':>11}  target")
+    heads = [f"tg {b}" for b in ran] + ["baseline"]
+    print(f"\n{'metric'.ljust(w)}  " + "  ".join(f"{h:>11}" for h in heads) + "  target")
     for field, text, ok in ROWS:
-        tg, base = res.get(field), res.get(f"baseline_{field}")
-        mark = "" if ok is None else ("  ok" if ok(tg) else "  MISSED")
-        print(f"{field.ljust(w)}  {fmt(tg):>11}  {fmt(base):>11}  {text}{mark}")
+        values = [res.get(RDZV_PREFIX[b] + field) for b in ran] + [res.get(f"baseline_{field}")]
+        marks = "" if ok is None else "  " + "/".join("ok" if ok(v) else "MISSED" for v in values[:-1])
+        print(f"{field.ljust(w)}  " + "  ".join(f"{fmt(v):>11}" for v in values) + f"  {text}{marks}")
     print(f"targets met: {res['targets_met']}   leftover processes: {res['leftover_processes']}"
           + (f"   work folder kept: {work}" if a.keep else ""))
     if a.json:

@@ -153,6 +153,21 @@ def test_two_nodes_rendezvous_and_hand_their_workers_a_fresh_master_address(secu
             h._stop_heartbeats()
 
 
+def test_client_fails_over_to_a_live_member_and_renews_an_invalid_token(secure_etcd):  # noqa: F811
+    dead = f"127.0.0.1:{free_port()}"
+    settings = dataclasses.replace(settings_from(rdzv_config(secure_etcd)), endpoints=(dead, secure_etcd.endpoint))
+    c = EtcdClient(settings)
+    try:
+        key = (secure_etcd.job_prefix + "failover").encode()
+        c.put(key, b"1")  # the first member refuses: the second one answers
+        assert c.get(key)[0].value == b"1"
+        c._token = "not-a-token"  # as after a member restart or --auth-token-ttl: re-authenticate once
+        assert c.get(key)[0].value == b"1"
+        assert c._token != "not-a-token"
+    finally:
+        c.close()
+
+
 # ----------------------------------------------------------------------------------- nobody else writes
 def test_without_the_jobs_credentials_nobody_can_write_its_keys(client, secure_etcd):  # noqa: F811
     key = secure_etcd.job_prefix + "state"
