@@ -16,6 +16,7 @@ class Act(str, Enum):
     WAIT = "wait"
     ASK_DRAIN = "ask_drain"  # tell API workers: checkpoint at an agreed step, exit RESIZE
     ASK_RESIZE = "ask_resize"  # tell API workers: checkpoint at an agreed step for a scale-up, exit RESIZE
+    CHECKPOINT = "checkpoint"  # tell API workers: one out-of-cycle checkpoint (early warning), keep training
     TERMINATE = "terminate"  # SIGTERM the workers with the grace period (scripts without the API, or deadline hit)
     RESTART = "restart"  # stop, re-rendezvous, start
     LEAVE = "leave"  # leave the rendezvous (without closing it) and stop: this node drained
@@ -39,6 +40,8 @@ class Observation:
     """The local workers use the worker API (they registered on the control socket)."""
     peer_draining: bool = False
     """Another node announced a drain; a crash of our non-API workers is then its consequence."""
+    checkpoint_requested: bool = False
+    """An early warning asked for an out-of-cycle checkpoint (this node stays in the job)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,4 +79,6 @@ def decide(o: Observation) -> Decision:
             return Decision(Act.RESTART, "scale_up", consume_restart=False)
         if o.asked == "":
             return Decision(Act.ASK_RESIZE, "scale_up")
+    if o.checkpoint_requested:
+        return Decision(Act.CHECKPOINT, "early_warning")
     return Decision(Act.WAIT)

@@ -21,6 +21,8 @@ class AgentLink:
 
     def __init__(self, path: str, rank: int, local_rank: int, pid: int, *, connect_timeout_s: float = 5.0) -> None:
         self.request = proto.StopReason.NONE
+        self.checkpoint_reason: str | None = None
+        """Set by a :class:`~trainguard.runtime.protocol.CheckpointNow` order until :meth:`take_checkpoint`."""
         self.deadline: float | None = None
         """Epoch seconds by which a draining node must be gone (from the agent's stop order)."""
         self._send_lock = threading.Lock()
@@ -58,18 +60,26 @@ class AgentLink:
                     continue
                 if isinstance(msg, proto.Stop):
                     self._on_stop(msg)
+                elif isinstance(msg, proto.CheckpointNow):
+                    self.checkpoint_reason = msg.why or "agent"
 
     def _on_stop(self, msg: proto.Stop) -> None:
         if msg.reason is proto.StopReason.DRAIN:
             self.deadline = msg.deadline
         self.request = max(self.request, msg.reason)
 
-    def committed(self, report: proto.Committed) -> None:
-        """Tell the agent a checkpoint committed (or could not be saved). Best effort: the agent may be gone."""
+    def take_checkpoint(self) -> str | None:
+        """The pending out-of-cycle checkpoint request (its reason), cleared; None if there is none."""
+        reason, self.checkpoint_reason = self.checkpoint_reason, None
+        return reason
+
+    def report(self, msg: proto.Committed | proto.Restored) -> None:
+        """Tell the agent a checkpoint committed (or could not be saved) or was restored. Best effort:
+        the agent may be gone."""
         try:
-            self._send(report)
+            self._send(msg)
         except OSError as e:
-            log.warning("agent_link_send_failed", op=report.OP, error=str(e))
+            log.warning("agent_link_send_failed", op=msg.OP, error=str(e))
 
     def close(self) -> None:
         self._stop.set()

@@ -24,8 +24,9 @@ Control channel (newline-delimited JSON objects over a Unix socket, one ``op`` e
   stop orders; the connection stays open.
 * agent -> worker :class:`Stop`: checkpoint at an agreed step boundary, then stop (``reason`` drain
   or resize; ``deadline`` for a drain, epoch seconds).
+* agent -> worker :class:`CheckpointNow`: one out-of-cycle checkpoint (an early warning), keep training.
 * worker -> agent :class:`Committed`: a checkpoint committed (or, with ``saved=false``, could not be
-  saved: the work since ``last_committed`` is lost).
+  saved: the work since ``last_committed`` is lost); :class:`Restored`: the workers restored a step.
 * CLI -> agent :class:`DrainRequest`, :class:`StatusRequest`: one request, one :class:`Reply`.
 """
 
@@ -101,6 +102,9 @@ class CheckpointKind(str, Enum):
     """Taken before the world re-forms for a scale-up (or a peer's departure)."""
     FINAL = "final"
     """Taken by :meth:`Runtime.finish` at the end of training."""
+    NOTICE = "notice"
+    """Taken out of cycle on an early-warning notice (AWS rebalance, GCP live migration, ...); the
+    node stays in the job."""
 
 
 class WorkerStatus(str, Enum):
@@ -340,6 +344,38 @@ class Stop(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointNow(Message):
+    """agent -> worker: take one out-of-cycle checkpoint at the next step boundary and keep training."""
+
+    OP: ClassVar[str] = "checkpoint"
+    why: str = ""
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> CheckpointNow:
+        return cls(why=_str("why", d.get("why", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class Restored(Message):
+    """worker -> agent: the worker group restored checkpoint ``step`` (work past it is recomputed)."""
+
+    OP: ClassVar[str] = "restored"
+    step: int
+    rank: int
+    kind: CheckpointKind | None = None
+    """Kind of the restored checkpoint (None when it did not say)."""
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Restored:
+        kind = d.get("kind")
+        try:
+            k = None if kind is None else CheckpointKind(kind)
+        except ValueError:
+            raise ProtocolError(f"`kind` must be one of {[k.value for k in CheckpointKind]}, got {kind!r}") from None
+        return cls(step=_int("step", d.get("step"), minimum=0), rank=_int("rank", d.get("rank"), minimum=0), kind=k)
+
+
+@dataclass(frozen=True, slots=True)
 class Committed(Message):
     OP: ClassVar[str] = "committed"
     step: int
@@ -420,7 +456,8 @@ class Reply(Message):
         return cls(ok=ok, error=_str("error", d.get("error", ""), limit=2000), data=data)
 
 
-MESSAGES: dict[str, type[Message]] = {m.OP: m for m in (Hello, Stop, Committed, DrainRequest, StatusRequest, Reply)}
+MESSAGES: dict[str, type[Message]] = {m.OP: m for m in (Hello, Stop, CheckpointNow, Committed, Restored, DrainRequest,
+                                                         StatusRequest, Reply)}
 MAX_LINE = 64 * 1024
 """Longest accepted line (bytes); a longer one is a :class:`ProtocolError`."""
 
@@ -448,7 +485,8 @@ def decode(line: bytes | str) -> Message:
 
 
 __all__ = [
-    "EXIT_RESIZE", "EXIT_SUCCESS", "MESSAGES", "AgentState", "CheckpointKind", "Committed", "DrainRequest",
+    "EXIT_RESIZE", "EXIT_SUCCESS", "MESSAGES", "AgentState", "CheckpointKind", "CheckpointNow", "Committed",
+    "DrainRequest", "Restored",
     "ExitKind", "Hello", "Message", "NoticeSource", "ProtocolError", "Reply", "RuntimeEnv", "StatusRequest",
     "Stop", "StopReason", "WorkerStatus", "classify_exit", "control_socket_path", "decode", "encode",
 ]

@@ -26,10 +26,12 @@ of the checkpoint, ``plan`` splits the global batch, and ``name`` goes into the 
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
 **Agreement at a step boundary.** ``end_step`` all-reduces (MAX) a 2-element flag over a side gloo
-group: ``[stop, periodic_due]`` where ``stop`` is 2 for a drain and 1 for a resize request this rank's
-agent pushed over the control socket (or SIGTERM under plain torchrun). Every rank therefore sees
-the same flags after the same step: all of them save the same step ``s``, rank 0 commits it, and all
-exit with :data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
+group: ``[stop, save]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason` (2 for a
+drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM under
+plain torchrun) and ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
+for an out-of-cycle one (an early warning). Every rank therefore sees the same flags after the same
+step: all of them save the same step ``s``, rank 0 commits it, and on a stop all exit with
+:data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
 ``s + 1``. Cost: one 8-byte all-reduce per step.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
@@ -173,15 +175,18 @@ class Runtime:
             self.cursor.load_state_dict(self._trainer.cursor)
             self._log.info("worker_restored", step=step, saved_world_size=self._trainer.saved_world_size,
                            epoch=self.cursor.epoch, consumed=self.cursor.consumed)
+            if self._link is not None:
+                self._link.report(proto.Restored(step=step, rank=self.rank))
         return self.step
 
     def _save(self, kind: str) -> float:
         assert self._manager is not None
         t0 = time.monotonic()
-        self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
+        background = kind in (proto.CheckpointKind.PERIODIC.value, proto.CheckpointKind.NOTICE.value)
+        self._manager.save(self.step, self._state(), kind=kind, block=not background)
         seconds = time.monotonic() - t0
         blocked = self._manager.last_blocked_s
-        in_flight = self._manager.pending if kind == "periodic" else None
+        in_flight = self._manager.pending if background else None
         if in_flight is None:  # committed now
             self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
         else:  # persisted and committed in the background: recorded when that finishes
@@ -238,15 +243,20 @@ class Runtime:
         due = bool(self._manager) and (
             (cfg.interval_steps and self.step % cfg.interval_steps == 0)
             or (cfg.interval_s and time.monotonic() - self._last_periodic >= cfg.interval_s))
-        flags = torch.tensor([int(self._local_request()), int(bool(due))], dtype=torch.int32)
+        notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
+        if notice is not None:
+            self._log.info("checkpoint_requested", step=self.step, reason=notice)
+        # One all-reduce (MAX) agrees on everything at this step boundary: [stop reason, save kind]
+        # where kind 2 = out of cycle (an early warning on some node), 1 = periodic, 0 = none.
+        flags = torch.tensor([int(self._local_request()), 2 if notice is not None else int(bool(due))], dtype=torch.int32)
         if self._group is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        stop, periodic = proto.StopReason(int(flags[0])), bool(flags[1])
+        stop, save = proto.StopReason(int(flags[0])), int(flags[1])
         if stop is not proto.StopReason.NONE:
             self._stop(stop)
-        if periodic:
+        if save:
             self._last_periodic = time.monotonic()
-            self._save("periodic")
+            self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
 
     def _stop(self, why: proto.StopReason) -> None:
         kind = why.checkpoint_kind.value
@@ -274,7 +284,7 @@ class Runtime:
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
                                          last_committed=last)
         if self._link is not None:
-            self._link.committed(report)
+            self._link.report(report)
         if self._manager is not None:
             self._manager.close()
         if self._link is not None:
