@@ -30,7 +30,7 @@ from trainguard.agent.etcd_rendezvous import (
     job_prefix,
     settings_from,
 )
-from trainguard.agent.rendezvous import build_handler, current_round, leave_rendezvous
+from trainguard.agent.rendezvous import build_handler
 
 
 def rdzv_config(etcd, **override):
@@ -143,10 +143,12 @@ def test_two_nodes_rendezvous_and_hand_their_workers_a_fresh_master_address(secu
         assert len(addrs) == 1  # rank 0 published MASTER_ADDR/PORT in etcd, rank 1 read it
         infos[0].store.set("trainguard/draining", b"1")
         assert infos[1].store.check(["trainguard/draining"])  # the agents' store is shared, round-scoped
-        rnd = current_round(handlers[0])
-        value, _ = raw_value(secure_etcd, f"{secure_etcd.job_prefix}store/torch.rendezvous.{SECURE_JOB}.{rnd}/trainguard/draining")
-        assert value == b"1"
-        assert leave_rendezvous(handlers[1], timeout_s=10)
+        prefix = secure_etcd.job_prefix + f"store/torch.rendezvous.{SECURE_JOB}."
+        status, answer = gateway(secure_etcd.url, "kv/range", {"key": b64(prefix), "range_end": b64(prefix[:-1] + "/"),
+                                                               "keys_only": True}, secure_etcd.pki.client_context(),
+                                 secure_etcd.root_token())
+        keys = [base64.b64decode(kv["key"]).decode() for kv in answer.get("kvs", [])]
+        assert [k for k in keys if k.endswith("/trainguard/draining")], keys  # in etcd, under the job's prefix
     finally:
         handlers[0].shutdown()
         for h in handlers:
