@@ -27,7 +27,6 @@ from trainguard.agent.etcd_rendezvous import (
     EtcdRendezvousBackend,
     EtcdSetupError,
     EtcdStore,
-    job_prefix,
     settings_from,
 )
 from trainguard.agent.rendezvous import build_handler
