@@ -15,17 +15,23 @@ thread:
   :meth:`~ElasticAdapter.exit_barrier`, :meth:`~ElasticAdapter.consume_restart`;
 * :meth:`~ElasticAdapter.leave` — the planned leave: the handler's exit operation without closing
   the rendezvous (``DynamicRendezvousHandler.shutdown()`` would close it for every node);
-* :meth:`~ElasticAdapter.members`, :meth:`~ElasticAdapter.node_id`, :attr:`~ElasticAdapter.round`.
+* :meth:`~ElasticAdapter.members`, :meth:`~ElasticAdapter.node_id`, :attr:`~ElasticAdapter.round`;
+* in-place re-formation: :meth:`~ElasticAdapter.reform` (a rendezvous and new ranks for the workers
+  that keep running), :meth:`~ElasticAdapter.start_standby` (a joiner's workers, started before
+  their world exists so that they warm up), :meth:`~ElasticAdapter.peek` and
+  :meth:`~ElasticAdapter.round_store` (what a node sees of a running world before it joins).
 
 Two changes to how the dynamic rendezvous joins (see :func:`next_round`), installed on the handler:
 
 * **Interruptible.** A drain that arrives while the node waits in a rendezvous makes the join
   operation leave the participant set (or wait list) at its next poll and raise
   :class:`RendezvousAborted`: the node leaves at once, on the supervisor thread.
-* **Planned size.** When the agents know the membership a re-formation heads for (a planned drain or
-  scale-up), the round completes as soon as that many nodes have joined instead of waiting out
-  ``last_call_timeout`` for nodes known not to come; the state is polled every
-  :data:`POLL_INTERVAL_S` instead of torch's fixed 1 s.
+* **Planned membership.** When the agents re-form a world for a planned change (:class:`Plan`: its
+  members and the ones announced as leaving), the round completes as soon as every member that is
+  not leaving and every newcomer has joined, instead of waiting out ``last_call_timeout`` for nodes
+  known not to come. Should a member fail to come, torch's own rule (``last_call_timeout`` after
+  ``min_nodes``) still closes the round. The state is polled every :data:`POLL_INTERVAL_S` instead of
+  torch's fixed 1 s.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
@@ -83,6 +90,25 @@ class World:
 
 
 @dataclass(frozen=True, slots=True)
+class Plan:
+    """The world a re-formation starts from: its members and those announced as leaving."""
+
+    members: frozenset[str]
+    leaving: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """The shared rendezvous state as this node last synced it (no change to it)."""
+
+    round: int
+    complete: bool
+    participants: tuple[str, ...]
+    waiting: int
+    this_node_participates: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Poll:
     """One look at the local workers."""
 
@@ -97,12 +123,20 @@ class Poll:
 
 # ---- the rendezvous join, interruptible and with a planned size ----------------------------------
 
-class _JoinOp(_RendezvousJoinOp):
-    """torch's join operation, plus: leave when ``abort()`` says so; complete at ``expected`` nodes."""
+def planned_complete(plan: Plan, participants: set[str], waiting: set[str], min_nodes: int, max_nodes: int) -> bool:
+    """Pure: whether a round being formed from ``plan`` has everyone it expects: the plan's members
+    that are not leaving, plus every newcomer (a participant or waiting node that was no member)."""
+    expected = (plan.members - plan.leaving) | ((participants | waiting) - plan.members)
+    return min_nodes <= len(participants) <= max_nodes and bool(expected) and expected <= participants
 
-    def __init__(self, abort: Callable[[], bool], expected: int | None) -> None:
+
+class _JoinOp(_RendezvousJoinOp):
+    """torch's join operation, plus: leave when ``abort()`` says so; complete as soon as ``plan``
+    is satisfied (:func:`planned_complete`)."""
+
+    def __init__(self, abort: Callable[[], bool], plan: Plan | None) -> None:
         self.abort = abort
-        self.expected = expected
+        self.plan = plan
 
     def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
         state = ctx.state
@@ -115,8 +149,9 @@ class _JoinOp(_RendezvousJoinOp):
                 return _Action.REMOVE_FROM_REDUNDANCY_LIST
             if ctx.node not in state.participants:
                 raise RendezvousAborted("left the rendezvous before the round completed (draining)")
-        if (self.expected is not None and not state.complete and ctx.node in state.participants
-                and ctx.settings.min_nodes <= self.expected <= len(state.participants) <= ctx.settings.max_nodes):
+        if self.plan is not None and not state.complete and ctx.node in state.participants and planned_complete(
+                self.plan, {str(n) for n in state.participants}, {str(n) for n in state.wait_list},
+                ctx.settings.min_nodes, ctx.settings.max_nodes):
             return _Action.MARK_RENDEZVOUS_COMPLETE
         return super().__call__(ctx, deadline)
 
@@ -167,7 +202,7 @@ class _Executor(_DistributedRendezvousOpExecutor):
             self._state_holder.mark_dirty()
 
 
-def next_round(handler: Any, abort: Callable[[], bool], expected: int | None) -> RendezvousInfo:
+def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None) -> RendezvousInfo:
     """``DynamicRendezvousHandler.next_rendezvous`` with :class:`_JoinOp` and :class:`_Executor`.
 
     Same sequence as torch 2.13 (stop heartbeats, exit op, join op, start heartbeats, world, store),
@@ -178,7 +213,7 @@ def next_round(handler: Any, abort: Callable[[], bool], expected: int | None) ->
     executor = _Executor(handler._op_executor, POLL_INTERVAL_S)
     deadline = handler._get_deadline(handler._settings.timeout.join)
     executor.run(_RendezvousExitOp(), deadline)
-    executor.run(_JoinOp(abort, expected), deadline, handler._get_deadline)
+    executor.run(_JoinOp(abort, plan), deadline, handler._get_deadline)
     handler._start_heartbeats()
     rank, world_size = handler._get_world()
     store = handler._get_store()
@@ -217,11 +252,16 @@ class ElasticAdapter:
                  worker_env: Callable[[], dict[str, str]], abort_rendezvous: Callable[[], bool]) -> None:
         self.handler: RendezvousHandler = spec.rdzv_handler
         self._abort = abort_rendezvous
-        self._expected: int | None = None
+        self._plan: Plan | None = None
         self._body: Callable[[], RunResult] | None = None
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
             self.handler.next_rendezvous = self._next_rendezvous  # type: ignore[method-assign]
+            # torch serves the shared state from a 1 s cache between its own writes; a node polling
+            # every POLL_INTERVAL_S for a planned round must read fresh state.
+            holder = getattr(self.handler, "_state_holder", None)
+            if holder is not None and getattr(holder, "_cache_duration", 0) > POLL_INTERVAL_S:
+                holder._cache_duration = POLL_INTERVAL_S
 
     # -- running -----------------------------------------------------------------------------------
     def run(self, body: Callable[[], RunResult]) -> RunResult:
@@ -234,8 +274,8 @@ class ElasticAdapter:
         return self._body()
 
     def _next_rendezvous(self) -> RendezvousInfo:
-        expected, self._expected = self._expected, None
-        return next_round(self.handler, self._abort, expected)
+        plan, self._plan = self._plan, None
+        return next_round(self.handler, self._abort, plan)
 
     @property
     def group(self) -> WorkerGroup:
@@ -249,18 +289,59 @@ class ElasticAdapter:
                      master_addr=str(wg.master_addr or ""), master_port=int(wg.master_port or 0),
                      members=tuple(self.members()))
 
-    def start(self, expected: int | None = None) -> World:
-        """Rendezvous (``expected``: complete at that many nodes), then start the local workers.
-        Raises :class:`RendezvousAborted` when a drain interrupts the rendezvous."""
-        self._expected = expected
+    def start(self, plan: Plan | None = None) -> World:
+        """Rendezvous, then start the local workers. Raises :class:`RendezvousAborted` when a drain
+        interrupts the rendezvous."""
+        self._plan = plan
         self._agent._initialize_workers(self.group)
         return self.world()
 
-    def restart(self, expected: int | None = None) -> World:
+    def restart(self, plan: Plan | None = None) -> World:
         """Stop the local workers, rendezvous, start them again."""
-        self._expected = expected
+        self._plan = plan
         self._agent._restart_workers(self.group)
         return self.world()
+
+    def reform(self, plan: Plan | None = None) -> World:
+        """Rendezvous and assign new ranks while the local workers keep running (in-place
+        re-formation; the workers are told their new ranks by the supervisor). Raises
+        :class:`RendezvousAborted` when a drain interrupts the rendezvous."""
+        wg = self.group
+        pids = {w.local_rank: w.id for w in wg.workers}
+        self._plan = plan
+        self._agent._rendezvous(wg)  # next_round + elastic's rank assignment over the round's store
+        for w in wg.workers:
+            w.id = pids.get(w.local_rank)
+        wg.state = WorkerState.HEALTHY
+        return self.world()
+
+    def start_standby(self) -> None:
+        """Start the local workers before this node has a world (placeholder ranks of -1): they warm
+        up (start, imports, model build) and wait for their first :meth:`reform`."""
+        wg = self.group
+        n = wg.spec.local_world_size
+        wg.workers = [Worker(local_rank=i, global_rank=-1, role_rank=-1, world_size=-1, role_world_size=-1)
+                      for i in range(n)]
+        wg.store = dist.HashStore()  # elastic's start asserts a store; standby workers never use it
+        wg.group_rank, wg.group_world_size = -1, -1
+        wg.master_addr, wg.master_port = "127.0.0.1", 0
+        for local_rank, pid in self._agent._start_workers(wg).items():
+            wg.workers[local_rank].id = pid
+        wg.state = WorkerState.HEALTHY
+
+    def peek(self) -> Peek:
+        """Sync and read the shared rendezvous state without joining."""
+        holder = self.handler._state_holder
+        holder.sync()
+        st = holder.state
+        me = self.handler._this_node
+        return Peek(round=st.round, complete=st.complete, participants=tuple(str(n) for n in st.participants),
+                    waiting=len(st.wait_list), this_node_participates=me in st.participants)
+
+    def round_store(self, round_: int) -> Any:
+        """The store under round ``round_``'s prefix (the one the round's agents use)."""
+        settings = self.handler._settings
+        return dist.PrefixStore(f"torch.rendezvous.{settings.run_id}.{round_}", self.handler._store)
 
     def poll(self) -> Poll:
         result = self._agent._monitor_workers(self.group)
@@ -345,4 +426,5 @@ class ElasticAdapter:
         self.handler.shutdown()
 
 
-__all__ = ["POLL_INTERVAL_S", "ElasticAdapter", "Poll", "RendezvousAborted", "World", "next_round"]
+__all__ = ["POLL_INTERVAL_S", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted", "World", "next_round",
+           "planned_complete"]

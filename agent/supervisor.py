@@ -11,7 +11,16 @@ tick it :meth:`~Supervisor.observe` s the workers and the node, asks the pure
   configured grace), then *leaves* the rendezvous without closing it; a notice that arrives while the
   node waits in a rendezvous makes it leave at once (the join is interruptible);
 * a node waiting to join makes API workers take a resize checkpoint before the world re-forms;
-* an early warning makes API workers take one out-of-cycle checkpoint (the node stays).
+* an early warning makes API workers take one out-of-cycle checkpoint (the node stays);
+* in-place re-formation (``workers.reform: in-process``, worker-API scripts): the workers that survive
+  a membership change park alive; once all local workers are parked the agent re-forms the rendezvous
+  (completing the round as soon as the planned membership has joined) and hands each its new rank
+  over the control socket. A node that joins a running world first starts its workers in standby
+  (they warm up: start, imports, model build) and only then enters the rendezvous, so the world pauses
+  for it only once it is ready. Anything that fails there falls back to restarting the world;
+* a member of the current world that vanishes while our workers run on (keep-alive expired, our
+  workers not parked after a grace period) restarts the world: workers blocked in a collective or in
+  their start-up with the lost node would otherwise wait for a process-group timeout.
 
 Notices reach :meth:`Supervisor.request_drain` / :meth:`Supervisor.request_checkpoint` from the drain
 coordinator (:mod:`trainguard.agent.drain`); the loop is the only code that moves the state machine.
@@ -52,7 +61,7 @@ from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
 from trainguard.agent.decisions import Act, Decision, Observation, decide
-from trainguard.agent.elastic import ElasticAdapter, Poll, RendezvousAborted, World
+from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.states import StateMachine
 from trainguard.runtime import protocol as proto
 from trainguard.runtime.log import get_logger
@@ -62,6 +71,14 @@ log = get_logger("trainguard.agent.supervisor")
 DRAIN_KEY = "trainguard/draining"
 """Rendezvous-store key (under the round's prefix) a draining node increments, so its peers know why
 its workers went away."""
+LEAVING_KEY = "trainguard/leaving/"
+"""+ node id: a draining node's record (round store), so a planned re-formation does not wait for it."""
+WORKER_API_KEY = "trainguard/worker_api"
+"""Set in the round store once the round's workers use the worker API: a joining node then warms its
+workers up before it enters the rendezvous."""
+MEMBER_LOST_GRACE_S = 3.0
+"""How long workers may run on after a member of their world is gone before the world restarts (API
+workers usually notice first, in their next collective, and park)."""
 
 # Set once, deliberately, for the whole agent process: see the module docstring.
 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -107,6 +124,7 @@ class Supervisor:
         self.sm = StateMachine(listeners)
         self._drain: DrainRequest | None = None
         self._checkpoint_reason: str | None = None
+        self._emergency_committed = False
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._outcome: AgentState | None = None
@@ -115,6 +133,13 @@ class Supervisor:
         self._world: dict[str, Any] = {}
         self._asked = ""
         self._failures_in_a_row = 0
+        self._parked: dict[int, proto.Parked] = {}
+        self._current: World | None = None
+        self._standby_start = False
+        self._marked_api_round = -1
+        self._member_check_at = 0.0
+        self._member_lost_since: float | None = None
+        self.reform_enabled = cfg.workers.reform == "in-process"
         self._run_started = time.monotonic()
         self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
         os.makedirs(cfg.agent.state_dir, mode=0o700, exist_ok=True)
@@ -181,8 +206,17 @@ class Supervisor:
         if isinstance(msg, proto.Committed):
             log.info("checkpoint_committed_by_worker", step=msg.step, kind=msg.kind.value, rank=msg.rank, saved=msg.saved,
                      bytes=msg.nbytes)
+            if msg.kind is proto.CheckpointKind.EMERGENCY and self._drain is not None:
+                self._emergency_committed = True
+                self._wake.set()
             if msg.kind is proto.CheckpointKind.EMERGENCY and msg.saved and self.on_emergency_commit is not None:
                 self.on_emergency_commit()
+            return None
+        if isinstance(msg, proto.Parked):
+            with self._lock:
+                self._parked[msg.local_rank] = msg
+            log.info("worker_parked", local_rank=msg.local_rank, rank=msg.rank, step=msg.step, reason=msg.reason.value)
+            self._wake.set()
             return None
         if isinstance(msg, proto.Restored):
             if msg.rank == self._world.get("first_rank"):  # one report per node
@@ -219,7 +253,8 @@ class Supervisor:
         env = proto.RuntimeEnv(
             job_id=cfg.agent.job_id, node=cfg.agent.node_name, agent_pid=os.getpid(),
             control_path=self.control_path, round=self.adapter.round,
-            checkpoint=dataclasses.asdict(cfg.checkpoint),
+            checkpoint=dataclasses.asdict(cfg.checkpoint), reform=self.reform_enabled,
+            reform_timeout_s=cfg.workers.reform_timeout_s, standby=self._standby_start,
         ).to_env()
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         if self.observer is not None:
@@ -232,9 +267,56 @@ class Supervisor:
         store = self.adapter.store
         try:
             if store is not None:
+                store.set(LEAVING_KEY + self.adapter.node_id, "1")
                 store.add(DRAIN_KEY, 1)
         except Exception as e:  # the store may be gone with its host; the drain goes on regardless
             log.warning("drain_publish_failed", error=str(e))
+
+    def _leaving_members(self, members: tuple[str, ...]) -> frozenset[str]:
+        store = self.adapter.store
+        out = set()
+        for m in members:
+            try:
+                if store is not None and store.check([LEAVING_KEY + m]):
+                    out.add(m)
+            except Exception as e:
+                log.warning("rendezvous_poll_failed", error=str(e))
+        return frozenset(out)
+
+    def _mark_worker_api(self) -> None:
+        """Tell nodes that will join this world that its workers use the worker API (they warm up)."""
+        world = self._current
+        if world is None or self._marked_api_round == world.round or not self.control.api_workers():
+            return
+        try:
+            self.adapter.store.set(WORKER_API_KEY, "1")
+            self._marked_api_round = world.round
+        except Exception as e:
+            log.warning("rendezvous_poll_failed", error=str(e))
+
+    def _member_lost(self, healthy: bool) -> bool:
+        """A member of the current world is gone (checked every keep-alive interval) for longer than
+        :data:`MEMBER_LOST_GRACE_S` while our workers run on."""
+        world = self._current
+        now = time.monotonic()
+        if world is None or not healthy or self._parked or len(world.members) < 2:
+            self._member_lost_since = None
+            return False
+        if now >= self._member_check_at:
+            self._member_check_at = now + self.cfg.rendezvous.keep_alive_interval_s
+            try:
+                peek = self.adapter.peek()
+                gone = peek.round != world.round or not set(world.members) <= set(peek.participants)
+            except Exception as e:
+                log.warning("rendezvous_poll_failed", error=str(e))
+                gone = False
+            if gone and self._member_lost_since is None:
+                self._member_lost_since = now
+                log.warning("member_lost", round=world.round, members=list(world.members),
+                            grace_s=MEMBER_LOST_GRACE_S)
+            elif not gone:
+                self._member_lost_since = None
+        return self._member_lost_since is not None and now - self._member_lost_since > MEMBER_LOST_GRACE_S
 
     def _peer_draining(self) -> bool:
         store = self.adapter.store
@@ -244,6 +326,8 @@ class Supervisor:
             return False
 
     def _on_world(self, world: World) -> None:
+        self._current = world
+        self._member_lost_since = None
         self._world = {"round": world.round, "group_rank": world.group_rank, "nodes": world.nodes,
                        "world_size": world.world_size,
                        "first_rank": world.global_ranks[0] if world.global_ranks else None}
@@ -262,6 +346,10 @@ class Supervisor:
         if drain is not None and self.sm.state != AgentState.DRAINING:
             self.sm.to(AgentState.DRAINING, source=drain.source, kind=drain.kind)
         healthy = poll.status is WorkerStatus.HEALTHY
+        with self._lock:
+            parked = dict(self._parked)
+        if healthy:
+            self._mark_worker_api()
         waiting = 0
         if healthy and drain is None:
             try:
@@ -279,6 +367,11 @@ class Supervisor:
             api_workers=bool(self.control.api_workers()),
             peer_draining=not healthy and self._peer_draining(),
             checkpoint_requested=self._checkpoint_reason is not None,
+            nproc=self.cfg.workers.nproc_per_node,
+            parked=len(parked) if healthy else 0,
+            park_reason=max((p.reason.value for p in parked.values()), default=""),
+            member_lost=self._member_lost(healthy) if drain is None else False,
+            emergency_committed=self._emergency_committed,
         )
         return obs, poll
 
@@ -328,11 +421,58 @@ class Supervisor:
             return RunResult(state=WorkerState.FAILED, failures=poll.failures)
         elif d.act is Act.RESTART:
             return self._restart(d, obs)
+        elif d.act is Act.REFORM:
+            return self._reform(d.reason)
         return None
+
+    def _plan(self, reason: str) -> Plan | None:
+        """The membership a planned re-formation heads for (None: torch's last-call rule decides)."""
+        world = self._current
+        if world is None or reason == proto.ParkReason.PEER_LOST.value:
+            return None
+        return Plan(members=frozenset(world.members), leaving=self._leaving_members(world.members))
+
+    def _reform(self, reason: str) -> RunResult | None:
+        """Every local worker is parked alive: re-form the rendezvous and hand them their new world."""
+        t0 = time.monotonic()
+        plan = self._plan(reason)
+        self.sm.to(AgentState.RESIZING, reason=reason, in_place=True)
+        self.sm.to(AgentState.RENDEZVOUS)
+        try:
+            world = self.adapter.reform(plan)
+        except RendezvousAborted:
+            return self._leave("drained_during_rendezvous")
+        except Exception as e:
+            log.error("reform_failed", reason=reason, error=f"{type(e).__name__}: {e}"[:500],
+                      effect="restarting the workers (fallback)")
+            return self._restart(Decision(Act.RESTART, "reform_failed"), Observation(workers=WorkerStatus.UNKNOWN))
+        t_rdzv = time.monotonic()
+        with self._lock:
+            self._parked.clear()
+        self._send_worlds(world)
+        self._on_world(world)
+        self._asked = ""
+        log.info("reformed_in_place", reason=reason, rendezvous_s=round(t_rdzv - t0, 3),
+                 seconds=round(time.monotonic() - t0, 3), planned=plan is not None, **world.log_fields())
+        self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
+        return None
+
+    def _send_worlds(self, world: World) -> None:
+        n = self.cfg.workers.nproc_per_node
+        for local_rank, rank in enumerate(world.global_ranks):
+            msg = proto.Reform(rank=rank, world_size=world.world_size, local_rank=local_rank, local_world_size=n,
+                               master_addr=world.master_addr, master_port=world.master_port, round=world.round,
+                               group_rank=world.group_rank, nodes=world.nodes)
+            if not self.control.send_to(local_rank, msg):
+                log.warning("reform_send_failed", local_rank=local_rank,
+                            effect="that worker times out and exits; the world restarts")
 
     def _restart(self, d: Decision, obs: Observation) -> RunResult | None:
         self.control.forget_workers()
         self._workers_gone()
+        with self._lock:
+            self._parked.clear()
+        self._standby_start = False
         if d.consume_restart:  # a planned resize is no restart (metrics: its downtime is "resize")
             self._observe("restart", d.reason)
             left = self.adapter.consume_restart()
@@ -362,7 +502,7 @@ class Supervisor:
         if self._drain is not None:
             return self._leave("drained_before_start")
         try:
-            world = self.adapter.start()
+            world = self._join_running_world() if self._should_warm_up() else self.adapter.start()
         except RendezvousAborted:
             return self._leave("drained_during_rendezvous")
         self._on_world(world)
@@ -379,15 +519,65 @@ class Supervisor:
             if result is not None:
                 return result
 
+    def _should_warm_up(self) -> bool:
+        """Whether this node joins a running world of worker-API workers (so they warm up first)."""
+        if not self.reform_enabled or not hasattr(self.adapter, "peek"):
+            return False
+        try:
+            peek = self.adapter.peek()
+            return (peek.complete and bool(peek.participants) and not peek.this_node_participates
+                    and self.adapter.round_store(peek.round).check([WORKER_API_KEY]))
+        except Exception as e:  # a static handler, an unreachable store: start the usual way
+            log.info("warm_up_skipped", error=f"{type(e).__name__}: {e}"[:200])
+            return False
+
+    def _join_running_world(self) -> World:
+        """Start the workers in standby, wait until they are warm, then join (the running world
+        pauses for this node only now)."""
+        t0 = time.monotonic()
+        self._standby_start = True
+        self.adapter.start_standby()
+        deadline = t0 + self.cfg.workers.reform_timeout_s
+        n = self.cfg.workers.nproc_per_node
+        while time.monotonic() < deadline and self._drain is None:
+            with self._lock:
+                ready = sum(p.reason is proto.ParkReason.STANDBY for p in self._parked.values())
+            if ready >= n or self.adapter.poll().status is not WorkerStatus.HEALTHY:
+                break
+            self._wake.wait(0.05)
+            self._wake.clear()
+        warm_s = time.monotonic() - t0
+        if self._drain is not None:
+            raise RendezvousAborted("a drain arrived while the workers warmed up")
+        if self.adapter.poll().status is not WorkerStatus.HEALTHY or ready < n:
+            log.warning("warm_up_failed", ready=ready, nproc=n, seconds=round(warm_s, 3),
+                        effect="starting the workers the usual way")
+            self.adapter.stop_workers()
+            self._standby_start = False
+            with self._lock:
+                self._parked.clear()
+            return self.adapter.start()
+        log.info("joiner_warm", seconds=round(warm_s, 3), workers=n)
+        world = self.adapter.reform(None)
+        with self._lock:
+            self._parked.clear()
+        self._standby_start = False
+        self._send_worlds(world)
+        log.info("joined_running_world", warm_s=round(warm_s, 3), seconds=round(time.monotonic() - t0, 3),
+                 **world.log_fields())
+        return world
+
     def _leave(self, reason: str) -> RunResult:
         if self.sm.state != AgentState.DRAINING:
             self.sm.to(AgentState.DRAINING, reason=reason)
-        self.adapter.stop_workers()
-        self._workers_gone()
+        # Leave first: the survivors re-form as soon as this node is out of the round, and our
+        # workers have committed (or are being terminated) already.
         try:
             self.adapter.leave(timeout_s=self.cfg.rendezvous.close_timeout_s)
         except Exception as e:  # the store may be gone; leaving is best effort, stopping is not
             log.warning("rendezvous_leave_failed", error=str(e))
+        self.adapter.stop_workers()
+        self._workers_gone()
         drain = self._drain
         self._outcome = AgentState.STOPPED
         if drain is not None:

@@ -67,7 +67,8 @@ def main() -> None:
         print(json.dumps({"event": "resumed" if start else "started", "step": start, "world_size": rt.world_size,
                           "accum_steps": rt.accum_steps, "strategy": rt.strategy_name}), flush=True)
     samples = open(os.path.join(args.sample_log, f"samples-{os.getpid()}.jsonl"), "a") if args.sample_log else None
-    losses = open(args.loss_log, "a") if args.loss_log and rt.rank == 0 else None
+    losses = open(args.loss_log, "a") if args.loss_log else None  # rank 0 of each step writes
+    reformations = 0
     while rt.step < args.steps:
         t0 = time.perf_counter()
         micro = rt.next_batches()
@@ -78,28 +79,33 @@ def main() -> None:
                 with rt.autocast():
                     loss = F.cross_entropy(model(x).reshape(-1, 256).float(), y.reshape(-1)) / len(micro)
                 rt.backward(loss)
-            total += loss.detach()
+                total += loss.detach()
         rt.optimizer_step(opt)
         opt.zero_grad(set_to_none=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        done = rt.step + 1
+        done, rank, world = rt.step + 1, rt.rank, rt.world_size
+        if args.loss_log and world > 1:  # the global-batch loss: mean of the ranks' (equal-sized) shares
+            torch.distributed.all_reduce(total)
+            total /= world
+        if not rt.end_step():  # a peer vanished mid-step: it is redone (same samples) in the re-formed world
+            continue
         if samples:
-            samples.write(json.dumps({"step": done, "rank": rt.rank, "world_size": rt.world_size,
+            samples.write(json.dumps({"step": done, "rank": rank, "world_size": world,
                                       "ids": [i for ids in micro for i in ids]}) + "\n")
             samples.flush()
-        if args.loss_log:
-            if rt.world_size > 1:  # the global-batch loss: mean of the ranks' (equal-sized) shares
-                torch.distributed.all_reduce(total)
-                total /= rt.world_size
-            if losses is not None:
-                losses.write(json.dumps({"step": done, "loss": float(total), "world_size": rt.world_size}) + "\n")
-                losses.flush()
-        if rt.rank == 0 and (done % args.log_every == 0 or done == args.steps):
+        if losses is not None and rank == 0:
+            losses.write(json.dumps({"step": done, "loss": float(total), "world_size": world}) + "\n")
+            losses.flush()
+        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             lv = float(total)
             print(json.dumps({"event": "train_step", "step": done, "loss": round(lv, 6), "ppl": round(math.exp(lv), 2),
-                              "world_size": rt.world_size, "step_s": round(time.perf_counter() - t0, 4)}), flush=True)
-        rt.end_step()
+                              "world_size": world, "step_s": round(time.perf_counter() - t0, 4)}), flush=True)
+        if rt.reformations != reformations:  # this process re-formed in place (same pid, new world)
+            reformations = rt.reformations
+            if rt.rank == 0:
+                print(json.dumps({"event": "reformed", "step": rt.step, "world_size": rt.world_size,
+                                  "accum_steps": rt.accum_steps, "pid": os.getpid()}), flush=True)
     rt.finish()
 
 

@@ -4,7 +4,7 @@ internals (elastic's TestAgent idea; the adapter is the seam, STYLE §11)."""
 import time
 
 from trainguard.agent.configload import load_config
-from trainguard.agent.elastic import Poll, RendezvousAborted, World
+from trainguard.agent.elastic import Peek, Poll, RendezvousAborted, World
 from trainguard.agent.supervisor import DRAIN_KEY, Supervisor
 from trainguard.runtime.protocol import EXIT_RESIZE as RESIZE
 from trainguard.runtime.protocol import AgentState, CheckpointNow, Hello, WorkerStatus
@@ -16,6 +16,9 @@ class FakeStore:
 
     def add(self, k, v):
         self.keys[k] = self.keys.get(k, 0) + v
+
+    def set(self, k, v):
+        self.keys[k] = v
 
     def check(self, ks):
         return all(k in self.keys for k in ks)
@@ -84,6 +87,13 @@ class FakeAdapter:
     def members(self):
         return [self.node_id]
 
+    def peek(self):
+        return Peek(round=self.round, complete=True, participants=(self.node_id,), waiting=0,
+                    this_node_participates=True)
+
+    def round_store(self, round_):
+        return self.store
+
     def nodes_waiting(self):
         return self.waiting.pop(0) if self.waiting else 0
 
@@ -140,7 +150,7 @@ def test_notice_terminates_plain_workers_and_leaves(tmp_path):
     fake.on_poll = lambda n: sup.request_drain("aws", "termination", time.time() + 100) if n == 1 else None
     result = sup._loop()
     assert result.state.value == "SUCCEEDED"  # elastic's view; our outcome is STOPPED
-    assert fake.calls == ["start", "terminate(7)", "stop", "leave"]
+    assert fake.calls == ["start", "terminate(7)", "leave", "stop"]  # leave first: the survivors go on at once
     assert tr[-2:] == [AgentState.DRAINING, AgentState.STOPPED]
     assert fake.store.check([DRAIN_KEY])  # peers learn why our workers went away
     assert sup._finish() == 0 and not fake.closed  # a drained node never closes the rendezvous
@@ -158,7 +168,7 @@ def test_drain_during_rendezvous_leaves_without_starting_workers(tmp_path):
     result = sup._loop()
     assert result.state.value == "SUCCEEDED"  # elastic's view of a planned leave
     assert tr[-1] == AgentState.STOPPED and AgentState.RUNNING not in tr
-    assert fake.calls == ["start", "stop", "leave"]
+    assert fake.calls == ["start", "leave", "stop"]
 
 
 def test_peer_drain_does_not_consume_restarts(tmp_path):
