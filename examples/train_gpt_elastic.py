@@ -7,8 +7,9 @@ block; DeepSpeed ZeRO stage ``--zero-stage``, optionally with ``--deepspeed-conf
 ``--precision 32|bf16-mixed|16-mixed`` the numeric precision (see docs/strategies.md).
 ``--loss-log FILE`` makes rank 0 append ``{"step", "loss"}`` with the global-batch loss of *every* step
 (all-reduced over the ranks; the strategy tests compare runs with it).
-``--sample-log DIR`` makes every rank append the sample ids of each finished step to
-``DIR/samples-<pid>.jsonl`` (the end-to-end tests check that each id is used exactly once).
+``--sample-log DIR`` makes every rank append, per step, the sample ids of the whole global batch to
+``DIR/samples-<pid>.jsonl``, and a ``rolled_back`` record when a vanished peer interrupted the step
+(the end-to-end tests check that each id is used exactly once: ``tests/samples.py``).
 """
 
 from __future__ import annotations
@@ -84,19 +85,21 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        done, rank, world = rt.step + 1, rt.rank, rt.world_size
-        if args.loss_log and world > 1:  # the global-batch loss: mean of the ranks' (equal-sized) shares
-            torch.distributed.all_reduce(total)
-            total /= world
-        if not rt.end_step():  # a peer vanished mid-step: it is redone (same samples) in the re-formed world
-            continue
-        if samples:
-            samples.write(json.dumps({"step": done, "rank": rank, "world_size": world,
-                                      "ids": [i for ids in micro for i in ids]}) + "\n")
-            samples.flush()
-        if losses is not None and rank == 0:
+        done, rank, world, rnd = rt.step + 1, rt.rank, rt.world_size, rt.round
+        if args.loss_log:  # the global-batch loss: mean of the ranks' (equal-sized) shares
+            rt.all_reduce(total, "mean")
+        if losses is not None and rank == 0:  # before end_step, as the samples (a redone step logs again)
             losses.write(json.dumps({"step": done, "loss": float(total), "world_size": world}) + "\n")
             losses.flush()
+        if samples:  # before end_step: a draining rank exits inside it once the step is committed
+            samples.write(json.dumps({"step": done, "rank": rank, "world_size": world, "round": rnd,
+                                      "ids": rt.current_batch}) + "\n")
+            samples.flush()
+        if not rt.end_step():  # a peer vanished mid-step: it is redone (same samples) in the re-formed world
+            if samples:
+                samples.write(json.dumps({"step": done, "rank": rank, "round": rnd, "rolled_back": True}) + "\n")
+                samples.flush()
+            continue
         if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             lv = float(total)
             print(json.dumps({"event": "train_step", "step": done, "loss": round(lv, 6), "ppl": round(math.exp(lv), 2),

@@ -210,6 +210,9 @@ class RuntimeEnv:
     """How long a parked worker waits for its :class:`Reform` before it exits for a restart."""
     standby: bool = False
     """Started before its world exists (a joiner warming up): wait for a :class:`Reform` in ``setup``."""
+    inject_fault: str = ""
+    """Fault injection for tests (``workers.env``): ``reform:<flag file>`` makes the next in-place
+    re-formation fail in the worker once (the flag file records that it did), to exercise the fallback."""
     # torchelastic's variables, read only
     rank: int = 0
     local_rank: int = 0
@@ -218,7 +221,8 @@ class RuntimeEnv:
     run_id: str = ""
 
     _RT_FIELDS: ClassVar[tuple[str, ...]] = ("job_id", "node", "agent_pid", "control_path", "round",
-                                             "checkpoint", "pg_timeout_s", "reform", "reform_timeout_s", "standby")
+                                             "checkpoint", "pg_timeout_s", "reform", "reform_timeout_s", "standby",
+                                             "inject_fault")
 
     def to_env(self) -> dict[str, str]:
         """The ``TRAINGUARD_RT_*`` variables (torchelastic writes its own)."""
@@ -273,6 +277,7 @@ class RuntimeEnv:
             reform=get("reform") == "1",
             reform_timeout_s=num(RT_PREFIX + "REFORM_TIMEOUT_S", get("reform_timeout_s"), float, 120.0),
             standby=get("standby") == "1",
+            inject_fault=get("inject_fault") or "",
             rank=num("RANK", env.get("RANK"), int, 0),
             local_rank=num("LOCAL_RANK", env.get("LOCAL_RANK"), int, 0),
             world_size=num("WORLD_SIZE", env.get("WORLD_SIZE"), int, 1),

@@ -88,10 +88,12 @@ class Runtime:
     def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
                  checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp",
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
-                 standby: bool = False, local_world_size: int = 1) -> None:
+                 standby: bool = False, local_world_size: int = 1, inject_fault: str = "") -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.local_world_size = local_world_size
         self.job_id, self.fence = job_id, fence
+        self.round = fence
+        """The rendezvous round of the current world."""
         self._strategy_arg: str | Strategy = strategy
         self.strategy: Strategy | None = None
         self.checkpoint_config = checkpoint
@@ -106,8 +108,12 @@ class Runtime:
         self.pg_timeout_s = pg_timeout_s
         self.reformations = 0
         """How many times this process re-formed in place."""
+        self.current_batch: list[int] = []
+        """Sample ids of the whole global batch of the step in progress (all ranks' shares)."""
         self._standby = standby
+        self._inject_fault = inject_fault
         self._broken: BaseException | None = None
+        self._stepped = False
         self._cursor_at_step_start: dict[str, Any] | None = None
         self._signal_request = proto.StopReason.NONE
         self._model: torch.nn.Module | None = None
@@ -149,7 +155,7 @@ class Runtime:
                    job_id=rtenv.job_id or rtenv.run_id or "trainguard", fence=max(rtenv.round, 0),
                    checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path,
                    reform=reform, reform_timeout_s=rtenv.reform_timeout_s, pg_timeout_s=rtenv.pg_timeout_s,
-                   standby=rtenv.standby, local_world_size=rtenv.local_world_size)
+                   standby=rtenv.standby, local_world_size=rtenv.local_world_size, inject_fault=rtenv.inject_fault)
 
     @property
     def strategy_name(self) -> str:
@@ -258,6 +264,7 @@ class Runtime:
         assert self.cursor is not None, "setup() first"
         self._cursor_at_step_start = self.cursor.state_dict()
         ids = self.cursor.next_global_batch()
+        self.current_batch = ids
         return split(ids, self.rank, self.world_size, self.micro_batch)
 
     @contextlib.contextmanager
@@ -302,9 +309,27 @@ class Runtime:
             return
         try:
             self.strategy.optimizer_step(optimizer or self._optimizer)
+            self._stepped = True
         except Exception as e:
             if not self._peer_failed(e):
                 raise
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """All-reduce ``tensor`` in place over the current world (``op``: ``mean``, ``sum`` or ``max``),
+        e.g. the loss for a log line. In-place mode: a vanished peer leaves it unchanged and is handled
+        at :meth:`end_step` like a failure in the step itself."""
+        if self.world_size == 1 or not dist.is_initialized() or self._broken is not None:
+            return tensor
+        red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        try:
+            dist.all_reduce(tensor, op=red)
+        except Exception as e:
+            if not self._peer_failed(e):
+                raise
+            return tensor
+        if op == "mean":
+            tensor /= self.world_size
+        return tensor
 
     def _peer_failed(self, e: BaseException) -> bool:
         """Record a collective failure caused by a vanished peer (in-place mode); False for anything else."""
@@ -327,7 +352,12 @@ class Runtime:
         re-forming in place, continues in the new world). Returns whether the step counted: False when
         a vanished peer interrupted it (it is redone with the same samples)."""
         assert self.cursor is not None, "setup() first"
+        stepped, self._stepped = self._stepped, False
         if self._broken is not None:
+            if stepped:  # the optimizer step ran on this rank: the step happened; the new world agrees
+                self.step += 1
+                self._park(proto.ParkReason.PEER_LOST)
+                return True
             self._roll_back_step()
             self._park(proto.ParkReason.PEER_LOST)
             return False
@@ -364,7 +394,12 @@ class Runtime:
             self._stop(stop)
         if save:
             self._last_periodic = time.monotonic()
-            self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
+            try:
+                self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
+            except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
+                if not self._peer_failed(e):
+                    raise
+                self._park(proto.ParkReason.PEER_LOST)
         return True
 
     def _roll_back_step(self) -> None:
@@ -409,6 +444,7 @@ class Runtime:
                 raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
                                    f"{self.reform_timeout_s:.0f}s")
             t_world = time.monotonic()
+            self._maybe_inject("reform")
             self._join_world(msg)
             assert self.strategy is not None and self._model is not None
             self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
@@ -427,13 +463,22 @@ class Runtime:
                        parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
                        seconds=round(time.monotonic() - t0, 3), pid=os.getpid())
 
+    def _maybe_inject(self, point: str) -> None:
+        """Test fault hook (:attr:`RuntimeEnv.inject_fault`): fail once at ``point``."""
+        where, _, flag = self._inject_fault.partition(":")
+        if where != point or not flag or os.path.exists(flag):
+            return
+        with open(flag, "w") as fh:
+            fh.write(f"{point} failed in pid {os.getpid()}\n")
+        raise RuntimeError(f"injected fault at {point} (inject_fault={self._inject_fault!r})")
+
     def _join_world(self, msg: proto.Reform) -> None:
         rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
                       local_world_size=msg.local_world_size, master_addr=msg.master_addr, master_port=msg.master_port,
                       group_rank=msg.group_rank, nodes=msg.nodes, timeout_s=self.pg_timeout_s)
         self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
         self.local_world_size = msg.local_world_size
-        self.fence = msg.round
+        self.fence = self.round = msg.round
         self._group = dist.new_group(backend="gloo")
         self._log = log.bind(rank=self.rank, world_size=self.world_size, fence=self.fence)
         if self._metrics is not None:

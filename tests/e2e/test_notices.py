@@ -6,7 +6,7 @@ import time
 import pytest
 
 from tests.emulators.fixtures import aws_imds, azure_events, gcp_metadata  # noqa: F401
-from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+from tests.harness import REPO, Node, continued, free_port, wait_listening, wait_until
 from trainguard.agent import control
 from trainguard.runtime.protocol import DrainRequest
 
@@ -54,7 +54,7 @@ def survivor_resumes(survivor, leavers, expected_world):
     assert steps and len(set(steps)) == 1, steps  # every rank stopped at the same step
     s = steps[0]
     wait_until(lambda: worlds(survivor)[-1:] == [expected_world], 60, f"survivor at {expected_world}")
-    resumed = wait_until(lambda: [e for e in survivor.events("resumed") if e["world_size"] == expected_world], 60, "resume")
+    resumed = wait_until(lambda: continued(survivor, expected_world), 60, "resume")
     assert resumed[-1]["step"] == s
     assert not [e for e in survivor.events("state_change") if e["new"] == "restarting"]
     return s
@@ -91,7 +91,7 @@ def test_notice_source_drains_node(tmp_path, source, request):
             assert any(e.get("source") == "azure" for e in b.events("notice_acknowledged")), event_id
         if source == "sigterm-during-async-save":
             periodic = [e["step"] for e in a.events("checkpoint_committed") if e.get("kind") == "periodic"]
-            assert periodic and max(periodic) < s  # saves were in flight around the notice; none overwrote step s
+            assert periodic and min(periodic) < s and s not in periodic  # in flight around the notice; none is step s
         first = [e for e in b.events("state_change") if e["new"] == "draining"][0]
         assert first["source"] == ("signal" if source.startswith("sigterm") else source)
     except AssertionError:
