@@ -2,23 +2,21 @@
 
 3 nodes -> SIGKILL of the node holding group rank 0 (no notice) -> the two survivors re-form and go on
 -> one of them drains (SIGTERM: emergency checkpoint, planned leave) -> the last one goes on alone ->
-a new node joins (scale-up) -> 2 nodes. Every sample id is trained exactly once in the final
-trajectory; only the steps the SIGKILL interrupted are redone (with the same ids), the drain and the
-scale-up redo none. The job's keys, including the drain record, are under the job user's prefix in
-etcd. The agents run with the default ``workers.reform`` (in place); the checks hold for the restart
-fallback too.
+a new node joins (scale-up) -> 2 nodes, with the default ``workers.reform`` (in place). Every sample
+id is trained exactly once in the committed lineage (``tests/samples.py``), on the sample cursor's
+batch for its step; only the step the SIGKILL interrupted is rolled back and redone, the drain and
+the scale-up redo none. The job's keys, including the drain record, are under the job user's prefix
+in etcd.
 """
 
 from __future__ import annotations
 
-import collections
-import glob
-import json
 import os
 import time
 
 import pytest
 
+from tests import samples
 from tests.fixtures.etcd import SECURE_JOB, b64, gateway, prefix_end, secure_etcd  # noqa: F401
 from tests.harness import REPO, Node, alive, wait_until
 
@@ -43,55 +41,18 @@ def steps_at(node, world_size):
 
 def first_step_at(tmp, world_size, after=0):
     """The first step a world of ``world_size`` trained (from the sample log), after step ``after``."""
-    return min(r["step"] for r in read_samples(tmp) if r["world_size"] == world_size and r["step"] > after)
+    return min(r["step"] for r in samples.read(os.path.join(tmp, "samples"))
+               if r.get("world_size") == world_size and r["step"] > after)
 
 
-def read_samples(tmp):
-    recs = []
-    for path in glob.glob(os.path.join(tmp, "samples", "*.jsonl")):
-        with open(path) as fh:
-            recs += [json.loads(line) for line in fh if line.strip()]
-    return recs
-
-
-def expected_batches(n_steps):
+def cursor_batches(n_steps):
     """The global batch of each step as the sample cursor serves it (the example's defaults: 2 MB of
     corpus, 64-byte samples, seed 1234), whatever the world size."""
     from trainguard.examples.train_gpt import load_corpus
     from trainguard.runtime.cursor import GlobalSampleCursor
 
     cursor = GlobalSampleCursor((len(load_corpus(2_000_000)) - 1) // 64, GLOBAL_BATCH, seed=1234)
-    return {step: sorted(cursor.next_global_batch()) for step in range(1, n_steps + 1)}
-
-
-def final_trajectory(recs, partial_ok):
-    """Check the sample log against the cursor's stream; return the steps that ran more than once.
-
-    Every record of step ``k`` must hold ids of the cursor's batch ``k`` (so a re-run trains the same
-    samples, and no sample is used outside its step), every step 1..max must have run, and each one
-    on its full batch, except the steps in ``partial_ok``: a rank whose node leaves at an agreed step
-    or dies right after a step's gradient exchange exits inside ``end_step``, before the script logs
-    the step, so only the survivors' shares of it are in the log.
-    """
-    by_step = collections.defaultdict(lambda: collections.defaultdict(list))
-    for r in recs:
-        by_step[r["step"]][(r["world_size"], r["rank"])].append(r["ids"])
-    assert sorted(by_step) == list(range(1, max(by_step) + 1)), "a step is missing"
-    expected = expected_batches(max(by_step))
-    every = [i for b in expected.values() for i in b]
-    assert len(every) == len(set(every)), "the cursor served a sample twice (more than one epoch?)"
-    redone = []
-    for step, shares in sorted(by_step.items()):
-        batch = expected[step]
-        for (w, rank), copies in shares.items():
-            assert all(c == copies[0] for c in copies), f"step {step}: rank {rank}/{w} trained different ids on a re-run"
-            assert set(copies[0]) <= set(batch), f"step {step}: rank {rank}/{w} trained samples of another step"
-        sizes = {w for w, _ in shares}
-        full = [w for w in sizes if sorted(i for r in range(w) for i in shares.get((w, r), [[]])[0]) == batch]
-        assert full or step in partial_ok, f"step {step} was not trained on its whole batch: {sorted(shares)}"
-        if len(sizes) > 1 or any(len(c) > 1 for c in shares.values()):
-            redone.append(step)
-    return redone
+    return {step: cursor.next_global_batch() for step in range(1, n_steps + 1)}
 
 
 def etcd_keys(etcd, prefix):
@@ -160,7 +121,7 @@ def test_three_agents_on_secure_etcd_survive_sigkill_drain_and_scale_up(tmp_path
         nodes.append(d)
         wait_until(lambda: worlds(last)[-1:] == [2] and worlds(d)[-1:] == [2], 120, "world size 2 again")
         wait_until(lambda: any(x > s + 1 for n in (last, d) for x in steps_at(n, 2)), 90, "training at world size 2 again")
-        w1 = [r["step"] for r in read_samples(tmp) if r["world_size"] == 1]
+        w1 = [r["step"] for r in samples.read(os.path.join(tmp, "samples")) if r.get("world_size") == 1]
         assert first_step_at(tmp, 2, after=s) == max(w1) + 1  # the joiner cost no step
         restarts_after = len([e for e in last.events("state_change") if e["new"] == "restarting"])
         assert restarts_after == restarts_before, "a drain or a scale-up consumed a restart"
@@ -170,17 +131,18 @@ def test_three_agents_on_secure_etcd_survive_sigkill_drain_and_scale_up(tmp_path
         for n in (last, d):
             assert n.wait(60) == 0, n.dump()
 
-        recs = read_samples(tmp)
-        last_w3 = max(r["step"] for r in recs if r["world_size"] == 3)
-        redone = final_trajectory(recs, partial_ok={last_w3, s})
-        # Only the SIGKILL redoes work: the world of 2 starts again after what the world of 3 agreed on
-        # (in place: the interrupted step; restarted from storage: the steps after the last checkpoint),
-        # and those steps are trained on the same samples. The drain and the scale-up redo none.
-        assert redone == list(range(first_w2, first_w2 + len(redone))), redone
-        assert len(redone) <= 2 * INTERVAL, redone
+        # Exactly once: every step committed once, on the cursor's batch for that step, whatever the
+        # world size; the only void attempts are those the SIGKILL interrupted (redone, same samples).
+        folder = os.path.join(tmp, "samples")
+        samples.check_exactly_once(folder, GLOBAL_BATCH)
+        steps = samples.committed_batches(folder)
+        expected = cursor_batches(max(steps))
+        assert all(steps[k]["ids"] == expected[k] for k in steps), "a step trained other samples than the cursor's"
+        rolled_back = sorted({r["step"] for r in samples.read(folder) if r.get("rolled_back")})
+        assert set(rolled_back) <= {first_w2}, (rolled_back, first_w2)
         keys = etcd_keys(secure_etcd, "/")
         assert all(k.startswith(secure_etcd.job_prefix) for k in keys), [k for k in keys if not k.startswith(secure_etcd.job_prefix)]
-        print(f"redone after SIGKILL: {len(redone)} steps; emergency step {s}; keys in etcd: {len(keys)}")
+        print(f"rolled back by the SIGKILL: {rolled_back}; emergency step {s}; steps {max(steps)}; keys in etcd: {len(keys)}")
     except AssertionError:
         print(*(n.dump(60) for n in nodes), sep="\n")
         raise
