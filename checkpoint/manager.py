@@ -296,6 +296,12 @@ class CheckpointManager:
         self._inflight: Future[int] | None = None
         self.last_blocked_s = 0.0
         """Seconds the last :meth:`save` blocked its caller (waiting for the previous save + staging)."""
+        self.last_restored: Manifest | None = None
+        """Manifest of the step the last :meth:`restore` loaded, or None."""
+        self.last_restored_repeats = 0
+        """How many other rounds had registered the step the last :meth:`restore` loaded as their
+        starting point: each of them died without committing anything newer. With the manifest's
+        ``kind`` (``periodic``: its writer died too) this tells failures from planned re-formations."""
         if not config.url:
             raise CheckpointError("checkpoint.url is empty. Fix: set YAML key `checkpoint.url` or env var "
                                   "TRAINGUARD_CHECKPOINT_URL to a path, s3://, gs:// or memory:// URL")
@@ -450,6 +456,8 @@ class CheckpointManager:
                 if ok:
                     ok, reason = self._load(m, state)
                 if ok:
+                    self.last_restored = m
+                    self.last_restored_repeats = sum(1 for f in scan.fences if f.base_step == m.step and f.fence != self.fence)
                     self._log.info("checkpoint_restored", step=m.step, url=self.storage.url_of(self._rel(m.step)),
                                    saved_world_size=m.world_size, saved_fence=m.fence, load_s=round(time.monotonic() - t0, 3),
                                    verified=self.config.verify)

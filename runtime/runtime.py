@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
+from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import protocol as proto
@@ -84,7 +85,9 @@ class Runtime:
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
-        self._last_periodic = time.monotonic()
+        self._interval: IntervalController | None = None
+        self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
+        self._interval_exported = 0.0
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
         self._link = (AgentLink(control_path, rank, local_rank, os.getpid())
                       if control_path and os.path.exists(control_path) else None)
@@ -148,16 +151,33 @@ class Runtime:
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
                                               fence=self.fence, strategy=self.strategy_name)
+            self._interval = self._make_interval()
         self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
                        checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None,
-                       resize_rule=self.strategy.resize_rule, **self.strategy.describe())
+                       resize_rule=self.strategy.resize_rule,
+                       checkpoint_interval=self._interval.policy.describe() if self._interval else None,
+                       **self.strategy.describe())
+        self._step_started = time.monotonic()
         return self._model, self._optimizer
+
+    def _make_interval(self) -> IntervalController:
+        """The periodic checkpoint schedule (``checkpoint.interval``). Global rank 0 decides; the step
+        flag all-reduce tells every other rank."""
+        cfg = self.checkpoint_config
+        policy, deprecated = cfg.interval_policy()
+        if deprecated and self.rank == 0:
+            self._log.warning("checkpoint_config_deprecated", keys=[f"checkpoint.{k}" for k in deprecated],
+                              fix="use `checkpoint.interval: <steps>` / `<duration>` (or `auto`) instead")
+        return IntervalController(policy, cfg.auto_settings(), world_size=self.world_size, sync_saves=not cfg.async_save)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         assert self._model is not None and self.cursor is not None and self.strategy is not None, "setup() first"
         self._trainer.step = self.step
         self._trainer.cursor = self.cursor.state_dict()
+        if self._interval is not None:
+            self._interval.tick()
+            self._trainer.extras["interval"] = self._interval.stats.to_dict()
         return {"app": self.strategy.state(self._model, self._optimizer), "trainer": self._trainer}
 
     def restore(self, step: int | None = None) -> int:
@@ -166,13 +186,27 @@ class Runtime:
         if self._manager is None:
             return self.step
         state = self._state()
+        t0 = time.monotonic()
         step = self._manager.restore(state, step)
+        seconds = time.monotonic() - t0
         if step is not None:
             self.step = self._trainer.step
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
-            self._log.info("worker_restored", step=step, saved_world_size=self._trainer.saved_world_size,
-                           epoch=self.cursor.epoch, consumed=self.cursor.consumed)
+            restored = self._manager.last_restored
+            kind = restored.kind if restored is not None else "other"
+            ctl = self._interval
+            if ctl is not None:
+                ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
+                ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats)
+            self._metrics.observe_restore(step, kind)
+            self._log.info("worker_restored", step=step, kind=kind, restore_s=round(seconds, 3),
+                           saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
+                           consumed=self.cursor.consumed,
+                           unannounced_failures=ctl.stats.unannounced_failures if ctl is not None else None)
+        if self._interval is not None:
+            self._interval.begin()
+        self._step_started = time.monotonic()
         return self.step
 
     def _save(self, kind: str) -> float:
@@ -186,7 +220,40 @@ class Runtime:
             self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
         else:  # persisted and committed in the background: recorded when that finishes
             self._metrics.observe_checkpoint_async(in_flight, kind, blocked, blocked, self.step)
+        if self._interval is not None:
+            self._interval.observe_save(blocked, None if in_flight is not None else seconds - blocked)
+            if in_flight is not None:
+                t_submit = time.monotonic()
+                done = self._persisted  # list.append from the persist thread; drained by the training thread
+                in_flight.add_done_callback(
+                    lambda f: done.append((time.monotonic() - t_submit, not f.cancelled() and f.exception() is None)))
         return seconds
+
+    def _interval_step(self, step_s: float, now: float) -> bool:
+        """Feed the interval controller one step; return whether this rank says a periodic save is due."""
+        ctl = self._interval
+        assert ctl is not None
+        ctl.observe_step(step_s, persisting=self._manager is not None and self._manager.in_flight is not None)
+        fresh = bool(self._persisted)
+        while self._persisted:
+            persist_s, ok = self._persisted.pop(0)
+            if ok:
+                ctl.observe_persist(persist_s)
+        change = ctl.update(now)
+        if self.rank != 0:
+            return False
+        if change is not None:
+            self._log.info("checkpoint_interval_changed", old_s=None if change.old_s is None else round(change.old_s, 3),
+                           new_s=round(change.new_s, 3), optimum_s=round(change.optimum_s, 3), reason=change.reason,
+                           bound=change.bound, **change.inputs)
+        if change is not None or fresh or now - self._interval_exported >= 5.0:
+            self._interval_exported = now
+            opt, _, _ = ctl.optimum()
+            self._metrics.observe_interval({
+                "interval_s": ctl.interval_s if ctl.policy.mode is IntervalMode.AUTO else None, "optimum_s": opt,
+                "save_cost_s": ctl.save_cost_s, "persist_s": ctl.stats.persist_s, "restore_s": ctl.stats.restore_s,
+                "mtbf_s": ctl.mtbf_s, "unannounced_failures": ctl.stats.unannounced_failures})
+        return ctl.due(self.step, now)
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -230,23 +297,21 @@ class Runtime:
         self.step += 1
         assert self.cursor is not None, "setup() first"
         now = time.monotonic()
+        step_s = now - self._step_started  # the step itself: what end_step does next is not part of it
         per_rank = self.cursor.global_batch_size // self.world_size
-        self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, now - self._step_started)
+        self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s)
         self._metrics.sample_gpu_peak(now)
-        self._step_started = now
-        cfg = self.checkpoint_config
-        due = bool(self._manager) and (
-            (cfg.interval_steps and self.step % cfg.interval_steps == 0)
-            or (cfg.interval_s and time.monotonic() - self._last_periodic >= cfg.interval_s))
+        due = self._interval_step(step_s, now) if self._interval is not None else False
         flags = torch.tensor([int(self._local_request()), int(bool(due))], dtype=torch.int32)
         if self._group is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         stop, periodic = proto.StopReason(int(flags[0])), bool(flags[1])
         if stop is not proto.StopReason.NONE:
             self._stop(stop)
-        if periodic:
-            self._last_periodic = time.monotonic()
+        if periodic and self._interval is not None:
+            self._interval.saved()
             self._save("periodic")
+        self._step_started = time.monotonic()
 
     def _stop(self, why: proto.StopReason) -> None:
         kind = why.checkpoint_kind.value
