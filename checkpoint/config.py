@@ -26,7 +26,7 @@ class CheckpointConfig:
     steps (``50``), a duration of training (``90s``, ``5m``, ``1.5h``) or ``off``. Unset: ``auto``, unless
     the deprecated ``interval_steps`` / ``interval_s`` are set."""
 
-    interval_min_s: float = 30.0
+    interval_min_s: float = 5.0
     """``auto``: shortest interval, seconds (the persist time of a save is a floor too)."""
 
     interval_max_s: float = 3600.0
@@ -69,7 +69,7 @@ class CheckpointConfig:
         require(self.interval_s >= 0, "interval_s", f"must be >= 0, got {self.interval_s}",
                 "use 0 to disable time-based periodic checkpoints")
         require(self.interval_min_s > 0, "interval_min_s", f"must be > 0, got {self.interval_min_s}",
-                "give the auto interval a positive floor in seconds, e.g. 30")
+                "give the auto interval a positive floor in seconds, e.g. 5")
         require(self.interval_max_s >= self.interval_min_s, "interval_max_s",
                 f"must be >= interval_min_s ({self.interval_min_s}), got {self.interval_max_s}", "e.g. 3600")
         require(self.interval_prior_mtbf_s > 0, "interval_prior_mtbf_s", f"must be > 0, got {self.interval_prior_mtbf_s}",

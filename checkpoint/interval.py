@@ -175,7 +175,7 @@ class IntervalStats:
 class AutoSettings:
     """The auto controller's knobs (``checkpoint.interval_*`` config keys)."""
 
-    min_s: float = 30.0
+    min_s: float = 5.0
     max_s: float = 3600.0
     prior_mtbf_s: float = 3600.0
     hysteresis: float = 0.2
@@ -284,12 +284,14 @@ class IntervalController:
         self._pending_async = False
         self._excess_s = 0.0
 
-    def observe_restore(self, seconds: float, kind: str, repeats: int = 0) -> int:
-        """This world restored a checkpoint of ``kind`` in ``seconds``; ``repeats`` earlier worlds had
-        restored the same checkpoint. Returns the unannounced failures this proves: the world that
-        wrote a ``periodic`` checkpoint did not stop as planned (a drain or resize leaves an
-        ``emergency`` / ``resize`` one), and every earlier world that restored it died without a trace."""
-        self.stats.restore_s = _ewma(self.stats.restore_s, max(0.0, seconds), self.settings.alpha)
+    def observe_restore(self, seconds: float | None, kind: str, repeats: int = 0) -> int:
+        """This world restored a checkpoint of ``kind`` in ``seconds`` (None: there was none to restore);
+        ``repeats`` earlier worlds had started from the same checkpoint (or from none). Returns the
+        unannounced failures this proves: the world that wrote a ``periodic`` checkpoint did not stop as
+        planned (a drain or resize leaves an ``emergency`` / ``resize`` one), and every earlier world
+        that started from the same point died without leaving anything newer."""
+        if seconds is not None:
+            self.stats.restore_s = _ewma(self.stats.restore_s, max(0.0, seconds), self.settings.alpha)
         failures = max(0, int(repeats)) + (1 if str(kind) == "periodic" else 0)
         self.stats.unannounced_failures += failures
         if not failures:

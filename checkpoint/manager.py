@@ -299,9 +299,10 @@ class CheckpointManager:
         self.last_restored: Manifest | None = None
         """Manifest of the step the last :meth:`restore` loaded, or None."""
         self.last_restored_repeats = 0
-        """How many other rounds had registered the step the last :meth:`restore` loaded as their
-        starting point: each of them died without committing anything newer. With the manifest's
-        ``kind`` (``periodic``: its writer died too) this tells failures from planned re-formations."""
+        """How many other rounds had registered the step the last :meth:`restore` loaded (or, when there
+        was none, the empty start) as their starting point: each of them died without committing
+        anything newer. With the manifest's ``kind`` (``periodic``: its writer died too) this tells
+        failures from planned re-formations."""
         if not config.url:
             raise CheckpointError("checkpoint.url is empty. Fix: set YAML key `checkpoint.url` or env var "
                                   "TRAINGUARD_CHECKPOINT_URL to a path, s3://, gs:// or memory:// URL")
@@ -442,6 +443,8 @@ class CheckpointManager:
             raise CheckpointNotFound(f"step {step} has no committed checkpoint under {self.url} (committed: "
                                      f"{[m.step for m in scan.committed]}). Fix: pick one of those or omit the step")
         if not candidates:
+            self.last_restored = None
+            self.last_restored_repeats = sum(1 for f in scan.fences if f.base_step == -1 and f.fence != self.fence)
             self._log.info("checkpoint_restore_none", url=self.url)
             self._on_rank0(lambda: self._register_fence(-1, overwrite=False))
             return None

@@ -8,7 +8,9 @@ block; DeepSpeed ZeRO stage ``--zero-stage``, optionally with ``--deepspeed-conf
 ``--loss-log FILE`` makes rank 0 append ``{"step", "loss"}`` with the global-batch loss of *every* step
 (all-reduced over the ranks; the strategy tests compare runs with it).
 ``--sample-log DIR`` makes every rank append the sample ids of each finished step to
-``DIR/samples-<pid>.jsonl`` (the end-to-end tests check that each id is used exactly once).
+``DIR/samples-<pid>.jsonl`` (the end-to-end tests check that each id is used exactly once), with the
+step's wall-clock start and end (``t0``, ``t1``: unix seconds; ``bench/spot_trace.py`` computes the
+ground-truth goodput from them).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> None:
     losses = open(args.loss_log, "a") if args.loss_log and rt.rank == 0 else None
     while rt.step < args.steps:
         t0 = time.perf_counter()
+        started = time.time()
         micro = rt.next_batches()
         total = torch.zeros(())
         for i, ids in enumerate(micro):
@@ -86,7 +89,8 @@ def main() -> None:
         done = rt.step + 1
         if samples:
             samples.write(json.dumps({"step": done, "rank": rt.rank, "world_size": rt.world_size,
-                                      "ids": [i for ids in micro for i in ids]}) + "\n")
+                                      "ids": [i for ids in micro for i in ids], "t0": started,
+                                      "t1": time.time()}) + "\n")
             samples.flush()
         if args.loss_log:
             if rt.world_size > 1:  # the global-batch loss: mean of the ranks' (equal-sized) shares

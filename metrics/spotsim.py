@@ -159,17 +159,20 @@ def window(trace: Trace, start_s: float, duration_s: float) -> Trace:
 
 
 def scale(trace: Trace, *, nodes_per_agent: int, max_agents: int, min_agents: int = 1, speed: float = 1.0,
-          prefix: str = "agent") -> Trace:
+          rounding: str = "nearest", prefix: str = "agent") -> Trace:
     """Map a trace onto fewer, faster "agents": ``clamp(round(n / nodes_per_agent))`` agents while the
-    trace has ``n`` nodes, times divided by ``speed``. Removals take the longest-present agents first,
-    so churn spreads over the agents. Only changes of the agent count remain."""
-    if nodes_per_agent < 1 or max_agents < min_agents or min_agents < 0 or speed <= 0:
-        raise ValueError("scale: need nodes_per_agent >= 1, max_agents >= min_agents >= 0, speed > 0")
+    trace has ``n`` nodes (``rounding`` ``nearest``, halves up, or ``up``), times divided by ``speed``.
+    Removals take the longest-present agents first, so churn spreads over the agents. Only changes of
+    the agent count remain."""
+    if nodes_per_agent < 1 or max_agents < min_agents or min_agents < 0 or speed <= 0 or rounding not in ("nearest", "up"):
+        raise ValueError("scale: need nodes_per_agent >= 1, max_agents >= min_agents >= 0, speed > 0, "
+                         "rounding 'nearest' or 'up'")
     agents: list[str] = []
     made = 0
     out: list[TraceEvent] = []
     for t, n in trace.sizes():
-        want = max(min_agents, min(max_agents, int(math.floor(n / nodes_per_agent + 0.5)))) if n else 0
+        share = math.ceil(n / nodes_per_agent) if rounding == "up" else int(math.floor(n / nodes_per_agent + 0.5))
+        want = max(min_agents, min(max_agents, share)) if n else 0
         ts = t / speed
         while len(agents) > want:
             out.append(TraceEvent(ts, "remove", agents.pop(0)))

@@ -140,7 +140,7 @@ def _make_families() -> _Families:
                         "Wall time of completed training steps, as seen on this node (counted by local rank 0).",
                         registry=None),
         restores=Counter(p + "checkpoint_restores", "Checkpoint restores by this node's workers (counted by local rank 0), "
-                         "by the kind of the checkpoint restored.", ["kind"], registry=None),
+                         "by the kind of the checkpoint restored (other: nothing to restore, a start from step 0).", ["kind"], registry=None),
         restored_step=Gauge(p + "checkpoint_restored_step", "Step the live workers restored from.",
                             multiprocess_mode="livemax", registry=None),
         # Written by global rank 0 only (the rank whose controller decides); livemax: gone with it.
@@ -265,8 +265,9 @@ class WorkerMetrics:
         done.add_done_callback(finished)
 
     def observe_restore(self, step: int, kind: str) -> None:
-        """The workers restored checkpoint ``step`` of ``kind`` (the agent turns work trained past it on
-        this node into ``recompute`` waste). Counted by local rank 0."""
+        """The workers restored checkpoint ``step`` of ``kind``, or start from step 0 with nothing to
+        restore (``kind="other"``): the agent turns work trained past it on this node into
+        ``recompute`` waste. Counted by local rank 0."""
         f = self._f
         if f is None or self.local_rank != 0:
             return

@@ -189,13 +189,13 @@ class Runtime:
         t0 = time.monotonic()
         step = self._manager.restore(state, step)
         seconds = time.monotonic() - t0
+        ctl = self._interval
         if step is not None:
             self.step = self._trainer.step
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
             restored = self._manager.last_restored
             kind = restored.kind if restored is not None else "other"
-            ctl = self._interval
             if ctl is not None:
                 ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
                 ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats)
@@ -204,6 +204,12 @@ class Runtime:
                            saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
                            consumed=self.cursor.consumed,
                            unannounced_failures=ctl.stats.unannounced_failures if ctl is not None else None)
+        else:
+            # Nothing committed yet: the run starts at step 0. Tell the agent (work a world that died
+            # before its first checkpoint trained is lost) and count that world as a failure.
+            if ctl is not None and self._manager.last_restored_repeats:
+                ctl.observe_restore(None, "none", self._manager.last_restored_repeats)
+            self._metrics.observe_restore(0, "other")
         if self._interval is not None:
             self._interval.begin()
         self._step_started = time.monotonic()

@@ -318,3 +318,20 @@ def test_manager_reports_the_restored_kind_and_earlier_restores_of_it(tmp_path) 
             assert m.restore(st) == 7
             seen.append((m.last_restored.kind, m.last_restored_repeats, st["trainer"].extras["interval"]))
     assert seen == [("resize", 0, {"unannounced_failures": 4}), ("resize", 1, {"unannounced_failures": 4})]
+
+
+def test_a_world_that_died_before_any_checkpoint_is_a_failure(tmp_path) -> None:
+    import torch
+
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.checkpoint.state import ModelOptimizerState
+
+    cfg = CheckpointConfig(url=str(tmp_path / "ckpt"))
+    seen = []
+    for fence in (0, 1):  # round 0 starts, finds nothing, dies; round 1 starts from nothing again
+        with CheckpointManager(cfg, "run", rank=0, world_size=1, fence=fence) as m:
+            assert m.restore({"app": ModelOptimizerState(torch.nn.Linear(2, 2)), "trainer": TrainerState()}) is None
+            seen.append((m.last_restored, m.last_restored_repeats))
+    assert seen == [(None, 0), (None, 1)]
+    c = IntervalController(AUTO, clock=Clock())
+    assert c.observe_restore(None, "none", 1) == 1 and c.stats.restore_s is None

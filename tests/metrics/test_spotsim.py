@@ -194,6 +194,8 @@ def test_window_and_scale() -> None:
     # 8 nodes -> 3 agents (capped), 6 -> 3, 4 -> 2, 6 -> 3; times / 10
     assert s.sizes() == [(0.0, 3), (20.0, 2), (30.0, 3)] and s.duration_s == 40
     assert [e.node for e in s.removals()] == ["agent1"]   # the longest present goes first
+    up = scale(t, nodes_per_agent=3, max_agents=3, rounding="up")
+    assert up.sizes() == [(0.0, 3), (100.0, 2)]   # ceil: 8 -> 3, 6 -> 2, 4 -> 2, 6 -> 2
 
 
 def test_pick_unannounced_is_seeded_and_near_the_share() -> None:
