@@ -43,6 +43,7 @@ Everything is in simulated time: the clock and the random draws (``seed``) are t
 
 from __future__ import annotations
 
+import collections
 import heapq
 import math
 import random
@@ -359,6 +360,10 @@ class _Sim:
         self.present: set[str] = set()
         self.world: frozenset[str] = frozenset()
         self.out_cause: dict[str, str] = {}
+        self._ver = 0  # bumped when present / out_cause change (caches the outside counts)
+        self._counts_key: tuple[int, frozenset[str]] | None = None
+        self._counts: dict[str, int] = {}
+        self._inside = 0
         self.phases: list[_Phase] = []
         self.resuming = False  # the phases are a periodic save's pause, not a re-formation
         self.waiting: set[str] = set()  # joiners ready while the world restores: the next re-formation
@@ -378,6 +383,7 @@ class _Sim:
         self.current: Change | None = None
         self.world_time: dict[int, float] = {}
         self.ctl = IntervalController(policy, settings, world_size=1, clock=lambda: self.now, now=0.0)
+        self._step_s: dict[int, float] = {}
         self.intervals: list[tuple[float, float, str]] = []
         self.started = False
 
@@ -386,11 +392,20 @@ class _Sim:
         """Charge ``dt`` to every present node outside the world (and to the world's, with a cause)."""
         if dt <= 0:
             return
-        for n in self.present:
-            if n not in self.world:
-                self.waste[self.out_cause.get(n, "idle")] += dt
-            elif world_cause is not None:
-                self.waste[world_cause] += dt
+        key = (self._ver, self.world)
+        if key != self._counts_key:  # membership changed since the last count
+            counts: dict[str, int] = collections.Counter()
+            inside = 0
+            for n in self.present:
+                if n in self.world:
+                    inside += 1
+                else:
+                    counts[self.out_cause.get(n, "idle")] += 1
+            self._counts, self._inside, self._counts_key = counts, inside, key
+        for cause, k in self._counts.items():
+            self.waste[cause] += dt * k
+        if world_cause is not None:
+            self.waste[world_cause] += dt * self._inside
 
     def _charge(self, cause: str, dt: float, nodes: int) -> None:
         self.waste[cause] += dt * nodes
@@ -407,7 +422,7 @@ class _Sim:
                 self.intervals.append((self.now, ch.new_s, ch.reason))
             return self.ctl.interval_s or math.inf
         w = max(1, len(self.world))
-        cands = ([p.steps * self.job.step_time_s(w)] if p.steps else []) + ([p.seconds] if p.seconds else [])
+        cands = ([p.steps * self.step_s(w)] if p.steps else []) + ([p.seconds] if p.seconds else [])
         return min(cands) if cands else math.inf
 
     def advance(self, t: float) -> None:
@@ -441,13 +456,19 @@ class _Sim:
             if t_save <= self.now < t:
                 self._periodic_save()
 
+    def step_s(self, w: int) -> float:
+        v = self._step_s.get(w)
+        if v is None:
+            v = self._step_s[w] = self.job.step_time_s(w)
+        return v
+
     def _train(self, t1: float) -> None:
         dt = t1 - self.now
         if dt <= 0:
             return
         w = len(self.world)
         self.productive += dt * w
-        self.steps += dt / self.job.step_time_s(w)
+        self.steps += dt / self.step_s(w)
         self.pieces.append(_Piece(self.now, t1, w))
         self.world_time[w] = self.world_time.get(w, 0.0) + dt
         self.since_save += dt
@@ -464,8 +485,8 @@ class _Sim:
             for p in reversed(self.pieces):
                 if at_risk <= 1e-12:
                     break
-                ps = (p.t1 - p.t0) / self.job.step_time_s(p.w)
-                kept.append(p if ps <= at_risk else _Piece(p.t1 - at_risk * self.job.step_time_s(p.w), p.t1, p.w))
+                ps = (p.t1 - p.t0) / self.step_s(p.w)
+                kept.append(p if ps <= at_risk else _Piece(p.t1 - at_risk * self.step_s(p.w), p.t1, p.w))
                 at_risk -= ps
             self.pieces = list(reversed(kept))
         self.commit_steps = self.steps if steps is None else steps
@@ -578,6 +599,7 @@ class _Sim:
             return
         for n in leavers:
             self.out_cause[n] = "notice_lead"
+        self._ver += 1
         phase = self._phase()
         self._begin_change("notice")
         if phase is not None:  # re-forming already: the leavers go at once, the re-formation starts over
@@ -593,6 +615,7 @@ class _Sim:
             self.present.discard(n)
             self.out_cause.pop(n, None)
             self.waiting.discard(n)
+        self._ver += 1
         self._finish_pause()
         if not lost:
             return
@@ -641,6 +664,7 @@ class _Sim:
                 for n in payload:
                     self.present.add(n)
                     self.out_cause[n] = "warmup"
+                self._ver += 1
                 push(self.now + self.c.warmup_s.draw(self.rng), "join", payload)
             elif kind == "join":
                 self._resize(set(payload))
