@@ -61,8 +61,16 @@ from trainguard.metrics import spotsim as sim  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 PLAIN = os.path.join(REPO, "examples", "train_gpt.py")
-GLOBAL_BATCH = 24  # = ranks x accumulation x 4 at 1, 2 and 3 ranks (--max-agents 3)
-MICRO_BATCH = 4
+GLOBAL_BATCH = 24
+
+
+def micro_batch(max_agents: int) -> int:
+    """The largest micro-batch (<= 4) that splits the global batch evenly at every world size up to
+    ``max_agents`` (the global batch stays constant through gradient accumulation)."""
+    for m in (4, 3, 2, 1):
+        if all(GLOBAL_BATCH % (w * m) == 0 for w in range(1, max_agents + 1)):
+            return m
+    raise SystemExit(f"--max-agents {max_agents}: no micro-batch splits the global batch {GLOBAL_BATCH} at every size")
 FIXED_STEPS = 50
 SPOT_PRICE, ON_DEMAND_PRICE = 0.918, 3.06  # p3.2xlarge, us-east-1: on-demand list price; spot ~70 % off (assumed)
 MONITOR_INTERVAL = 0.2
@@ -253,7 +261,7 @@ def _start(agent: str, mode: str, endpoint: str, a: argparse.Namespace, d: str, 
            "--set", "workers.max_restarts=1000", "--set", f"cost.spot_price_per_hour={SPOT_PRICE}",
            "--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", *interval,
            ELASTIC, "--steps", "1000000000", "--log-every", "1000000", "--step-sleep", str(a.step_sleep),
-           "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH), "--sample-log", samples]
+           "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch(max_agents)), "--sample-log", samples]
     return AgentRun(agent, Proc(agent, cmd, os.path.join(d, f"{agent}.log")), emu, samples, time.time())
 
 
@@ -680,8 +688,8 @@ def full_trace(trace: sim.Trace, costs: dict[str, sim.ChangeCosts], runs: dict[s
     out: dict[str, Any] = {"lead_s": lead, "nodes_per_agent_for_step_time": k,
                            "assumption": "the job of the replay: a step at n trace nodes takes what it took at n/k agents"}
     tg_costs = costs["trainguard"]
-    for share_name, share in (("x1", a.sim_unannounced), ("x10", min(1.0, a.sim_unannounced * 10)),
-                              ("x0.1", a.sim_unannounced / 10)):
+    shares = [("x1", a.sim_unannounced), ("x10", min(1.0, a.sim_unannounced * 10)), ("x0.1", a.sim_unannounced / 10)]
+    for share_name, share in shares[:1] if a.no_sweep else shares:
         unann = [sim.pick_unannounced(trace, share, seed=s) for s in range(1, a.sim_seeds + 1)]
 
         def run(policy: IntervalPolicy, c: sim.ChangeCosts = tg_costs, j: sim.JobModel = job) -> dict[str, Any]:
@@ -694,7 +702,10 @@ def full_trace(trace: sim.Trace, costs: dict[str, sim.ChangeCosts], runs: dict[s
         block["trainguard-auto"] = run(IntervalPolicy(IntervalMode.AUTO))
         block["trainguard-fixed50"] = run(IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS))
         sweep = [(t, run(IntervalPolicy(IntervalMode.FIXED, seconds=t))["waste_total_node_s"])
-                 for t in [2 * 1.5 ** i for i in range(14)]]  # 2 s .. 6.5 min
+                 for t in ([] if a.no_sweep else [2 * 1.5 ** i for i in range(14)])]  # 2 s .. 6.5 min
+        if not sweep:
+            out[share_name] = block
+            continue
         best_t, best_w = min(sweep, key=lambda x: x[1])
         block["sweep"] = [{"interval_s": round(t, 2), "waste_node_s": round(w, 1)} for t, w in sweep]
         block["best_fixed"] = {"interval_s": round(best_t, 2), "waste_node_s": best_w}
@@ -758,6 +769,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of removals with no notice in the replay (more than the simulation's, so that the "
                          "replay measures failure detection a few times)")
     ap.add_argument("--sim-unannounced", type=float, default=0.1, help="share of removals with no notice, full trace")
+    ap.add_argument("--unannounced-indices", default=None,
+                    help="comma-separated indices of the replay's removals that come with no notice (instead of the share)")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="full-trace simulation: skip the fixed-interval sweep and the x10 / x0.1 variants (CI)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--auto-min-s", type=float, default=1.0, help="checkpoint.interval_min_s of the auto run")
@@ -776,7 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     win = sim.window(trace, a.start_h * 3600, (a.hours * 3600) if a.hours else trace.duration_s - a.start_h * 3600)
     scaled = sim.scale(win, nodes_per_agent=a.nodes_per_agent, max_agents=a.max_agents, speed=a.speed,
                        rounding=a.rounding)
-    unannounced = sim.pick_unannounced(scaled, a.unannounced, seed=a.seed)
+    unannounced = (frozenset(int(i) for i in a.unannounced_indices.split(",") if i.strip())
+                   if a.unannounced_indices is not None else sim.pick_unannounced(scaled, a.unannounced, seed=a.seed))
     print(f"trace {trace.name}: {trace.duration_s / 3600:.2f} h, {len(trace.instants())} change instants, "
           f"{len(trace.removals())} removals; replaying {win.name}", flush=True)
     print(f"scale: 1 agent per {a.nodes_per_agent} trace nodes ({a.rounding}, at most {a.max_agents}), "
@@ -898,14 +914,17 @@ def report(res: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
     print(f"\nfull trace at real scale (simulated, notice lead {ft['lead_s']:g} s, mean of seeds)")
     print(f"{'unannounced':<12} {'run':<20} {'ETTR':>6} {'waste node-h':>12} {'$/1k samples':>12} {'on-demand':>10}")
     for key in ("x1", "x10", "x0.1"):
+        if key not in ft:
+            continue
         b = ft[key]
         for n in ("trainguard-auto", "trainguard-fixed50", "baseline"):
             if n in b:
                 x = b[n]
                 print(f"{b['unannounced_share']:<12.3f} {n:<20} {x['ettr']:6.4f} {x['waste_total_node_s'] / 3600:12.2f} "
                       f"{x['cost_per_sample'] * 1000:12.4f} {x['on_demand_cost_per_sample'] * 1000:10.4f}")
-        print(f"{'':<12} best fixed in hindsight {b['best_fixed']['interval_s']} s: auto/best waste "
-              f"{b['auto_vs_best_waste']:.3f}, auto/fixed50 waste {b['auto_vs_fixed50_waste']:.3f}")
+        if "best_fixed" in b:
+            print(f"{'':<12} best fixed in hindsight {b['best_fixed']['interval_s']} s: auto/best waste "
+                  f"{b['auto_vs_best_waste']:.3f}, auto/fixed50 waste {b['auto_vs_fixed50_waste']:.3f}")
 
 
 if __name__ == "__main__":

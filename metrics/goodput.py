@@ -30,8 +30,11 @@ window's non-step time, so no bucket ever decreases and the totals stay exact. T
 (since the last report) counts as productive until it is closed.
 
 Scripts that report no step time (unmodified torchrun scripts, "tier 1") keep the state-only view:
-time ``running`` is productive. A node switches to the step view the first time a report carries
-``train_s`` (workers declare the series at set-up, before their first step).
+time ``running`` is productive. Until a node's workers report (they declare the series at set-up,
+before their first step) its running time is *pending*: productive for now, and turned into waste of
+the run's cause when the first report shows the workers use the worker API, or when the agent stops
+first (workers that never reached set-up trained nothing). After :data:`TIER1_AFTER_S` seconds of
+running without a report the node is taken for tier 1 and its pending time stays productive.
 
 Rollbacks: :meth:`GoodputLedger.progress` records ``(step, kept step seconds)`` marks and
 :meth:`GoodputLedger.restored` interpolates the kept seconds at the restored step; everything past
@@ -62,6 +65,9 @@ STEADY_CAUSE = "checkpoint"
 """Non-step time of a run once its steps flow: checkpoint saves and the per-step agreement."""
 
 MAX_MARKS = 100_000
+
+TIER1_AFTER_S = 120.0
+"""Running time without a step report after which a node's workers are taken for a tier-1 script."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +116,8 @@ class GoodputLedger:
         self._s_window = 0.0  # ... at the start of the open window
         self._carry = 0.0  # step time reported beyond a window's length (<= 0), owed by the next windows
         self._open_cause: str | None = None  # set_cause while running: the open window's non-step time
+        self._pending: dict[str, float] = {}  # running time before any report, by cause (see module doc)
+        self._tier1 = False
         self._kept = 0.0  # step seconds not rolled back
         self._wasted: dict[str, float] = {r: 0.0 for r in WASTE_REASONS}
         self._marks: deque[tuple[int, float]] = deque(maxlen=MAX_MARKS)  # (step, kept seconds), increasing
@@ -142,9 +150,18 @@ class GoodputLedger:
         if self._stopped_at is not None or t < self._t:
             return
         if self._running and not self._reporting:
-            if force:  # tier-1 view: the run's time is productive; nothing to attribute
+            if self._tier1:  # tier-1 view: the run's time is productive; nothing to attribute
                 self._t = t
                 self._s_window = self._s
+                return
+            cause = self._open_cause or self._run_cause
+            self._open_cause = None
+            self._pending[cause] = self._pending.get(cause, 0.0) + (t - self._t)
+            self._t = t
+            self._s_window = self._s
+            if sum(self._pending.values()) >= TIER1_AFTER_S:
+                self._tier1 = True
+                self._pending.clear()
             return
         elapsed = t - self._t
         ds = max(0.0, self._s - self._s_window)
@@ -205,7 +222,9 @@ class GoodputLedger:
         if train_s is not None:
             if not self._reporting:
                 self._reporting = True
+                self._tier1 = False
                 self._s_window = self._s  # nothing was reported before: the open window starts at 0
+                self._resolve_pending()
             if train_s >= self._s:
                 self._s = train_s
         self._close(t, force=False)
@@ -259,7 +278,14 @@ class GoodputLedger:
             return
         t = self._now(now)
         self._close(t, force=True)
+        self._resolve_pending()  # workers that never reported trained nothing
         self._stopped_at = t
+
+    def _resolve_pending(self) -> None:
+        """Running time before any report was start-up of a worker-API job: waste of its cause."""
+        for cause, seconds in self._pending.items():
+            self._wasted[cause] += seconds
+        self._pending.clear()
 
     # -- reading --------------------------------------------------------------------------------
     def snapshot(self, now: float | None = None) -> GoodputSnapshot:

@@ -332,3 +332,38 @@ def test_metrics_config_errors_name_the_field(kwargs, field) -> None:
     with pytest.raises(FieldError) as e:
         MetricsConfig(**kwargs)
     assert e.value.field == field
+
+
+def test_a_node_drained_before_its_workers_reported_trained_nothing() -> None:
+    """Its running time was pending (productive for now); the stop shows it was start-up."""
+    c = Clock(0)
+    led = GoodputLedger(c)
+    c.tick(2)
+    led.set_state("running")
+    for _ in range(8):
+        c.tick(1)
+        led.progress(None)
+        assert led.snapshot().productive_s > 0  # pending: tentatively productive
+    led.set_cause("drain")
+    led.set_state("draining")
+    c.tick(1)
+    led.set_state("stopped")
+    g = led.snapshot()
+    check_partition(g)
+    assert g.productive_s == pytest.approx(0)
+    assert g.wasted_s["startup"] == pytest.approx(2 + 8) and g.wasted_s["drain"] == pytest.approx(1)
+
+
+def test_long_running_without_reports_is_a_tier1_script() -> None:
+    from trainguard.metrics.goodput import TIER1_AFTER_S
+
+    c = Clock(0)
+    led = GoodputLedger(c)
+    led.set_state("running")
+    for _ in range(int(TIER1_AFTER_S) + 30):
+        c.tick(1)
+        led.progress(None)
+    led.set_state("stopped")
+    g = led.snapshot()
+    check_partition(g)
+    assert g.productive_s == pytest.approx(TIER1_AFTER_S + 30)
