@@ -771,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-unannounced", type=float, default=0.1, help="share of removals with no notice, full trace")
     ap.add_argument("--unannounced-indices", default=None,
                     help="comma-separated indices of the replay's removals that come with no notice (instead of the share)")
+    ap.add_argument("--baseline-costs", default=None, metavar="JSON",
+                    help="without a baseline run here: take torchrun's measured costs from this earlier run's JSON")
     ap.add_argument("--no-sweep", action="store_true",
                     help="full-trace simulation: skip the fixed-interval sweep and the x10 / x0.1 variants (CI)")
     ap.add_argument("--seed", type=int, default=1)
@@ -846,6 +848,10 @@ def main(argv: list[str] | None = None) -> int:
         costs["torchrun"] = measured_costs([runs["baseline"]], fallback={
             "warmup_s": pooled_tg.get("warmup_s", []), "periodic_overhead_s": [0.0], "periodic_persist_s": [0.0],
             "emergency_s": [0.0], "resize_checkpoint_s": [0.0], "detect_notice_s": [0.0]}, unmeasured=unmeasured["torchrun"])
+    if "torchrun" not in costs and a.baseline_costs:
+        with open(a.baseline_costs) as fh:
+            costs["torchrun"] = sim.ChangeCosts.from_dict(json.load(fh)["measured_costs"]["torchrun"])
+        res["baseline_costs_from"] = a.baseline_costs
     res["measured_costs"] = {k: v.as_dict() for k, v in costs.items()}
     res["unmeasured_costs"] = unmeasured
     for k, v in unmeasured.items():
