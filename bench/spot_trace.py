@@ -54,7 +54,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.recovery import Proc, account, cursor_stream, dataset_size, kill_tree, parse_ts, plain_batch, strays  # noqa: E402
+from bench.recovery import Proc, cursor_stream, dataset_size, kill_tree, parse_ts, plain_batch, strays  # noqa: E402
 from tests.emulators.aws import AwsImdsEmulator  # noqa: E402
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
 from trainguard.metrics import spotsim as sim  # noqa: E402
@@ -354,11 +354,14 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace) -> dict[str, Any]:
     n = dataset_size()
     if torchrun:
         cache: dict[int, list[int]] = {}
-        acc = account([plain_batch(e.step, n, cache) for e in kept0],
-                      [i for s in range(1, final + 1) for i in plain_batch(s, n, cache)])
+        used = [i for e in kept0 for i in plain_batch(e.step, n, cache)]
+        expected = [i for s in range(1, final + 1) for i in plain_batch(s, n, cache)]
     else:
-        acc = account([list(e.ids) for e in kept], cursor_stream(final, n))
-    res["skipped_samples"], res["repeated_samples"] = acc["skipped"], acc["repeated"]
+        used, expected = [i for e in kept for i in e.ids], cursor_stream(final, n)
+    # As multisets: a long run reads the dataset more than once (epochs), each time every id once.
+    seen, want = collections.Counter(used), collections.Counter(expected)
+    res["skipped_samples"] = sum((want - seen).values())
+    res["repeated_samples"] = sum((seen - want).values())
     res["world_timeline"] = _timeline(rank0, kept0, raw.t0)
     res["changes"], res["measured_costs"] = _changes(raw, rank0, kept0)
     res["interval_changes"] = [{"t": round((parse_ts(ev) or t) - raw.t0, 3), **{k: ev.get(k) for k in
@@ -487,8 +490,9 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
         nxt = ref(groups[gi + 1]) if gi + 1 < len(groups) else float("inf")
         # The pause this change caused: after a notice or a join the world stops after it; a kill hits
         # the world mid-step (the pause starts at most one step before it).
-        slack = 5.0 if kind == "kill" else 0.0
-        gap = next(((a, b, pe, ne) for a, b, pe, ne in gaps if b > t_ref and a >= max(prev_end, t_ref - slack)), None)
+        lo, hi = {"kill": (t_ref - 5.0, t_ref + 2.0), "notice": (t_ref, t_ref + lead + 10.0),
+                  "join": (t_ref, t_ref + 60.0)}[kind]
+        gap = next(((a, b, pe, ne) for a, b, pe, ne in gaps if b > t_ref and max(prev_end, lo) <= a <= hi), None)
         if gap is None:  # absorbed by the re-formation under way (e.g. a join during the start-up)
             rec["absorbed"] = True
             continue
