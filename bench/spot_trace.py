@@ -500,12 +500,16 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
         rec.update(world_before=last.world, world_after=first.world, down_s=round(t_first - t_last, 3),
                    overlapped=t_first > nxt)
         phases: dict[str, float] = {}
-        if torchrun:  # text logs only: detection when torchrun reports the failed worker, the rest is restart
+        if torchrun:  # text logs: detection when torchrun reports the failed worker; re-formation until
+            # the restarted worker says it resumed (torchrun's rendezvous waits out its last call there,
+            # and joiners arriving meanwhile join the same round); restore until the first step.
             t_det = _first_after(failed, t0 + act.t, t_first) if kind == "kill" else None
+            t_from = t_det or (t0 + act.t if kind == "kill" else t_last)
+            t_up = _last_in(resumed, t_from, t_first) or t_from
             if t_det:
                 phases["detect_failure_s"] = t_det - (t0 + act.t)
-            phases["reformation_s"] = 0.0
-            phases["restore_s"] = t_first - (t_det or (t0 + act.t if kind == "kill" else t_last))
+            phases["reformation_s"] = t_up - t_from
+            phases["restore_s"] = t_first - t_up
             lost = [e for e in steps if prev_end <= e.t1 <= t_last and id(e) not in kept_ids]
             rec["recomputed_steps"] = len(lost)
             rec["recompute_node_s"] = round(sum((e.t1 - e.t0) * e.world for e in lost), 3)
@@ -541,10 +545,9 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
             rec["recompute_node_s"] = round(sum((e.t1 - e.t0) * e.world for e in lost), 3)
         prev_end = t_first
         rec["phases"] = {k: round(v, 3) for k, v in phases.items()}
-        if not rec["overlapped"]:
-            for k, v in phases.items():
-                if v >= 0:
-                    costs[k].append(v)
+        for k, v in phases.items():
+            if v >= 0:  # overlapped changes only fill in what no clean change measured (see measured_costs)
+                costs[k if not rec["overlapped"] else f"overlapped:{k}"].append(v)
     # A joiner's warm-up: its agent's start until it waits in the rendezvous (every agent has one).
     for ag in raw.agents.values():
         ready = [parse_ts(ev) or t for t, ev in ag.proc.events("state_change") if ev.get("new") == "rendezvous"]
@@ -640,6 +643,10 @@ def measured_costs(runs: list[dict[str, Any]], fallback: dict[str, list[float]] 
     for r in runs:
         for k, v in r["measured_costs"].items():
             pooled[k] += v
+    for k in [k for k in pooled if k.startswith("overlapped:")]:
+        clean = k.split(":", 1)[1]
+        if not pooled.get(clean):  # no clean change measured it: the pauses that overlapped another change
+            pooled[clean] = list(pooled[k])
     for a, b in (("restore_s", "startup_s"), ("startup_s", "restore_s"), ("emergency_s", "resize_checkpoint_s"),
                  ("resize_checkpoint_s", "emergency_s")):
         if not pooled.get(a) and pooled.get(b):
