@@ -67,6 +67,10 @@ class IntervalMode(str, Enum):
     AUTO = "auto"
 
 
+UNPLANNED_KINDS = frozenset({"periodic", "notice"})
+"""Kinds of checkpoint a world takes while it goes on training: restoring one means it died unannounced."""
+
+
 @dataclass(frozen=True, slots=True)
 class IntervalPolicy:
     mode: IntervalMode
@@ -292,7 +296,7 @@ class IntervalController:
         that started from the same point died without leaving anything newer."""
         if seconds is not None:
             self.stats.restore_s = _ewma(self.stats.restore_s, max(0.0, seconds), self.settings.alpha)
-        failures = max(0, int(repeats)) + (1 if str(kind) == "periodic" else 0)
+        failures = max(0, int(repeats)) + (1 if str(kind) in UNPLANNED_KINDS else 0)
         self.stats.unannounced_failures += failures
         if not failures:
             self.stats.announced_restores += 1
