@@ -357,7 +357,10 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace) -> dict[str, Any]:
         used = [i for e in kept0 for i in plain_batch(e.step, n, cache)]
         expected = [i for s in range(1, final + 1) for i in plain_batch(s, n, cache)]
     else:
-        used, expected = [i for e in kept for i in e.ids], cursor_stream(final, n)
+        # Records carry each rank's share of the batch, or (in-place runs) the whole global batch on
+        # every rank: then rank 0's records are the lineage.
+        whole = kept0 and all(len(e.ids) == GLOBAL_BATCH for e in kept0)
+        used, expected = [i for e in (kept0 if whole else kept) for i in e.ids], cursor_stream(final, n)
     # As multisets: a long run reads the dataset more than once (epochs), each time every id once.
     seen, want = collections.Counter(used), collections.Counter(expected)
     res["skipped_samples"] = sum((want - seen).values())
