@@ -280,7 +280,11 @@ class Exec:
 
 
 def executions(raw: ReplayRaw) -> list[Exec]:
+    """Every completed attempt of a step (attempts a vanished peer interrupted, ``rolled_back`` in the
+    sample log of an in-place run, are void: see ``tests/samples.py``)."""
     out: list[Exec] = []
+    void: set[tuple[int, Any]] = set()
+    rounds: dict[int, Any] = {}
     for ag in raw.agents.values():
         if raw.mode == "torchrun":
             for t, ev in ag.proc.events("train_step"):
@@ -292,8 +296,14 @@ def executions(raw: ReplayRaw) -> list[Exec]:
                 for line in fh:
                     with contextlib.suppress(ValueError, KeyError):
                         r = json.loads(line)
-                        out.append(Exec(ag.name, int(r["step"]), int(r["rank"]), int(r["world_size"]), float(r["t0"]),
-                                        float(r["t1"]), tuple(r["ids"])))
+                        if r.get("rolled_back"):  # a vanished peer interrupted this attempt: void everywhere
+                            void.add((int(r["step"]), r.get("round")))
+                            continue
+                        e = Exec(ag.name, int(r["step"]), int(r["rank"]), int(r["world_size"]), float(r["t0"]),
+                                 float(r["t1"]), tuple(r["ids"]))
+                        rounds[id(e)] = r.get("round")
+                        out.append(e)
+    out = [e for e in out if (e.step, rounds.get(id(e))) not in void]
     return sorted(out, key=lambda e: (e.t1, e.rank))
 
 
