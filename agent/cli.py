@@ -4,19 +4,23 @@
 ``torchrun --nnodes 1:4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 train.py``
 becomes ``trainguard run --nnodes 1:4 ...``. Flags override ``TRAINGUARD_*`` env vars, which override
 the YAML file. ``trainguard agent`` is what systemd runs.
+
+Every user error ends as one line ``trainguard: <what> (<YAML key> / <env var>): <fix>`` on stderr and
+exit code 2, never a traceback (:class:`~trainguard.runtime.configbase.ConfigError`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import re
 import socket
 import sys
-import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -25,6 +29,9 @@ from trainguard.agent import __version__
 from trainguard.runtime import log as tglog
 from trainguard.runtime.configbase import ConfigError
 from trainguard.agent.configload import CONFIG_PATH_ENV, DEFAULT_CONFIG_PATH, load_config, redacted
+from trainguard.agent.config import TrainguardConfig
+
+log = tglog.get_logger("trainguard.agent.cli")
 
 # torchrun --rdzv-conf keys -> our config keys
 _RDZV_CONF = {
@@ -35,6 +42,7 @@ _RDZV_CONF = {
     "keep_alive_max_attempt": "rendezvous.keep_alive_max_attempts",
     "is_host": "rendezvous.is_host",
 }
+MAX_DRAIN_DEADLINE_S = 7 * 24 * 3600.0
 
 
 def _free_port() -> int:
@@ -44,11 +52,25 @@ def _free_port() -> int:
 
 
 def parse_duration(text: str) -> float:
-    """``30``, ``30s``, ``2m``, ``1h`` -> seconds."""
+    """``30``, ``30s``, ``2m``, ``1h`` -> seconds (> 0, at most a week)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}: use e.g. 30, 30s, 2m")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    if not 0 < seconds <= MAX_DRAIN_DEADLINE_S:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: must be > 0 and at most a week")
+    return seconds
+
+
+def standalone_job_id(script: str, script_args: Sequence[str], *, module: bool = False) -> str:
+    """A job id that is the same every time the same script runs with the same arguments, so a
+    re-run of ``trainguard run --standalone ... train.py ARGS`` finds its own checkpoints:
+    ``<script name>-<8 hex digits of a hash of its absolute path (or module name) and arguments>``."""
+    target = script if module else os.path.abspath(script)
+    digest = hashlib.sha256(json.dumps([target, list(script_args)]).encode()).hexdigest()[:8]
+    stem = os.path.splitext(os.path.basename(script))[0] if not module else script.rsplit(".", 1)[-1]
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", stem).strip("-._")[:40] or "job"
+    return f"{stem}-{digest}"
 
 
 def _add_override_flags(p: argparse.ArgumentParser) -> None:
@@ -61,7 +83,9 @@ def _add_override_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", help="k=v,... (join_timeout, last_call_timeout, close_timeout, keep_alive_interval, keep_alive_max_attempt, is_host)")
     g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", help="restarts after failures (workers.max_restarts)")
     g.add_argument("--monitor-interval", "--monitor_interval", dest="monitor_interval", help="seconds between worker polls")
-    g.add_argument("--standalone", action="store_true", help="single node: local c10d store on a free port, random job id")
+    g.add_argument("--standalone", action="store_true",
+                   help="single node: local c10d store on a free port; job id derived from the script and its "
+                        "arguments when checkpoint.url is set (so a re-run resumes), else random")
     g.add_argument("--local-addr", "--local_addr", dest="local_addr", help="address other nodes reach this one at")
     g.add_argument("--log-dir", "--log_dir", dest="log_dir", help="per-rank worker logs (agent.log_dir)")
     g.add_argument("-m", "--module", action="store_true", default=None, help="run the entrypoint as a module (python -m)")
@@ -69,7 +93,8 @@ def _add_override_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-name", dest="node_name", help="this node's name in logs/metrics (agent.node_name)")
     g.add_argument("--state-dir", dest="state_dir", help="agent runtime state (agent.state_dir)")
     g.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="any config key, e.g. --set checkpoint.url=s3://bucket/runs (repeatable)")
+                   help="any config key, e.g. --set checkpoint.url=s3://bucket/runs (repeatable; keys in "
+                        "docs/configuration.md)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,24 +118,30 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         for item in filter(None, args.rdzv_conf.split(",")):
             k, _, v = item.partition("=")
             if k.strip() not in _RDZV_CONF:
-                raise ConfigError("rendezvous", f"unknown --rdzv-conf key {k.strip()!r}",
-                                  f"use one of {sorted(_RDZV_CONF)}", source="command line")
+                raise ConfigError("--rdzv-conf", f"unknown --rdzv-conf key {k.strip()!r}",
+                                  f"use one of {sorted(_RDZV_CONF)}", source="command line", env_var="")
             o[_RDZV_CONF[k.strip()]] = v.strip()
     if args.standalone:
         o.update({"rendezvous.backend": "c10d", "rendezvous.endpoint": f"127.0.0.1:{_free_port()}",
                   "rendezvous.min_nodes": "1", "rendezvous.max_nodes": "1", "rendezvous.is_host": "true"})
-        o.setdefault("agent.job_id", uuid.uuid4().hex[:12])
     for item in args.sets:
         k, sep, v = item.partition("=")
         if not sep or "." not in k:
-            raise ConfigError(k or "?", f"--set expects KEY=VALUE with a dotted key, got {item!r}",
-                              "e.g. --set checkpoint.keep_last=3", source="command line")
+            raise ConfigError("--set", f"--set expects KEY=VALUE with a dotted key, got {k.strip() or item!r}",
+                              "e.g. --set checkpoint.keep_last=3 (keys in docs/configuration.md)",
+                              source="command line", env_var="")
         o[k.strip()] = v
     return o
 
 
-def _config_path(args: argparse.Namespace, env: dict[str, str], required: bool) -> str | None:
-    path = getattr(args, "config", None) or env.get(CONFIG_PATH_ENV)
+def _config_path(args: argparse.Namespace, env: Mapping[str, str], required: bool) -> str | None:
+    positional = getattr(args, "file", None)
+    flag = getattr(args, "config", None)
+    if positional and flag and positional != flag:
+        raise ConfigError("--config", f"two config files given ({positional} and --config {flag})",
+                          "give one: `trainguard config check FILE` and `--config FILE` mean the same",
+                          env_var=CONFIG_PATH_ENV)
+    path = positional or flag or env.get(CONFIG_PATH_ENV)
     if path:
         return path
     if required or os.path.exists(DEFAULT_CONFIG_PATH):
@@ -119,34 +150,77 @@ def _config_path(args: argparse.Namespace, env: dict[str, str], required: bool) 
 
 
 def _user_defaults() -> dict[str, Any]:
-    base = os.path.join(tempfile.gettempdir(), f"trainguard-{os.getuid()}")
-    return {"agent.state_dir": os.path.join(base, "state"), "agent.log_dir": os.path.join(base, "logs")}
+    """``trainguard run`` keeps its logs under the per-user private base (checked at start) instead
+    of ``/var/log``; the state dir has its own default (:mod:`trainguard.agent.rundir`)."""
+    from trainguard.agent import rundir
+
+    return {"agent.log_dir": os.path.join(rundir.private_base(), "logs")}
 
 
-def cmd_agent(args: argparse.Namespace) -> int:
+def _start(cfg: TrainguardConfig, env: Mapping[str, str], *, announce: bool, note: str = "") -> int:
+    """Checks, start-up warnings, then the agent (see :mod:`trainguard.agent.preflight`)."""
+    from trainguard.agent import preflight, rundir, torchlogs
     from trainguard.agent.daemon import run_agent
+    from trainguard.runtime.protocol import control_socket_path
 
-    env = dict(os.environ)
-    cfg = load_config(_config_path(args, env, required=True), env, overrides_from_args(args))
     tglog.configure(cfg.agent.log_format, cfg.agent.log_level)
+    torchlogs.install()
+    preflight.check(cfg)
+    if cfg.agent.log_dir.startswith(rundir.private_base() + os.sep):
+        rundir.ensure_private_dir(cfg.agent.log_dir, key="agent.log_dir")
+    for w in preflight.warnings(cfg, env):
+        log.warning(w.event, **w.fields)
+    if not cfg.checkpoint.url:
+        log.warning("checkpoint_url_unset", effect="worker-API scripts save no checkpoints: a drain or a crash loses "
+                    "the work since the start", fix="set checkpoint.url (TRAINGUARD_CHECKPOINT_URL, or --set "
+                    "checkpoint.url=...)")
+    sock = control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
+    drain = f"trainguard drain --socket {sock}"
+    log.info("agent_control", job_id=cfg.agent.job_id, socket=sock, drain_command=drain)
+    if note:
+        print(f"trainguard: {note}", file=sys.stderr, flush=True)
+    if announce:
+        print(f"trainguard: job {cfg.agent.job_id}; drain it with `trainguard drain` "
+              f"(or `{drain}`), status with `trainguard status`", file=sys.stderr, flush=True)
     return run_agent(cfg, env)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from trainguard.agent.daemon import run_agent
+def cmd_agent(args: argparse.Namespace) -> int:
+    env = dict(os.environ)
+    cfg = load_config(_config_path(args, env, required=True), env, overrides_from_args(args))
+    return _start(cfg, env, announce=False)
 
+
+def cmd_run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     o = overrides_from_args(args)
     o["workers.entrypoint"] = args.script
     o["workers.args"] = list(args.script_args)
-    cfg = load_config(_config_path(args, env, required=False), env, o, defaults=_user_defaults())
-    tglog.configure(cfg.agent.log_format, cfg.agent.log_level)
-    return run_agent(cfg, env)
+    defaults = _user_defaults()
+    derived = note = ""
+    if args.standalone:
+        derived = standalone_job_id(args.script, args.script_args, module=bool(args.module))
+        defaults["agent.job_id"] = derived  # below YAML, env and --rdzv-id: any of those wins
+    cfg = load_config(_config_path(args, env, required=False), env, o, defaults=defaults)
+    if derived and cfg.agent.job_id == derived:
+        if cfg.checkpoint.url:
+            note = (f"job id {derived} (from the script and its arguments: the same command resumes from its newest "
+                    f"checkpoint under {cfg.checkpoint.url}; pass --rdzv-id to choose the id)")
+        else:  # nothing to resume: a fresh id keeps concurrent runs of one script apart
+            cfg.agent = dataclasses.replace(cfg.agent, job_id=uuid.uuid4().hex[:12])
+    return _start(cfg, env, announce=True, note=note)
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    load_config(args.file, dict(os.environ) if args.env else {})
-    print(f"{args.file}: OK")
+    from trainguard.agent import preflight
+
+    path = _config_path(args, {}, required=False)
+    if not path:
+        raise ConfigError("--config", "no config file given", "trainguard config check FILE (or --config FILE)",
+                          env_var=CONFIG_PATH_ENV)
+    cfg = load_config(path, dict(os.environ) if args.env else {})
+    preflight.check_url_shape(cfg.checkpoint.url)
+    print(f"{path}: OK")
     return 0
 
 
@@ -158,22 +232,79 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_drain(args: argparse.Namespace) -> int:
-    from trainguard.agent import control
-    from trainguard.runtime.protocol import DrainRequest, control_socket_path
+def _find_agent_socket(args: argparse.Namespace) -> str:
+    """``--socket`` as given, else the one live agent found (and said so on stderr)."""
+    from trainguard.agent import discover
 
-    path = args.socket
-    if not path:
-        env = dict(os.environ)
-        cfg = load_config(_config_path(args, env, required=False), env, {}, defaults=None if args.config else _user_defaults())
-        path = control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
+    if args.socket:
+        return str(args.socket)
+    env = dict(os.environ)
+    state_dir = args.state_dir
+    if not state_dir and args.config:
+        state_dir = load_config(args.config, env).agent.state_dir
+    agent = discover.find_one(env, job_id=args.job_id, state_dir=state_dir)
+    print(f"trainguard: found the agent of {agent.describe()}", file=sys.stderr)
+    return agent.socket
+
+
+def _ask(path: str, message: Any, timeout: float) -> Any:
+    """One control request with every transport failure turned into a ConfigError naming the fix."""
+    from trainguard.agent import control
+    from trainguard.runtime.protocol import ProtocolError
+
     try:
-        reply = control.request(path, DrainRequest(deadline_s=args.deadline, reason=args.reason or "trainguard drain"))
+        return control.request(path, message, timeout=timeout)
     except (FileNotFoundError, ConnectionRefusedError):
-        print(f"trainguard drain: no agent listening on {path}; is it running? (pass --socket or --config)", file=sys.stderr)
-        return 2
+        raise ConfigError("--socket", f"no agent listening on {path}",
+                          "is it running? Run without --socket to find the live one", env_var="") from None
+    except PermissionError:
+        raise ConfigError("--socket", f"permission denied on {path}",
+                          "run as the agent's user (or root): the socket is private to it", env_var="") from None
+    except TimeoutError:
+        raise ConfigError("--socket", f"the agent at {path} did not answer within {timeout:g}s",
+                          "it may be stuck: check its log (`journalctl -u trainguard-agent`), retry with "
+                          "--timeout, or stop it", env_var="") from None
+    except (OSError, ProtocolError) as e:
+        raise ConfigError("--socket", f"cannot talk to the agent at {path}: {e}",
+                          "check that the path is a trainguard agent's control socket", env_var="") from None
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    from trainguard.runtime.protocol import DrainRequest
+
+    path = _find_agent_socket(args)
+    reply = _ask(path, DrainRequest(deadline_s=args.deadline, reason=args.reason or "trainguard drain"), args.timeout)
     print(json.dumps(reply.to_dict()))
     return 0 if reply.ok else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from trainguard.metrics.status import status
+    from trainguard.runtime.protocol import StatusRequest
+
+    if args.url:
+        return status(args.url, timeout_s=args.timeout)
+    path = _find_agent_socket(args)
+    reply = _ask(path, StatusRequest(), args.timeout)
+    if not reply.ok:
+        print(f"trainguard: the agent answered: {reply.error}", file=sys.stderr)
+        return 1
+    data = reply.data
+    url = data.get("metrics_url")
+    if url:
+        return status(str(url), timeout_s=args.timeout)
+    # metrics.enabled is false: what the agent itself says
+    for k in ("job_id", "node", "state", "world_size", "nodes", "round", "remaining_restarts", "draining"):
+        print(f"{k.replace('_', ' '):<18}{data.get(k, '-')}")
+    return 0
+
+
+def _add_agent_lookup(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", help="agent control socket (default: the one live agent on this node)")
+    p.add_argument("--job-id", dest="job_id", help="pick the agent of this job when several run")
+    p.add_argument("--state-dir", dest="state_dir", help="look for agents only in this directory (agent.state_dir)")
+    p.add_argument("--config", help="YAML config whose agent.state_dir to search")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"trainguard {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    a = sub.add_parser("agent", help="run the node agent (what systemd runs)", description=cmd_agent.__doc__ or
-                       "Run the node agent with the YAML config, env overrides and flags.")
+    a = sub.add_parser("agent", help="run the node agent (what systemd runs)",
+                       description="Run the node agent with the YAML config, env overrides and flags.")
     a.add_argument("--config", help=f"YAML config (default: ${CONFIG_PATH_ENV} or {DEFAULT_CONFIG_PATH})")
     _add_override_flags(a)
     a.set_defaults(func=cmd_agent)
@@ -197,12 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("config", help="validate or show configuration")
     csub = c.add_subparsers(dest="config_command", metavar="SUBCOMMAND", required=True)
-    cc = csub.add_parser("check", help="validate a YAML config file")
-    cc.add_argument("file")
+    cc = csub.add_parser("check", help="validate a YAML config file (FILE or --config FILE)")
+    cc.add_argument("file", nargs="?", help="the YAML file")
+    cc.add_argument("--config", help="the YAML file (same as FILE)")
     cc.add_argument("--env", action="store_true", help="also apply TRAINGUARD_* env overrides")
     cc.set_defaults(func=cmd_config_check)
-    cs = csub.add_parser("show", help="print the effective config (secrets redacted)")
-    cs.add_argument("--config", help="YAML config")
+    cs = csub.add_parser("show", help="print the effective config, secrets redacted (FILE or --config FILE)")
+    cs.add_argument("file", nargs="?", help="the YAML file")
+    cs.add_argument("--config", help="the YAML file (same as FILE)")
     cs.add_argument("--format", choices=["yaml", "json"], default="yaml")
     _add_override_flags(cs)
     cs.set_defaults(func=cmd_config_show)
@@ -210,11 +343,17 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("drain", help="ask the local agent to checkpoint and leave the job")
     d.add_argument("--deadline", type=parse_duration, default=30.0, help="time until the node must be gone (30s, 2m)")
     d.add_argument("--reason", default="manual drain")
-    d.add_argument("--socket", help="agent control socket (default: from the config)")
-    d.add_argument("--config", help="YAML config used to find the socket")
+    _add_agent_lookup(d)
     d.set_defaults(func=cmd_drain)
 
-    for modname in ("trainguard.metrics.status", "trainguard.checkpoint.cli", "trainguard.agent.store"):
+    st = sub.add_parser("status", help="this node's live view (from its agent's /metrics)",
+                        description="Print the live view of the agent on this node, read from its /metrics "
+                                    "endpoint (found through its control socket, or --url).")
+    st.add_argument("--url", help="read this exporter directly, e.g. http://127.0.0.1:9400")
+    _add_agent_lookup(st)
+    st.set_defaults(func=cmd_status)
+
+    for modname in ("trainguard.checkpoint.cli", "trainguard.agent.store"):
         try:
             mod = __import__(modname, fromlist=["register"])
         except ModuleNotFoundError as e:
@@ -239,6 +378,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"trainguard: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("trainguard: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

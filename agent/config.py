@@ -8,16 +8,20 @@ env var, derived mechanically (``rendezvous.min_nodes`` -> ``TRAINGUARD_RENDEZVO
 
 from __future__ import annotations
 
+import re
 import socket
 from dataclasses import dataclass, field
 
-from trainguard.runtime.configbase import require
+from trainguard.runtime.configbase import require, require_finite
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.metrics.config import CostConfig, MetricsConfig
 
 RDZV_BACKENDS = ("c10d", "etcd-v2", "static")
 LOG_FORMATS = ("auto", "json", "console")
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Upper bound of every timeout setting (a week): a larger value is a typo, not a plan."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,8 +33,11 @@ class AgentConfig:
     node_name: str = field(default_factory=socket.gethostname)
     """Name of this node in logs and metrics (defaults to the hostname)."""
 
-    state_dir: str = "/var/lib/trainguard"
-    """Agent-private runtime state: the control socket, the workers' metrics directory."""
+    state_dir: str = ""
+    """Agent-private runtime state: the control socket ``<state_dir>/<job_id>.sock`` and the workers'
+    metrics files. Empty: ``$RUNTIME_DIRECTORY`` (systemd ``RuntimeDirectory=``), else
+    ``$XDG_RUNTIME_DIR/trainguard``, else ``/tmp/trainguard-<uid>/state``. It must belong to the agent's
+    user and not be writable by others (checked at start)."""
 
     log_dir: str = "/var/log/trainguard"
     """Per-rank worker logs go to ``<log_dir>/<job_id>/attempt_<n>/<rank>/``."""
@@ -42,8 +49,11 @@ class AgentConfig:
     """``debug``, ``info``, ``warning`` or ``error``."""
 
     def __post_init__(self) -> None:
-        require(bool(self.job_id) and "/" not in self.job_id, "job_id", f"must be a non-empty name without '/', got {self.job_id!r}",
-                "use a short name such as 'gpt-small-run1'")
+        require(bool(JOB_ID_RE.match(self.job_id)), "job_id",
+                f"must be 1-128 letters, digits, '.', '_' or '-' starting with a letter or digit, got {self.job_id!r}",
+                "use a short name such as 'gpt-small-run1' (it names a folder of logs and checkpoints)")
+        require(bool(self.node_name.strip()) and "/" not in self.node_name, "node_name",
+                f"must be a non-empty name without '/', got {self.node_name!r}", "use the host name (the default)")
         require(self.log_format in LOG_FORMATS, "log_format", f"must be one of {list(LOG_FORMATS)}, got {self.log_format!r}",
                 "use 'auto' unless you need to force one")
         require(self.log_level in {"debug", "info", "warning", "error"}, "log_level",
@@ -103,8 +113,13 @@ class RendezvousConfig:
                 "use whole seconds, e.g. 2")
         require(self.keep_alive_max_attempts >= 2, "keep_alive_max_attempts",
                 f"must be >= 2, got {self.keep_alive_max_attempts}", "use 3: one lost heartbeat must not evict a node")
-        require(self.join_timeout_s > 0, "join_timeout_s", f"must be > 0, got {self.join_timeout_s}", "e.g. 600")
-        require(self.last_call_timeout_s >= 0, "last_call_timeout_s", f"must be >= 0, got {self.last_call_timeout_s}", "e.g. 2")
+        for name, example in (("join_timeout_s", 600), ("last_call_timeout_s", 2), ("close_timeout_s", 30)):
+            value = getattr(self, name)
+            require_finite(value, name, positive=True, fix=f"torch needs a positive timeout; e.g. {example}")
+            require(value <= MAX_TIMEOUT_S, name, f"must be at most {MAX_TIMEOUT_S:.0f} s (a week), got {value}",
+                    f"e.g. {example}")
+        require(self.keep_alive_interval_s <= 600, "keep_alive_interval_s",
+                f"must be at most 600, got {self.keep_alive_interval_s}", "use 2: a node silent for interval x attempts is dead")
         require(self.backend != "static" or self.min_nodes == self.max_nodes, "backend",
                 "the static backend cannot change size", "use c10d or etcd-v2 for an elastic job, or set min_nodes == max_nodes")
 
@@ -114,8 +129,9 @@ class WorkersConfig:
     entrypoint: str = ""
     """The training script (``train.py``) or, with ``module: true``, a module name. Required."""
 
-    args: list[str] = field(default_factory=list)
-    """Arguments passed to the script."""
+    args: list[str] = field(default_factory=list, metadata={"text": "shell"})
+    """Arguments passed to the script. As an env var or ``--set`` value: shell words
+    (``TRAINGUARD_WORKERS_ARGS='--steps 50'`` is two arguments) or a JSON list."""
 
     module: bool = False
     """Run ``entrypoint`` as ``python -m <module>`` (torchrun ``-m``)."""
@@ -140,13 +156,19 @@ class WorkersConfig:
     """Cap of the restart backoff."""
 
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment for the workers."""
+    """Extra environment for the workers (string values; shown redacted unless the name is on the
+    allow-list of non-secret prefixes such as ``NCCL_``, ``OMP_``, ``CUDA_``)."""
 
     tee: bool = True
     """Copy worker stdout/stderr to the agent's stderr (prefixed with the rank) as well as the log files."""
 
     exit_barrier_timeout_s: float = 300.0
     """On success, how long to wait for the other nodes' workers to finish."""
+
+    pg_timeout_s: float = 600.0
+    """Timeout of every process group the worker runtime builds (``init_process_group`` and its gloo
+    side groups): a collective or a process-group start that waits longer for a missing rank fails
+    instead of hanging (torch's own default is 30 minutes for gloo)."""
 
     reform: str = "in-process"
     """How the world changes size for worker-API scripts: ``in-process`` (the workers that stay keep
@@ -164,6 +186,16 @@ class WorkersConfig:
         require(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}", "use 0 to never restart")
         require(self.monitor_interval_s > 0, "monitor_interval_s", f"must be > 0, got {self.monitor_interval_s}", "e.g. 0.5")
         require(self.restart_backoff_s >= 0, "restart_backoff_s", f"must be >= 0, got {self.restart_backoff_s}", "e.g. 1")
+        require(self.monitor_interval_s <= 60, "monitor_interval_s", f"must be at most 60, got {self.monitor_interval_s}",
+                "e.g. 0.5")
+        require(self.restart_backoff_max_s <= 3600, "restart_backoff_max_s",
+                f"must be at most 3600, got {self.restart_backoff_max_s}", "e.g. 30")
+        require(self.exit_barrier_timeout_s > 0, "exit_barrier_timeout_s", f"must be > 0, got {self.exit_barrier_timeout_s}",
+                "e.g. 300")
+        require(self.exit_barrier_timeout_s <= MAX_TIMEOUT_S, "exit_barrier_timeout_s",
+                f"must be at most {MAX_TIMEOUT_S:.0f}, got {self.exit_barrier_timeout_s}", "e.g. 300")
+        require(10 <= self.pg_timeout_s <= 24 * 3600, "pg_timeout_s", f"must be within 10..86400 s, got {self.pg_timeout_s}",
+                "e.g. 600; longer than the slowest step or checkpoint save, short enough that a lost rank is noticed")
         require(self.restart_backoff_max_s >= self.restart_backoff_s, "restart_backoff_max_s",
                 f"must be >= restart_backoff_s ({self.restart_backoff_s}), got {self.restart_backoff_max_s}", "e.g. 30")
         require(not (self.module and self.no_python), "module", "module and no_python are mutually exclusive",

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import shlex
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -17,7 +20,9 @@ from typing import Any
 import yaml
 
 from trainguard.agent.config import SECTIONS, TrainguardConfig
-from trainguard.runtime.configbase import ENV_PREFIX, ConfigError, FieldError, env_var_for, is_secret
+from trainguard.agent import rundir
+from trainguard.runtime.configbase import (DOCS_CONFIG, ENV_PREFIX, ConfigError, FieldError, env_var_for,
+                                           is_redacted_key, redact)
 from trainguard.runtime.protocol import RT_PREFIX
 
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.yaml"
@@ -26,15 +31,16 @@ CONFIG_PATH_ENV = "TRAINGUARD_CONFIG"
 RUNTIME_ENV_PREFIX = RT_PREFIX
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+TEXT_SHELL = "shell"
+"""Field metadata ``{"text": "shell"}``: a list written as text (env var, ``--set``) is split into shell
+words (``--steps 50`` -> two items), not at commas."""
 
 
 class ConfigFileError(ConfigError):
     """The config file itself is missing or unreadable."""
 
     def __init__(self, path: str, message: str, fix: str) -> None:
-        ValueError.__init__(self, f"config file {path}: {message}. Fix: {fix}")
-        self.key, self.env_var, self.message, self.fix, self.value, self.source = (
-            "--config", CONFIG_PATH_ENV, message, fix, path, "")
+        super().__init__("--config", f"config file {path}: {message}", fix, env_var=CONFIG_PATH_ENV)
 
 
 def all_keys() -> list[str]:
@@ -46,24 +52,33 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _text_syntax(section: str, name: str) -> str:
+    for f in dataclasses.fields(SECTIONS[section]):
+        if f.name == name:
+            return str(f.metadata.get("text", ""))
+    return ""
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(key: str, tp: Any, value: Any, source: str, *, from_text: bool) -> Any:
+def _coerce(key: str, tp: Any, value: Any, source: str, *, from_text: bool, syntax: str = "") -> Any:
     """Check/convert ``value`` to the field type ``tp``; ``from_text`` for env vars and flags."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    secret = is_redacted_key(key)
 
     def bad(expected: str) -> ConfigError:
-        return ConfigError(key, f"expected {expected}, got {type(value).__name__} {value!r}",
-                           f"give `{key}` a value of type {expected}", value=value, source=source)
+        got = type(value).__name__ if secret else f"{type(value).__name__} {value!r}"
+        return ConfigError(key, f"expected {expected}, got {got}", f"give `{key}` a value of type {expected}",
+                           source=source)
 
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         non_none = [a for a in args if a is not type(None)]
         if value is None or (from_text and str(value).lower() in {"", "none", "null", "auto"}):
             return None
-        return _coerce(key, non_none[0], value, source, from_text=from_text)
+        return _coerce(key, non_none[0], value, source, from_text=from_text, syntax=syntax)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -85,13 +100,18 @@ def _coerce(key: str, tp: Any, value: Any, source: str, *, from_text: bool) -> A
         if isinstance(value, bool):
             raise bad("number")
         if isinstance(value, (int, float)):
-            return float(value)
-        if from_text and isinstance(value, str):
+            out = float(value)
+        elif from_text and isinstance(value, str):
             try:
-                return float(value)
+                out = float(value)
             except ValueError:
                 raise bad("number") from None
-        raise bad("number")
+        else:
+            raise bad("number")
+        if not math.isfinite(out):
+            raise ConfigError(key, f"must be a finite number, got {value!r}",
+                              f"give `{key}` a plain number (inf and nan are not allowed)", source=source)
+        return out
     if tp is str:
         if isinstance(value, str):
             return value
@@ -105,8 +125,14 @@ def _coerce(key: str, tp: Any, value: Any, source: str, *, from_text: bool) -> A
                 try:
                     value = json.loads(text)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(key, f"not a JSON list: {e}", "use a JSON list or comma-separated values",
-                                      value=value, source=source) from None
+                    raise ConfigError(key, f"not a JSON list ({e.msg} at column {e.colno})",
+                                      "write a JSON list, e.g. [\"a\", \"b\"]", source=source) from None
+            elif syntax == TEXT_SHELL:
+                try:
+                    value = shlex.split(text)
+                except ValueError as e:
+                    raise ConfigError(key, f"not a list of shell words ({e})",
+                                      "close the quote, or write a JSON list", source=source) from None
             else:
                 value = [p.strip() for p in text.split(",") if p.strip()]
         if not isinstance(value, list):
@@ -118,32 +144,77 @@ def _coerce(key: str, tp: Any, value: Any, source: str, *, from_text: bool) -> A
             try:
                 value = json.loads(value) if value.strip() else {}
             except json.JSONDecodeError as e:
-                raise ConfigError(key, f"not a JSON object: {e}", 'use a JSON object, e.g. {"a": "b"}',
-                                  value=value, source=source) from None
+                raise ConfigError(key, f"not a JSON object ({e.msg} at column {e.colno})",
+                                  'write a JSON object, e.g. {"a": "b"}', source=source) from None
         if not isinstance(value, dict):
             raise bad("mapping")
+        _, val_tp = args or (str, Any)
+        if val_tp is str:
+            out_d: dict[str, Any] = {}
+            for k, v in value.items():
+                if isinstance(v, (dict, list)) or v is None:
+                    raise ConfigError(key, f"the value of {k!r} is a {type(v).__name__}; values must be strings",
+                                      f"quote the value of {k!r} (a list or mapping cannot be an environment "
+                                      "variable)", source=source)
+                out_d[str(k)] = str(v).lower() if isinstance(v, bool) else str(v)
+            return out_d
         return dict(value)
     return value
 
 
-def _suggest(word: str, choices: list[str]) -> str:
+def _suggest(word: str, choices: list[str]) -> str | None:
     close = difflib.get_close_matches(word, choices, n=1)
-    return f"did you mean `{close[0]}`? " if close else ""
+    return close[0] if close else None
+
+
+def _unknown_key(key: str, where: str, keys: list[str]) -> ConfigError:
+    """An unknown dotted key: the error names the likely key (and its env var), never the typo's."""
+    guess = _suggest(key, keys)
+    hint = f"did you mean `{guess}`? " if guess else ""
+    return ConfigError(guess or key, f"unknown config key `{key}` in {where}",
+                       f"{hint}every key is listed in {DOCS_CONFIG}", env_var=None if guess else "")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key].line + 1})", key_node.start_mark)
+        except TypeError:
+            continue  # an unhashable key: construct_mapping below reports it
+        seen[key] = key_node.start_mark
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 def read_yaml(path: str) -> dict[str, Any]:
     """Read the YAML file into a mapping of section -> mapping, with precise errors."""
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data = yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise ConfigFileError(path, "not found", f"create it (see systemd/agent.yaml.example) or pass --config / set {CONFIG_PATH_ENV}") from None
+    except IsADirectoryError:
+        raise ConfigFileError(path, "is a directory", "pass the path of the YAML file itself") from None
     except PermissionError:
         raise ConfigFileError(path, "permission denied", "make it readable by the agent's user") from None
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(path, f"is not UTF-8 text (byte {e.start})", "save the file as UTF-8") from None
+    except OSError as e:
+        raise ConfigFileError(path, f"cannot be read ({e.strerror or type(e).__name__})", "check the path") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigFileError(path, f"invalid YAML{where}: {getattr(e, 'problem', e)}", "fix the YAML syntax") from None
+        raise ConfigFileError(path, f"invalid YAML{where}: {getattr(e, 'problem', None) or e}", "fix the YAML syntax") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -177,20 +248,21 @@ def load_config(
         data = read_yaml(path)
         for section, body in data.items():
             if section not in SECTIONS:
-                raise ConfigError(str(section), f"unknown section in {path}; {_suggest(str(section), list(SECTIONS))}".rstrip("; "),
-                                  f"use one of {list(SECTIONS)}", source=path)
+                guess = _suggest(str(section), list(SECTIONS))
+                raise ConfigError(str(section), f"unknown section `{section}` in {path}",
+                                  (f"did you mean `{guess}`? " if guess else "") + f"the sections are {list(SECTIONS)} "
+                                  f"({DOCS_CONFIG})", env_var="")
             if body is None:
                 continue
             if not isinstance(body, dict):
-                raise ConfigError(section, f"section must be a mapping, got {type(body).__name__}",
-                                  f"write `{section}:` followed by indented `key: value` lines", source=path)
+                raise ConfigError(section, f"section `{section}` must be a mapping, got {type(body).__name__}",
+                                  f"write `{section}:` followed by indented `key: value` lines", source=path, env_var="")
             hints = _hints(SECTIONS[section])
             for k, v in body.items():
                 key = f"{section}.{k}"
                 if k not in hints:
-                    raise ConfigError(key, f"unknown key in {path}; {_suggest(key, keys)}".rstrip("; "),
-                                      f"remove it or use one of the `{section}.*` keys in docs/configuration.md", source=path)
-                values[section][k] = _coerce(key, hints[k], v, path, from_text=False)
+                    raise _unknown_key(key, path, keys)
+                values[section][k] = _coerce(key, hints[k], v, path, from_text=False, syntax=_text_syntax(section, k))
                 sources[key] = path
 
     env_names = {env_var_for(k): k for k in keys}
@@ -199,19 +271,25 @@ def load_config(
             continue
         key = env_names.get(name)
         if key is None:
-            close = difflib.get_close_matches(name, list(env_names), n=1)
-            hint = f"did you mean {close[0]} (`{env_names[close[0]]}`)?" if close else ""
-            raise ConfigError(env_names[close[0]] if close else name, f"unknown environment variable {name}; {hint}".rstrip("; "),
-                              "unset it or fix its name (env vars are TRAINGUARD_<SECTION>_<KEY>)", value=raw, source=f"env {name}")
+            guess = _suggest(name, list(env_names))
+            raise ConfigError(env_names[guess] if guess else name, f"unknown environment variable {name}",
+                              (f"did you mean {guess}? " if guess else "") + "unset it or fix its name (env vars are "
+                              f"TRAINGUARD_<SECTION>_<KEY>, listed in {DOCS_CONFIG})", env_var=guess or "")
         section, k = key.split(".", 1)
-        values[section][k] = _coerce(key, _hints(SECTIONS[section])[k], raw, f"env {name}", from_text=True)
+        values[section][k] = _coerce(key, _hints(SECTIONS[section])[k], raw, f"env {name}", from_text=True,
+                                     syntax=_text_syntax(section, k))
         sources[key] = f"env {name}"
 
     for key, raw in (overrides or {}).items():
-        section, k = key.split(".", 1)
+        section, _, k = key.partition(".")
+        if section not in SECTIONS or k not in _hints(SECTIONS[section]):
+            raise _unknown_key(key, "the command line", keys)
         values[section][k] = _coerce(key, _hints(SECTIONS[section])[k], raw, "command line",
-                                     from_text=isinstance(raw, str))
+                                     from_text=isinstance(raw, str), syntax=_text_syntax(section, k))
         sources[key] = "command line"
+
+    if not values["agent"].get("state_dir"):
+        values["agent"]["state_dir"] = rundir.default_state_dir(env)
 
     built: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
@@ -225,14 +303,7 @@ def load_config(
 
 
 def redacted(cfg: TrainguardConfig) -> dict[str, Any]:
-    """The effective config as a plain dict with every secret replaced by ``***``."""
-
-    def scrub(key: str, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: scrub(f"{key}.{k}", v) for k, v in value.items()}
-        if is_secret(key) and value not in ("", None):
-            return "***"
-        return value
-
+    """The effective config as a plain dict, every possible secret replaced by ``***`` (see
+    :func:`trainguard.runtime.configbase.redact`: by shape, not only by name)."""
     out = dataclasses.asdict(cfg)
-    return {s: {k: scrub(f"{s}.{k}", v) for k, v in body.items()} for s, body in out.items()}
+    return {s: {k: redact(f"{s}.{k}", v) for k, v in body.items()} for s, body in out.items()}

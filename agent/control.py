@@ -8,16 +8,56 @@ ends import); this module is the server and the CLI's one-shot client.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from trainguard.runtime import protocol as proto
+from trainguard.runtime.configbase import ConfigError
 from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.agent.control")
 Handler = Callable[[proto.Message], proto.Reply | None]
+PROBE_TIMEOUT_S = 2.0
+"""How long a probe of an existing socket waits for an answer."""
+
+
+class SocketInUse(ConfigError):
+    """Another agent already serves this control socket."""
+
+
+def socket_is_live(path: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether something accepts connections on the Unix socket ``path`` (a stale file: False)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+            return False
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+                return False
+            raise
+        return True
+
+
+def refuse_if_live(path: str, job_id: str = "") -> None:
+    """Raise :class:`SocketInUse` when another agent listens on ``path``."""
+    try:
+        live = socket_is_live(path)
+    except OSError as e:
+        raise SocketInUse("agent.state_dir", f"cannot probe the control socket {path}: {e.strerror or e}",
+                          "fix the permissions of the state directory or choose another one") from None
+    if live:
+        raise SocketInUse("agent.job_id", f"another agent is already running job {job_id!r} on this node "
+                          f"(its control socket {path} answers)", "drain or stop that agent first "
+                          f"(`trainguard drain --socket {path}`), or give this one its own agent.job_id or "
+                          "agent.state_dir")
 
 
 class ControlServer:
@@ -34,9 +74,26 @@ class ControlServer:
         self._lock = threading.Lock()
         self._workers: dict[socket.socket, proto.Hello] = {}
         self._closed = threading.Event()
+        self.status_extra: dict[str, Any] = {"pid": os.getpid(), "socket": path}
+        """Merged into every successful status reply (the daemon adds e.g. ``metrics_url``)."""
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        if os.path.exists(path):
-            os.unlink(path)  # a stale socket from a previous agent on this node
+        # One agent per socket: an exclusive lock held for the server's life decides between two agents
+        # starting at once; a socket that still answers belongs to a live agent started otherwise.
+        self._lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise SocketInUse("agent.job_id", f"another agent holds the control socket {path}",
+                              "drain or stop that agent first, or give this one its own agent.job_id or "
+                              "agent.state_dir") from None
+        try:
+            refuse_if_live(path, os.path.basename(path).removesuffix(".sock"))
+            if os.path.lexists(path):
+                os.unlink(path)  # a stale socket from a previous agent on this node
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -115,7 +172,10 @@ class ControlServer:
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    self._handle_line(conn, line)
+                    try:
+                        self._handle_line(conn, line)
+                    except Exception as e:  # noqa: BLE001 - even a failing log call must not end the connection
+                        self._send(conn, proto.Reply(ok=False, error=f"internal error: {type(e).__name__}: {e}"))
                 if len(buf) > proto.MAX_LINE:
                     self._send(conn, proto.Reply(ok=False, error=f"message longer than {proto.MAX_LINE} bytes"))
                     return
@@ -147,11 +207,20 @@ class ControlServer:
             with self._lock:
                 self._workers[conn] = msg
             log.info("worker_registered", rank=msg.rank, local_rank=msg.local_rank, pid=msg.pid)
+        if isinstance(msg, proto.Committed) and not msg.saved and msg.rank == 0:
+            lost = None if msg.last_committed is None else msg.step - msg.last_committed
+            log.warning("checkpoint_not_saved", kind=msg.kind.value, step=msg.step, last_committed=msg.last_committed,
+                        lost_steps=lost if lost is not None else msg.step,
+                        effect="the workers stopped without a checkpoint of this step: the next start resumes from "
+                               "the last committed step, or from step 0 when there is none",
+                        fix="set checkpoint.url (TRAINGUARD_CHECKPOINT_URL) so that drains save the work")
         try:
             reply = self._on_request(msg)
         except Exception as e:  # noqa: BLE001 - a handler bug must answer the client, not kill the thread
             log.exception("control_handler_failed", op=msg.OP)
             reply = proto.Reply(ok=False, error=f"internal error handling {msg.OP!r}: {type(e).__name__}: {e}")
+        if reply is not None and reply.ok and isinstance(msg, proto.StatusRequest) and self.status_extra:
+            reply = proto.Reply(ok=True, error=reply.error, data={**reply.data, **self.status_extra})
         if reply is not None:
             self._send(conn, reply)
 
@@ -169,20 +238,30 @@ class ControlServer:
             os.unlink(self.path)
         except OSError:
             pass
+        os.close(self._lock_fd)  # the lock file stays: unlinking it could let two agents lock two files
 
 
 def request(path: str, message: proto.Message, timeout: float = 5.0) -> proto.Reply:
-    """One request/reply exchange with a running agent (used by the CLI)."""
+    """One request/reply exchange with a running agent (used by the CLI), within ``timeout`` seconds
+    in total. Raises ``OSError`` (``TimeoutError``, ``PermissionError``, ...) or
+    :class:`~trainguard.runtime.protocol.ProtocolError`."""
+    deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
         s.sendall(proto.encode(message))
         buf = b""
         while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no reply from {path} within {timeout:g}s")
+            s.settimeout(left)
             chunk = s.recv(65536)
             if not chunk:
                 break
             buf += chunk
+            if len(buf) > proto.MAX_LINE:
+                raise proto.ProtocolError(f"reply from {path} longer than {proto.MAX_LINE} bytes")
     if not buf:
         raise ConnectionError(f"agent at {path} closed the connection without a reply")
     reply = proto.decode(buf.split(b"\n", 1)[0])

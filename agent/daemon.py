@@ -33,6 +33,9 @@ def _start_metrics(cfg: TrainguardConfig) -> tuple[Any, Any]:
     if cfg.checkpoint.url:
         policy, _ = cfg.checkpoint.interval_policy()  # auto: the workers export the interval they chose
         metrics.set_checkpoint_policy(policy.seconds, policy.steps)
+    from trainguard.agent.preflight import store_in_agent
+
+    metrics.set_store_in_agent(store_in_agent(cfg.rendezvous))
     exporter = metrics.serve()
     log.info("metrics_serving", url=getattr(exporter, "url", None))
     return metrics, exporter
@@ -88,6 +91,8 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
     if metrics is not None:
         listeners.append(lambda old, new, details: metrics.set_state(new))
     sup = Supervisor(cfg, listeners=listeners, observer=metrics)
+    if exporter is not None:  # `trainguard status` finds the exporter through the control socket
+        sup.control.status_extra["metrics_url"] = getattr(exporter, "url", None)
     services: list[Any] = [s for s in (metrics, exporter) if s is not None]
     interval = watchdog_interval(env)
     if interval:

@@ -57,6 +57,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, Wo
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
+from trainguard.agent import workerenv
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
@@ -147,7 +148,7 @@ class Supervisor:
         self.control = ControlServer(self.control_path, self._on_control)
         entrypoint, args = worker_command(cfg)
         spec = WorkerSpec(
-            role="trainer",
+            role=workerenv.ROLE,
             local_world_size=cfg.workers.nproc_per_node,
             rdzv_handler=self.handler,
             entrypoint=entrypoint,
@@ -255,7 +256,9 @@ class Supervisor:
             control_path=self.control_path, round=self.adapter.round,
             checkpoint=dataclasses.asdict(cfg.checkpoint), reform=self.reform_enabled,
             reform_timeout_s=cfg.workers.reform_timeout_s, standby=self._standby_start,
+            pg_timeout_s=cfg.workers.pg_timeout_s,
         ).to_env()
+        env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         if self.observer is not None:
             env.update(self.observer.worker_env())

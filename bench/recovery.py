@@ -215,12 +215,12 @@ class Proc:
 
     def events(self, name: str | None = None) -> list[tuple[float, dict[str, Any]]]:
         """``(arrival time, event)`` for each JSON line (agent events, and worker lines with the
-        ``[trainer0]:`` tee prefix stripped)."""
+        ``[default0]:`` tee prefix stripped)."""
         with self._lock:
             lines = list(self._lines)
         out = []
         for t, text in lines:
-            # Agent and tee'd worker writes can land on one line: split "...}[trainer0]:{..." and "...}{...".
+            # Agent and tee'd worker writes can land on one line: split "...}[default0]:{..." and "...}{...".
             for line in _GLUED.split(text):
                 if line.startswith("[") and "]:" in line[:24]:
                     line = line.split("]:", 1)[1]

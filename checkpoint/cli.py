@@ -28,7 +28,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="checkpoints_cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("url", help="checkpoint URL (checkpoint.url): path, file://, s3://, gs://")
+        sp.add_argument("url", help="checkpoint URL (checkpoint.url): path, file://, s3://, gs://; or one run's "
+                                    "folder under it (<url>/<run_id>)")
         sp.add_argument("--run-id", default=None, help="run id (default: the only run under URL)")
         sp.add_argument("--storage-options", default="{}", metavar="JSON",
                         help='fsspec storage options as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'')
@@ -45,7 +46,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _storage(args: argparse.Namespace) -> Storage:
+def _storage(args: argparse.Namespace, url: str | None = None) -> Storage:
     from trainguard.checkpoint.storage import Storage
 
     try:
@@ -55,13 +56,28 @@ def _storage(args: argparse.Namespace) -> Storage:
     except ValueError as e:
         raise CheckpointError(f"--storage-options is not a JSON object ({e}). Fix: pass e.g. "
                               f"'{{\"endpoint_url\": \"http://host:port\"}}'") from e
-    return Storage(args.url, opts, retry_attempts=3, retry_deadline_s=30.0)
+    return Storage(url or args.url, opts, retry_attempts=3, retry_deadline_s=30.0)
 
 
-def _run_id(storage: Storage, args: argparse.Namespace) -> str:
+def _resolve(args: argparse.Namespace) -> tuple[Storage, str]:
+    """(storage of the checkpoint URL, run id). URL may also be one run's folder (``<url>/<run_id>``,
+    recognised by its ``step-*`` entries): then its parent is the checkpoint URL."""
+    from trainguard.checkpoint.manifest import parse_step_dir
+
+    storage = _storage(args)
+    if args.run_id:
+        return storage, str(args.run_id)
+    entries = storage.listdir("")
+    parent, _, run = args.url.rstrip("/").rpartition("/")
+    if run and parent and not parent.endswith(":/") and any(parse_step_dir(e) is not None for e in entries):
+        return _storage(args, parent), run
+    return storage, _run_id(storage, args, entries)
+
+
+def _run_id(storage: Storage, args: argparse.Namespace, runs: list[str] | None = None) -> str:
     if args.run_id:
         return str(args.run_id)
-    runs = storage.listdir("")
+    runs = storage.listdir("") if runs is None else runs
     if len(runs) == 1:
         return runs[0]
     if not runs:
@@ -90,8 +106,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     out = out or sys.stdout
     try:
-        storage = _storage(args)
-        run = _run_id(storage, args)
+        storage, run = _resolve(args)
         scan = scan_run(storage, run)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -126,8 +141,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     out = out or sys.stdout
     try:
-        storage = _storage(args)
-        run = _run_id(storage, args)
+        storage, run = _resolve(args)
         rel = f"{run}/{step_dir(args.step)}/{MANIFEST_NAME}"
         m = Manifest.from_json(storage.read_bytes(rel), storage.url_of(rel))
     except CheckpointError as e:

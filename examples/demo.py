@@ -3,8 +3,10 @@
 Timeline: both nodes rendezvous and train the bundled GPT job on the worker API (CPU, gloo); node-b
 gets a simulated spot notice (``trainguard drain --deadline 30s``, what a cloud watcher does on a real
 notice): every rank stops at the same step, the emergency checkpoint is committed, node-b leaves, and
-node-a resumes alone at world size 1 from the next step; node-b comes back, the world takes a resize
-checkpoint and grows to 2 again; the job finishes. Every event is printed as it happens.
+node-a's worker re-forms *in place* at world size 1 (same process, state from memory) and continues
+from the next step; node-b comes back, warms its worker up while node-a trains, and the world re-forms
+to 2 again; the job finishes. Every event is printed as it happens, with the seconds each change cost
+and node-a's worker pid (unchanged).
 
 Run it through ``bash examples/demo.sh`` (installs first) or, in an installed venv,
 ``python examples/demo.py``.
@@ -62,7 +64,7 @@ class Node:
         self.offset += len(data[:cut].encode())
         out = []
         for line in data[:cut].splitlines():
-            line = line.split("]:", 1)[-1] if line.startswith("[trainer") else line
+            line = line.split("]:", 1)[-1] if line.startswith("[default") else line
             if line.startswith("{"):
                 try:
                     out.append(json.loads(line))
@@ -77,6 +79,15 @@ def describe(ev: dict) -> str | None:
         return f"rendezvous round {ev['round']} complete: world size {ev['world_size']} (this node is group rank {ev['group_rank']})"
     if e == "train_step":
         return f"step {ev['step']:4d}  loss {ev['loss']:.4f}  world size {ev['world_size']}"
+    if e == "reformed":
+        return (f"worker re-formed in place (pid {ev['pid']}, no restart): continues at step {ev['step'] + 1}, "
+                f"world size {ev['world_size']}, gradient accumulation x{ev['accum_steps']}")
+    if e == "worker_reformed" and ev.get("rank") == 0:
+        return f"  re-formation took {ev['seconds']}s in the worker (state: {ev['state']}, rebuild {ev['rebuild_s']}s)"
+    if e == "reformed_in_place":
+        return f"  rendezvous re-formed in {ev['rendezvous_s']}s ({ev['reason']}, planned={ev['planned']})"
+    if e == "joiner_warm":
+        return f"worker warmed up in {ev['seconds']}s (started, imported, model built) before the world pauses for it"
     if e == "resumed":
         return f"workers restored step {ev['step']} and continue at step {ev['step'] + 1} (world size {ev['world_size']}, gradient accumulation x{ev['accum_steps']})"
     if e == "started":
@@ -109,6 +120,7 @@ def main() -> int:
     time.sleep(1.0)
     nodes["node-b"] = Node("node-b", work, endpoint, train)
     phase, last_step, alone_from = "together", 0, 0
+    pids: set[int] = set()
     deadline = time.monotonic() + 600
     try:
         while time.monotonic() < deadline:
@@ -118,6 +130,8 @@ def main() -> int:
                     text = describe(ev)
                     if text:
                         say(n.name, text)
+                    if ev.get("event") == "reformed" and n.name == "node-a":
+                        pids.add(ev["pid"])
                     if ev.get("event") == "train_step":
                         last_step = ev["step"]
                         if phase == "alone" and ev["world_size"] == 1 and not alone_from:
@@ -141,7 +155,9 @@ def main() -> int:
                 if describe(ev):
                     say(n.name, describe(ev))
         ok = all(c == 0 for c in codes.values()) and last_step >= args.steps
-        print(f"\ndemo {'finished' if ok else 'FAILED'}: last step {last_step}/{args.steps}, agent exit codes {codes}")
+        kept = f"node-a's worker process: {sorted(pids)} (the same through every change)" if len(pids) == 1 else \
+            f"node-a's worker processes: {sorted(pids)}"
+        print(f"\ndemo {'finished' if ok else 'FAILED'}: last step {last_step}/{args.steps}, agent exit codes {codes}; {kept}")
         return 0 if ok else 1
     finally:
         for n in nodes.values():

@@ -189,6 +189,9 @@ class AgentMetrics:
         self._m_start = Gauge(P + "agent_start_time_seconds", "Unix time the agent started.", registry=r)
         self._m_start.set(self._wall())
         self._m_dead = Counter(P + "worker_exits", "Worker processes that exited (marked dead in the channel).", registry=r)
+        self._m_store_in_agent = Gauge(P + "rendezvous_store_in_agent",
+                                       "1 when this agent hosts the c10d store of a job that may span several nodes "
+                                       "(the store, and the job, die with this node; pytorch#67742).", registry=r)
         self._round_seen: int | None = None
 
     # -- the owner's API ------------------------------------------------------------------------
@@ -214,6 +217,10 @@ class AgentMetrics:
         if round != self._round_seen:
             self._round_seen = round
             self._m_rounds.inc()
+
+    def set_store_in_agent(self, hosted: bool) -> None:
+        """Whether this agent hosts the rendezvous store of a multi-node job (a start-up warning too)."""
+        self._m_store_in_agent.set(1 if hosted else 0)
 
     def restart(self, reason: str) -> None:
         """The worker group is restarted after a failure (``reason``: e.g. ``worker_failure``).

@@ -6,7 +6,6 @@ can reach, and shows exactly what Prometheus would see.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import urllib.error
@@ -65,8 +64,9 @@ def build_view(m: dict[str, list[tuple[dict[str, str], float]]], now: float | No
         "step": one("trainguard_step"),
         "samples_per_second": one("trainguard_samples_per_second"),
         "tokens_per_second": one("trainguard_tokens_per_second"),
-        "last_checkpoint_step": one("trainguard_checkpoint_last_committed_step"),
-        "last_checkpoint_age_s": None if ckpt_ts is None else max(0.0, now - ckpt_ts),
+        # Before the first commit the gauges read 0 (a timestamp of 0 is 1970, not a checkpoint).
+        "last_checkpoint_step": one("trainguard_checkpoint_last_committed_step") if ckpt_ts else None,
+        "last_checkpoint_age_s": max(0.0, now - ckpt_ts) if ckpt_ts else None,
         "checkpoint_failures": one("trainguard_checkpoint_failures_total"),
         "restarts": one("trainguard_restarts_total"),
         "cost": one("trainguard_cost_total"),
@@ -87,7 +87,7 @@ def _fmt(v: Any, spec: str = "g", unit: str = "") -> str:
 def format_view(v: dict[str, Any]) -> str:
     """The human-readable table printed by ``trainguard status``."""
     cur = v["currency"]
-    ckpt = "-" if v["last_checkpoint_step"] is None else (
+    ckpt = "none yet" if v["last_checkpoint_step"] is None else (
         f"step {v['last_checkpoint_step']:.0f}, {v['last_checkpoint_age_s']:.0f} s ago")
     wasted = ", ".join(f"{r} {c:.4f}" for r, c in sorted(v["cost_wasted"].items())) or "none"
     lines = [
@@ -120,21 +120,3 @@ def status(url: str = DEFAULT_URL, *, timeout_s: float = 5.0, out: TextIO | None
         return 1
     out.write(format_view(view))
     return 0
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    return status(args.url, timeout_s=args.timeout)
-
-
-def register(subparsers: Any, default_url: str = DEFAULT_URL) -> argparse.ArgumentParser:
-    """Add ``status [--url URL] [--timeout S]`` to the CLI's subparsers.
-
-    The parser's ``func`` default is a callable ``(args) -> int`` (the exit code).
-    """
-    p = subparsers.add_parser("status", help="print this node's live view from its agent's /metrics endpoint",
-                              description=__doc__)
-    p.add_argument("--url", default=default_url,
-                   help=f"the agent's exporter (default {default_url}; see metrics.bind_address/metrics.port)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the endpoint (default 5)")
-    p.set_defaults(func=_cmd)
-    return p

@@ -16,7 +16,7 @@ sharded checkpoints and exact data resumption at any world size.
                 rt.backward(loss)                             # loss.backward(), scaled for 16-mixed
         rt.optimizer_step(opt); opt.zero_grad()               # opt.step() (+ scaler step/update)
         rt.end_step()                                         # checkpoints; may exit with code 75
-    rt.finish()
+    rt.finish()                                               # saves the last step (kind "final"), closes
 
 **Strategy.** How model and optimizer are spread over the ranks (DDP, FSDP2, ...) is a
 :class:`~trainguard.strategies.base.Strategy`, chosen by name or passed built. The runtime only uses
@@ -62,6 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -121,7 +122,9 @@ class Runtime:
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
-        self._group = dist.new_group(backend="gloo") if (world_size > 1 or reform) and dist.is_initialized() else None
+        self._saved_step: int | None = None
+        """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
+        self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
         self._interval: IntervalController | None = None
         self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
         self._interval_exported = 0.0
@@ -136,6 +139,11 @@ class Runtime:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
     # ---- construction -------------------------------------------------------------------------
+    def _new_gloo_group(self) -> Any:
+        """A gloo side group with ``workers.pg_timeout_s`` (torch's default when unset)."""
+        kw: dict[str, Any] = {"timeout": timedelta(seconds=self.pg_timeout_s)} if self.pg_timeout_s > 0 else {}
+        return dist.new_group(backend="gloo", **kw)
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Runtime:
         """Initialise the process group from the torchelastic env (gloo on CPU, NCCL on GPU) and read
@@ -149,8 +157,6 @@ class Runtime:
         tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
         reform = rtenv.reform and rtenv.under_agent
         if not rtenv.standby and (rtenv.world_size > 1 or reform) and not dist.is_initialized():
-            from datetime import timedelta
-
             kw: dict[str, Any] = {"timeout": timedelta(seconds=rtenv.pg_timeout_s)} if rtenv.pg_timeout_s > 0 else {}
             dist.init_process_group(rf.backend(), **kw)
         rank = dist.get_rank() if dist.is_initialized() else (-1 if rtenv.standby else 0)
@@ -202,6 +208,10 @@ class Runtime:
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
         self._make_manager()
+        if self._manager is None and self.rank <= 0:
+            self._log.warning("checkpoint_url_unset", effect="no checkpoint is saved: a drain, resize or crash loses "
+                              "the work since the start, and finish() saves nothing",
+                              fix="set checkpoint.url (TRAINGUARD_CHECKPOINT_URL) for the agent or torchrun")
         self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
                        checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None,
                        reform_in_place=self.reform_enabled, resize_rule=self.strategy.resize_rule,
@@ -212,8 +222,10 @@ class Runtime:
         if self.checkpoint_config.url:
             # The manager makes its own gloo group: its background persist thread runs collectives that
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
+            # Built here (not by the manager) so that it gets workers.pg_timeout_s; the same one collective.
+            group = self._new_gloo_group() if self.world_size > 1 else None
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
-                                              fence=self.fence, strategy=self.strategy_name)
+                                              fence=self.fence, strategy=self.strategy_name, process_group=group)
             if self._interval is None:  # one schedule for the process: it survives in-place re-formations
                 self._interval = self._make_interval()
             else:
@@ -259,6 +271,7 @@ class Runtime:
         ctl = self._interval
         if step is not None:
             self.step = self._trainer.step
+            self._saved_step = self.step
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
             restored = self._manager.last_restored
@@ -287,6 +300,7 @@ class Runtime:
     def _save(self, kind: str) -> float:
         assert self._manager is not None
         t0 = time.monotonic()
+        self._saved_step = self.step
         background = kind in (proto.CheckpointKind.PERIODIC.value, proto.CheckpointKind.NOTICE.value)
         self._manager.save(self.step, self._state(), kind=kind, block=not background)
         seconds = time.monotonic() - t0
@@ -551,7 +565,7 @@ class Runtime:
         self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
         self.local_world_size = msg.local_world_size
         self.fence = self.round = msg.round
-        self._group = dist.new_group(backend="gloo")
+        self._group = self._new_gloo_group()
         self._log = log.bind(rank=self.rank, world_size=self.world_size, fence=self.fence)
         if self._metrics is not None:
             self._metrics.rank = self.rank
@@ -600,7 +614,11 @@ class Runtime:
         self._log.warning("worker_stopping", step=self.step, kind=kind,
                           deadline_in_s=round(deadline - time.time(), 1) if deadline else None)
         report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False)
-        if self._manager is not None:
+        if self._manager is None:
+            self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
+            self._log.warning("checkpoint_not_saved", step=self.step, kind=kind, reason="checkpoint.url is not set",
+                              effect="the next start begins from step 0")
+        else:
             try:
                 seconds = self._save(kind)
                 committed = self._manager.wait()
@@ -635,7 +653,23 @@ class Runtime:
         os._exit(code)
 
     def finish(self, barrier: bool = True) -> None:
-        """Wait for an in-flight save, close the agent link and the process group."""
+        """End of training: save the last step as a ``final`` checkpoint (every rank saves the same
+        step; skipped when that step is already saved or was just restored), wait for it and any
+        in-flight save, then close the agent link and the process group. A failed final save raises
+        after logging ``checkpoint_failed`` (the agent restarts the workers from the last commit)."""
+        if self._manager is not None and self.strategy is not None and self.step > 0 and self._saved_step != self.step:
+            kind = proto.CheckpointKind.FINAL
+            try:
+                seconds = self._save(kind.value)
+                committed = self._manager.wait()
+            except Exception as e:
+                self._metrics.observe_checkpoint(kind.value, None, None, 0.0, 0, self.step, False)
+                self._log.error("checkpoint_failed", step=self.step, kind=kind.value, error=str(e)[:500])
+                raise
+            self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
+            if self._link is not None:
+                self._link.report(proto.Committed(step=self.step, kind=kind, rank=self.rank,
+                                                  seconds=round(seconds, 3), last_committed=committed))
         if self._manager is not None:
             self._manager.close()
         if self._link is not None:

@@ -7,8 +7,8 @@ an agent is SIGKILLed nothing reaches them and they train on at the old world si
 the kernel for ``PR_SET_PDEATHSIG = SIGKILL`` (delivered when the thread that started us dies; the
 agent starts workers from its long-lived supervisor thread), checks that the agent has not already
 died in between (``getppid()`` against :attr:`RuntimeEnv.agent_pid <trainguard.runtime.protocol.RuntimeEnv.agent_pid>`), then ``exec``s the real worker.
-The setting survives ``execve`` of non-setuid programs. systemd's ``KillMode=control-group`` is the
-second line of defence.
+The setting survives ``execve`` of non-setuid programs. systemd's final SIGKILL of the unit's cgroup
+(``KillMode=mixed``, at the end of ``TimeoutStopSec``) is the second line of defence.
 """
 
 from __future__ import annotations

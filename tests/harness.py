@@ -100,10 +100,10 @@ class Node:
             return fh.read().splitlines()
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        """Agent JSON events, and worker JSON lines (the ``[trainer0]:`` prefix stripped)."""
+        """Agent JSON events, and worker JSON lines (the ``[default0]:`` prefix stripped)."""
         out = []
         for line in self.lines():
-            if line.startswith("[trainer"):
+            if line.startswith("[default"):
                 line = line.split("]:", 1)[-1]
             if not line.startswith("{"):
                 continue

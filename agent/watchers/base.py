@@ -302,12 +302,22 @@ class Watcher(abc.ABC):
             return (notice.kind, notice.event_id) in self._seen
 
     def emit(self, notice: Notice) -> bool:
-        """Deliver ``notice`` unless ``(kind, event_id)`` was delivered before. Thread-safe."""
+        """Deliver ``notice`` unless ``(kind, event_id)`` was delivered before. Thread-safe.
+
+        A cloud notice's deadline is first clamped to what its provider documents
+        (:mod:`trainguard.agent.watchers.deadline`), logged as ``notice_deadline_clamped``."""
+        from trainguard.agent.watchers.deadline import clamp_deadline
+
         key = (notice.kind, notice.event_id)
         with self._seen_lock:
             if key in self._seen:
                 return False
             self._seen.add(key)
+        notice, why = clamp_deadline(notice)
+        if why is not None:
+            self.log.warning("notice_deadline_clamped", source=notice.source, kind=notice.kind, reason=why,
+                             given_in_s=round(notice.detail["deadline_given"] - notice.received_at, 1),
+                             deadline_in_s=round(notice.deadline - notice.received_at, 1))
         self.log.warning("preemption_notice", watcher=self.name, **notice.log_fields())
         cb = self._on_notice
         if cb is not None:

@@ -4,8 +4,14 @@ Why not ``urllib.request``: it honours ``http_proxy`` from the environment (a pr
 169.254.169.254 is wrong and can leak a token), it raises on every non-2xx status (404 is a normal
 "no notice" answer here), and a request blocked in ``recv`` cannot be interrupted from another
 thread. :class:`HttpClient` talks ``http.client`` directly, never uses a proxy, bounds every request
-by a *total* deadline (not only per-``recv``), caps the body size, and :meth:`HttpClient.abort`
-unblocks an in-flight request from another thread (used by ``Watcher.stop``).
+by one *absolute* deadline, caps the body size, and :meth:`HttpClient.abort` unblocks an in-flight
+request from another thread (used by ``Watcher.stop``).
+
+The deadline covers connect, send, the status line, the headers and the body alike: the socket
+itself (:class:`_DeadlineSocket`) re-arms its timeout with the time *left* before every send and
+receive, so a server that trickles its headers one byte at a time cannot hold a watcher past
+``timeout_s`` (a per-``recv`` timeout would restart with every byte). ``https://`` endpoints get the
+same bound for connect and send, and per-phase timeouts after the TLS wrap.
 
 Every failure is a :class:`MetadataError` carrying the URL, the status (``None`` when no answer came)
 and a short body excerpt, which is exactly what a ``watcher_error`` log line needs.
@@ -13,11 +19,13 @@ and a short body excerpt, which is exactly what a ``watcher_error`` log line nee
 
 from __future__ import annotations
 
+import functools
 import http.client
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 MAX_BODY_BYTES = 1 << 20
@@ -85,6 +93,46 @@ class HttpResponse:
         return MetadataError(message, url=self.url, status=self.status, body=self.body)
 
 
+class _DeadlineSocket(socket.socket):
+    """A socket whose every send/receive waits at most until ``deadline`` (monotonic seconds)."""
+
+    deadline: float = 0.0
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request deadline passed")
+        self.settimeout(left)
+
+    def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        self._arm()
+        return super().recv(*args, **kwargs)
+
+    def recv_into(self, *args: Any, **kwargs: Any) -> int:
+        self._arm()
+        return super().recv_into(*args, **kwargs)
+
+    def send(self, *args: Any, **kwargs: Any) -> int:
+        self._arm()
+        return super().send(*args, **kwargs)
+
+    def sendall(self, *args: Any, **kwargs: Any) -> None:
+        self._arm()
+        return super().sendall(*args, **kwargs)
+
+
+def _connect_by(deadline: float, address: tuple[str, int], timeout: Any = None,
+                source_address: Any = None, **_: Any) -> socket.socket:
+    """``socket.create_connection`` bounded by ``deadline``, returning a :class:`_DeadlineSocket`."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("request deadline passed")
+    raw = socket.create_connection(address, left, source_address)
+    sock = _DeadlineSocket(raw.family, raw.type, raw.proto, fileno=raw.detach())
+    sock.deadline = deadline
+    return sock
+
+
 class HttpClient:
     """Sequential HTTP requests with a total deadline each; abortable from another thread.
 
@@ -138,6 +186,7 @@ class HttpClient:
             target += "?" + parts.query
         conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
+        conn._create_connection = functools.partial(_connect_by, deadline)  # type: ignore[attr-defined]
         status: int | None = None
         try:
             if self._aborted:
@@ -159,9 +208,13 @@ class HttpClient:
                 if left <= 0:
                     raise MetadataError(f"timed out after {timeout:g}s reading the body", url=url,
                                         status=status, body=b"".join(chunks))
-                if conn.sock is not None:
-                    conn.sock.settimeout(left)
-                chunk = resp.read1(65536)
+                if conn.sock is not None and not isinstance(conn.sock, _DeadlineSocket):
+                    conn.sock.settimeout(left)  # https: the TLS socket is not ours to arm
+                try:
+                    chunk = resp.read1(65536)
+                except (TimeoutError, socket.timeout):
+                    raise MetadataError(f"timed out after {timeout:g}s reading the body", url=url,
+                                        status=status, body=b"".join(chunks)) from None
                 if not chunk:
                     break
                 chunks.append(chunk)
@@ -175,7 +228,9 @@ class HttpClient:
         except MetadataError:
             raise
         except (TimeoutError, socket.timeout):
-            raise MetadataError(f"no answer within {timeout:g}s", url=url, status=status) from None
+            phase = "no answer" if status is None else "no complete answer"
+            raise MetadataError(f"{phase} within {timeout:g}s (status line and headers included)", url=url,
+                                status=status) from None
         except (OSError, http.client.HTTPException) as e:
             aborted = self._aborted
             msg = "aborted (watcher stopping)" if aborted else f"{type(e).__name__}: {e}"

@@ -73,3 +73,15 @@ def test_config_show_redacts(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["checkpoint"]["storage_options"]["secret"] == "***"
+
+
+def test_config_check_and_show_accept_the_same_forms(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("agent:\n  job_id: same-forms\nworkers:\n  args: ['--steps', '50']\n")
+    for argv in (["config", "check", str(good)], ["config", "check", "--config", str(good)]):
+        r = run_cli(*argv)
+        assert r.returncode == 0 and f"{good}: OK" in r.stdout, r.stderr
+    for argv in (["config", "show", str(good), "--format", "json"], ["config", "show", "--config", str(good), "--format", "json"]):
+        r = run_cli(*argv)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["agent"]["job_id"] == "same-forms"

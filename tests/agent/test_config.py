@@ -33,8 +33,7 @@ BAD = [
     ("workers:\n  args: train.py\n", {}, "workers.args", "expected list"),
     ("checkpoint:\n  keep_last: 1\n", {}, "checkpoint.keep_last", ">= 2"),
     ("checkpoint:\n  url: ftp://host/x\n", {}, "checkpoint.url", "unsupported scheme"),
-    ("checkpoint:\n  keep_lats: 3\n", {}, "checkpoint.keep_lats", "did you mean `checkpoint.keep_last`"),
-    ("chekpoint:\n  url: /x\n", {}, "chekpoint", "unknown section"),
+    ("checkpoint:\n  keep_lats: 3\n", {}, "checkpoint.keep_last", "did you mean `checkpoint.keep_last`"),
     ("preemption:\n  sources: [aws, oracle]\n", {}, "preemption.sources", "unknown source"),
     ("metrics:\n  port: 70000\n", {}, "metrics.port", "0..65535"),
     ("cost:\n  capacity: reserved\n", {}, "cost.capacity", "spot"),
@@ -42,6 +41,17 @@ BAD = [
     ("", {"TRAINGUARD_RENDEZVOUS_MIN_NODES": "x"}, "rendezvous.min_nodes", "expected int"),
     ("", {"TRAINGUARD_RENDEZVOUS_MIN_NODE": "2"}, "rendezvous.min_nodes", "unknown environment variable"),
     ("", {"TRAINGUARD_CHECKPOINT_STORAGE_OPTIONS": "{not json"}, "checkpoint.storage_options", "not a JSON object"),
+    ("rendezvous:\n  last_call_timeout_s: 0\n", {}, "rendezvous.last_call_timeout_s", "must be > 0"),
+    ("rendezvous:\n  close_timeout_s: -5\n", {}, "rendezvous.close_timeout_s", "must be > 0"),
+    ("rendezvous:\n  join_timeout_s: .inf\n", {}, "rendezvous.join_timeout_s", "finite"),
+    ("rendezvous:\n  join_timeout_s: 1.0e+9\n", {}, "rendezvous.join_timeout_s", "at most"),
+    ("", {"TRAINGUARD_RENDEZVOUS_JOIN_TIMEOUT_S": "nan"}, "rendezvous.join_timeout_s", "finite"),
+    ("workers:\n  exit_barrier_timeout_s: -1\n", {}, "workers.exit_barrier_timeout_s", "must be > 0"),
+    ("workers:\n  pg_timeout_s: 1\n", {}, "workers.pg_timeout_s", "10..86400"),
+    ("workers:\n  env:\n    A: [1, 2]\n", {}, "workers.env", "values must be strings"),
+    ("agent:\n  job_id: '..'\n", {}, "agent.job_id", "starting with a letter or digit"),
+    ("agent:\n  job_id: a/b\n", {}, "agent.job_id", "letters, digits"),
+    ("preemption:\n  term_grace_s: .nan\n", {}, "preemption.term_grace_s", "finite"),
 ]
 
 
@@ -51,10 +61,44 @@ def test_bad_config_names_key_env_and_fix(tmp_path, text, env, key, fragment):
         load_config(write(tmp_path, text), env)
     msg = str(ei.value)
     assert ei.value.key == key
-    assert f"`{key}`" in msg
-    assert env_var_for(key) in msg, msg
-    assert "Fix:" in msg
+    # `<what> (<YAML key> / <env var>): <fix>`
+    what, _, fix = msg.partition(f" ({key} / {env_var_for(key)}): ")
+    assert what and fix, msg
     assert fragment in msg
+
+
+def test_unknown_section_and_env_suggest_the_real_names(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        load_config(write(tmp_path, "chekpoint:\n  url: /x\n"), {})
+    assert "unknown section `chekpoint`" in str(ei.value) and "did you mean `checkpoint`" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, {"TRAINGUARD_RENDEZVOUS_MIN_NODE": "2"})
+    assert "(rendezvous.min_nodes / TRAINGUARD_RENDEZVOUS_MIN_NODES): did you mean TRAINGUARD_RENDEZVOUS_MIN_NODES" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, {}, {"checkpoint.keep_lst": "3"})
+    msg = str(ei.value)
+    assert msg.startswith("unknown config key `checkpoint.keep_lst` in the command line ")
+    assert "(checkpoint.keep_last / TRAINGUARD_CHECKPOINT_KEEP_LAST)" in msg and "KEEP_LST" not in msg
+    assert "docs/configuration.md" in msg
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"duplicate key 'min_nodes' \(first at line 2\)"):
+        load_config(write(tmp_path, "rendezvous:\n  min_nodes: 1\n  min_nodes: 2\n"), {})
+
+
+def test_errors_never_echo_secret_values(tmp_path):
+    secret = "sk-CANARY-1234"
+    cases = [
+        ({"TRAINGUARD_CHECKPOINT_STORAGE_OPTIONS": f'{{"key": "{secret}", '}, None),
+        ({"TRAINGUARD_WORKERS_ENV": f'{{"WANDB_API_KEY": ["{secret}"]}}'}, None),
+        ({}, f"workers:\n  args: {secret}\n"),
+        ({}, f"checkpoint:\n  storage_options: {secret}\n"),
+    ]
+    for env, text in cases:
+        with pytest.raises(ConfigError) as ei:
+            load_config(write(tmp_path, text) if text else None, env)
+        assert secret not in str(ei.value), str(ei.value)
 
 
 def test_missing_file_and_invalid_yaml(tmp_path):
@@ -83,11 +127,19 @@ def test_precedence_defaults_yaml_env_cli(tmp_path):
 
 
 def test_env_types_and_unrelated_vars_ignored():
-    env = {"TRAINGUARD_WORKERS_TEE": "false", "TRAINGUARD_WORKERS_ARGS": "--a,1", "TRAINGUARD_RENDEZVOUS_IS_HOST": "true",
-           "TRAINGUARD_PREEMPTION_SOURCES": '["aws","signal"]', "TRAINGUARD_RT_CONTROL": "/x", "HOME": "/root"}
+    env = {"TRAINGUARD_WORKERS_TEE": "false", "TRAINGUARD_WORKERS_ARGS": "--steps 50 --name 'a b'",
+           "TRAINGUARD_RENDEZVOUS_IS_HOST": "true", "TRAINGUARD_PREEMPTION_SOURCES": "aws, signal",
+           "TRAINGUARD_RT_CONTROL": "/x", "HOME": "/root"}
     cfg = load_config(None, env)
-    assert cfg.workers.tee is False and cfg.workers.args == ["--a", "1"]
+    assert cfg.workers.tee is False and cfg.workers.args == ["--steps", "50", "--name", "a b"]
     assert cfg.rendezvous.is_host is True and cfg.preemption.sources == ["aws", "signal"]
+    # JSON works for every list and map
+    cfg = load_config(None, {"TRAINGUARD_WORKERS_ARGS": '["--a,1", "x y"]', "TRAINGUARD_PREEMPTION_SOURCES": '["gcp"]',
+                             "TRAINGUARD_WORKERS_ENV": '{"NCCL_DEBUG": "WARN", "N": 3}'})
+    assert cfg.workers.args == ["--a,1", "x y"] and cfg.preemption.sources == ["gcp"]
+    assert cfg.workers.env == {"NCCL_DEBUG": "WARN", "N": "3"}
+    with pytest.raises(ConfigError, match="close the quote"):
+        load_config(None, {"TRAINGUARD_WORKERS_ARGS": "--name 'unclosed"})
 
 
 def test_rdzv_conf_and_standalone_flags():
@@ -98,11 +150,25 @@ def test_rdzv_conf_and_standalone_flags():
         overrides_from_args(build_parser().parse_args(["run", "--rdzv-conf", "bogus=1", "x.py"]))
 
 
-def test_secrets_redacted():
-    env = {"TRAINGUARD_CHECKPOINT_STORAGE_OPTIONS": json.dumps(
-        {"key": "AKIA", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://x", "aws_secret_access_key": "zz"}})}
-    out = json.dumps(redacted(load_config(None, env)))
-    assert "s3cr3t" not in out and "zz" not in out and "http://x" in out
+def test_secrets_redacted_by_shape():
+    so = {"key": "AKIA", "secret": "s3cr3t", "anything": "hidden1", "token": {"private_key": "pk"},
+          "client_kwargs": {"endpoint_url": "http://x", "aws_secret_access_key": "zz", "region_name": "eu-1"}}
+    env = {"TRAINGUARD_CHECKPOINT_STORAGE_OPTIONS": json.dumps(so),
+           "TRAINGUARD_WORKERS_ENV": json.dumps({"WANDB_API_KEY": "w4ndb", "DB_PASSWD": "pw", "MY_VAR": "mine",
+                                                 "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "4", "CUDA_TOKEN": "ct"}),
+           "TRAINGUARD_WORKERS_ARGS": "--api-key abc123 --lr=3e-4 -v positional"}
+    out = redacted(load_config(None, env))
+    text = json.dumps(out)
+    for secret in ("AKIA", "s3cr3t", "hidden1", "pk", "zz", "w4ndb", "pw", "mine", "ct", "abc123", "3e-4", "positional"):
+        assert secret not in text, secret
+    assert out["checkpoint"]["storage_options"]["client_kwargs"] == {"endpoint_url": "http://x", "aws_secret_access_key": "***",
+                                                                    "region_name": "eu-1"}
+    assert out["checkpoint"]["storage_options"]["token"] == "***"
+    assert out["workers"]["env"]["NCCL_DEBUG"] == "WARN" and out["workers"]["env"]["OMP_NUM_THREADS"] == "4"
+    assert out["workers"]["args"] == ["--api-key", "***", "--lr=***", "-v", "***"]
+    # numbers are not secrets, whatever their name: aws_token_ttl_s stays readable
+    assert out["preemption"]["aws_token_ttl_s"] == 21600
+    assert redacted(load_config(None, {"TRAINGUARD_PREEMPTION_AZURE_VM_NAME": "vm-1"}))["preemption"]["azure_vm_name"] == "vm-1"
 
 
 def test_config_keys_snapshot():

@@ -7,7 +7,9 @@ path contains ``path``, before the emulated API sees them):
 * ``garbage``: 200 with the API's usual headers and an unparsable body (invalid UTF-8, half JSON);
 * ``500``: ``500 Internal Server Error``;
 * ``hang``: accept the request and never answer (until ``close()`` or ``delay_s``), then drop it;
-* ``slow``: answer correctly, but after ``delay_s`` seconds (default ``slow_s``).
+* ``slow``: answer correctly, but after ``delay_s`` seconds (default ``slow_s``);
+* ``trickle``: answer correctly, but send the status line and headers one byte every ``delay_s``
+  seconds (default 0.2), so that no single ``recv`` waits long while the whole answer takes long.
 
 ``close()`` wakes every hanging/long-polling handler and joins all server threads, so a test that
 uses an emulator leaves no thread behind.
@@ -23,7 +25,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 GARBAGE_BODY = b"\x00\xff\xfe<html>{\"action\": garbage \x81 not json"
-MODES = ("garbage", "500", "hang", "slow")
+MODES = ("garbage", "500", "hang", "slow", "trickle")
 
 
 @dataclass
@@ -199,6 +201,9 @@ class EmulatorServer:
         else:
             reply = self.handle(req)
         req.status = reply.status
+        if m is not None and m.mode == "trickle":
+            self._trickle(h, reply, m.delay_s if m.delay_s is not None else 0.2)
+            return
         try:
             h.send_response(reply.status)
             for k, v in reply.headers.items():
@@ -210,3 +215,17 @@ class EmulatorServer:
                 h.wfile.write(reply.body)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up (timeout); that is its business
+
+    def _trickle(self, h: _Handler, reply: Reply, delay_s: float) -> None:
+        head = f"HTTP/1.0 {reply.status} OK\r\n" + "".join(f"{k}: {v}\r\n" for k, v in reply.headers.items())
+        head += f"Content-Length: {len(reply.body)}\r\nConnection: close\r\n\r\n"
+        h.close_connection = True
+        try:
+            for b in head.encode():
+                if self.closing.wait(delay_s):
+                    return
+                h.wfile.write(bytes([b]))
+                h.wfile.flush()
+            h.wfile.write(reply.body)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass  # the client gave up (its deadline): that is the point

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import socket
@@ -17,7 +16,7 @@ from trainguard.runtime.configbase import ConfigError
 from trainguard.metrics.agent import AgentMetrics
 from trainguard.metrics.config import CostConfig, MetricsConfig
 from trainguard.metrics.exporter import MetricsExporter
-from trainguard.metrics.status import build_view, fetch_metrics, register, status
+from trainguard.metrics.status import build_view, fetch_metrics, status
 
 from .conftest import FakeNvml
 
@@ -219,15 +218,6 @@ def test_status_unreachable_names_the_fix() -> None:
     err = io.StringIO()
     assert status(f"http://127.0.0.1:{port}", out=io.StringIO(), err=err, timeout_s=2) == 1
     assert "metrics.bind_address" in err.getvalue() and "--url" in err.getvalue()
-
-
-def test_status_register_adds_the_subcommand() -> None:
-    parser = argparse.ArgumentParser(prog="trainguard")
-    sub = parser.add_subparsers(dest="command")
-    register(sub)
-    args = parser.parse_args(["status", "--url", "http://127.0.0.1:1"])
-    assert args.url == "http://127.0.0.1:1" and callable(args.func)
-    assert parser.parse_args(["status"]).url == "http://127.0.0.1:9400"
 
 
 def _worker_counters(steps: float, samples: float = 0.0) -> list:

@@ -138,10 +138,14 @@ def test_malformed_not_before_falls_back(azure_events, run, collector, logs):
     assert events(logs, "notice_time_invalid")[0]["value"] == "19/09/2016 18:29"
 
 
-def test_started_event_deadline_is_now(azure_events, run, collector):
+def test_started_event_deadline_is_now_plus_the_floor(azure_events, run, collector):
+    """A Started event is happening now: the drain still gets the floor to try a checkpoint."""
+    from trainguard.agent.watchers.deadline import DEADLINE_FLOOR_S
+
     azure_events.schedule("Preempt", status="Started")
     run(watcher(azure_events, clock=lambda: 7.0), collector)
-    assert collector.wait(1)[0].deadline == 7.0
+    n = collector.wait(1)[0]
+    assert n.deadline == 7.0 + DEADLINE_FLOOR_S and n.detail["deadline_clamped"] == "below_floor"
 
 
 def test_bad_event_entry_does_not_hide_a_good_one():

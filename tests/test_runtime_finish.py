@@ -1,0 +1,99 @@
+"""The worker runtime's end and its process groups: ``rt.finish()`` saves the last step as a ``final``
+checkpoint (unless that step is already saved or was just restored), a script without
+``checkpoint.url`` is warned, and every process group gets ``workers.pg_timeout_s``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+
+import pytest
+import structlog
+import torch
+import torch._dynamo  # noqa: F401 - its lazy import sets TORCHINDUCTOR_CACHE_DIR; do it before the env-leak guard
+
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.runtime import Runtime
+from trainguard.runtime import protocol as proto
+
+
+@pytest.fixture(autouse=True)
+def keep_sigterm_handler():
+    """The runtime installs a SIGTERM handler in the main thread (plain torchrun's notice)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def train(url: str, steps: int, *, interval_steps: int = 0, restore: bool = False) -> Runtime:
+    rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", fence=0,
+                 checkpoint=CheckpointConfig(url=url, interval_steps=interval_steps, async_save=False))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
+    if restore:
+        rt.restore()
+    x = torch.randn(32, 4)
+    while rt.step < steps:
+        micro = rt.next_batches()
+        for i, ids in enumerate(micro):
+            with rt.accumulating(last=i == len(micro) - 1):
+                rt.backward(model(x[ids]).pow(2).mean() / len(micro))
+        rt.optimizer_step(opt)
+        opt.zero_grad()
+        rt.end_step()
+    return rt
+
+
+def committed(ckpt) -> dict[int, str]:
+    out = {}
+    for d in sorted(os.listdir(ckpt / "run")):
+        if d.startswith("step-") and os.path.exists(ckpt / "run" / d / "manifest.json"):
+            with open(ckpt / "run" / d / "manifest.json") as fh:
+                m = json.load(fh)
+            out[m["step"]] = m["kind"]
+    return out
+
+
+def test_finish_saves_the_last_step_once(tmp_path):
+    ckpt = tmp_path / "ck"
+    train(str(ckpt), 5, interval_steps=2).finish()
+    assert committed(ckpt) == {2: "periodic", 4: "periodic", 5: "final"}
+    # a re-run that restores step 5 and has nothing left to do saves nothing new
+    rt = train(str(ckpt), 5, interval_steps=2, restore=True)
+    assert rt.step == 5
+    rt.finish()
+    assert committed(ckpt) == {2: "periodic", 4: "periodic", 5: "final"}
+    # the last step already saved by the periodic interval is not saved twice
+    ckpt2 = tmp_path / "ck2"
+    train(str(ckpt2), 4, interval_steps=2).finish()
+    assert committed(ckpt2) == {2: "periodic", 4: "periodic"}
+
+
+def test_without_checkpoint_url_the_runtime_warns_and_finish_saves_nothing(tmp_path):
+    with structlog.testing.capture_logs() as logs:
+        rt = train("", 2)
+        rt.finish()
+    assert [e for e in logs if e["event"] == "checkpoint_url_unset"]
+    assert not [e for e in logs if e["event"] == "checkpoint_committed"]
+
+
+def test_process_groups_get_the_configured_timeout(monkeypatch):
+    calls: list[tuple[str, dict]] = []
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: calls.append(("init", k)))
+    monkeypatch.setattr(torch.distributed, "new_group", lambda *a, **k: calls.append(("new_group", k)))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+           **proto.RuntimeEnv(job_id="j", pg_timeout_s=42.0).to_env()}
+    rt = Runtime.from_env(env)
+    assert rt.pg_timeout_s == 42.0
+    assert calls == [("init", {"timeout": datetime.timedelta(seconds=42)}),
+                     ("new_group", {"backend": "gloo", "timeout": datetime.timedelta(seconds=42)})]
+    # under plain torchrun (no agent) torch's default stays
+    calls.clear()
+    Runtime.from_env({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert calls == [("init", {}), ("new_group", {"backend": "gloo"})]
