@@ -394,7 +394,7 @@ def _run_trainguard(a: argparse.Namespace, d: str, procs: list[Proc], timeline: 
     res: dict[str, Any] = {}
     args = ["--steps", "1000000", "--log-every", "1", "--step-sleep", str(STEP_SLEEP), "--global-batch",
             str(GLOBAL_BATCH), "--sample-log", samples, "--strategy", strategy]
-    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval_steps={a.baseline_ckpt_every}",
+    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval={a.baseline_ckpt_every}",
               "--set", f"workers.reform={reform}"]
     aws = ["--set", "preemption.sources=aws,signal", "--set", f"preemption.aws_endpoint={emu.url}",
            "--set", "preemption.poll_interval_s=0.5"]
@@ -519,7 +519,7 @@ def _run_kill(a: argparse.Namespace, d: str, procs: list[Proc], timeline: list[t
     os.makedirs(samples)
     args = ["--steps", "1000000", "--log-every", "1", "--step-sleep", str(STEP_SLEEP), "--global-batch",
             str(GLOBAL_BATCH), "--sample-log", samples]
-    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval_steps={a.baseline_ckpt_every}",
+    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval={a.baseline_ckpt_every}",
               "--set", "preemption.sources=signal"]
     agent = _agent_factory(d, rdzv, common, args, procs, timeline, nnodes="1:3")
     res: dict[str, Any] = {}
@@ -712,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps-before-notice", type=int, default=30, help="steps at world size 2 before the notice")
     ap.add_argument("--steps-after", type=int, default=40, help="steps trained after each resize before the next action")
     ap.add_argument("--baseline-ckpt-every", type=int, default=20,
-                    help="checkpoint every K steps (baseline torch.save; trainguard periodic checkpoint.interval_steps)")
+                    help="checkpoint every K steps (baseline torch.save; trainguard periodic checkpoint.interval)")
     ap.add_argument("--baseline-unshared-store", action="store_true",
                     help="baseline only: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13's workaround for the "
                          "scale-up store bug, see agent/supervisor.py); default: torchrun as installed")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.runtime.configbase import require
+from trainguard.checkpoint.interval import INTERVAL_SYNTAX, AutoSettings, IntervalPolicy, parse_interval, policy_from_config
+from trainguard.runtime.configbase import FieldError, require
 
 
 @dataclass(kw_only=True, slots=True)
@@ -19,11 +20,31 @@ class CheckpointConfig:
     """Passed to fsspec (e.g. ``{"endpoint_url": ...}`` for s3fs). Credentials come from the standard
     provider chains; secrets here are redacted in logs."""
 
+    interval: str = ""
+    """When to take periodic (async) checkpoints: ``auto`` (tuned online from the measured save cost and
+    the rate of unannounced failures, Young/Daly; see :mod:`trainguard.checkpoint.interval`), a number of
+    steps (``50``), a duration of training (``90s``, ``5m``, ``1.5h``) or ``off``. Unset: ``auto``, unless
+    the deprecated ``interval_steps`` / ``interval_s`` are set."""
+
+    interval_min_s: float = 5.0
+    """``auto``: shortest interval, seconds (the persist time of a save is a floor too)."""
+
+    interval_max_s: float = 3600.0
+    """``auto``: longest interval, seconds."""
+
+    interval_prior_mtbf_s: float = 3600.0
+    """``auto``: mean time between unannounced failures of the job assumed before any is seen, seconds
+    (a one-failure prior: it fades as training time accumulates)."""
+
+    interval_hysteresis: float = 0.2
+    """``auto``: a new optimum replaces the interval in effect only when it differs by more than this
+    fraction (or crosses a bound)."""
+
     interval_steps: int = 0
-    """Periodic async checkpoint every N steps (0 = off)."""
+    """Deprecated: use ``interval: <steps>``. Periodic checkpoint every N steps (0 = off)."""
 
     interval_s: float = 0.0
-    """Periodic async checkpoint every T seconds of training (0 = off)."""
+    """Deprecated: use ``interval: <duration>``. Periodic checkpoint every T seconds of training (0 = off)."""
 
     keep_last: int = 3
     """Committed checkpoints to retain (>= 2: the newest may still be being restored from)."""
@@ -57,6 +78,22 @@ class CheckpointConfig:
                 "use 0 to disable step-based periodic checkpoints")
         require(self.interval_s >= 0, "interval_s", f"must be >= 0, got {self.interval_s}",
                 "use 0 to disable time-based periodic checkpoints")
+        require(self.interval_min_s > 0, "interval_min_s", f"must be > 0, got {self.interval_min_s}",
+                "give the auto interval a positive floor in seconds, e.g. 5")
+        require(self.interval_max_s >= self.interval_min_s, "interval_max_s",
+                f"must be >= interval_min_s ({self.interval_min_s}), got {self.interval_max_s}", "e.g. 3600")
+        require(self.interval_prior_mtbf_s > 0, "interval_prior_mtbf_s", f"must be > 0, got {self.interval_prior_mtbf_s}",
+                "give a prior mean time between unannounced failures in seconds, e.g. 3600")
+        require(0 <= self.interval_hysteresis < 1, "interval_hysteresis", f"must be in [0, 1), got {self.interval_hysteresis}",
+                "use a fraction such as 0.2")
+        if str(self.interval).strip():
+            try:
+                parse_interval(self.interval)
+            except ValueError as e:
+                raise FieldError("interval", str(e), f"use {INTERVAL_SYNTAX}") from None
+            legacy = [k for k in ("interval_steps", "interval_s") if getattr(self, k)]
+            require(not legacy, "interval", f"set together with the deprecated {', '.join(legacy)}",
+                    f"keep only `interval` (e.g. interval: {self.interval}) and remove {', '.join(legacy)}")
         require(self.retry_attempts >= 1, "retry_attempts", f"must be >= 1, got {self.retry_attempts}",
                 "use 1 for no retries")
         require(self.retry_deadline_s > 0, "retry_deadline_s", f"must be > 0, got {self.retry_deadline_s}",
@@ -71,3 +108,12 @@ class CheckpointConfig:
             require(scheme in {"file", "s3", "gs", "gcs", "memory"}, "url",
                     f"unsupported scheme {scheme!r} in {self.url!r}",
                     "use a path, file://, s3://, gs:// or memory://")
+
+    def interval_policy(self) -> tuple[IntervalPolicy, list[str]]:
+        """The periodic checkpoint policy in effect and the deprecated keys it came from (if any)."""
+        return policy_from_config(self.interval, self.interval_steps, self.interval_s)
+
+    def auto_settings(self) -> AutoSettings:
+        """The ``interval_*`` knobs of the auto controller."""
+        return AutoSettings(min_s=self.interval_min_s, max_s=self.interval_max_s,
+                            prior_mtbf_s=self.interval_prior_mtbf_s, hysteresis=self.interval_hysteresis)

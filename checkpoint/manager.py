@@ -174,6 +174,13 @@ class CheckpointManager:
         """Seconds the last :meth:`save` blocked its caller (waiting for the previous save + staging)."""
         self.last_stage_s = 0.0
         """Seconds the last :meth:`save` spent copying the state into the staging buffers."""
+        self.last_restored: Manifest | None = None
+        """Manifest of the step the last :meth:`restore` loaded, or None."""
+        self.last_restored_repeats = 0
+        """How many other rounds had registered the step the last :meth:`restore` loaded (or, when there
+        was none, the empty start) as their starting point: each of them died without committing
+        anything newer. With the manifest's ``kind`` (``periodic``: its writer died too) this tells
+        failures from planned re-formations."""
         if not config.url:
             raise CheckpointError("checkpoint.url is empty. Fix: set YAML key `checkpoint.url` or env var "
                                   "TRAINGUARD_CHECKPOINT_URL to a path, s3://, gs:// or memory:// URL")
@@ -404,6 +411,8 @@ class CheckpointManager:
                 raise CheckpointCorrupt(f"no committed checkpoint under {self.url} can be restored: every step "
                                         f"directory has a corrupt manifest ({listed}). Nothing was changed. Fix: "
                                         f"delete those step directories to start the run from scratch")
+            self.last_restored = None
+            self.last_restored_repeats = plan.starts.get((-1, -1), 0)
             self._log.info("checkpoint_restore_none", url=self.url, ignored=plan.ignored)
             return None
         problems: list[str] = []
@@ -415,6 +424,8 @@ class CheckpointManager:
             if verdict.status == "ok":
                 assert m is not None
                 self._base = ref
+                self.last_restored = m
+                self.last_restored_repeats = plan.starts.get((ref.step, ref.epoch), 0)
                 self._claim()
                 self._log.info("checkpoint_restored", step=m.step, saved_epoch=m.epoch, epoch=self.epoch,
                                url=where, saved_world_size=m.world_size,

@@ -34,6 +34,10 @@ class RestorePlan:
     """Proven-corrupt manifests and why (for the error when nothing else is left)."""
     ignored: int
     """Names that were not ours."""
+    starts: dict[tuple[int, int], int]
+    """(base step, base epoch) -> how many epochs claimed it as their starting point ((-1, -1): the
+    empty start). An epoch that started from a step the plan picks again died without committing
+    anything newer: the interval controller counts those as failures."""
 
 
 class StepLoader:
@@ -73,8 +77,13 @@ class StepLoader:
                                          f"those or omit the step")
             in_line = [r for r in same if r in set(line)]
             refs = [max(in_line)] if in_line else [max(same)]
+        starts: dict[tuple[int, int], int] = {}
+        for rec in scan.epochs.values():
+            if rec is not None:
+                key = (rec.base_step, rec.base_epoch)
+                starts[key] = starts.get(key, 0) + 1
         return RestorePlan(candidates=[(r, scan.committed.get(r)) for r in refs],
-                           invalid=sorted(scan.invalid.items()), ignored=len(scan.ignored))
+                           invalid=sorted(scan.invalid.items()), ignored=len(scan.ignored), starts=starts)
 
     def attempt(self, ref: StepRef, m: Manifest | None, state: dict[str, Any], deadline: float) -> Verdict:
         """Verify and load one step, retrying while it is unreadable now (a collective)."""

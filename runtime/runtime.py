@@ -71,6 +71,7 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
+from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats
 from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import protocol as proto
@@ -123,10 +124,12 @@ class Runtime:
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
-        self._last_periodic = time.monotonic()
         self._saved_step: int | None = None
         """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
+        self._interval: IntervalController | None = None
+        self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
+        self._interval_exported = 0.0
         self._link = (AgentLink(control_path, rank, local_rank, os.getpid())
                       if control_path and os.path.exists(control_path) else None)
         self._metrics: Any = None
@@ -229,12 +232,29 @@ class Runtime:
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
                                               strategy=self.strategy_name, process_group=group,
                                               rdzv_id=self.rdzv_id, rdzv_round=self.round, base=base)
+            if self._interval is None:  # one schedule for the process: it survives in-place re-formations
+                self._interval = self._make_interval()
+            else:
+                self._interval.set_world_size(self.world_size)
+
+    def _make_interval(self) -> IntervalController:
+        """The periodic checkpoint schedule (``checkpoint.interval``). Global rank 0 decides; the step
+        flag all-reduce tells every other rank."""
+        cfg = self.checkpoint_config
+        policy, deprecated = cfg.interval_policy()
+        if deprecated and self.rank == 0:
+            self._log.warning("checkpoint_config_deprecated", keys=[f"checkpoint.{k}" for k in deprecated],
+                              fix="use `checkpoint.interval: <steps>` / `<duration>` (or `auto`) instead")
+        return IntervalController(policy, cfg.auto_settings(), world_size=self.world_size, sync_saves=not cfg.async_save)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         assert self._model is not None and self.cursor is not None and self.strategy is not None, "setup() first"
         self._trainer.step = self.step
         self._trainer.cursor = self.cursor.state_dict()
+        if self._interval is not None:
+            self._interval.tick()
+            self._trainer.extras["interval"] = self._interval.stats.to_dict()
         return {"app": self.strategy.state(self._model, self._optimizer), "trainer": self._trainer}
 
     def restore(self, step: int | None = None) -> int:
@@ -251,16 +271,36 @@ class Runtime:
         if self._manager is None:
             return self.step
         state = self._state()
+        t0 = time.monotonic()
         step = self._manager.restore(state, step)
+        seconds = time.monotonic() - t0
+        ctl = self._interval
         if step is not None:
             self.step = self._trainer.step
             self._saved_step = self.step
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
-            self._log.info("worker_restored", step=step, source="storage", saved_world_size=self._trainer.saved_world_size,
-                           epoch=self.cursor.epoch, consumed=self.cursor.consumed)
+            restored = self._manager.last_restored
+            kind = restored.kind if restored is not None else "other"
+            if ctl is not None:
+                ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
+                ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats)
+            self._metrics.observe_restore(step, kind)
+            self._log.info("worker_restored", step=step, kind=kind, source="storage", restore_s=round(seconds, 3),
+                           saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
+                           consumed=self.cursor.consumed,
+                           unannounced_failures=ctl.stats.unannounced_failures if ctl is not None else None)
             if self._link is not None:
                 self._link.report(proto.Restored(step=step, rank=self.rank))
+        else:
+            # Nothing committed yet: the run starts at step 0. Tell the agent (work a world that died
+            # before its first checkpoint trained is lost) and count that world as a failure.
+            if ctl is not None and self._manager.last_restored_repeats:
+                ctl.observe_restore(None, "none", self._manager.last_restored_repeats)
+            self._metrics.observe_restore(0, "other")
+        if self._interval is not None:
+            self._interval.begin()
+        self._step_started = time.monotonic()
         return self.step
 
     def _save(self, kind: str) -> tuple[float, SaveResult | None]:
@@ -273,6 +313,7 @@ class Runtime:
         done = self._manager.save(self.step, self._state(), kind=kind, block=not background)
         seconds = time.monotonic() - t0
         stage, blocked, step = self._manager.last_stage_s, self._manager.last_blocked_s, self.step
+        persisted = self._persisted  # list.append from the persist thread; drained by the training thread
 
         def record(f: Future[SaveResult]) -> None:  # the persist thread, or here
             r = None if f.cancelled() or f.exception() is not None else f.result()
@@ -280,9 +321,40 @@ class Runtime:
                 self._metrics.observe_checkpoint(kind, stage, None, blocked, 0, step, False)
             elif not r.skipped:
                 self._metrics.observe_checkpoint(kind, r.stage_s, r.persist_s, r.blocked_s, r.nbytes, r.step, True)
+            if background:
+                persisted.append((r.persist_s if r is not None else 0.0, r is not None and not r.skipped))
 
+        committed_now = done.done()
+        if self._interval is not None:
+            self._interval.observe_save(blocked, seconds - blocked if committed_now else None)
         done.add_done_callback(record)
-        return seconds, (done.result() if done.done() and done.exception() is None else None)
+        return seconds, (done.result() if committed_now and done.exception() is None else None)
+
+    def _interval_step(self, step_s: float, now: float) -> bool:
+        """Feed the interval controller one step; return whether this rank says a periodic save is due."""
+        ctl = self._interval
+        assert ctl is not None
+        ctl.observe_step(step_s, persisting=self._manager is not None and self._manager.in_flight is not None)
+        fresh = bool(self._persisted)
+        while self._persisted:
+            persist_s, ok = self._persisted.pop(0)
+            if ok:
+                ctl.observe_persist(persist_s)
+        change = ctl.update(now)
+        if self.rank != 0:
+            return False
+        if change is not None:
+            self._log.info("checkpoint_interval_changed", old_s=None if change.old_s is None else round(change.old_s, 3),
+                           new_s=round(change.new_s, 3), optimum_s=round(change.optimum_s, 3), reason=change.reason,
+                           bound=change.bound, **change.inputs)
+        if change is not None or fresh or now - self._interval_exported >= 5.0:
+            self._interval_exported = now
+            opt, _, _ = ctl.optimum()
+            self._metrics.observe_interval({
+                "interval_s": ctl.interval_s if ctl.policy.mode is IntervalMode.AUTO else None, "optimum_s": opt,
+                "save_cost_s": ctl.save_cost_s, "persist_s": ctl.stats.persist_s, "restore_s": ctl.stats.restore_s,
+                "mtbf_s": ctl.mtbf_s, "unannounced_failures": ctl.stats.unannounced_failures})
+        return ctl.due(self.step, now)
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -389,14 +461,11 @@ class Runtime:
             return False
         self.step += 1
         now = time.monotonic()
+        step_s = now - self._step_started  # the step itself: what end_step does next is not part of it
         per_rank = self.cursor.global_batch_size // self.world_size
-        self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, now - self._step_started)
+        self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s)
         self._metrics.sample_gpu_peak(now)
-        self._step_started = now
-        cfg = self.checkpoint_config
-        due = bool(self._manager) and (
-            (cfg.interval_steps and self.step % cfg.interval_steps == 0)
-            or (cfg.interval_s and time.monotonic() - self._last_periodic >= cfg.interval_s))
+        due = self._interval_step(step_s, now) if self._interval is not None and self._manager is not None else False
         notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
         if notice is not None:
             self._log.info("checkpoint_requested", step=self.step, reason=notice)
@@ -419,13 +488,15 @@ class Runtime:
                 return True
             self._stop(stop)
         if save:
-            self._last_periodic = time.monotonic()
+            if self._interval is not None:
+                self._interval.saved()
             try:
                 self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
             except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
                 if not self._peer_failed(e):
                     raise
                 self._park(proto.ParkReason.PEER_LOST)
+        self._step_started = time.monotonic()
         return True
 
     def _roll_back_step(self) -> None:
