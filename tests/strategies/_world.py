@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from tests.harness import REPO, free_port
+from trainguard.runtime.protocol import RuntimeEnv
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 # Small and fast on 2 shared cores; global batch 8 = 2 ranks x 2 micro-batches x 2 = 1 rank x 4 x 2.
@@ -21,18 +22,20 @@ E2E_SIZE = ["--global-batch", str(E2E_BATCH), "--micro-batch", "4"]
 
 
 def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interval: int, fence: int, loss_log: str,
-                extra: list[str] | None = None, timeout: float = 120.0) -> None:
-    """Train ranks ``0..world-1`` from the newest committed checkpoint (or ``--resume-step`` in
-    ``extra``) to ``steps``; periodic checkpoints every ``interval`` steps; fence = rendezvous round."""
+                extra: list[str] | None = None, timeout: float = 120.0, script: str = ELASTIC,
+                expect_ok: bool = True) -> list[tuple[int, str]]:
+    """Train ranks ``0..world-1`` of ``script`` from the newest committed checkpoint (or ``--resume-step``
+    in ``extra``) to ``steps``; periodic checkpoints every ``interval`` steps; fence = rendezvous round.
+    Returns each rank's ``(exit code, output)``; asserts they all succeeded unless ``expect_ok`` is False."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    cfg = {"job_id": "run", "checkpoint": {"url": ckpt_url, "interval_steps": interval}}
+    rt = RuntimeEnv(job_id="run", round=fence, checkpoint={"url": ckpt_url, "interval_steps": interval}).to_env()
     procs = []
     for r in range(world):
-        env = {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+        env = {**base, **rt, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r), "LOCAL_RANK": str(r),
                "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "TRAINGUARD_RT_ROUND": str(fence), "TRAINGUARD_RT_CONFIG": json.dumps(cfg)}
-        cmd = [sys.executable, ELASTIC, "--strategy", strategy, "--steps", str(steps), "--loss-log", loss_log,
+               "MASTER_PORT": str(port)}
+        cmd = [sys.executable, script, "--strategy", strategy, "--steps", str(steps), "--loss-log", loss_log,
                *JOB, *(extra or [])]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = []
@@ -46,7 +49,8 @@ def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interva
                 p.kill()
                 p.wait()
     bad = [f"--- rank {r} rc={rc}\n{out[-4000:]}" for r, (rc, out) in enumerate(outs) if rc != 0]
-    assert not bad, f"{strategy} at world size {world} failed:\n" + "\n".join(bad)
+    assert not expect_ok or not bad, f"{strategy} at world size {world} failed:\n" + "\n".join(bad)
+    return outs
 
 
 def losses(path: str) -> dict[int, float]:
