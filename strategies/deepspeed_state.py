@@ -15,9 +15,9 @@ Format (the ``app`` entry of a checkpoint; the same keys at every world size and
     DCP writes each rank's ranges once; a load at any world size or stage reads, per parameter, exactly
     the saved ranges that overlap the range the loading rank owns, straight into its live partitions.
     After the read, :meth:`DeepSpeedState.load_state_dict` puts the step counters back and rewrites
-    the module's (possibly bf16/fp16) weights from the fp32 masters (ZeRO-1/2: DeepSpeed's
-    ``update_lp_params``, an all-gather of the partitions; ZeRO-3: each rank's parameter partitions,
-    then the persistent parameters' all-gather).
+    the module's (possibly bf16/fp16) weights from the fp32 masters (ZeRO-1/2: what DeepSpeed's
+    ``update_lp_params`` does, all-gathering the partitions in buckets; ZeRO-3: each rank's parameter
+    partitions, then the persistent parameters' all-gather).
 
 Memory (per rank, Adam, P parameters, W ranks)
     ``state_dict()`` returns views of the live partitions: no copy. The checkpoint manager stages one
@@ -44,6 +44,8 @@ from trainguard.strategies.base import StrategyError
 from trainguard.strategies.flat_shards import PieceTable, local_shard, sharded
 
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+GATHER_BUCKET = 1 << 22
+"""Elements per all-gather when a load rewrites ZeRO-1/2's module weights (16 MiB of fp32 output)."""
 
 
 class OptimizerProbe:
@@ -175,7 +177,7 @@ class ZeroPartitions:
         collective: ZeRO-1/2 all-gather the partitions, ZeRO-3 the persistent parameters)."""
         z = self.zero
         if not self.stage3:
-            z.update_lp_params()
+            self._refresh_flat_partitions()
             return
         z.checkpoint_event_prologue()  # release any gathered parameter before its partition changes
         for sg, fp32 in enumerate(z.fp32_partitioned_groups_flat):
@@ -189,6 +191,35 @@ class ZeroPartitions:
             for part, q in zip(z.fp16_partitioned_groups[sg], z.unflatten(lp, z.fp16_partitioned_groups[sg])):
                 part.data = q.data
         z.checkpoint_event_epilogue()
+
+
+    def _refresh_flat_partitions(self) -> None:
+        """ZeRO-1/2 (and the bf16 optimizer): what DeepSpeed's ``update_lp_params`` does — each rank
+        copies its fp32 partition into its slice of the module's flat weights, then the slices are
+        all-gathered — but in buckets of :data:`GATHER_BUCKET` elements: gloo's single-tensor
+        all-gather stages the whole flat output (the full model) in a temporary, which a load must not
+        add to the host's peak."""
+        z = self.zero
+        if hasattr(z, "parallel_partitioned_bit16_groups"):
+            lp_groups, fp32_parts = z.parallel_partitioned_bit16_groups, z.single_partition_of_fp32_groups
+        else:  # DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16)
+            lp_groups, fp32_parts = z.bf16_partitioned_groups, z.fp32_groups_flat_partition
+        for i, (slices, fp32) in enumerate(zip(lp_groups, fp32_parts)):
+            group = z.real_dp_process_group[i]
+            me, world = dist.get_rank(group=group), dist.get_world_size(group=group)
+            with torch.no_grad():
+                slices[me].data.copy_(fp32.data)
+            if world == 1:
+                continue
+            numel = slices[me].numel()
+            if any(s.numel() != numel for s in slices):
+                raise StrategyError(f"deepspeed: unequal ZeRO partitions in param group {i} "
+                                    f"({[s.numel() for s in slices]}); this DeepSpeed version is not supported")
+            step = max(1, GATHER_BUCKET // world)
+            for off in range(0, numel, step):
+                n = min(step, numel - off)
+                dist.all_gather([s.detach().narrow(0, off, n) for s in slices], slices[me].detach().narrow(0, off, n),
+                                group=group)
 
 
 class DeepSpeedState(Stateful):
