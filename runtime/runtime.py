@@ -21,7 +21,8 @@ sharded checkpoints and exact data resumption at any world size.
 **Strategy.** How model and optimizer are spread over the ranks (DDP, FSDP2, ...) is a
 :class:`~trainguard.strategies.base.Strategy`, chosen by name or passed built. The runtime only uses
 its interface: ``setup`` wraps, ``no_sync`` drives accumulation, ``state`` is the model/optimizer entry
-of the checkpoint, ``plan`` splits the global batch, and ``name`` goes into the manifest. With the
+of the checkpoint, ``data_parallel`` says which ranks share a part of the batch, ``plan`` splits the
+global batch, and ``name`` goes into the manifest. With the
 32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
@@ -33,8 +34,9 @@ exit with :data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restor
 ``s + 1``. Cost: one 8-byte all-reduce per step.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
-samples consumed) is part of the checkpoint; each global batch is split over the current ranks and
-the global batch stays constant by adapting gradient accumulation.
+samples consumed) is part of the checkpoint; each global batch is split over the current
+data-parallel ranks (all ranks, unless the strategy groups them: ``model_parallel``'s tensor-parallel
+groups share one part) and the global batch stays constant by adapting gradient accumulation.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ class Runtime:
         self.cursor: GlobalSampleCursor | None = None
         self.accum_steps = 1
         self.micro_batch = 1
+        self.dp_rank, self.dp_size = rank, world_size
+        """This rank's data-parallel share of each global batch and the number of shares (see
+        :meth:`~trainguard.strategies.base.Strategy.data_parallel`; the rank and world without TP)."""
+        self._counts_samples = True
         self._signal_request = proto.StopReason.NONE
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -131,7 +137,11 @@ class Runtime:
         if precision is not None:
             options["precision"] = precision
         self.strategy = get_strategy(chosen, **options)
-        self.accum_steps, _ = self.strategy.plan(global_batch, self.world_size, micro_batch)
+        # The batch is split over data-parallel shares; ranks of one share (a TP group) get the same samples.
+        self.dp_rank, self.dp_size = self.strategy.data_parallel(self.rank, self.world_size)
+        self._counts_samples = self.rank == min(
+            r for r in range(self.world_size) if self.strategy.data_parallel(r, self.world_size)[0] == self.dp_rank)
+        self.accum_steps, _ = self.strategy.plan(global_batch, self.dp_size, micro_batch)
         self.micro_batch = micro_batch
         self.tokens_per_sample = tokens_per_sample
         self.cursor = GlobalSampleCursor(dataset_size, global_batch, seed)
@@ -193,7 +203,7 @@ class Runtime:
         """This rank's share of the next global batch, as ``accum_steps`` lists of sample ids."""
         assert self.cursor is not None, "setup() first"
         ids = self.cursor.next_global_batch()
-        return split(ids, self.rank, self.world_size, self.micro_batch)
+        return split(ids, self.dp_rank, self.dp_size, self.micro_batch)
 
     @contextlib.contextmanager
     def accumulating(self, last: bool) -> Iterator[None]:
@@ -230,7 +240,8 @@ class Runtime:
         self.step += 1
         assert self.cursor is not None, "setup() first"
         now = time.monotonic()
-        per_rank = self.cursor.global_batch_size // self.world_size
+        # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
+        per_rank = self.cursor.global_batch_size // self.dp_size if self._counts_samples else 0
         self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, now - self._step_started)
         self._metrics.sample_gpu_peak(now)
         self._step_started = now

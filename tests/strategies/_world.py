@@ -13,6 +13,7 @@ from tests.harness import REPO, free_port
 from trainguard.runtime.protocol import RuntimeEnv
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+MODEL_PARALLEL = os.path.join(REPO, "examples", "train_gpt_mp.py")
 # Small and fast on 2 shared cores; global batch 8 = 2 ranks x 2 micro-batches x 2 = 1 rank x 4 x 2.
 JOB = ["--global-batch", "8", "--micro-batch", "2", "--seq-len", "32", "--d-model", "32", "--layers", "2",
        "--max-bytes", "200000", "--log-every", "4", "--lr", "3e-3"]
@@ -64,17 +65,18 @@ def losses(path: str) -> dict[int, float]:
 
 
 def continuity(tmp: str, ckpt: str, strategy: str, step: int, world_before: int, logged: dict[int, float],
-               extra: list[str] | None = None) -> float:
+               extra: list[str] | None = None, script: str = ELASTIC, size: list[str] | None = None) -> float:
     """|loss of step+1 as logged by a resized run - loss of step+1 recomputed at ``world_before``|: the
     loss that step would have had without the resize.
 
     The reference restores the same committed ``step`` at the old world size from a copy of the run's
     checkpoints (so nothing it does can touch the run's) and trains one step of the e2e job
-    (:data:`JOB` + :data:`E2E_SIZE` + ``extra``).
+    (:data:`JOB` + ``size`` (default :data:`E2E_SIZE`) + ``extra``) with ``script``.
     """
     ref_dir = os.path.join(tmp, f"ref-{step}")
     shutil.copytree(ckpt, ref_dir)
     ref_log = os.path.join(tmp, f"ref-{step}.jsonl")
     run_segment(world_before, strategy, ref_dir, steps=step + 1, interval=0, fence=1000 + step, loss_log=ref_log,
-                extra=[*E2E_SIZE, *(extra or []), "--resume-step", str(step)])
+                extra=[*(E2E_SIZE if size is None else size), *(extra or []), "--resume-step", str(step)],
+                script=script, timeout=300)
     return abs(logged[step + 1] - losses(ref_log)[step + 1])
