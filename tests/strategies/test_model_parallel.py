@@ -193,3 +193,49 @@ def test_wrapped_modules_keep_their_names_and_dropped_parameters_are_refused(no_
                 s.setup(net, torch.optim.AdamW(net.parameters()))
         finally:
             s.teardown()
+
+
+# ---- the runtime uses the hook ----------------------------------------------------------------------
+
+def test_runtime_splits_the_batch_over_data_parallel_shares(monkeypatch):
+    """Rank 2 of 4 with tp_size 2 is in share 1 of 2: it gets exactly share 1's samples (what rank 3 gets
+    too), the accumulation is planned for 2 shares, and only the first rank of a share counts samples."""
+    import contextlib
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.runtime import runtime as rtmod
+    from trainguard.strategies.batch import split
+    from trainguard.runtime.cursor import GlobalSampleCursor
+
+    class Grouped(Strategy):  # model_parallel's rank arithmetic without a mesh
+        name = "grouped-test"
+        reshard_native = True
+
+        def data_parallel(self, rank, world):
+            dp, tp = mesh_shape(world, 2)
+            return rank // tp, dp
+
+        def setup(self, model, optimizer):
+            return model, optimizer
+
+        def no_sync(self, model, last):
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(rtmod.dist, "new_group", lambda **kw: None)  # no process group in a unit test
+    monkeypatch.setattr(rtmod.signal, "signal", lambda *a: None)  # keep pytest's SIGTERM handler
+    observed = {}
+    for rank in range(4):
+        rt = rtmod.Runtime(rank=rank, world_size=4, local_rank=rank, job_id="t", fence=0,
+                           checkpoint=CheckpointConfig(), strategy=Grouped())
+        net = nn.Linear(2, 2)
+        rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), dataset_size=64, global_batch=16, micro_batch=4, seed=3)
+        assert (rt.dp_rank, rt.dp_size, rt.accum_steps) == (rank // 2, 2, 2)
+        ids = GlobalSampleCursor(64, 16, 3).next_global_batch()
+        assert rt.next_batches() == split(ids, rank // 2, 2, 4)
+        monkeypatch.setattr(rt._metrics, "observe_step", lambda step, samples, tokens, s, r=rank: observed.update({r: samples}))
+        rt.end_step()
+    assert observed == {0: 8, 1: 0, 2: 8, 3: 0}  # the job's sum is the global batch
+    with pytest.raises(StrategyError, match="tp_size=2"):
+        rtmod.Runtime(rank=0, world_size=3, local_rank=0, job_id="t", fence=0, checkpoint=CheckpointConfig(),
+                      strategy=Grouped()).setup(net, torch.optim.SGD(net.parameters(), lr=0.1), dataset_size=64,
+                                                global_batch=12, micro_batch=2)
