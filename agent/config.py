@@ -148,6 +148,16 @@ class WorkersConfig:
     exit_barrier_timeout_s: float = 300.0
     """On success, how long to wait for the other nodes' workers to finish."""
 
+    reform: str = "in-process"
+    """How the world changes size for worker-API scripts: ``in-process`` (the workers that stay keep
+    their processes and state; a joiner warms up before the world pauses for it; a failure falls back
+    to ``restart``) or ``restart`` (every change restarts the workers, which restore from storage).
+    Scripts without the worker API always restart."""
+
+    reform_timeout_s: float = 120.0
+    """How long a parked worker waits for its new world (and a joiner's workers for theirs) before it
+    gives up and the agent restarts the world."""
+
     def __post_init__(self) -> None:
         require(self.nproc_per_node >= 1, "nproc_per_node", f"must be >= 1, got {self.nproc_per_node}",
                 "set it to the number of GPUs (or CPU workers) on this node")
@@ -158,6 +168,10 @@ class WorkersConfig:
                 f"must be >= restart_backoff_s ({self.restart_backoff_s}), got {self.restart_backoff_max_s}", "e.g. 30")
         require(not (self.module and self.no_python), "module", "module and no_python are mutually exclusive",
                 "choose one way to start the entrypoint")
+        require(self.reform in ("in-process", "restart"), "reform", f"must be in-process or restart, got {self.reform!r}",
+                "use 'in-process' (default) or 'restart'")
+        require(0 < self.reform_timeout_s <= 3600, "reform_timeout_s",
+                f"must be within (0, 3600] seconds, got {self.reform_timeout_s}", "e.g. 120")
 
 
 @dataclass(kw_only=True, slots=True)

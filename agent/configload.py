@@ -18,11 +18,12 @@ import yaml
 
 from trainguard.agent.config import SECTIONS, TrainguardConfig
 from trainguard.runtime.configbase import ENV_PREFIX, ConfigError, FieldError, env_var_for, is_secret
+from trainguard.runtime.protocol import RT_PREFIX
 
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.yaml"
 CONFIG_PATH_ENV = "TRAINGUARD_CONFIG"
 # Variables the agent writes for its workers (worker runtime link); never config keys.
-RUNTIME_ENV_PREFIX = "TRAINGUARD_RT_"
+RUNTIME_ENV_PREFIX = RT_PREFIX
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

@@ -77,6 +77,19 @@ class ControlServer:
                     self._workers.pop(conn, None)
         return sent
 
+    def send_to(self, local_rank: int, message: proto.Message) -> bool:
+        """Send ``message`` to the registered worker of ``local_rank``; whether it got it."""
+        data = proto.encode(message)
+        with self._lock:
+            for conn, hello in list(self._workers.items()):
+                if hello.local_rank == local_rank:
+                    try:
+                        conn.sendall(data)
+                        return True
+                    except OSError:
+                        self._workers.pop(conn, None)
+        return False
+
     # -- server loop -----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         while not self._closed.is_set():

@@ -1,20 +1,21 @@
-"""The agent process: wires config, logging, watchers, metrics and sd_notify around the supervisor.
+"""The agent process: wires config, logging, watchers, the drain coordinator, metrics and sd_notify
+around the supervisor. It only wires; every decision lives elsewhere.
 
-Main thread: starts everything, then waits on the supervisor thread while watchers (signals run
-here) turn notices into drain requests. Data flows one way: watchers -> notices -> supervisor
-(drain) -> workers; metrics only observe.
+Data flows one way: watchers (and ``trainguard drain`` through the manual watcher) -> notices ->
+:class:`~trainguard.agent.drain.DrainCoordinator` (policy) -> supervisor (drain / out-of-cycle
+checkpoint) -> workers. Metrics only observe.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainguard.agent.config import TrainguardConfig
-from trainguard.runtime.log import get_logger
-from trainguard.agent.states import AgentState
+from trainguard.agent.drain import DrainCoordinator
 from trainguard.agent.supervisor import Supervisor
+from trainguard.runtime.log import get_logger
+from trainguard.runtime.protocol import AgentState
 
 log = get_logger("trainguard.agent.daemon")
 
@@ -36,38 +37,31 @@ def _start_metrics(cfg: TrainguardConfig) -> tuple[Any, Any]:
     return metrics, exporter
 
 
-def _start_watchers(cfg: TrainguardConfig, sup: Supervisor) -> list[Any]:
-    try:
-        from trainguard.agent.watchers import build_watchers
-    except ImportError:
-        log.warning("watchers_unavailable")
-        return []
-
-    notices: list[Any] = []
-
-    def acknowledge_notices() -> None:
-        from trainguard.agent.watchers import acknowledge
-
-        if not cfg.preemption.azure_acknowledge:
-            return
-        while notices:
-            n = notices.pop()
-            if acknowledge(watchers, n):
-                log.info("notice_acknowledged", source=n.source, event_id=getattr(n, "event_id", None))
-
-    sup.on_emergency_commit = acknowledge_notices
-
-    def on_notice(notice: Any) -> None:
-        notices.append(notice)
-        log.warning("preemption_notice", source=notice.source, kind=notice.kind,
-                    deadline_in_s=round(notice.deadline - time.time(), 1))
-        sup._observe("notice", notice.source)
-        sup.request_drain(notice.source, notice.kind, notice.deadline, reason=f"{notice.source}:{notice.kind}")
+def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list[Any]:
+    """Watchers -> coordinator -> supervisor. Returns what must be stopped at exit."""
+    from trainguard.agent.watchers import acknowledge, build_watchers, manual_watcher, start_all
 
     watchers = build_watchers(cfg.preemption)
-    for w in watchers:
-        w.start(on_notice)
-    return watchers
+    coordinator = DrainCoordinator(
+        sup, on_early_warning=cfg.preemption.on_early_warning, drain_lead_s=cfg.preemption.drain_lead_s,
+        observer=metrics,
+        acknowledge=(lambda n: acknowledge(watchers, n)) if cfg.preemption.azure_acknowledge else None)
+    sup.on_emergency_commit = coordinator.on_emergency_commit
+    manual = manual_watcher(watchers)
+    sup.on_manual_drain = lambda deadline_s, reason: manual.trigger(deadline_s, reason)
+    start_all(watchers, coordinator.on_notice)
+    return [_Stopper(lambda: _stop_watchers(watchers)), _Stopper(coordinator.close)]
+
+
+def _stop_watchers(watchers: list[Any]) -> None:
+    from trainguard.agent.watchers import stop_all
+
+    stop_all(watchers)
+
+
+class _Stopper:
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.stop = fn
 
 
 def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners: list[Callable[..., Any]] | None = None) -> int:
@@ -79,7 +73,7 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
 
     def tell_systemd(old: Any, new: Any, details: dict[str, Any]) -> None:
         nonlocal ready_sent
-        size = sup._world.get("world_size")  # sup exists: transitions start after it is built
+        size = sup.world.get("world_size")  # sup exists: transitions start after it is built
         text = f"{new.value}" + (f", world size {size}" if size else "")
         if new == AgentState.RENDEZVOUS and not ready_sent:
             ready_sent = True
@@ -97,21 +91,14 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
     interval = watchdog_interval(env)
     if interval:
         # Pings only while the supervisor thread lives: a wedged agent is restarted by systemd.
-        services.append(WatchdogThread(notifier, interval, healthy=lambda: sup._thread is not None and sup._thread.is_alive()).start())
+        services.append(WatchdogThread(notifier, interval, healthy=lambda: sup.alive).start())
     try:
-        services += _start_watchers(cfg, sup)
+        services += _start_notices(cfg, sup, metrics)
         sup.start()
         while True:
             code = sup.wait(timeout=0.5)
             if code is not None:
                 return code
-            drain = sup.drain
-            # A drain that arrives while the supervisor thread blocks in a rendezvous wait: leave from
-            # here once the deadline is near, so the node never overstays its notice.
-            if drain is not None and sup.sm.state == AgentState.RENDEZVOUS and time.time() > drain.deadline - 2:
-                log.warning("drain_during_rendezvous", action="leaving from the main thread")
-                sup.leave_now()
-                return 0
     finally:
         notifier.stopping()
         if metrics is not None:
@@ -122,3 +109,6 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
                 (getattr(s, "stop", None) or s.close)()
             except Exception as e:
                 log.warning("service_stop_failed", service=type(s).__name__, error=str(e))
+
+
+__all__ = ["run_agent"]

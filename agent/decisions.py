@@ -16,8 +16,10 @@ class Act(str, Enum):
     WAIT = "wait"
     ASK_DRAIN = "ask_drain"  # tell API workers: checkpoint at an agreed step, exit RESIZE
     ASK_RESIZE = "ask_resize"  # tell API workers: checkpoint at an agreed step for a scale-up, exit RESIZE
+    CHECKPOINT = "checkpoint"  # tell API workers: one out-of-cycle checkpoint (early warning), keep training
     TERMINATE = "terminate"  # SIGTERM the workers with the grace period (scripts without the API, or deadline hit)
     RESTART = "restart"  # stop, re-rendezvous, start
+    REFORM = "reform"  # the local workers are parked alive: re-rendezvous and hand them their new world
     LEAVE = "leave"  # leave the rendezvous (without closing it) and stop: this node drained
     SUCCEED = "succeed"
     FAIL = "fail"
@@ -39,6 +41,19 @@ class Observation:
     """The local workers use the worker API (they registered on the control socket)."""
     peer_draining: bool = False
     """Another node announced a drain; a crash of our non-API workers is then its consequence."""
+    checkpoint_requested: bool = False
+    """An early warning asked for an out-of-cycle checkpoint (this node stays in the job)."""
+    nproc: int = 1
+    """Local workers this node runs."""
+    parked: int = 0
+    """Local workers alive and parked for an in-place re-formation."""
+    park_reason: str = ""
+    """Why they parked (:class:`~trainguard.runtime.protocol.ParkReason` value)."""
+    emergency_committed: bool = False
+    """This node's workers reported the emergency checkpoint committed (they exit right after)."""
+    member_lost: bool = False
+    """A member of the current world is gone (keep-alive expired) while our workers run on: they may
+    be blocked in a collective with it (or in their start-up) and never notice."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,16 +79,26 @@ def decide(o: Observation) -> Decision:
             return Decision(Act.RESTART, "worker_failure", consume_restart=True)
         return Decision(Act.FAIL, "max_restarts_exhausted")
 
-    # workers are running
+    # workers are running (or parked alive)
+    if o.parked and o.draining:
+        return Decision(Act.LEAVE, "drained")
+    if o.parked >= o.nproc > 0:
+        return Decision(Act.REFORM, o.park_reason or "reform")
+    if o.member_lost and not o.draining:
+        return Decision(Act.RESTART, "member_lost", consume_restart=False)
     if o.draining:
         if o.drain_deadline_passed:
             return Decision(Act.TERMINATE, "drain_deadline_passed")
         if o.asked != "drain":
             return Decision(Act.ASK_DRAIN, "notice") if o.api_workers else Decision(Act.TERMINATE, "notice")
+        if o.emergency_committed:  # leave at once: the survivors re-form as soon as this node is out
+            return Decision(Act.LEAVE, "drained")
         return Decision(Act.WAIT, "draining")
     if o.nodes_waiting > 0:
         if not o.api_workers:
             return Decision(Act.RESTART, "scale_up", consume_restart=False)
         if o.asked == "":
             return Decision(Act.ASK_RESIZE, "scale_up")
+    if o.checkpoint_requested:
+        return Decision(Act.CHECKPOINT, "early_warning")
     return Decision(Act.WAIT)

@@ -1,16 +1,11 @@
-"""Rendezvous handler construction and the planned leave.
+"""Rendezvous handler construction from the ``rendezvous`` config section (public torch API only).
 
-``DynamicRendezvousHandler.shutdown()`` *closes* the rendezvous for every node. A node that leaves
-because it is preempted must only leave the participant set: :func:`leave_rendezvous` runs the
-handler's exit operation (the first half of ``next_rendezvous``) and stops its heartbeats. When the
-last participant of a completed round has left, the round advances and the survivors, already
-waiting in their own ``next_rendezvous``, form the next one at once: no keep-alive expiry and no
-``last_call`` wait for the departed node.
+What a handler does once built — the interruptible join, the planned leave — lives in the elastic
+adapter (:mod:`trainguard.agent.elastic`), the one module that touches torch elastic's internals.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -49,34 +44,4 @@ def build_handler(cfg: RendezvousConfig, run_id: str) -> RendezvousHandler:
     return rdzv_registry.get_rendezvous_handler(params)
 
 
-def current_round(handler: RendezvousHandler) -> int:
-    """The rendezvous round this node last joined (the checkpoint fence); -1 if unknown."""
-    holder = getattr(handler, "_state_holder", None)
-    state = getattr(holder, "state", None)
-    return int(getattr(state, "round", -1))
-
-
-def leave_rendezvous(handler: RendezvousHandler, timeout_s: float = 10.0) -> bool:
-    """Leave the participant set without closing the rendezvous. Returns whether it was done.
-
-    Uses the handler's private exit operation (verified against torch 2.13's
-    ``dynamic_rendezvous.py``); a handler without one (static) has nothing to leave.
-    """
-    try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
-    except ImportError:  # pragma: no cover - torch layout changed
-        log.warning("rendezvous_leave_unsupported", reason="no _RendezvousExitOp in this torch")
-        return False
-    executor = getattr(handler, "_op_executor", None)
-    if executor is None:
-        return False
-    stop = getattr(handler, "_stop_heartbeats", None)
-    if stop is not None:
-        stop()
-    started = time.monotonic()
-    executor.run(_RendezvousExitOp(), time.monotonic() + timeout_s)
-    log.info("rendezvous_left", seconds=round(time.monotonic() - started, 3))
-    return True
-
-
-__all__ = ["build_handler", "current_round", "leave_rendezvous"]
+__all__ = ["build_handler"]

@@ -1,18 +1,32 @@
 """The per-node supervisor: torch.distributed.elastic embedded in-process, driven by our own loop.
 
-:class:`TrainguardElasticAgent` is a ``LocalElasticAgent`` whose run loop (``_invoke_run``) asks the
-pure :func:`trainguard.agent.decisions.decide` what to do on each observation and executes it, so:
+The loop runs on a dedicated thread ("supervisor") inside elastic's agent (see
+:class:`~trainguard.agent.elastic.ElasticAdapter`, the only code touching elastic's internals). Each
+tick it :meth:`~Supervisor.observe` s the workers and the node, asks the pure
+:func:`trainguard.agent.decisions.decide` what to do, and :meth:`~Supervisor.execute` s it:
 
-* a worker exit with the resize code (:data:`trainguard.runtime.protocol.EXIT_RESIZE`) re-forms the world without
-  consuming ``max_restarts``; a crash consumes one, after an exponential backoff;
+* a worker exit with the resize code (:data:`trainguard.runtime.protocol.EXIT_RESIZE`) re-forms the
+  world without consuming ``max_restarts``; a crash consumes one, after an exponential backoff;
 * a node with a notice asks its API workers to checkpoint and exit (or SIGTERMs plain scripts with the
-  configured grace), then *leaves* the rendezvous without closing it;
-* a node waiting to join makes API workers take a resize checkpoint before the world re-forms.
+  configured grace), then *leaves* the rendezvous without closing it; a notice that arrives while the
+  node waits in a rendezvous makes it leave at once (the join is interruptible);
+* a node waiting to join makes API workers take a resize checkpoint before the world re-forms;
+* an early warning makes API workers take one out-of-cycle checkpoint (the node stays);
+* in-place re-formation (``workers.reform: in-process``, worker-API scripts): the workers that survive
+  a membership change park alive; once all local workers are parked the agent re-forms the rendezvous
+  (completing the round as soon as the planned membership has joined) and hands each its new rank
+  over the control socket. A node that joins a running world first starts its workers in standby
+  (they warm up: start, imports, model build) and only then enters the rendezvous, so the world pauses
+  for it only once it is ready. Anything that fails there falls back to restarting the world;
+* a member of the current world that vanishes while our workers run on (keep-alive expired, our
+  workers not parked after a grace period) restarts the world: workers blocked in a collective or in
+  their start-up with the lost node would otherwise wait for a process-group timeout.
 
-The elastic loop runs in a dedicated thread ("supervisor"): elastic's process context installs
-SIGTERM/SIGINT handlers only when started from the main thread, and ours must win (SIGTERM is a
-drain, not an abort). Workers are started from that long-lived thread, which their parent-death
-signal (:mod:`trainguard.runtime.shim`) is bound to.
+Notices reach :meth:`Supervisor.request_drain` / :meth:`Supervisor.request_checkpoint` from the drain
+coordinator (:mod:`trainguard.agent.drain`); the loop is the only code that moves the state machine.
+Workers are started from the long-lived supervisor thread, which their parent-death signal
+(:mod:`trainguard.runtime.shim`) is bound to; elastic installs SIGTERM/SIGINT handlers only from the
+main thread, and ours must win (SIGTERM is a drain, not an abort).
 
 Torch 2.13 pitfalls handled here (see docs/rendezvous.md):
 
@@ -26,35 +40,45 @@ Torch 2.13 pitfalls handled here (see docs/rendezvous.md):
   own restart count, which differs between nodes after a scale-up. With sharing off, rank 0 picks a
   fresh port every round and the workers build their own store.
 * The store of the c10d backend lives in the agent that hosts it; spot clusters run ``trainguard
-  store`` elsewhere (``is_host: false``) or use ``etcd-v2``.
+  store`` elsewhere (``is_host: false``) or use an etcd backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
-from trainguard.agent.decisions import Act, Observation, decide
-from trainguard.runtime.log import get_logger
+from trainguard.agent.decisions import Act, Decision, Observation, decide
+from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.states import StateMachine
 from trainguard.runtime import protocol as proto
+from trainguard.runtime.log import get_logger
 from trainguard.runtime.protocol import AgentState, WorkerStatus
 
 log = get_logger("trainguard.agent.supervisor")
 DRAIN_KEY = "trainguard/draining"
+"""Rendezvous-store key (under the round's prefix) a draining node increments, so its peers know why
+its workers went away."""
+LEAVING_KEY = "trainguard/leaving/"
+"""+ node id: a draining node's record (round store), so a planned re-formation does not wait for it."""
+WORKER_API_KEY = "trainguard/worker_api"
+"""Set in the round store once the round's workers use the worker API: a joining node then warms its
+workers up before it enters the rendezvous."""
+MEMBER_LOST_GRACE_S = 3.0
+"""How long workers may run on after a member of their world is gone before the world restarts (API
+workers usually notice first, in their next collective, and park)."""
 
 # Set once, deliberately, for the whole agent process: see the module docstring.
 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -83,52 +107,39 @@ def worker_command(cfg: TrainguardConfig) -> tuple[str, tuple[str, ...]]:
     return sys.executable, (*shim, "--", *program, *w.args)
 
 
-class TrainguardElasticAgent(LocalElasticAgent):
-    """``LocalElasticAgent`` with trainguard's run loop and worker environment. See module docstring."""
-
-    def __init__(self, spec: WorkerSpec, logs_specs: DefaultLogsSpecs, sup: Supervisor, exit_barrier_timeout: float) -> None:
-        super().__init__(spec, logs_specs=logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout)
-        self._sup = sup
-
-    # LocalElasticAgent._start_workers hands the per-rank env dicts to this hook right before it
-    # starts the processes: the one place where trainguard adds its worker variables.
-    def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:  # noqa: D401 - see base class
-        extra = self._sup.worker_env(self._worker_group)
-        for env in envs.values():
-            env.update(extra)
-        super()._setup_local_watchdog(envs)
-
-    def remaining_restarts(self) -> int:
-        return self._remaining_restarts
-
-    def terminate_workers(self, grace_s: float) -> None:
-        """SIGTERM every worker, SIGKILL after ``grace_s``."""
-        if self._pcontext is not None:
-            self._pcontext.close(signal.SIGTERM, max(1, int(round(grace_s))))
-
-    def _invoke_run(self, role: str = "default") -> RunResult:  # See base class.
-        return self._sup._loop(self)
-
-
 class Supervisor:
     """Owns one node's supervision: config, control socket, state machine, the elastic agent thread."""
 
     def __init__(self, cfg: TrainguardConfig, *, listeners: list[Any] | None = None, handler: Any = None,
-                 observer: Any = None) -> None:
+                 observer: Any = None,
+                 adapter: Callable[[WorkerSpec, DefaultLogsSpecs, Supervisor], Any] | None = None) -> None:
         self.cfg = cfg
         # Metrics observe the supervisor and never steer it (AgentMetrics or None); see _observe().
         self.observer = observer
-        # Called (control thread) once a worker reports the emergency checkpoint committed; the daemon
-        # acknowledges the notice there (Azure StartRequests lets the node go early).
-        self.on_emergency_commit: Any = None
+        self.on_emergency_commit: Callable[[], None] | None = None
+        """Called (control thread) once a worker reports the emergency checkpoint committed."""
+        self.on_manual_drain: Callable[[float | None, str], Any] | None = None
+        """``trainguard drain`` -> the drain coordinator (the daemon wires the manual watcher here);
+        None: the request drains directly."""
         self.sm = StateMachine(listeners)
         self._drain: DrainRequest | None = None
-        self._drain_lock = threading.Lock()
+        self._checkpoint_reason: str | None = None
+        self._emergency_committed = False
+        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._outcome: AgentState | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._world: dict[str, Any] = {}
+        self._asked = ""
+        self._failures_in_a_row = 0
+        self._parked: dict[int, proto.Parked] = {}
+        self._current: World | None = None
+        self._standby_start = False
+        self._marked_api_round = -1
+        self._member_check_at = 0.0
+        self._member_lost_since: float | None = None
+        self.reform_enabled = cfg.workers.reform == "in-process"
         self._run_started = time.monotonic()
         self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
         os.makedirs(cfg.agent.state_dir, mode=0o700, exist_ok=True)
@@ -148,12 +159,16 @@ class Supervisor:
         log_dir = os.path.join(cfg.agent.log_dir, cfg.agent.job_id)
         os.makedirs(log_dir, exist_ok=True)
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL if cfg.workers.tee else Std.NONE)
-        self.agent = TrainguardElasticAgent(spec, logs, self, cfg.workers.exit_barrier_timeout_s)
+        if adapter is not None:
+            self.adapter = adapter(spec, logs, self)
+        else:
+            self.adapter = ElasticAdapter(spec, logs, exit_barrier_timeout=cfg.workers.exit_barrier_timeout_s,
+                                          worker_env=self.worker_env, abort_rendezvous=lambda: self._drain is not None)
 
     # ---- inputs from other threads ------------------------------------------------------------
     def request_drain(self, source: str, kind: str, deadline: float, reason: str = "") -> bool:
         """A notice: this node must leave by ``deadline`` (epoch s). Idempotent; earliest deadline wins."""
-        with self._drain_lock:
+        with self._lock:
             first = self._drain is None
             if first or deadline < self._drain.deadline:  # type: ignore[union-attr]
                 self._drain = DrainRequest(source, kind, deadline, reason)
@@ -164,26 +179,48 @@ class Supervisor:
         self._wake.set()
         return first
 
+    def request_checkpoint(self, reason: str) -> bool:
+        """An early warning: one out-of-cycle checkpoint, the node stays. False while draining."""
+        with self._lock:
+            if self._drain is not None:
+                return False
+            self._checkpoint_reason = reason
+        self._wake.set()
+        return True
+
     @property
     def drain(self) -> DrainRequest | None:
         return self._drain
 
     def _on_control(self, msg: proto.Message) -> proto.Reply | None:
         if isinstance(msg, proto.DrainRequest):
-            deadline_s = msg.deadline_s or self.cfg.preemption.default_deadline_s
-            first = self.request_drain("manual", "drain", time.time() + deadline_s, msg.reason)
-            if first:
-                self._observe("notice", "manual")
-            return proto.Reply(ok=True, data={"already_draining": not first})
+            already = self._drain is not None
+            if self.on_manual_drain is not None:
+                self.on_manual_drain(msg.deadline_s, msg.reason)
+            else:
+                deadline_s = msg.deadline_s or self.cfg.preemption.default_deadline_s
+                self.request_drain("manual", "drain", time.time() + deadline_s, msg.reason)
+            return proto.Reply(ok=True, data={"already_draining": already})
         if isinstance(msg, proto.StatusRequest):
             return proto.Reply(ok=True, data=self.status())
         if isinstance(msg, proto.Committed):
-            log.info("checkpoint_committed_by_worker", step=msg.step, kind=msg.kind.value, rank=msg.rank, saved=msg.saved)
+            log.info("checkpoint_committed_by_worker", step=msg.step, kind=msg.kind.value, rank=msg.rank, saved=msg.saved,
+                     bytes=msg.nbytes)
+            if msg.kind is proto.CheckpointKind.EMERGENCY and self._drain is not None:
+                self._emergency_committed = True
+                self._wake.set()
             if msg.kind is proto.CheckpointKind.EMERGENCY and msg.saved and self.on_emergency_commit is not None:
-                try:
-                    self.on_emergency_commit()
-                except Exception as e:
-                    log.warning("emergency_commit_hook_failed", error=str(e))
+                self.on_emergency_commit()
+            return None
+        if isinstance(msg, proto.Parked):
+            with self._lock:
+                self._parked[msg.local_rank] = msg
+            log.info("worker_parked", local_rank=msg.local_rank, rank=msg.rank, step=msg.step, reason=msg.reason.value)
+            self._wake.set()
+            return None
+        if isinstance(msg, proto.Restored):
+            if msg.rank == self._world.get("first_rank"):  # one report per node
+                self._observe("restored", msg.step)
             return None
         if isinstance(msg, proto.Hello):
             return None
@@ -195,8 +232,8 @@ class Supervisor:
             "state": self.sm.state.value,
             "node": self.cfg.agent.node_name,
             "job_id": self.cfg.agent.job_id,
-            **self._world,
-            "remaining_restarts": self.agent.remaining_restarts(),
+            **{k: v for k, v in self._world.items() if k != "first_rank"},
+            "remaining_restarts": self.adapter.remaining_restarts,
             "draining": d is not None,
             "drain_deadline": d.deadline if d else None,
         }
@@ -210,13 +247,14 @@ class Supervisor:
             log.warning("observer_failed", method=method, error=str(e))
 
     # ---- worker environment -------------------------------------------------------------------
-    def worker_env(self, wg: WorkerGroup) -> dict[str, str]:
-        """Variables every worker gets besides torchrun's (the worker runtime reads ``TRAINGUARD_RT_*``)."""
+    def worker_env(self) -> dict[str, str]:
+        """Variables every worker gets besides torchrun's (:class:`~trainguard.runtime.protocol.RuntimeEnv`)."""
         cfg = self.cfg
         env = proto.RuntimeEnv(
             job_id=cfg.agent.job_id, node=cfg.agent.node_name, agent_pid=os.getpid(),
-            control_path=self.control_path, round=rdzv.current_round(self.handler),
-            checkpoint=dataclasses.asdict(cfg.checkpoint),
+            control_path=self.control_path, round=self.adapter.round,
+            checkpoint=dataclasses.asdict(cfg.checkpoint), reform=self.reform_enabled,
+            reform_timeout_s=cfg.workers.reform_timeout_s, standby=self._standby_start,
         ).to_env()
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         if self.observer is not None:
@@ -224,147 +262,322 @@ class Supervisor:
         env.update({k: str(v) for k, v in cfg.workers.env.items()})
         return env
 
-    # ---- the loop (runs in the supervisor thread) ---------------------------------------------
-    def _publish_drain(self, wg: WorkerGroup) -> None:
+    # ---- rendezvous-store records -------------------------------------------------------------
+    def _publish_drain(self) -> None:
+        store = self.adapter.store
         try:
-            if wg.store is not None:
-                wg.store.add(DRAIN_KEY, 1)
+            if store is not None:
+                store.set(LEAVING_KEY + self.adapter.node_id, "1")
+                store.add(DRAIN_KEY, 1)
         except Exception as e:  # the store may be gone with its host; the drain goes on regardless
             log.warning("drain_publish_failed", error=str(e))
 
-    def _peer_draining(self, wg: WorkerGroup) -> bool:
+    def _leaving_members(self, members: tuple[str, ...]) -> frozenset[str]:
+        store = self.adapter.store
+        out = set()
+        for m in members:
+            try:
+                if store is not None and store.check([LEAVING_KEY + m]):
+                    out.add(m)
+            except Exception as e:
+                log.warning("rendezvous_poll_failed", error=str(e))
+        return frozenset(out)
+
+    def _mark_worker_api(self) -> None:
+        """Tell nodes that will join this world that its workers use the worker API (they warm up)."""
+        world = self._current
+        if world is None or self._marked_api_round == world.round or not self.control.api_workers():
+            return
         try:
-            return wg.store is not None and wg.store.check([DRAIN_KEY])
+            self.adapter.store.set(WORKER_API_KEY, "1")
+            self._marked_api_round = world.round
+        except Exception as e:
+            log.warning("rendezvous_poll_failed", error=str(e))
+
+    def _member_lost(self, healthy: bool) -> bool:
+        """A member of the current world is gone (checked every keep-alive interval) for longer than
+        :data:`MEMBER_LOST_GRACE_S` while our workers run on."""
+        world = self._current
+        now = time.monotonic()
+        if world is None or not healthy or self._parked or len(world.members) < 2:
+            self._member_lost_since = None
+            return False
+        if now >= self._member_check_at:
+            self._member_check_at = now + self.cfg.rendezvous.keep_alive_interval_s
+            try:
+                peek = self.adapter.peek()
+                gone = peek.round != world.round or not set(world.members) <= set(peek.participants)
+            except Exception as e:
+                log.warning("rendezvous_poll_failed", error=str(e))
+                gone = False
+            if gone and self._member_lost_since is None:
+                self._member_lost_since = now
+                log.warning("member_lost", round=world.round, members=list(world.members),
+                            grace_s=MEMBER_LOST_GRACE_S)
+            elif not gone:
+                self._member_lost_since = None
+        return self._member_lost_since is not None and now - self._member_lost_since > MEMBER_LOST_GRACE_S
+
+    def _peer_draining(self) -> bool:
+        store = self.adapter.store
+        try:
+            return store is not None and store.check([DRAIN_KEY])
         except Exception:
             return False
 
-    def _on_world(self, wg: WorkerGroup) -> None:
-        self._world = {
-            "round": rdzv.current_round(self.handler),
-            "group_rank": wg.group_rank,
-            "nodes": wg.group_world_size,
-            "world_size": (wg.group_world_size or 0) * wg.spec.local_world_size,
-        }
-        log.info("rendezvous_complete", node=self.cfg.agent.node_name, **self._world,
-                 global_ranks=[w.global_rank for w in wg.workers])
-        self._observe("set_world", self._world["world_size"], self._world["nodes"], self._world["round"])
+    def _on_world(self, world: World) -> None:
+        self._current = world
+        self._member_lost_since = None
+        self._world = {"round": world.round, "group_rank": world.group_rank, "nodes": world.nodes,
+                       "world_size": world.world_size,
+                       "first_rank": world.global_ranks[0] if world.global_ranks else None}
+        log.info("rendezvous_complete", node=self.cfg.agent.node_name, **world.log_fields())
+        self._observe("set_world", world.world_size, world.nodes, world.round)
 
-    def _workers_gone(self, wg: WorkerGroup) -> None:
-        for w in wg.workers:
-            if w.id is not None:
-                self._observe("mark_worker_dead", int(w.id))
+    def _workers_gone(self) -> None:
+        for pid in self.adapter.worker_pids().values():
+            self._observe("mark_worker_dead", pid)
 
-    def _loop(self, agent: TrainguardElasticAgent) -> RunResult:
-        wg = agent.get_worker_group()
-        spec = wg.spec
-        asked = ""
-        failures_in_a_row = 0
+    # ---- the loop (runs in the supervisor thread) ---------------------------------------------
+    def observe(self) -> tuple[Observation, Poll]:
+        """One look at the workers and this node (no side effects on the job)."""
+        poll = self.adapter.poll()
+        drain = self._drain
+        if drain is not None and self.sm.state != AgentState.DRAINING:
+            self.sm.to(AgentState.DRAINING, source=drain.source, kind=drain.kind)
+        healthy = poll.status is WorkerStatus.HEALTHY
+        with self._lock:
+            parked = dict(self._parked)
+        if healthy:
+            self._mark_worker_api()
+        waiting = 0
+        if healthy and drain is None:
+            try:
+                waiting = self.adapter.nodes_waiting()
+            except Exception as e:
+                log.warning("rendezvous_poll_failed", error=str(e))
+        obs = Observation(
+            workers=poll.status,
+            exit_codes=poll.exit_codes,
+            remaining_restarts=self.adapter.remaining_restarts,
+            nodes_waiting=waiting,
+            draining=drain is not None,
+            drain_deadline_passed=drain is not None and time.time() >= drain.deadline,
+            asked=self._asked,
+            api_workers=bool(self.control.api_workers()),
+            peer_draining=not healthy and self._peer_draining(),
+            checkpoint_requested=self._checkpoint_reason is not None,
+            nproc=self.cfg.workers.nproc_per_node,
+            parked=len(parked) if healthy else 0,
+            park_reason=max((p.reason.value for p in parked.values()), default=""),
+            member_lost=self._member_lost(healthy) if drain is None else False,
+            emergency_committed=self._emergency_committed,
+        )
+        return obs, poll
+
+    def execute(self, d: Decision, obs: Observation, poll: Poll) -> RunResult | None:
+        """Carry out one decision; returns elastic's result when the loop ends."""
+        log.info("decision", act=d.act.value, reason=d.reason, exit_codes=list(obs.exit_codes),
+                 remaining_restarts=obs.remaining_restarts, nodes_waiting=obs.nodes_waiting)
+        drain = self._drain
+        if d.act is Act.ASK_DRAIN:
+            assert drain is not None
+            self._publish_drain()
+            n = self.control.broadcast(proto.Stop(proto.StopReason.DRAIN, drain.deadline, drain.reason or drain.kind))
+            log.info("drain_requested_from_workers", workers=n, deadline_in_s=round(drain.deadline - time.time(), 1))
+            self._asked = "drain"
+        elif d.act is Act.ASK_RESIZE:
+            n = self.control.broadcast(proto.Stop(proto.StopReason.RESIZE, None, d.reason))
+            log.info("resize_requested_from_workers", workers=n, nodes_waiting=obs.nodes_waiting)
+            self._asked = "resize"
+        elif d.act is Act.CHECKPOINT:
+            with self._lock:
+                reason, self._checkpoint_reason = self._checkpoint_reason, None
+            n = self.control.broadcast(proto.CheckpointNow(reason or d.reason))
+            if n:
+                log.info("checkpoint_requested_from_workers", workers=n, reason=reason)
+            else:
+                log.warning("checkpoint_request_not_supported", reason=reason,
+                            effect="the workers do not use the worker API; the node stays in the job")
+        elif d.act is Act.TERMINATE:
+            self._publish_drain()
+            grace = self.cfg.preemption.term_grace_s
+            if drain is not None:
+                grace = max(1.0, min(grace, drain.deadline - time.time()))
+            log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
+            self.adapter.terminate_workers(grace)
+            return self._leave(d.reason)
+        elif d.act is Act.LEAVE:
+            return self._leave(d.reason)
+        elif d.act is Act.SUCCEED:
+            self.adapter.exit_barrier()
+            self._outcome = AgentState.SUCCEEDED
+            self.sm.to(AgentState.SUCCEEDED)
+            return poll.result if poll.result is not None else RunResult(state=WorkerState.SUCCEEDED)
+        elif d.act is Act.FAIL:
+            self.adapter.stop_workers()
+            self._outcome = AgentState.FAILED
+            self.sm.to(AgentState.FAILED, reason=d.reason, exit_codes=list(obs.exit_codes))
+            return RunResult(state=WorkerState.FAILED, failures=poll.failures)
+        elif d.act is Act.RESTART:
+            return self._restart(d, obs)
+        elif d.act is Act.REFORM:
+            return self._reform(d.reason)
+        return None
+
+    def _plan(self, reason: str) -> Plan | None:
+        """The membership a planned re-formation heads for (None: torch's last-call rule decides)."""
+        world = self._current
+        if world is None or reason == proto.ParkReason.PEER_LOST.value:
+            return None
+        return Plan(members=frozenset(world.members), leaving=self._leaving_members(world.members))
+
+    def _reform(self, reason: str) -> RunResult | None:
+        """Every local worker is parked alive: re-form the rendezvous and hand them their new world."""
+        t0 = time.monotonic()
+        plan = self._plan(reason)
+        self.sm.to(AgentState.RESIZING, reason=reason, in_place=True)
+        self.sm.to(AgentState.RENDEZVOUS)
+        try:
+            world = self.adapter.reform(plan)
+        except RendezvousAborted:
+            return self._leave("drained_during_rendezvous")
+        except Exception as e:
+            log.error("reform_failed", reason=reason, error=f"{type(e).__name__}: {e}"[:500],
+                      effect="restarting the workers (fallback)")
+            return self._restart(Decision(Act.RESTART, "reform_failed"), Observation(workers=WorkerStatus.UNKNOWN))
+        t_rdzv = time.monotonic()
+        with self._lock:
+            self._parked.clear()
+        self._send_worlds(world)
+        self._on_world(world)
+        self._asked = ""
+        log.info("reformed_in_place", reason=reason, rendezvous_s=round(t_rdzv - t0, 3),
+                 seconds=round(time.monotonic() - t0, 3), planned=plan is not None, **world.log_fields())
+        self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
+        return None
+
+    def _send_worlds(self, world: World) -> None:
+        n = self.cfg.workers.nproc_per_node
+        for local_rank, rank in enumerate(world.global_ranks):
+            msg = proto.Reform(rank=rank, world_size=world.world_size, local_rank=local_rank, local_world_size=n,
+                               master_addr=world.master_addr, master_port=world.master_port, round=world.round,
+                               group_rank=world.group_rank, nodes=world.nodes)
+            if not self.control.send_to(local_rank, msg):
+                log.warning("reform_send_failed", local_rank=local_rank,
+                            effect="that worker times out and exits; the world restarts")
+
+    def _restart(self, d: Decision, obs: Observation) -> RunResult | None:
+        self.control.forget_workers()
+        self._workers_gone()
+        with self._lock:
+            self._parked.clear()
+        self._standby_start = False
+        if d.consume_restart:  # a planned resize is no restart (metrics: its downtime is "resize")
+            self._observe("restart", d.reason)
+            left = self.adapter.consume_restart()
+            self._failures_in_a_row += 1
+            backoff = min(self.cfg.workers.restart_backoff_max_s,
+                          self.cfg.workers.restart_backoff_s * 2 ** (self._failures_in_a_row - 1))
+            self.sm.to(AgentState.RESTARTING, reason=d.reason, exit_codes=list(obs.exit_codes),
+                       remaining_restarts=left, backoff_s=backoff)
+            self._wake.wait(backoff)
+        else:
+            self._failures_in_a_row = 0
+            self.sm.to(AgentState.RESIZING, reason=d.reason)
+        if self._drain is not None:
+            return self._leave("drained_during_restart")
+        self.sm.to(AgentState.RENDEZVOUS)
+        try:
+            world = self.adapter.restart()
+        except RendezvousAborted:
+            return self._leave("drained_during_rendezvous")
+        self._on_world(world)
+        self._asked = ""
+        self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
+        return None
+
+    def _loop(self) -> RunResult:
         self.sm.to(AgentState.RENDEZVOUS)
         if self._drain is not None:
-            return self._leave(agent, wg, "drained_before_start")
-        agent._initialize_workers(wg)
-        self._on_world(wg)
+            return self._leave("drained_before_start")
+        try:
+            world = self._join_running_world() if self._should_warm_up() else self.adapter.start()
+        except RendezvousAborted:
+            return self._leave("drained_during_rendezvous")
+        self._on_world(world)
         self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
+        interval = self.cfg.workers.monitor_interval_s
         while True:
-            self._wake.wait(spec.monitor_interval)
+            self._wake.wait(interval)
             self._wake.clear()
-            result = agent._monitor_workers(wg)
-            state = result.state
-            drain = self._drain
-            if drain is not None and self.sm.state != AgentState.DRAINING:
-                self.sm.to(AgentState.DRAINING, source=drain.source, kind=drain.kind)
-            if state == WorkerState.HEALTHY:
-                obs_workers, codes = WorkerStatus.HEALTHY, ()
-            elif state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
-                failed = [f.exitcode for f in result.failures.values()]
-                codes = tuple(failed + [0] * (spec.local_world_size - len(failed)))
-                obs_workers = WorkerStatus.EXITED
-            else:
-                obs_workers, codes = WorkerStatus.UNKNOWN, ()
-            waiting = 0
-            if obs_workers is WorkerStatus.HEALTHY and drain is None:
-                try:
-                    waiting = self.handler.num_nodes_waiting()
-                except Exception as e:
-                    log.warning("rendezvous_poll_failed", error=str(e))
-            obs = Observation(
-                workers=obs_workers,
-                exit_codes=codes,
-                remaining_restarts=agent.remaining_restarts(),
-                nodes_waiting=waiting,
-                draining=drain is not None,
-                drain_deadline_passed=drain is not None and time.time() >= drain.deadline,
-                asked=asked,
-                api_workers=bool(self.control.api_workers()),
-                peer_draining=obs_workers is not WorkerStatus.HEALTHY and self._peer_draining(wg),
-            )
+            obs, poll = self.observe()
             d = decide(obs)
             if d.act is Act.WAIT:
                 continue
-            log.info("decision", act=d.act.value, reason=d.reason, exit_codes=list(codes),
-                     remaining_restarts=obs.remaining_restarts, nodes_waiting=waiting)
-            if d.act is Act.ASK_DRAIN:
-                assert drain is not None
-                self._publish_drain(wg)
-                n = self.control.broadcast(proto.Stop(proto.StopReason.DRAIN, drain.deadline, drain.reason or drain.kind))
-                log.info("drain_requested_from_workers", workers=n, deadline_in_s=round(drain.deadline - time.time(), 1))
-                asked = "drain"
-            elif d.act is Act.ASK_RESIZE:
-                n = self.control.broadcast(proto.Stop(proto.StopReason.RESIZE, None, d.reason))
-                log.info("resize_requested_from_workers", workers=n, nodes_waiting=waiting)
-                asked = "resize"
-            elif d.act is Act.TERMINATE:
-                self._publish_drain(wg)
-                grace = self.cfg.preemption.term_grace_s
-                if drain is not None:
-                    grace = max(1.0, min(grace, drain.deadline - time.time()))
-                log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
-                agent.terminate_workers(grace)
-                return self._leave(agent, wg, d.reason)
-            elif d.act is Act.LEAVE:
-                return self._leave(agent, wg, d.reason)
-            elif d.act is Act.SUCCEED:
-                agent._exit_barrier()
-                self._outcome = AgentState.SUCCEEDED
-                self.sm.to(AgentState.SUCCEEDED)
+            result = self.execute(d, obs, poll)
+            if result is not None:
                 return result
-            elif d.act is Act.FAIL:
-                agent._stop_workers(wg)
-                self._outcome = AgentState.FAILED
-                self.sm.to(AgentState.FAILED, reason=d.reason, exit_codes=list(codes))
-                return RunResult(state=WorkerState.FAILED, failures=result.failures)
-            elif d.act is Act.RESTART:
-                self.control.forget_workers()
-                self._workers_gone(wg)
-                if d.consume_restart:  # a planned resize is no restart (metrics: its downtime is "resize")
-                    self._observe("restart", d.reason)
-                    agent._remaining_restarts -= 1
-                    failures_in_a_row += 1
-                    backoff = min(self.cfg.workers.restart_backoff_max_s,
-                                  self.cfg.workers.restart_backoff_s * 2 ** (failures_in_a_row - 1))
-                    self.sm.to(AgentState.RESTARTING, reason=d.reason, exit_codes=list(codes),
-                               remaining_restarts=agent._remaining_restarts, backoff_s=backoff)
-                    self._wake.wait(backoff)
-                else:
-                    failures_in_a_row = 0
-                    self.sm.to(AgentState.RESIZING, reason=d.reason)
-                if self._drain is not None:
-                    return self._leave(agent, wg, "drained_during_restart")
-                self.sm.to(AgentState.RENDEZVOUS)
-                agent._restart_workers(wg)
-                self._on_world(wg)
-                asked = ""
-                self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
 
-    def _leave(self, agent: TrainguardElasticAgent, wg: WorkerGroup, reason: str) -> RunResult:
+    def _should_warm_up(self) -> bool:
+        """Whether this node joins a running world of worker-API workers (so they warm up first)."""
+        if not self.reform_enabled or not hasattr(self.adapter, "peek"):
+            return False
+        try:
+            peek = self.adapter.peek()
+            return (peek.complete and bool(peek.participants) and not peek.this_node_participates
+                    and self.adapter.round_store(peek.round).check([WORKER_API_KEY]))
+        except Exception as e:  # a static handler, an unreachable store: start the usual way
+            log.info("warm_up_skipped", error=f"{type(e).__name__}: {e}"[:200])
+            return False
+
+    def _join_running_world(self) -> World:
+        """Start the workers in standby, wait until they are warm, then join (the running world
+        pauses for this node only now)."""
+        t0 = time.monotonic()
+        self._standby_start = True
+        self.adapter.start_standby()
+        deadline = t0 + self.cfg.workers.reform_timeout_s
+        n = self.cfg.workers.nproc_per_node
+        while time.monotonic() < deadline and self._drain is None:
+            with self._lock:
+                ready = sum(p.reason is proto.ParkReason.STANDBY for p in self._parked.values())
+            if ready >= n or self.adapter.poll().status is not WorkerStatus.HEALTHY:
+                break
+            self._wake.wait(0.05)
+            self._wake.clear()
+        warm_s = time.monotonic() - t0
+        if self._drain is not None:
+            raise RendezvousAborted("a drain arrived while the workers warmed up")
+        if self.adapter.poll().status is not WorkerStatus.HEALTHY or ready < n:
+            log.warning("warm_up_failed", ready=ready, nproc=n, seconds=round(warm_s, 3),
+                        effect="starting the workers the usual way")
+            self.adapter.stop_workers()
+            self._standby_start = False
+            with self._lock:
+                self._parked.clear()
+            return self.adapter.start()
+        log.info("joiner_warm", seconds=round(warm_s, 3), workers=n)
+        world = self.adapter.reform(None)
+        with self._lock:
+            self._parked.clear()
+        self._standby_start = False
+        self._send_worlds(world)
+        log.info("joined_running_world", warm_s=round(warm_s, 3), seconds=round(time.monotonic() - t0, 3),
+                 **world.log_fields())
+        return world
+
+    def _leave(self, reason: str) -> RunResult:
         if self.sm.state != AgentState.DRAINING:
             self.sm.to(AgentState.DRAINING, reason=reason)
-        agent._stop_workers(wg)
-        self._workers_gone(wg)
+        # Leave first: the survivors re-form as soon as this node is out of the round, and our
+        # workers have committed (or are being terminated) already.
         try:
-            rdzv.leave_rendezvous(self.handler, timeout_s=self.cfg.rendezvous.close_timeout_s)
+            self.adapter.leave(timeout_s=self.cfg.rendezvous.close_timeout_s)
         except Exception as e:  # the store may be gone; leaving is best effort, stopping is not
             log.warning("rendezvous_leave_failed", error=str(e))
+        self.adapter.stop_workers()
+        self._workers_gone()
         drain = self._drain
         self._outcome = AgentState.STOPPED
         if drain is not None:
@@ -372,7 +585,7 @@ class Supervisor:
         self.sm.to(AgentState.STOPPED, reason=reason,
                    seconds_since_notice=round(time.time() - drain.received_at, 3) if drain else None)
         # elastic's run() records one event per worker and needs a value for each global rank.
-        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in wg.workers})
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.adapter.world().global_ranks})
 
     # ---- lifecycle (main thread) --------------------------------------------------------------
     def start(self) -> None:
@@ -380,7 +593,7 @@ class Supervisor:
 
         def target() -> None:
             try:
-                self.agent.run()
+                self.adapter.run(self._loop)
             except BaseException as e:  # surfaced to the main thread by wait()
                 self._error = e
                 log.error("supervisor_crashed", error=f"{type(e).__name__}: {e}")
@@ -389,6 +602,16 @@ class Supervisor:
 
         self._thread = threading.Thread(target=target, name="supervisor", daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the supervisor thread runs (the systemd watchdog pings only then)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def world(self) -> dict[str, Any]:
+        """The current world as last formed (round, group rank, nodes, world size)."""
+        return {k: v for k, v in self._world.items() if k != "first_rank"}
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait for the supervisor thread; returns the process exit code, or None on timeout."""
@@ -408,7 +631,7 @@ class Supervisor:
             # The job as a whole is over: close the rendezvous like torchrun does. A drained node
             # (STOPPED) never closes it: the survivors go on.
             try:
-                self.handler.shutdown()
+                self.adapter.close()
             except Exception as e:
                 log.warning("rendezvous_close_failed", error=str(e))
         self.control.close()
@@ -416,10 +639,3 @@ class Supervisor:
         log.info("agent_exit", outcome=outcome.value, exit_code=code,
                  uptime_s=round(time.monotonic() - self._run_started, 1))
         return code
-
-    def leave_now(self) -> None:
-        """Last resort from the main thread when the supervisor thread is stuck in a rendezvous wait."""
-        try:
-            rdzv.leave_rendezvous(self.handler, timeout_s=5)
-        except Exception as e:
-            log.warning("rendezvous_leave_failed", error=str(e))

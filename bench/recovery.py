@@ -1,15 +1,23 @@
 """Recovery from a spot preemption: trainguard vs plain ``torchrun`` elastic (benchmark, not a timed test).
 
-Two local "nodes" (a and b) x 1 worker train the bundled byte-level GPT on CPU/gloo, everything on
-127.0.0.1. Two runs of the same scenario:
+Local "nodes" x 1 worker train the bundled byte-level GPT on CPU/gloo, everything on 127.0.0.1.
+Runs of the same scenario, side by side in one invocation:
 
-* **trainguard** -- two ``trainguard run`` agents training ``examples/train_gpt_elastic.py`` (worker
-  API, periodic async checkpoints every ``--baseline-ckpt-every`` steps). After
-  ``--steps-before-notice`` steps at world size 2 an AWS IMDSv2 emulator (in this file) serves a spot
-  ``instance-action`` to node b: b drains (emergency checkpoint on every rank) and leaves, a resumes
-  at world size 1; after ``--steps-after`` steps b's agent is started again and the world grows to 2.
-  Every finished step's sample ids are logged (``--sample-log``) and checked against the global
-  sample cursor's stream.
+* **trainguard** (in place, DDP) -- two ``trainguard run`` agents training
+  ``examples/train_gpt_elastic.py`` (worker API, periodic async checkpoints every
+  ``--baseline-ckpt-every`` steps, ``workers.reform: in-process``). After ``--steps-before-notice``
+  steps at world size 2 the AWS IMDSv2 emulator (``tests/emulators``) serves a spot ``instance-action``
+  to node b: b drains (emergency checkpoint on every rank) and leaves, a's worker re-forms at world
+  size 1 without a restart; after ``--steps-after`` steps b's agent is started again, warms its worker
+  up, and the world grows to 2 (a pauses only for the re-formation). Every finished step's sample ids
+  are logged (``--sample-log``) and checked against the global sample cursor's stream.
+* **restart** -- the same with ``workers.reform: restart`` (every change restarts the workers, which
+  restore from storage): today's fallback path, measured in the same run (``restart_*`` keys).
+* **fsdp** -- the in-place run with ``--strategy fsdp`` (``fsdp_*`` keys; FSDP re-forms by reloading
+  the checkpoint committed at the stop, resharded, when it re-forms in place at all).
+* **kill** -- three in-place agents; one node is SIGKILLed without notice (agent and worker): the
+  survivors' collectives fail, the interrupted step is rolled back and they re-form at world size 2
+  (``kill_*`` keys).
 * **baseline** -- what users have today: two ``torchrun --nnodes 1:2`` (c10d) agents training
   ``examples/train_gpt.py`` with a ``torch.save`` checkpoint every K steps and no notice handling. At
   the same step node b dies the way a spot node does (its torchrun and worker are SIGKILLed, process
@@ -22,7 +30,7 @@ timestamp of their own, so each output line is stamped when this process reads i
 output goes through a pipe read by a thread; trainguard's worker lines also pass through the agent's
 log tail, which polls every 0.1 s). The notice -> commit time uses the worker's own log timestamp.
 
-Run: ``OMP_NUM_THREADS=1 python bench/recovery.py [--json out.json] [--keep]`` (a few minutes).
+Run: ``OMP_NUM_THREADS=1 python bench/recovery.py [--json out.json] [--keep] [--only SIDE]`` (several minutes).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import re
@@ -56,7 +65,6 @@ MAX_BYTES = 2_000_000  # both examples' default --max-bytes
 SEED = 1234  # both examples' default --seed
 STEP_SLEEP = 0.03
 MONITOR_INTERVAL = 0.2  # agent/torchrun worker poll interval, the same for both
-RESUME_TARGET_S = 10.0
 T0 = time.time()
 _GLUED = re.compile(r"(?<=\})(?=\[[a-z]+\d+\]:|\{\")")
 
@@ -105,72 +113,12 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: flo
 
 
 # ---------------------------------------------------------------------------------------- IMDSv2
-class Imds:
-    """Minimal AWS IMDSv2 on 127.0.0.1: ``PUT /latest/api/token`` -> token; the spot
-    ``instance-action`` 404s until :meth:`schedule_termination`; rebalance always 404s."""
+def imds() -> Any:
+    """The AWS IMDSv2 emulator the tests use (``tests/emulators``), started."""
+    sys.path.insert(0, REPO)
+    from tests.emulators import AwsImdsEmulator
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tokens: set[str] = set()
-        self._action: bytes | None = None
-        imds = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _reply(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
-                self.send_response(code)
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_PUT(self) -> None:  # noqa: N802
-                if self.path != "/latest/api/token":
-                    return self._reply(405)
-                ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds", "").strip()
-                if not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
-                    return self._reply(400)
-                token = secrets.token_urlsafe(32)
-                with imds._lock:
-                    imds._tokens.add(token)
-                self._reply(200, token.encode(), {"X-aws-ec2-metadata-token-ttl-seconds": ttl})
-
-            def do_GET(self) -> None:  # noqa: N802
-                with imds._lock:
-                    ok = self.headers.get("X-aws-ec2-metadata-token") in imds._tokens
-                    action = imds._action
-                if not ok:
-                    return self._reply(401)
-                if self.path == "/latest/meta-data/spot/instance-action" and action:
-                    return self._reply(200, action, {"Content-Type": "text/plain"})
-                self._reply(404, b"404 - Not Found", {"Content-Type": "text/html"})
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def schedule_termination(self, in_s: float = 120.0) -> str:
-        t = iso_z(time.time() + in_s)
-        with self._lock:
-            self._action = json.dumps({"action": "terminate", "time": t}).encode()
-        return t
-
-    def clear(self) -> None:
-        with self._lock:
-            self._action = None
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    return AwsImdsEmulator()
 
 
 # ---------------------------------------------------------------------------------------- processes
@@ -355,31 +303,36 @@ def account(batches: list[list[int]], expected: list[int]) -> dict[str, int]:
 
 
 def read_sample_log(folder: str) -> list[dict[str, Any]]:
-    recs = []
-    for name in sorted(os.listdir(folder)):
-        with open(os.path.join(folder, name)) as fh:
-            for line in fh:
-                with contextlib.suppress(ValueError):
-                    recs.append(json.loads(line))
-    return recs
+    """Every (non rolled-back) step record of the bundled job's sample log."""
+    sys.path.insert(0, REPO)
+    from tests import samples
+
+    return [r for r in samples.read(folder) if not r.get("rolled_back")]
+
+
+def committed(folder: str) -> dict[int, dict[str, Any]]:
+    """step -> the one committed attempt (``tests/samples.py``)."""
+    sys.path.insert(0, REPO)
+    from tests import samples
+
+    return samples.committed_batches(folder)
+
+
+def worker_pid(node: Proc) -> int | None:
+    """The pid of the node's (one) training worker process."""
+    for pid in descendants(node.proc.pid):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if ELASTIC.encode() in fh.read() and alive(pid):
+                    return pid
+    return None
 
 
 # ---------------------------------------------------------------------------------------- trainguard run
-def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]]) -> dict[str, Any]:
-    d = os.path.join(work, "trainguard")
-    samples = os.path.join(d, "samples")
-    os.makedirs(samples)
-    ep = f"127.0.0.1:{free_port()}"
-    imds = Imds()
-    res: dict[str, Any] = {}
-    args = ["--steps", "1000000", "--log-every", "1", "--step-sleep", str(STEP_SLEEP), "--global-batch",
-            str(GLOBAL_BATCH), "--sample-log", samples]
-    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval_steps={a.baseline_ckpt_every}"]
-    aws = ["--set", "preemption.sources=aws,signal", "--set", f"preemption.aws_endpoint={imds.url}",
-           "--set", "preemption.poll_interval_s=0.5"]
-
+def _agent_factory(d: str, ep: str, common: list[str], args: list[str], procs: list[Proc],
+                   timeline: list[tuple[float, str, str]], nnodes: str = "1:2"):
     def agent(name: str, extra: list[str]) -> Proc:
-        cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
+        cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", ep, "--rdzv-id", "bench", "--node-name", name,
                "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
                "--state-dir", os.path.join(d, f"state-{name}"), "--log-dir", os.path.join(d, f"logs-{name}"),
@@ -388,6 +341,30 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
         procs.append(p)
         timeline.append((p.started, p.name, "agent started"))
         return p
+
+    return agent
+
+
+def _continued(node: Proc, world: int) -> list[tuple[float, dict[str, Any]]]:
+    """``resumed`` (a restart restored) or ``reformed`` (in place) at ``world`` on the node's rank 0."""
+    return [(t, e) for t, e in node.events() if e.get("event") in ("resumed", "reformed") and e.get("world_size") == world]
+
+
+def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]], *,
+                   reform: str = "in-process", strategy: str = "ddp", prefix: str = "") -> dict[str, Any]:
+    d = os.path.join(work, f"trainguard-{prefix or 'inplace'}")
+    samples = os.path.join(d, "samples")
+    os.makedirs(samples)
+    ep = f"127.0.0.1:{free_port()}"
+    emu = imds()
+    res: dict[str, Any] = {}
+    args = ["--steps", "1000000", "--log-every", "1", "--step-sleep", str(STEP_SLEEP), "--global-batch",
+            str(GLOBAL_BATCH), "--sample-log", samples, "--strategy", strategy]
+    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval_steps={a.baseline_ckpt_every}",
+              "--set", f"workers.reform={reform}"]
+    aws = ["--set", "preemption.sources=aws,signal", "--set", f"preemption.aws_endpoint={emu.url}",
+           "--set", "preemption.poll_interval_s=0.5"]
+    agent = _agent_factory(d, ep, common, args, procs, timeline)
 
     try:
         na = agent("a", ["--set", "preemption.sources=signal", "--set", "rendezvous.is_host=true"])
@@ -399,10 +376,11 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
         timeline.append((t_w2, "trainguard", "first step at world size 2"))
         wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2 and e["step"] >= a.steps_before_notice),
                    120, f"{a.steps_before_notice} steps at world size 2", procs=nodes)
+        pid_start = worker_pid(na)
 
         t_notice = time.time()
-        imds.schedule_termination(in_s=120)  # the spot two-minute warning, for node b only
-        say("bench", "AWS spot notice for node b (terminate in 120 s)")
+        emu.schedule_termination(in_s=120)  # the spot two-minute warning, for node b only
+        say("bench", f"[{prefix or 'in place'}] AWS spot notice for node b (terminate in 120 s)")
         timeline.append((t_notice, "bench", "AWS spot notice served to node b (deadline +120 s)"))
         before = [e for t, e in steps_of(nodes) if t <= t_notice]
         res["world_size_before"] = before[-1]["world_size"] if before else None
@@ -427,18 +405,18 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
                                    "the survivor's first step at world size 1", procs=[na])
         # Snapshot the sample log now: every world-2 record in it was trained before the notice.
         w2_before = [r["step"] for r in read_sample_log(samples) if r["world_size"] == 2]
-        resumed = [(t, e) for t, e in na.events("resumed") if e["world_size"] == 1]
+        cont = _continued(na, 1)
         res["notice_to_resume_s"] = round(t_resume - t_notice, 3)
         res["world_size_after"] = ev1["world_size"]
-        res["resumed_step"] = resumed[0][1]["step"] if resumed else ev1["step"] - 1
-        if resumed:
-            res["notice_to_resumed_event_s"] = round(resumed[0][0] - t_notice, 3)
-            timeline.append((resumed[0][0], na.name, f"workers resumed from step {res['resumed_step']} at world size 1"))
-        # Where the time goes (agent/worker log timestamps): survivor re-formed, worker restored.
+        res["resumed_step"] = cont[0][1]["step"] if cont else ev1["step"] - 1
+        res["resize_path"] = cont[0][1]["event"] if cont else None
+        if cont:
+            timeline.append((cont[0][0], na.name, f"worker {cont[0][1]['event']} from step {res['resumed_step']} at world size 1"))
         for key, event, pred, text in (
                 ("notice_to_rendezvous_s", "rendezvous_complete", lambda e: e.get("world_size") == 1, "rendezvous complete at world size 1"),
                 ("notice_to_worker_up_s", "worker_registered", lambda e: True, "new worker process up (registered with the agent)"),
-                ("notice_to_restored_s", "worker_restored", lambda e: True, "")):
+                ("notice_to_restored_s", "worker_restored", lambda e: True, ""),
+                ("notice_to_reformed_s", "worker_reformed", lambda e: e.get("world_size") == 1, "worker re-formed in place")):
             ts = [t for t in (parse_ts(e) for _, e in na.events(event) if pred(e)) if t and t > t_notice]
             if ts:
                 res[key] = round(ts[0] - t_notice, 3)
@@ -446,28 +424,32 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
                     timeline.append((ts[0], na.name, text))
         res["last_step_before_notice"] = max(w2_before) if w2_before else None
         res["lost_steps"] = max(0, max(w2_before) - res["resumed_step"]) if w2_before else None
-        timeline.append((t_resume, na.name, f"step {ev1['step']} at world size 1 (first after the resume)"))
-        say("bench", f"survivor resumed at world size 1, step {ev1['step']} ({res['notice_to_resume_s']:.1f} s after the notice)")
+        timeline.append((t_resume, na.name, f"step {ev1['step']} at world size 1 (first after the change)"))
+        say("bench", f"survivor at world size 1, step {ev1['step']} ({res['notice_to_resume_s']:.2f} s after the notice)")
         wait_until(lambda: first(steps_of([na]), lambda t, e: e["world_size"] == 1 and e["step"] >= ev1["step"] + a.steps_after),
                    120, f"{a.steps_after} steps at world size 1", procs=[na])
 
-        imds.clear()
+        emu.clear()
         nb2 = agent("b2", [*aws, "--set", "rendezvous.is_host=false"])
         nodes = [na, nb2]
         t_join = nb2.started
         t_up, ev2 = wait_until(lambda: first(steps_of(nodes), lambda t, e: t > t_join and e["world_size"] == 2), 120,
                                "the first step at world size 2 after b rejoined", procs=nodes)
         res["scaleup_join_to_resume_s"] = round(t_up - t_join, 3)
-        last_w1 = max(e["step"] for t, e in steps_of([na]) if e["world_size"] == 1 and t <= t_up)
+        w1 = [(t, e) for t, e in steps_of([na]) if e["world_size"] == 1 and t <= t_up]
+        last_w1 = max(e["step"] for _, e in w1)
+        res["scaleup_stall_s"] = round(t_up - max(t for t, _ in w1), 3)  # survivor: last step at 1 -> first at 2
+        warm = [parse_ts(e) for _, e in nb2.events("joiner_warm")]
+        if warm and warm[0]:
+            res["joiner_ready_s"] = round(warm[0] - t_join, 3)
+            timeline.append((warm[0], nb2.name, "joiner's worker warm (started, imported, model built)"))
         res["scaleup_lost_steps"] = max(0, last_w1 - (ev2["step"] - 1))
-        resize = [(parse_ts(e) or t, e) for n in nodes for t, e in n.events("checkpoint_committed")
-                  if e.get("kind") == "resize" and e.get("component") == "trainguard.worker"]
-        if resize:
-            timeline.append((max(t for t, _ in resize), "workers", f"resize checkpoint committed at step {resize[0][1]['step']}"))
         timeline.append((t_up, "trainguard", f"step {ev2['step']} at world size 2 (first after the rejoin)"))
-        say("bench", f"world size 2 again at step {ev2['step']} ({res['scaleup_join_to_resume_s']:.1f} s after b's agent started)")
+        say("bench", f"world size 2 again at step {ev2['step']} ({res['scaleup_join_to_resume_s']:.1f} s after b's agent "
+                     f"started, survivor stalled {res['scaleup_stall_s']:.2f} s)")
         wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2 and e["step"] >= ev2["step"] + a.steps_after),
                    120, f"{a.steps_after} steps at world size 2", procs=nodes)
+        res["same_worker_pids"] = pid_start is not None and worker_pid(na) == pid_start
 
         t_stop = time.time()
         for n in nodes:
@@ -477,15 +459,64 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
         res["orphans_after_stop"] = orphans(d)
         timeline.append((time.time(), "bench", f"SIGTERM to both agents: exit codes {res['final_exit_codes']}"))
 
-        recs = read_sample_log(samples)
-        max_step = max(r["step"] for r in recs)
-        acc = account([r["ids"] for r in recs], cursor_stream(max_step, dataset_size()))
+        steps = committed(samples)
+        max_step = max(steps)
+        acc = account([steps[s]["ids"] for s in sorted(steps)], cursor_stream(max_step, dataset_size()))
         res.update(skipped_samples=acc["skipped"], repeated_samples=acc["repeated"], unexpected_samples=acc["unexpected"],
                    samples_consumed=acc["consumed"], steps_trained=max_step,
-                   global_batch_constant=all(len(r["ids"]) * r["world_size"] == GLOBAL_BATCH for r in recs))
-        return res
+                   global_batch_constant=all(len(v["ids"]) == GLOBAL_BATCH for v in steps.values()))
+        return {f"{prefix}{k}": v for k, v in res.items()}
     finally:
-        imds.close()
+        emu.close()
+
+
+def run_kill(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]]) -> dict[str, Any]:
+    """Three in-place agents; node c is SIGKILLed (agent and worker) without notice."""
+    d = os.path.join(work, "trainguard-kill")
+    samples = os.path.join(d, "samples")
+    os.makedirs(samples)
+    ep = f"127.0.0.1:{free_port()}"
+    args = ["--steps", "1000000", "--log-every", "1", "--step-sleep", str(STEP_SLEEP), "--global-batch",
+            str(GLOBAL_BATCH), "--sample-log", samples]
+    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval_steps={a.baseline_ckpt_every}",
+              "--set", "preemption.sources=signal"]
+    agent = _agent_factory(d, ep, common, args, procs, timeline, nnodes="1:3")
+    res: dict[str, Any] = {}
+    na = agent("a", ["--set", "rendezvous.is_host=true"])
+    time.sleep(0.5)
+    nb, nc = agent("b", ["--set", "rendezvous.is_host=false"]), agent("c", ["--set", "rendezvous.is_host=false"])
+    nodes = [na, nb, nc]
+    wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 3 and e["step"] >= a.steps_before_notice),
+               180, f"{a.steps_before_notice} steps at world size 3", procs=nodes)
+    pid_start = worker_pid(na)
+    t_kill = time.time()
+    nc.kill()
+    say("bench", "node c dies without notice: SIGKILL to its agent and worker")
+    timeline.append((t_kill, "bench", "node c killed (SIGKILL, agent and worker)"))
+    last_before = max(e["step"] for t, e in steps_of(nodes) if t <= t_kill)
+    t_resume, ev = wait_until(lambda: first(steps_of([na, nb]), lambda t, e: t > t_kill and e["world_size"] == 2), 120,
+                              "the survivors' first step at world size 2", procs=[na, nb])
+    cont = _continued(na, 2)
+    resumed_from = cont[0][1]["step"] if cont else ev["step"] - 1
+    res.update(kill_to_resume_s=round(t_resume - t_kill, 3), kill_lost_steps=max(0, last_before - resumed_from),
+               kill_resize_path=cont[0][1]["event"] if cont else None,
+               kill_same_worker_pids=pid_start is not None and worker_pid(na) == pid_start)
+    lost = [parse_ts(e) for _, e in na.events("peer_lost")]
+    if lost and lost[0]:
+        res["kill_detected_s"] = round(lost[0] - t_kill, 3)
+        timeline.append((lost[0], na.name, "worker: a collective failed (peer lost)"))
+    timeline.append((t_resume, "trainguard", f"step {ev['step']} at world size 2 (first after the kill)"))
+    say("bench", f"survivors at world size 2, step {ev['step']} ({res['kill_to_resume_s']:.2f} s after the kill)")
+    wait_until(lambda: first(steps_of([na, nb]), lambda t, e: e["world_size"] == 2 and e["step"] >= ev["step"] + 10),
+               120, "10 steps at world size 2", procs=[na, nb])
+    for n in (na, nb):
+        n.proc.send_signal(signal.SIGTERM)
+    for n in (na, nb):
+        n.wait(60)
+    steps = committed(samples)
+    acc = account([steps[s]["ids"] for s in sorted(steps)], cursor_stream(max(steps), dataset_size()))
+    res.update(kill_skipped_samples=acc["skipped"], kill_repeated_samples=acc["repeated"])
+    return res
 
 
 # ---------------------------------------------------------------------------------------- baseline
@@ -593,16 +624,29 @@ def run_baseline(a: argparse.Namespace, work: str, procs: list[Proc], timeline: 
 
 # ---------------------------------------------------------------------------------------- report
 ROWS = [
-    # (field, target text, predicate on the trainguard value)
+    # (field, target text, predicate on the trainguard value); the restart/fsdp/baseline columns show the
+    # same field of those runs (restart_<field>, fsdp_<field>, baseline_<field>).
     ("notice_to_commit_s", "", None),
-    ("notice_to_resume_s", f"<= {RESUME_TARGET_S:g}", lambda v: v is not None and v <= RESUME_TARGET_S),
+    ("notice_to_resume_s", "<= 1.0 (ddp in place)", lambda v: v is not None and v <= 1.0),
     ("lost_steps", "== 0", lambda v: v == 0),
     ("skipped_samples", "== 0", lambda v: v == 0),
     ("repeated_samples", "== 0", lambda v: v == 0),
     ("world_size_before", "", None),
     ("world_size_after", "", None),
     ("scaleup_join_to_resume_s", "", None),
+    ("scaleup_stall_s", "<= 1.5", lambda v: v is not None and v <= 1.5),
+    ("joiner_ready_s", "", None),
     ("scaleup_lost_steps", "", None),
+    ("same_worker_pids", "true", lambda v: v is True),
+]
+SINGLE = [
+    # (field, target text, predicate) of the runs without a baseline column
+    ("fsdp_notice_to_resume_s", "<= 2.0", lambda v: v is not None and v <= 2.0),
+    ("kill_to_resume_s", "<= 10", lambda v: v is not None and v <= 10.0),
+    ("kill_lost_steps", "<= 1", lambda v: v is not None and v <= 1),
+    ("kill_skipped_samples", "== 0", lambda v: v == 0),
+    ("kill_repeated_samples", "== 0", lambda v: v == 0),
+    ("kill_same_worker_pids", "true", lambda v: v is True),
 ]
 
 
@@ -632,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="baseline only: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13's workaround for the "
                          "scale-up store bug, see agent/supervisor.py); default: torchrun as installed")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints, sample logs)")
-    ap.add_argument("--only", choices=["trainguard", "baseline"], default=None, help="run one side only")
+    ap.add_argument("--only", choices=["trainguard", "restart", "fsdp", "kill", "baseline"], action="append", default=None,
+                    help="run only these sides (repeatable)")
     a = ap.parse_args(argv)
 
     # A SIGTERM to the bench unwinds through the finally blocks below, which kill what it started.
@@ -646,8 +691,13 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
     print(f"recovery benchmark: work folder {work}", flush=True)
     try:
-        for side, fn in (("trainguard", run_trainguard), ("baseline", run_baseline)):
-            if a.only and a.only != side:
+        sides = (("trainguard", run_trainguard),
+                 ("restart", functools.partial(run_trainguard, reform="restart", prefix="restart_")),
+                 ("fsdp", functools.partial(run_trainguard, strategy="fsdp", prefix="fsdp_")),
+                 ("kill", run_kill),
+                 ("baseline", run_baseline))
+        for side, fn in sides:
+            if a.only and side not in a.only:
                 continue
             timeline: list[tuple[float, str, str]] = []
             mine: list[Proc] = []
@@ -662,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                 for p in mine:
                     p.kill()
                 procs += mine
-                for pid in strays(os.path.join(work, side)):  # orphans of launchers that exited on their own
+                for pid in strays(work):  # orphans of launchers that exited on their own
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
             print_timeline(side, timeline)
@@ -679,20 +729,28 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     targets = {}
-    for field, text, ok in ROWS:
-        if ok is not None:
+    for field, text, ok in [*ROWS, *SINGLE]:
+        if ok is not None and field in res:
             targets[field] = {"target": text, "value": res.get(field), "met": bool(ok(res.get(field)))}
+    if "notice_to_resume_s" in res and "restart_notice_to_resume_s" in res:
+        res["restart_over_inplace_resume_ratio"] = round(res["restart_notice_to_resume_s"] / res["notice_to_resume_s"], 2)
     res["targets"] = targets
-    res["targets_met"] = all(t["met"] for t in targets.values()) and "trainguard" not in errors
+    res["targets_met"] = all(t["met"] for t in targets.values()) and not errors
     if errors:
         res["errors"] = errors
 
-    w = max(len(r[0]) for r in ROWS)
-    print(f"\n{'metric'.ljust(w)}  {'trainguard':>11}  {'baseline':>11}  target")
+    w = max(len(r[0]) for r in [*ROWS, *SINGLE])
+    print(f"\n{'metric'.ljust(w)}  {'in place':>10}  {'restart':>10}  {'fsdp':>10}  {'torchrun':>10}  target")
     for field, text, ok in ROWS:
-        tg, base = res.get(field), res.get(f"baseline_{field}")
-        mark = "" if ok is None else ("  ok" if ok(tg) else "  MISSED")
-        print(f"{field.ljust(w)}  {fmt(tg):>11}  {fmt(base):>11}  {text}{mark}")
+        tg = res.get(field)
+        mark = "" if ok is None or field not in res else ("  ok" if ok(tg) else "  MISSED")
+        print(f"{field.ljust(w)}  {fmt(tg):>10}  {fmt(res.get('restart_' + field)):>10}  {fmt(res.get('fsdp_' + field)):>10}  "
+              f"{fmt(res.get('baseline_' + field)):>10}  {text}{mark}")
+    for field, text, ok in SINGLE:
+        mark = "" if field not in res else ("  ok" if ok(res.get(field)) else "  MISSED")
+        print(f"{field.ljust(w)}  {fmt(res.get(field)):>10}  {'':>10}  {'':>10}  {'':>10}  {text}{mark}")
+    if "restart_over_inplace_resume_ratio" in res:
+        print(f"restart path / in-place path, notice -> resume: {res['restart_over_inplace_resume_ratio']}x")
     print(f"targets met: {res['targets_met']}   leftover processes: {res['leftover_processes']}"
           + (f"   work folder kept: {work}" if a.keep else ""))
     if a.json:

@@ -24,11 +24,13 @@ from datetime import datetime, timezone
 from typing import Any
 
 from trainguard.checkpoint.errors import CheckpointCorrupt
+from trainguard.runtime.protocol import CheckpointKind
 
 MANIFEST_NAME = "manifest.json"
 FENCES_DIR = "fences"
 FORMAT_VERSION = 1
-KINDS = ("periodic", "emergency", "resize")
+KINDS = tuple(k.value for k in CheckpointKind)
+"""Every checkpoint kind a manifest may carry (:class:`trainguard.runtime.protocol.CheckpointKind`)."""
 _STEP_PREFIX = "step-"
 _FENCE_PREFIX = "fence-"
 

@@ -7,8 +7,9 @@ block; DeepSpeed ZeRO stage ``--zero-stage``, optionally with ``--deepspeed-conf
 ``--precision 32|bf16-mixed|16-mixed`` the numeric precision (see docs/strategies.md).
 ``--loss-log FILE`` makes rank 0 append ``{"step", "loss"}`` with the global-batch loss of *every* step
 (all-reduced over the ranks; the strategy tests compare runs with it).
-``--sample-log DIR`` makes every rank append the sample ids of each finished step to
-``DIR/samples-<pid>.jsonl`` (the end-to-end tests check that each id is used exactly once).
+``--sample-log DIR`` makes every rank append, per step, the sample ids of the whole global batch to
+``DIR/samples-<pid>.jsonl``, and a ``rolled_back`` record when a vanished peer interrupted the step
+(the end-to-end tests check that each id is used exactly once: ``tests/samples.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def main() -> None:
         print(json.dumps({"event": "resumed" if start else "started", "step": start, "world_size": rt.world_size,
                           "accum_steps": rt.accum_steps, "strategy": rt.strategy_name}), flush=True)
     samples = open(os.path.join(args.sample_log, f"samples-{os.getpid()}.jsonl"), "a") if args.sample_log else None
-    losses = open(args.loss_log, "a") if args.loss_log and rt.rank == 0 else None
+    losses = open(args.loss_log, "a") if args.loss_log else None  # rank 0 of each step writes
+    reformations = 0
     while rt.step < args.steps:
         t0 = time.perf_counter()
         micro = rt.next_batches()
@@ -78,28 +80,35 @@ def main() -> None:
                 with rt.autocast():
                     loss = F.cross_entropy(model(x).reshape(-1, 256).float(), y.reshape(-1)) / len(micro)
                 rt.backward(loss)
-            total += loss.detach()
+                total += loss.detach()
         rt.optimizer_step(opt)
         opt.zero_grad(set_to_none=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        done = rt.step + 1
-        if samples:
-            samples.write(json.dumps({"step": done, "rank": rt.rank, "world_size": rt.world_size,
-                                      "ids": [i for ids in micro for i in ids]}) + "\n")
+        done, rank, world, rnd = rt.step + 1, rt.rank, rt.world_size, rt.round
+        if args.loss_log:  # the global-batch loss: mean of the ranks' (equal-sized) shares
+            rt.all_reduce(total, "mean")
+        if losses is not None and rank == 0:  # before end_step, as the samples (a redone step logs again)
+            losses.write(json.dumps({"step": done, "loss": float(total), "world_size": world}) + "\n")
+            losses.flush()
+        if samples:  # before end_step: a draining rank exits inside it once the step is committed
+            samples.write(json.dumps({"step": done, "rank": rank, "world_size": world, "round": rnd,
+                                      "ids": rt.current_batch}) + "\n")
             samples.flush()
-        if args.loss_log:
-            if rt.world_size > 1:  # the global-batch loss: mean of the ranks' (equal-sized) shares
-                torch.distributed.all_reduce(total)
-                total /= rt.world_size
-            if losses is not None:
-                losses.write(json.dumps({"step": done, "loss": float(total), "world_size": rt.world_size}) + "\n")
-                losses.flush()
-        if rt.rank == 0 and (done % args.log_every == 0 or done == args.steps):
+        if not rt.end_step():  # a peer vanished mid-step: it is redone (same samples) in the re-formed world
+            if samples:
+                samples.write(json.dumps({"step": done, "rank": rank, "round": rnd, "rolled_back": True}) + "\n")
+                samples.flush()
+            continue
+        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             lv = float(total)
             print(json.dumps({"event": "train_step", "step": done, "loss": round(lv, 6), "ppl": round(math.exp(lv), 2),
-                              "world_size": rt.world_size, "step_s": round(time.perf_counter() - t0, 4)}), flush=True)
-        rt.end_step()
+                              "world_size": world, "step_s": round(time.perf_counter() - t0, 4)}), flush=True)
+        if rt.reformations != reformations:  # this process re-formed in place (same pid, new world)
+            reformations = rt.reformations
+            if rt.rank == 0:
+                print(json.dumps({"event": "reformed", "step": rt.step, "world_size": rt.world_size,
+                                  "accum_steps": rt.accum_steps, "pid": os.getpid()}), flush=True)
     rt.finish()
 
 

@@ -8,8 +8,9 @@ are separate ``nn.Linear`` layers (``nn.MultiheadAttention`` packs them into one
 ``ColwiseParallel`` cannot split by head): column-wise parallel q/k/v and MLP input, row-wise parallel
 attention output and MLP output, so each rank of a tensor-parallel group holds ``heads / tp`` heads
 and ``4d / tp`` MLP features. Same corpus, samples and flags as ``train_gpt_elastic.py``, plus
-``--tp-size N`` and ``--compile none|inductor|aot_eager``. ``--sample-log DIR`` records every rank's
-sample ids with its data-parallel rank (the ranks of one tensor-parallel group train on the same
+``--tp-size N`` and ``--compile none|inductor|aot_eager``. ``--sample-log DIR`` records, per rank and
+step, the whole global batch as ``train_gpt_elastic.py`` does (``tests/samples.py``) plus the rank's
+data-parallel rank and share (``mine``: the ranks of one tensor-parallel group train on the same
 samples); ``--loss-log FILE`` as in ``train_gpt_elastic.py``.
 """
 
@@ -156,7 +157,7 @@ def main() -> None:
                           "dp_size": rt.dp_size, "tp_size": args.tp_size, "accum_steps": rt.accum_steps,
                           "strategy": rt.strategy_name}), flush=True)
     samples = open(os.path.join(args.sample_log, f"samples-{os.getpid()}.jsonl"), "a") if args.sample_log else None
-    losses = open(args.loss_log, "a") if args.loss_log and rt.rank == 0 else None
+    losses = open(args.loss_log, "a") if args.loss_log else None  # rank 0 of each step writes
     while rt.step < args.steps:
         t0 = time.perf_counter()
         micro = rt.next_batches()
@@ -167,36 +168,38 @@ def main() -> None:
                 with rt.autocast():
                     loss = F.cross_entropy(model(x).reshape(-1, 256).float(), y.reshape(-1)) / len(micro)
                 rt.backward(loss)
-            total += loss.detach()
+                total += loss.detach()
         rt.optimizer_step(opt)
         opt.zero_grad(set_to_none=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        done = rt.step + 1
-        if samples:
-            samples.write(json.dumps({"step": done, "rank": rt.rank, "world_size": rt.world_size,
-                                      "dp_rank": rt.dp_rank, "dp_size": rt.dp_size,
-                                      "ids": [i for ids in micro for i in ids]}) + "\n")
+        done, rank, world, rnd = rt.step + 1, rt.rank, rt.world_size, rt.round
+        if args.loss_log:  # every rank of a TP group holds its share's loss: the mean over all ranks
+            rt.all_reduce(total, "mean")
+        if losses is not None and rank == 0:  # before end_step: a draining rank exits inside it
+            losses.write(json.dumps({"step": done, "loss": float(total), "world_size": world,
+                                     "dp_size": rt.dp_size}) + "\n")
+            losses.flush()
+        if samples:  # the whole global batch (tests/samples.py) and this rank's data-parallel share of it
+            samples.write(json.dumps({"step": done, "rank": rank, "world_size": world, "round": rnd,
+                                      "dp_rank": rt.dp_rank, "dp_size": rt.dp_size, "ids": rt.current_batch,
+                                      "mine": [i for ids in micro for i in ids]}) + "\n")
             samples.flush()
-        if args.loss_log:
-            if rt.world_size > 1:  # every rank of a TP group holds its share's loss: the mean over all ranks
-                torch.distributed.all_reduce(total)
-                total /= rt.world_size
-            if losses is not None:
-                losses.write(json.dumps({"step": done, "loss": float(total), "world_size": rt.world_size,
-                                         "dp_size": rt.dp_size}) + "\n")
-                losses.flush()
-        if rt.rank == 0 and (done % args.log_every == 0 or done == args.steps):
-            lv = float(total)
-            print(json.dumps({"event": "train_step", "step": done, "loss": round(lv, 6), "ppl": round(math.exp(lv), 2),
-                              "world_size": rt.world_size, "dp_size": rt.dp_size,
-                              "step_s": round(time.perf_counter() - t0, 4)}), flush=True)
-        if done == start + 1 and args.compile != "none" and rt.rank == 0:  # what the first step compiled
+        if done == start + 1 and args.compile != "none" and rank == 0:  # what the first step compiled
             from torch._dynamo.utils import counters
 
             print(json.dumps({"event": "compiled", "backend": args.compile,
                               "graphs": int(counters["stats"]["unique_graphs"])}), flush=True)
-        rt.end_step()
+        if not rt.end_step():  # a peer vanished mid-step: it is redone (same samples) in the re-formed world
+            if samples:
+                samples.write(json.dumps({"step": done, "rank": rank, "round": rnd, "rolled_back": True}) + "\n")
+                samples.flush()
+            continue
+        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
+            lv = float(total)
+            print(json.dumps({"event": "train_step", "step": done, "loss": round(lv, 6), "ppl": round(math.exp(lv), 2),
+                              "world_size": world, "dp_size": rt.dp_size,
+                              "step_s": round(time.perf_counter() - t0, 4)}), flush=True)
     rt.finish()
 
 

@@ -33,9 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainguard.metrics.names import WASTE_REASONS
+from trainguard.runtime.protocol import AgentState
 
-TERMINAL_STATES = frozenset({"stopped", "failed"})
-"""States that end the paid clock: the agent is going away."""
+TERMINAL_STATES = frozenset(s.value for s in AgentState if s.terminal)
+"""States that end the paid clock: the agent is going away or the job is over."""
 
 _INFERRED_CAUSE = {"draining": "drain", "resizing": "resize", "rendezvous": "resize", "starting": "restart",
                    "failed": "restart"}

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import re
 
+from trainguard.runtime.protocol import AgentState, CheckpointKind, NoticeSource
+
 PREFIX = "trainguard_"
 
-AGENT_STATES: tuple[str, ...] = ("starting", "rendezvous", "running", "draining", "resizing", "stopped", "failed")
-"""States of the agent's state machine (lower-case ``Enum`` names); one gauge series per state."""
+AGENT_STATES: tuple[str, ...] = tuple(s.value for s in AgentState)
+"""States of the agent's state machine (:class:`~trainguard.runtime.protocol.AgentState`); one gauge
+series per state."""
 
-CHECKPOINT_KINDS: tuple[str, ...] = ("periodic", "emergency", "resize", "final", "other")
-"""``kind`` label of checkpoint metrics. ``periodic``: the async interval save; ``emergency``: taken
-on a drain; ``resize``: taken before a scale-up; ``final``: at the end of training; ``other``: anything else."""
+CHECKPOINT_KINDS: tuple[str, ...] = (*(k.value for k in CheckpointKind), "other")
+"""``kind`` label of checkpoint metrics (:class:`~trainguard.runtime.protocol.CheckpointKind`):
+``periodic`` the interval save; ``emergency`` taken on a drain; ``resize`` taken before a re-formation;
+``final`` at the end of training; ``notice`` out of cycle on an early warning; ``other`` anything else."""
 
-NOTICE_SOURCES: tuple[str, ...] = ("aws", "gcp", "azure", "signal", "manual")
-"""``source`` label of preemption notices (one per watcher kind)."""
+NOTICE_SOURCES: tuple[str, ...] = tuple(s.value for s in NoticeSource)
+"""``source`` label of preemption notices (:class:`~trainguard.runtime.protocol.NoticeSource`)."""
 
 RESTART_REASONS: tuple[str, ...] = ("worker_failure", "worker_hang", "rendezvous_failure", "agent_restart")
 """``reason`` values pre-declared for ``trainguard_restarts_total`` (others are accepted, up to

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from trainguard.runtime import protocol as proto
 from trainguard.runtime.log import get_logger
@@ -21,8 +22,12 @@ class AgentLink:
 
     def __init__(self, path: str, rank: int, local_rank: int, pid: int, *, connect_timeout_s: float = 5.0) -> None:
         self.request = proto.StopReason.NONE
+        self.checkpoint_reason: str | None = None
+        """Set by a :class:`~trainguard.runtime.protocol.CheckpointNow` order until :meth:`take_checkpoint`."""
         self.deadline: float | None = None
         """Epoch seconds by which a draining node must be gone (from the agent's stop order)."""
+        self._reform: proto.Reform | None = None
+        self._reformed = threading.Event()
         self._send_lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(connect_timeout_s)
@@ -58,18 +63,42 @@ class AgentLink:
                     continue
                 if isinstance(msg, proto.Stop):
                     self._on_stop(msg)
+                elif isinstance(msg, proto.CheckpointNow):
+                    self.checkpoint_reason = msg.why or "agent"
+                elif isinstance(msg, proto.Reform):
+                    self._reform = msg
+                    self._reformed.set()
 
     def _on_stop(self, msg: proto.Stop) -> None:
         if msg.reason is proto.StopReason.DRAIN:
             self.deadline = msg.deadline
         self.request = max(self.request, msg.reason)
 
-    def committed(self, report: proto.Committed) -> None:
-        """Tell the agent a checkpoint committed (or could not be saved). Best effort: the agent may be gone."""
+    def wait_reform(self, timeout_s: float) -> proto.Reform | None:
+        """Block until the agent sends the new world (None after ``timeout_s`` or if the agent went
+        away). The stop order that led here is consumed: the new world starts with none pending."""
+        deadline = time.monotonic() + timeout_s
+        while not self._reformed.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return None
+        self._reformed.clear()
+        msg, self._reform = self._reform, None
+        self.request = proto.StopReason.NONE
+        self.deadline = None
+        return msg
+
+    def take_checkpoint(self) -> str | None:
+        """The pending out-of-cycle checkpoint request (its reason), cleared; None if there is none."""
+        reason, self.checkpoint_reason = self.checkpoint_reason, None
+        return reason
+
+    def report(self, msg: proto.Committed | proto.Restored) -> None:
+        """Tell the agent a checkpoint committed (or could not be saved) or was restored. Best effort:
+        the agent may be gone."""
         try:
-            self._send(report)
+            self._send(msg)
         except OSError as e:
-            log.warning("agent_link_send_failed", op=report.OP, error=str(e))
+            log.warning("agent_link_send_failed", op=msg.OP, error=str(e))
 
     def close(self) -> None:
         self._stop.set()

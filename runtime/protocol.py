@@ -24,8 +24,12 @@ Control channel (newline-delimited JSON objects over a Unix socket, one ``op`` e
   stop orders; the connection stays open.
 * agent -> worker :class:`Stop`: checkpoint at an agreed step boundary, then stop (``reason`` drain
   or resize; ``deadline`` for a drain, epoch seconds).
+* agent -> worker :class:`CheckpointNow`: one out-of-cycle checkpoint (an early warning), keep training.
+* worker -> agent :class:`Parked`, agent -> worker :class:`Reform`: in-place re-formation. A live
+  worker that survives a membership change tears its process groups down and parks; once the agent
+  has re-formed the rendezvous it sends each parked worker its new rank, world size and store.
 * worker -> agent :class:`Committed`: a checkpoint committed (or, with ``saved=false``, could not be
-  saved: the work since ``last_committed`` is lost).
+  saved: the work since ``last_committed`` is lost); :class:`Restored`: the workers restored a step.
 * CLI -> agent :class:`DrainRequest`, :class:`StatusRequest`: one request, one :class:`Reply`.
 """
 
@@ -101,6 +105,22 @@ class CheckpointKind(str, Enum):
     """Taken before the world re-forms for a scale-up (or a peer's departure)."""
     FINAL = "final"
     """Taken by :meth:`Runtime.finish` at the end of training."""
+    NOTICE = "notice"
+    """Taken out of cycle on an early-warning notice (AWS rebalance, GCP live migration, ...); the
+    node stays in the job."""
+
+
+class ParkReason(str, Enum):
+    """Why a live worker waits for a new world instead of exiting (in-place re-formation)."""
+
+    DRAIN = "drain"
+    """A peer node drains; this worker survives it (after the emergency checkpoint)."""
+    RESIZE = "resize"
+    """A node joins (scale-up)."""
+    PEER_LOST = "peer_lost"
+    """A collective failed: a peer vanished without notice."""
+    STANDBY = "standby"
+    """A joiner's worker is warmed up (started, imported, model built) and waits for its first world."""
 
 
 class WorkerStatus(str, Enum):
@@ -183,6 +203,16 @@ class RuntimeEnv:
     """The agent's ``checkpoint`` config section (see :class:`trainguard.checkpoint.config.CheckpointConfig`)."""
     pg_timeout_s: float = 0.0
     """Timeout of every process group the runtime builds (0: torch's default)."""
+    reform: bool = False
+    """The agent re-forms worlds in place: a surviving worker parks for a :class:`Reform` instead of
+    exiting (``workers.reform: in-process``)."""
+    reform_timeout_s: float = 120.0
+    """How long a parked worker waits for its :class:`Reform` before it exits for a restart."""
+    standby: bool = False
+    """Started before its world exists (a joiner warming up): wait for a :class:`Reform` in ``setup``."""
+    inject_fault: str = ""
+    """Fault injection for tests (``workers.env``): ``reform:<flag file>`` makes the next in-place
+    re-formation fail in the worker once (the flag file records that it did), to exercise the fallback."""
     # torchelastic's variables, read only
     rank: int = 0
     local_rank: int = 0
@@ -191,7 +221,8 @@ class RuntimeEnv:
     run_id: str = ""
 
     _RT_FIELDS: ClassVar[tuple[str, ...]] = ("job_id", "node", "agent_pid", "control_path", "round",
-                                             "checkpoint", "pg_timeout_s")
+                                             "checkpoint", "pg_timeout_s", "reform", "reform_timeout_s", "standby",
+                                             "inject_fault")
 
     def to_env(self) -> dict[str, str]:
         """The ``TRAINGUARD_RT_*`` variables (torchelastic writes its own)."""
@@ -200,7 +231,10 @@ class RuntimeEnv:
             v = getattr(self, name)
             if v is None:
                 continue
-            out[RT_PREFIX + name.upper()] = json.dumps(v) if isinstance(v, dict) else str(v)
+            if isinstance(v, bool):
+                out[RT_PREFIX + name.upper()] = "1" if v else "0"
+            else:
+                out[RT_PREFIX + name.upper()] = json.dumps(v) if isinstance(v, dict) else str(v)
         return out
 
     @classmethod
@@ -240,6 +274,10 @@ class RuntimeEnv:
             round=num(RT_PREFIX + "ROUND", get("round"), int, -1),
             checkpoint=checkpoint,
             pg_timeout_s=num(RT_PREFIX + "PG_TIMEOUT_S", get("pg_timeout_s"), float, 0.0),
+            reform=get("reform") == "1",
+            reform_timeout_s=num(RT_PREFIX + "REFORM_TIMEOUT_S", get("reform_timeout_s"), float, 120.0),
+            standby=get("standby") == "1",
+            inject_fault=get("inject_fault") or "",
             rank=num("RANK", env.get("RANK"), int, 0),
             local_rank=num("LOCAL_RANK", env.get("LOCAL_RANK"), int, 0),
             world_size=num("WORLD_SIZE", env.get("WORLD_SIZE"), int, 1),
@@ -320,7 +358,7 @@ class Hello(Message):
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Hello:
-        return cls(rank=_int("rank", d.get("rank"), minimum=0), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
+        return cls(rank=_int("rank", d.get("rank"), minimum=-1), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
                    pid=_int("pid", d.get("pid"), minimum=1))
 
 
@@ -337,6 +375,90 @@ class Stop(Message):
         return cls(reason=StopReason.from_wire(d.get("reason", "")),
                    deadline=_finite("deadline", d.get("deadline"), positive=True, optional=True),
                    why=_str("why", d.get("why", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointNow(Message):
+    """agent -> worker: take one out-of-cycle checkpoint at the next step boundary and keep training."""
+
+    OP: ClassVar[str] = "checkpoint"
+    why: str = ""
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> CheckpointNow:
+        return cls(why=_str("why", d.get("why", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class Restored(Message):
+    """worker -> agent: the worker group restored checkpoint ``step`` (work past it is recomputed)."""
+
+    OP: ClassVar[str] = "restored"
+    step: int
+    rank: int
+    kind: CheckpointKind | None = None
+    """Kind of the restored checkpoint (None when it did not say)."""
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Restored:
+        kind = d.get("kind")
+        try:
+            k = None if kind is None else CheckpointKind(kind)
+        except ValueError:
+            raise ProtocolError(f"`kind` must be one of {[k.value for k in CheckpointKind]}, got {kind!r}") from None
+        return cls(step=_int("step", d.get("step"), minimum=0), rank=_int("rank", d.get("rank"), minimum=0), kind=k)
+
+
+@dataclass(frozen=True, slots=True)
+class Parked(Message):
+    """worker -> agent: this worker is alive at step ``step``, has torn its process groups down and
+    waits for a :class:`Reform` (or, ``reason`` standby, is warmed up for its first world)."""
+
+    OP: ClassVar[str] = "parked"
+    rank: int
+    local_rank: int
+    step: int
+    reason: ParkReason
+    """The rank is the old world's (-1 for a standby worker)."""
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Parked:
+        try:
+            reason = ParkReason(d.get("reason"))
+        except ValueError:
+            raise ProtocolError(f"`reason` must be one of {[r.value for r in ParkReason]}, got {d.get('reason')!r}") from None
+        return cls(rank=_int("rank", d.get("rank"), minimum=-1), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
+                   step=_int("step", d.get("step"), minimum=0), reason=reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Reform(Message):
+    """agent -> worker: the new world this live worker joins (in place, without a restart)."""
+
+    OP: ClassVar[str] = "reform"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    round: int
+    group_rank: int = 0
+    nodes: int = 1
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Reform:
+        world = _int("world_size", d.get("world_size"), minimum=1)
+        rank = _int("rank", d.get("rank"), minimum=0)
+        if rank >= world:  # type: ignore[operator]
+            raise ProtocolError(f"`rank` {rank} is not below `world_size` {world}")
+        return cls(rank=rank, world_size=world, local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
+                   local_world_size=_int("local_world_size", d.get("local_world_size"), minimum=1),
+                   master_addr=_str("master_addr", d.get("master_addr", "")),
+                   master_port=_int("master_port", d.get("master_port"), minimum=1),
+                   round=_int("round", d.get("round"), minimum=0),
+                   group_rank=_int("group_rank", d.get("group_rank", 0), minimum=0),
+                   nodes=_int("nodes", d.get("nodes", 1), minimum=1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +542,8 @@ class Reply(Message):
         return cls(ok=ok, error=_str("error", d.get("error", ""), limit=2000), data=data)
 
 
-MESSAGES: dict[str, type[Message]] = {m.OP: m for m in (Hello, Stop, Committed, DrainRequest, StatusRequest, Reply)}
+MESSAGES: dict[str, type[Message]] = {m.OP: m for m in (Hello, Stop, CheckpointNow, Parked, Reform, Committed, Restored,
+                                                         DrainRequest, StatusRequest, Reply)}
 MAX_LINE = 64 * 1024
 """Longest accepted line (bytes); a longer one is a :class:`ProtocolError`."""
 
@@ -448,7 +571,8 @@ def decode(line: bytes | str) -> Message:
 
 
 __all__ = [
-    "EXIT_RESIZE", "EXIT_SUCCESS", "MESSAGES", "AgentState", "CheckpointKind", "Committed", "DrainRequest",
+    "EXIT_RESIZE", "EXIT_SUCCESS", "MESSAGES", "AgentState", "CheckpointKind", "CheckpointNow", "Committed",
+    "DrainRequest", "ParkReason", "Parked", "Reform", "Restored",
     "ExitKind", "Hello", "Message", "NoticeSource", "ProtocolError", "Reply", "RuntimeEnv", "StatusRequest",
     "Stop", "StopReason", "WorkerStatus", "classify_exit", "control_socket_path", "decode", "encode",
 ]

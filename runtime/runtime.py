@@ -27,16 +27,32 @@ global batch, and ``name`` goes into the manifest. With the
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
 **Agreement at a step boundary.** ``end_step`` all-reduces (MAX) a 2-element flag over a side gloo
-group: ``[stop, periodic_due]`` where ``stop`` is 2 for a drain and 1 for a resize request this rank's
-agent pushed over the control socket (or SIGTERM under plain torchrun). Every rank therefore sees
-the same flags after the same step: all of them save the same step ``s``, rank 0 commits it, and all
-exit with :data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
+group: ``[stop, save]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason` (2 for a
+drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM under
+plain torchrun) and ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
+for an out-of-cycle one (an early warning). Every rank therefore sees the same flags after the same
+step: all of them save the same step ``s``, rank 0 commits it, and on a stop all exit with
+:data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
 ``s + 1``. Cost: one 8-byte all-reduce per step.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
 samples consumed) is part of the checkpoint; each global batch is split over the current
 data-parallel ranks (all ranks, unless the strategy groups them: ``model_parallel``'s tensor-parallel
 groups share one part) and the global batch stays constant by adapting gradient accumulation.
+
+**In-place re-formation** (``workers.reform: in-process``, the default under the agent). A worker
+that survives a membership change does not exit: at the agreed step it commits the emergency
+checkpoint if a node drains (durability; the node that leaves exits), tears its process groups down,
+reports :class:`~trainguard.runtime.protocol.Parked` and waits for the agent's
+:class:`~trainguard.runtime.protocol.Reform`. It then builds the new world's groups, re-wraps the model
+(:meth:`Strategy.reform`), recomputes its batch plan, and the ranks that lack the state (a joiner, a
+restarted worker) receive it from a live peer (:func:`~trainguard.runtime.reform.sync_live_state`).
+``end_step`` returns and the loop goes on with the next step: same process, same model and optimizer
+objects. A collective that fails because a peer vanished (inside ``rt.accumulating``, ``rt.backward``,
+``rt.optimizer_step`` or ``rt.end_step``) is caught: the interrupted step is rolled back (its samples
+come again) and the worker parks the same way. Anything else that fails there exits the worker with
+the resize code, and the agent restarts the world (the fallback). Strategies whose state cannot be
+handed over in memory (``Strategy.reform_state is None``) always take the fallback.
 """
 
 from __future__ import annotations
@@ -58,6 +74,7 @@ from trainguard.checkpoint.errors import CheckpointError
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import protocol as proto
+from trainguard.runtime import reform as rf
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.link import AgentLink
 from trainguard.runtime.log import get_logger
@@ -71,9 +88,14 @@ class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
 
     def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
-                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp") -> None:
+                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp",
+                 reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
+                 standby: bool = False, local_world_size: int = 1, inject_fault: str = "") -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.local_world_size = local_world_size
         self.job_id, self.fence = job_id, fence
+        self.round = fence
+        """The rendezvous round of the current world."""
         self._strategy_arg: str | Strategy = strategy
         self.strategy: Strategy | None = None
         self.checkpoint_config = checkpoint
@@ -85,13 +107,27 @@ class Runtime:
         """This rank's data-parallel share of each global batch and the number of shares (see
         :meth:`~trainguard.strategies.base.Strategy.data_parallel`; the rank and world without TP)."""
         self._counts_samples = True
+        self.global_batch = 0
+        self.tokens_per_sample = 0
+        self.reform_enabled = reform
+        self.reform_timeout_s = reform_timeout_s
+        self.pg_timeout_s = pg_timeout_s
+        self.reformations = 0
+        """How many times this process re-formed in place."""
+        self.current_batch: list[int] = []
+        """Sample ids of the whole global batch of the step in progress (all ranks' shares)."""
+        self._standby = standby
+        self._inject_fault = inject_fault
+        self._broken: BaseException | None = None
+        self._stepped = False
+        self._cursor_at_step_start: dict[str, Any] | None = None
         self._signal_request = proto.StopReason.NONE
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
         self._last_periodic = time.monotonic()
-        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._group = dist.new_group(backend="gloo") if (world_size > 1 or reform) and dist.is_initialized() else None
         self._link = (AgentLink(control_path, rank, local_rank, os.getpid())
                       if control_path and os.path.exists(control_path) else None)
         self._metrics: Any = None
@@ -99,22 +135,33 @@ class Runtime:
             # Under plain torchrun (no agent link) a SIGTERM is the only notice a worker gets.
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self._log = log.bind(rank=rank, world_size=world_size, fence=fence)
+        if reform and self._link is None:
+            self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Runtime:
         """Initialise the process group from the torchelastic env (gloo on CPU, NCCL on GPU) and read
-        the agent's :class:`~trainguard.runtime.protocol.RuntimeEnv`. Works under plain torchrun and alone too."""
+        the agent's :class:`~trainguard.runtime.protocol.RuntimeEnv`. Works under plain torchrun and alone too.
+
+        A standby worker (a joiner warming up before its world exists) makes no process group here:
+        :meth:`setup` waits for the agent's :class:`~trainguard.runtime.protocol.Reform` first."""
         rtenv = proto.RuntimeEnv.from_env(env)
         from trainguard.runtime import log as tglog
 
         tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
-        if rtenv.world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        reform = rtenv.reform and rtenv.under_agent
+        if not rtenv.standby and (rtenv.world_size > 1 or reform) and not dist.is_initialized():
+            from datetime import timedelta
+
+            kw: dict[str, Any] = {"timeout": timedelta(seconds=rtenv.pg_timeout_s)} if rtenv.pg_timeout_s > 0 else {}
+            dist.init_process_group(rf.backend(), **kw)
+        rank = dist.get_rank() if dist.is_initialized() else (-1 if rtenv.standby else 0)
         return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
                    job_id=rtenv.job_id or rtenv.run_id or "trainguard", fence=max(rtenv.round, 0),
-                   checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path)
+                   checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path,
+                   reform=reform, reform_timeout_s=rtenv.reform_timeout_s, pg_timeout_s=rtenv.pg_timeout_s,
+                   standby=rtenv.standby, local_world_size=rtenv.local_world_size, inject_fault=rtenv.inject_fault)
 
     @property
     def strategy_name(self) -> str:
@@ -137,12 +184,17 @@ class Runtime:
         if precision is not None:
             options["precision"] = precision
         self.strategy = get_strategy(chosen, **options)
-        # The batch is split over data-parallel shares; ranks of one share (a TP group) get the same samples.
-        self.dp_rank, self.dp_size = self.strategy.data_parallel(self.rank, self.world_size)
-        self._counts_samples = self.rank == min(
-            r for r in range(self.world_size) if self.strategy.data_parallel(r, self.world_size)[0] == self.dp_rank)
-        self.accum_steps, _ = self.strategy.plan(global_batch, self.dp_size, micro_batch)
+        if self.reform_enabled and self.strategy.reform_state is None:
+            self._log.info("reform_in_place_unsupported", strategy=self.strategy.name,
+                           effect="membership changes restart the workers (the fallback path)")
+            self.reform_enabled = False
+        self.strategy.keep_wrapped = self.reform_enabled
+        if self._standby:
+            self._wait_for_first_world()
         self.micro_batch = micro_batch
+        self.global_batch = global_batch
+        self._data_parallel()
+        self.accum_steps, _ = self.strategy.plan(global_batch, self.dp_size, micro_batch)
         self.tokens_per_sample = tokens_per_sample
         self.cursor = GlobalSampleCursor(dataset_size, global_batch, seed)
         from trainguard.metrics import WorkerMetrics
@@ -153,15 +205,27 @@ class Runtime:
         self._model, self._optimizer = self.strategy.setup(model, optimizer)
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
+        self._make_manager()
+        self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
+                       checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None,
+                       reform_in_place=self.reform_enabled, resize_rule=self.strategy.resize_rule,
+                       **self.strategy.describe())
+        return self._model, self._optimizer
+
+    def _data_parallel(self) -> None:
+        """This rank's data-parallel share at the current world (the batch is split over the shares; the
+        ranks of one share, e.g. a TP group, get the same samples; the first of them counts them)."""
+        assert self.strategy is not None
+        shares = [self.strategy.data_parallel(r, self.world_size)[0] for r in range(self.world_size)]
+        self.dp_rank, self.dp_size = self.strategy.data_parallel(self.rank, self.world_size)
+        self._counts_samples = shares.index(self.dp_rank) == self.rank
+
+    def _make_manager(self) -> None:
         if self.checkpoint_config.url:
             # The manager makes its own gloo group: its background persist thread runs collectives that
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
                                               fence=self.fence, strategy=self.strategy_name)
-        self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
-                       checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None,
-                       resize_rule=self.strategy.resize_rule, **self.strategy.describe())
-        return self._model, self._optimizer
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -172,7 +236,15 @@ class Runtime:
 
     def restore(self, step: int | None = None) -> int:
         """Load the newest committed checkpoint (or the committed ``step``), saved at any world size,
-        and return the step to continue from."""
+        and return the step to continue from.
+
+        When this worker joins a world re-formed in place, the state comes from a live peer instead
+        (newer than any checkpoint, and no storage read)."""
+        if self.reform_enabled and step is None and self._group is not None:
+            outcome, live = self._sync_live_state(None)
+            if outcome != "none":
+                self._log.info("worker_restored", step=self.step, source="peer", live_step=live)
+                return self.step
         if self._manager is None:
             return self.step
         state = self._state()
@@ -181,17 +253,20 @@ class Runtime:
             self.step = self._trainer.step
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
-            self._log.info("worker_restored", step=step, saved_world_size=self._trainer.saved_world_size,
+            self._log.info("worker_restored", step=step, source="storage", saved_world_size=self._trainer.saved_world_size,
                            epoch=self.cursor.epoch, consumed=self.cursor.consumed)
+            if self._link is not None:
+                self._link.report(proto.Restored(step=step, rank=self.rank))
         return self.step
 
     def _save(self, kind: str) -> float:
         assert self._manager is not None
         t0 = time.monotonic()
-        self._manager.save(self.step, self._state(), kind=kind, block=kind != "periodic")
+        background = kind in (proto.CheckpointKind.PERIODIC.value, proto.CheckpointKind.NOTICE.value)
+        self._manager.save(self.step, self._state(), kind=kind, block=not background)
         seconds = time.monotonic() - t0
         blocked = self._manager.last_blocked_s
-        in_flight = self._manager.pending if kind == "periodic" else None
+        in_flight = self._manager.pending if background else None
         if in_flight is None:  # committed now
             self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
         else:  # persisted and committed in the background: recorded when that finishes
@@ -202,15 +277,27 @@ class Runtime:
     def next_batches(self) -> list[list[int]]:
         """This rank's share of the next global batch, as ``accum_steps`` lists of sample ids."""
         assert self.cursor is not None, "setup() first"
+        self._cursor_at_step_start = self.cursor.state_dict()
         ids = self.cursor.next_global_batch()
+        self.current_batch = ids
         return split(ids, self.dp_rank, self.dp_size, self.micro_batch)
 
     @contextlib.contextmanager
     def accumulating(self, last: bool) -> Iterator[None]:
-        """Skip the strategy's gradient synchronisation on all but the last micro-batch of a step."""
+        """Skip the strategy's gradient synchronisation on all but the last micro-batch of a step.
+
+        In-place mode: a collective that fails inside because a peer vanished is swallowed here and
+        the step is rolled back at :meth:`end_step`."""
         assert self.strategy is not None and self._model is not None, "setup() first"
-        with self.strategy.no_sync(self._model, last):
+        if self._broken is not None:
             yield
+            return
+        try:
+            with self.strategy.no_sync(self._model, last):
+                yield
+        except Exception as e:
+            if not self._peer_failed(e):
+                raise
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The precision's context for forward + loss (a no-op at 32-bit)."""
@@ -220,13 +307,53 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when the precision uses a loss scaler (``16-mixed``)."""
         assert self.strategy is not None, "setup() first"
-        self.strategy.backward(loss)
+        if self._broken is not None:
+            return
+        try:
+            self.strategy.backward(loss)
+        except Exception as e:
+            if not self._peer_failed(e):
+                raise
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """``optimizer.step()`` (the one ``setup`` returned by default); with a loss scaler it unscales,
-        skips the step on inf/nan gradients (on every rank alike) and updates the scale."""
+        skips the step on inf/nan gradients (on every rank alike) and updates the scale. Skipped when
+        a peer vanished during this step (the step is redone in the re-formed world)."""
         assert self.strategy is not None and self._optimizer is not None, "setup() first"
-        self.strategy.optimizer_step(optimizer or self._optimizer)
+        if self._broken is not None:
+            return
+        try:
+            self.strategy.optimizer_step(optimizer or self._optimizer)
+            self._stepped = True
+        except Exception as e:
+            if not self._peer_failed(e):
+                raise
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """All-reduce ``tensor`` in place over the current world (``op``: ``mean``, ``sum`` or ``max``),
+        e.g. the loss for a log line. In-place mode: a vanished peer leaves it unchanged and is handled
+        at :meth:`end_step` like a failure in the step itself."""
+        if self.world_size == 1 or not dist.is_initialized() or self._broken is not None:
+            return tensor
+        red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        try:
+            dist.all_reduce(tensor, op=red)
+        except Exception as e:
+            if not self._peer_failed(e):
+                raise
+            return tensor
+        if op == "mean":
+            tensor /= self.world_size
+        return tensor
+
+    def _peer_failed(self, e: BaseException) -> bool:
+        """Record a collective failure caused by a vanished peer (in-place mode); False for anything else."""
+        if not (self.reform_enabled and rf.is_peer_failure(e)):
+            return False
+        if self._broken is None:
+            self._broken = e
+            self._log.warning("peer_lost", step=self.step + 1, error=str(e)[:300])
+        return True
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._signal_request = proto.StopReason.DRAIN
@@ -234,11 +361,22 @@ class Runtime:
     def _local_request(self) -> proto.StopReason:
         return max(self._signal_request, self._link.request if self._link else proto.StopReason.NONE)
 
-    def end_step(self) -> None:
+    def end_step(self) -> bool:
         """Call after ``optimizer.step()``: counts the step, agrees with every rank on drain/resize and
-        periodic checkpoints, saves, and exits with code 75 after an emergency/resize checkpoint."""
-        self.step += 1
+        periodic checkpoints, saves, and exits with code 75 after an emergency/resize checkpoint (or,
+        re-forming in place, continues in the new world). Returns whether the step counted: False when
+        a vanished peer interrupted it (it is redone with the same samples)."""
         assert self.cursor is not None, "setup() first"
+        stepped, self._stepped = self._stepped, False
+        if self._broken is not None:
+            if stepped:  # the optimizer step ran on this rank: the step happened; the new world agrees
+                self.step += 1
+                self._park(proto.ParkReason.PEER_LOST)
+                return True
+            self._roll_back_step()
+            self._park(proto.ParkReason.PEER_LOST)
+            return False
+        self.step += 1
         now = time.monotonic()
         # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
         per_rank = self.cursor.global_batch_size // self.dp_size if self._counts_samples else 0
@@ -249,15 +387,157 @@ class Runtime:
         due = bool(self._manager) and (
             (cfg.interval_steps and self.step % cfg.interval_steps == 0)
             or (cfg.interval_s and time.monotonic() - self._last_periodic >= cfg.interval_s))
-        flags = torch.tensor([int(self._local_request()), int(bool(due))], dtype=torch.int32)
+        notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
+        if notice is not None:
+            self._log.info("checkpoint_requested", step=self.step, reason=notice)
+        # One all-reduce (MAX) agrees on everything at this step boundary: [stop reason, save kind]
+        # where kind 2 = out of cycle (an early warning on some node), 1 = periodic, 0 = none.
+        mine = self._local_request()
+        flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due))], dtype=torch.int32)
         if self._group is not None:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        stop, periodic = proto.StopReason(int(flags[0])), bool(flags[1])
+            try:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            except Exception as e:
+                if not self._peer_failed(e):
+                    raise
+                self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
+                return True
+        stop, save = proto.StopReason(int(flags[0])), int(flags[1])
         if stop is not proto.StopReason.NONE:
+            if self.reform_enabled and mine is not proto.StopReason.DRAIN:
+                self._survive(stop)  # this node stays: park and re-form in place
+                return True
             self._stop(stop)
-        if periodic:
+        if save:
             self._last_periodic = time.monotonic()
-            self._save("periodic")
+            try:
+                self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
+            except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
+                if not self._peer_failed(e):
+                    raise
+                self._park(proto.ParkReason.PEER_LOST)
+        return True
+
+    def _roll_back_step(self) -> None:
+        assert self.cursor is not None and self._optimizer is not None
+        if self._cursor_at_step_start is not None:
+            self.cursor.load_state_dict(self._cursor_at_step_start)
+        self._optimizer.zero_grad(set_to_none=True)
+        self._log.warning("step_rolled_back", step=self.step + 1, reason="peer_lost")
+
+    # ---- in-place re-formation ------------------------------------------------------------------
+    def _survive(self, why: proto.StopReason) -> None:
+        """A peer drains or a node joins: commit what durability needs, then park for the new world."""
+        kind = why.checkpoint_kind.value
+        assert self.strategy is not None
+        need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state == "checkpoint"
+        if self._manager is not None and need_checkpoint:
+            seconds = self._save(kind)
+            committed = self._manager.wait()
+            self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
+                           before_deadline=True)
+            if self._link is not None:
+                self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank,
+                                                  seconds=round(seconds, 3), last_committed=committed))
+        self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
+
+    def _park(self, reason: proto.ParkReason) -> None:
+        """Tear the world down, tell the agent, wait for the new world and join it; on any failure,
+        exit with the resize code so that the agent restarts the world (the fallback)."""
+        t0 = time.monotonic()
+        old = (self.rank, self.world_size)
+        try:
+            if self._manager is not None:
+                self._manager.close()  # an in-flight save finishes on the old groups first
+                self._manager = None
+            self._group = None
+            rf.teardown_world()
+            assert self._link is not None
+            self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
+            self._log.info("worker_parked", step=self.step, reason=reason.value)
+            msg = self._link.wait_reform(self.reform_timeout_s)
+            if msg is None:
+                raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
+                                   f"{self.reform_timeout_s:.0f}s")
+            t_world = time.monotonic()
+            self._maybe_inject("reform")
+            self._join_world(msg)
+            assert self.strategy is not None and self._model is not None
+            self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
+            self._make_manager()
+            self._data_parallel()
+            self.accum_steps, _ = self.strategy.plan(self.global_batch, self.dp_size, self.micro_batch)
+            outcome, live = self._sync_live_state(self.step)
+        except Exception as e:
+            self._log.error("reform_failed", reason=reason.value, error=f"{type(e).__name__}: {e}"[:500],
+                            effect="exiting with the resize code: the agent restarts the world")
+            self._exit(proto.EXIT_RESIZE)
+        self._broken = None
+        self.reformations += 1
+        self._step_started = time.monotonic()
+        self._log.info("worker_reformed", step=self.step, reason=reason.value, old_rank=old[0], old_world_size=old[1],
+                       accum_steps=self.accum_steps, state=outcome, live_step=live,
+                       parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
+                       seconds=round(time.monotonic() - t0, 3), pid=os.getpid())
+
+    def _maybe_inject(self, point: str) -> None:
+        """Test fault hook (:attr:`RuntimeEnv.inject_fault`): fail once at ``point``."""
+        where, _, flag = self._inject_fault.partition(":")
+        if where != point or not flag or os.path.exists(flag):
+            return
+        with open(flag, "w") as fh:
+            fh.write(f"{point} failed in pid {os.getpid()}\n")
+        raise RuntimeError(f"injected fault at {point} (inject_fault={self._inject_fault!r})")
+
+    def _join_world(self, msg: proto.Reform) -> None:
+        rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
+                      local_world_size=msg.local_world_size, master_addr=msg.master_addr, master_port=msg.master_port,
+                      group_rank=msg.group_rank, nodes=msg.nodes, timeout_s=self.pg_timeout_s)
+        self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
+        self.local_world_size = msg.local_world_size
+        self.fence = self.round = msg.round
+        self._group = dist.new_group(backend="gloo")
+        self._log = log.bind(rank=self.rank, world_size=self.world_size, fence=self.fence)
+        if self._metrics is not None:
+            self._metrics.rank = self.rank
+
+    def _wait_for_first_world(self) -> None:
+        """A standby worker (a warmed-up joiner): report ready, then join the world the agent forms."""
+        assert self._link is not None, "a standby worker needs its agent"
+        t0 = time.monotonic()
+        self._link.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
+        self._log.info("worker_warm", warmup_s=None)
+        msg = self._link.wait_reform(self.reform_timeout_s)
+        if msg is None:
+            self._log.error("standby_timeout", timeout_s=self.reform_timeout_s)
+            self._exit(proto.EXIT_RESIZE)
+        self._join_world(msg)
+        self._standby = False
+        self._log.info("worker_joined", waited_s=round(time.monotonic() - t0, 3))
+
+    def _sync_live_state(self, step: int | None) -> tuple[str, int | None]:
+        """Hand the newest in-memory state to the ranks that lack it (see :func:`rf.sync_live_state`)."""
+        assert self.strategy is not None and self._model is not None and self.cursor is not None
+        if self.strategy.reform_state == "checkpoint":
+            if step is None:
+                return "none", None
+            restored = self.restore()  # every rank reloads the step committed at the stop, resharded
+            return "checkpoint", restored
+        tensors = self.strategy.replicated_tensors(self._model)
+        extra = {"step": self.step, "cursor": self.cursor.state_dict(),
+                 "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+                 "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None}
+
+        def load(d: dict[str, Any]) -> None:
+            assert self.cursor is not None
+            self.step = int(d["step"])
+            self.cursor.load_state_dict(d["cursor"])
+            if d["optimizer"] is not None and self._optimizer is not None:
+                self._optimizer.load_state_dict(d["optimizer"])
+            if d["scaler"] is not None and self.strategy is not None and self.strategy.scaler is not None:
+                self.strategy.scaler.load_state_dict(d["scaler"])
+
+        return rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group)
 
     def _stop(self, why: proto.StopReason) -> None:
         kind = why.checkpoint_kind.value
@@ -285,16 +565,19 @@ class Runtime:
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
                                          last_committed=last)
         if self._link is not None:
-            self._link.committed(report)
+            self._link.report(report)
         if self._manager is not None:
             self._manager.close()
+        self._exit(proto.EXIT_RESIZE)
+
+    def _exit(self, code: int) -> None:
         if self._link is not None:
             self._link.close()
         # The checkpoint is committed on every rank: leave at once. A clean interpreter teardown with
         # gloo/torch takes seconds that a drain deadline should not pay for.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(proto.EXIT_RESIZE)
+        os._exit(code)
 
     def finish(self, barrier: bool = True) -> None:
         """Wait for an in-flight save, close the agent link and the process group."""

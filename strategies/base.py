@@ -138,11 +138,19 @@ class Strategy(ABC):
     """Registry name, recorded in every checkpoint manifest."""
     reshard_native: ClassVar[bool]
     """True when a checkpoint saved at world size W loads at any W' with no conversion step."""
+    reform_state: ClassVar[str | None] = None
+    """How a world re-formed in place (live processes, new process groups) gets its state:
+    ``"replicated"`` — every rank holds all of it; a live rank broadcasts it to ranks that lack it
+    (:meth:`replicated_tensors`); ``"checkpoint"`` — every rank reloads the checkpoint committed at
+    the stop, resharded; ``None`` — the strategy cannot re-form in place: its workers restart."""
 
     def __init__(self, *, precision: str | int | Precision | None = "32") -> None:
         self.precision = Precision.parse(precision)
         self.scaler: Any = None
         self._device_type = "cpu"
+        self.keep_wrapped = False
+        """Set by the runtime when worlds re-form in place: wrap even at world size 1, so that the
+        object the script holds stays the same when the world grows."""
 
     # -- wrapping --------------------------------------------------------------------------------
     @abstractmethod
@@ -155,6 +163,18 @@ class Strategy(ABC):
     def no_sync(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward+backward: gradients are synchronised only when
         ``last`` (the last micro-batch of the optimizer step); before that they accumulate locally."""
+
+    def reform(self, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer | None) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        """Re-wrap ``model`` for the new default process group after an in-place re-formation, keeping
+        the objects the script holds; see :attr:`reform_state`. The default cannot."""
+        raise StrategyError(f"strategy {self.name!r} cannot re-form in place (reform_state is None); its workers "
+                            f"restart at a membership change")
+
+    def replicated_tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers, by name, that a live rank broadcasts to the ranks that
+        lack them after an in-place re-formation (``reform_state == "replicated"``)."""
+        raise StrategyError(f"strategy {self.name!r} does not replicate its state")
 
     # -- checkpoint ------------------------------------------------------------------------------
     def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Stateful:

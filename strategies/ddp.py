@@ -2,7 +2,13 @@
 
 Resize: native. The state is replicated, so a checkpoint saved at any world size loads at any other
 (``get_state_dict`` drops DDP's ``module.`` prefix); only gradient accumulation changes (see
-:data:`~trainguard.strategies.base.BATCH_RULE`). At world size 1 the model is not wrapped.
+:data:`~trainguard.strategies.base.BATCH_RULE`). At world size 1 the model is not wrapped, unless
+worlds re-form in place (:attr:`~trainguard.strategies.base.Strategy.keep_wrapped`).
+
+In-place re-formation (``reform_state = "replicated"``): :meth:`DDPStrategy.reform` runs
+``DistributedDataParallel.__init__`` again on the *same* wrapper object over the new default process
+group, so the model and optimizer the script holds stay valid (DDP keeps the parameter objects; the
+old reducer and its autograd hooks go with the old state). About 30 ms for the bundled model on CPU.
 
 Precision: ``bf16-mixed`` / ``16-mixed`` by ``torch.autocast`` around the forward pass, ``16-mixed``
 with a ``GradScaler`` (gradients are all-reduced before the inf check, so every rank agrees).
@@ -16,7 +22,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from trainguard.strategies.base import Strategy, register_strategy, world
+from trainguard.strategies.base import Strategy, StrategyError, register_strategy, world
 
 
 class DDPStrategy(Strategy):
@@ -27,6 +33,7 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
     reshard_native = True
+    reform_state = "replicated"
 
     def __init__(self, *, precision: Any = "32", find_unused_parameters: bool = False, static_graph: bool = False,
                  bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False) -> None:
@@ -42,11 +49,30 @@ class DDPStrategy(Strategy):
         """See base class. DDP keeps the parameter objects, so ``optimizer`` is returned unchanged."""
         self._prepare_precision(model)
         _, size = world()
-        if size == 1:
+        if size == 1 and not self.keep_wrapped:
             return model, optimizer
+        return DistributedDataParallel(model, **self._ddp_args(model)), optimizer
+
+    def _ddp_args(self, model: torch.nn.Module) -> dict[str, Any]:
         dev = next(model.parameters()).device
-        device_ids = [dev.index] if dev.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
+        return {"device_ids": [dev.index] if dev.type == "cuda" else None, **self.ddp_kwargs}
+
+    def reform(self, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer | None) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        """See base class: the same ``DistributedDataParallel`` object, rebuilt over the new default group."""
+        if not isinstance(model, DistributedDataParallel):
+            raise StrategyError("ddp reform() needs the DistributedDataParallel the strategy returned (set "
+                                "keep_wrapped before setup)")
+        training = model.training
+        inner = model.module
+        DistributedDataParallel.__init__(model, inner, **self._ddp_args(inner))
+        model.train(training)
+        return model, optimizer
+
+    def replicated_tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """See base class."""
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        return {k: v for k, v in inner.state_dict().items() if isinstance(v, torch.Tensor)}
 
     def no_sync(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         """See base class (``DistributedDataParallel.no_sync``; nothing at world size 1)."""

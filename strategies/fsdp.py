@@ -36,6 +36,17 @@ Resize: native. DCP reshards the ``DTensor`` state to the new world size on load
 device mesh even at world size 1: without a process group, :meth:`setup` creates a one-rank gloo group
 over an in-process ``HashStore`` (no port).
 
+In-place re-formation (``reform_state = "checkpoint"``, when the runtime sets ``keep_wrapped``):
+FSDP2 shards a module in place and keys its state by the module object, so a sharded module cannot
+be re-sharded for another mesh. :meth:`FSDPStrategy.setup` therefore keeps a *template* of the
+unsharded model (a deep copy whose parameters are on the ``meta`` device: no memory; buffers are kept
+for the non-persistent ones) and returns an :class:`ElasticModule` that forwards to the current
+sharded module. :meth:`FSDPStrategy.reform` shards a fresh copy of the template over the new world's
+mesh, materialises it (``to_empty``), swaps it into the same ``ElasticModule`` and re-points the
+*same* optimizer object at the new parameters (its state is cleared); the runtime then reloads the
+checkpoint committed at the stop, resharded by DCP. The script's ``model`` and ``optimizer`` (and an
+LR scheduler built on it) stay valid. ``ElasticModule.module`` is the sharded module.
+
 CPU: works with gloo in torch 2.13 — gloo implements the collectives FSDP2 issues
 (``all_gather_into_tensor``, ``reduce_scatter_tensor`` via ``reduce_scatter_single``, ``ReduceOp.AVG``);
 verified by a 2-process run (tests/strategies).
@@ -44,6 +55,7 @@ verified by a 2-process run (tests/strategies).
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -95,6 +107,31 @@ def resolve_policy(policy: WrapPolicy | bool, model: nn.Module, setting: str) ->
     return lambda m: m is not model and (type(m).__name__ in names or (bool(cls_tuple) and isinstance(m, cls_tuple)))
 
 
+class ElasticModule(nn.Module):
+    """What the script holds when FSDP re-forms in place: forwards to the current sharded module
+    (``.module``), which :meth:`FSDPStrategy.reform` replaces."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, ElasticModule) else model
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters live on the ``meta`` device (no memory) and whose
+    buffers are real copies (non-persistent ones are not in any checkpoint)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    return copy.deepcopy(model, memo)
+
+
 class FSDPStrategy(Strategy):
     """Args:
         precision: ``32``, ``bf16-mixed`` or ``16-mixed``.
@@ -106,6 +143,7 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     reshard_native = True
+    reform_state = "checkpoint"
 
     def __init__(self, *, precision: Any = "32", wrap: WrapPolicy = None,
                  activation_checkpointing: WrapPolicy | bool = False, cpu_offload: bool = False,
@@ -118,6 +156,8 @@ class FSDPStrategy(Strategy):
         self.wrapped: list[str] = []
         self.checkpointed: list[str] = []
         self.owns_process_group = False
+        self._template: nn.Module | None = None
+        self._opt_names: list[list[str]] = []
 
     # -- setup -----------------------------------------------------------------------------------
     def _mesh(self, device_type: str) -> Any:
@@ -142,22 +182,66 @@ class FSDPStrategy(Strategy):
         return kw
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """See base class. Returns the same (now sharded) model object and a rebuilt optimizer."""
+        """See base class. Returns the same (now sharded) model object and a rebuilt optimizer; with
+        :attr:`keep_wrapped`, an :class:`ElasticModule` around it (see the module docstring)."""
+        old = param_names(model)
+        device_type = module_device(model).type
+        self._prepare_precision(model)
+        if self.keep_wrapped:
+            self._template = meta_copy(model)
+        self._shard(model, device_type)
+        new = {_strip_ckpt(n): p for n, p in model.named_parameters()}
+        opt = rebuild_optimizer(optimizer, old, new)
+        if not self.keep_wrapped:
+            return model, opt
+        by_id = {id(p): n for n, p in new.items()}
+        self._opt_names = [[by_id[id(p)] for p in g["params"]] for g in opt.param_groups]
+        self._device_type = device_type
+        return ElasticModule(model), opt
+
+    def _shard(self, model: nn.Module, device_type: str) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        old = param_names(model)
         if self.activation_checkpointing is not False:
             self._apply_checkpointing(model)
         select = resolve_policy(self.wrap, model, "wrap")
-        mesh = self._mesh(module_device(model).type)
-        self._prepare_precision(model)
+        mesh = self._mesh(device_type)
+        self.wrapped = []
         for name, m in reversed(list(model.named_modules())):  # bottom-up, as FSDP2 requires
             if m is not model and select(m):
                 fully_shard(m, mesh=mesh, reshard_after_forward=self.reshard_after_forward, **self._policies(False))
                 self.wrapped.append(name)
         fully_shard(model, mesh=mesh, **self._policies(True))
-        new = dict(model.named_parameters())
-        return model, rebuild_optimizer(optimizer, old, {_strip_ckpt(n): p for n, p in new.items()})
+
+    def reform(self, model: nn.Module,
+               optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """See base class and the module docstring: a fresh copy of the template, sharded over the new
+        world's mesh, swapped into the same :class:`ElasticModule`; the same optimizer re-pointed at
+        its parameters. Parameter values are undefined until the runtime reloads the checkpoint."""
+        if self._template is None or not isinstance(model, ElasticModule):
+            raise StrategyError("fsdp reform() needs the ElasticModule setup() returned with keep_wrapped set")
+        fresh = copy.deepcopy(self._template)
+        buffers = {n: b for n, b in fresh.named_buffers()}
+        self._shard(fresh, self._device_type)
+        fresh.to_empty(device=torch.device(self._device_type))
+        with torch.no_grad():
+            for n, b in fresh.named_buffers():  # to_empty dropped their values; persistent ones reload too
+                src = buffers.get(_strip_ckpt(n))
+                if src is not None and src.device.type != "meta":
+                    b.copy_(src)
+        training = model.training
+        model.module = fresh
+        model.train(training)
+        if optimizer is not None:
+            new = {_strip_ckpt(n): p for n, p in fresh.named_parameters()}
+            for g, names in zip(optimizer.param_groups, self._opt_names):
+                g["params"] = [new[n] for n in names]
+            optimizer.state.clear()
+        return model, optimizer
+
+    def state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+        """See base class (the sharded module inside an :class:`ElasticModule`)."""
+        return super().state(_inner(model), optimizer)
 
     def _apply_checkpointing(self, model: nn.Module) -> None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -181,7 +265,7 @@ class FSDPStrategy(Strategy):
     def no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         """See base class: ``set_requires_gradient_sync(False)`` keeps unsharded gradients locally
         until the last micro-batch, which reduce-scatters the accumulated sum."""
-        return _gradient_sync(model, last)
+        return _gradient_sync(_inner(model), last)
 
     def teardown(self) -> None:
         """See base class: destroys the one-rank group :meth:`setup` created, if it did."""

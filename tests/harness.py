@@ -139,3 +139,9 @@ class Node:
 
     def dump(self, n: int = 40) -> str:
         return f"--- {self.name} (last {n} lines) ---\n" + "\n".join(self.lines()[-n:])
+
+
+def continued(node: Node, world: int) -> list[dict[str, Any]]:
+    """The job's rank 0 on ``node`` continuing at ``world``: ``resumed`` after a restart from a
+    checkpoint, or ``reformed`` after an in-place re-formation (both carry the step it continues from)."""
+    return [e for e in node.events() if e.get("event") in ("resumed", "reformed") and e.get("world_size") == world]

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from trainguard.agent.watchers.base import Notice, Watcher, parse_iso8601_utc
+from trainguard.agent.watchers.base import Notice, PartialPoll, Watcher, parse_iso8601_utc
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.agent.watchers.http import HttpResponse, MetadataError
 
@@ -165,13 +165,9 @@ class AwsWatcher(Watcher):
                 continue
             if n is not None:
                 out.append(n)
-        for n in out:
-            self.emit(n)
         if errors:
-            for e in errors[:-1]:
-                self.report_error(e)
-            raise errors[-1]  # the base logs it (in order, after the others) and counts the failed round
-        return []
+            raise PartialPoll(out, errors)  # the base delivers `out`, then logs the errors in order
+        return out
 
     def _check_action(self) -> Notice | None:
         resp = self._get(INSTANCE_ACTION_PATH)

@@ -154,7 +154,7 @@ class AzureWatcher(Watcher):
             self.log.warning("watcher_error", source=self.source, watcher=self.name, url=resp.url,
                              status=resp.status, error=p)
         for n in notices:
-            if n.detail.get("deadline_fallback") and (n.kind, n.event_id) not in self._seen:
+            if n.detail.get("deadline_fallback") and not self.seen(n):
                 self.log.warning("notice_time_invalid", source=self.source, url=resp.url,
                                  value=n.detail.get("NotBefore"), fallback_deadline_s=self.default_deadline_s,
                                  fix="none needed; the watcher assumed preemption.default_deadline_s")

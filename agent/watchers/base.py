@@ -33,6 +33,7 @@ from trainguard.agent.watchers.http import HttpClient, MetadataError, WatcherErr
 __all__ = [
     "KIND_PRIORITY",
     "Notice",
+    "PartialPoll",
     "QueueWatcher",
     "Watcher",
     "WatcherError",
@@ -232,7 +233,8 @@ class Watcher(abc.ABC):
     # ----------------------------------------------------------------- subclass hooks
     @abc.abstractmethod
     def poll(self) -> Iterable[Notice]:
-        """One round of checks; returns the notices seen now (duplicates are filtered by the base)."""
+        """One round of checks; returns the notices seen now (duplicates are filtered by the base).
+        Raises on failure; :class:`PartialPoll` when some checks found notices and others failed."""
 
     def delay_after(self, ok: bool) -> float:
         """Seconds to wait before the next :meth:`poll`; ``ok`` says whether this one succeeded."""
@@ -258,6 +260,11 @@ class Watcher(abc.ABC):
             except Exception as e:
                 ok = False
                 notices = []
+                if isinstance(e, PartialPoll):
+                    notices = e.notices
+                    for err in e.errors[:-1]:
+                        self.report_error(err)
+                    e = e.errors[-1]  # type: ignore[assignment]
                 if not self._stop_event.is_set():
                     self.report_error(e)
                 try:
@@ -289,6 +296,11 @@ class Watcher(abc.ABC):
         else:  # a bug, not a bad answer: keep the traceback
             self.log.error("watcher_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc, **fields)
 
+    def seen(self, notice: Notice) -> bool:
+        """Whether ``notice`` (by ``(kind, event_id)``) was delivered already. Thread-safe."""
+        with self._seen_lock:
+            return (notice.kind, notice.event_id) in self._seen
+
     def emit(self, notice: Notice) -> bool:
         """Deliver ``notice`` unless ``(kind, event_id)`` was delivered before. Thread-safe."""
         key = (notice.kind, notice.event_id)
@@ -311,6 +323,16 @@ class Watcher(abc.ABC):
         client = HttpClient(timeout_s)
         self._clients.append(client)
         return client
+
+
+class PartialPoll(Exception):
+    """Raised by :meth:`Watcher.poll` when some checks found notices and others failed: the base
+    delivers ``notices`` first, then treats the poll as failed (logs ``errors``, backs off)."""
+
+    def __init__(self, notices: list[Notice], errors: list[BaseException]) -> None:
+        super().__init__(f"{len(errors)} check(s) failed")
+        self.notices = notices
+        self.errors = errors
 
 
 class QueueWatcher(Watcher):

@@ -62,6 +62,16 @@ class PreemptionConfig:
     default_deadline_s: float = 30.0
     """Deadline assumed when a source gives none (GCP preemption is 30 s)."""
 
+    on_early_warning: str = "checkpoint"
+    """What an early warning does (AWS rebalance recommendation, GCP live migration, Azure Freeze):
+    ``checkpoint`` (one out-of-cycle checkpoint, the node stays in the job), ``drain`` (leave as on a
+    spot interruption) or ``ignore``. Azure Reboot/Redeploy restart the VM: with ``checkpoint`` the node
+    checkpoints at once and drains ``drain_lead_s`` before the event."""
+
+    drain_lead_s: float = 20.0
+    """Seconds before a scheduled event's start at which a delayed drain begins (Azure Reboot/Redeploy
+    with ``on_early_warning: checkpoint``); events closer than this drain at once."""
+
     term_grace_s: float = 25.0
     """For scripts without the worker API: seconds between SIGTERM and SIGKILL to workers on a notice
     (torchrun's fixed gap is 30 s)."""
@@ -71,6 +81,11 @@ class PreemptionConfig:
         require(not bad, "sources", f"unknown source(s) {bad}", f"choose from {list(SOURCES)}")
         require(self.poll_interval_s > 0, "poll_interval_s", f"must be > 0, got {self.poll_interval_s}", "e.g. 2")
         require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}", "e.g. 2")
+        require(self.on_early_warning in ("checkpoint", "drain", "ignore"), "on_early_warning",
+                f"must be checkpoint, drain or ignore, got {self.on_early_warning!r}",
+                "use 'checkpoint' to keep the node in the job after an early warning")
+        require(self.drain_lead_s > 0 and self.drain_lead_s < 3600, "drain_lead_s",
+                f"must be within (0, 3600) seconds, got {self.drain_lead_s}", "e.g. 20")
         require(self.term_grace_s >= 0, "term_grace_s", f"must be >= 0, got {self.term_grace_s}", "e.g. 25")
         require(bool(self.sources), "sources", "is empty", "list at least one source, or [none]")
         require("none" not in self.sources or len(set(self.sources)) == 1, "sources",

@@ -21,3 +21,27 @@ def test_namespace_imports_and_console_script(tmp_path):
                                    "trainguard.strategies, trainguard.examples.train_gpt; print(trainguard.agent.__version__)")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() and r.stdout.strip() != "0.0.0+unknown"
+
+
+@pytest.mark.parametrize("generic", ["runtime"])
+def test_runtime_is_not_a_top_level_module(tmp_path, generic):
+    r = run_outside_repo(tmp_path, f"import {generic}")
+    assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr
+
+
+def test_wheel_builds_without_setuptools_warnings_and_ships_the_data(tmp_path):
+    import os
+    import zipfile
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
+                        repo], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = (r.stdout + r.stderr).lower()
+    assert "deprecat" not in out and "setuptoolswarning" not in out, out[-3000:]
+    (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
+    names = zipfile.ZipFile(tmp_path / wheel).namelist()
+    assert "trainguard/metrics/dashboards/trainguard.json" in names
+    assert any(n.startswith("trainguard/metrics/rules/") and n.endswith(".yml") for n in names)
+    assert "trainguard/runtime/protocol.py" in names
+    assert not [n for n in names if n.split("/")[0] in ("agent", "metrics", "runtime", "checkpoint", "strategies")]

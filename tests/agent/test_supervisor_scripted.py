@@ -1,29 +1,13 @@
-"""The supervisor loop driven by scripted worker states: no processes, no rendezvous (elastic's TestAgent idea)."""
+"""The supervisor loop driven by a scripted elastic adapter: no processes, no rendezvous, no torch
+internals (elastic's TestAgent idea; the adapter is the seam, STYLE §11)."""
 
 import time
-from types import SimpleNamespace
-
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from trainguard.agent.configload import load_config
+from trainguard.agent.elastic import Peek, Poll, RendezvousAborted, World
+from trainguard.agent.supervisor import DRAIN_KEY, Supervisor
 from trainguard.runtime.protocol import EXIT_RESIZE as RESIZE
-from trainguard.agent.states import AgentState
-from trainguard.agent.supervisor import Supervisor
-
-
-class FakeHandler:
-    def __init__(self, waiting=()):
-        self.waiting = list(waiting)
-        self.closed = False
-        self._state_holder = SimpleNamespace(state=SimpleNamespace(round=0))
-
-    def num_nodes_waiting(self):
-        return self.waiting.pop(0) if self.waiting else 0
-
-    def shutdown(self):
-        self.closed = True
-        return True
+from trainguard.runtime.protocol import AgentState, CheckpointNow, Hello, WorkerStatus
 
 
 class FakeStore:
@@ -33,118 +17,197 @@ class FakeStore:
     def add(self, k, v):
         self.keys[k] = self.keys.get(k, 0) + v
 
+    def set(self, k, v):
+        self.keys[k] = v
+
     def check(self, ks):
         return all(k in self.keys for k in ks)
 
 
-def failed(*codes):
-    return RunResult(state=WorkerState.FAILED, failures={
-        i: ProcessFailure(local_rank=i, pid=100 + i, exitcode=c, error_file="") for i, c in enumerate(codes)})
+def exited(*codes):
+    return Poll(WorkerStatus.EXITED, tuple(codes))
 
 
-class ScriptedAgent:
-    """Plays back a list of RunResults; records what the loop asked it to do."""
+HEALTHY = Poll(WorkerStatus.HEALTHY)
 
-    def __init__(self, script, max_restarts=2, nproc=1):
+
+class FakeAdapter:
+    """Plays back a list of polls; records what the loop asked of elastic."""
+
+    def __init__(self, script, max_restarts=2, waiting=(), abort_start=False):
         self.script = list(script)
-        self._remaining_restarts = max_restarts
+        self.remaining_restarts = max_restarts
+        self.waiting = list(waiting)
         self.calls = []
-        self.wg = SimpleNamespace(spec=SimpleNamespace(local_world_size=nproc, monitor_interval=0.001),
-                                  store=FakeStore(), group_rank=0, group_world_size=1, workers=[])
-        self.on_monitor = None
+        self.store = FakeStore()
+        self.round = 0
+        self.node_id = "fake_1_0"
+        self.on_poll = None
+        self.abort_start = abort_start
+        self.closed = False
 
-    def get_worker_group(self):
-        return self.wg
+    def run(self, body):
+        return body()
 
-    def remaining_restarts(self):
-        return self._remaining_restarts
+    def world(self):
+        return World(round=self.round, group_rank=0, nodes=1, world_size=1, global_ranks=(0,))
 
-    def _initialize_workers(self, wg):
-        self.calls.append("init")
+    def start(self, expected=None):
+        self.calls.append("start")
+        if self.abort_start:
+            raise RendezvousAborted("draining")
+        return self.world()
 
-    def _restart_workers(self, wg):
+    def restart(self, expected=None):
         self.calls.append("restart")
+        self.round += 1
+        return self.world()
 
-    def _stop_workers(self, wg):
+    def poll(self):
+        if self.on_poll:
+            self.on_poll(len(self.calls))
+        return self.script.pop(0) if self.script else HEALTHY
+
+    def worker_pids(self):
+        return {0: 4242}
+
+    def stop_workers(self):
         self.calls.append("stop")
 
-    def _exit_barrier(self):
+    def terminate_workers(self, grace_s):
+        self.calls.append(f"terminate({grace_s:.0f})")
+
+    def exit_barrier(self):
         self.calls.append("exit_barrier")
 
-    def terminate_workers(self, grace):
-        self.calls.append(f"terminate({grace:.0f})")
+    def consume_restart(self):
+        self.remaining_restarts -= 1
+        return self.remaining_restarts
 
-    def _monitor_workers(self, wg):
-        if self.on_monitor:
-            self.on_monitor(len(self.calls))
-        return self.script.pop(0) if self.script else RunResult(state=WorkerState.HEALTHY)
+    def members(self):
+        return [self.node_id]
+
+    def peek(self):
+        return Peek(round=self.round, complete=True, participants=(self.node_id,), waiting=0,
+                    this_node_participates=True)
+
+    def round_store(self, round_):
+        return self.store
+
+    def nodes_waiting(self):
+        return self.waiting.pop(0) if self.waiting else 0
+
+    def leave(self, timeout_s):
+        self.calls.append("leave")
+        return True
+
+    def close(self):
+        self.closed = True
 
 
-def make(tmp_path, script, waiting=(), **kw):
+def make(tmp_path, script, **kw):
     cfg = load_config(None, {}, {"agent.state_dir": str(tmp_path / "s"), "agent.log_dir": str(tmp_path / "l"),
                                  "workers.entrypoint": "train.py", "workers.restart_backoff_s": "0.01",
+                                 "workers.monitor_interval_s": "0.001",
                                  "rendezvous.backend": "static", "preemption.term_grace_s": "7"})
     transitions = []
-    sup = Supervisor(cfg, handler=FakeHandler(waiting), listeners=[lambda old, new, d: transitions.append(new)])
-    agent = ScriptedAgent(script, **kw)
-    return sup, agent, transitions
-
-
-def healthy(n=1):
-    return [RunResult(state=WorkerState.HEALTHY)] * n
+    fake = FakeAdapter(script, **kw)
+    sup = Supervisor(cfg, handler=object(), listeners=[lambda old, new, d: transitions.append(new)],
+                     adapter=lambda spec, logs, s: fake)
+    return sup, fake, transitions
 
 
 def test_crash_consumes_restarts_then_fails(tmp_path):
-    sup, agent, tr = make(tmp_path, healthy(2) + [failed(1)] + healthy() + [failed(-9)] + [failed(1)], max_restarts=2)
-    result = sup._loop(agent)
-    assert result.state == WorkerState.FAILED
-    assert agent.calls == ["init", "restart", "restart", "stop"]
-    assert agent.remaining_restarts() == 0
+    sup, fake, tr = make(tmp_path, [HEALTHY] * 2 + [exited(1)] + [HEALTHY] + [exited(-9)] + [exited(1)], max_restarts=2)
+    result = sup._loop()
+    assert result.state.value == "FAILED"
+    assert fake.calls == ["start", "restart", "restart", "stop"]
+    assert fake.remaining_restarts == 0
     assert tr.count(AgentState.RESTARTING) == 2 and tr[-1] == AgentState.FAILED
     sup.control.close()
 
 
 def test_resize_exit_does_not_consume_restarts(tmp_path):
-    sup, agent, tr = make(tmp_path, [failed(RESIZE, -15)] * 5 + [RunResult(state=WorkerState.SUCCEEDED)], max_restarts=1, nproc=2)
-    result = sup._loop(agent)
-    assert result.state == WorkerState.SUCCEEDED
-    assert agent.calls == ["init"] + ["restart"] * 5 + ["exit_barrier"]
-    assert agent.remaining_restarts() == 1
+    sup, fake, tr = make(tmp_path, [exited(RESIZE, -15)] * 5 + [exited(0, 0)], max_restarts=1)
+    sup._loop()
+    assert fake.calls == ["start"] + ["restart"] * 5 + ["exit_barrier"]
+    assert fake.remaining_restarts == 1
     assert tr.count(AgentState.RESIZING) == 5 and AgentState.RESTARTING not in tr
+    assert tr[-1] == AgentState.SUCCEEDED
     sup.control.close()
 
 
 def test_scale_up_restarts_plain_workers_without_consuming(tmp_path):
-    sup, agent, tr = make(tmp_path, healthy(3) + [RunResult(state=WorkerState.SUCCEEDED)], waiting=[0, 1], max_restarts=0)
-    assert sup._loop(agent).state == WorkerState.SUCCEEDED
-    assert agent.calls == ["init", "restart", "exit_barrier"]
+    sup, fake, tr = make(tmp_path, [HEALTHY] * 3 + [exited(0)], waiting=[0, 1], max_restarts=0)
+    sup._loop()
+    assert fake.calls == ["start", "restart", "exit_barrier"]
     assert AgentState.RESIZING in tr
     sup.control.close()
 
 
-def test_notice_terminates_plain_workers_and_leaves(tmp_path, monkeypatch):
-    left = []
-    monkeypatch.setattr("trainguard.agent.rendezvous.leave_rendezvous", lambda h, timeout_s: left.append(h) or True)
-    sup, agent, tr = make(tmp_path, healthy(10))
-    agent.on_monitor = lambda n: sup.request_drain("aws", "termination", time.time() + 100) if n == 1 else None
-    result = sup._loop(agent)
-    assert result.state == WorkerState.SUCCEEDED  # elastic's view; our outcome is STOPPED
-    assert agent.calls == ["init", "terminate(7)", "stop"]
-    assert left == [sup.handler]
+def test_notice_terminates_plain_workers_and_leaves(tmp_path):
+    sup, fake, tr = make(tmp_path, [HEALTHY] * 10)
+    fake.on_poll = lambda n: sup.request_drain("aws", "termination", time.time() + 100) if n == 1 else None
+    result = sup._loop()
+    assert result.state.value == "SUCCEEDED"  # elastic's view; our outcome is STOPPED
+    assert fake.calls == ["start", "terminate(7)", "leave", "stop"]  # leave first: the survivors go on at once
     assert tr[-2:] == [AgentState.DRAINING, AgentState.STOPPED]
-    assert agent.wg.store.check(["trainguard/draining"])  # peers learn why our workers went away
-    assert sup._finish() == 0 and not sup.handler.closed  # a drained node never closes the rendezvous
+    assert fake.store.check([DRAIN_KEY])  # peers learn why our workers went away
+    assert sup._finish() == 0 and not fake.closed  # a drained node never closes the rendezvous
+
+
+def test_drain_during_rendezvous_leaves_without_starting_workers(tmp_path):
+    sup, fake, tr = make(tmp_path, [], abort_start=True)
+    real_start = fake.start
+
+    def start_interrupted_by_a_notice(expected=None):
+        sup.request_drain("manual", "drain", time.time() + 30)  # lands while the join waits
+        return real_start(expected)  # the adapter's join sees it and raises RendezvousAborted
+
+    fake.start = start_interrupted_by_a_notice
+    result = sup._loop()
+    assert result.state.value == "SUCCEEDED"  # elastic's view of a planned leave
+    assert tr[-1] == AgentState.STOPPED and AgentState.RUNNING not in tr
+    assert fake.calls == ["start", "leave", "stop"]
 
 
 def test_peer_drain_does_not_consume_restarts(tmp_path):
-    sup, agent, tr = make(tmp_path, [failed(1), RunResult(state=WorkerState.SUCCEEDED)], max_restarts=0)
-    agent.wg.store.add("trainguard/draining", 1)
-    assert sup._loop(agent).state == WorkerState.SUCCEEDED
-    assert agent.calls == ["init", "restart", "exit_barrier"]
+    sup, fake, tr = make(tmp_path, [exited(1), exited(0)], max_restarts=0)
+    fake.store.add(DRAIN_KEY, 1)
+    sup._loop()
+    assert fake.calls == ["start", "restart", "exit_barrier"]
+    sup.control.close()
+
+
+def test_early_warning_asks_api_workers_for_one_checkpoint_and_stays(tmp_path):
+    import socket
+
+    sup, fake, tr = make(tmp_path, [HEALTHY] * 6 + [exited(0)])
+    worker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    worker.connect(sup.control_path)
+    from trainguard.runtime.protocol import decode, encode
+
+    worker.sendall(encode(Hello(rank=0, local_rank=0, pid=1234)))
+    deadline = time.time() + 5
+    while not sup.control.api_workers() and time.time() < deadline:
+        time.sleep(0.01)
+    assert sup.request_checkpoint("aws_rebalance")
+    sup._loop()
+    worker.settimeout(1)
+    data = b""
+    try:
+        while chunk := worker.recv(4096):
+            data += chunk
+    except TimeoutError:
+        pass
+    orders = [decode(line) for line in data.split(b"\n") if line]
+    assert orders == [CheckpointNow(why="aws_rebalance")]  # one out-of-cycle checkpoint, asked once
+    assert AgentState.DRAINING not in tr and tr[-1] == AgentState.SUCCEEDED
+    worker.close()
     sup.control.close()
 
 
 def test_success_closes_rendezvous(tmp_path):
-    sup, agent, tr = make(tmp_path, [RunResult(state=WorkerState.SUCCEEDED)])
-    sup._loop(agent)
-    assert sup._finish() == 0 and sup.handler.closed
+    sup, fake, tr = make(tmp_path, [exited(0)])
+    sup._loop()
+    assert sup._finish() == 0 and fake.closed

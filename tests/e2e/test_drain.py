@@ -1,7 +1,11 @@
-"""The heart: a spot notice on one node -> emergency checkpoint on every rank -> the survivor resumes
-at the new world size from the next step -> the node rejoins. Every sample is used exactly once."""
+"""The heart: a spot notice on one node -> emergency checkpoint on every rank -> the survivor goes on
+at the new world size from the next step -> the node rejoins. Every sample is used exactly once.
 
-import glob
+The survivor's in-place re-formation is made to fail once (the test fault hook), so this is the
+fallback path: the survivor's worker exits with the resize code and the world restarts from the
+emergency checkpoint (the path every membership change took before in-place re-formation, and the one
+scripts without the worker API take). The rejoin then re-forms in place."""
+
 import json
 import os
 import time
@@ -9,7 +13,8 @@ import time
 import pytest
 
 from tests.emulators.fixtures import aws_imds  # noqa: F401
-from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+from tests import samples
+from tests.harness import REPO, Node, continued, free_port, wait_listening, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -21,28 +26,12 @@ def worlds(node):
 
 
 def sample_log(tmp):
-    steps = {}
-    for path in glob.glob(os.path.join(tmp, "samples", "*.jsonl")):
-        with open(path) as fh:
-            for line in fh:
-                rec = json.loads(line)
-                steps.setdefault(rec["step"], []).append(rec)
-    return steps
+    return os.path.join(tmp, "samples")
 
 
-def check_exactly_once(steps):
-    """Each finished step appears once per rank of its world; each id once overall; batch constant."""
-    seen = []
-    for step in sorted(steps):
-        recs = steps[step]
-        world = recs[0]["world_size"]
-        assert len(recs) == world and sorted(r["rank"] for r in recs) == list(range(world)), f"step {step}: {recs}"
-        ids = [i for r in recs for i in r["ids"]]
-        assert len(ids) == GLOBAL_BATCH, f"step {step}: global batch {len(ids)}"
-        seen += ids
-    assert sorted(steps) == list(range(1, max(steps) + 1)), "a step is missing or repeated"
-    assert len(seen) == len(set(seen)), "a sample was used twice"
-    return seen
+def check_exactly_once(folder):
+    """Each step committed once with the whole global batch; each id once overall (``tests/samples.py``)."""
+    return samples.check_exactly_once(folder, GLOBAL_BATCH)
 
 
 def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_imds):  # noqa: F811
@@ -50,10 +39,12 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
     os.makedirs(os.path.join(tmp, "samples"))
     ep = f"127.0.0.1:{free_port()}"
     ckpt = os.path.join(tmp, "ckpt")
+    flag = os.path.join(tmp, "reform-fault-fired")
     common = ["--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=15"]
+    fault = ["--set", "workers.env=" + json.dumps({"TRAINGUARD_RT_INJECT_FAULT": f"reform:{flag}"})]
     args = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.03", "--global-batch", str(GLOBAL_BATCH),
             "--sample-log", os.path.join(tmp, "samples")]
-    a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common)
+    a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common + fault)
     wait_listening(ep)  # a hosts the c10d store; b is the node that leaves
     b_extra = common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_imds.url}",
                         "--set", "preemption.poll_interval_s=0.5"]
@@ -76,6 +67,7 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
         wait_until(lambda: worlds(a)[-1:] == [1], 60, "survivor at world size 1")
         resumed = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 1], 60, "resume at 1")
         assert resumed[0]["step"] == s  # continues at s + 1: nothing lost, nothing redone
+        assert os.path.exists(flag) and a.events("reform_failed"), "the fallback was not exercised"
         t_resume = time.time()
         restarts_left = [e for e in a.events("state_change") if e["new"] == "restarting"]
         assert not restarts_left, "a planned drain must not consume a restart"
@@ -86,15 +78,15 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
         b2 = Node("b2", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common)
         nodes.append(b2)
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b2) == [2], 90, "world size 2 again")
-        r2 = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 2], 60, "resume at 2")
-        resize = [e for e in a.events("checkpoint_committed") if e.get("kind") == "resize" and e.get("component") == "trainguard.worker"]
-        assert resize and r2[-1]["step"] == resize[-1]["step"]
+        r2 = wait_until(lambda: continued(a, 2), 60, "continue at 2")  # in place this time
+        assert r2[-1]["event"] == "reformed" and b2.events("joiner_warm")
         wait_until(lambda: any(e["world_size"] == 2 and e["step"] > r2[-1]["step"] + 5 for e in a.events("train_step")),
                    90, "training at world size 2 again")
         for n in (a, b2):
             n.signal(15)
         for n in (a, b2):
             n.wait(60)
+        assert not [e for e in a.events("state_change") if e["new"] == "restarting"]
         seen = check_exactly_once(sample_log(tmp))
         print(f"notice_to_resume_s={t_resume - t_notice:.1f} steps={len(seen) // GLOBAL_BATCH} emergency_step={s}")
     except AssertionError:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.fixtures.prometheus import prometheus_factory  # noqa: F401  (fixture)
-from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+from tests.harness import REPO, Node, continued, free_port, wait_listening, wait_until
 from tests.metrics.promql import RULES, alert_rules, dashboard_exprs, referenced_metrics, split_comparison
 from trainguard.agent import control
 from trainguard.runtime.protocol import DrainRequest
@@ -90,7 +90,7 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         # b's final values (drain duration, stopped state) were scraped before it went away.
         assert [e["scraped"] for e in b.events("metrics_final_scrape")] == [True], b.dump()
         wait_until(lambda: worlds(a)[-1:] == [1], 60, "survivor at world size 1")
-        resumed = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 1], 60, "resume at 1")
+        resumed = wait_until(lambda: continued(a, 1), 60, "resume at 1")
         wait_until(lambda: any(e["world_size"] == 1 and e["step"] >= resumed[0]["step"] + 10
                                for e in a.events("train_step")), 60, "training at world size 1")
 

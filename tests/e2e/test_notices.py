@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from tests.emulators.fixtures import azure_events, gcp_metadata  # noqa: F401
-from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+from tests.emulators.fixtures import aws_imds, azure_events, gcp_metadata  # noqa: F401
+from tests.harness import REPO, Node, continued, free_port, wait_listening, wait_until
 from trainguard.agent import control
 from trainguard.runtime.protocol import DrainRequest
 
@@ -54,7 +54,7 @@ def survivor_resumes(survivor, leavers, expected_world):
     assert steps and len(set(steps)) == 1, steps  # every rank stopped at the same step
     s = steps[0]
     wait_until(lambda: worlds(survivor)[-1:] == [expected_world], 60, f"survivor at {expected_world}")
-    resumed = wait_until(lambda: [e for e in survivor.events("resumed") if e["world_size"] == expected_world], 60, "resume")
+    resumed = wait_until(lambda: continued(survivor, expected_world), 60, "resume")
     assert resumed[-1]["step"] == s
     assert not [e for e in survivor.events("state_change") if e["new"] == "restarting"]
     return s
@@ -91,7 +91,7 @@ def test_notice_source_drains_node(tmp_path, source, request):
             assert any(e.get("source") == "azure" for e in b.events("notice_acknowledged")), event_id
         if source == "sigterm-during-async-save":
             periodic = [e["step"] for e in a.events("checkpoint_committed") if e.get("kind") == "periodic"]
-            assert periodic and max(periodic) < s  # saves were in flight around the notice; none overwrote step s
+            assert periodic and min(periodic) < s and s not in periodic  # in flight around the notice; none is step s
         first = [e for e in b.events("state_change") if e["new"] == "draining"][0]
         assert first["source"] == ("signal" if source.startswith("sigterm") else source)
     except AssertionError:
@@ -113,6 +113,56 @@ def test_two_notices_on_two_of_three_nodes(tmp_path):
         wait_until(lambda: any(e["world_size"] == 1 for e in a.events("train_step")), 60, "training at 1")
     except AssertionError:
         print(a.dump(60), b.dump(60), c.dump(40), sep="\n")
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_early_warnings_checkpoint_and_stay_a_spot_interruption_drains_a_rendezvous_drain_leaves_fast(
+        tmp_path, aws_imds, gcp_metadata):  # noqa: F811
+    """One generation of processes, four policy outcomes: an AWS rebalance recommendation and a GCP
+    live migration each give exactly one out-of-cycle checkpoint with node b staying in the job; the
+    spot interruption then drains b; a node drained while it waits in a rendezvous leaves within 2 s."""
+    tmp = str(tmp_path)
+    extra_b = ["--set", "preemption.sources=aws,gcp", "--set", f"preemption.aws_endpoint={aws_imds.url}",
+               "--set", f"preemption.gcp_endpoint={gcp_metadata.url}", "--set", "preemption.poll_interval_s=0.3"]
+    a, b = nodes = start_cluster(tmp, ["a", "b"], {"b": extra_b})
+    # A lone node of another job that needs 2 nodes: it waits in its rendezvous.
+    lone = Node("lone", tmp, f"127.0.0.1:{free_port()}", nnodes="2:2", job="other", script=ELASTIC, script_args=ARGS)
+    nodes.append(lone)
+
+    def notice_ckpts():
+        return [e for n in (a, b) for e in n.events("checkpoint_committed")
+                if e.get("kind") == "notice" and e.get("component") == "trainguard.checkpoint"]
+
+    try:
+        aws_imds.rebalance()
+        wait_until(lambda: len(notice_ckpts()) == 2, 60, "one out-of-cycle checkpoint on both ranks")
+        first = notice_ckpts()
+        assert first[0]["step"] == first[1]["step"]  # every rank saved the same step
+        gcp_metadata.maintenance("MIGRATE_ON_HOST_MAINTENANCE")
+        wait_until(lambda: len(notice_ckpts()) == 4, 60, "a second out-of-cycle checkpoint")
+        assert b.proc.poll() is None and worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2]  # b stayed
+        assert not emergency_steps(a, b)
+        actions = [e["action"] for e in b.events("notice_decision")]
+        assert actions == ["checkpoint", "checkpoint"], actions
+
+        wait_until(lambda: lone.events("state_change") and lone.events("state_change")[-1]["new"] == "rendezvous",
+                   60, "the lone node waiting in its rendezvous")
+        t0 = time.monotonic()
+        assert control.request(lone.socket, DrainRequest(deadline_s=60, reason="test")).ok
+        assert lone.wait(30) == 0, lone.dump()
+        left_after = time.monotonic() - t0
+        assert left_after < 2.0, f"left {left_after:.2f} s after the drain"
+        stopped = lone.events("state_change")[-1]
+        assert stopped["new"] == "stopped" and stopped["reason"] == "drained_during_rendezvous"
+
+        aws_imds.schedule_termination(in_s=120)
+        survivor_resumes(a, [b], 1)
+        assert [e["action"] for e in b.events("notice_decision")][-1] == "drain"
+    except AssertionError:
+        print(a.dump(60), b.dump(60), lone.dump(30), sep="\n")
         raise
     finally:
         for n in nodes:

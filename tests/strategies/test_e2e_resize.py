@@ -20,6 +20,7 @@ import os
 
 import pytest
 
+from tests import samples
 from tests.e2e.test_drain import check_exactly_once, sample_log, worlds
 from tests.harness import Node, free_port, wait_listening, wait_until
 from tests.strategies._world import E2E_BATCH, E2E_SIZE, ELASTIC, JOB, MODEL_PARALLEL, continuity
@@ -131,24 +132,27 @@ MP_ARGS = ["--tp-size", "2", "--compile", "inductor"]
 MP_SIZE = ["--global-batch", "16", "--micro-batch", "4"]
 
 
-def check_model_parallel_samples(steps: dict[int, list[dict]], global_batch: int) -> list[int]:
-    """Per step: one record per rank; the ranks of one data-parallel share (a TP group) drew the same ids;
-    the shares together are the global batch. Overall: every id once, steps 1..n each once."""
-    seen: list[int] = []
-    for step in sorted(steps):
-        recs = steps[step]
-        world, dp = recs[0]["world_size"], recs[0]["dp_size"]
-        assert sorted(r["rank"] for r in recs) == list(range(world)), f"step {step}: {recs}"
+def check_model_parallel_samples(folder: str, global_batch: int) -> list[int]:
+    """Every sample once (``tests/samples.py``: one valid attempt per step, the whole global batch), and
+    in each step's valid attempt: the ranks of one data-parallel share (a TP group) trained the same
+    samples, and the shares in order are the global batch."""
+    seen = samples.check_exactly_once(folder, global_batch)
+    committed = samples.committed_batches(folder)
+    recs = [r for r in samples.read(folder) if not r.get("rolled_back")
+            and committed.get(r["step"], {}).get("round") == r["round"]]
+    by_step: dict[int, list[dict]] = {}
+    for r in recs:
+        by_step.setdefault(r["step"], []).append(r)
+    assert sorted(by_step) == sorted(committed)
+    for step, rs in by_step.items():
+        world, dp = rs[0]["world_size"], rs[0]["dp_size"]
+        assert sorted(r["rank"] for r in rs) == list(range(world)), f"step {step}: {rs}"
         shares: dict[int, list[int]] = {}
-        for r in recs:
+        for r in rs:
             assert r["dp_rank"] == r["rank"] // (world // dp), f"step {step}: rank {r['rank']} in share {r['dp_rank']}"
-            assert shares.setdefault(r["dp_rank"], r["ids"]) == r["ids"], f"step {step}: a TP group split its samples"
+            assert shares.setdefault(r["dp_rank"], r["mine"]) == r["mine"], f"step {step}: a TP group split its samples"
         assert sorted(shares) == list(range(dp))
-        ids = [i for d in sorted(shares) for i in shares[d]]
-        assert len(ids) == global_batch, f"step {step}: global batch {len(ids)}"
-        seen += ids
-    assert sorted(steps) == list(range(1, max(steps) + 1)), "a step is missing or repeated"
-    assert len(seen) == len(set(seen)), "a sample was used twice"
+        assert [i for d in sorted(shares) for i in shares[d]] == committed[step]["ids"], f"step {step}"
     return seen
 
 

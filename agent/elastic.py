@@ -1,0 +1,430 @@
+"""The one adapter over torch.distributed.elastic internals (STYLE §11).
+
+Every private name of torch elastic that trainguard relies on is used here and nowhere else, so a
+torch upgrade touches this file and tests fake :class:`ElasticAdapter`, not torch. Verified against
+torch 2.13's ``agent/server/api.py``, ``local_elastic_agent.py`` and ``rendezvous/dynamic_rendezvous.py``.
+
+What it offers the supervisor (:mod:`trainguard.agent.supervisor`), all called from the supervisor
+thread:
+
+* :meth:`ElasticAdapter.run` — run elastic's agent with our loop as its body (``_invoke_run``);
+* :meth:`~ElasticAdapter.start` / :meth:`~ElasticAdapter.restart` — rendezvous, then start the
+  local workers (``_initialize_workers`` / ``_restart_workers``);
+* :meth:`~ElasticAdapter.poll` — one look at the workers (``_monitor_workers``);
+* :meth:`~ElasticAdapter.stop_workers`, :meth:`~ElasticAdapter.terminate_workers`,
+  :meth:`~ElasticAdapter.exit_barrier`, :meth:`~ElasticAdapter.consume_restart`;
+* :meth:`~ElasticAdapter.leave` — the planned leave: the handler's exit operation without closing
+  the rendezvous (``DynamicRendezvousHandler.shutdown()`` would close it for every node);
+* :meth:`~ElasticAdapter.members`, :meth:`~ElasticAdapter.node_id`, :attr:`~ElasticAdapter.round`;
+* in-place re-formation: :meth:`~ElasticAdapter.reform` (a rendezvous and new ranks for the workers
+  that keep running), :meth:`~ElasticAdapter.start_standby` (a joiner's workers, started before
+  their world exists so that they warm up), :meth:`~ElasticAdapter.peek` and
+  :meth:`~ElasticAdapter.round_store` (what a node sees of a running world before it joins).
+
+Two changes to how the dynamic rendezvous joins (see :func:`next_round`), installed on the handler:
+
+* **Interruptible.** A drain that arrives while the node waits in a rendezvous makes the join
+  operation leave the participant set (or wait list) at its next poll and raise
+  :class:`RendezvousAborted`: the node leaves at once, on the supervisor thread.
+* **Planned membership.** When the agents re-form a world for a planned change (:class:`Plan`: its
+  members and the ones announced as leaving), the round completes as soon as every member that is
+  not leaving and every newcomer has joined, instead of waiting out ``last_call_timeout`` for nodes
+  known not to come. Should a member fail to come, torch's own rule (``last_call_timeout`` after
+  ``min_nodes``) still closes the round. The state is polled every :data:`POLL_INTERVAL_S` instead of
+  torch's fixed 1 s.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    _Action,
+    _DistributedRendezvousOpExecutor,
+    _RendezvousContext,
+    _RendezvousExitOp,
+    _RendezvousJoinOp,
+)
+
+from trainguard.runtime.log import get_logger
+from trainguard.runtime.protocol import WorkerStatus
+
+log = get_logger("trainguard.agent.elastic")
+
+POLL_INTERVAL_S = 0.1
+"""How often a node waiting in the rendezvous re-reads the shared state (torch: 1 s)."""
+
+
+class RendezvousAborted(Exception):
+    """The node left the rendezvous before the round completed because it is draining."""
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """What one rendezvous round gave this node."""
+
+    round: int
+    group_rank: int
+    nodes: int
+    world_size: int
+    global_ranks: tuple[int, ...]
+    master_addr: str = ""
+    master_port: int = 0
+    members: tuple[str, ...] = ()
+    """The rendezvous ids of the round's nodes, ordered by group rank."""
+
+    def log_fields(self) -> dict[str, Any]:
+        return {"round": self.round, "group_rank": self.group_rank, "nodes": self.nodes,
+                "world_size": self.world_size, "global_ranks": list(self.global_ranks)}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The world a re-formation starts from: its members and those announced as leaving."""
+
+    members: frozenset[str]
+    leaving: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """The shared rendezvous state as this node last synced it (no change to it)."""
+
+    round: int
+    complete: bool
+    participants: tuple[str, ...]
+    waiting: int
+    this_node_participates: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Poll:
+    """One look at the local workers."""
+
+    status: WorkerStatus
+    exit_codes: tuple[int, ...] = ()
+    """Per local worker, when ``status`` is ``EXITED`` (0 for workers that succeeded)."""
+    failures: dict[int, Any] = field(default_factory=dict)
+    """Global rank -> elastic's ``ProcessFailure`` (for the failure summary)."""
+    result: Any = None
+    """Elastic's ``RunResult`` (returned from the run when the job ends)."""
+
+
+# ---- the rendezvous join, interruptible and with a planned size ----------------------------------
+
+def planned_complete(plan: Plan, participants: set[str], waiting: set[str], min_nodes: int, max_nodes: int) -> bool:
+    """Pure: whether a round being formed from ``plan`` has everyone it expects: the plan's members
+    that are not leaving, plus every newcomer (a participant or waiting node that was no member)."""
+    expected = (plan.members - plan.leaving) | ((participants | waiting) - plan.members)
+    return min_nodes <= len(participants) <= max_nodes and bool(expected) and expected <= participants
+
+
+class _JoinOp(_RendezvousJoinOp):
+    """torch's join operation, plus: leave when ``abort()`` says so; complete as soon as ``plan``
+    is satisfied (:func:`planned_complete`)."""
+
+    def __init__(self, abort: Callable[[], bool], plan: Plan | None) -> None:
+        self.abort = abort
+        self.plan = plan
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        state = ctx.state
+        if self.abort():
+            if ctx.node in state.participants and not state.complete:
+                return _Action.REMOVE_FROM_PARTICIPANTS
+            if ctx.node in state.wait_list:
+                return _Action.REMOVE_FROM_WAIT_LIST
+            if ctx.node in state.redundancy_list:
+                return _Action.REMOVE_FROM_REDUNDANCY_LIST
+            if ctx.node not in state.participants:
+                raise RendezvousAborted("left the rendezvous before the round completed (draining)")
+        if self.plan is not None and not state.complete and ctx.node in state.participants and planned_complete(
+                self.plan, {str(n) for n in state.participants}, {str(n) for n in state.wait_list},
+                ctx.settings.min_nodes, ctx.settings.max_nodes):
+            return _Action.MARK_RENDEZVOUS_COMPLETE
+        return super().__call__(ctx, deadline)
+
+
+class _Executor(_DistributedRendezvousOpExecutor):
+    """torch's op executor with a configurable poll interval (its loop, less the event records)."""
+
+    def __init__(self, base: _DistributedRendezvousOpExecutor, poll_s: float) -> None:
+        super().__init__(base._node, base._state_holder, base._settings)
+        self.poll_s = poll_s
+
+    def run(self, state_handler: Callable[[_RendezvousContext, float], _Action], deadline: float,
+            update_deadline: Callable[[timedelta], float] | None = None) -> None:
+        action = None
+        while action != _Action.FINISH:
+            self._state_holder.sync()
+            self._state = self._state_holder.state
+            action = state_handler(_RendezvousContext(self._node, self._state, self._settings), deadline)
+            if action == _Action.FINISH:
+                continue
+            if action == _Action.ERROR_CLOSED:
+                raise RendezvousClosedError
+            if action == _Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError
+            if action == _Action.SYNC:
+                time.sleep(self.poll_s)
+                continue
+            if action == _Action.KEEP_ALIVE:
+                self._keep_alive()
+            elif action == _Action.ADD_TO_PARTICIPANTS:
+                self._add_to_participants()
+            elif action == _Action.ADD_TO_WAIT_LIST:
+                self._add_to_wait_list()
+            elif action == _Action.ADD_TO_REDUNDANCY_LIST:
+                self._add_to_redundancy_list()
+            elif action == _Action.REMOVE_FROM_PARTICIPANTS:
+                self._remove_from_participants()
+            elif action == _Action.REMOVE_FROM_WAIT_LIST:
+                self._remove_from_wait_list()
+            elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
+                self._remove_from_redundancy_list()
+                if update_deadline:
+                    deadline = update_deadline(self._settings.timeout.join)
+            elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
+                self._mark_rendezvous_complete()
+            elif action == _Action.MARK_RENDEZVOUS_CLOSED:
+                self._mark_rendezvous_closed()
+            self._state_holder.mark_dirty()
+
+
+def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None) -> RendezvousInfo:
+    """``DynamicRendezvousHandler.next_rendezvous`` with :class:`_JoinOp` and :class:`_Executor`.
+
+    Same sequence as torch 2.13 (stop heartbeats, exit op, join op, start heartbeats, world, store),
+    for the store-sharing-disabled case trainguard runs in (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+    see :mod:`trainguard.agent.supervisor`): rank 0 picks a fresh worker store port each round.
+    """
+    handler._stop_heartbeats()
+    executor = _Executor(handler._op_executor, POLL_INTERVAL_S)
+    deadline = handler._get_deadline(handler._settings.timeout.join)
+    executor.run(_RendezvousExitOp(), deadline)
+    executor.run(_JoinOp(abort, plan), deadline, handler._get_deadline)
+    handler._start_heartbeats()
+    rank, world_size = handler._get_world()
+    store = handler._get_store()
+    info = RendezvousStoreInfo.build(rank, store, local_addr=handler._this_node.addr)
+    return RendezvousInfo(store, rank, world_size, info)
+
+
+# ---- elastic's agent with our loop ---------------------------------------------------------------
+
+class _Agent(LocalElasticAgent):
+    """``LocalElasticAgent`` whose run loop is the supervisor's and whose workers get our env."""
+
+    def __init__(self, spec: WorkerSpec, logs: DefaultLogsSpecs, exit_barrier_timeout: float,
+                 body: Callable[[], RunResult], env: Callable[[], dict[str, str]]) -> None:
+        super().__init__(spec, logs_specs=logs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout)
+        self._body = body
+        self._env = env
+
+    # LocalElasticAgent._start_workers hands the per-rank env dicts to this hook right before it
+    # starts the processes: the one place where trainguard adds its worker variables.
+    def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:  # See base class.
+        extra = self._env()
+        for env in envs.values():
+            env.update(extra)
+        super()._setup_local_watchdog(envs)
+
+    def _invoke_run(self, role: str = "default") -> RunResult:  # See base class.
+        return self._body()
+
+
+class ElasticAdapter:
+    """The supervisor's handle on torch elastic. Not thread-safe: the supervisor thread owns it, except
+    :meth:`leave` on a handler no other thread uses any more."""
+
+    def __init__(self, spec: WorkerSpec, logs: DefaultLogsSpecs, *, exit_barrier_timeout: float,
+                 worker_env: Callable[[], dict[str, str]], abort_rendezvous: Callable[[], bool]) -> None:
+        self.handler: RendezvousHandler = spec.rdzv_handler
+        self._abort = abort_rendezvous
+        self._plan: Plan | None = None
+        self._body: Callable[[], RunResult] | None = None
+        self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
+        if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
+            self.handler.next_rendezvous = self._next_rendezvous  # type: ignore[method-assign]
+            # torch serves the shared state from a 1 s cache between its own writes; a node polling
+            # every POLL_INTERVAL_S for a planned round must read fresh state.
+            holder = getattr(self.handler, "_state_holder", None)
+            if holder is not None and getattr(holder, "_cache_duration", 0) > POLL_INTERVAL_S:
+                holder._cache_duration = POLL_INTERVAL_S
+
+    # -- running -----------------------------------------------------------------------------------
+    def run(self, body: Callable[[], RunResult]) -> RunResult:
+        """Run elastic's agent (its event records and shutdown handling) with ``body`` as the loop."""
+        self._body = body
+        return self._agent.run()
+
+    def _run_body(self) -> RunResult:
+        assert self._body is not None
+        return self._body()
+
+    def _next_rendezvous(self) -> RendezvousInfo:
+        plan, self._plan = self._plan, None
+        return next_round(self.handler, self._abort, plan)
+
+    @property
+    def group(self) -> WorkerGroup:
+        return self._agent.get_worker_group()
+
+    def world(self) -> World:
+        wg = self.group
+        return World(round=self.round, group_rank=wg.group_rank or 0, nodes=wg.group_world_size or 0,
+                     world_size=wg.workers[0].world_size if wg.workers else 0,
+                     global_ranks=tuple(w.global_rank for w in wg.workers),
+                     master_addr=str(wg.master_addr or ""), master_port=int(wg.master_port or 0),
+                     members=tuple(self.members()))
+
+    def start(self, plan: Plan | None = None) -> World:
+        """Rendezvous, then start the local workers. Raises :class:`RendezvousAborted` when a drain
+        interrupts the rendezvous."""
+        self._plan = plan
+        self._agent._initialize_workers(self.group)
+        return self.world()
+
+    def restart(self, plan: Plan | None = None) -> World:
+        """Stop the local workers, rendezvous, start them again."""
+        self._plan = plan
+        self._agent._restart_workers(self.group)
+        return self.world()
+
+    def reform(self, plan: Plan | None = None) -> World:
+        """Rendezvous and assign new ranks while the local workers keep running (in-place
+        re-formation; the workers are told their new ranks by the supervisor). Raises
+        :class:`RendezvousAborted` when a drain interrupts the rendezvous."""
+        wg = self.group
+        pids = {w.local_rank: w.id for w in wg.workers}
+        self._plan = plan
+        self._agent._rendezvous(wg)  # next_round + elastic's rank assignment over the round's store
+        for w in wg.workers:
+            w.id = pids.get(w.local_rank)
+        wg.state = WorkerState.HEALTHY
+        return self.world()
+
+    def start_standby(self) -> None:
+        """Start the local workers before this node has a world (placeholder ranks of -1): they warm
+        up (start, imports, model build) and wait for their first :meth:`reform`."""
+        wg = self.group
+        n = wg.spec.local_world_size
+        wg.workers = [Worker(local_rank=i, global_rank=-1, role_rank=-1, world_size=-1, role_world_size=-1)
+                      for i in range(n)]
+        wg.store = dist.HashStore()  # elastic's start asserts a store; standby workers never use it
+        wg.group_rank, wg.group_world_size = -1, -1
+        wg.master_addr, wg.master_port = "127.0.0.1", 0
+        for local_rank, pid in self._agent._start_workers(wg).items():
+            wg.workers[local_rank].id = pid
+        wg.state = WorkerState.HEALTHY
+
+    def peek(self) -> Peek:
+        """Sync and read the shared rendezvous state without joining."""
+        holder = self.handler._state_holder
+        holder.sync()
+        st = holder.state
+        me = self.handler._this_node
+        return Peek(round=st.round, complete=st.complete, participants=tuple(str(n) for n in st.participants),
+                    waiting=len(st.wait_list), this_node_participates=me in st.participants)
+
+    def round_store(self, round_: int) -> Any:
+        """The store under round ``round_``'s prefix (the one the round's agents use)."""
+        settings = self.handler._settings
+        return dist.PrefixStore(f"torch.rendezvous.{settings.run_id}.{round_}", self.handler._store)
+
+    def poll(self) -> Poll:
+        result = self._agent._monitor_workers(self.group)
+        n = self.group.spec.local_world_size
+        if result.state == WorkerState.HEALTHY:
+            return Poll(WorkerStatus.HEALTHY, result=result)
+        if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+            failed = [f.exitcode for f in result.failures.values()]
+            return Poll(WorkerStatus.EXITED, tuple(failed + [0] * (n - len(failed))), dict(result.failures), result)
+        return Poll(WorkerStatus.UNKNOWN, result=result)
+
+    def worker_pids(self) -> dict[int, int]:
+        """Local rank -> pid of the running workers."""
+        return {w.local_rank: int(w.id) for w in self.group.workers if w.id is not None}
+
+    def stop_workers(self) -> None:
+        self._agent._stop_workers(self.group)
+
+    def terminate_workers(self, grace_s: float) -> None:
+        """SIGTERM every worker, SIGKILL after ``grace_s``."""
+        pc = self._agent._pcontext
+        if pc is not None:
+            pc.close(signal.SIGTERM, max(1, int(round(grace_s))))
+
+    def exit_barrier(self) -> None:
+        self._agent._exit_barrier()
+
+    @property
+    def remaining_restarts(self) -> int:
+        return self._agent._remaining_restarts
+
+    def consume_restart(self) -> int:
+        """Count one restart against ``max_restarts``; returns what is left."""
+        self._agent._remaining_restarts -= 1
+        return self._agent._remaining_restarts
+
+    # -- rendezvous --------------------------------------------------------------------------------
+    @property
+    def store(self) -> Any:
+        """The current round's store (keys under the round's prefix), or None before the first round."""
+        return self.group.store
+
+    @property
+    def round(self) -> int:
+        """The rendezvous round this node last joined; -1 if unknown."""
+        state = getattr(getattr(self.handler, "_state_holder", None), "state", None)
+        return int(getattr(state, "round", -1))
+
+    @property
+    def node_id(self) -> str:
+        """This node's identity in the rendezvous (``addr_pid_localid``)."""
+        return str(getattr(self.handler, "_this_node", ""))
+
+    def members(self) -> list[str]:
+        """The node ids of the current round's participants, by group rank (from the last sync)."""
+        state = getattr(getattr(self.handler, "_state_holder", None), "state", None)
+        parts = getattr(state, "participants", {}) or {}
+        return [str(n) for n, _ in sorted(parts.items(), key=lambda kv: kv[1])]
+
+    def nodes_waiting(self) -> int:
+        return self.handler.num_nodes_waiting()
+
+    def leave(self, timeout_s: float) -> bool:
+        """Leave the participant set without closing the rendezvous; whether it was done.
+
+        When the last participant of a completed round has left, the round advances and the
+        survivors, already waiting in their own join, form the next one at once.
+        """
+        executor = getattr(self.handler, "_op_executor", None)
+        if executor is None:  # static rendezvous: nothing to leave
+            return False
+        stop = getattr(self.handler, "_stop_heartbeats", None)
+        if stop is not None:
+            stop()
+        started = time.monotonic()
+        executor.run(_RendezvousExitOp(), time.monotonic() + timeout_s)
+        log.info("rendezvous_left", seconds=round(time.monotonic() - started, 3))
+        return True
+
+    def close(self) -> None:
+        """Close the rendezvous for every node (the job as a whole is over)."""
+        self.handler.shutdown()
+
+
+__all__ = ["POLL_INTERVAL_S", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted", "World", "next_round",
+           "planned_complete"]

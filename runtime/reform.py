@@ -1,0 +1,102 @@
+"""In-place re-formation on the worker side: rebuild the process groups of a live worker for a new
+world, and hand the training state to ranks that lack it, from a live peer instead of storage.
+
+Why the world is built the torchelastic way (``env://``, rank 0 hosting a ``TCPStore`` at
+``MASTER_ADDR:MASTER_PORT``): a re-formed world can mix live workers (re-formed here) with workers
+the agent just started (a warmed-up joiner, or a restarted node), which initialise from the env that
+torch elastic gave them. Both must build the same store, so both go through ``env://`` with the
+address the rendezvous published for the round.
+
+Collective order (it must match between a re-formed worker and a freshly started one):
+``init_process_group`` -> the runtime's flag group -> the strategy's wrapping (DDP's constructor
+broadcasts from rank 0) -> the checkpoint manager's group -> :func:`sync_live_state`.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.runtime.log import get_logger
+
+log = get_logger("trainguard.runtime.reform")
+
+_PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+                         "Timed out waiting", "Connection refused", "NCCL communicator was aborted",
+                         "ProcessGroupNCCL", "gloo/transport")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because a peer went away (not a bug in the script)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_FAILURE_MARKERS)
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_world(*, rank: int, world_size: int, local_rank: int, local_world_size: int, master_addr: str,
+               master_port: int, group_rank: int = 0, nodes: int = 1, timeout_s: float = 0.0) -> None:
+    """Initialise the default process group for a new world, the way torch elastic's env does."""
+    os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+                       "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(group_rank),
+                       "GROUP_WORLD_SIZE": str(nodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size)})
+    kw: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)} if timeout_s > 0 else {}
+    dist.init_process_group(backend(), **kw)
+
+
+def teardown_world() -> None:
+    """Destroy every process group of this process (the default one and all sub-groups). After a
+    peer failure gloo groups destroy at once; NCCL communicators are aborted first."""
+    if not dist.is_initialized():
+        return
+    if backend() == "nccl":  # pragma: no cover - no GPU here; see docs/strategies.md
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception as e:
+                log.warning("nccl_abort_failed", error=str(e))
+    dist.destroy_process_group()
+
+
+def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra: dict[str, Any],
+                    load_extra: Any, group: Any = None) -> tuple[str, int | None]:
+    """Agree on the newest live state and hand it to every rank that lacks it.
+
+    ``step`` is the step this rank's in-memory state is at (None: a fresh process, nothing live).
+    ``tensors`` are the replicated tensors (parameters, buffers, optimizer state), broadcast in place
+    from the source; ``extra`` is small picklable state (step, data cursor, optimizer state layout)
+    given to ``load_extra`` on the receivers. Returns ``(outcome, source step)``: ``none`` (no rank
+    holds live state: restore from storage), ``agreed`` (every rank is at the same step: nothing
+    moved) or ``broadcast``.
+    """
+    mine = -1 if step is None else step
+    rank = dist.get_rank(group)
+    flags = torch.tensor([mine, -mine], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    newest, oldest = int(flags[0]), -int(flags[1])
+    if newest < 0:
+        return "none", None
+    if newest == oldest:
+        return "agreed", newest
+    pick = torch.tensor([rank if mine == newest else dist.get_world_size(group)], dtype=torch.int64)
+    dist.all_reduce(pick, op=dist.ReduceOp.MIN, group=group)
+    src = int(pick[0])
+    box = [extra if rank == src else None]
+    dist.broadcast_object_list(box, group=group, group_src=src)
+    if rank != src:
+        load_extra(box[0])
+    for t in tensors.values():
+        dist.broadcast(t, group=group, group_src=src)
+    return "broadcast", newest
+
+
+__all__ = ["backend", "init_world", "is_peer_failure", "sync_live_state", "teardown_world"]

@@ -1,0 +1,99 @@
+"""The notice policy as a table: notice kind x lead time x config -> action. Pure, no clocks."""
+
+import pytest
+
+from trainguard.agent.drain import DrainCoordinator, NoticeAction, decide_notice
+from trainguard.agent.watchers.base import Notice
+
+NOW = 1_000_000.0
+D, C, I = NoticeAction.DRAIN, NoticeAction.CHECKPOINT, NoticeAction.IGNORE
+
+
+def notice(source, kind, lead_s, **detail):
+    return Notice(source=source, kind=kind, deadline=NOW + lead_s, received_at=NOW, detail=detail, event_id="e1")
+
+
+CASES = [
+    # (name, notice, on_early_warning, expected action, drains after (s) or None)
+    ("aws spot interruption", notice("aws", "termination", 120), "checkpoint", D, None),
+    ("aws spot interruption, ignore policy", notice("aws", "termination", 120), "ignore", D, None),
+    ("gcp preempted", notice("gcp", "preempt", 30), "checkpoint", D, None),
+    ("gcp terminate maintenance", notice("gcp", "termination", 60, value="TERMINATE_ON_HOST_MAINTENANCE"), "checkpoint", D, None),
+    ("azure preempt", notice("azure", "preempt", 30, EventType="Preempt"), "checkpoint", D, None),
+    ("azure terminate", notice("azure", "termination", 300, EventType="Terminate"), "checkpoint", D, None),
+    ("sigterm", notice("signal", "stop", 30), "ignore", D, None),
+    ("slurm sigusr1", notice("signal", "preempt", 30), "checkpoint", D, None),
+    ("manual drain", notice("manual", "drain", 30), "checkpoint", D, None),
+    ("aws rebalance -> checkpoint", notice("aws", "rebalance", 120), "checkpoint", C, None),
+    ("aws rebalance -> drain", notice("aws", "rebalance", 120), "drain", D, None),
+    ("aws rebalance -> ignore", notice("aws", "rebalance", 120), "ignore", I, None),
+    ("gcp live migration -> checkpoint", notice("gcp", "maintenance", 60, value="MIGRATE_ON_HOST_MAINTENANCE"), "checkpoint", C, None),
+    ("gcp live migration -> ignore", notice("gcp", "maintenance", 60, value="MIGRATE_ON_HOST_MAINTENANCE"), "ignore", I, None),
+    ("azure freeze -> checkpoint", notice("azure", "maintenance", 900, EventType="Freeze"), "checkpoint", C, None),
+    ("azure reboot, long lead -> checkpoint, drain later", notice("azure", "maintenance", 900, EventType="Reboot"), "checkpoint", C, 880.0),
+    ("azure redeploy, long lead", notice("azure", "maintenance", 300, EventType="Redeploy"), "checkpoint", C, 280.0),
+    ("azure reboot, short lead -> drain now", notice("azure", "maintenance", 15, EventType="Reboot"), "checkpoint", D, None),
+    ("azure reboot, drain policy", notice("azure", "maintenance", 900, EventType="Reboot"), "drain", D, None),
+    ("azure reboot, ignore policy", notice("azure", "maintenance", 900, EventType="Reboot"), "ignore", I, None),
+]
+
+
+@pytest.mark.parametrize("name,n,policy,action,drain_after", CASES, ids=[c[0] for c in CASES])
+def test_policy_table(name, n, policy, action, drain_after):
+    d = decide_notice(n, on_early_warning=policy, drain_lead_s=20.0, now=NOW)
+    assert d.action is action, d
+    assert (None if d.drain_at is None else d.drain_at - NOW) == drain_after
+    assert d.reason
+
+
+class Target:
+    def __init__(self):
+        self.drains, self.checkpoints = [], []
+
+    def request_drain(self, source, kind, deadline, reason=""):
+        self.drains.append((source, kind, deadline, reason))
+        return True
+
+    def request_checkpoint(self, reason):
+        self.checkpoints.append(reason)
+        return True
+
+
+class Counter:
+    def __init__(self):
+        self.sources = []
+
+    def notice(self, source):
+        self.sources.append(source)
+
+
+def test_coordinator_routes_counts_and_acknowledges_after_the_commit():
+    target, counter, acked = Target(), Counter(), []
+    c = DrainCoordinator(target, observer=counter, acknowledge=lambda n: acked.append(n.event_id) or True, clock=lambda: NOW)
+    c.on_notice(notice("aws", "rebalance", 120))
+    c.on_notice(notice("azure", "preempt", 30, EventType="Preempt"))
+    assert target.checkpoints == ["aws_rebalance"]
+    assert [d[:2] for d in target.drains] == [("azure", "preempt")]
+    assert counter.sources == ["aws", "azure"]
+    assert acked == []  # nothing is acknowledged before the emergency checkpoint commits
+    c.on_emergency_commit()
+    assert len(acked) == 2
+    c.on_emergency_commit()
+    assert len(acked) == 2  # once
+    c.close()
+
+
+def test_scheduled_drain_fires_and_close_cancels_it():
+    import threading
+
+    target = Target()
+    fired = threading.Event()
+    target.request_drain = lambda *a, **k: fired.set() or True
+    t = [NOW]
+    c = DrainCoordinator(target, drain_lead_s=20.0, clock=lambda: t[0])
+    c.on_notice(notice("azure", "maintenance", 20.05, EventType="Reboot"))  # drain due in 0.05 s
+    assert target.checkpoints and fired.wait(5)
+    c2 = DrainCoordinator(Target(), drain_lead_s=20.0, clock=lambda: t[0])
+    c2.on_notice(notice("azure", "maintenance", 21.0, EventType="Reboot"))
+    c2.close()
+    assert not c2._timers

@@ -1,0 +1,91 @@
+"""In-place re-formation, the pure parts: the planned-membership rule, the decision table rows, the
+protocol messages, and what counts as a vanished peer."""
+
+import pytest
+
+from trainguard.agent.decisions import Act, Observation, decide
+from trainguard.agent.elastic import Plan, planned_complete
+from trainguard.runtime import protocol as proto
+from trainguard.runtime.reform import is_peer_failure
+
+W = proto.WorkerStatus
+
+PLAN_CASES = [
+    # (name, members, leaving, participants, waiting, min, max, complete)
+    ("drain 2->1: the survivor alone", {"a", "b"}, {"b"}, {"a"}, set(), 1, 3, True),
+    ("drain 3->2: one survivor not there yet", {"a", "b", "c"}, {"c"}, {"a"}, set(), 1, 3, False),
+    ("drain 3->2: both survivors", {"a", "b", "c"}, {"c"}, {"a", "b"}, set(), 1, 3, True),
+    ("scale-up 1->2: the joiner still waiting", {"a"}, set(), {"a"}, {"j"}, 1, 3, False),
+    ("scale-up 1->2: the joiner joined", {"a"}, set(), {"a", "j"}, set(), 1, 3, True),
+    ("a newcomer that was not planned counts too", {"a", "b"}, {"b"}, {"a"}, {"x"}, 1, 3, False),
+    ("below min_nodes never completes early", {"a", "b"}, {"b"}, {"a"}, set(), 2, 3, False),
+    ("above max_nodes never completes", {"a"}, set(), {"a", "j", "k"}, set(), 1, 2, False),
+    ("everyone leaving: nothing to complete", {"a"}, {"a"}, set(), set(), 1, 2, False),
+]
+
+
+@pytest.mark.parametrize("name,members,leaving,parts,waiting,lo,hi,want", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_planned_complete(name, members, leaving, parts, waiting, lo, hi, want):
+    assert planned_complete(Plan(frozenset(members), frozenset(leaving)), parts, waiting, lo, hi) is want
+
+
+DECISIONS = [
+    ("all local workers parked -> reform", Observation(W.HEALTHY, nproc=2, parked=2, park_reason="drain"),
+     Act.REFORM, "drain"),
+    ("one of two parked -> wait for the other", Observation(W.HEALTHY, nproc=2, parked=1, park_reason="drain"),
+     Act.WAIT, ""),
+    ("parked while this node drains -> leave", Observation(W.HEALTHY, nproc=1, parked=1, draining=True, asked="drain"),
+     Act.LEAVE, "drained"),
+    ("a member lost while ours run on -> restart, no restart consumed",
+     Observation(W.HEALTHY, member_lost=True, api_workers=True), Act.RESTART, "member_lost"),
+    ("emergency committed -> leave without waiting for the exit",
+     Observation(W.HEALTHY, draining=True, asked="drain", api_workers=True, emergency_committed=True), Act.LEAVE, "drained"),
+]
+
+
+@pytest.mark.parametrize("name,obs,act,reason", DECISIONS, ids=[d[0] for d in DECISIONS])
+def test_reform_decisions(name, obs, act, reason):
+    d = decide(obs)
+    assert (d.act, d.reason) == (act, reason)
+    assert not d.consume_restart
+
+
+@pytest.mark.parametrize("msg", [
+    proto.Parked(rank=3, local_rank=1, step=17, reason=proto.ParkReason.PEER_LOST),
+    proto.Parked(rank=-1, local_rank=0, step=0, reason=proto.ParkReason.STANDBY),
+    proto.Reform(rank=1, world_size=3, local_rank=0, local_world_size=1, master_addr="10.0.0.2", master_port=29500,
+                 round=7, group_rank=1, nodes=3),
+    proto.CheckpointNow(why="aws_rebalance"),
+    proto.Restored(step=5, rank=0, kind=proto.CheckpointKind.EMERGENCY),
+])
+def test_messages_round_trip(msg):
+    assert proto.decode(proto.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("line,where", [
+    (b'{"op": "reform", "rank": 3, "world_size": 3, "local_rank": 0, "local_world_size": 1, "master_addr": "h", '
+     b'"master_port": 1, "round": 1}', "rank"),
+    (b'{"op": "reform", "rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1, "master_addr": "h", '
+     b'"master_port": 0, "round": 1}', "master_port"),
+    (b'{"op": "parked", "rank": 0, "local_rank": 0, "step": 1, "reason": "bored"}', "reason"),
+])
+def test_bad_messages_name_the_field(line, where):
+    with pytest.raises(proto.ProtocolError, match=where):
+        proto.decode(line)
+
+
+def test_runtime_env_round_trip_with_reform_fields():
+    env = proto.RuntimeEnv(job_id="j", reform=True, reform_timeout_s=30.0, standby=True, inject_fault="reform:/x")
+    back = proto.RuntimeEnv.from_env(env.to_env())
+    assert (back.reform, back.reform_timeout_s, back.standby, back.inject_fault) == (True, 30.0, True, "reform:/x")
+
+
+@pytest.mark.parametrize("err,peer", [
+    (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:45475"), True),
+    (RuntimeError("Read error [127.0.0.1]:42391: Connection reset by peer"), True),
+    (RuntimeError("Timed out waiting 30000ms for recv operation to complete"), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"), False),
+    (ValueError("Connection closed by peer"), False),
+])
+def test_what_counts_as_a_vanished_peer(err, peer):
+    assert is_peer_failure(err) is peer

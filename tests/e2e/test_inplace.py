@@ -1,0 +1,116 @@
+"""In-place re-formation end to end (DDP): 2 -> drain -> 1 -> join -> 2 -> join -> 3 -> kill -9 -> 2 with
+the surviving node's worker process never restarted; every sample used exactly once; the loss of the
+first step after each change equals that step recomputed by a restart from a checkpoint of the step
+before (what the restart path would have computed)."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.e2e.test_drain import GLOBAL_BATCH, check_exactly_once, sample_log, worlds
+from tests.emulators.fixtures import aws_imds  # noqa: F401
+from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+from tests.strategies import _world
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+JOB = [*_world.JOB, *_world.E2E_SIZE]
+
+
+def reformed(node, world):
+    return [e for e in node.events("reformed") if e["world_size"] == world]
+
+
+def test_ddp_membership_changes_in_place(tmp_path, aws_imds):  # noqa: F811
+    tmp = str(tmp_path)
+    os.makedirs(os.path.join(tmp, "samples"))
+    ep = f"127.0.0.1:{free_port()}"
+    ckpt = os.path.join(tmp, "ckpt")
+    loss_log = os.path.join(tmp, "loss.jsonl")
+    # A committed checkpoint of every step, so a restart from the step before any change can be replayed.
+    common = ["--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=1", "--set", "checkpoint.keep_last=100000",
+              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
+    args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", os.path.join(tmp, "samples"),
+            "--loss-log", loss_log, *JOB]
+    a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args,
+             extra=common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_imds.url}",
+                             "--set", "preemption.poll_interval_s=0.3"])
+    nodes = [a, b]
+    try:
+        wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 120, "world size 2")
+        wait_until(lambda: any(e["step"] >= 8 for e in a.events("train_step")), 90, "8 steps at world 2")
+        (pid,) = a.worker_pids()
+
+        # 2 -> 1: a spot notice on b
+        aws_imds.schedule_termination(in_s=120)
+        assert b.wait(90) == 0, b.dump()
+        emergency = {e["step"] for n in (a, b) for e in n.events("checkpoint_committed")
+                     if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"}
+        assert len(emergency) == 1, emergency
+        (s1,) = emergency
+        r1 = wait_until(lambda: reformed(a, 1), 60, "a re-formed at world size 1")
+        assert r1[0]["step"] == s1 and r1[0]["pid"] == pid  # continues at s1 + 1, same process
+        wait_until(lambda: any(e["world_size"] == 1 and e["step"] >= s1 + 3 for e in a.events("train_step")), 60,
+                   "training at world size 1")
+
+        # 1 -> 2 -> 3: two nodes join, each warmed up before the world pauses for it
+        b2 = Node("b2", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common)
+        nodes.append(b2)
+        r2 = wait_until(lambda: reformed(a, 2), 120, "a re-formed at world size 2")
+        assert b2.events("joiner_warm") and b2.events("joined_running_world"), b2.dump()
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= r2[0]["step"] + 3 for e in a.events("train_step")),
+                   60, "training at world size 2")
+        c = Node("c", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common)
+        nodes.append(c)
+        r3 = wait_until(lambda: reformed(a, 3), 120, "a re-formed at world size 3")
+        wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= r3[0]["step"] + 3 for e in a.events("train_step")),
+                   60, "training at world size 3")
+
+        # 3 -> 2: c vanishes without notice (agent and workers SIGKILLed)
+        killed = c.worker_pids()
+        t_kill = time.monotonic()
+        c.proc.kill()
+        for p in killed:
+            os.kill(p, signal.SIGKILL)
+        last_before = max(e["step"] for e in a.events("train_step"))
+        r4 = wait_until(lambda: [e for e in a.events("reformed") if e["world_size"] == 2 and e["step"] >= r3[0]["step"]],
+                        60, "a and b2 re-formed at world size 2 after the kill")
+        kill_to_world = time.monotonic() - t_kill
+        assert kill_to_world < 15, kill_to_world
+        assert last_before - r4[0]["step"] <= 1  # at most the interrupted step is lost
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= r4[0]["step"] + 3 for e in a.events("train_step")),
+                   60, "training at world size 2 after the kill")
+        assert a.worker_pids() == [pid], "the surviving node's worker process was restarted"
+        assert not [e for n in (a, b2) for e in n.events("state_change") if e["new"] == "restarting"]
+        for n in (a, b2):
+            n.signal(15)
+        for n in (a, b2):
+            n.wait(60)
+        check_exactly_once(sample_log(tmp))
+
+        # The loss of the first step after each change = that step after a restart from the step before.
+        logged = _world.losses(loss_log)
+        for r, before in ((r1[0], 2), (r2[0], 1), (r3[0], 2), (r4[0], 3)):
+            k, world = r["step"], r["world_size"]
+            ref = os.path.join(tmp, f"ref-{k}.jsonl")
+            ref_dir = os.path.join(tmp, f"refckpt-{k}")
+            import shutil
+
+            shutil.copytree(ckpt, ref_dir)
+            _world.run_segment(world, "ddp", ref_dir, steps=k + 1, interval=0, fence=10_000 + k, loss_log=ref,
+                               extra=[*_world.E2E_SIZE, "--resume-step", str(k)])
+            delta = abs(logged[k + 1] - _world.losses(ref)[k + 1])
+            print(f"change at step {k}: world {before} -> {world}, loss delta {delta:.2e}")
+            assert delta <= 1e-6, (k, before, world, delta)
+        print(f"kill_to_world_s={kill_to_world:.2f} emergency_step={s1}")
+    except AssertionError:
+        for n in nodes:
+            print(n.dump(50))
+        raise
+    finally:
+        for n in nodes:
+            n.stop()

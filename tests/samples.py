@@ -1,0 +1,61 @@
+"""Read the bundled job's sample log (``examples/train_gpt_elastic.py --sample-log DIR``) and check that
+every sample id was trained exactly once in the committed lineage.
+
+Each rank writes, per step, ``{"step", "rank", "world_size", "round", "ids"}`` with the ids of the
+*whole* global batch (before the step-boundary agreement: a draining rank exits inside it), and
+``{"step", "rank", "round", "rolled_back": true}`` when a vanished peer interrupted the step. An
+attempt is (step, round); a rolled-back attempt is void (its records, a dead rank's included, do not
+count). Each step must have exactly one valid attempt, whose records all carry the same ids.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+
+def read(folder: str) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
+        with open(path) as fh:
+            for line in fh:
+                line = line.strip()
+                if line:
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:  # a line cut by a SIGKILL
+                        pass
+    return out
+
+
+def committed_batches(folder: str) -> dict[int, dict[str, Any]]:
+    """step -> {"ids", "world_size", "round", "ranks"} of its one valid attempt (AssertionError else)."""
+    recs = read(folder)
+    void = {(r["step"], r["round"]) for r in recs if r.get("rolled_back")}
+    attempts: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in recs:
+        if not r.get("rolled_back") and (r["step"], r["round"]) not in void:
+            attempts.setdefault((r["step"], r["round"]), []).append(r)
+    out: dict[int, dict[str, Any]] = {}
+    for (step, rnd), rs in sorted(attempts.items()):
+        assert step not in out, f"step {step} committed twice (rounds {out[step]['round']} and {rnd})"
+        ids = rs[0]["ids"]
+        assert all(r["ids"] == ids for r in rs), f"step {step}: ranks disagree on the global batch"
+        ranks = [r["rank"] for r in rs]
+        assert len(set(ranks)) == len(ranks) and all(0 <= x < rs[0]["world_size"] for x in ranks), (step, ranks)
+        out[step] = {"ids": ids, "world_size": rs[0]["world_size"], "round": rnd, "ranks": sorted(ranks)}
+    return out
+
+
+def check_exactly_once(folder: str, global_batch: int) -> list[int]:
+    """Every step 1..max committed once with a full global batch; no id trained twice. Returns the ids."""
+    steps = committed_batches(folder)
+    assert steps, "no step was logged"
+    assert sorted(steps) == list(range(1, max(steps) + 1)), (
+        f"a step is missing: {sorted(set(range(1, max(steps) + 1)) - set(steps))[:10]}")
+    seen = [i for s in sorted(steps) for i in steps[s]["ids"]]
+    assert all(len(steps[s]["ids"]) == global_batch for s in steps), "the global batch changed size"
+    assert len(seen) == len(set(seen)), "a sample was used twice"
+    return seen
