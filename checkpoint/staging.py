@@ -68,6 +68,8 @@ def _same_layout(a: Any, b: Any) -> bool:
 
     if isinstance(a, DTensor):
         return isinstance(b, DTensor) and _same_layout(a._local_tensor, b._local_tensor)
+    if _is_sharded_tensor(a):
+        return _is_sharded_tensor(b) and _same_layout(_shard_layout(a), _shard_layout(b))
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and not isinstance(b, DTensor) and a.shape == b.shape
                 and a.dtype == b.dtype)
@@ -78,12 +80,23 @@ def _same_layout(a: Any, b: Any) -> bool:
     return not isinstance(b, (torch.Tensor, dict, list, tuple))
 
 
+def _is_sharded_tensor(obj: Any) -> bool:
+    """A ``ShardedTensor`` (e.g. a DeepSpeed ZeRO range): it supports no tensor op, only its local shards."""
+    return isinstance(obj, torch.Tensor) and callable(getattr(type(obj), "local_shards", None))
+
+
+def _shard_layout(obj: Any) -> list[Any]:
+    return [(list(s.metadata.shard_offsets), s.tensor) for s in obj.local_shards()]
+
+
 def _walk_tensors(obj: Any) -> list[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     out: list[torch.Tensor] = []
     if isinstance(obj, DTensor):
         out.append(obj._local_tensor)
+    elif _is_sharded_tensor(obj):
+        out.extend(s.tensor for s in obj.local_shards())
     elif isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, dict):

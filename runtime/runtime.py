@@ -21,7 +21,8 @@ sharded checkpoints and exact data resumption at any world size.
 **Strategy.** How model and optimizer are spread over the ranks (DDP, FSDP2, ...) is a
 :class:`~trainguard.strategies.base.Strategy`, chosen by name or passed built. The runtime only uses
 its interface: ``setup`` wraps, ``no_sync`` drives accumulation, ``state`` is the model/optimizer entry
-of the checkpoint, ``plan`` splits the global batch, and ``name`` goes into the manifest. With the
+of the checkpoint, ``data_parallel`` says which ranks share a part of the batch, ``plan`` splits the
+global batch, and ``name`` goes into the manifest. With the
 32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
@@ -35,8 +36,9 @@ step: all of them save the same step ``s``, rank 0 commits it, and on a stop all
 ``s + 1``. Cost: one 8-byte all-reduce per step.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
-samples consumed) is part of the checkpoint; each global batch is split over the current ranks and
-the global batch stays constant by adapting gradient accumulation.
+samples consumed) is part of the checkpoint; each global batch is split over the current
+data-parallel ranks (all ranks, unless the strategy groups them: ``model_parallel``'s tensor-parallel
+groups share one part) and the global batch stays constant by adapting gradient accumulation.
 
 **In-place re-formation** (``workers.reform: in-process``, the default under the agent). A worker
 that survives a membership change does not exit: at the agreed step it commits the emergency
@@ -105,6 +107,10 @@ class Runtime:
         self.cursor: GlobalSampleCursor | None = None
         self.accum_steps = 1
         self.micro_batch = 1
+        self.dp_rank, self.dp_size = rank, world_size
+        """This rank's data-parallel share of each global batch and the number of shares (see
+        :meth:`~trainguard.strategies.base.Strategy.data_parallel`; the rank and world without TP)."""
+        self._counts_samples = True
         self.global_batch = 0
         self.tokens_per_sample = 0
         self.reform_enabled = reform
@@ -199,7 +205,8 @@ class Runtime:
             self._wait_for_first_world()
         self.micro_batch = micro_batch
         self.global_batch = global_batch
-        self.accum_steps, _ = self.strategy.plan(global_batch, self.world_size, micro_batch)
+        self._data_parallel()
+        self.accum_steps, _ = self.strategy.plan(global_batch, self.dp_size, micro_batch)
         self.tokens_per_sample = tokens_per_sample
         self.cursor = GlobalSampleCursor(dataset_size, global_batch, seed)
         from trainguard.metrics import WorkerMetrics
@@ -220,6 +227,14 @@ class Runtime:
                        reform_in_place=self.reform_enabled, resize_rule=self.strategy.resize_rule,
                        **self.strategy.describe())
         return self._model, self._optimizer
+
+    def _data_parallel(self) -> None:
+        """This rank's data-parallel share at the current world (the batch is split over the shares; the
+        ranks of one share, e.g. a TP group, get the same samples; the first of them counts them)."""
+        assert self.strategy is not None
+        shares = [self.strategy.data_parallel(r, self.world_size)[0] for r in range(self.world_size)]
+        self.dp_rank, self.dp_size = self.strategy.data_parallel(self.rank, self.world_size)
+        self._counts_samples = shares.index(self.dp_rank) == self.rank
 
     def _make_manager(self, base: StepRef | None = None) -> None:
         """``base``: the committed step this process's live state descends from, when it continues a
@@ -363,7 +378,7 @@ class Runtime:
         self._cursor_at_step_start = self.cursor.state_dict()
         ids = self.cursor.next_global_batch()
         self.current_batch = ids
-        return split(ids, self.rank, self.world_size, self.micro_batch)
+        return split(ids, self.dp_rank, self.dp_size, self.micro_batch)
 
     @contextlib.contextmanager
     def accumulating(self, last: bool) -> Iterator[None]:
@@ -462,7 +477,8 @@ class Runtime:
         self.step += 1
         now = time.monotonic()
         step_s = now - self._step_started  # the step itself: what end_step does next is not part of it
-        per_rank = self.cursor.global_batch_size // self.world_size
+        # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
+        per_rank = self.cursor.global_batch_size // self.dp_size if self._counts_samples else 0
         self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s)
         self._metrics.sample_gpu_peak(now)
         due = self._interval_step(step_s, now) if self._interval is not None and self._manager is not None else False
@@ -550,7 +566,8 @@ class Runtime:
             assert self.strategy is not None and self._model is not None
             self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
             self._make_manager(base)
-            self.accum_steps, _ = self.strategy.plan(self.global_batch, self.world_size, self.micro_batch)
+            self._data_parallel()
+            self.accum_steps, _ = self.strategy.plan(self.global_batch, self.dp_size, self.micro_batch)
             outcome, live = self._sync_live_state(self.step)
         except Exception as e:
             self._log.error("reform_failed", reason=reason.value, error=f"{type(e).__name__}: {e}"[:500],
