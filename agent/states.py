@@ -11,6 +11,8 @@
                                   |       |
                                   +-------+--> RESIZING   (a peer drains / a node joins)
 
+    RENDEZVOUS --> RESTARTING   (the rendezvous of an in-place re-formation failed: restart instead)
+
 * ``STARTING``: config loaded, watchers/exporter starting.
 * ``RENDEZVOUS``: waiting for the rendezvous round to close.
 * ``RUNNING``: local workers healthy.
@@ -38,7 +40,8 @@ from trainguard.runtime.protocol import AgentState
 S = AgentState
 TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
     S.STARTING: frozenset({S.RENDEZVOUS, S.STOPPED, S.FAILED}),
-    S.RENDEZVOUS: frozenset({S.RUNNING, S.DRAINING, S.STOPPED, S.FAILED}),
+    # RESTARTING: an in-place re-formation whose rendezvous failed falls back to a restart (consumed).
+    S.RENDEZVOUS: frozenset({S.RUNNING, S.DRAINING, S.RESTARTING, S.STOPPED, S.FAILED}),
     S.RUNNING: frozenset({S.DRAINING, S.RESIZING, S.RESTARTING, S.SUCCEEDED, S.FAILED, S.STOPPED}),
     S.DRAINING: frozenset({S.STOPPED, S.FAILED, S.RESIZING, S.RESTARTING}),
     S.RESIZING: frozenset({S.RENDEZVOUS, S.DRAINING, S.STOPPED, S.FAILED}),

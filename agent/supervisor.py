@@ -138,6 +138,8 @@ class Supervisor:
         self._current: World | None = None
         self._standby_start = False
         self._marked_api_round = -1
+        self._store_down_since: float | None = None
+        self._store_failures = 0
         self._member_check_at = 0.0
         self._member_lost_since: float | None = None
         self.reform_enabled = cfg.workers.reform == "in-process"
@@ -282,8 +284,9 @@ class Supervisor:
             try:
                 if store is not None and store.check([LEAVING_KEY + m]):
                     out.add(m)
+                self._store_ok()
             except Exception as e:
-                log.warning("rendezvous_poll_failed", error=str(e))
+                self._store_failed("leaving_members", e)
         return frozenset(out)
 
     def _mark_worker_api(self) -> None:
@@ -294,8 +297,25 @@ class Supervisor:
         try:
             self.adapter.store.set(WORKER_API_KEY, "1")
             self._marked_api_round = world.round
+            self._store_ok()
         except Exception as e:
-            log.warning("rendezvous_poll_failed", error=str(e))
+            self._store_failed("mark_worker_api", e)
+
+    def _store_failed(self, op: str, e: BaseException) -> None:
+        """A rendezvous-store call failed: one warning per outage, not one per poll (the loop polls
+        every ``workers.monitor_interval_s``); :meth:`_store_ok` logs the end of it."""
+        self._store_failures += 1
+        if self._store_down_since is None:
+            self._store_down_since = time.monotonic()
+            log.warning("rendezvous_store_unreachable", op=op, error=f"{type(e).__name__}: {e}"[:300],
+                        effect="the workers train on; scale-up and member checks wait for the store; the next "
+                               "membership change fails over to a restart if the store is still unreachable")
+
+    def _store_ok(self) -> None:
+        if self._store_down_since is not None:
+            log.info("rendezvous_store_reachable", down_s=round(time.monotonic() - self._store_down_since, 3),
+                     failed_calls=self._store_failures)
+            self._store_down_since, self._store_failures = None, 0
 
     def _member_lost(self, healthy: bool) -> bool:
         """A member of the current world is gone (checked every keep-alive interval) for longer than
@@ -310,8 +330,9 @@ class Supervisor:
             try:
                 peek = self.adapter.peek()
                 gone = peek.round != world.round or not set(world.members) <= set(peek.participants)
+                self._store_ok()
             except Exception as e:
-                log.warning("rendezvous_poll_failed", error=str(e))
+                self._store_failed("peek", e)
                 gone = False
             if gone and self._member_lost_since is None:
                 self._member_lost_since = now
@@ -357,8 +378,9 @@ class Supervisor:
         if healthy and drain is None:
             try:
                 waiting = self.adapter.nodes_waiting()
+                self._store_ok()
             except Exception as e:
-                log.warning("rendezvous_poll_failed", error=str(e))
+                self._store_failed("nodes_waiting", e)
         obs = Observation(
             workers=poll.status,
             exit_codes=poll.exit_codes,
@@ -446,9 +468,12 @@ class Supervisor:
         except RendezvousAborted:
             return self._leave("drained_during_rendezvous")
         except Exception as e:
+            # A failure, not a planned resize: it consumes a restart and backs off (a store that stays
+            # unreachable must not make the agent spin). From RENDEZVOUS straight to RESTARTING.
             log.error("reform_failed", reason=reason, error=f"{type(e).__name__}: {e}"[:500],
-                      effect="restarting the workers (fallback)")
-            return self._restart(Decision(Act.RESTART, "reform_failed"), Observation(workers=WorkerStatus.UNKNOWN))
+                      effect="restarting the workers from the last commit (fallback; consumes a restart)")
+            return self._restart(Decision(Act.RESTART, "reform_failed", consume_restart=True),
+                                 Observation(workers=WorkerStatus.UNKNOWN))
         t_rdzv = time.monotonic()
         with self._lock:
             self._parked.clear()

@@ -211,3 +211,44 @@ def test_success_closes_rendezvous(tmp_path):
     sup, fake, tr = make(tmp_path, [exited(0)])
     sup._loop()
     assert sup._finish() == 0 and fake.closed
+
+
+def test_a_failed_in_place_reformation_falls_back_to_a_restart_instead_of_crashing(tmp_path):
+    """The rendezvous of an in-place re-formation raises (e.g. the store went away): the agent restarts
+    the world from the last commit (a consumed restart), it does not crash on an illegal transition."""
+    sup, fake, tr = make(tmp_path, [], max_restarts=2)
+
+    def reform(plan):
+        fake.calls.append("reform")
+        raise ConnectionError("The connection to the C10d store has failed")
+
+    fake.reform = reform
+    sup.sm.to(AgentState.RENDEZVOUS)
+    sup.sm.to(AgentState.RUNNING)
+    assert sup._reform("drain") is None
+    assert fake.calls == ["reform", "restart"]
+    assert tr[-5:] == [AgentState.RESIZING, AgentState.RENDEZVOUS, AgentState.RESTARTING, AgentState.RENDEZVOUS,
+                       AgentState.RUNNING], tr
+    assert fake.remaining_restarts == 1
+    sup.control.close()
+
+
+def test_an_unreachable_store_is_logged_once_per_outage_not_per_poll(tmp_path):
+    from structlog.testing import capture_logs
+
+    sup, fake, tr = make(tmp_path, [HEALTHY] * 30 + [exited(0)])
+    outage = iter([True] * 20 + [False] * 100)
+
+    def nodes_waiting():
+        if next(outage):
+            raise ConnectionError("The connection to the C10d store has failed")
+        return 0
+
+    fake.nodes_waiting = nodes_waiting
+    with capture_logs() as logs:
+        sup._loop()
+    events = [e["event"] for e in logs]
+    assert events.count("rendezvous_store_unreachable") == 1, events
+    back = [e for e in logs if e["event"] == "rendezvous_store_reachable"]
+    assert len(back) == 1 and back[0]["failed_calls"] == 20, back
+    sup.control.close()
