@@ -300,6 +300,7 @@ class Cluster:
         os.makedirs(os.path.join(work, "samples"), exist_ok=True)
         self.moto = start_moto_server()
         self.proxy = HttpFaultProxy(self.moto.port)
+        self.proxy._server.handle_error = lambda *a: None  # a SIGKILLed client's reset connection: expected
         direct = s3_options(self.moto.endpoint)
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
         self.url = f"s3://{make_bucket('s3', direct)}/ckpt"
@@ -546,9 +547,10 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     # what the world continued from: the first resumed/reformed event after the fault
     cont = sorted((t, e["step"]) for a in c.agents + c.gone for name in ("resumed", "reformed")
                   for t, e in a.events(name, t_fault) if isinstance(e.get("step"), int))
-    if cont:
-        res.continued_from = cont[0][1]
-        res.lost_steps = max(0, res.step_at_fault - cont[0][1])
+    if cont:  # lost: steps trained (logged) before the world continued from an earlier one
+        t_cont, res.continued_from = cont[0]
+        trained = max([e["step"] for _, e in c.steps(t_fault - 30) if _ < t_cont] + [res.step_at_fault])
+        res.lost_steps = max(0, trained - res.continued_from)
     elif res.recovered:
         steps = [e["step"] for _, e in c.steps(t_fault)]
         res.continued_from = (min(steps) - 1) if steps else None
@@ -571,12 +573,16 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     return res
 
 
-def plan(seed: int, quick: bool, cap: int | None) -> list[tuple[str, str, str]]:
+def plan(seed: int, quick: bool, cap: int | None, skip: int = 0) -> list[tuple[str, str, str]]:
+    """The fault cases: ``--quick``'s list, or every kind x phase x target in a seeded order, from
+    ``skip`` on (so runs with the same seed and disjoint ``--skip``/``--cases`` windows add up to the
+    full matrix)."""
     if quick:
         return list(QUICK)
     rng = random.Random(seed)
     cases = [(k, p, t) for k in FAULTS for p in PHASES for t in TARGETS]
     rng.shuffle(cases)
+    cases = cases[skip:]
     return cases[:cap] if cap else cases
 
 
@@ -593,21 +599,28 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="order of the cases, targets and timings")
     p.add_argument("--quick", action="store_true", help="the CI subset (5 faults + their scale-ups)")
     p.add_argument("--cases", type=int, default=None, help="run at most N fault cases (scale-ups not counted)")
+    p.add_argument("--skip", type=int, default=0, help="start at this index of the seeded order (chunked full runs)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no new fault case after this many seconds")
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs, sample log)")
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = tempfile.mkdtemp(prefix="tg-chaos-")
-    cases = plan(a.seed, a.quick, a.cases)
+    cases = plan(a.seed, a.quick, a.cases, a.skip)
     say(f"work folder {work}; {len(cases)} fault cases, seed {a.seed}")
     results: list[CaseResult] = []
     c: Cluster | None = None
     t_start = time.time()
     error = None
+    done = 0
     try:
         c = Cluster(work, a.seed)
         c.start()
         for kind, phase, target in cases:
+            if a.budget_s is not None and time.time() - t_start > a.budget_s:
+                say(f"--budget-s {a.budget_s:g} spent: {len(cases) - done} fault cases not run")
+                break
+            done += 1
             r = run_case(c, len(results) + 1, kind, phase, target)
             results.append(r)
             print(row(r), flush=True)
@@ -640,7 +653,7 @@ def main() -> int:
         "leftover_processes": sum(len(r.leftover_pids) for r in results) + len(leftover_end),
         "leftover_at_end": len(leftover_end), "cluster_restarts": c.restarts if c else 0,
         "median_recover_s": _median([r.recover_s for r in results if r.recover_s is not None]),
-        "wall_s": round(time.time() - t_start, 1), "seed": a.seed, "quick": a.quick, "error": error,
+        "wall_s": round(time.time() - t_start, 1), "seed": a.seed, "skip": a.skip, "planned_fault_cases": len(cases), "quick": a.quick, "error": error,
     }
     print("\n" + json.dumps(summary))
     if a.json:
