@@ -268,14 +268,36 @@ class CaseResult:
     log_excerpt: list[str] = field(default_factory=list)
 
 
+_STREAM: list[list[int]] = []
+
+
+def expected_batch(step: int) -> list[int]:
+    """The ids step ``step`` (1-based) trains on: the worker API's global sample cursor, as the job
+    configures it (its default ``--seed``, the dataset of ``SCRIPT_ARGS``)."""
+    if not _STREAM:
+        from trainguard.examples.train_gpt import load_corpus
+        from trainguard.runtime.cursor import GlobalSampleCursor
+
+        _STREAM.append([])  # placeholder for step 0
+        _CURSOR.append(GlobalSampleCursor((len(load_corpus(200_000)) - 1) // 32, GLOBAL_BATCH, seed=1234))
+    while len(_STREAM) <= step:
+        _STREAM.append([int(i) for i in _CURSOR[0].next_global_batch()])
+    return _STREAM[step]
+
+
+_CURSOR: list[Any] = []
+
+
 def sample_account(folder: str) -> tuple[int, int, list[str]]:
-    """Cumulative (skipped, repeated, errors) of the sample log: ``tests/samples.py`` asserts the
-    exactly-once property; on a violation the counts say by how much. Skipped: sample slots of steps
-    1..max with no valid attempt; repeated: uses of an id beyond its first (steps trained again after a
-    restore from an older checkpoint, or a batch served twice)."""
+    """Cumulative (skipped, repeated, errors) over the sample log. Each step must have exactly one
+    valid attempt (``tests/samples.py`` ``committed_batches`` asserts it; a rolled-back attempt is
+    void) whose ids are the cursor's batch for that step. Skipped: sample slots of steps 1..max with no
+    valid attempt, or a batch other than the cursor's; repeated: sample slots of extra valid attempts
+    of a step (steps trained again after a restore from an older checkpoint). The run lasts several
+    epochs, so an id recurs once per epoch by design: ``check_exactly_once`` (one epoch) does not apply."""
     errors: list[str] = []
     try:
-        sample_log.check_exactly_once(folder, GLOBAL_BATCH)
+        sample_log.committed_batches(folder)
     except AssertionError as e:
         errors.append(str(e)[:200])
     recs = sample_log.read(folder)
@@ -286,10 +308,13 @@ def sample_account(folder: str) -> tuple[int, int, list[str]]:
             attempts.setdefault((r["step"], r["round"]), r["ids"])
     if not attempts:
         return 0, 0, errors
-    steps = {s for s, _ in attempts}
-    skipped = len(set(range(1, max(steps) + 1)) - steps) * GLOBAL_BATCH
-    uses = Counter(i for ids in attempts.values() for i in ids)
-    repeated = sum(c - 1 for c in uses.values() if c > 1)
+    per_step = Counter(s for s, _ in attempts)
+    skipped = len(set(range(1, max(per_step) + 1)) - set(per_step)) * GLOBAL_BATCH
+    wrong = sorted({s for (s, _), ids in attempts.items() if ids != expected_batch(s)})
+    skipped += len(wrong) * GLOBAL_BATCH
+    if wrong:
+        errors.append(f"steps trained on a batch other than the cursor's: {wrong[:10]}")
+    repeated = sum(n - 1 for n in per_step.values()) * GLOBAL_BATCH
     return skipped, repeated, errors
 
 
@@ -519,6 +544,10 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
             return None
         if k.removes and node.running:
             return None
+        if kind == "store_restart":  # the agents must be talking to the restarted store again
+            now = time.time()
+            if now - t_fault < 5 or any(a.events("rendezvous_poll_failed", now - 3) for a in c.live()):
+                return None
         if clears_at is not None:
             commits = [t for a in c.agents + c.gone for t, _ in a.events("checkpoint_committed", clears_at)]
             if not commits:
@@ -606,6 +635,11 @@ def main() -> int:
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = tempfile.mkdtemp(prefix="tg-chaos-")
+
+    def stop(signum: int, _frame: Any) -> None:  # a SIGTERM (timeout, CI) still cleans up every process
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     cases = plan(a.seed, a.quick, a.cases, a.skip)
     say(f"work folder {work}; {len(cases)} fault cases, seed {a.seed}")
     results: list[CaseResult] = []
@@ -628,8 +662,8 @@ def main() -> int:
                 r = run_case(c, len(results) + 1, "scale_up", f"after_{kind}", "-")
                 results.append(r)
                 print(row(r), flush=True)
-    except ChaosError as e:
-        error = str(e)
+    except (ChaosError, KeyboardInterrupt) as e:
+        error = f"{type(e).__name__}: {e}"
         say(f"aborted: {e}")
     finally:
         if c is not None:
