@@ -208,8 +208,9 @@ class Agent:
         return tree(self.proc.pid) - {self.proc.pid} if self.running else set()
 
     def tail(self, n: int = 25) -> list[str]:
+        """The last ``n`` JSON event lines (agent and worker; C++ stack frames left out)."""
         with self._lock:
-            return self.lines[-n:]
+            return [line for line in self.lines if '"event"' in line][-n:]
 
     def close(self) -> None:
         if self.running:
