@@ -6,7 +6,7 @@ each, ``workers.reform`` left at its default, in-process) training ``examples/tr
 ``tests/fixtures/http_faults.py`` fault proxy) and one AWS IMDSv2 emulator per node
 (``tests/emulators``). Cases are injected one after another into the running cluster:
 
-* **kinds**: ``drain`` (``trainguard drain`` over the control socket), ``aws_notice`` (a spot
+* **kinds**: ``drain`` (the ``trainguard drain`` CLI), ``aws_notice`` (a spot
   ``instance-action`` from the node's emulator), ``sigterm_agent`` (all three are planned: notice
   given), ``sigkill_worker``, ``sigkill_agent``, ``sigkill_node`` (agent and workers), ``store_restart``
   (the external store stopped and started again on its port), ``storage_503`` / ``storage_stall`` /
@@ -435,12 +435,10 @@ def wait_for(pred: Any, timeout: float) -> Any:
 
 def inject(c: Cluster, kind: str, node: Agent) -> float | None:
     """Apply the fault; returns when storage faults clear (epoch seconds), else None."""
-    if kind == "drain":
-        from trainguard.agent import control
-        from trainguard.runtime.protocol import DrainRequest
-
-        with contextlib.suppress(OSError, Exception):
-            control.request(node.socket, DrainRequest(deadline_s=30))
+    if kind == "drain":  # `trainguard drain` (the bench imports nothing of trainguard.agent)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([sys.executable, "-m", "trainguard.agent.cli", "drain", "--socket", node.socket,
+                            "--deadline", "30s", "--reason", "chaos"], cwd=REPO, capture_output=True, timeout=30)
     elif kind == "aws_notice":
         node.emu.schedule_termination(in_s=120)
     elif kind == "sigterm_agent":
@@ -535,6 +533,8 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
         res.step_at_fault = c.last_step()
         t_fault = time.time()
         clears_at = inject(c, kind, node)
+        if kind == "drain":  # the clock starts when the CLI (a Python start-up) has handed the request over
+            t_fault = time.time()
     res.node = node.name
     res.world_expected = res.world_before + (1 if kind == "scale_up" else 0) - (1 if k.removes else 0)
     say(f"case {index}: {kind} @ {phase} on {node.name} ({target}), world {res.world_before} -> {res.world_expected}")
