@@ -1,0 +1,710 @@
+"""Seeded fault injection over localhost agents (benchmark, not a timed test).
+
+One long-lived cluster: an external ``trainguard store``, three ``trainguard run`` agents (one worker
+each, ``workers.reform`` left at its default, in-process) training ``examples/train_gpt_elastic.py``
+(the end-to-end tests' small model) with async checkpoints to S3 (``moto_server`` behind the
+``tests/fixtures/http_faults.py`` fault proxy) and one AWS IMDSv2 emulator per node
+(``tests/emulators``). Cases are injected one after another into the running cluster:
+
+* **kinds**: ``drain`` (the ``trainguard drain`` CLI), ``aws_notice`` (a spot
+  ``instance-action`` from the node's emulator), ``sigterm_agent`` (all three are planned: notice
+  given), ``sigkill_worker``, ``sigkill_agent``, ``sigkill_node`` (agent and workers), ``store_restart``
+  (the external store stopped and started again on its port), ``storage_503`` / ``storage_stall`` /
+  ``storage_outage`` (the proxy answers uploads with 503, holds them past the client's read timeout,
+  or answers every request with 503, for a few seconds), ``metadata_garbage`` / ``metadata_hang`` (the
+  node's metadata server answers garbage or hangs); after every case that removed a node, a
+  ``scale_up`` case starts a fresh node so the next case starts from three again;
+* **phases**: ``step`` (a random moment while training), ``save`` (right after a node staged an
+  async checkpoint: the upload is under way), ``rendezvous`` (one node is drained first and a fresh one
+  started; the fault hits when the fresh node's round completes, while the world re-forms),
+  ``restore`` (a worker is SIGKILLed first; the fault hits while its replacement restores);
+* **targets**: the node whose worker is rank 0, or another one.
+
+For every case: recovered (training at the expected world size again, past the step it was at when
+the fault hit; for storage faults also a commit after the fault cleared), time to recover, lost steps
+(steps trained before the fault that the world trained again), samples skipped / repeated (the sample
+log, ``tests/samples.py``), committed checkpoints lost (``scan_run`` before and after; retention is
+off), leftover processes (of the cluster before the fault, alive 10 s after recovery and no longer
+part of a live node), hang (not recovered within 3x the kind's nominal recovery time). A case that
+does not recover restarts the cluster (recorded). Prints a matrix and writes ``--json PATH``.
+
+Run: ``OMP_NUM_THREADS=1 python bench/chaos.py [--quick] [--seed N] [--cases N] [--json out.json] [--keep]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tests import samples as sample_log  # noqa: E402
+from tests.emulators import AwsImdsEmulator  # noqa: E402
+from tests.fixtures.http_faults import HttpFaultProxy  # noqa: E402
+from tests.fixtures.storage import make_bucket, s3_options, start_moto_server  # noqa: E402
+from tests.harness import alive, free_port, wait_listening  # noqa: E402
+
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+GLOBAL_BATCH = 24
+JOB_ID = "chaos"
+# The end-to-end tests' small model (tests/strategies/_world.py JOB + E2E_SIZE), a step logged each step.
+SCRIPT_ARGS = ["--steps", "100000000", "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "4", "--seq-len", "32",
+               "--d-model", "32", "--layers", "2", "--max-bytes", "200000", "--log-every", "1", "--lr", "3e-3",
+               "--step-sleep", "0.05"]
+CKPT_EVERY = 10
+STORAGE_FAULT_S = 8.0
+LEFTOVER_GRACE_S = 10.0
+T0 = time.time()
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    planned: bool
+    """A notice is given (drain, spot notice, SIGTERM) or the node is added on purpose (scale-up)."""
+    removes: bool
+    """The target node leaves the world for good."""
+    nominal_s: float
+    """Nominal recovery time on this 2-core box; 3x this is a hang."""
+
+
+KINDS = {k.name: k for k in [
+    Kind("drain", True, True, 25), Kind("aws_notice", True, True, 25), Kind("sigterm_agent", True, True, 25),
+    Kind("sigkill_worker", False, False, 40), Kind("sigkill_agent", False, True, 35),
+    Kind("sigkill_node", False, True, 35), Kind("store_restart", False, False, 25),
+    Kind("storage_503", False, False, 30), Kind("storage_stall", False, False, 35),
+    Kind("storage_outage", False, False, 35), Kind("metadata_garbage", False, False, 20),
+    Kind("metadata_hang", False, False, 20), Kind("scale_up", True, False, 60),
+]}
+FAULTS = [k for k in KINDS if k != "scale_up"]
+PHASES = ["step", "save", "rendezvous", "restore"]
+TARGETS = ["rank0", "peer"]
+QUICK = [("drain", "step", "peer"), ("sigkill_worker", "step", "peer"), ("sigkill_node", "save", "rank0"),
+         ("metadata_garbage", "step", "peer"), ("storage_503", "save", "peer")]
+
+
+class ChaosError(RuntimeError):
+    pass
+
+
+def say(text: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {text}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------- processes
+def _ppids() -> dict[int, int]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as fh:
+                    out[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def tree(pid: int) -> set[int]:
+    """``pid`` and its live descendants."""
+    ppids = _ppids()
+    found, frontier = {pid}, {pid}
+    while frontier:
+        frontier = {p for p, pp in ppids.items() if pp in frontier} - found
+        found |= frontier
+    return {p for p in found if alive(p)}
+
+
+def cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    return ""
+
+
+def strays(marker: str) -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()
+            and marker in cmdline(int(e)) and alive(int(e))]
+
+
+def kill_pids(pids: set[int] | list[int], sig: int = signal.SIGKILL) -> None:
+    for p in pids:
+        with contextlib.suppress(OSError):
+            os.kill(p, sig)
+
+
+class Agent:
+    """One node: a ``trainguard run`` agent in a session of its own, its IMDS emulator, and a reader
+    thread that parses each output line once (agent events and the worker's ``[default0]:`` lines)."""
+
+    def __init__(self, name: str, work: str, endpoint: str, storage_opts: dict[str, Any], url: str) -> None:
+        self.name = name
+        self.emu = AwsImdsEmulator()
+        self.state_dir = os.path.join(work, f"state-{name}")
+        self.socket = os.path.join(self.state_dir, f"{JOB_ID}.sock")
+        cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:3", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", JOB_ID, "--node-name", name,
+               "--state-dir", self.state_dir, "--log-dir", os.path.join(work, f"logs-{name}"),
+               "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "metrics.port=0",
+               "--set", "rendezvous.is_host=false", "--set", "rendezvous.keep_alive_interval_s=1",
+               "--set", "rendezvous.keep_alive_max_attempts=3",
+               "--set", "preemption.sources=aws,signal", "--set", f"preemption.aws_endpoint={self.emu.url}",
+               "--set", "preemption.poll_interval_s=0.5",
+               "--set", f"checkpoint.url={url}", "--set", f"checkpoint.interval_steps={CKPT_EVERY}",
+               "--set", "checkpoint.keep_last=100000",
+               ELASTIC, *SCRIPT_ARGS, "--sample-log", os.path.join(work, "samples")]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
+                    "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_DEFAULT_REGION": "us-east-1",
+                    "TRAINGUARD_CHECKPOINT_STORAGE_OPTIONS": json.dumps(storage_opts)})
+        self._lock = threading.Lock()
+        self.ev: list[tuple[float, dict[str, Any]]] = []
+        self.lines: list[str] = []
+        self._fh = open(os.path.join(work, f"{name}.log"), "a")
+        self.started = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            t = time.time()
+            line = raw.decode(errors="replace").rstrip("\n")
+            self._fh.write(line + "\n")
+            self._fh.flush()
+            text = line.split("]:", 1)[1] if line.startswith("[default") and "]:" in line[:24] else line
+            ev = None
+            if text.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    ev = json.loads(text)
+            with self._lock:
+                self.lines.append(line)
+                if isinstance(ev, dict):
+                    self.ev.append((t, ev))
+
+    def events(self, name: str, since: float = 0.0) -> list[tuple[float, dict[str, Any]]]:
+        with self._lock:
+            return [(t, e) for t, e in self.ev if t >= since and e.get("event") == name]
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def workers(self) -> set[int]:
+        return tree(self.proc.pid) - {self.proc.pid} if self.running else set()
+
+    def tail(self, n: int = 25) -> list[str]:
+        """The last ``n`` JSON event lines (agent and worker; C++ stack frames left out)."""
+        with self._lock:
+            return [line for line in self.lines if '"event"' in line][-n:]
+
+    def close(self) -> None:
+        if self.running:
+            kill_pids(tree(self.proc.pid))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._reader.join(5)
+        self._fh.close()
+        self.emu.close()
+
+
+class Store:
+    def __init__(self, work: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self._log = open(os.path.join(work, "store.log"), "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainguard.agent.cli", "store", "--host", "127.0.0.1",
+                                      "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        wait_listening(self.endpoint, 60)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+# ---------------------------------------------------------------------------------------- results
+@dataclass
+class CaseResult:
+    index: int
+    kind: str
+    phase: str
+    target: str
+    planned: bool
+    node: str = ""
+    world_before: int = 0
+    world_expected: int = 0
+    recovered: bool = False
+    recover_s: float | None = None
+    nominal_s: float = 0.0
+    hang: bool = False
+    lost_steps: int = 0
+    step_at_fault: int = 0
+    continued_from: int | None = None
+    samples_skipped: int = 0
+    samples_repeated: int = 0
+    sample_errors: list[str] = field(default_factory=list)
+    committed_lost: list[str] = field(default_factory=list)
+    leftover_pids: list[str] = field(default_factory=list)
+    cluster_restarted: bool = False
+    note: str = ""
+    log_excerpt: list[str] = field(default_factory=list)
+
+
+_STREAM: list[list[int]] = []
+
+
+def expected_batch(step: int) -> list[int]:
+    """The ids step ``step`` (1-based) trains on: the worker API's global sample cursor, as the job
+    configures it (its default ``--seed``, the dataset of ``SCRIPT_ARGS``)."""
+    if not _STREAM:
+        from trainguard.examples.train_gpt import load_corpus
+        from trainguard.runtime.cursor import GlobalSampleCursor
+
+        _STREAM.append([])  # placeholder for step 0
+        _CURSOR.append(GlobalSampleCursor((len(load_corpus(200_000)) - 1) // 32, GLOBAL_BATCH, seed=1234))
+    while len(_STREAM) <= step:
+        _STREAM.append([int(i) for i in _CURSOR[0].next_global_batch()])
+    return _STREAM[step]
+
+
+_CURSOR: list[Any] = []
+
+
+def sample_account(folder: str) -> tuple[int, int, list[str]]:
+    """Cumulative (skipped, repeated, errors) over the sample log. Each step must have exactly one
+    valid attempt (``tests/samples.py`` ``committed_batches`` asserts it; a rolled-back attempt is
+    void) whose ids are the cursor's batch for that step. Skipped: sample slots of steps 1..max with no
+    valid attempt, or a batch other than the cursor's; repeated: sample slots of extra valid attempts
+    of a step (steps trained again after a restore from an older checkpoint). The run lasts several
+    epochs, so an id recurs once per epoch by design: ``check_exactly_once`` (one epoch) does not apply."""
+    errors: list[str] = []
+    try:
+        sample_log.committed_batches(folder)
+    except AssertionError as e:
+        errors.append(str(e)[:200])
+    recs = sample_log.read(folder)
+    void = {(r["step"], r["round"]) for r in recs if r.get("rolled_back")}
+    attempts: dict[tuple[int, int], list[int]] = {}
+    for r in recs:
+        if not r.get("rolled_back") and (r["step"], r["round"]) not in void:
+            attempts.setdefault((r["step"], r["round"]), r["ids"])
+    if not attempts:
+        return 0, 0, errors
+    per_step = Counter(s for s, _ in attempts)
+    skipped = len(set(range(1, max(per_step) + 1)) - set(per_step)) * GLOBAL_BATCH
+    wrong = sorted({s for (s, _), ids in attempts.items() if ids != expected_batch(s)})
+    skipped += len(wrong) * GLOBAL_BATCH
+    if wrong:
+        errors.append(f"steps trained on a batch other than the cursor's: {wrong[:10]}")
+    repeated = sum(n - 1 for n in per_step.values()) * GLOBAL_BATCH
+    return skipped, repeated, errors
+
+
+class Cluster:
+    def __init__(self, work: str, seed: int) -> None:
+        self.work = work
+        self.rng = random.Random(seed)
+        os.makedirs(os.path.join(work, "samples"), exist_ok=True)
+        self.moto = start_moto_server()
+        self.proxy = HttpFaultProxy(self.moto.port)
+        self.proxy._server.handle_error = lambda *a: None  # a SIGKILLed client's reset connection: expected
+        direct = s3_options(self.moto.endpoint)
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        self.url = f"s3://{make_bucket('s3', direct)}/ckpt"
+        self.opts = s3_options(self.proxy.endpoint)
+        self.scan_opts = direct  # the bench's own scans bypass the faults
+        self.store = Store(work)
+        self.agents: list[Agent] = []
+        self.gone: list[Agent] = []
+        self.serial = 0
+        self.restarts = 0
+
+    # -- membership -------------------------------------------------------------------------------
+    def add(self) -> Agent:
+        self.serial += 1
+        a = Agent(f"n{self.serial}", self.work, self.store.endpoint, self.opts, self.url)
+        self.agents.append(a)
+        return a
+
+    def live(self) -> list[Agent]:
+        for a in list(self.agents):
+            if not a.running:
+                self.agents.remove(a)
+                self.gone.append(a)
+        return self.agents
+
+    def steps(self, since: float = 0.0) -> list[tuple[float, dict[str, Any]]]:
+        return sorted((te for a in self.agents + self.gone for te in a.events("train_step", since)),
+                      key=lambda te: te[0])
+
+    def last_step(self) -> int:
+        s = self.steps(time.time() - 30)
+        return s[-1][1]["step"] if s else 0
+
+    def rank0(self) -> Agent | None:
+        best = None
+        for a in self.live():
+            s = a.events("train_step", time.time() - 5)
+            if s and (best is None or s[-1][0] > best[0]):
+                best = (s[-1][0], a)
+        return best[1] if best else None
+
+    def training_at(self, world: int, since: float, min_steps: int = 3) -> bool:
+        return len([1 for _, e in self.steps(since) if e.get("world_size") == world]) >= min_steps
+
+    def wait_training(self, world: int, timeout: float, what: str) -> None:
+        since = time.time()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.live()) >= world and self.training_at(world, since):
+                return
+            time.sleep(0.2)
+        raise ChaosError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+    def committed(self) -> set[tuple[int, int]]:
+        from trainguard.checkpoint.discovery import scan_run
+        from trainguard.checkpoint.storage import Storage
+
+        for _ in range(3):
+            try:
+                scan = scan_run(Storage(self.url, self.scan_opts), JOB_ID, warn=False)
+                return {(r.step, r.epoch) for r in scan.committed}
+            except Exception:  # a listing raced a write: try again
+                time.sleep(1)
+        return set()
+
+    def pids(self) -> set[int]:
+        return {p for a in self.live() for p in tree(a.proc.pid)}
+
+    def restart(self, why: str) -> None:
+        """Everything down, a fresh store, three fresh agents (they restore the newest checkpoint)."""
+        say(f"cluster restart: {why}")
+        self.restarts += 1
+        for a in self.agents:
+            a.close()
+            self.gone.append(a)
+        self.agents = []
+        kill_pids(set(strays(self.work)) - {self.moto.proc.pid})
+        self.store.stop()
+        self.store = Store(self.work)
+        self.start()
+
+    def start(self) -> None:
+        for _ in range(3):
+            self.add()
+            time.sleep(1.0)
+        self.wait_training(3, 240, "the first world of 3")
+
+    def close(self) -> None:
+        for a in self.agents:
+            a.close()
+        self.store.stop()
+        self.proxy.close()
+        self.moto.stop()
+
+
+# ---------------------------------------------------------------------------------------- injection
+def wait_for(pred: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    return None
+
+
+def inject(c: Cluster, kind: str, node: Agent) -> float | None:
+    """Apply the fault; returns when storage faults clear (epoch seconds), else None."""
+    if kind == "drain":  # `trainguard drain` (the bench imports nothing of trainguard.agent)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([sys.executable, "-m", "trainguard.agent.cli", "drain", "--socket", node.socket,
+                            "--deadline", "30s", "--reason", "chaos"], cwd=REPO, capture_output=True, timeout=30)
+    elif kind == "aws_notice":
+        node.emu.schedule_termination(in_s=120)
+    elif kind == "sigterm_agent":
+        node.proc.send_signal(signal.SIGTERM)
+    elif kind == "sigkill_worker":
+        kill_pids(node.workers())
+    elif kind == "sigkill_agent":
+        kill_pids([node.proc.pid])
+    elif kind == "sigkill_node":
+        kill_pids(tree(node.proc.pid))
+    elif kind == "store_restart":
+        port = c.store.port
+        c.store.stop()
+        time.sleep(1.0)
+        c.store = Store(c.work, port)
+    elif kind.startswith("storage_"):
+        if kind == "storage_503":
+            c.proxy.fail(r"^(PUT|POST) ", status=503)
+        elif kind == "storage_stall":
+            c.proxy.stall(r"^(PUT|POST) ", seconds=7.0)
+        else:
+            c.proxy.fail(r".", status=503)
+        threading.Timer(STORAGE_FAULT_S, c.proxy.clear).start()
+        return time.time() + STORAGE_FAULT_S
+    elif kind == "metadata_garbage":
+        node.emu.misbehave("garbage", count=30)
+    elif kind == "metadata_hang":
+        node.emu.misbehave("hang", count=4, delay_s=6.0)
+    return None
+
+
+def pick(c: Cluster, target: str, pool: list[Agent] | None = None) -> Agent:
+    pool = pool or c.live()
+    r0 = c.rank0()
+    if target == "rank0" and r0 in pool:
+        return r0
+    others = [a for a in pool if a is not r0] or pool
+    return c.rng.choice(others)
+
+
+def prepare_phase(c: Cluster, phase: str, target: str, res: CaseResult) -> Agent:
+    """Bring the cluster to the phase; return the node to hit."""
+    if phase == "step":
+        time.sleep(c.rng.uniform(0.0, 1.5))
+        return pick(c, target)
+    if phase == "save":
+        node = pick(c, target)
+        since = time.time()
+        hit = wait_for(lambda: any(a.events("checkpoint_staged", since) for a in c.live()), 60)
+        if not hit:
+            res.note += "no save seen within 60 s; "
+        return node
+    if phase == "restore":
+        victim = c.rng.choice(c.live())
+        old = victim.workers()
+        kill_pids(old)
+        new = wait_for(lambda: victim.workers() - old, 60)
+        if not new:
+            res.note += "no replacement worker seen; "
+        time.sleep(0.5)
+        res.note += f"worker of {victim.name} SIGKILLed first; "
+        return pick(c, target)
+    # rendezvous: make room (a planned drain), start a fresh node, hit when its round completes
+    leaver = pick(c, "peer")
+    inject(c, "drain", leaver)
+    c.wait_training(2, 90, "world 2 before the rendezvous phase")
+    fresh = c.add()
+    since = time.time()
+    done = wait_for(lambda: fresh.events("rendezvous_complete", since), 120)
+    if not done:
+        res.note += "the fresh node's round never completed; "
+    res.note += f"{leaver.name} drained, {fresh.name} joining; "
+    return pick(c, target, c.live())
+
+
+def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> CaseResult:
+    k = KINDS[kind]
+    res = CaseResult(index=index, kind=kind, phase=phase, target=target, planned=k.planned, nominal_s=k.nominal_s)
+    before_committed = c.committed()
+    skipped0, repeated0, errors0 = sample_account(os.path.join(c.work, "samples"))
+    if kind == "scale_up":
+        res.world_before = len(c.live())
+        pids_before = c.pids()
+        t_fault = time.time()
+        res.step_at_fault = c.last_step()
+        node = c.add()
+        clears_at = None
+    else:
+        node = prepare_phase(c, phase, target, res)
+        res.world_before = len(c.live())
+        pids_before = c.pids()
+        res.step_at_fault = c.last_step()
+        t_fault = time.time()
+        clears_at = inject(c, kind, node)
+        if kind == "drain":  # the clock starts when the CLI (a Python start-up) has handed the request over
+            t_fault = time.time()
+    res.node = node.name
+    res.world_expected = res.world_before + (1 if kind == "scale_up" else 0) - (1 if k.removes else 0)
+    say(f"case {index}: {kind} @ {phase} on {node.name} ({target}), world {res.world_before} -> {res.world_expected}")
+
+    def recovered() -> float | None:
+        steps = [(t, e) for t, e in c.steps(t_fault) if e.get("world_size") == res.world_expected]
+        if len([1 for _, e in steps if e["step"] > res.step_at_fault]) < 3:
+            return None
+        if k.removes and node.running:
+            return None
+        if kind == "store_restart":  # the agents must be talking to the restarted store again
+            now = time.time()
+            if now - t_fault < 5 or any(a.events("rendezvous_poll_failed", now - 3) for a in c.live()):
+                return None
+        if clears_at is not None:
+            commits = [t for a in c.agents + c.gone for t, _ in a.events("checkpoint_committed", clears_at)]
+            if not commits:
+                return None
+        # the first step at the expected world after the last disruption seen since the fault
+        disrupt = [t for a in c.agents + c.gone for name in ("rendezvous_complete", "step_rolled_back", "worker_reformed")
+                   for t, _ in a.events(name, t_fault)]
+        after = max(disrupt, default=t_fault)
+        t_step = next((t for t, e in steps if t >= after), None)
+        if t_step is None:
+            return None
+        return max(t_step, max(commits) if clears_at is not None else 0.0)
+
+    hang_at = time.monotonic() + 3 * k.nominal_s
+    t_rec = None
+    while time.monotonic() < hang_at and t_rec is None:
+        t_rec = recovered()
+        if t_rec is None:
+            time.sleep(0.25)
+    if t_rec is None:
+        res.hang = True
+        t_rec = wait_for(recovered, 30)
+    if t_rec is not None:
+        res.recovered = True
+        res.recover_s = round(t_rec - t_fault, 2)
+    # what the world continued from: the first resumed/reformed event after the fault
+    cont = sorted((t, e["step"]) for a in c.agents + c.gone for name in ("resumed", "reformed")
+                  for t, e in a.events(name, t_fault) if isinstance(e.get("step"), int))
+    if cont:  # lost: steps trained (logged) before the world continued from an earlier one
+        t_cont, res.continued_from = cont[0]
+        trained = max([e["step"] for _, e in c.steps(t_fault - 30) if _ < t_cont] + [res.step_at_fault])
+        res.lost_steps = max(0, trained - res.continued_from)
+    elif res.recovered:
+        steps = [e["step"] for _, e in c.steps(t_fault)]
+        res.continued_from = (min(steps) - 1) if steps else None
+        res.lost_steps = max(0, res.step_at_fault - res.continued_from) if res.continued_from is not None else 0
+    # leftovers: processes of the cluster before the fault that belong to no live node now
+    time.sleep(0.5)
+    wait_for(lambda: not ((pids_before - c.pids()) & {p for p in pids_before if alive(p)}), LEFTOVER_GRACE_S)
+    left = {p for p in pids_before if alive(p)} - c.pids()
+    res.leftover_pids = [f"{p} {cmdline(p)[:120]}" for p in sorted(left)]
+    after_committed = c.committed()
+    res.committed_lost = [f"step {s} epoch {e}" for s, e in sorted(before_committed - after_committed)]
+    skipped1, repeated1, errors1 = sample_account(os.path.join(c.work, "samples"))
+    res.samples_skipped, res.samples_repeated = skipped1 - skipped0, repeated1 - repeated0
+    res.sample_errors = [e for e in errors1 if e not in errors0]
+    if not res.recovered or res.hang or res.committed_lost or (k.planned and (res.samples_skipped or res.samples_repeated)):
+        res.log_excerpt = [f"{a.name}: {line}" for a in c.live() + [node] for line in a.tail(12)]
+    if not res.recovered:
+        c.restart(f"case {index} ({kind} @ {phase}) did not recover")
+        res.cluster_restarted = True
+    return res
+
+
+def plan(seed: int, quick: bool, cap: int | None, skip: int = 0) -> list[tuple[str, str, str]]:
+    """The fault cases: ``--quick``'s list, or every kind x phase x target in a seeded order, from
+    ``skip`` on (so runs with the same seed and disjoint ``--skip``/``--cases`` windows add up to the
+    full matrix)."""
+    if quick:
+        return list(QUICK)
+    rng = random.Random(seed)
+    cases = [(k, p, t) for k in FAULTS for p in PHASES for t in TARGETS]
+    rng.shuffle(cases)
+    cases = cases[skip:]
+    return cases[:cap] if cap else cases
+
+
+def row(r: CaseResult) -> str:
+    rec = "yes" if r.recovered else "NO"
+    t = f"{r.recover_s:.1f}" if r.recover_s is not None else "-"
+    return (f"{r.index:>3} {r.kind:<17} {r.phase:<10} {r.target:<5} {r.node:<4} {r.world_before}->{r.world_expected} "
+            f"{rec:<4} {t:>6} {r.lost_steps:>4} {r.samples_skipped:>5} {r.samples_repeated:>5} "
+            f"{len(r.committed_lost):>5} {len(r.leftover_pids):>5} {'HANG' if r.hang else '-':<4}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=0, help="order of the cases, targets and timings")
+    p.add_argument("--quick", action="store_true", help="the CI subset (5 faults + their scale-ups)")
+    p.add_argument("--cases", type=int, default=None, help="run at most N fault cases (scale-ups not counted)")
+    p.add_argument("--skip", type=int, default=0, help="start at this index of the seeded order (chunked full runs)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no new fault case after this many seconds")
+    p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--keep", action="store_true", help="keep the work folder (logs, sample log)")
+    a = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    work = tempfile.mkdtemp(prefix="tg-chaos-")
+
+    def stop(signum: int, _frame: Any) -> None:  # a SIGTERM (timeout, CI) still cleans up every process
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    cases = plan(a.seed, a.quick, a.cases, a.skip)
+    say(f"work folder {work}; {len(cases)} fault cases, seed {a.seed}")
+    results: list[CaseResult] = []
+    c: Cluster | None = None
+    t_start = time.time()
+    error = None
+    done = 0
+    try:
+        c = Cluster(work, a.seed)
+        c.start()
+        for kind, phase, target in cases:
+            if a.budget_s is not None and time.time() - t_start > a.budget_s:
+                say(f"--budget-s {a.budget_s:g} spent: {len(cases) - done} fault cases not run")
+                break
+            done += 1
+            r = run_case(c, len(results) + 1, kind, phase, target)
+            results.append(r)
+            print(row(r), flush=True)
+            while len(c.live()) < 3:  # scale back up so the next case starts from 3 nodes
+                r = run_case(c, len(results) + 1, "scale_up", f"after_{kind}", "-")
+                results.append(r)
+                print(row(r), flush=True)
+    except (ChaosError, KeyboardInterrupt) as e:
+        error = f"{type(e).__name__}: {e}"
+        say(f"aborted: {e}")
+    finally:
+        if c is not None:
+            c.close()
+        leftover_end = strays(work)
+        kill_pids(set(leftover_end))
+    hdr = (f"{'#':>3} {'kind':<17} {'phase':<10} {'tgt':<5} {'node':<4} world {'rec':<4} {'rec_s':>6} {'lost':>4} "
+           f"{'skip':>5} {'rep':>5} {'ckpt-':>5} {'left':>5} hang")
+    print("\n" + hdr + "\n" + "-" * len(hdr))
+    for r in results:
+        print(row(r))
+    faults = [r for r in results if r.kind != "scale_up"]
+    summary = {
+        "cases": len(results), "fault_cases": len(faults), "scale_up_cases": len(results) - len(faults),
+        "recovered": sum(r.recovered for r in results), "hangs": sum(r.hang for r in results),
+        "committed_lost": sum(len(r.committed_lost) for r in results),
+        "planned_samples_skipped": sum(r.samples_skipped for r in results if r.planned),
+        "planned_samples_repeated": sum(r.samples_repeated for r in results if r.planned),
+        "samples_skipped": sum(r.samples_skipped for r in results),
+        "samples_repeated": sum(r.samples_repeated for r in results),
+        "leftover_processes": sum(len(r.leftover_pids) for r in results) + len(leftover_end),
+        "leftover_at_end": len(leftover_end), "cluster_restarts": c.restarts if c else 0,
+        "median_recover_s": _median([r.recover_s for r in results if r.recover_s is not None]),
+        "wall_s": round(time.time() - t_start, 1), "seed": a.seed, "skip": a.skip, "planned_fault_cases": len(cases), "quick": a.quick, "error": error,
+    }
+    print("\n" + json.dumps(summary))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"summary": summary, "cases": [asdict(r) for r in results]}, fh, indent=1)
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        say(f"kept {work}")
+    return 0 if error is None else 1
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The chaos benchmark's bookkeeping (pure parts of ``bench/chaos.py``): the sample accounting that
+decides "skipped / repeated" for every case, and the seeded case windows that add up to the matrix."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from tests.harness import REPO
+
+
+@pytest.fixture(scope="module")
+def chaos():
+    spec = importlib.util.spec_from_file_location("tg_bench_chaos", os.path.join(REPO, "bench", "chaos.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["tg_bench_chaos"] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop("tg_bench_chaos", None)
+
+
+def write(folder, recs):
+    with open(os.path.join(folder, "samples-1.jsonl"), "a") as fh:
+        for r in recs:
+            fh.write(json.dumps(r) + "\n")
+
+
+def rec(chaos, step, rnd, rank=0, ids=None):
+    return {"step": step, "rank": rank, "world_size": 2, "round": rnd,
+            "ids": chaos.expected_batch(step) if ids is None else ids}
+
+
+def test_clean_log_counts_nothing_even_across_epochs(chaos, tmp_path):
+    n_steps = 300  # more than one epoch of the bench's dataset (ids recur by design)
+    write(tmp_path, [rec(chaos, s, 0, rank) for s in range(1, n_steps + 1) for rank in (0, 1)])
+    assert chaos.sample_account(str(tmp_path)) == (0, 0, [])
+
+
+def test_redone_step_is_repeated_rolled_back_attempt_is_not(chaos, tmp_path):
+    write(tmp_path, [rec(chaos, 1, 0), rec(chaos, 2, 0), rec(chaos, 3, 0),
+                     rec(chaos, 3, 1), {"step": 3, "rank": 0, "round": 1, "rolled_back": True},  # void
+                     rec(chaos, 3, 2), rec(chaos, 4, 2)])  # step 3 valid in rounds 0 and 2: trained twice
+    skipped, repeated, errors = chaos.sample_account(str(tmp_path))
+    assert (skipped, repeated) == (0, chaos.GLOBAL_BATCH)
+    assert errors and "committed twice" in errors[0]
+
+
+def test_missing_step_and_wrong_batch_are_skipped(chaos, tmp_path):
+    wrong = list(reversed(chaos.expected_batch(5)))
+    write(tmp_path, [rec(chaos, 1, 0), rec(chaos, 2, 0), rec(chaos, 4, 0), rec(chaos, 5, 0, ids=wrong)])
+    skipped, repeated, errors = chaos.sample_account(str(tmp_path))
+    assert (skipped, repeated) == (2 * chaos.GLOBAL_BATCH, 0)
+    assert any("[5]" in e for e in errors)
+
+
+def test_seeded_windows_partition_the_matrix(chaos):
+    full = chaos.plan(7, False, None)
+    assert len(full) == len(chaos.FAULTS) * len(chaos.PHASES) * len(chaos.TARGETS) == len(set(full)) == 96
+    windows = [chaos.plan(7, False, 20, skip) for skip in range(0, 96, 20)]
+    assert [c for w in windows for c in w] == full
+    assert chaos.plan(8, False, None) != full and sorted(chaos.plan(8, False, None)) == sorted(full)
+    quick = chaos.plan(7, True, None)
+    assert {k for k, _, _ in quick} == {"drain", "sigkill_worker", "sigkill_node", "metadata_garbage", "storage_503"}
