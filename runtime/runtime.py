@@ -72,6 +72,7 @@ from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.state import TrainerState
+from trainguard.runtime import device as dev
 from trainguard.runtime import protocol as proto
 from trainguard.runtime import reform as rf
 from trainguard.runtime.cursor import GlobalSampleCursor
@@ -82,6 +83,23 @@ from trainguard.strategies.batch import split
 
 log = get_logger("trainguard.worker")
 
+_NO_DEADLINE = -(2**62)
+
+
+def _encode_deadline(deadline: float | None) -> int:
+    """A drain deadline (epoch s) as the flag all-reduce carries it: ``-milliseconds``, so that MAX
+    over the ranks picks the earliest one; no deadline is a value below every real one."""
+    return _NO_DEADLINE if deadline is None else -int(deadline * 1000)
+
+
+def _decode_deadline(value: int) -> float | None:
+    return None if value <= _NO_DEADLINE else -value / 1000.0
+
+
+class SaveAbandoned(CheckpointError):
+    """An emergency or resize checkpoint still running at the drain deadline was given up; the last
+    committed step stands."""
+
 
 class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
@@ -89,8 +107,13 @@ class Runtime:
     def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
                  checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp",
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
-                 standby: bool = False, local_world_size: int = 1, inject_fault: str = "") -> None:
+                 standby: bool = False, local_world_size: int = 1, inject_fault: str = "",
+                 device: torch.device | None = None) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.device = dev.select_device(local_rank) if device is None else torch.device(device)
+        """This worker's device: ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``. Move the
+        model (or build it there) and every batch to it; the strategy, checkpoint staging, barriers and
+        metrics all use it (see :mod:`trainguard.runtime.device`)."""
         self.local_world_size = local_world_size
         self.job_id, self.fence = job_id, fence
         self.round = fence
@@ -122,6 +145,10 @@ class Runtime:
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
         self._last_periodic = time.monotonic()
+        self._timer = dev.StepTimer(self.device)
+        self._committed: int | None = None
+        """The newest step known committed on this rank (restored, or saved and waited for): what a
+        failed or abandoned save falls back to. Local knowledge, no collective."""
         self._saved_step: int | None = None
         """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
@@ -153,15 +180,17 @@ class Runtime:
 
         tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
         reform = rtenv.reform and rtenv.under_agent
+        device = dev.select_device(rtenv.local_rank)
+        dev.bind(device)  # before init_process_group, and before the script builds anything on the GPU
         if not rtenv.standby and (rtenv.world_size > 1 or reform) and not dist.is_initialized():
-            kw: dict[str, Any] = {"timeout": timedelta(seconds=rtenv.pg_timeout_s)} if rtenv.pg_timeout_s > 0 else {}
-            dist.init_process_group(rf.backend(), **kw)
+            dist.init_process_group(dev.backend_for(device), **dev.init_kwargs(device, rtenv.pg_timeout_s))
         rank = dist.get_rank() if dist.is_initialized() else (-1 if rtenv.standby else 0)
         return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
                    job_id=rtenv.job_id or rtenv.run_id or "trainguard", fence=max(rtenv.round, 0),
                    checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path,
                    reform=reform, reform_timeout_s=rtenv.reform_timeout_s, pg_timeout_s=rtenv.pg_timeout_s,
-                   standby=rtenv.standby, local_world_size=rtenv.local_world_size, inject_fault=rtenv.inject_fault)
+                   standby=rtenv.standby, local_world_size=rtenv.local_world_size, inject_fault=rtenv.inject_fault,
+                   device=device)
 
     @property
     def strategy_name(self) -> str:
@@ -184,6 +213,7 @@ class Runtime:
         if precision is not None:
             options["precision"] = precision
         self.strategy = get_strategy(chosen, **options)
+        self.strategy.device = self.device  # the strategy never guesses it from where the model sits
         if self.reform_enabled and self.strategy.reform_state is None:
             self._log.info("reform_in_place_unsupported", strategy=self.strategy.name,
                            effect="membership changes restart the workers (the fallback path)")
@@ -199,9 +229,9 @@ class Runtime:
         from trainguard.metrics import WorkerMetrics
 
         # A no-op (one warning) when the agent set up no metrics channel, e.g. under plain torchrun.
-        self._metrics = WorkerMetrics(self.rank, self.local_rank)
-        self._step_started = time.monotonic()
+        self._metrics = WorkerMetrics(self.rank, self.local_rank, device=self.device, gpu=dev.gpu_label(self.device))
         self._model, self._optimizer = self.strategy.setup(model, optimizer)
+        self._timer.start()
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
         self._make_manager()
@@ -246,9 +276,11 @@ class Runtime:
             return self.step
         state = self._state()
         step = self._manager.restore(state, step)
+        self._timer.start()
         if step is not None:
             self.step = self._trainer.step
             self._saved_step = self.step
+            self._note_committed(step)
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
             self._log.info("worker_restored", step=step, source="storage", saved_world_size=self._trainer.saved_world_size,
@@ -267,8 +299,12 @@ class Runtime:
         blocked = self._manager.last_blocked_s
         in_flight = self._manager.pending if background else None
         if in_flight is None:  # committed now
+            self._note_committed(self.step)
             self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
         else:  # persisted and committed in the background: recorded when that finishes
+            step = self.step
+            in_flight.add_done_callback(lambda f: self._note_committed(step) if not f.cancelled() and f.exception() is None
+                                        else None)
             self._metrics.observe_checkpoint_async(in_flight, kind, blocked, blocked, self.step)
         return seconds
 
@@ -335,14 +371,18 @@ class Runtime:
         if self.world_size == 1 or not dist.is_initialized() or self._broken is not None:
             return tensor
         red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        # The default group runs on rt.device (NCCL takes GPU tensors only): a tensor elsewhere travels there.
+        work = tensor if tensor.device == self.device else tensor.to(self.device)
         try:
-            dist.all_reduce(tensor, op=red)
+            dist.all_reduce(work, op=red)
         except Exception as e:
             if not self._peer_failed(e):
                 raise
             return tensor
         if op == "mean":
-            tensor /= self.world_size
+            work /= self.world_size
+        if work is not tensor:
+            tensor.copy_(work)
         return tensor
 
     def _peer_failed(self, e: BaseException) -> bool:
@@ -376,11 +416,11 @@ class Runtime:
             self._park(proto.ParkReason.PEER_LOST)
             return False
         self.step += 1
-        now = time.monotonic()
         per_rank = self.cursor.global_batch_size // self.world_size
-        self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, now - self._step_started)
-        self._metrics.sample_gpu_peak(now)
-        self._step_started = now
+        self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, None)
+        for seconds in self._timer.lap():  # CUDA: event times of the steps the GPU has finished
+            self._metrics.observe_step_time(seconds)
+        self._metrics.sample_gpu_peak(time.monotonic())
         cfg = self.checkpoint_config
         due = bool(self._manager) and (
             (cfg.interval_steps and self.step % cfg.interval_steps == 0)
@@ -391,7 +431,8 @@ class Runtime:
         # One all-reduce (MAX) agrees on everything at this step boundary: [stop reason, save kind]
         # where kind 2 = out of cycle (an early warning on some node), 1 = periodic, 0 = none.
         mine = self._local_request()
-        flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due))], dtype=torch.int32)
+        flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due)), _encode_deadline(self._deadline())],
+                             dtype=torch.int64)
         if self._group is not None:
             try:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
@@ -400,12 +441,12 @@ class Runtime:
                     raise
                 self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
                 return True
-        stop, save = proto.StopReason(int(flags[0])), int(flags[1])
+        stop, save, deadline = proto.StopReason(int(flags[0])), int(flags[1]), _decode_deadline(int(flags[2]))
         if stop is not proto.StopReason.NONE:
             if self.reform_enabled and mine is not proto.StopReason.DRAIN:
-                self._survive(stop)  # this node stays: park and re-form in place
+                self._survive(stop, deadline)  # this node stays: park and re-form in place
                 return True
-            self._stop(stop)
+            self._stop(stop, deadline)
         if save:
             self._last_periodic = time.monotonic()
             try:
@@ -424,16 +465,20 @@ class Runtime:
         self._log.warning("step_rolled_back", step=self.step + 1, reason="peer_lost")
 
     # ---- in-place re-formation ------------------------------------------------------------------
-    def _survive(self, why: proto.StopReason) -> None:
-        """A peer drains or a node joins: commit what durability needs, then park for the new world."""
+    def _survive(self, why: proto.StopReason, deadline: float | None = None) -> None:
+        """A peer drains or a node joins: commit what durability needs, then park for the new world.
+        A save still running at the drain ``deadline`` is abandoned (see :meth:`_save_by`): the worker
+        exits with the resize code and the world restarts from the last commit."""
         kind = why.checkpoint_kind.value
         assert self.strategy is not None
         need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state == "checkpoint"
         if self._manager is not None and need_checkpoint:
-            seconds = self._save(kind)
-            committed = self._manager.wait()
+            try:
+                seconds, committed = self._save_by(kind, deadline)
+            except SaveAbandoned as e:
+                self._abandon(why, e)
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
-                           before_deadline=True)
+                           before_deadline=deadline is None or time.time() <= deadline)
             if self._link is not None:
                 self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank,
                                                   seconds=round(seconds, 3), last_committed=committed))
@@ -449,7 +494,7 @@ class Runtime:
                 self._manager.close()  # an in-flight save finishes on the old groups first
                 self._manager = None
             self._group = None
-            rf.teardown_world()
+            rf.teardown_world(self.device)
             assert self._link is not None
             self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
             self._log.info("worker_parked", step=self.step, reason=reason.value)
@@ -471,7 +516,7 @@ class Runtime:
             self._exit(proto.EXIT_RESIZE)
         self._broken = None
         self.reformations += 1
-        self._step_started = time.monotonic()
+        self._timer.start()
         self._log.info("worker_reformed", step=self.step, reason=reason.value, old_rank=old[0], old_world_size=old[1],
                        accum_steps=self.accum_steps, state=outcome, live_step=live,
                        parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
@@ -487,9 +532,12 @@ class Runtime:
         raise RuntimeError(f"injected fault at {point} (inject_fault={self._inject_fault!r})")
 
     def _join_world(self, msg: proto.Reform) -> None:
+        if dev.select_device(msg.local_rank) != self.device:  # a live process cannot move its model
+            raise RuntimeError(f"the new world gives this worker local rank {msg.local_rank} ({dev.select_device(msg.local_rank)}), "
+                               f"but its state lives on {self.device}")
         rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
                       local_world_size=msg.local_world_size, master_addr=msg.master_addr, master_port=msg.master_port,
-                      group_rank=msg.group_rank, nodes=msg.nodes, timeout_s=self.pg_timeout_s)
+                      device=self.device, group_rank=msg.group_rank, nodes=msg.nodes, timeout_s=self.pg_timeout_s)
         self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
         self.local_world_size = msg.local_world_size
         self.fence = self.round = msg.round
@@ -534,11 +582,71 @@ class Runtime:
             if d["scaler"] is not None and self.strategy is not None and self.strategy.scaler is not None:
                 self.strategy.scaler.load_state_dict(d["scaler"])
 
-        return rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group)
+        # Flags and small state over the gloo group; the tensors over the default group when they live on
+        # the GPU (NCCL), over the same gloo group on the CPU.
+        return rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group,
+                                  tensor_group=None if self.device.type == "cuda" else self._group)
 
-    def _stop(self, why: proto.StopReason) -> None:
+    def _deadline(self) -> float | None:
+        """This node's drain deadline (epoch seconds), when its agent asked it to drain."""
+        if self._link is None or self._local_request() is not proto.StopReason.DRAIN:
+            return None
+        return self._link.deadline
+
+    def _save_by(self, kind: str, deadline: float | None) -> tuple[float, int | None]:
+        """Save this step and wait for its commit; return ``(seconds, committed step)``.
+
+        With a ``deadline`` (epoch seconds: the earliest drain deadline any rank knows, agreed at the
+        step boundary) the save runs in a helper thread and is abandoned when the deadline passes
+        (:class:`SaveAbandoned`): a peer that vanished without a TCP reset leaves the save's gloo
+        collectives waiting for ``workers.pg_timeout_s`` (torch's gloo default: 30 minutes), far past
+        any notice. The thread stays blocked; the caller exits the process. Without a deadline (a
+        resize), the process groups' timeout bounds the wait."""
+        assert self._manager is not None
+        manager = self._manager
+        if deadline is None:
+            seconds = self._save(kind)
+            return seconds, self._note_committed(manager.wait())
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            dev.bind(self.device)  # CUDA's current device is per thread: not device 0 for this one
+            try:
+                seconds = self._save(kind)
+                box["ok"] = (seconds, self._note_committed(manager.wait()))
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                box["err"] = e
+
+        t = threading.Thread(target=run, name="trainguard-emergency-save", daemon=True)
+        t.start()
+        t.join(max(0.0, deadline - time.time()))
+        if t.is_alive():
+            raise SaveAbandoned(f"the {kind} checkpoint of step {self.step} was still running at the drain deadline")
+        if "err" in box:
+            raise box["err"]
+        return box["ok"]
+
+    def _note_committed(self, step: int | None) -> int | None:
+        if step is not None and (self._committed is None or step > self._committed):
+            self._committed = step
+        return step
+
+    def _abandon(self, why: proto.StopReason, e: SaveAbandoned) -> None:
+        """The deadline passed mid-save: the last committed checkpoint stands. Say how much work that
+        loses, tell the agent, and exit with the resize code (no cleanup: a thread may be stuck in a
+        collective with a vanished peer, and closing the manager would wait for it)."""
+        last = self._committed
+        self._metrics.observe_checkpoint(why.checkpoint_kind.value, None, None, 0.0, 0, self.step, False)
+        self._log.error("checkpoint_abandoned", step=self.step, kind=why.checkpoint_kind.value, reason=str(e),
+                        last_committed=last, lost_steps=self.step - (last or 0),
+                        effect="exiting with the resize code; the job resumes from the last committed step")
+        if self._link is not None:
+            self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
+                                              last_committed=last))
+        self._exit(proto.EXIT_RESIZE)
+
+    def _stop(self, why: proto.StopReason, deadline: float | None = None) -> None:
         kind = why.checkpoint_kind.value
-        deadline = self._link.deadline if self._link else None
         self._log.warning("worker_stopping", step=self.step, kind=kind,
                           deadline_in_s=round(deadline - time.time(), 1) if deadline else None)
         report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False)
@@ -548,18 +656,15 @@ class Runtime:
                               effect="the next start begins from step 0")
         else:
             try:
-                seconds = self._save(kind)
-                committed = self._manager.wait()
+                seconds, committed = self._save_by(kind, deadline)
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, seconds=round(seconds, 3),
                                          last_committed=committed)
+            except SaveAbandoned as e:
+                self._abandon(why, e)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
-                last = None
-                try:
-                    last = self._manager.latest()
-                except CheckpointError as e2:
-                    self._log.warning("checkpoint_latest_unknown", error=str(e2)[:500])
+                last = self._committed  # local knowledge: asking rank 0 is a collective, and a peer may be gone
                 self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
@@ -589,7 +694,7 @@ class Runtime:
             kind = proto.CheckpointKind.FINAL
             try:
                 seconds = self._save(kind.value)
-                committed = self._manager.wait()
+                committed = self._note_committed(self._manager.wait())
             except Exception as e:
                 self._metrics.observe_checkpoint(kind.value, None, None, 0.0, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind.value, error=str(e)[:500])
@@ -606,5 +711,5 @@ class Runtime:
             self.strategy.teardown()
         if dist.is_initialized():
             if barrier:
-                dist.barrier()
+                dist.barrier(**dev.barrier_kwargs(self.device))
             dist.destroy_process_group()
