@@ -62,6 +62,13 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(d, 256, bias=False)
         self.register_buffer("mask", torch.triu(torch.full((seq_len, seq_len), float("-inf")), 1), persistent=False)
 
+    def reset_parameters(self) -> None:
+        """(Re)compute the causal mask: after ``to_empty`` (a meta-device model materialised by fsdp) it
+        holds garbage, and it is in no checkpoint (non-persistent). The submodules reset their own weights."""
+        n = self.mask.shape[0]
+        with torch.no_grad():
+            self.mask.copy_(torch.triu(torch.full((n, n), float("-inf"), device=self.mask.device), 1))
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))

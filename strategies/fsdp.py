@@ -38,8 +38,11 @@ Device and meta-device initialisation
     on. A model built on the CPU is moved shard by shard to that device by ``fully_shard``; a model
     built on ``meta`` (``with torch.device("meta"): model = Net()``: no memory at all) is sharded
     there, materialised with ``to_empty(device=rt.device)`` (each rank allocates its shards only) and
-    initialised by ``init_weights(module)`` (default: ``reset_parameters()`` of every submodule that
-    has one; non-persistent buffers must be set there too). Restoring a checkpoint then overwrites it.
+    initialised by ``init_weights(module)`` (default: ``reset_parameters()`` of every module that has
+    one, ``_reset_parameters()`` for ``nn.MultiheadAttention``; the model's own ``reset_parameters``
+    must set its non-persistent buffers, which no checkpoint holds). Restoring a checkpoint then
+    overwrites the parameters. In-place re-formation re-runs the initialiser on the fresh shards of a
+    meta-built model before the checkpoint reload.
 
 Optimizer
     ``fully_shard`` replaces every parameter with a sharded one, so :meth:`FSDPStrategy.setup` builds
@@ -179,6 +182,7 @@ class FSDPStrategy(Strategy):
         self.owns_process_group = False
         self._template: nn.Module | None = None
         self._accum = 1
+        self._meta_init = False
         self._grad_bytes: int | None = None
         self._opt_names: list[list[str]] = []
 
@@ -229,12 +233,18 @@ class FSDPStrategy(Strategy):
     def _materialise(self, model: nn.Module, device: torch.device) -> None:
         """A meta-device model, sharded: allocate this rank's shards on ``device`` and initialise them."""
         model.to_empty(device=device)
+        self._meta_init = True
+        self._initialise(model)
+
+    def _initialise(self, model: nn.Module) -> None:
         with torch.no_grad():
             if self.init_weights is not None:
                 self.init_weights(model)
                 return
             for m in model.modules():
                 reset = getattr(m, "reset_parameters", None)
+                if not callable(reset) and isinstance(m, nn.MultiheadAttention):
+                    reset = m._reset_parameters
                 if callable(reset):
                     reset()
 
@@ -272,6 +282,8 @@ class FSDPStrategy(Strategy):
         buffers = {n: b for n, b in fresh.named_buffers()}
         self._shard(fresh, self.target_device().type)
         fresh.to_empty(device=self.target_device())
+        if self._meta_init:  # the template's buffers are on meta too: recompute them
+            self._initialise(fresh)
         with torch.no_grad():
             for n, b in fresh.named_buffers():  # to_empty dropped their values; persistent ones reload too
                 src = buffers.get(_strip_ckpt(n))
