@@ -259,6 +259,7 @@ class Supervisor:
             pg_timeout_s=cfg.workers.pg_timeout_s,
         ).to_env()
         env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
+        env.update(workerenv.gpu_defaults(cfg.workers, os.environ, reform_in_process=self.reform_enabled))
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         if self.observer is not None:
             env.update(self.observer.worker_env())

@@ -33,6 +33,10 @@ class StorageError(CheckpointError):
         self.transient = transient
 
 
+class InflightTimeout(CheckpointError):
+    """The previous background save is still running past the manager's ``inflight_timeout_s``."""
+
+
 class FencedError(CheckpointError):
     """A writer whose fence (rendezvous round) is older than the newest registered one tried to commit.
 

@@ -62,6 +62,7 @@ from trainguard.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFound,
     FencedError,
+    InflightTimeout,
     StorageError,
 )
 from trainguard.checkpoint.manifest import (
@@ -287,11 +288,17 @@ class CheckpointManager:
         process_group: gloo group for checkpoint collectives; created when None and a default group
             exists with ``world_size > 1`` (the constructor is then a collective).
         storage: a prepared :class:`Storage` (tests); built from ``config`` when None.
+        inflight_timeout_s: how long a :meth:`save`, :meth:`restore` or :meth:`close` waits for the
+            previous background save (None: no bound). A persist stuck past it (a vanished peer in its
+            collectives, a storage call that never returns) makes the waiting call raise
+            :class:`CheckpointError` instead of hanging; the last committed step stands.
     """
 
     def __init__(self, config: CheckpointConfig, run_id: str, *, rank: int, world_size: int, fence: int = 0,
-                 strategy: str = "ddp", process_group: Any = None, storage: Storage | None = None) -> None:
+                 strategy: str = "ddp", process_group: Any = None, storage: Storage | None = None,
+                 inflight_timeout_s: float | None = None) -> None:
         self._closed = True  # until fully built: close() must be safe on a half-built object
+        self.inflight_timeout_s = inflight_timeout_s
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[int] | None = None
         self.last_blocked_s = 0.0
@@ -468,12 +475,17 @@ class CheckpointManager:
         """Wait for the in-flight save (errors logged) and stop the background thread. Idempotent."""
         if getattr(self, "_closed", True) and getattr(self, "_executor", None) is None:
             return
+        stuck = False
         try:
             self._finish_inflight(reraise_fenced=False)
+        except InflightTimeout as e:
+            stuck = True
+            self._log.error("checkpoint_inflight_abandoned", error=str(e), effect="the manager closes without it; "
+                            "the last committed step stands")
         finally:
             ex, self._executor = self._executor, None
             if ex is not None:
-                ex.shutdown(wait=True)
+                ex.shutdown(wait=not stuck)
             self._closed = True
 
     def __enter__(self) -> CheckpointManager:
@@ -529,19 +541,26 @@ class CheckpointManager:
         return f"{self.run_id}/{step_dir(step)}"
 
     def _finish_inflight(self, *, reraise_fenced: bool) -> None:
+        """Wait for the background save, at most :attr:`inflight_timeout_s` (then
+        :class:`InflightTimeout`; it keeps running and stays in flight)."""
         f = self._inflight
         if f is None:
             return
         try:
-            f.result()
+            f.result(timeout=self.inflight_timeout_s)
+        except FutureTimeout:
+            raise InflightTimeout(f"the background save of step {self._inflight_step} to {self.url} is still running "
+                                  f"after {self.inflight_timeout_s:g}s (a peer gone from its collectives, or storage "
+                                  f"not answering). The last committed step stands") from None
         except FencedError:
+            self._inflight = None
+            self._inflight_step = None
             if reraise_fenced:
                 raise
         except Exception:  # noqa: BLE001 - already logged as checkpoint_save_failed by _persist
             pass
-        finally:
-            self._inflight = None
-            self._inflight_step = None
+        self._inflight = None
+        self._inflight_step = None
 
     def _persist(self, step: int, staged: dict[str, Any], kind: str) -> int:
         """Write, commit and clean up one staged state (background thread, or caller when sync)."""

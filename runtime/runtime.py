@@ -84,6 +84,7 @@ from trainguard.strategies.batch import split
 log = get_logger("trainguard.worker")
 
 _NO_DEADLINE = -(2**62)
+_GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
 
 
 def _encode_deadline(deadline: float | None) -> int:
@@ -146,6 +147,9 @@ class Runtime:
         self._manager: CheckpointManager | None = None
         self._last_periodic = time.monotonic()
         self._timer = dev.StepTimer(self.device)
+        self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
+        """Bound of waiting for the previous background save: its collectives are bounded by the process
+        groups' timeout, its storage operations by ``checkpoint.retry_deadline_s``."""
         self._committed: int | None = None
         """The newest step known committed on this rank (restored, or saved and waited for): what a
         failed or abandoned save falls back to. Local knowledge, no collective."""
@@ -252,7 +256,8 @@ class Runtime:
             # Built here (not by the manager) so that it gets workers.pg_timeout_s; the same one collective.
             group = self._new_gloo_group() if self.world_size > 1 else None
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
-                                              fence=self.fence, strategy=self.strategy_name, process_group=group)
+                                              fence=self.fence, strategy=self.strategy_name, process_group=group,
+                                              inflight_timeout_s=self.inflight_timeout_s)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
