@@ -50,13 +50,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import (
     CompanionMismatch,
     _copy_state_dict,
-    _create_cpu_state_dict,
 )
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainguard.runtime.log import get_logger
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.pinned import CopyStream, HostArena, build, cuda_device_of, layout_bytes
 from trainguard.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -159,40 +159,69 @@ def scan_run(storage: Storage, run_id: str) -> Scan:
 
 
 class _Stager:
-    """Copies a state dict into reusable CPU buffers (one copy of the state, allocated once).
+    """Copies a state dict into reusable host buffers (one copy of the state, allocated once).
 
-    Buffers are rebuilt only when the state's structure, shapes or dtypes change (e.g. optimizer
-    state appearing after the first step). With CUDA tensors the buffers are pinned and the copy is
-    non-blocking, followed by one synchronize.
+    The buffers are views into one exact-size :class:`~trainguard.checkpoint.pinned.HostArena`
+    (page-locked in place when the state is on a GPU), rebuilt only when the state's structure,
+    shapes or dtypes change (e.g. optimizer state appearing after the first step);
+    :attr:`staging_bytes` is the arena's size: what was allocated. From a GPU the copies run on a
+    side stream (:class:`~trainguard.checkpoint.pinned.CopyStream`) and :attr:`ready` is the event the
+    persist thread waits on; on the CPU they are plain and :attr:`ready` is None.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: Any = None) -> None:
         self._buffers: dict[str, Any] | None = None
+        self._arena: HostArena | None = None
+        self._copier: CopyStream | None = None
+        self._cuda = cuda
         self.staging_bytes = 0
         self.rebuilds = 0
+        self.ready: Any = None
 
     @staticmethod
     def _materialise(state: dict[str, Any]) -> dict[str, Any]:
         return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
 
+    def _rebuild(self, sd: dict[str, Any]) -> None:
+        if self._arena is not None:  # free (and unregister) the old buffers before allocating new ones
+            self._arena.release()
+        self._buffers = self._arena = None
+        device = cuda_device_of(sd)
+        self._arena = HostArena(layout_bytes(sd), pin=device is not None)
+        self._buffers = build(sd, self._arena)
+        self.staging_bytes = self._arena.nbytes
+        self.rebuilds += 1
+        if device is None:
+            self._copier = None
+        elif self._copier is None or self._copier.device != device:
+            self._copier = CopyStream(device, self._cuda)
+
+    @torch.no_grad()
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate the buffers for ``state`` now (no copy), so that the first save does not pay for it."""
+        sd = self._materialise(state)
+        if self._buffers is None or not _same_layout(sd, self._buffers):
+            self._rebuild(sd)
+
     @torch.no_grad()
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         sd = self._materialise(state)
-        cuda = _has_cuda_tensor(sd)
         if self._buffers is None or not _same_layout(sd, self._buffers):
-            self._buffers = None  # free the old buffers before allocating new ones
-            self._buffers = _create_cpu_state_dict(sd, pin_memory=cuda)
-            self.staging_bytes = _tensor_bytes(self._buffers)
-            self.rebuilds += 1
+            self._rebuild(sd)
         try:
-            out = _copy_state_dict(sd, self._buffers, non_blocking=cuda, type_check=False)
+            return self._copy(sd)
         except CompanionMismatch:
-            self._buffers = _create_cpu_state_dict(sd, pin_memory=cuda)
-            self.staging_bytes = _tensor_bytes(self._buffers)
-            self.rebuilds += 1
-            out = _copy_state_dict(sd, self._buffers, non_blocking=cuda, type_check=False)
-        if cuda:
-            torch.cuda.synchronize()
+            self._rebuild(sd)
+            return self._copy(sd)
+
+    def _copy(self, sd: dict[str, Any]) -> dict[str, Any]:
+        assert self._buffers is not None
+        buffers = self._buffers
+        if self._copier is None:
+            self.ready = None
+            return _copy_state_dict(sd, buffers, non_blocking=False, type_check=False)
+        out, self.ready = self._copier.copy(_walk_tensors(sd), lambda: _copy_state_dict(
+            sd, buffers, non_blocking=True, type_check=False))
         return out
 
 
@@ -231,14 +260,6 @@ def _walk_tensors(obj: Any) -> list[torch.Tensor]:
         for v in obj:
             out.extend(_walk_tensors(v))
     return out
-
-
-def _tensor_bytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _walk_tensors(obj))
-
-
-def _has_cuda_tensor(obj: Any) -> bool:
-    return any(t.is_cuda for t in _walk_tensors(obj))
 
 
 def _describe(e: BaseException) -> str:
@@ -365,6 +386,15 @@ class CheckpointManager:
         failed), or None when the last :meth:`save` returned committed. Callers may add done-callbacks."""
         return self._inflight
 
+    def prepare_staging(self, state: dict[str, Any]) -> int:
+        """Allocate the staging buffers for ``state`` now, without saving (call after the first step,
+        once the optimizer state exists): the first save, which may be an emergency one, then does not
+        pay for a multi-GB page-locked allocation. Returns the staging bytes. Not a collective."""
+        self._check_open()
+        if self._inflight is None or self._inflight.done():  # never re-carve buffers a persist is reading
+            self._stager.prepare(state)
+        return self._stager.staging_bytes
+
     def save(self, step: int, state: dict[str, Any], kind: str = "periodic", *, block: bool | None = None) -> None:
         """Checkpoint ``state`` as ``step`` (a collective: call on every rank).
 
@@ -383,18 +413,19 @@ class CheckpointManager:
         t_wait = time.monotonic() - t0
         self._bind(state)
         staged = self._stager.stage(state)
+        ready = self._stager.ready
         blocked = time.monotonic() - t0
         self._log.info("checkpoint_staged", step=step, kind=kind, blocked_s=round(blocked, 6),
                        waited_inflight_s=round(t_wait, 6), staging_bytes=self._stager.staging_bytes)
         self.last_blocked_s = blocked
         sync = (not self.config.async_save) if block is None else block
         if sync:
-            self._persist(step, staged, kind)
+            self._persist(step, staged, kind, ready)
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._inflight_step = step
-        self._inflight = self._executor.submit(self._persist, step, staged, kind)
+        self._inflight = self._executor.submit(self._persist, step, staged, kind, ready)
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait for the in-flight save; return the newest step committed by this manager (or None).
@@ -562,9 +593,12 @@ class CheckpointManager:
         self._inflight = None
         self._inflight_step = None
 
-    def _persist(self, step: int, staged: dict[str, Any], kind: str) -> int:
-        """Write, commit and clean up one staged state (background thread, or caller when sync)."""
+    def _persist(self, step: int, staged: dict[str, Any], kind: str, ready: Any = None) -> int:
+        """Write, commit and clean up one staged state (background thread, or caller when sync).
+        ``ready``: the event of the staging copies (GPU); the buffers are read only after it."""
         t0 = time.monotonic()
+        if ready is not None:
+            ready.synchronize()  # this save's copies only: not a device-wide synchronize
         rel = self._rel(step)
         try:
             self._on_rank0(lambda: self._check_fence(register=True))

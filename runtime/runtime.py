@@ -147,6 +147,7 @@ class Runtime:
         self._manager: CheckpointManager | None = None
         self._last_periodic = time.monotonic()
         self._timer = dev.StepTimer(self.device)
+        self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
         """Bound of waiting for the previous background save: its collectives are bounded by the process
         groups' timeout, its storage operations by ``checkpoint.retry_deadline_s``."""
@@ -255,6 +256,7 @@ class Runtime:
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
             # Built here (not by the manager) so that it gets workers.pg_timeout_s; the same one collective.
             group = self._new_gloo_group() if self.world_size > 1 else None
+            self._staging_ready = False
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
                                               fence=self.fence, strategy=self.strategy_name, process_group=group,
                                               inflight_timeout_s=self.inflight_timeout_s)
@@ -421,6 +423,11 @@ class Runtime:
             self._park(proto.ParkReason.PEER_LOST)
             return False
         self.step += 1
+        if self._manager is not None and not self._staging_ready:
+            # After the first step the optimizer state exists: allocate the staging buffers now, so that
+            # the first save (perhaps an emergency one, against a deadline) does not pay for them.
+            self._staging_ready = True
+            self._manager.prepare_staging(self._state())
         per_rank = self.cursor.global_batch_size // self.world_size
         self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, None)
         for seconds in self._timer.lap():  # CUDA: event times of the steps the GPU has finished
