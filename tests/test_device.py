@@ -181,3 +181,51 @@ def _deepspeed_autocast(monkeypatch):
     s2.device = torch.device("cpu")  # the runtime's device disagrees with the engine's: refused
     with pytest.raises(StrategyError, match="DeepSpeed placed the model on cuda:0.*rt.device"):
         s2.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_worker_gpu_label_is_the_uuid_nvml_writes(monkeypatch):
+    """The worker's allocator-peak series and the agent's NVML series carry the same label."""
+    class Props:
+        uuid = "bd5e6b3c-1111-2222"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    assert dev.gpu_label(torch.device("cuda", 2)) == "GPU-bd5e6b3c-1111-2222"
+    assert dev.gpu_label(torch.device("cpu")) is None
+    assert dev.normalise_uuid(b"GPU-bd5e6b3c-1111-2222\0") == "GPU-bd5e6b3c-1111-2222"
+
+
+def test_step_timer_reads_cuda_events_without_synchronising():
+    """On CUDA a step's time is the elapsed time between its boundary events, read once the end event
+    completed (no host synchronize); on the CPU it is the host clock."""
+    done: set[int] = set()
+
+    class Ev:
+        n = 0
+
+        def __init__(self):
+            Ev.n += 1
+            self.i, self.t = Ev.n, None
+
+        def record(self, stream):
+            self.t = self.i * 100.0  # ms
+
+        def query(self):
+            return self.i in done
+
+        def synchronize(self):
+            done.add(self.i)
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    timer = dev.StepTimer(torch.device("cuda", 0), event_factory=Ev, stream_of=lambda d: None, max_pending=2)
+    timer.start()
+    assert timer.lap() == []  # the GPU has not finished step 1 yet
+    done.update({1, 2})
+    assert timer.lap() == [0.1]  # step 1 (events 1 -> 2) now known; step 2 still pending
+    assert timer.lap() == []
+    assert timer.lap() == [0.1]  # more than max_pending steps waiting: the oldest is waited for
+    clock = iter([10.0, 10.5, 11.25]).__next__
+    cpu = dev.StepTimer(torch.device("cpu"), clock=clock)
+    cpu.start()
+    assert cpu.lap() == [0.5] and cpu.lap() == [0.75]
