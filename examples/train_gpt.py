@@ -119,6 +119,8 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     distributed = "WORLD_SIZE" in os.environ
+    if backend == "nccl":  # this worker's GPU, current before the process group exists (as torchrun scripts should)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if distributed:
         dist.init_process_group(backend)
     rank = dist.get_rank() if distributed else 0

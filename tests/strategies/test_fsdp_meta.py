@@ -121,3 +121,19 @@ def test_fsdp_accumulation_paths_agree(unsharded):
         assert s.describe()["accumulate_unsharded"] is unsharded
     finally:
         s.teardown()
+
+
+@pytest.mark.slow
+def test_example_meta_init_fsdp_over_two_ranks_then_one(tmp_path):
+    """The bundled elastic job with ``--meta-init`` (model on ``meta``, shards materialised on
+    rt.device = cpu here) trains over 2 gloo ranks, checkpoints, and resumes at 1 rank."""
+    import math
+
+    from tests.strategies._world import losses, run_segment
+
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
+    run_segment(2, "fsdp", ckpt, steps=4, interval=2, fence=1, loss_log=log, extra=["--meta-init"])
+    run_segment(1, "fsdp", ckpt, steps=6, interval=2, fence=2, loss_log=log, extra=["--meta-init"])
+    logged = losses(log)
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in logged.values())
+    assert logged[6] < logged[1]  # it learns across the resize (restored, not re-initialised)
