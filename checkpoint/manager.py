@@ -392,6 +392,7 @@ class CheckpointManager:
         pay for a multi-GB page-locked allocation. Returns the staging bytes. Not a collective."""
         self._check_open()
         if self._inflight is None or self._inflight.done():  # never re-carve buffers a persist is reading
+            self._bind(state)
             self._stager.prepare(state)
         return self._stager.staging_bytes
 
