@@ -77,7 +77,7 @@ def _add_override_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("torchrun-compatible flags (override YAML and env)")
     g.add_argument("--nnodes", help="MIN:MAX or N nodes (rendezvous.min_nodes/max_nodes)")
     g.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", help="workers per node (workers.nproc_per_node)")
-    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", help="c10d | etcd-v2 | static (rendezvous.backend)")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", help="c10d | etcd | etcd-v2 (deprecated) | static (rendezvous.backend)")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", help="HOST:PORT (rendezvous.endpoint)")
     g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="job id shared by all nodes (agent.job_id)")
     g.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", help="k=v,... (join_timeout, last_call_timeout, close_timeout, keep_alive_interval, keep_alive_max_attempt, is_host)")

@@ -8,20 +8,25 @@ env var, derived mechanically (``rendezvous.min_nodes`` -> ``TRAINGUARD_RENDEZVO
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import ssl
 from dataclasses import dataclass, field
 
-from trainguard.runtime.configbase import require, require_finite
+from trainguard.runtime.configbase import FieldError, env_var_for, require, require_finite
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.metrics.config import CostConfig, MetricsConfig
 
-RDZV_BACKENDS = ("c10d", "etcd-v2", "static")
+RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
+ETCD_ONLY_KEYS = ("ca_file", "cert_file", "key_file", "server_name", "username", "password", "password_file")
+"""TLS and authentication settings; only the ``etcd`` backend has them (a TCPStore has neither)."""
 LOG_FORMATS = ("auto", "json", "console")
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Upper bound of every timeout setting (a week): a larger value is a typo, not a plan."""
+ENV_PASSWORD = env_var_for("rendezvous.password")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,10 +68,12 @@ class AgentConfig:
 @dataclass(kw_only=True, slots=True)
 class RendezvousConfig:
     backend: str = "c10d"
-    """``c10d`` (TCPStore at ``endpoint``), ``etcd-v2`` (etcd with ``--enable-v2=true``) or ``static``."""
+    """``c10d`` (TCPStore at ``endpoint``), ``etcd`` (etcd's v3 API, with TLS and authentication),
+    ``etcd-v2`` (deprecated: etcd's v2 API, ``--enable-v2=true``, gone in etcd 3.6) or ``static``."""
 
     endpoint: str = "127.0.0.1:29400"
-    """``host:port`` of the rendezvous store (c10d) or of etcd (etcd-v2)."""
+    """``host:port`` of the rendezvous store (c10d) or of etcd; for ``etcd`` a comma-separated list of
+    members (``10.0.0.5:2379,10.0.0.6:2379,10.0.0.7:2379``), tried in turn."""
 
     min_nodes: int = 1
     """Fewest nodes the job runs with; below it the survivors wait for nodes to join."""
@@ -99,16 +106,49 @@ class RendezvousConfig:
     """Missed heartbeats before a node is declared dead. interval x attempts < 4 s risks splitting a
     job into two worlds under load."""
 
+    prefix: str = "/trainguard"
+    """etcd only: key namespace. A job's keys (rendezvous state, agent store, drain record) live under
+    ``<prefix>/<job_id>/``; its etcd user needs a role with ``readwrite`` on exactly that prefix."""
+
+    ca_file: str = ""
+    """etcd only: PEM bundle of the CA that signed etcd's server certificate. Set = talk HTTPS and
+    verify etcd; empty = plain HTTP (the agent warns)."""
+
+    cert_file: str = ""
+    """etcd only: client certificate (PEM) for an etcd started with ``--client-cert-auth``. Needs
+    ``key_file`` and ``ca_file``. It must have no Common Name when etcd also has authentication on."""
+
+    key_file: str = ""
+    """etcd only: private key (PEM, unencrypted) of ``cert_file``; keep it mode 0600."""
+
+    server_name: str = ""
+    """etcd only: name to verify etcd's certificate against (and send as SNI) when ``endpoint`` uses an
+    address the certificate does not list. Empty = the endpoint's host."""
+
+    username: str = ""
+    """etcd only: etcd user of this job (``etcdctl user add``). Needs a password from ``password_file``
+    or ``password``. Empty = no authentication (the agent warns)."""
+
+    password: str = field(default="", repr=False)
+    """etcd only: the user's password. Prefer ``password_file``; if you must, set it through the env
+    var of this key (an EnvironmentFile of mode 0600), never in the YAML. Redacted, never logged."""
+
+    password_file: str = ""
+    """etcd only: file whose first line is the user's password (mode 0600, readable by the agent)."""
+
     def __post_init__(self) -> None:
         require(self.backend in RDZV_BACKENDS, "backend", f"must be one of {list(RDZV_BACKENDS)}, got {self.backend!r}",
-                "use 'c10d' (with `trainguard store` for spot clusters) or 'etcd-v2'")
+                "use 'c10d' (with `trainguard store` for spot clusters) or 'etcd'")
         require(self.min_nodes >= 1, "min_nodes", f"must be >= 1, got {self.min_nodes}", "set min_nodes to at least 1")
         require(self.max_nodes >= self.min_nodes, "max_nodes",
                 f"max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})",
                 "raise max_nodes or lower min_nodes (torchrun: --nnodes MIN:MAX)")
-        host, _, port = self.endpoint.rpartition(":")
-        require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "endpoint",
-                f"must be host:port, got {self.endpoint!r}", "e.g. '10.0.0.5:29400'")
+        endpoints = [e.strip() for e in self.endpoint.split(",")] if self.backend == "etcd" else [self.endpoint]
+        for ep in endpoints:
+            host, _, port = ep.rpartition(":")
+            require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "endpoint",
+                    f"must be host:port{' (or a comma-separated list of them)' if self.backend == 'etcd' else ''}, "
+                    f"got {self.endpoint!r}", "e.g. '10.0.0.5:29400'" if self.backend != "etcd" else "e.g. '10.0.0.5:2379'")
         require(self.keep_alive_interval_s >= 1, "keep_alive_interval_s", f"must be >= 1, got {self.keep_alive_interval_s}",
                 "use whole seconds, e.g. 2")
         require(self.keep_alive_max_attempts >= 2, "keep_alive_max_attempts",
@@ -121,7 +161,70 @@ class RendezvousConfig:
         require(self.keep_alive_interval_s <= 600, "keep_alive_interval_s",
                 f"must be at most 600, got {self.keep_alive_interval_s}", "use 2: a node silent for interval x attempts is dead")
         require(self.backend != "static" or self.min_nodes == self.max_nodes, "backend",
-                "the static backend cannot change size", "use c10d or etcd-v2 for an elastic job, or set min_nodes == max_nodes")
+                "the static backend cannot change size", "use c10d or etcd for an elastic job, or set min_nodes == max_nodes")
+        self._check_etcd_security()
+
+    def _check_etcd_security(self) -> None:
+        """TLS and auth settings: only for ``etcd``, consistent, and their files readable and valid.
+
+        Errors about the password name another field, so that the value shown is never the secret.
+        """
+        given = [k for k in ETCD_ONLY_KEYS if getattr(self, k)]
+        require(self.backend == "etcd" or not given, "backend",
+                f"{given} apply to backend 'etcd' only, but backend is {self.backend!r}",
+                "use backend 'etcd' (v3, TLS and authentication), or remove those settings: c10d's TCPStore and "
+                "torch's etcd-v2 backend have neither")
+        require(self.prefix.startswith("/") and not any(c.isspace() for c in self.prefix), "prefix",
+                f"must be an absolute key path without spaces, got {self.prefix!r}", "e.g. '/trainguard' or '/teams/ml'")
+        for key in ("ca_file", "cert_file", "key_file", "password_file"):
+            path = getattr(self, key)
+            require(not path or os.path.isfile(path), key, f"file {path!r} does not exist",
+                    f"give the path of an existing file (an absolute path; the agent's working directory is {os.getcwd()!r})")
+            require(not path or os.access(path, os.R_OK), key, f"file {path!r} is not readable by this user",
+                    "chmod/chown it so the agent's user can read it (keys and passwords: mode 0600 or 0640)")
+        require(bool(self.cert_file) == bool(self.key_file), "key_file" if self.cert_file else "cert_file",
+                "cert_file and key_file go together", "set both (the client certificate and its private key), or neither")
+        require(not self.cert_file or bool(self.ca_file), "ca_file", "a client certificate is only sent over TLS, and ca_file is empty",
+                "set ca_file to the CA that signed etcd's server certificate")
+        require(not self.server_name or bool(self.ca_file), "server_name", "server_name is only used with TLS, and ca_file is empty",
+                "set ca_file, or remove server_name")
+        require(not (self.password and self.password_file), "password_file",
+                f"both password_file and password (e.g. env {ENV_PASSWORD}) are set", "keep one of them")
+        require(bool(self.username) or not (self.password or self.password_file), "username",
+                "a password is configured but no username", "set username to the etcd user the password belongs to")
+        require(not self.username or bool(self.password or self.password_file), "username",
+                f"etcd user {self.username!r} has no password configured",
+                f"set password_file (a file readable only by the agent) or env var {ENV_PASSWORD}")
+        if self.password_file:
+            with open(self.password_file, encoding="utf-8") as fh:
+                first = fh.readline().rstrip("\r\n")
+            require(bool(first), "password_file", f"file {self.password_file!r} has an empty first line",
+                    "write the password on the first line of the file")
+        if self.ca_file:
+            try:
+                ctx = ssl.create_default_context(cafile=self.ca_file)
+            except (ssl.SSLError, ValueError) as e:
+                raise FieldError("ca_file", f"{self.ca_file!r} is not a PEM CA bundle ({e})",
+                                 "give the PEM file of the CA certificate(s) that signed etcd's server certificate") from None
+            if self.cert_file:
+                try:
+                    ctx.load_cert_chain(self.cert_file, self.key_file)
+                except ssl.SSLError as e:
+                    raise _client_cert_error(self.cert_file, self.key_file, e) from None
+
+
+def _client_cert_error(cert_file: str, key_file: str, err: ssl.SSLError) -> FieldError:
+    """Which of the two files ``load_cert_chain`` choked on."""
+    with open(cert_file, encoding="utf-8", errors="replace") as fh:
+        is_cert = "-----BEGIN CERTIFICATE-----" in fh.read()
+    if not is_cert:
+        return FieldError("cert_file", f"{cert_file!r} is not a PEM certificate ({err})",
+                          "give the client certificate in PEM (-----BEGIN CERTIFICATE-----)")
+    if "KEY_VALUES_MISMATCH" in str(err):
+        return FieldError("key_file", f"{key_file!r} is not the private key of {cert_file!r}",
+                          "give the key the client certificate was issued for")
+    return FieldError("key_file", f"{key_file!r} is not an unencrypted PEM private key ({err})",
+                      "give the client key in PEM without a passphrase (openssl pkey -in KEY -out KEY.plain)")
 
 
 @dataclass(kw_only=True, slots=True)

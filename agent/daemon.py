@@ -31,7 +31,8 @@ def _start_metrics(cfg: TrainguardConfig) -> tuple[Any, Any]:
     metrics = AgentMetrics(cfg.metrics, cfg.cost, cfg.agent.node_name,
                            run_dir=os.path.join(cfg.agent.state_dir, cfg.agent.job_id))
     if cfg.checkpoint.url:
-        metrics.set_checkpoint_policy(cfg.checkpoint.interval_s, cfg.checkpoint.interval_steps)
+        policy, _ = cfg.checkpoint.interval_policy()  # auto: the workers export the interval they chose
+        metrics.set_checkpoint_policy(policy.seconds, policy.steps)
     from trainguard.agent.preflight import store_in_agent
 
     metrics.set_store_in_agent(store_in_agent(cfg.rendezvous))

@@ -332,11 +332,12 @@ class ElasticAdapter:
     def peek(self) -> Peek:
         """Sync and read the shared rendezvous state without joining."""
         holder = self.handler._state_holder
-        holder.sync()
-        st = holder.state
-        me = self.handler._this_node
-        return Peek(round=st.round, complete=st.complete, participants=tuple(str(n) for n in st.participants),
-                    waiting=len(st.wait_list), this_node_participates=me in st.participants)
+        with self.handler._heartbeat_lock:  # the keep-alive timer thread syncs the same holder
+            holder.sync()
+            st = holder.state
+            me = self.handler._this_node
+            return Peek(round=st.round, complete=st.complete, participants=tuple(str(n) for n in st.participants),
+                        waiting=len(st.wait_list), this_node_participates=me in st.participants)
 
     def round_store(self, round_: int) -> Any:
         """The store under round ``round_``'s prefix (the one the round's agents use)."""

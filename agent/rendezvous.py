@@ -41,6 +41,10 @@ def build_handler(cfg: RendezvousConfig, run_id: str) -> RendezvousHandler:
         local_addr=cfg.local_addr or None,
         **extra,
     )
+    if cfg.backend == "etcd":  # etcd v3 with TLS and auth: our backend, torch's dynamic rendezvous
+        from trainguard.agent.etcd_rendezvous import create_handler as create_etcd_handler
+
+        return create_etcd_handler(cfg, params)
     return rdzv_registry.get_rendezvous_handler(params)
 
 

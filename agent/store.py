@@ -6,13 +6,20 @@ dies with it and every survivor fails with ``RendezvousConnectionError`` (pytorc
 spot cluster that turns the loss of one node into the loss of the job. This command runs the
 store in its own process on a small on-demand coordinator node; every agent then uses
 ``rdzv_endpoint=<store-host>:29400`` with ``is_host=false`` and any worker node can disappear.
-See ``docs/rendezvous.md`` for the trade-off against ``etcd-v2``.
+See ``docs/rendezvous.md`` for the trade-off against ``etcd``.
 
 Binding: ``TCPStore`` on its own listens on every interface (IPv4 and IPv6) whatever host it is
 given. We bind the listening socket ourselves to ``--host`` and hand it over through
 ``master_listen_fd``, so ``--host 10.0.0.5`` really listens on that address only, and
-``--host 0.0.0.0`` on all IPv4 addresses. The store has no authentication: keep the port reachable
-only from the cluster's nodes (security group / firewall).
+``--host 0.0.0.0`` on all IPv4 addresses. The default is ``127.0.0.1``: a store is reachable from
+other nodes only when the operator names the interface.
+
+Security: the store has **no authentication and no TLS**. Anyone who reaches the port can join any
+job's rendezvous, or rewrite its keys (the participant list, the workers' ``MASTER_ADDR``, the drain
+record). Keep the port reachable only from the cluster's nodes (security group / firewall) and say
+so with ``--firewalled``; without it, a store listening beyond loopback logs ``store_exposed`` (a
+warning) at start. Where the network cannot be trusted, use ``rendezvous.backend: etcd`` with TLS,
+client certificates and a per-job etcd user instead (``docs/rendezvous.md``).
 
 State: the store is memory-only. A restart loses every run's rendezvous state and breaks the
 agents' client connections, so the unit restarts it only on failure and the coordinator node
@@ -21,13 +28,15 @@ must be on-demand, not spot. One store serves any number of jobs (keys are prefi
 Environment: this module never reads :data:`os.environ`; the CLI entry point passes it to
 :func:`main` (for ``NOTIFY_SOCKET`` / ``WATCHDOG_USEC``).
 
-Log events: ``store_ready`` (host, port, pid), ``store_stopping`` (signal), ``store_stopped``.
+Log events: ``store_ready`` (host, port, pid, exposed, firewalled), ``store_exposed`` (warning),
+``store_stopping`` (signal), ``store_stopped``, ``store_failed``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import ipaddress
 import os
 import signal
 import socket
@@ -48,7 +57,10 @@ DEFAULT_PORT = 29400
 HEARTBEAT_KEY = "trainguard/store/heartbeat"
 """Key the watchdog health check increments, proving the server answers requests."""
 
-__all__ = ["DEFAULT_PORT", "StoreServer", "main", "register"]
+DEFAULT_HOST = "127.0.0.1"
+"""Loopback unless the operator names an interface: an unauthenticated store is never exposed by default."""
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "StoreServer", "is_exposed", "main", "register"]
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -63,14 +75,23 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
             "Run a long-lived torch.distributed TCPStore for the c10d rendezvous backend on a small "
             "on-demand coordinator node. Agents point rendezvous.endpoint at HOST:PORT with "
             "is_host=false, so losing any training node (including the first one) is survivable. "
-            "The store is unauthenticated and in-memory: firewall the port to the cluster, and do "
-            "not run it on a spot node. Stops cleanly on SIGTERM/SIGINT."
+            "The store is unauthenticated, unencrypted and in-memory: listen on the cluster interface "
+            "only, firewall the port to the cluster's nodes, and do not run it on a spot node; where "
+            "the network is not trusted use rendezvous.backend etcd (TLS + auth). Stops cleanly on "
+            "SIGTERM/SIGINT."
         ),
     )
     p.add_argument(
         "--host",
-        default="0.0.0.0",
-        help="address to listen on: 0.0.0.0 (all IPv4, default), :: (all IPv4+IPv6) or one interface address",
+        default=DEFAULT_HOST,
+        help=f"address to listen on: one interface address (e.g. the cluster-network IP), {DEFAULT_HOST} "
+             "(default: this node only), 0.0.0.0 (all IPv4) or :: (all IPv4+IPv6)",
+    )
+    p.add_argument(
+        "--firewalled",
+        action="store_true",
+        help="state that the port is reachable only from the cluster's nodes (security group / firewall); "
+             "silences the store_exposed warning logged when listening beyond loopback",
     )
     p.add_argument(
         "--port",
@@ -113,6 +134,16 @@ def _bind(host: str, port: int) -> socket.socket:
             sk.close()
             last = exc
     raise OSError(f"cannot listen on {host}:{port}: {last}") from last
+
+
+def is_exposed(host: str) -> bool:
+    """Whether listening on ``host`` accepts connections from other machines (anything but loopback)."""
+    if host in ("localhost", "ip6-localhost"):
+        return False
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: whatever it resolves to may be reachable
+        return True
 
 
 def _connect_host(host: str) -> str:
@@ -215,7 +246,19 @@ def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
             )
             return 1
         started = time.monotonic()
-        log.info("store_ready", host=args.host, port=server.port, pid=os.getpid(), backend="c10d")
+        exposed, firewalled = is_exposed(args.host), bool(getattr(args, "firewalled", False))
+        if exposed and not firewalled:
+            log.warning(
+                "store_exposed",
+                host=args.host,
+                port=server.port,
+                risk="the store has no authentication: anyone who reaches this port can join any job's rendezvous "
+                     "or rewrite its keys (participants, MASTER_ADDR, the drain record)",
+                fix="allow the port from the cluster's nodes only (security group / firewall) and pass --firewalled, "
+                    "or use rendezvous.backend: etcd with TLS and authentication (docs/rendezvous.md)",
+            )
+        log.info("store_ready", host=args.host, port=server.port, pid=os.getpid(), backend="c10d",
+                 exposed=exposed, firewalled=firewalled)
         notifier.ready(status=f"serving c10d rendezvous store on {args.host}:{server.port}")
         interval = watchdog_interval(env)
         if interval is not None:

@@ -5,7 +5,7 @@ of ``--tensors`` float32 tensors totalling ``--size-mb``:
 
 * ``peak``: one contiguous device-to-host copy into a page-locked buffer (``copy_(non_blocking=True)``
   + synchronize) — what the PCIe/NVLink-C2C link gives;
-* ``staging``: the checkpoint stager (``trainguard.checkpoint.manager._Stager``: one exact-size arena
+* ``staging``: the checkpoint stager (``trainguard.checkpoint.staging.Stager``: one exact-size arena
   registered with ``cudaHostRegister``, copies on a side stream) until its event completes.
 
 Best of ``--repeat`` after one warm-up each. Prints a table; ``--json PATH`` writes ``peak_gbps,
@@ -33,7 +33,7 @@ def main() -> None:
         res = {"skipped": f"no CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda})"}
         print(f"gpu_d2h: SKIPPED: {res['skipped']}")
     else:
-        from trainguard.checkpoint.manager import _Stager
+        from trainguard.checkpoint.staging import Stager
 
         device = torch.device("cuda", torch.cuda.device_count() - 1)
         torch.cuda.set_device(device)
@@ -57,7 +57,7 @@ def main() -> None:
             host.copy_(flat, non_blocking=True)
             torch.cuda.synchronize(device)
 
-        stager = _Stager()
+        stager = Stager()
 
         def staging() -> None:
             stager.stage(state)

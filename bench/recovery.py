@@ -18,6 +18,11 @@ Runs of the same scenario, side by side in one invocation:
 * **kill** -- three in-place agents; one node is SIGKILLed without notice (agent and worker): the
   survivors' collectives fail, the interrupted step is rolled back and they re-form at world size 2
   (``kill_*`` keys).
+* **etcd**, **etcd-kill** (with ``--rdzv c10d,etcd`` or ``--rdzv etcd``) -- the in-place and the kill
+  runs again, with the rendezvous in etcd v3 instead of node a's c10d store: etcd started by the
+  bench on 127.0.0.1 with TLS, ``--client-cert-auth`` and RBAC, the agents logging in as the job's
+  etcd user with a client certificate (the set-up of ``tests/fixtures/etcd.py``: run the bench from a
+  checkout). ``etcd_*`` keys; with ``--rdzv etcd`` alone the c10d trainguard runs are skipped.
 * **baseline** -- what users have today: two ``torchrun --nnodes 1:2`` (c10d) agents training
   ``examples/train_gpt.py`` with a ``torch.save`` checkpoint every K steps and no notice handling. At
   the same step node b dies the way a spot node does (its torchrun and worker are SIGKILLed, process
@@ -54,6 +59,7 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -329,11 +335,33 @@ def worker_pid(node: Proc) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------- trainguard run
-def _agent_factory(d: str, ep: str, common: list[str], args: list[str], procs: list[Proc],
+RDZV_PREFIX = {"c10d": "", "etcd": "etcd_"}
+"""JSON key prefix of the trainguard runs on each rendezvous backend (c10d keeps the historical names)."""
+
+
+@contextlib.contextmanager
+def rendezvous_for(rdzv: str, d: str) -> Any:
+    """``(flags for every agent, extra flags for node a, extra flags for the others)`` on backend
+    ``rdzv``: c10d hosted by node a, or a secured etcd v3 that runs until the block exits."""
+    if rdzv == "c10d":
+        ep = f"127.0.0.1:{free_port()}"
+        yield (["--rdzv-backend", "c10d", "--rdzv-endpoint", ep, "--rdzv-id", "bench"],
+               ["--set", "rendezvous.is_host=true"], ["--set", "rendezvous.is_host=false"])
+        return
+    sys.path.insert(0, REPO)  # the secured-etcd set-up of the test suite (certificates, users, roles)
+    from tests.fixtures.etcd import start_secure_etcd
+
+    # Beside the run's folder, not in it: etcd is no orphan of the run (see `orphans`).
+    with start_secure_etcd(Path(os.path.dirname(d)) / f"etcd-server-{os.path.basename(d)}", job="bench") as etcd:
+        say("bench", f"etcd v3 with TLS, client certificates and RBAC at {etcd.endpoint}")
+        yield ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "bench", *etcd.set_flags()], [], []
+
+
+def _agent_factory(d: str, rdzv: list[str], common: list[str], args: list[str], procs: list[Proc],
                    timeline: list[tuple[float, str, str]], nnodes: str = "1:2"):
     def agent(name: str, extra: list[str]) -> Proc:
         cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", ep, "--rdzv-id", "bench", "--node-name", name,
+               *rdzv, "--node-name", name,
                "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
                "--state-dir", os.path.join(d, f"state-{name}"), "--log-dir", os.path.join(d, f"logs-{name}"),
                "--set", "agent.log_format=json", "--set", "metrics.port=0", *common, *extra, ELASTIC, *args]
@@ -351,25 +379,31 @@ def _continued(node: Proc, world: int) -> list[tuple[float, dict[str, Any]]]:
 
 
 def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]], *,
-                   reform: str = "in-process", strategy: str = "ddp", prefix: str = "") -> dict[str, Any]:
+                   reform: str = "in-process", strategy: str = "ddp", prefix: str = "", rdzv: str = "c10d") -> dict[str, Any]:
     d = os.path.join(work, f"trainguard-{prefix or 'inplace'}")
+    with rendezvous_for(rdzv, d) as flags:
+        return _run_trainguard(a, d, procs, timeline, flags, reform=reform, strategy=strategy, prefix=prefix)
+
+
+def _run_trainguard(a: argparse.Namespace, d: str, procs: list[Proc], timeline: list[tuple[float, str, str]],
+                    flags: tuple[list[str], list[str], list[str]], *, reform: str, strategy: str, prefix: str) -> dict[str, Any]:
+    rdzv, rdzv_first, rdzv_others = flags
     samples = os.path.join(d, "samples")
     os.makedirs(samples)
-    ep = f"127.0.0.1:{free_port()}"
     emu = imds()
     res: dict[str, Any] = {}
     args = ["--steps", "1000000", "--log-every", "1", "--step-sleep", str(STEP_SLEEP), "--global-batch",
             str(GLOBAL_BATCH), "--sample-log", samples, "--strategy", strategy]
-    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval_steps={a.baseline_ckpt_every}",
+    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval={a.baseline_ckpt_every}",
               "--set", f"workers.reform={reform}"]
     aws = ["--set", "preemption.sources=aws,signal", "--set", f"preemption.aws_endpoint={emu.url}",
            "--set", "preemption.poll_interval_s=0.5"]
-    agent = _agent_factory(d, ep, common, args, procs, timeline)
+    agent = _agent_factory(d, rdzv, common, args, procs, timeline)
 
     try:
-        na = agent("a", ["--set", "preemption.sources=signal", "--set", "rendezvous.is_host=true"])
+        na = agent("a", ["--set", "preemption.sources=signal", *rdzv_first])
         time.sleep(0.5)
-        nb = agent("b", [*aws, "--set", "rendezvous.is_host=false"])
+        nb = agent("b", [*aws, *rdzv_others])
         nodes = [na, nb]
         t_w2, _ = wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 2), 120,
                              "the first step at world size 2", procs=nodes)
@@ -430,7 +464,7 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
                    120, f"{a.steps_after} steps at world size 1", procs=[na])
 
         emu.clear()
-        nb2 = agent("b2", [*aws, "--set", "rendezvous.is_host=false"])
+        nb2 = agent("b2", [*aws, *rdzv_others])
         nodes = [na, nb2]
         t_join = nb2.started
         t_up, ev2 = wait_until(lambda: first(steps_of(nodes), lambda t, e: t > t_join and e["world_size"] == 2), 120,
@@ -470,21 +504,28 @@ def run_trainguard(a: argparse.Namespace, work: str, procs: list[Proc], timeline
         emu.close()
 
 
-def run_kill(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]]) -> dict[str, Any]:
+def run_kill(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]], *,
+             rdzv: str = "c10d", prefix: str = "") -> dict[str, Any]:
     """Three in-place agents; node c is SIGKILLed (agent and worker) without notice."""
-    d = os.path.join(work, "trainguard-kill")
+    d = os.path.join(work, f"trainguard-{prefix}kill")
+    with rendezvous_for(rdzv, d) as flags:
+        return {f"{prefix}{k}": v for k, v in _run_kill(a, d, procs, timeline, flags).items()}
+
+
+def _run_kill(a: argparse.Namespace, d: str, procs: list[Proc], timeline: list[tuple[float, str, str]],
+              flags: tuple[list[str], list[str], list[str]]) -> dict[str, Any]:
+    rdzv, rdzv_first, rdzv_others = flags
     samples = os.path.join(d, "samples")
     os.makedirs(samples)
-    ep = f"127.0.0.1:{free_port()}"
     args = ["--steps", "1000000", "--log-every", "1", "--step-sleep", str(STEP_SLEEP), "--global-batch",
             str(GLOBAL_BATCH), "--sample-log", samples]
-    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval_steps={a.baseline_ckpt_every}",
+    common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval={a.baseline_ckpt_every}",
               "--set", "preemption.sources=signal"]
-    agent = _agent_factory(d, ep, common, args, procs, timeline, nnodes="1:3")
+    agent = _agent_factory(d, rdzv, common, args, procs, timeline, nnodes="1:3")
     res: dict[str, Any] = {}
-    na = agent("a", ["--set", "rendezvous.is_host=true"])
+    na = agent("a", rdzv_first)
     time.sleep(0.5)
-    nb, nc = agent("b", ["--set", "rendezvous.is_host=false"]), agent("c", ["--set", "rendezvous.is_host=false"])
+    nb, nc = agent("b", rdzv_others), agent("c", rdzv_others)
     nodes = [na, nb, nc]
     wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 3 and e["step"] >= a.steps_before_notice),
                180, f"{a.steps_before_notice} steps at world size 3", procs=nodes)
@@ -671,14 +712,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps-before-notice", type=int, default=30, help="steps at world size 2 before the notice")
     ap.add_argument("--steps-after", type=int, default=40, help="steps trained after each resize before the next action")
     ap.add_argument("--baseline-ckpt-every", type=int, default=20,
-                    help="checkpoint every K steps (baseline torch.save; trainguard periodic checkpoint.interval_steps)")
+                    help="checkpoint every K steps (baseline torch.save; trainguard periodic checkpoint.interval)")
     ap.add_argument("--baseline-unshared-store", action="store_true",
                     help="baseline only: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13's workaround for the "
                          "scale-up store bug, see agent/supervisor.py); default: torchrun as installed")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints, sample logs)")
-    ap.add_argument("--only", choices=["trainguard", "restart", "fsdp", "kill", "baseline"], action="append", default=None,
-                    help="run only these sides (repeatable)")
+    ap.add_argument("--only", choices=["trainguard", "restart", "fsdp", "kill", "etcd", "etcd-kill", "baseline"],
+                    action="append", default=None, help="run only these sides (repeatable)")
+    ap.add_argument("--rdzv", default="c10d", metavar="BACKENDS",
+                    help="rendezvous backend(s) of the trainguard runs, comma-separated: c10d (default: node a hosts "
+                         "the store), etcd (v3 with TLS + client certificates + RBAC, started by the bench: adds the "
+                         "etcd and etcd-kill runs), or c10d,etcd side by side")
     a = ap.parse_args(argv)
+    backends = [b.strip() for b in a.rdzv.split(",") if b.strip()]
+    if not backends or any(b not in RDZV_PREFIX for b in backends):
+        ap.error(f"--rdzv: choose from {sorted(RDZV_PREFIX)}, comma-separated; got {a.rdzv!r}")
 
     # A SIGTERM to the bench unwinds through the finally blocks below, which kill what it started.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -695,9 +743,15 @@ def main(argv: list[str] | None = None) -> int:
                  ("restart", functools.partial(run_trainguard, reform="restart", prefix="restart_")),
                  ("fsdp", functools.partial(run_trainguard, strategy="fsdp", prefix="fsdp_")),
                  ("kill", run_kill),
+                 ("etcd", functools.partial(run_trainguard, prefix="etcd_", rdzv="etcd")),
+                 ("etcd-kill", functools.partial(run_kill, prefix="etcd_", rdzv="etcd")),
                  ("baseline", run_baseline))
+        res["rdzv_backends"] = backends
         for side, fn in sides:
             if a.only and side not in a.only:
+                continue
+            on_etcd = side.startswith("etcd")
+            if (on_etcd and "etcd" not in backends) or (side != "baseline" and not on_etcd and "c10d" not in backends):
                 continue
             timeline: list[tuple[float, str, str]] = []
             mine: list[Proc] = []
@@ -728,8 +782,9 @@ def main(argv: list[str] | None = None) -> int:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
 
+    etcd_rows = [(f"etcd_{f}", text, ok) for f, text, ok in [*ROWS, *SINGLE] if not f.startswith("fsdp_")]
     targets = {}
-    for field, text, ok in [*ROWS, *SINGLE]:
+    for field, text, ok in [*ROWS, *SINGLE, *etcd_rows]:
         if ok is not None and field in res:
             targets[field] = {"target": text, "value": res.get(field), "met": bool(ok(res.get(field)))}
     if "notice_to_resume_s" in res and "restart_notice_to_resume_s" in res:
@@ -740,15 +795,16 @@ def main(argv: list[str] | None = None) -> int:
         res["errors"] = errors
 
     w = max(len(r[0]) for r in [*ROWS, *SINGLE])
-    print(f"\n{'metric'.ljust(w)}  {'in place':>10}  {'restart':>10}  {'fsdp':>10}  {'torchrun':>10}  target")
+    print(f"\n{'metric'.ljust(w)}  {'in place':>10}  {'restart':>10}  {'fsdp':>10}  {'etcd':>10}  {'torchrun':>10}  target")
     for field, text, ok in ROWS:
-        tg = res.get(field)
-        mark = "" if ok is None or field not in res else ("  ok" if ok(tg) else "  MISSED")
-        print(f"{field.ljust(w)}  {fmt(tg):>10}  {fmt(res.get('restart_' + field)):>10}  {fmt(res.get('fsdp_' + field)):>10}  "
-              f"{fmt(res.get('baseline_' + field)):>10}  {text}{mark}")
+        marks = "/".join("ok" if ok(res.get(p + field)) else "MISSED" for p in ("", "etcd_") if ok is not None and p + field in res)
+        print(f"{field.ljust(w)}  {fmt(res.get(field)):>10}  {fmt(res.get('restart_' + field)):>10}  "
+              f"{fmt(res.get('fsdp_' + field)):>10}  {fmt(res.get('etcd_' + field)):>10}  "
+              f"{fmt(res.get('baseline_' + field)):>10}  {text}{'  ' + marks if marks else ''}")
     for field, text, ok in SINGLE:
-        mark = "" if field not in res else ("  ok" if ok(res.get(field)) else "  MISSED")
-        print(f"{field.ljust(w)}  {fmt(res.get(field)):>10}  {'':>10}  {'':>10}  {'':>10}  {text}{mark}")
+        marks = "/".join("ok" if ok(res.get(p + field)) else "MISSED" for p in ("", "etcd_") if p + field in res)
+        print(f"{field.ljust(w)}  {fmt(res.get(field)):>10}  {'':>10}  {'':>10}  {fmt(res.get('etcd_' + field)):>10}  "
+              f"{'':>10}  {text}{'  ' + marks if marks else ''}")
     if "restart_over_inplace_resume_ratio" in res:
         print(f"restart path / in-place path, notice -> resume: {res['restart_over_inplace_resume_ratio']}x")
     print(f"targets met: {res['targets_met']}   leftover processes: {res['leftover_processes']}"

@@ -1,9 +1,11 @@
 """``trainguard checkpoints ls URL`` / ``show URL STEP``: inspect a run's checkpoints (read-only).
 
 The owner's CLI calls :func:`register` with its ``add_subparsers()`` object; each command sets
-``func(args) -> int`` (exit status). Only committed steps (valid manifest) are listed by default;
-``ls --all`` also shows half-written, invalid and stale steps. Credentials come from the standard
-provider chains (or ``--storage-options`` JSON) and are never printed.
+``func(args) -> int`` (exit status). ``ls`` shows the run's epochs (who claimed each, and the step it
+descends from), the restore lineage, and the committed steps with their epoch and whether they are in
+that lineage; ``ls --all`` also shows half-written, invalid (proven corrupt) and foreign-format steps
+and ignored names. Credentials come from the standard provider chains (or ``--storage-options``
+JSON) and are never printed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from trainguard.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.storage import Storage
-# manager/manifest/storage import torch: they are imported inside the commands, so that
+# discovery/manifest/storage import torch: they are imported inside the commands, so that
 # `trainguard --version` and every other command start without loading torch.
 
 
@@ -37,11 +39,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", help="list committed steps of a run")
     common(ls)
-    ls.add_argument("--all", action="store_true", help="also show half-written, invalid and stale steps")
+    ls.add_argument("--all", action="store_true",
+                    help="also show half-written, invalid and foreign-format steps, and ignored names")
     ls.set_defaults(func=cmd_ls)
     show = sub.add_parser("show", help="show one step's manifest")
     common(show)
     show.add_argument("step", type=int, help="step number")
+    show.add_argument("--epoch", type=int, default=None,
+                      help="the epoch that wrote the step (default: the restore lineage's, else the newest)")
     show.set_defaults(func=cmd_show)
     return p
 
@@ -100,58 +105,120 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
 
 
+def _epoch_rows(scan: Any) -> list[dict[str, Any]]:
+    commits: dict[int, int] = {}
+    for r in scan.committed:
+        commits[r.epoch] = commits.get(r.epoch, 0) + 1
+    newest = scan.newest_epoch
+    rows = []
+    for e in sorted({*scan.epochs, *commits}, reverse=True):
+        rec = scan.epochs.get(e)
+        row: dict[str, Any] = {"epoch": e, "status": "owner" if e == newest else "fenced", "commits": commits.get(e, 0)}
+        if rec is None:
+            row["record"] = "missing" if e not in scan.epochs else "malformed"
+        else:
+            row.update(base_step=rec.base_step, base_epoch=rec.base_epoch, world_size=rec.world_size,
+                       world_id=rec.world_id, rdzv_id=rec.rdzv_id, rdzv_round=rec.rdzv_round, host=rec.host,
+                       created=rec.created, conditional_create=rec.conditional_create)
+        rows.append(row)
+    return rows
+
+
 def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """``checkpoints ls``: one row per committed step (and, with ``--all``, the others)."""
-    from trainguard.checkpoint.manager import scan_run
+    """``checkpoints ls``: epochs, the restore lineage, and one row per committed step (``--all``: every step)."""
+    from trainguard.checkpoint.discovery import StepRef, scan_run
 
     out = out or sys.stdout
     try:
         storage, run = _resolve(args)
-        scan = scan_run(storage, run)
-    except CheckpointError as e:
+        scan = scan_run(storage, run, warn=False)
+    except (CheckpointError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    rows = [{"step": m.step, "status": "committed", "kind": m.kind, "world_size": m.world_size, "fence": m.fence,
-             "strategy": m.strategy, "bytes": m.total_bytes, "files": len(m.files), "created": m.created}
-            for m in scan.committed]
+    line = scan.restore_lineage()
+    in_line = set(line)
+    rows = [{"step": m.step, "epoch": m.epoch, "status": "committed",
+             "lineage": "restore" if StepRef(m.step, m.epoch) in in_line else "branch",
+             "kind": m.kind, "world_size": m.world_size, "strategy": m.strategy, "bytes": m.total_bytes,
+             "files": len(m.files), "created": m.created} for m in scan.manifests()]
     if args.all:
-        for status, steps in (("uncommitted", scan.uncommitted), ("invalid", scan.invalid), ("stale", scan.stale)):
-            rows += [{"step": s, "status": status} for s in steps]
-        rows.sort(key=lambda r: r["step"])
+        for status, refs in (("uncommitted", scan.uncommitted), ("invalid", sorted(scan.invalid)),
+                             ("foreign", scan.foreign)):
+            rows += [{"step": r.step, "epoch": r.epoch, "status": status,
+                      "lineage": "restore" if r in in_line else "-"} for r in refs]
+        rows.sort(key=lambda r: (r["step"], r["epoch"]))
+    epochs = _epoch_rows(scan)
     if args.json:
-        json.dump({"url": storage.url, "run_id": run, "steps": rows}, out, indent=1)
+        doc = {"url": storage.url, "run_id": run, "newest_epoch": scan.newest_epoch,
+               "restore_epoch": scan.restore_epoch(), "lineage": [{"step": r.step, "epoch": r.epoch} for r in line],
+               "epochs": epochs, "steps": rows}
+        if args.all:
+            doc["ignored"] = sorted(scan.ignored)
+        json.dump(doc, out, indent=1)
         out.write("\n")
         return 0
     out.write(f"run {run} at {storage.url_of(run)}\n")
+    if epochs:
+        out.write("\nepochs (newest first; only the owner may commit):\n")
+        table = [["EPOCH", "STATUS", "BASE", "COMMITS", "WORLD", "RENDEZVOUS", "HOST", "CLAIM", "CREATED"]]
+        for e in epochs:
+            if "record" in e:
+                table.append([str(e["epoch"]), e["status"], "?", str(e["commits"]), f"record {e['record']}",
+                              "-", "-", "-", "-"])
+                continue
+            base = f"{e['base_step']}@e{e['base_epoch']}" if e["base_step"] >= 0 else "scratch"
+            table.append([str(e["epoch"]), e["status"], base, str(e["commits"]),
+                          f"{e['world_size']} ranks {e['world_id'][:8]}",
+                          f"{e['rdzv_id'] or '-'} round {e['rdzv_round']}", e["host"] or "-",
+                          e["conditional_create"] or "-", e["created"] or "-"])
+        _table(table, out)
+        restore = scan.restore_epoch()
+        if line:
+            out.write(f"restore lineage (epoch {restore}): " + " -> ".join(f"{r.step}@e{r.epoch}" for r in line) + "\n")
+    out.write("\n")
     if not rows:
         out.write("no committed checkpoints\n")
         return 0
-    table = [["STEP", "STATUS", "KIND", "WORLD", "FENCE", "STRATEGY", "SIZE", "FILES", "CREATED"]]
+    table = [["STEP", "EPOCH", "STATUS", "LINEAGE", "KIND", "WORLD", "STRATEGY", "SIZE", "FILES", "CREATED"]]
     for r in rows:
-        table.append([str(r["step"]), r["status"], r.get("kind", "-"), str(r.get("world_size", "-")),
-                      str(r.get("fence", "-")), r.get("strategy", "-"),
+        table.append([str(r["step"]), str(r["epoch"]), r["status"], r["lineage"], r.get("kind", "-"),
+                      str(r.get("world_size", "-")), r.get("strategy", "-"),
                       _human(r["bytes"]) if "bytes" in r else "-", str(r.get("files", "-")), r.get("created", "-")])
     _table(table, out)
+    if args.all and scan.ignored:
+        out.write("ignored (not ours, never touched): " + ", ".join(sorted(scan.ignored)) + "\n")
     return 0
 
 
 def cmd_show(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``checkpoints show``: the manifest of one step (files with sizes and checksums)."""
+    from trainguard.checkpoint.discovery import scan_run
     from trainguard.checkpoint.manifest import MANIFEST_NAME, Manifest, step_dir
 
     out = out or sys.stdout
     try:
         storage, run = _resolve(args)
-        rel = f"{run}/{step_dir(args.step)}/{MANIFEST_NAME}"
+        if args.epoch is not None:
+            epoch = args.epoch
+        else:
+            scan = scan_run(storage, run, warn=False)
+            every = [*scan.committed, *scan.uncommitted, *scan.invalid, *scan.foreign]
+            same = [r for r in every if r.step == args.step]
+            if not same:
+                raise CheckpointError(f"step {args.step} does not exist under {storage.url_of(run)}. Fix: pick a step "
+                                      f"from `trainguard checkpoints ls --all`")
+            line = set(scan.restore_lineage())
+            epoch = max([r for r in same if r in line] or same).epoch
+        rel = f"{run}/{step_dir(args.step, epoch)}/{MANIFEST_NAME}"
         m = Manifest.from_json(storage.read_bytes(rel), storage.url_of(rel))
-    except CheckpointError as e:
+    except (CheckpointError, PermissionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:
         out.write(m.to_json().decode() + "\n")
         return 0
-    out.write(f"step {m.step} of run {m.run_id} at {storage.url_of(f'{run}/{step_dir(m.step)}')}\n")
-    for k, v in (("kind", m.kind), ("world size", m.world_size), ("fence", m.fence), ("strategy", m.strategy),
+    out.write(f"step {m.step} of run {m.run_id} at {storage.url_of(f'{run}/{m.dir_name}')}\n")
+    for k, v in (("epoch", m.epoch), ("kind", m.kind), ("world size", m.world_size), ("strategy", m.strategy),
                  ("created", m.created), ("size", f"{_human(m.total_bytes)} ({m.total_bytes} bytes)"),
                  ("versions", ", ".join(f"{a} {b}" for a, b in sorted(m.versions.items())))):
         out.write(f"  {k:<11} {v}\n")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.runtime.configbase import require
+from trainguard.checkpoint.interval import INTERVAL_SYNTAX, AutoSettings, IntervalPolicy, parse_interval, policy_from_config
+from trainguard.runtime.configbase import FieldError, require
 
 
 @dataclass(kw_only=True, slots=True)
@@ -19,11 +20,31 @@ class CheckpointConfig:
     """Passed to fsspec (e.g. ``{"endpoint_url": ...}`` for s3fs). Credentials come from the standard
     provider chains; secrets here are redacted in logs."""
 
+    interval: str = ""
+    """When to take periodic (async) checkpoints: ``auto`` (tuned online from the measured save cost and
+    the rate of unannounced failures, Young/Daly; see :mod:`trainguard.checkpoint.interval`), a number of
+    steps (``50``), a duration of training (``90s``, ``5m``, ``1.5h``) or ``off``. Unset: ``auto``, unless
+    the deprecated ``interval_steps`` / ``interval_s`` are set."""
+
+    interval_min_s: float = 5.0
+    """``auto``: shortest interval, seconds (the persist time of a save is a floor too)."""
+
+    interval_max_s: float = 3600.0
+    """``auto``: longest interval, seconds."""
+
+    interval_prior_mtbf_s: float = 3600.0
+    """``auto``: mean time between unannounced failures of the job assumed before any is seen, seconds
+    (a one-failure prior: it fades as training time accumulates)."""
+
+    interval_hysteresis: float = 0.2
+    """``auto``: a new optimum replaces the interval in effect only when it differs by more than this
+    fraction (or crosses a bound)."""
+
     interval_steps: int = 0
-    """Periodic async checkpoint every N steps (0 = off)."""
+    """Deprecated: use ``interval: <steps>``. Periodic checkpoint every N steps (0 = off)."""
 
     interval_s: float = 0.0
-    """Periodic async checkpoint every T seconds of training (0 = off)."""
+    """Deprecated: use ``interval: <duration>``. Periodic checkpoint every T seconds of training (0 = off)."""
 
     keep_last: int = 3
     """Committed checkpoints to retain (>= 2: the newest may still be being restored from)."""
@@ -40,6 +61,16 @@ class CheckpointConfig:
     verify: bool = True
     """Verify sizes and checksums from the manifest on restore."""
 
+    restore_deadline_s: float = 300.0
+    """How long a restore keeps retrying a committed step that is *unreadable now* (timeouts, HTTP
+    5xx, throttling) before giving up on it. Keep it below the process-group timeout: the other ranks
+    wait in a collective meanwhile."""
+
+    on_unreadable: str = "fail"
+    """What a restore does with a committed step that stays unreadable (past ``restore_deadline_s``,
+    or at once on a permission error): ``fail`` (raise a clear error; nothing in storage changes) or
+    ``fallback`` (restore the next older step; nothing is marked stale or deleted)."""
+
     def __post_init__(self) -> None:
         require(self.keep_last >= 2, "keep_last", f"must be >= 2, got {self.keep_last}",
                 "keep at least 2 committed checkpoints, as the newest may be the one being restored")
@@ -47,12 +78,42 @@ class CheckpointConfig:
                 "use 0 to disable step-based periodic checkpoints")
         require(self.interval_s >= 0, "interval_s", f"must be >= 0, got {self.interval_s}",
                 "use 0 to disable time-based periodic checkpoints")
+        require(self.interval_min_s > 0, "interval_min_s", f"must be > 0, got {self.interval_min_s}",
+                "give the auto interval a positive floor in seconds, e.g. 5")
+        require(self.interval_max_s >= self.interval_min_s, "interval_max_s",
+                f"must be >= interval_min_s ({self.interval_min_s}), got {self.interval_max_s}", "e.g. 3600")
+        require(self.interval_prior_mtbf_s > 0, "interval_prior_mtbf_s", f"must be > 0, got {self.interval_prior_mtbf_s}",
+                "give a prior mean time between unannounced failures in seconds, e.g. 3600")
+        require(0 <= self.interval_hysteresis < 1, "interval_hysteresis", f"must be in [0, 1), got {self.interval_hysteresis}",
+                "use a fraction such as 0.2")
+        if str(self.interval).strip():
+            try:
+                parse_interval(self.interval)
+            except ValueError as e:
+                raise FieldError("interval", str(e), f"use {INTERVAL_SYNTAX}") from None
+            legacy = [k for k in ("interval_steps", "interval_s") if getattr(self, k)]
+            require(not legacy, "interval", f"set together with the deprecated {', '.join(legacy)}",
+                    f"keep only `interval` (e.g. interval: {self.interval}) and remove {', '.join(legacy)}")
         require(self.retry_attempts >= 1, "retry_attempts", f"must be >= 1, got {self.retry_attempts}",
                 "use 1 for no retries")
         require(self.retry_deadline_s > 0, "retry_deadline_s", f"must be > 0, got {self.retry_deadline_s}",
                 "give the retries of one storage operation a positive time budget in seconds")
+        require(self.restore_deadline_s >= 0, "restore_deadline_s", f"must be >= 0, got {self.restore_deadline_s}",
+                "give restore a time budget in seconds for retrying unreadable steps (0: no retries)")
+        require(self.on_unreadable in ("fail", "fallback"), "on_unreadable",
+                f"must be 'fail' or 'fallback', got {self.on_unreadable!r}",
+                "use 'fail' to stop on an unreadable newest step, 'fallback' to restore an older one")
         if self.url:
             scheme = self.url.split("://", 1)[0] if "://" in self.url else "file"
             require(scheme in {"file", "s3", "gs", "gcs", "memory"}, "url",
                     f"unsupported scheme {scheme!r} in {self.url!r}",
                     "use a path, file://, s3://, gs:// or memory://")
+
+    def interval_policy(self) -> tuple[IntervalPolicy, list[str]]:
+        """The periodic checkpoint policy in effect and the deprecated keys it came from (if any)."""
+        return policy_from_config(self.interval, self.interval_steps, self.interval_s)
+
+    def auto_settings(self) -> AutoSettings:
+        """The ``interval_*`` knobs of the auto controller."""
+        return AutoSettings(min_s=self.interval_min_s, max_s=self.interval_max_s,
+                            prior_mtbf_s=self.interval_prior_mtbf_s, hysteresis=self.interval_hysteresis)

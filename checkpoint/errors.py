@@ -6,8 +6,9 @@ committed checkpoint has been modified: a failing save leaves the previous commi
 ``CheckpointError``
     ├── ``CheckpointNotFound``  the requested step (or any step) has no committed manifest
     ├── ``CheckpointCorrupt``   a manifest or shard fails validation (size, checksum, parse)
-    ├── ``StorageError``        the storage backend failed (after retries, or a non-transient error)
-    └── ``FencedError``         a writer from an older rendezvous round tried to commit
+    ├── ``StorageError``        the storage backend failed (after retries, or a non-transient error):
+    │                           "unreadable now" — never a reason to skip or delete a step
+    └── ``FencedError``         this world's epoch is no longer the newest: it may not commit
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class CheckpointNotFound(CheckpointError):
 
 
 class CheckpointCorrupt(CheckpointError):
-    """A committed checkpoint's manifest or shards fail validation."""
+    """A committed checkpoint's manifest or shards are *proven* bad: read fine, but a checksum or
+    size does not match, a file is missing from a readable listing, or the manifest does not parse."""
 
 
 class StorageError(CheckpointError):
@@ -38,12 +40,13 @@ class InflightTimeout(CheckpointError):
 
 
 class FencedError(CheckpointError):
-    """A writer whose fence (rendezvous round) is older than the newest registered one tried to commit.
+    """This world's epoch is older than the newest claimed one (or its epoch record was taken over).
 
-    The stale world must stop writing: a newer world has restored and owns the run.
+    The stale world must stop writing: a newer world owns the run. Its checkpoint manager refuses
+    every further save without touching storage, until the world re-forms and claims a new epoch.
     """
 
-    def __init__(self, message: str, *, fence: int, newest_fence: int) -> None:
+    def __init__(self, message: str, *, epoch: int, newest_epoch: int) -> None:
         super().__init__(message)
-        self.fence = fence
-        self.newest_fence = newest_fence
+        self.epoch = epoch
+        self.newest_epoch = newest_epoch

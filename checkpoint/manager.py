@@ -1,44 +1,64 @@
 """The checkpoint manager the worker runtime calls: async sharded save, commit, restore, retention.
 
+This module orchestrates; the concepts live next to it: :mod:`~trainguard.checkpoint.epochs`
+(claiming fencing epochs in the store), :mod:`~trainguard.checkpoint.discovery` (what a run holds,
+lineages, what garbage collection may delete), :mod:`~trainguard.checkpoint.integrity` (proven
+corrupt vs unreadable now), :mod:`~trainguard.checkpoint.restore` (verify and load one step),
+:mod:`~trainguard.checkpoint.staging` (the host copy), :mod:`~trainguard.checkpoint.collective`
+(the checkpoint group; errors reach every rank), :mod:`~trainguard.checkpoint.storage` (all I/O) and
+:mod:`~trainguard.checkpoint.retry` (the one backoff policy).
+
 Threading and collectives
     Every public method is called from the training thread, on every rank, in the same order (they
     are collectives). Persisting runs on one background thread per manager. All checkpoint
-    collectives (DCP's plan/write exchange, the checksum gather, the commit broadcast) go over a
-    *separate gloo process group*: thread-based async save on the default group deadlocked against
-    FSDP collectives of the training loop on CPU. The group is passed in, or created with
-    ``dist.new_group(backend="gloo")`` in the constructor (itself a collective) when a default group
-    exists; without ``torch.distributed`` (world size 1) nothing is collective.
+    collectives (DCP's plan/write exchange, the checksum gather, the commit broadcast, the epoch
+    broadcast) go over a *separate gloo process group*: thread-based async save on the default group
+    deadlocked against FSDP collectives of the training loop on CPU. The group is passed in, or
+    created with ``dist.new_group(backend="gloo")`` in the constructor (itself a collective) when a
+    default group exists; without ``torch.distributed`` (world size 1) nothing is collective. Every
+    error on rank 0 is broadcast, so no rank is left waiting in a collective.
+
+Epochs (fencing)
+    When the world forms — its first successful restore, else its first save, or
+    :meth:`CheckpointManager.new_world` / :meth:`~CheckpointManager.claim_epoch` — rank 0 claims the
+    next epoch in the store with a create-exclusive write and broadcasts it. Only the newest epoch
+    commits: rank 0 checks before the shards are written and again right before the manifest is
+    written. A world that finds a newer epoch logs ``checkpoint_fenced`` once and from then on
+    refuses every save without touching storage (it does not crash: a crash would restart it, and
+    the restarted world would claim an even newer epoch and fence the other world in turn).
 
 In-flight rule
     At most one save is in flight. ``save()`` (any kind, emergency included) first waits for the
     in-flight save to finish — commit or fail — then stages; it never supersedes or abandons it, so a
     save is never left half-committed and the staging buffers (one copy of the state, reused across
-    saves) are free again. A previous save's failure is logged (``checkpoint_save_failed``) and does
-    not stop the new save, except :class:`FencedError`, which is raised: a stale world must stop.
+    saves) are free again. A previous save's failure was logged (``checkpoint_save_failed``) and
+    does not stop the new save.
 
 Commit protocol (see :mod:`trainguard.checkpoint.manifest` for the layout)
-    1. rank 0 checks the fence: it registers its round (write-once ``fences/fence-<n>.json``) and
-       refuses (:class:`FencedError`, on every rank) if a newer round exists; nothing is written then.
-    2. every rank writes its shard with ``dcp.save`` (durable, size-verified, CRC32 computed in
-       flight); rank 0 also writes DCP's ``.metadata``. A failing write is retried as a whole save on
-       every rank (agreed collectively) with backoff, within ``retry_attempts``/``retry_deadline_s``.
-    3. the file digests are gathered on rank 0, which re-checks the fence and writes
-       ``manifest.json`` last (atomic). That write is the commit; the outcome is broadcast.
-    4. rank 0 garbage-collects step directories without a manifest (never the one in flight) and
-       applies retention: keep the newest ``keep_last`` committed steps, never deleting a step that a
-       newer round registered as its starting point, nor the one this process is restoring.
+    1. rank 0 checks that this world's epoch is the newest (names only; a stale world writes nothing).
+    2. every rank writes its shard with ``dcp.save`` into ``step-<s>-e<epoch>/`` (durable,
+       size-verified, CRC32 computed in flight); rank 0 also writes DCP's ``.metadata``. A failing write
+       is retried as a whole save on every rank (agreed collectively) with backoff.
+    3. the file digests are gathered on rank 0, which re-checks the epoch and writes ``manifest.json``
+       last (atomic), recording the epoch. That write is the commit; the outcome is broadcast.
+    4. rank 0 garbage-collects by :func:`~trainguard.checkpoint.discovery.gc_plan`: proven-corrupt
+       steps, half-written ones older than a later commit of their epoch, and retention within the
+       lineage of this epoch (branches only after ``keep_last`` newer commits). Never raises.
 
 Restore
-    Discovers committed steps (rank 0, broadcast), newest first; verifies sizes and CRC32s (files
-    split across ranks) when ``config.verify``; loads in place with ``dcp.load`` (resharding to the
-    current world size). A corrupt or missing shard, or a failing load, is logged
-    (``checkpoint_restore_fallback``) and the previous committed step is tried.
+    Rank 0 lists the run (retrying what is unreadable now until ``restore_deadline_s``) and picks the
+    restore lineage, newest first. Each step is verified (sizes, CRC32s; files split across ranks) and
+    loaded with ``dcp.load`` (resharding). A *proven-corrupt* step is skipped
+    (``checkpoint_restore_fallback``) and collected after the next commit; a step that is only
+    *unreadable now* is retried with backoff until the deadline, and then fails the restore
+    (``checkpoint.on_unreadable: fail``) or is skipped without being marked (``fallback``). A restore
+    that fails writes nothing. A restore that succeeds claims a new epoch based on the loaded step.
 """
 
 from __future__ import annotations
 
-import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -47,42 +67,54 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import (
-    CompanionMismatch,
-    _copy_state_dict,
-)
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
 
-from trainguard.runtime.log import get_logger
+from trainguard.checkpoint.collective import Group
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.pinned import CopyStream, HostArena, build, cuda_device_of, layout_bytes
+from trainguard.checkpoint.discovery import Scan, StepRef, gc_plan, scan_run
+from trainguard.checkpoint.epochs import EpochRecord, check_owner, claim_epoch, new_record
 from trainguard.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointError,
-    CheckpointNotFound,
     FencedError,
     InflightTimeout,
     StorageError,
 )
-from trainguard.checkpoint.manifest import (
-    FENCES_DIR,
-    KINDS,
-    MANIFEST_NAME,
-    FenceRecord,
-    FileEntry,
-    Manifest,
-    fence_name,
-    now_fields,
-    parse_fence_name,
-    parse_step_dir,
-    retention_victims,
-    stale_steps,
-    step_dir,
-)
+from trainguard.checkpoint.integrity import describe, root_causes
+from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
+from trainguard.checkpoint.restore import StepLoader
+from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
+from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.checkpoint")
+
+FaultHook = Callable[[str, int], None]
+"""``hook(point, step)``, called at ``before_write``, ``before_commit`` and ``after_commit`` of a save
+(every rank, on the thread that persists) and at ``before_manifest`` (rank 0, after the commit-time
+epoch check, right before the manifest is written). Tests raise or kill the process there."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """What one committed save cost this rank (what the worker's checkpoint metrics record)."""
+
+    step: int
+    epoch: int
+    kind: str
+    nbytes: int
+    """Bytes this rank wrote (its shard; rank 0 also DCP's metadata)."""
+    total_bytes: int
+    """Bytes of the whole checkpoint (all ranks)."""
+    stage_s: float
+    """Copying the state into the staging buffers (seconds)."""
+    persist_s: float
+    """Writing, committing and cleaning up, from the end of staging (seconds)."""
+    blocked_s: float
+    """How long :meth:`CheckpointManager.save` blocked its caller: waiting for the previous save, plus
+    staging (seconds)."""
+    skipped: bool = False
+    """True when this epoch had already committed ``step``: nothing was written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,211 +122,28 @@ class CheckpointInfo:
     """A committed step as seen by discovery (what ``list()`` and the CLI show)."""
 
     step: int
+    epoch: int
     kind: str
     world_size: int
-    fence: int
     strategy: str
     total_bytes: int
     num_files: int
     created: str
     url: str
+    in_lineage: bool
+    """Whether the step is in the restore lineage (what a restore would continue from)."""
 
     @classmethod
-    def from_manifest(cls, m: Manifest, url: str) -> CheckpointInfo:
-        return cls(step=m.step, kind=m.kind, world_size=m.world_size, fence=m.fence, strategy=m.strategy,
-                   total_bytes=m.total_bytes, num_files=len(m.files), created=m.created, url=url)
+    def from_manifest(cls, m: Manifest, url: str, in_lineage: bool) -> CheckpointInfo:
+        return cls(step=m.step, epoch=m.epoch, kind=m.kind, world_size=m.world_size, strategy=m.strategy,
+                   total_bytes=m.total_bytes, num_files=len(m.files), created=m.created, url=url,
+                   in_lineage=in_lineage)
 
 
-@dataclass(slots=True)
-class Scan:
-    """One listing of a run: committed manifests (ascending), step dirs without one, stale, fences."""
-
-    committed: list[Manifest]
-    uncommitted: list[int]
-    invalid: list[int]
-    stale: list[int]
-    fences: list[FenceRecord]
-
-
-def scan_run(storage: Storage, run_id: str) -> Scan:
-    """List ``<url>/<run_id>`` and classify its steps (no collectives; used by rank 0 and the CLI)."""
-    manifests: list[Manifest] = []
-    uncommitted: list[int] = []
-    invalid: list[int] = []
-    fences: list[FenceRecord] = []
-    for name in storage.listdir(run_id):
-        if name == FENCES_DIR:
-            for fname in storage.listdir(f"{run_id}/{FENCES_DIR}"):
-                if parse_fence_name(fname) is None:
-                    continue
-                try:
-                    fences.append(FenceRecord.from_json(storage.read_bytes(f"{run_id}/{FENCES_DIR}/{fname}")))
-                except (CheckpointNotFound, ValueError, KeyError) as e:
-                    log.warning("checkpoint_fence_unreadable", url=storage.url_of(f"{run_id}/{FENCES_DIR}/{fname}"),
-                                error=str(e))
-            continue
-        step = parse_step_dir(name)
-        if step is None:
-            continue
-        rel = f"{run_id}/{name}/{MANIFEST_NAME}"
-        try:
-            m = Manifest.from_json(storage.read_bytes(rel), storage.url_of(rel))
-        except CheckpointNotFound:
-            uncommitted.append(step)
-            continue
-        except CheckpointCorrupt as e:
-            log.warning("checkpoint_manifest_invalid", url=storage.url_of(rel), error=str(e))
-            invalid.append(step)
-            continue
-        if m.step != step or m.run_id != run_id:
-            log.warning("checkpoint_manifest_invalid", url=storage.url_of(rel),
-                        error=f"manifest says run {m.run_id!r} step {m.step}")
-            invalid.append(step)
-            continue
-        manifests.append(m)
-    manifests.sort(key=lambda m: m.step)
-    stale = stale_steps(manifests, fences)
-    return Scan(committed=[m for m in manifests if m.step not in stale], uncommitted=sorted(uncommitted),
-                invalid=sorted(invalid), stale=sorted(stale), fences=sorted(fences, key=lambda f: f.fence))
-
-
-class _Stager:
-    """Copies a state dict into reusable host buffers (one copy of the state, allocated once).
-
-    The buffers are views into one exact-size :class:`~trainguard.checkpoint.pinned.HostArena`
-    (page-locked in place when the state is on a GPU), rebuilt only when the state's structure,
-    shapes or dtypes change (e.g. optimizer state appearing after the first step);
-    :attr:`staging_bytes` is the arena's size: what was allocated. From a GPU the copies run on a
-    side stream (:class:`~trainguard.checkpoint.pinned.CopyStream`) and :attr:`ready` is the event the
-    persist thread waits on; on the CPU they are plain and :attr:`ready` is None.
-    """
-
-    def __init__(self, cuda: Any = None) -> None:
-        self._buffers: dict[str, Any] | None = None
-        self._arena: HostArena | None = None
-        self._copier: CopyStream | None = None
-        self._cuda = cuda
-        self.staging_bytes = 0
-        self.rebuilds = 0
-        self.ready: Any = None
-
-    @staticmethod
-    def _materialise(state: dict[str, Any]) -> dict[str, Any]:
-        return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
-
-    def _rebuild(self, sd: dict[str, Any]) -> None:
-        if self._arena is not None:  # free (and unregister) the old buffers before allocating new ones
-            self._arena.release()
-        self._buffers = self._arena = None
-        device = cuda_device_of(sd)
-        self._arena = HostArena(layout_bytes(sd), pin=device is not None)
-        self._buffers = build(sd, self._arena)
-        self.staging_bytes = self._arena.nbytes
-        self.rebuilds += 1
-        if device is None:
-            self._copier = None
-        elif self._copier is None or self._copier.device != device:
-            self._copier = CopyStream(device, self._cuda)
-
-    @torch.no_grad()
-    def prepare(self, state: dict[str, Any]) -> None:
-        """Allocate the buffers for ``state`` now (no copy), so that the first save does not pay for it."""
-        sd = self._materialise(state)
-        if self._buffers is None or not _same_layout(sd, self._buffers):
-            self._rebuild(sd)
-
-    @torch.no_grad()
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        sd = self._materialise(state)
-        if self._buffers is None or not _same_layout(sd, self._buffers):
-            self._rebuild(sd)
-        try:
-            return self._copy(sd)
-        except CompanionMismatch:
-            self._rebuild(sd)
-            return self._copy(sd)
-
-    def _copy(self, sd: dict[str, Any]) -> dict[str, Any]:
-        assert self._buffers is not None
-        buffers = self._buffers
-        if self._copier is None:
-            self.ready = None
-            return _copy_state_dict(sd, buffers, non_blocking=False, type_check=False)
-        out, self.ready = self._copier.copy(_walk_tensors(sd), lambda: _copy_state_dict(
-            sd, buffers, non_blocking=True, type_check=False))
-        return out
-
-
-def _same_layout(a: Any, b: Any) -> bool:
-    """Same structure, and tensors of the same shape and dtype (no copying).
-
-    torch's ``_check_state_dict_similarity`` is not used: it walks with a companion object and so
-    also *copies* every tensor, which doubled the staging time.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(a, DTensor):
-        return isinstance(b, DTensor) and _same_layout(a._local_tensor, b._local_tensor)
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and not isinstance(b, DTensor) and a.shape == b.shape
-                and a.dtype == b.dtype)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_layout(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
-    return not isinstance(b, (torch.Tensor, dict, list, tuple))
-
-
-def _walk_tensors(obj: Any) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    out: list[torch.Tensor] = []
-    if isinstance(obj, DTensor):
-        out.append(obj._local_tensor)
-    elif isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            out.extend(_walk_tensors(v))
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            out.extend(_walk_tensors(v))
-    return out
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, CheckpointException):
-        parts = [f"rank {r}: {type(x[0]).__name__}: {x[0]}" if isinstance(x, tuple) else f"rank {r}: {x}"
-                 for r, x in e.failures.items()]
-        return "; ".join(parts)[:2000]
-    return f"{type(e).__name__}: {e}"[:2000]
-
-
-def _root_causes(e: BaseException) -> list[BaseException]:
-    if isinstance(e, CheckpointException):
-        return [x[0] if isinstance(x, tuple) else x for x in e.failures.values()]
-    return [e]
-
-
-def _pack_error(e: BaseException) -> tuple[str, str, dict[str, Any]]:
-    extra: dict[str, Any] = {}
-    if isinstance(e, FencedError):
-        extra = {"fence": e.fence, "newest_fence": e.newest_fence}
-    elif isinstance(e, StorageError):
-        extra = {"transient": e.transient}
-    return type(e).__name__, str(e), extra
-
-
-def _unpack_error(kind: str, msg: str, extra: dict[str, Any]) -> CheckpointError:
-    if kind == "FencedError":
-        return FencedError(msg, fence=extra["fence"], newest_fence=extra["newest_fence"])
-    if kind == "StorageError":
-        return StorageError(msg, transient=extra.get("transient", False))
-    if kind == "CheckpointNotFound":
-        return CheckpointNotFound(msg)
-    if kind == "CheckpointCorrupt":
-        return CheckpointCorrupt(msg)
-    return CheckpointError(f"{kind}: {msg}")
+def _done(value: SaveResult) -> Future[SaveResult]:
+    f: Future[SaveResult] = Future()
+    f.set_result(value)
+    return f
 
 
 class CheckpointManager:
@@ -304,63 +153,85 @@ class CheckpointManager:
         config: the ``checkpoint`` config section (``url`` must be set).
         run_id: the job's run id; checkpoints live under ``<url>/<run_id>/``.
         rank, world_size: this process's rank and the world size (of the checkpoint group).
-        fence: the rendezvous round; a commit is refused if a newer round has registered.
         strategy: recorded in the manifest (``ddp``, ``fsdp``, ...).
         process_group: gloo group for checkpoint collectives; created when None and a default group
             exists with ``world_size > 1`` (the constructor is then a collective).
         storage: a prepared :class:`Storage` (tests); built from ``config`` when None.
+        rdzv_id, rdzv_round: the rendezvous this world formed in; written into the epoch record for
+            people reading it (rounds restart at 0 with a fresh store: they never fence anything).
+        base: the committed step this process's state descends from when it continues a previous
+            world in place (the manager of that world's :attr:`base`): the epoch this world claims
+            records it, so the lineage goes on. Ranks that do not know it (joiners) pass None.
+        fault_hook: see :data:`FaultHook` (tests).
         inflight_timeout_s: how long a :meth:`save`, :meth:`restore` or :meth:`close` waits for the
             previous background save (None: no bound). A persist stuck past it (a vanished peer in its
             collectives, a storage call that never returns) makes the waiting call raise
-            :class:`CheckpointError` instead of hanging; the last committed step stands.
+            :class:`InflightTimeout` instead of hanging; the last committed step stands.
     """
 
-    def __init__(self, config: CheckpointConfig, run_id: str, *, rank: int, world_size: int, fence: int = 0,
-                 strategy: str = "ddp", process_group: Any = None, storage: Storage | None = None,
+    def __init__(self, config: CheckpointConfig, run_id: str, *, rank: int, world_size: int, strategy: str = "ddp",
+                 process_group: Any = None, storage: Storage | None = None, rdzv_id: str = "", rdzv_round: int = -1,
+                 base: StepRef | None = None, fault_hook: FaultHook | None = None,
                  inflight_timeout_s: float | None = None) -> None:
         self._closed = True  # until fully built: close() must be safe on a half-built object
         self.inflight_timeout_s = inflight_timeout_s
         self._executor: ThreadPoolExecutor | None = None
-        self._inflight: Future[int] | None = None
+        self._inflight: Future[SaveResult] | None = None
         self.last_blocked_s = 0.0
         """Seconds the last :meth:`save` blocked its caller (waiting for the previous save + staging)."""
+        self.last_stage_s = 0.0
+        """Seconds the last :meth:`save` spent copying the state into the staging buffers."""
+        self.last_restored: Manifest | None = None
+        """Manifest of the step the last :meth:`restore` loaded, or None."""
+        self.last_restored_repeats = 0
+        """How many other rounds had registered the step the last :meth:`restore` loaded (or, when there
+        was none, the empty start) as their starting point: each of them died without committing
+        anything newer. With the manifest's ``kind`` (``periodic``: its writer died too) this tells
+        failures from planned re-formations."""
         if not config.url:
             raise CheckpointError("checkpoint.url is empty. Fix: set YAML key `checkpoint.url` or env var "
                                   "TRAINGUARD_CHECKPOINT_URL to a path, s3://, gs:// or memory:// URL")
         if not run_id or "/" in run_id or run_id in (".", ".."):
             raise CheckpointError(f"invalid run_id {run_id!r}: it becomes one path component under "
                                   f"{config.url!r}. Fix: use a non-empty id without '/'")
+        self.config = config
+        self.run_id = run_id
+        self.strategy = strategy
+        self.rdzv_id = rdzv_id
+        self.rdzv_round = rdzv_round
+        self.fault_hook = fault_hook
+        self.storage = storage or Storage(config.url, config.storage_options, retry_attempts=config.retry_attempts,
+                                          retry_deadline_s=config.retry_deadline_s)
+        self._bind_world(rank, world_size, process_group)
+        self._stager = Stager()
+        self._inflight_step: int | None = None
+        self._last_committed: int | None = None
+        self._record: EpochRecord | None = None
+        self._base: StepRef | None = base
+        self._fenced: FencedError | None = None
+        self._corrupt: set[StepRef] = set()
+        self._committed_here: dict[int, SaveResult] = {}
+        self._log = log.bind(run_id=run_id, rank=self.rank, world_size=self.world_size)
+        self._closed = False
+
+    def _bind_world(self, rank: int, world_size: int, process_group: Any) -> None:
         if not 0 <= rank < world_size:
             raise CheckpointError(f"rank {rank} is not in [0, world_size={world_size}). Fix: pass the worker's "
                                   f"rank and world size")
-        self.config = config
-        self.run_id = run_id
-        self.rank = rank
-        self.world_size = world_size
-        self.fence = fence
-        self.strategy = strategy
-        self.storage = storage or Storage(config.url, config.storage_options, retry_attempts=config.retry_attempts,
-                                          retry_deadline_s=config.retry_deadline_s)
-        self._distributed = world_size > 1
-        if self._distributed:
+        distributed = world_size > 1
+        if distributed:
             if not (dist.is_available() and dist.is_initialized()):
                 raise CheckpointError(f"world_size={world_size} but torch.distributed is not initialised. Fix: "
                                       f"call init_process_group before creating the CheckpointManager")
-            self._pg = process_group if process_group is not None else dist.new_group(backend="gloo")
-            if dist.get_world_size(self._pg) != world_size or dist.get_rank(self._pg) != rank:
-                raise CheckpointError(f"checkpoint process group has rank {dist.get_rank(self._pg)} of "
-                                      f"{dist.get_world_size(self._pg)}, expected {rank} of {world_size}. Fix: "
+            pg = process_group if process_group is not None else dist.new_group(backend="gloo")
+            if dist.get_world_size(pg) != world_size or dist.get_rank(pg) != rank:
+                raise CheckpointError(f"checkpoint process group has rank {dist.get_rank(pg)} of "
+                                      f"{dist.get_world_size(pg)}, expected {rank} of {world_size}. Fix: "
                                       f"pass a group spanning all ranks of the job")
         else:
-            self._pg = process_group
-        self._stager = _Stager()
-        self._inflight_step: int | None = None
-        self._last_committed: int | None = None
-        self._fence_registered = False
-        self._restoring: int | None = None
-        self._lock = threading.Lock()
-        self._log = log.bind(run_id=run_id, rank=rank, world_size=world_size, fence=fence)
-        self._closed = False
+            pg = process_group
+        self.rank, self.world_size, self._distributed, self._pg = rank, world_size, distributed, pg
+        self._group = Group(pg, rank, world_size)
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -370,9 +241,34 @@ class CheckpointManager:
         return self.storage.url_of(self.run_id)
 
     @property
+    def epoch(self) -> int | None:
+        """This world's epoch, once claimed (first restore or save); None before."""
+        return self._record.epoch if self._record is not None else None
+
+    @property
+    def epoch_record(self) -> EpochRecord | None:
+        """The record this world claimed (world id, base step, ...), or None before the claim."""
+        return self._record
+
+    @property
+    def base(self) -> StepRef | None:
+        """The committed step this world's state descends from: the last one it restored or committed."""
+        return self._base
+
+    @property
+    def fenced(self) -> bool:
+        """True once a newer epoch owns the run: this world's saves are refused until :meth:`new_world`."""
+        return self._fenced is not None
+
+    @property
     def staging_bytes(self) -> int:
         """Bytes held by the reusable staging buffers (about one copy of the saved tensors)."""
         return self._stager.staging_bytes
+
+    @property
+    def staging_rebuilds(self) -> int:
+        """How often the staging buffers were (re)allocated."""
+        return self._stager.rebuilds
 
     @property
     def in_flight(self) -> int | None:
@@ -381,9 +277,9 @@ class CheckpointManager:
         return self._inflight_step if f is not None and not f.done() else None
 
     @property
-    def pending(self) -> Future[int] | None:
-        """The save persisting in the background (its result: the committed step; its exception: why it
-        failed), or None when the last :meth:`save` returned committed. Callers may add done-callbacks."""
+    def pending(self) -> Future[SaveResult] | None:
+        """The save persisting in the background (its result: a :class:`SaveResult`; its exception:
+        why it failed), or None. Callers may add done-callbacks."""
         return self._inflight
 
     def prepare_staging(self, state: dict[str, Any]) -> int:
@@ -396,37 +292,60 @@ class CheckpointManager:
             self._stager.prepare(state)
         return self._stager.staging_bytes
 
-    def save(self, step: int, state: dict[str, Any], kind: str = "periodic", *, block: bool | None = None) -> None:
+    def save(self, step: int, state: dict[str, Any], kind: str = "periodic", *,
+             block: bool | None = None) -> Future[SaveResult]:
         """Checkpoint ``state`` as ``step`` (a collective: call on every rank).
 
         Blocks while the previous save finishes (see the in-flight rule) and while ``state`` is copied
         into the staging buffers; persisting and committing then run in the background unless
         ``block`` (default: ``not config.async_save``). After return the caller may mutate the model.
         ``state`` maps names to ``Stateful`` objects or plain state dicts.
+
+        Returns a future of the :class:`SaveResult`: already resolved when ``block`` (whose failure is
+        raised here instead), else resolved by the background thread. A fenced world gets a future
+        holding :class:`FencedError` (``block``: the error is raised) and nothing is written.
         """
         self._check_open()
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        sync = (not self.config.async_save) if block is None else block
         t0 = time.monotonic()
-        self._finish_inflight(reraise_fenced=True)
+        self._finish_inflight()
         t_wait = time.monotonic() - t0
+        if self._fenced is not None:
+            self.last_blocked_s, self.last_stage_s = t_wait, 0.0
+            refused = FencedError(str(self._fenced), epoch=self._fenced.epoch, newest_epoch=self._fenced.newest_epoch)
+            if sync:
+                raise refused
+            failed: Future[SaveResult] = Future()
+            failed.set_exception(refused)
+            return failed
+        if step in self._committed_here:
+            self._log.warning("checkpoint_step_exists", step=step, kind=kind, epoch=self.epoch,
+                              why="this world already committed that step; the committed copy is kept as it is")
+            prev = self._committed_here[step]
+            self.last_blocked_s, self.last_stage_s = t_wait, 0.0
+            return _done(SaveResult(step=step, epoch=prev.epoch, kind=kind, nbytes=0, total_bytes=prev.total_bytes,
+                                    stage_s=0.0, persist_s=0.0, blocked_s=t_wait, skipped=True))
         self._bind(state)
+        t1 = time.monotonic()
         staged = self._stager.stage(state)
         ready = self._stager.ready
-        blocked = time.monotonic() - t0
+        t2 = time.monotonic()
+        stage_s, blocked = t2 - t1, t2 - t0
         self._log.info("checkpoint_staged", step=step, kind=kind, blocked_s=round(blocked, 6),
-                       waited_inflight_s=round(t_wait, 6), staging_bytes=self._stager.staging_bytes)
-        self.last_blocked_s = blocked
-        sync = (not self.config.async_save) if block is None else block
+                       stage_s=round(stage_s, 6), waited_inflight_s=round(t_wait, 6),
+                       staging_bytes=self._stager.staging_bytes)
+        self.last_blocked_s, self.last_stage_s = blocked, stage_s
         if sync:
-            self._persist(step, staged, kind, ready)
-            return
+            return _done(self._persist(step, staged, kind, stage_s, blocked, ready))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._inflight_step = step
-        self._inflight = self._executor.submit(self._persist, step, staged, kind, ready)
+        self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready)
+        return self._inflight
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait for the in-flight save; return the newest step committed by this manager (or None).
@@ -448,60 +367,121 @@ class CheckpointManager:
         return self._last_committed
 
     def latest(self) -> int | None:
-        """The newest committed step of the run, or None (a collective when world_size > 1)."""
-        committed = self._on_rank0(lambda: [m.step for m in scan_run(self.storage, self.run_id).committed])
-        return committed[-1] if committed else None
+        """The newest committed step of the restore lineage, or None (a collective when world_size > 1)."""
+        line = self._on_rank0(lambda: scan_run(self.storage, self.run_id).restore_lineage())
+        return line[-1].step if line else None
 
     def list(self) -> list[CheckpointInfo]:
-        """Committed steps, oldest first (a collective when world_size > 1)."""
-        scan = self._on_rank0(lambda: scan_run(self.storage, self.run_id))
-        return [CheckpointInfo.from_manifest(m, self.storage.url_of(f"{self.run_id}/{step_dir(m.step)}"))
-                for m in scan.committed]
+        """Every committed step, oldest first (a collective when world_size > 1)."""
+        def infos() -> list[CheckpointInfo]:
+            scan = scan_run(self.storage, self.run_id)
+            line = set(scan.restore_lineage())
+            return [CheckpointInfo.from_manifest(m, self.storage.url_of(f"{self.run_id}/{m.dir_name}"),
+                                                 StepRef(m.step, m.epoch) in line) for m in scan.manifests()]
+
+        return self._on_rank0(infos)
+
+    def claim_epoch(self) -> int:
+        """Claim a new epoch for this world now (a collective); return it. This world's state is taken
+        to descend from the last step it restored or committed."""
+        self._check_open()
+        self._finish_inflight()
+        self._claim()
+        assert self._record is not None
+        return self._record.epoch
+
+    def new_world(self, *, rank: int, world_size: int, process_group: Any = None, rdzv_round: int = -1,
+                  rdzv_id: str | None = None) -> int:
+        """The world re-formed in place (new ranks or size, live state kept): rebind and claim a new
+        epoch (a collective over the *new* world; with ``world_size > 1`` and no ``process_group`` a gloo
+        group is created over the new default group). Return the epoch."""
+        self._check_open()
+        self._finish_inflight()
+        self._bind_world(rank, world_size, process_group)
+        self.rdzv_round = rdzv_round
+        if rdzv_id is not None:
+            self.rdzv_id = rdzv_id
+        self._log = log.bind(run_id=self.run_id, rank=self.rank, world_size=self.world_size)
+        return self.claim_epoch()
 
     def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
-        """Load the newest committed step (or ``step``) into ``state`` in place; return it, or None.
+        """Load the newest committed step of the restore lineage (or ``step``) into ``state`` in place;
+        return it, or None when the run has no committed step. A collective.
 
-        Reshards to the current world size. Falls back to older committed steps when a shard is
-        missing or corrupt (each fallback logged). Raises :class:`CheckpointNotFound` if ``step`` is
-        given and not committed, :class:`CheckpointCorrupt` if steps exist but none can be loaded.
-        A collective.
+        Reshards to the current world size. Skips a step only when it is proven corrupt; retries a
+        step that is unreadable now until ``checkpoint.restore_deadline_s``, then raises
+        :class:`StorageError` (or, with ``on_unreadable: fallback``, tries the next older step). Raises
+        :class:`CheckpointNotFound` if ``step`` is given and not committed, :class:`CheckpointCorrupt`
+        if steps exist but all are proven corrupt. Writes nothing unless it succeeds; then it claims
+        this world's epoch, based on the restored step.
         """
         self._check_open()
-        self._finish_inflight(reraise_fenced=False)
+        self._finish_inflight()
         self._bind(state)
-        scan = self._on_rank0(lambda: scan_run(self.storage, self.run_id))
-        candidates = [m for m in reversed(scan.committed) if step is None or m.step <= step]
-        if step is not None and not any(m.step == step for m in candidates):
-            raise CheckpointNotFound(f"step {step} has no committed checkpoint under {self.url} (committed: "
-                                     f"{[m.step for m in scan.committed]}). Fix: pick one of those or omit the step")
+        t_start = time.monotonic()
+        deadline = t_start + self.config.restore_deadline_s
+        loader = StepLoader(self.storage, self.run_id, self._group, verify_files=self.config.verify, log=self._log)
+        plan = self._on_rank0(lambda: loader.plan(deadline, step))
+        candidates = [ref for ref, _ in plan.candidates]
         if not candidates:
-            self._log.info("checkpoint_restore_none", url=self.url)
-            self._on_rank0(lambda: self._register_fence(-1, overwrite=False))
+            if plan.invalid:
+                listed = "; ".join(f"{r.name}: {why}" for r, why in plan.invalid)[:2000]
+                raise CheckpointCorrupt(f"no committed checkpoint under {self.url} can be restored: every step "
+                                        f"directory has a corrupt manifest ({listed}). Nothing was changed. Fix: "
+                                        f"delete those step directories to start the run from scratch")
+            self.last_restored = None
+            self.last_restored_repeats = plan.starts.get((-1, -1), 0)
+            self._log.info("checkpoint_restore_none", url=self.url, ignored=plan.ignored)
             return None
         problems: list[str] = []
-        for i, m in enumerate(candidates):
-            self._restoring = m.step
-            try:
-                # Register before loading: an older round's retention must not delete what we load.
-                self._on_rank0(lambda m=m: self._register_fence(m.step, overwrite=True))
-                ok, reason = self._verify(m) if self.config.verify else (True, "")
-                t0 = time.monotonic()
-                if ok:
-                    ok, reason = self._load(m, state)
-                if ok:
-                    self._log.info("checkpoint_restored", step=m.step, url=self.storage.url_of(self._rel(m.step)),
-                                   saved_world_size=m.world_size, saved_fence=m.fence, load_s=round(time.monotonic() - t0, 3),
-                                   verified=self.config.verify)
-                    return m.step
-                problems.append(f"step {m.step}: {reason}")
-                nxt = candidates[i + 1].step if i + 1 < len(candidates) else None
-                self._log.error("checkpoint_restore_fallback", step=m.step,
-                                url=self.storage.url_of(self._rel(m.step)), reason=reason[:1000], next_step=nxt)
-            finally:
-                self._restoring = None
-        raise CheckpointCorrupt(f"no committed checkpoint under {self.url} could be restored: {'; '.join(problems)}. "
-                                f"Fix: check the storage for damaged shards; delete the damaged step directories "
-                                f"to start from an older step, or start the run from scratch")
+        all_corrupt = True
+        for i, (ref, m) in enumerate(plan.candidates):
+            where = self.storage.url_of(f"{self.run_id}/{ref.name}")
+            t0 = time.monotonic()
+            verdict = loader.attempt(ref, m, state, deadline)
+            if verdict.status == "ok":
+                assert m is not None
+                self._base = ref
+                self.last_restored = m
+                self.last_restored_repeats = plan.starts.get((ref.step, ref.epoch), 0)
+                self._claim()
+                self._log.info("checkpoint_restored", step=m.step, saved_epoch=m.epoch, epoch=self.epoch,
+                               url=where, saved_world_size=m.world_size,
+                               load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3),
+                               verified=self.config.verify, skipped=len(problems))
+                return m.step
+            problems.append(f"step {ref.step} (epoch {ref.epoch}): {verdict.reason}")
+            nxt = candidates[i + 1] if i + 1 < len(candidates) else None
+            if verdict.status == "corrupt":
+                self._corrupt.add(ref)
+                self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch,
+                                proven_corrupt=True, url=where, reason=verdict.reason[:1000],
+                                next_step=nxt.step if nxt else None)
+                continue
+            all_corrupt = False
+            what = f"step {ref.step} at {where} is unreadable{' now' if verdict.transient else ''}: {verdict.reason}"
+            if self.config.on_unreadable == "fallback" and step is None:
+                self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch,
+                                proven_corrupt=False, url=where, reason=verdict.reason[:1000],
+                                next_step=nxt.step if nxt else None, note="kept as it is; nothing marked or deleted")
+                continue
+            self._log.error("checkpoint_restore_failed", step=ref.step, saved_epoch=ref.epoch,
+                            transient=verdict.transient, reason=verdict.reason[:1000],
+                            waited_s=round(time.monotonic() - t_start, 1))
+            fix = ("check the storage endpoint; raise checkpoint.restore_deadline_s to wait longer"
+                   if verdict.transient else
+                   "check that the credentials may read every object under the checkpoint URL (S3 s3:GetObject "
+                   "and s3:ListBucket, GCS storage.objects.get/list)")
+            raise StorageError(f"restore failed: {what}. Nothing in storage was changed. Fix: {fix}; or set "
+                               f"checkpoint.on_unreadable=fallback (TRAINGUARD_CHECKPOINT_ON_UNREADABLE) to restore "
+                               f"an older step instead", transient=verdict.transient)
+        detail = "; ".join(problems)[:4000]
+        if all_corrupt:
+            raise CheckpointCorrupt(f"no committed checkpoint under {self.url} could be restored: {detail}. Nothing "
+                                    f"was changed. Fix: check the storage for damaged shards; delete the damaged step "
+                                    f"directories to start from an older step, or start the run from scratch")
+        raise StorageError(f"no committed checkpoint under {self.url} could be restored: {detail}. Nothing was "
+                           f"changed. Fix: check the storage endpoint and credentials, then restart", transient=True)
 
     def close(self) -> None:
         """Wait for the in-flight save (errors logged) and stop the background thread. Idempotent."""
@@ -509,7 +489,7 @@ class CheckpointManager:
             return
         stuck = False
         try:
-            self._finish_inflight(reraise_fenced=False)
+            self._finish_inflight()
         except InflightTimeout as e:
             stuck = True
             self._log.error("checkpoint_inflight_abandoned", error=str(e), effect="the manager closes without it; "
@@ -538,43 +518,51 @@ class CheckpointManager:
             if callable(bind):
                 bind(self._pg)
 
-    def _broadcast(self, obj: Any) -> Any:
-        if not self._distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self._pg, group_src=0)
-        return box[0]
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        return self._group.on_rank0(fn, url=self.url)
 
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if not self._distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
+    def _fault(self, point: str, step: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(point, step)
 
-    def _on_rank0(self, fn: Any) -> Any:
-        """Run ``fn`` on rank 0 only and give every rank its result or the same exception."""
-        res: Any = None
+    # -- internals: epochs ----------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        """Claim a new epoch (rank 0) and give it to every rank. Clears the fenced state. The base is
+        the newest any rank knows (after an in-place re-formation a joiner knows none)."""
+        base = max((b for b in self._group.all_gather(self._base) if b is not None), default=None)
+
+        def claim() -> tuple[EpochRecord, int, float]:
+            t0 = time.monotonic()
+            rec, conflicts = claim_epoch(self.storage, self.run_id, lambda n, mode: new_record(
+                n, mode, base_step=base.step if base else -1, base_epoch=base.epoch if base else -1,
+                world_size=self.world_size, rdzv_id=self.rdzv_id, rdzv_round=self.rdzv_round))
+            return rec, conflicts, time.monotonic() - t0
+
+        rec, conflicts, took = self._on_rank0(claim)
+        self._record, self._fenced, self._committed_here = rec, None, {}
+        self._log = log.bind(run_id=self.run_id, rank=self.rank, world_size=self.world_size, epoch=rec.epoch)
         if self.rank == 0:
-            try:
-                res = ("ok", fn())
-            except CheckpointError as e:
-                res = ("err", *_pack_error(e))
-            except Exception as e:  # noqa: BLE001 - must reach the other ranks, not hang them
-                res = ("err", "CheckpointError", f"{type(e).__name__}: {e}", {})
-        res = self._broadcast(res)
-        if res[0] == "ok":
-            return res[1]
-        raise _unpack_error(res[1], res[2], res[3])
+            self._log.info("checkpoint_epoch_claimed", epoch=rec.epoch, world_id=rec.world_id, base_step=rec.base_step,
+                           base_epoch=rec.base_epoch, rdzv_id=rec.rdzv_id, rdzv_round=rec.rdzv_round,
+                           conditional_create=rec.conditional_create, conflicts=conflicts,
+                           claim_ms=round(took * 1e3, 2))
+
+    def _check_owner(self) -> None:
+        assert self._record is not None
+        check_owner(self.storage, self.run_id, self._record)
+
+    def _set_fenced(self, e: FencedError) -> None:
+        if self._fenced is None:
+            self._fenced = e
+            self._log.error("checkpoint_fenced", epoch=e.epoch, newest_epoch=e.newest_epoch,
+                            last_committed=self._last_committed, error=str(e))
 
     # -- internals: save ------------------------------------------------------------------------
 
-    def _rel(self, step: int) -> str:
-        return f"{self.run_id}/{step_dir(step)}"
-
-    def _finish_inflight(self, *, reraise_fenced: bool) -> None:
-        """Wait for the background save, at most :attr:`inflight_timeout_s` (then
-        :class:`InflightTimeout`; it keeps running and stays in flight)."""
+    def _finish_inflight(self) -> None:
+        """Wait for the in-flight save, at most :attr:`inflight_timeout_s` (then :class:`InflightTimeout`;
+        it keeps running and stays in flight); its failure was logged (and a fence recorded) by ``_persist``."""
         f = self._inflight
         if f is None:
             return
@@ -584,48 +572,62 @@ class CheckpointManager:
             raise InflightTimeout(f"the background save of step {self._inflight_step} to {self.url} is still running "
                                   f"after {self.inflight_timeout_s:g}s (a peer gone from its collectives, or storage "
                                   f"not answering). The last committed step stands") from None
-        except FencedError:
-            self._inflight = None
-            self._inflight_step = None
-            if reraise_fenced:
-                raise
-        except Exception:  # noqa: BLE001 - already logged as checkpoint_save_failed by _persist
+        except Exception:  # noqa: BLE001 - already logged by _persist
             pass
         self._inflight = None
         self._inflight_step = None
 
-    def _persist(self, step: int, staged: dict[str, Any], kind: str, ready: Any = None) -> int:
-        """Write, commit and clean up one staged state (background thread, or caller when sync).
+    def _persist(self, step: int, staged: dict[str, Any], kind: str, stage_s: float, blocked_s: float,
+                 ready: Any = None) -> SaveResult:
+        """Claim if needed, write, commit and clean up one staged state (background thread, or caller).
         ``ready``: the event of the staging copies (GPU); the buffers are read only after it."""
         t0 = time.monotonic()
         if ready is not None:
             ready.synchronize()  # this save's copies only: not a device-wide synchronize
-        rel = self._rel(step)
+        ref: StepRef | None = None
         try:
-            self._on_rank0(lambda: self._check_fence(register=True))
-            digests = self._write_shards(step, staged)
-            gathered = self._all_gather((self.rank, digests))
+            if self._record is None:
+                self._claim()
+            assert self._record is not None
+            ref = StepRef(step, self._record.epoch)
+            self._on_rank0(self._check_owner)
+            self._fault("before_write", step)
+            digests = self._write_shards(ref, staged)
+            gathered = self._group.all_gather((self.rank, digests))
             files = tuple(FileEntry(path=name, size=size, crc32=crc, rank=r)
                           for r, d in gathered for name, (size, crc) in sorted(d.items()))
-            self._on_rank0(lambda: self._commit(step, kind, files))
+            self._fault("before_commit", step)
+            self._on_rank0(lambda: self._commit(ref, kind, files))
+        except FencedError as e:
+            self._set_fenced(e)
+            raise
         except Exception as e:
-            self._log.error("checkpoint_save_failed", step=step, kind=kind, url=self.storage.url_of(rel),
-                            error=_describe(e), elapsed_s=round(time.monotonic() - t0, 3),
-                            last_committed=self._last_committed)
+            where = self.storage.url_of(f"{self.run_id}/{ref.name}") if ref else self.url
+            self._log.error("checkpoint_save_failed", step=step, kind=kind, url=where, error=describe(e),
+                            elapsed_s=round(time.monotonic() - t0, 3), last_committed=self._last_committed)
             if isinstance(e, CheckpointError):
                 raise
-            raise CheckpointError(f"checkpoint of step {step} to {self.storage.url_of(rel)} failed: {_describe(e)}. "
+            raise CheckpointError(f"checkpoint of step {step} to {where} failed: {describe(e)}. "
                                   f"The previous committed step is untouched") from e
         self._last_committed = step
-        self._log.info("checkpoint_committed", step=step, kind=kind, url=self.storage.url_of(rel),
-                       bytes=sum(f.size for f in files), files=len(files), persist_s=round(time.monotonic() - t0, 3))
+        self._base = ref
+        nbytes = sum(size for size, _ in digests.values())
+        total = sum(f.size for f in files)
+        self._fault("after_commit", step)
         if self.rank == 0:
-            self._cleanup(step)
-        return step
+            self._cleanup(ref)
+        result = SaveResult(step=step, epoch=ref.epoch, kind=kind, nbytes=nbytes, total_bytes=total, stage_s=stage_s,
+                            persist_s=time.monotonic() - t0, blocked_s=blocked_s)
+        self._committed_here[step] = result
+        self._log.info("checkpoint_committed", step=step, kind=kind, epoch=ref.epoch,
+                       url=self.storage.url_of(f"{self.run_id}/{ref.name}"), bytes=total, rank_bytes=nbytes,
+                       files=len(files), stage_s=round(stage_s, 6), persist_s=round(result.persist_s, 3))
+        return result
 
-    def _write_shards(self, step: int, staged: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    def _write_shards(self, ref: StepRef, staged: dict[str, Any]) -> dict[str, tuple[int, int]]:
         """``dcp.save`` with whole-save retries agreed by all ranks; return this rank's file digests."""
-        rel = self._rel(step)
+        rel = f"{self.run_id}/{ref.name}"
+        backoff = self.storage.backoff
         start = time.monotonic()
         attempt = 0
         while True:
@@ -639,120 +641,56 @@ class CheckpointManager:
             if err is None:
                 return writer.digests
             elapsed = time.monotonic() - start
-            delay = min(self.storage.backoff_max_s, self.storage.backoff_base_s * 2 ** (attempt - 1))
-            transient = all(is_transient(c) for c in _root_causes(err))
-            want_retry = (transient and attempt < self.config.retry_attempts
-                          and elapsed + delay <= self.config.retry_deadline_s)
-            retry = all(self._all_gather(want_retry))
+            delay = backoff.delay(attempt)
+            transient = all(is_transient(c) for c in root_causes(err))
+            want_retry = transient and backoff.allows(attempt, elapsed, delay)
+            retry = all(self._group.all_gather(want_retry))
             self._log.warning("storage_retry", op="dcp_save", url=self.storage.url_of(rel), attempt=attempt,
-                              max_attempts=self.config.retry_attempts, elapsed_s=round(elapsed, 3),
-                              transient=transient, error=_describe(err)[:500], giving_up=not retry)
+                              max_attempts=backoff.attempts, elapsed_s=round(elapsed, 3), transient=transient,
+                              error=describe(err)[:500], giving_up=not retry)
             if not retry:
-                raise StorageError(f"writing the shards of step {step} to {self.storage.url_of(rel)} failed after "
-                                   f"{attempt} attempt(s) in {elapsed:.1f}s: {_describe(err)}. The previous committed "
+                raise StorageError(f"writing the shards of step {ref.step} to {self.storage.url_of(rel)} failed after "
+                                   f"{attempt} attempt(s) in {elapsed:.1f}s: {describe(err)}. The previous committed "
                                    f"step is untouched. Fix: check the storage endpoint and credentials; raise "
                                    f"checkpoint.retry_attempts / retry_deadline_s for flaky storage",
                                    transient=transient) from (err if isinstance(err, Exception) else None)
             time.sleep(delay)
 
-    def _fence_rel(self, fence: int) -> str:
-        return f"{self.run_id}/{FENCES_DIR}/{fence_name(fence)}"
-
-    def _register_fence(self, base_step: int, *, overwrite: bool) -> None:
-        """Record (rank 0) that this round owns the run from ``base_step`` on."""
-        rel = self._fence_rel(self.fence)
-        if not overwrite and (self._fence_registered or self.storage.exists(rel)):
-            self._fence_registered = True
-            return
-        self.storage.write_bytes_atomic(rel, FenceRecord(self.fence, base_step, time.time()).to_json())
-        self._fence_registered = True
-        self._log.info("checkpoint_fence_registered", fence=self.fence, base_step=base_step)
-
-    def _check_fence(self, *, register: bool) -> Scan:
-        scan = scan_run(self.storage, self.run_id)
-        newest = max([f.fence for f in scan.fences] + [m.fence for m in scan.committed] + [self.fence])
-        if newest > self.fence:
-            raise FencedError(f"refusing to commit to {self.url}: this writer's fence (rendezvous round) "
-                              f"{self.fence} is older than round {newest}, which owns the run now. Fix: none "
-                              f"needed for this stale worker — stop it; the newer world continues from its own "
-                              f"checkpoints", fence=self.fence, newest_fence=newest)
-        if register and not self._fence_registered:
-            base = scan.committed[-1].step if scan.committed else -1
-            self._register_fence(base, overwrite=False)
-        return scan
-
-    def _commit(self, step: int, kind: str, files: tuple[FileEntry, ...]) -> None:
-        """Rank 0: re-check the fence, then write the manifest (the commit point)."""
-        self._check_fence(register=False)
-        m = Manifest(run_id=self.run_id, step=step, world_size=self.world_size, strategy=self.strategy,
-                     fence=self.fence, kind=kind, files=files, versions=_versions(), **now_fields())
-        rel = self._rel(step)
+    def _commit(self, ref: StepRef, kind: str, files: tuple[FileEntry, ...]) -> None:
+        """Rank 0: re-check the epoch, then write the manifest (the commit point)."""
+        self._check_owner()
+        self._fault("before_manifest", ref.step)
+        m = Manifest(run_id=self.run_id, step=ref.step, world_size=self.world_size, strategy=self.strategy,
+                     epoch=ref.epoch, kind=kind, files=files, versions=_versions(), **now_fields())
+        rel = f"{self.run_id}/{ref.name}"
         self.storage.fsync_dir(rel)
         self.storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", m.to_json())
         self.storage.fsync_dir(self.run_id)
 
-    def _cleanup(self, committed_step: int) -> None:
-        """Rank 0, after a commit: collect half-written/stale steps and apply retention. Never raises."""
+    def _cleanup(self, committed: StepRef) -> None:
+        """Rank 0, after a commit: delete what :func:`gc_plan` allows. Never raises."""
         try:
             scan = scan_run(self.storage, self.run_id)
-            if any(f.fence > self.fence for f in scan.fences):
-                self._log.info("checkpoint_cleanup_skipped", reason="a newer round registered")
+            assert self._record is not None
+            if scan.newest_epoch > self._record.epoch:
+                self._log.info("checkpoint_gc_skipped", reason="a newer epoch exists", newest_epoch=scan.newest_epoch)
                 return
-            protected = {committed_step, self._restoring} - {None}
-            inflight = self.in_flight
-            for s in scan.uncommitted + scan.stale:
-                if s in protected or s == inflight:
-                    continue
-                self.storage.remove(self._rel(s), recursive=True)
-                self._log.info("checkpoint_garbage_collected", step=s,
-                               reason="stale branch" if s in scan.stale else "no manifest")
-            victims = retention_victims([m.step for m in scan.committed], self.config.keep_last,
-                                        protected | {f.base_step for f in scan.fences if f.fence > self.fence})
-            for s in victims:
-                # Manifest first: the step disappears from discovery atomically, then its shards go.
-                self.storage.remove(f"{self._rel(s)}/{MANIFEST_NAME}")
-                self.storage.remove(self._rel(s), recursive=True)
-                self._log.info("checkpoint_retention_deleted", step=s, keep_last=self.config.keep_last)
+            protected = {committed} | ({self._base} if self._base else set())
+            for d in gc_plan(scan, epoch=self._record.epoch, keep_last=self.config.keep_last, protected=protected,
+                             proven_corrupt=self._corrupt):
+                rel = f"{self.run_id}/{d.ref.name}"
+                if d.ref in scan.committed:
+                    # Manifest first: the step disappears from discovery atomically, then its files go.
+                    self.storage.remove(f"{rel}/{MANIFEST_NAME}")
+                self.storage.remove(rel, recursive=True)
+                self._corrupt.discard(d.ref)
+                event = "checkpoint_retention_deleted" if d.reason == "retention" else "checkpoint_garbage_collected"
+                self._log.info(event, step=d.ref.step, saved_epoch=d.ref.epoch, reason=d.reason,
+                               keep_last=self.config.keep_last)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail a committed save
-            self._log.warning("checkpoint_cleanup_failed", error=_describe(e))
+            self._log.warning("checkpoint_cleanup_failed", error=describe(e))
 
     # -- internals: restore ---------------------------------------------------------------------
-
-    def _verify(self, m: Manifest) -> tuple[bool, str]:
-        """Check sizes and CRC32s of the step's files, split across ranks; agree on the result."""
-        rel = self._rel(m.step)
-        problems: list[str] = []
-        for i, f in enumerate(sorted(m.files, key=lambda f: f.path)):
-            if i % self.world_size != self.rank:
-                continue
-            url = self.storage.url_of(f"{rel}/{f.path}")
-            try:
-                size = self.storage.size(f"{rel}/{f.path}")
-                if size != f.size:
-                    problems.append(f"{url}: size {size} != {f.size} in the manifest (truncated or overwritten)")
-                    continue
-                n, crc = self.storage.crc32(f"{rel}/{f.path}")
-                if n != f.size or crc != f.crc32:
-                    problems.append(f"{url}: crc32 {crc:#010x} != {f.crc32:#010x} in the manifest (corrupt)")
-            except CheckpointNotFound:
-                problems.append(f"{url}: missing")
-            except CheckpointError as e:
-                problems.append(f"{url}: {e}")
-        if problems:
-            self._log.error("checkpoint_verify_failed", step=m.step, problems=problems)
-        all_problems = [p for ps in self._all_gather(problems) for p in ps]
-        return (not all_problems), "; ".join(all_problems)
-
-    def _load(self, m: Manifest, state: dict[str, Any]) -> tuple[bool, str]:
-        reason = ""
-        try:
-            dcp.load(state, storage_reader=self.storage.dcp_reader(self._rel(m.step)), process_group=self._pg,
-                     no_dist=not self._distributed)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - turned into a fallback
-            reason = f"load failed: {_describe(e)}"
-        results = self._all_gather(reason)
-        bad = [r for r in results if r]
-        return (not bad), "; ".join(dict.fromkeys(bad))
 
 
 def _versions() -> dict[str, str]:
@@ -765,4 +703,4 @@ def _versions() -> dict[str, str]:
     return {"trainguard": tg, "torch": torch.__version__, "python": __import__("platform").python_version()}
 
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "Scan", "scan_run"]
+__all__ = ["CheckpointInfo", "CheckpointManager", "FaultHook", "SaveResult", "Scan", "StepRef", "scan_run"]

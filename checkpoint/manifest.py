@@ -1,23 +1,24 @@
-"""Checkpoint layout, the manifest (the commit record), fence records and discovery.
+"""Checkpoint layout, strict names, and the manifest (the commit record).
 
 Layout under the configured ``url``::
 
-    <url>/<run_id>/step-000000000120/__0_0.distcp      rank 0's shard (DCP)
-    <url>/<run_id>/step-000000000120/__1_0.distcp      rank 1's shard
-    <url>/<run_id>/step-000000000120/.metadata         DCP metadata (written by rank 0 inside dcp.save)
-    <url>/<run_id>/step-000000000120/manifest.json     written LAST by rank 0: the commit point
-    <url>/<run_id>/fences/fence-000000000007.json      one per rendezvous round that saved or restored
+    <url>/<run_id>/epochs/epoch-000000000003.json                      claimed create-exclusive, one per world
+    <url>/<run_id>/step-000000000120-e000000000003/__0_0.distcp        rank 0's shard (DCP)
+    <url>/<run_id>/step-000000000120-e000000000003/__1_0.distcp        rank 1's shard
+    <url>/<run_id>/step-000000000120-e000000000003/.metadata           DCP metadata (rank 0, inside dcp.save)
+    <url>/<run_id>/step-000000000120-e000000000003/manifest.json       written LAST by rank 0: the commit
 
-Step numbers are zero-padded to 12 digits so that a lexicographic listing sorts by step. A step
-directory without a valid ``manifest.json`` does not exist for discovery.
-
-The decisions here (which steps are committed, which are stale, what retention deletes) are pure
-functions of listed state, unit-tested with tables of cases.
+A step directory is named by its step *and the epoch that wrote it*, so two worlds (or two branches of
+history) never write into the same directory. Numbers are zero-padded to 12 digits so that a
+lexicographic listing sorts by step, then epoch. Names are parsed strictly (ASCII digits only): any
+other entry is ignored, never guessed at. A step directory without a valid ``manifest.json`` does not
+exist for discovery.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -27,42 +28,61 @@ from trainguard.checkpoint.errors import CheckpointCorrupt
 from trainguard.runtime.protocol import CheckpointKind
 
 MANIFEST_NAME = "manifest.json"
-FENCES_DIR = "fences"
-FORMAT_VERSION = 1
+EPOCHS_DIR = "epochs"
+FORMAT_VERSION = 2
 KINDS = tuple(k.value for k in CheckpointKind)
 """Every checkpoint kind a manifest may carry (:class:`trainguard.runtime.protocol.CheckpointKind`)."""
-_STEP_PREFIX = "step-"
-_FENCE_PREFIX = "fence-"
+_STEP_RE = re.compile(r"step-([0-9]{12,})-e([0-9]{12,})", re.ASCII)
+_EPOCH_RE = re.compile(r"epoch-([0-9]{12,})\.json", re.ASCII)
 
 
-def step_dir(step: int) -> str:
-    """``step-000000000120`` for step 120 (zero-padded so listings sort by step)."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"{_STEP_PREFIX}{step:012d}"
+def step_dir(step: int, epoch: int) -> str:
+    """``step-000000000120-e000000000003``: step 120 written by epoch 3."""
+    if step < 0 or epoch < 0:
+        raise ValueError(f"step and epoch must be >= 0, got step={step} epoch={epoch}")
+    return f"step-{step:012d}-e{epoch:012d}"
 
 
-def parse_step_dir(name: str) -> int | None:
-    """The step of a ``step-<n>`` directory name, or None for anything else."""
+def parse_step_dir(name: str) -> tuple[int, int] | None:
+    """``(step, epoch)`` of a step directory name (a trailing ``/`` or a parent path allowed), else None.
+
+    Strict: ``step-`` + at least 12 ASCII digits + ``-e`` + at least 12 ASCII digits, nothing else
+    (``step-²``, ``step-abc`` or ``step-12`` are not step directories).
+    """
     name = name.rstrip("/").rsplit("/", 1)[-1]
-    if not name.startswith(_STEP_PREFIX):
-        return None
-    digits = name[len(_STEP_PREFIX):]
-    return int(digits) if digits.isdigit() else None
+    m = _STEP_RE.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def fence_name(fence: int) -> str:
-    """``fence-000000000007.json``."""
-    return f"{_FENCE_PREFIX}{fence:012d}.json"
+def epoch_name(epoch: int) -> str:
+    """``epoch-000000000003.json``."""
+    if epoch < 0:
+        raise ValueError(f"epoch must be >= 0, got {epoch}")
+    return f"epoch-{epoch:012d}.json"
 
 
-def parse_fence_name(name: str) -> int | None:
-    """The fence of a ``fence-<n>.json`` name, or None."""
-    name = name.rsplit("/", 1)[-1]
-    if not (name.startswith(_FENCE_PREFIX) and name.endswith(".json")):
-        return None
-    digits = name[len(_FENCE_PREFIX):-len(".json")]
-    return int(digits) if digits.isdigit() else None
+def parse_epoch_name(name: str) -> int | None:
+    """The epoch of an ``epoch-<n>.json`` name (strict, as :func:`parse_step_dir`), or None."""
+    m = _EPOCH_RE.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def check_file_path(path: str) -> str | None:
+    """Why a manifest ``files[].path`` is unsafe to join to the step directory, or None if it is fine.
+
+    A path is relative, ``/``-separated, with no empty, ``.`` or ``..`` component, no backslash and
+    no NUL: a manifest can never make a reader open anything outside its own step directory.
+    """
+    if not path:
+        return "empty path"
+    if "\x00" in path or "\\" in path:
+        return f"path {path!r} contains a NUL or a backslash"
+    if path.startswith("/") or re.match(r"[A-Za-z]:", path) or "://" in path:
+        return f"path {path!r} is absolute"
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return f"path {path!r} has an empty, '.' or '..' component"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +103,8 @@ class Manifest:
     step: int
     world_size: int
     strategy: str
-    fence: int
-    """Rendezvous round of the writer; a lower fence can never commit over a higher one."""
+    epoch: int
+    """The epoch of the world that committed it (see :mod:`trainguard.checkpoint.epochs`)."""
     kind: str
     files: tuple[FileEntry, ...]
     versions: dict[str, str] = field(default_factory=dict)
@@ -111,19 +131,34 @@ class Manifest:
         try:
             d: dict[str, Any] = json.loads(data)
             if d.get("format_version") != FORMAT_VERSION:
-                raise ValueError(f"unsupported format_version {d.get('format_version')!r}")
+                raise UnsupportedFormat(f"manifest {where} has format_version {d.get('format_version')!r}; this "
+                                        f"trainguard reads version {FORMAT_VERSION}. Fix: restore with the trainguard "
+                                        f"version that wrote it, or delete that step directory")
             files = tuple(FileEntry(path=str(f["path"]), size=int(f["size"]), crc32=int(f["crc32"]),
                                     rank=int(f["rank"])) for f in d["files"])
             m = cls(run_id=str(d["run_id"]), step=int(d["step"]), world_size=int(d["world_size"]),
-                    strategy=str(d["strategy"]), fence=int(d["fence"]), kind=str(d["kind"]), files=files,
+                    strategy=str(d["strategy"]), epoch=int(d["epoch"]), kind=str(d["kind"]), files=files,
                     versions={str(k): str(v) for k, v in d.get("versions", {}).items()},
                     created_unix_s=float(d.get("created_unix_s", 0.0)), created=str(d.get("created", "")))
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointCorrupt(f"manifest {where} is invalid: {e}. Fix: {fix}") from e
-        if m.step < 0 or m.world_size < 1 or not m.files or m.kind not in KINDS:
-            raise CheckpointCorrupt(f"manifest {where} is invalid: step={m.step} world_size={m.world_size} "
-                                    f"files={len(m.files)} kind={m.kind!r}. Fix: {fix}")
+        except UnsupportedFormat:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointCorrupt(f"manifest {where} is invalid: {type(e).__name__}: {e}. Fix: {fix}") from e
+        if m.step < 0 or m.epoch < 0 or m.world_size < 1 or not m.files or m.kind not in KINDS:
+            raise CheckpointCorrupt(f"manifest {where} is invalid: step={m.step} epoch={m.epoch} "
+                                    f"world_size={m.world_size} files={len(m.files)} kind={m.kind!r}. Fix: {fix}")
+        for fe in m.files:
+            why = check_file_path(fe.path)
+            if why is not None:
+                raise CheckpointCorrupt(f"manifest {where} is invalid: {why}. Fix: {fix}")
+            if fe.size < 0:
+                raise CheckpointCorrupt(f"manifest {where} is invalid: negative size for {fe.path!r}. Fix: {fix}")
         return m
+
+    @property
+    def dir_name(self) -> str:
+        """The step directory this manifest commits."""
+        return step_dir(self.step, self.epoch)
 
 
 def now_fields() -> dict[str, Any]:
@@ -132,46 +167,8 @@ def now_fields() -> dict[str, Any]:
     return {"created_unix_s": t, "created": datetime.fromtimestamp(t, timezone.utc).isoformat()}
 
 
-@dataclass(frozen=True, slots=True)
-class FenceRecord:
-    """A rendezvous round that has taken ownership of the run, and the step it started from.
+class UnsupportedFormat(CheckpointCorrupt):
+    """A manifest written by another format version: readable, not corrupt, but not for this reader.
 
-    ``base_step`` is the step that round restored (or the newest committed step it saw when it first
-    saved without restoring); -1 when there was none.
+    Never garbage-collected (a newer trainguard may own it), never restored by this version.
     """
-
-    fence: int
-    base_step: int
-    created_unix_s: float = 0.0
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> FenceRecord:
-        d = json.loads(data)
-        return cls(fence=int(d["fence"]), base_step=int(d["base_step"]),
-                   created_unix_s=float(d.get("created_unix_s", 0.0)))
-
-
-def stale_steps(manifests: list[Manifest], fences: list[FenceRecord]) -> set[int]:
-    """Steps committed on a dead branch: by a round older than a newer round's starting point.
-
-    A manifest with fence ``f`` and step ``s`` is stale when some registered round ``g > f`` started
-    from ``base_step < s``: the newer world forked history at ``base_step``, so anything the old world
-    committed after that (a race that slipped past the commit-time fence check) must not be restored.
-    """
-    out: set[int] = set()
-    for m in manifests:
-        for r in fences:
-            if r.fence > m.fence and m.step > r.base_step:
-                out.add(m.step)
-                break
-    return out
-
-
-def retention_victims(committed: list[int], keep_last: int, protected: set[int]) -> list[int]:
-    """Committed steps to delete so that the newest ``keep_last`` remain; never one in ``protected``."""
-    ordered = sorted(set(committed))
-    old = ordered[:-keep_last] if keep_last > 0 else []
-    return [s for s in old if s not in protected]

@@ -18,6 +18,7 @@ and the copies are plain.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -32,12 +33,20 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _is_sharded_tensor(obj: Any) -> bool:
+    """A ``ShardedTensor`` (e.g. a DeepSpeed ZeRO range): no tensor ops, only local shards."""
+    return isinstance(obj, torch.Tensor) and callable(getattr(type(obj), "local_shards", None))
+
+
 def _leaves(obj: Any) -> list[torch.Tensor]:
-    """The plain tensors of a state dict, in walk order (a DTensor contributes its local shard)."""
+    """The plain tensors of a state dict, in walk order (a DTensor contributes its local shard, a
+    ShardedTensor its local shards)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
         return [obj._local_tensor]
+    if _is_sharded_tensor(obj):
+        return [s.tensor for s in obj.local_shards()]
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
@@ -108,6 +117,11 @@ def build(state: Any, arena: HostArena) -> Any:
 
     if isinstance(state, DTensor):
         return DTensor(arena.take(state._local_tensor), state._spec, requires_grad=False)
+    if _is_sharded_tensor(state):  # as torch's _create_cpu_state_dict: a CPU copy whose shards become views
+        ret = state.to("cpu") if state.device.type != "cpu" else copy.deepcopy(state)
+        for shard in ret.local_shards():
+            shard.tensor = arena.take(shard.tensor)
+        return ret
     if isinstance(state, torch.Tensor):
         return arena.take(state)
     if isinstance(state, dict):

@@ -28,6 +28,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.stateful import Stateful
 
 
+_ENVELOPE = "__trainguard_trainer_blob__"
+
+
 class ModelOptimizerState(Stateful):
     """Model (and optimizer) state through ``get_state_dict`` / ``set_state_dict``.
 
@@ -107,6 +110,9 @@ class TrainerState(Stateful):
         self.seed = seed
         self.config_fingerprint = config_fingerprint
         self.process_group = process_group
+        self.extras: dict[str, Any] = {}
+        """Small picklable values other components carry across restarts (e.g. the checkpoint interval
+        controller's measurements under ``"interval"``); saved with the cursor, see :meth:`state_dict`."""
         self.rng_restored: bool | None = None
         """After a restore: True when this rank's own RNG states were restored, False when reseeded."""
         self.saved_world_size: int | None = None
@@ -130,8 +136,10 @@ class TrainerState(Stateful):
             table = [mine]
         # One opaque value (bytes) so that the key set is the same at every world size and DCP's
         # de-duplication of identical keys across ranks is harmless (every rank holds the same table).
+        # The cursor and the extras share one value too, so checkpoints keep the same key set as
+        # before extras existed (DCP refuses to load a key a checkpoint lacks): older ones still load.
         return {"step": self.step, "seed": self.seed, "config_fingerprint": self.config_fingerprint,
-                "world_size": world, "cursor": pickle.dumps(self.cursor),
+                "world_size": world, "cursor": pickle.dumps({_ENVELOPE: 1, "cursor": self.cursor, "extras": self.extras}),
                 "rng": pickle.dumps(dict(enumerate(table)))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -139,7 +147,11 @@ class TrainerState(Stateful):
         self.seed = int(state_dict["seed"])
         self.config_fingerprint = str(state_dict["config_fingerprint"])
         self.saved_world_size = int(state_dict["world_size"])
-        self.cursor = pickle.loads(state_dict["cursor"])
+        blob = pickle.loads(state_dict["cursor"])
+        if isinstance(blob, dict) and blob.get(_ENVELOPE) == 1:
+            self.cursor, self.extras = dict(blob["cursor"]), dict(blob["extras"])
+        else:  # written before extras existed: the blob is the cursor itself
+            self.cursor, self.extras = blob, {}
         table: dict[int, Any] = pickle.loads(state_dict["rng"])
         rank, _ = self._rank_world()
         if rank in table:

@@ -22,17 +22,23 @@ Two DCP-over-fsspec bugs are worked around in :class:`_DurableFileSystem`:
   :class:`StorageError` instead of being committed. It also computes each file's CRC32 while the
   bytes pass, so the manifest's checksums cost no second read.
 
+Create-exclusive writes (:meth:`Storage.create_exclusive`, the epoch claims): ``link(2)`` of a fully
+written temp file locally, ``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS, a lock on
+``memory://``; object stores are probed once, and one that ignores the condition gets a write, wait,
+read-back-and-compare fallback (logged as ``storage_conditional_create`` with ``mode=readback``).
+
 Retries: transient errors (connection resets, timeouts, HTTP 429/5xx) are retried with exponential
-backoff and jitter until ``retry_attempts`` or ``retry_deadline_s`` runs out; every failed attempt is
-logged as ``storage_retry``. Threading: a :class:`Storage` may be used from the training thread and
+backoff and jitter (:class:`~trainguard.checkpoint.retry.Backoff`, the policy shared with the manager)
+until ``retry_attempts`` or ``retry_deadline_s`` runs out; every failed attempt is logged as
+``storage_retry``. Threading: a :class:`Storage` may be used from the training thread and
 the checkpoint thread at once; fsspec filesystems are thread-safe for these operations.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
-import random
 import threading
 import time
 import uuid
@@ -43,14 +49,11 @@ from typing import Any, TypeVar
 
 from trainguard.runtime.log import get_logger
 from trainguard.checkpoint.errors import CheckpointNotFound, StorageError
+from trainguard.checkpoint.retry import Backoff, retry_call
 
 log = get_logger("trainguard.checkpoint.storage")
 
 T = TypeVar("T")
-
-# A private generator for backoff jitter: drawing from the global `random` would perturb the
-# training script's RNG stream (and break bit-identical resumption).
-_jitter = random.Random()
 
 _CHUNK = 8 * 1024 * 1024
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
@@ -98,8 +101,10 @@ class Storage:
         self._options = dict(storage_options or {})
         self.retry_attempts = retry_attempts
         self.retry_deadline_s = retry_deadline_s
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
+        self.backoff = Backoff(base_s=backoff_base_s, max_s=backoff_max_s, attempts=retry_attempts,
+                               deadline_s=retry_deadline_s)
+        """The retry policy of every operation (and of the manager's collective save retries)."""
+        self._cc_mode: str | None = None
         self._fs: Any = None
         self._root = ""
         self._lock = threading.Lock()
@@ -142,34 +147,31 @@ class Storage:
         """Run ``fn`` with retries on transient errors; raise :class:`StorageError` when they run out.
 
         Permanent errors (not found, permission) are re-raised as they are after one attempt, so
-        callers can tell "missing" from "broken".
+        callers can tell "missing" from "broken". The policy is :attr:`backoff` (shared helper
+        :mod:`trainguard.checkpoint.retry`).
         """
+        attempts = [0]
+
+        def on_failure(e: BaseException, attempt: int, elapsed: float, transient: bool, give_up: bool) -> None:
+            attempts[0] = attempt
+            if attempt == 1 and not transient and isinstance(e, _PERMANENT):
+                return  # an answer ("not found"), not a failure: nothing to retry or log
+            log.warning("storage_retry", op=op, url=self.url_of(rel), attempt=attempt,
+                        max_attempts=self.retry_attempts, elapsed_s=round(elapsed, 3), transient=transient,
+                        error=f"{type(e).__name__}: {e}"[:500], giving_up=give_up)
+
         start = time.monotonic()
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return fn()
-            except Exception as e:  # noqa: BLE001 - classified below
-                transient = is_transient(e)
-                elapsed = time.monotonic() - start
-                delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1)) * (0.5 + _jitter.random() / 2)
-                give_up = (not transient or attempt >= self.retry_attempts
-                           or elapsed + delay > self.retry_deadline_s)
-                if not (transient or attempt > 1) and isinstance(e, _PERMANENT):
-                    raise  # an answer ("not found"), not a failure: nothing to retry or log
-                log.warning("storage_retry", op=op, url=self.url_of(rel), attempt=attempt,
-                            max_attempts=self.retry_attempts, elapsed_s=round(elapsed, 3), transient=transient,
-                            error=f"{type(e).__name__}: {e}"[:500], giving_up=give_up)
-                if give_up:
-                    if not transient and isinstance(e, (_PERMANENT, StorageError)):
-                        raise
-                    raise StorageError(
-                        f"{op} {self.url_of(rel)} failed after {attempt} attempt(s) in {elapsed:.1f}s: "
-                        f"{type(e).__name__}: {e}. Fix: check that the storage endpoint is reachable and the "
-                        f"credentials are valid; raise checkpoint.retry_attempts / retry_deadline_s for flaky "
-                        f"storage", transient=transient) from e
-                time.sleep(delay)
+        try:
+            return retry_call(fn, self.backoff, transient=is_transient, on_failure=on_failure)
+        except Exception as e:
+            if not is_transient(e) and isinstance(e, (_PERMANENT, StorageError)):
+                raise
+            elapsed = time.monotonic() - start
+            raise StorageError(
+                f"{op} {self.url_of(rel)} failed after {attempts[0]} attempt(s) in {elapsed:.1f}s: "
+                f"{type(e).__name__}: {e}. Fix: check that the storage endpoint is reachable and the "
+                f"credentials are valid; raise checkpoint.retry_attempts / retry_deadline_s for flaky "
+                f"storage", transient=is_transient(e)) from e
 
     # -- small retried operations ---------------------------------------------------------------
 
@@ -268,6 +270,109 @@ class Storage:
 
         self.retry("write", rel, op)
 
+    # -- create-exclusive ---------------------------------------------------------------------------
+
+    @property
+    def protocol(self) -> str:
+        """The backend's main protocol name (``file``, ``s3``, ``gcs``, ``memory``, ...)."""
+        protos = _protocols(self.fs)
+        if "file" in protos or "local" in protos:
+            return "file"
+        if "s3" in protos or "s3a" in protos:
+            return "s3"
+        if "gs" in protos or "gcs" in protos:
+            return "gcs"
+        return protos[0]
+
+    def conditional_create_mode(self, probe_dir: str) -> str:
+        """``native`` when the backend refuses to create an object that exists, else ``readback``.
+
+        ``file``: ``link(2)`` of a fully written temp file (or ``O_CREAT|O_EXCL``); ``memory``: a
+        process-wide lock. S3 (``PutObject`` with ``If-None-Match: *``) and GCS (``ifGenerationMatch=0``)
+        are *probed* once per :class:`Storage` under ``probe_dir``, because emulators and some
+        S3-compatible stores ignore the condition; a backend that ignores it is logged
+        (``storage_conditional_create``, warning) and gets the write-then-read-back fallback.
+        """
+        if self._cc_mode is not None:
+            return self._cc_mode
+        proto = self.protocol
+        if proto in ("file", "memory"):
+            mode = "native"
+        elif proto in ("s3", "gcs"):
+            mode = self._probe_conditional_create(probe_dir)
+        else:
+            mode = "readback"
+        self._cc_mode = mode
+        level = log.info if mode == "native" else log.warning
+        level("storage_conditional_create", url=self.url, backend=proto, mode=mode,
+              **({} if mode == "native" else {"consequence": (
+                  "this store ignores conditional creates (S3 If-None-Match: * / GCS ifGenerationMatch=0): "
+                  "checkpoint epochs are claimed by write, wait, read back and compare, which two perfectly "
+                  "simultaneous claims can both pass; the commit-time epoch check then refuses the one whose "
+                  "record was overwritten. Real AWS S3 and GCS honour the condition")}))
+        return mode
+
+    def _probe_conditional_create(self, probe_dir: str) -> str:
+        p = self.path(f"{probe_dir}/.probe-{uuid.uuid4().hex[:12]}")
+        try:
+            self.retry("probe", probe_dir, lambda: self.fs.pipe_file(p, b"1", mode="create"))
+            try:
+                self.fs.pipe_file(p, b"2", mode="create")
+            except FileExistsError:
+                return "native"
+            except Exception as e:  # noqa: BLE001 - an unexpected answer means: do not rely on it
+                log.warning("storage_conditional_create_probe_failed", url=self.url,
+                            error=f"{type(e).__name__}: {e}"[:300])
+            return "readback"
+        except (TypeError, NotImplementedError, ValueError):
+            return "readback"  # the fsspec backend has no mode="create"
+        finally:
+            try:
+                self.fs.rm(p)
+            except Exception:  # noqa: BLE001 - a leftover probe object is harmless (dot-names are ignored)
+                pass
+
+    def create_exclusive(self, rel: str, data: bytes, *, mode: str | None = None,
+                         settle_s: float = 0.05) -> bool:
+        """Create ``rel`` holding ``data`` unless it exists; True if this call created it.
+
+        ``data`` must be unique to the caller (it carries a random token): after an ambiguous retry,
+        or in ``readback`` mode, an existing object with exactly ``data`` is ours. ``mode`` is
+        :meth:`conditional_create_mode` of ``rel``'s directory unless given. Readback: refuse if the
+        object exists, write, wait ``settle_s``, read back and compare.
+        """
+        p = self.path(rel)
+        mode = mode or self.conditional_create_mode(rel.rsplit("/", 1)[0] if "/" in rel else "")
+        proto = self.protocol
+
+        def ours() -> bool:
+            try:
+                return self.read_bytes(rel) == data
+            except CheckpointNotFound:
+                return False
+
+        # An existing object holding exactly ``data`` is ours: a retried create whose first attempt did
+        # land (a PUT whose answer was lost; NFS answering EEXIST to a retried link) still succeeded.
+        if proto == "file":
+            return self.retry("create", rel, lambda: _create_local_exclusive(p, data)) or ours()
+        if proto == "memory":
+            with _MEMORY_CREATE_LOCK:
+                if not self.fs.exists(p):
+                    self.fs.pipe_file(p, data)
+                    return True
+            return ours()
+        if mode == "native":
+            try:
+                self.retry("create", rel, lambda: self.fs.pipe_file(p, data, mode="create"))
+                return True
+            except FileExistsError:
+                return ours()
+        if self.exists(rel):
+            return ours()
+        self.retry("create", rel, lambda: self.fs.pipe_file(p, data))
+        time.sleep(settle_s)
+        return ours()
+
     def remove(self, rel: str, *, recursive: bool = False) -> None:
         """Remove ``rel`` (a file, or a whole directory with ``recursive``); missing is not an error."""
         p = self.path(rel)
@@ -300,6 +405,48 @@ class Storage:
 def _protocols(fs: Any) -> tuple[str, ...]:
     p = fs.protocol
     return (p,) if isinstance(p, str) else tuple(p)
+
+
+_MEMORY_CREATE_LOCK = threading.Lock()
+_NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
+
+
+def _create_local_exclusive(path: str, data: bytes) -> bool:
+    """Create ``path`` with ``data`` unless it exists, atomically and durably (local filesystem).
+
+    A temp file is written and fsync'd, then hard-linked to ``path``: ``link(2)`` fails with EEXIST
+    if ``path`` exists, and readers never see a partial record (also safe on NFS, where O_EXCL was
+    not always atomic). Filesystems without hard links get ``O_CREAT|O_EXCL`` + write + fsync.
+    The directory is fsync'd either way.
+    """
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in _NO_LINK:
+                raise
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        fsync_dir(d)
 
 
 def fsync_dir(path: str) -> None:

@@ -49,7 +49,7 @@ class Node:
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "demo", "--node-name", name,
                "--state-dir", self.state_dir, "--log-dir", os.path.join(work, f"logs-{name}"),
                "--set", "agent.log_format=json", "--set", "preemption.sources=signal", "--set", "metrics.port=0",
-               "--set", f"checkpoint.url={os.path.join(work, 'ckpt')}", "--set", "checkpoint.interval_steps=50",
+               "--set", f"checkpoint.url={os.path.join(work, 'ckpt')}", "--set", "checkpoint.interval=50",
                os.path.join(HERE, "train_gpt_elastic.py"), *train_args]
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "OMP_NUM_THREADS": "1"}
         self.fh = open(self.log, "w")

@@ -170,7 +170,8 @@ def main() -> None:
         if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             lv = loss.item()
             print(json.dumps({"event": "train_step", "step": done, "loss": round(lv, 4), "ppl": round(math.exp(lv), 2),
-                              "world_size": world, "step_s": round(time.perf_counter() - t0, 4)}), flush=True)
+                              "world_size": world, "step_s": round(time.perf_counter() - t0, 4), "t": time.time()}),
+                  flush=True)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -9,7 +9,9 @@ block; DeepSpeed ZeRO stage ``--zero-stage``, optionally with ``--deepspeed-conf
 (all-reduced over the ranks; the strategy tests compare runs with it).
 ``--sample-log DIR`` makes every rank append, per step, the sample ids of the whole global batch to
 ``DIR/samples-<pid>.jsonl``, and a ``rolled_back`` record when a vanished peer interrupted the step
-(the end-to-end tests check that each id is used exactly once: ``tests/samples.py``).
+(the end-to-end tests check that each id is used exactly once: ``tests/samples.py``), with the step's
+wall-clock start and end (``t0``, ``t1``: unix seconds; ``bench/spot_trace.py`` computes the ground-truth
+goodput from them).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main() -> None:
     reformations = 0
     while rt.step < args.steps:
         t0 = time.perf_counter()
+        started = time.time()
         micro = rt.next_batches()
         total = torch.zeros((), device=rt.device)
         for i, ids in enumerate(micro):
@@ -99,7 +102,7 @@ def main() -> None:
             losses.flush()
         if samples:  # before end_step: a draining rank exits inside it once the step is committed
             samples.write(json.dumps({"step": done, "rank": rank, "world_size": world, "round": rnd,
-                                      "ids": rt.current_batch}) + "\n")
+                                      "ids": rt.current_batch, "t0": started, "t1": time.time()}) + "\n")
             samples.flush()
         if not rt.end_step():  # a peer vanished mid-step: it is redone (same samples) in the re-formed world
             if samples:

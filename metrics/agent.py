@@ -151,6 +151,7 @@ class AgentMetrics:
         self._window: deque[tuple[float, float, float, float]] = deque()  # (t, samples, tokens, steps)
         self._rates: tuple[float, float] | None = None
         self._ckpt_policy: tuple[float, int] = (0.0, 0)  # (interval_s, interval_steps)
+        self._restores_seen = 0.0
         self._state = "starting"
 
         self._gpu = GpuSampler(enabled=config.gpu, nvml=nvml)
@@ -197,6 +198,10 @@ class AgentMetrics:
     def set_state(self, state: Any) -> None:
         """The agent entered ``state`` (a string or an Enum member; compared lower-case)."""
         s = self._states(_state_name(state))
+        try:  # the ledger splits time at the transition: it needs the workers' step time up to now
+            self.sample()
+        except Exception as e:  # observing must not stop the agent
+            log.warning("metrics_sample_failed", error=repr(e))
         with self._lock:
             prev, self._state = self._state, s
             self.ledger.set_state(s)
@@ -249,8 +254,9 @@ class AgentMetrics:
 
     def restored(self, step: int) -> tuple[float, int]:
         """Workers restart from checkpoint ``step``; work done past it (as sampled from the workers)
-        becomes ``recompute`` waste. Returns ``(seconds, steps)`` reclassified."""
-        self.sample()
+        becomes ``recompute`` waste. Returns ``(seconds, steps)`` reclassified. Workers on the worker
+        API report their restores through the channel (``trainguard_checkpoint_restores_total``),
+        which the sampler turns into this call: use it only for restores the channel does not see."""
         with self._lock:
             seconds, steps = self.ledger.restored(step)
         if steps:
@@ -393,9 +399,18 @@ class AgentMetrics:
         tokens = vals.get(P + "tokens_total", 0.0)
         steps = vals.get(P + "steps_total", 0.0)
         steps_per_s = 0.0
+        restores = vals.get(P + "checkpoint_restores_total", 0.0)
+        lost: tuple[int, float, int] | None = None
         with self._lock:
-            if P + "step" in vals:
-                self.ledger.progress(int(vals[P + "step"]), t)
+            # A restore first: the rolled-back work is sized before the restored workers' own steps count.
+            if restores > self._restores_seen and P + "checkpoint_restored_step" in vals:
+                k = int(vals[P + "checkpoint_restored_step"])
+                seconds, n = self.ledger.restored(k, t)
+                if n:
+                    lost = (k, seconds, n)
+            self._restores_seen = max(self._restores_seen, restores)
+            self.ledger.progress(int(vals[P + "step"]) if P + "step" in vals else None, t,
+                                 train_s=vals.get(P + "training_seconds_total"))
             if P + "checkpoint_last_committed_step" in vals:
                 self.ledger.committed(int(vals[P + "checkpoint_last_committed_step"]), t)
             w = self._window
@@ -412,7 +427,13 @@ class AgentMetrics:
                 busy = [(b[0] - a[0], b[3] - a[3]) for a, b in zip(w, list(w)[1:]) if b[3] > a[3]]
                 busy_s = sum(d for d, _ in busy)
                 steps_per_s = sum(n for _, n in busy) / busy_s if busy_s > 0 else 0.0
-        self._estimate_checkpoint_interval(steps_per_s)
+        if lost is not None:
+            log.info("work_lost", restored_step=lost[0], recomputed_steps=lost[2], recomputed_s=round(lost[1], 3))
+        auto = vals.get(P + "checkpoint_auto_interval_seconds", 0.0)
+        if auto > 0:  # checkpoint.interval=auto: the interval global rank 0's controller chose (this node runs it)
+            self._m_ckpt_interval.set(auto)
+        else:
+            self._estimate_checkpoint_interval(steps_per_s)
 
     def _sample_loop(self) -> None:
         while not self._stop.wait(self.config.sample_interval_s):

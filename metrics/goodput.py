@@ -1,24 +1,44 @@
 """Goodput: how much of the paid time trained steps that were kept.
 
-A pure ledger over a timeline of events with an injectable clock, so scripted timelines (a drain, a
-crash and restart, a rollback to a checkpoint) are unit-tested without processes or sleeps.
+A pure ledger over a timeline of observations with an injectable clock, so scripted timelines (a
+start-up, a drain, a crash and restart, a rollback to a checkpoint) are unit-tested without processes.
 
 Every second of *paid* time (since the agent started, until it stops) lands in exactly one bucket:
 
-* **productive**: the agent was ``running`` and the steps trained then were not rolled back;
-* **wasted[reason]** (:data:`~trainguard.metrics.names.WASTE_REASONS`): downtime, attributed to
-  its cause (``startup``, ``drain``, ``resize``, ``restart``, ``other``), or ``recompute``: running
-  time whose steps were later rolled back to a checkpoint and trained again.
+* **productive**: wall time of training steps that were kept, i.e. that end up in the final lineage.
+  Workers on the trainguard API report it (``trainguard_training_seconds_total``: the wall time of
+  each completed step, from the end of the previous step boundary to the start of this one);
+* **wasted[reason]** (:data:`~trainguard.metrics.names.WASTE_REASONS`): everything else, by cause:
+
+  - downtime (the agent not ``running``): ``startup`` before the first run, ``drain`` after a notice,
+    ``resize`` for a planned re-formation, ``restart`` after a failure, ``other`` when nobody said;
+  - ``running`` before the first step of a run completes (process start, imports, model build,
+    restore): the cause of the downtime that preceded it, ``startup`` for the first run;
+  - ``running`` between steps once they flow: ``checkpoint`` (saves blocking training, the per-step
+    agreement on drains and saves);
+  - ``recompute``: step time of steps that were rolled back to a checkpoint and trained again.
 
 So ``paid == productive + sum(wasted)`` always holds (the tests assert it), and
 ``goodput = productive / paid``. Productive time can *decrease* (a rollback reclassifies it), which
 is why it is exported as a gauge while paid and wasted time are counters.
 
-Rollback detection needs to know when each step was completed: :meth:`GoodputLedger.progress`
-records ``(time, step)`` marks (the agent samples the workers' step once a second; tests call it per
-step), and :meth:`GoodputLedger.restored` interpolates the time at which the restored step had been
-reached. Marks older than the last committed checkpoint are dropped (:meth:`committed`), because a
-restore never goes further back than that.
+How time is split: the caller reports, at each sample and on each state change, the node's cumulative
+step wall time ``S`` (:meth:`GoodputLedger.progress`). The time between two reports (a *window*) is
+``ΔS`` of steps plus non-step time, which goes to the cause in effect during the window. A step that
+straddles the end of a window is reported in the next one; the overshoot is carried into the next
+window's non-step time, so no bucket ever decreases and the totals stay exact. The open window
+(since the last report) counts as productive until it is closed.
+
+Scripts that report no step time (unmodified torchrun scripts, "tier 1") keep the state-only view:
+time ``running`` is productive. Until a node's workers report (they declare the series at set-up,
+before their first step) its running time is *pending*: productive for now, and turned into waste of
+the run's cause when the first report shows the workers use the worker API, or when the agent stops
+first (workers that never reached set-up trained nothing). After :data:`TIER1_AFTER_S` seconds of
+running without a report the node is taken for tier 1 and its pending time stays productive.
+
+Rollbacks: :meth:`GoodputLedger.progress` records ``(step, kept step seconds)`` marks and
+:meth:`GoodputLedger.restored` interpolates the kept seconds at the restored step; everything past
+it becomes ``recompute``. Marks before the last committed checkpoint are dropped (:meth:`committed`).
 
 Threading: not thread-safe; :class:`~trainguard.metrics.agent.AgentMetrics` serialises calls.
 Times are seconds on the ledger's clock (``time.monotonic`` by default).
@@ -39,10 +59,16 @@ TERMINAL_STATES = frozenset(s.value for s in AgentState if s.terminal)
 """States that end the paid clock: the agent is going away or the job is over."""
 
 _INFERRED_CAUSE = {"draining": "drain", "resizing": "resize", "rendezvous": "resize", "starting": "restart",
-                   "failed": "restart"}
+                   "restarting": "restart", "failed": "restart"}
 """Cause of downtime that begins by leaving ``running`` for this state, when nobody said why."""
 
+STEADY_CAUSE = "checkpoint"
+"""Non-step time of a run once its steps flow: checkpoint saves and the per-step agreement."""
+
 MAX_MARKS = 100_000
+
+TIER1_AFTER_S = 120.0
+"""Running time without a step report after which a node's workers are taken for a tier-1 script."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +96,9 @@ class GoodputLedger:
     Call :meth:`set_state` on every agent state change (lower-case state names, see
     :data:`~trainguard.metrics.names.AGENT_STATES`), :meth:`set_cause` when the reason for the
     coming or current downtime is known (a notice means ``drain``, a crash ``restart``),
-    :meth:`progress` with the workers' step, :meth:`committed` with the newest committed step and
-    :meth:`restored` when workers restart from a checkpoint. Every method takes ``now`` (clock
-    seconds) for tests; by default it reads the clock.
+    :meth:`progress` with the workers' step and step time, :meth:`committed` with the newest committed
+    step and :meth:`restored` when workers restart from a checkpoint. Every method takes ``now``
+    (clock seconds) for tests; by default it reads the clock.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, *, now: float | None = None) -> None:
@@ -81,16 +107,23 @@ class GoodputLedger:
         self._start = t
         self._stopped_at: float | None = None
         self._state = "starting"
-        self._running_since: float | None = None
-        self._intervals: deque[tuple[float, float]] = deque()  # closed productive intervals, in order
-        self._finalized_s = 0.0  # productive time no rollback can reach any more
-        self._down_since: float | None = t
-        self._cause: str | None = "startup"
+        self._running = False
+        self._down_cause: str | None = "startup"  # cause of the current (or next) downtime
+        self._run_cause = "startup"  # cause of a run's time before its first step
+        self._stepped = False  # a step completed in the current run
+        self._reporting = False  # workers report step time (else: tier-1 view)
+        self._t = t  # start of the open window
+        self._s = 0.0  # step seconds reported so far (cumulative)
+        self._s_window = 0.0  # ... at the start of the open window
+        self._carry = 0.0  # step time reported beyond a window's length (<= 0), owed by the next windows
+        self._open_cause: str | None = None  # set_cause while running: the open window's non-step time
+        self._pending: dict[str, float] = {}  # running time before any report, by cause (see module doc)
+        self._tier1 = False
+        self._kept = 0.0  # step seconds not rolled back
         self._wasted: dict[str, float] = {r: 0.0 for r in WASTE_REASONS}
-        self._marks: deque[tuple[float, int]] = deque(maxlen=MAX_MARKS)  # (time, step), both increasing
+        self._marks: deque[tuple[int, float]] = deque(maxlen=MAX_MARKS)  # (step, kept seconds), increasing
         self._recomputed_steps = 0
 
-    # -- events ---------------------------------------------------------------------------------
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now
 
@@ -100,105 +133,143 @@ class GoodputLedger:
 
     @property
     def running(self) -> bool:
-        return self._running_since is not None
+        return self._running
 
+    @property
+    def reporting(self) -> bool:
+        """Whether the workers report step time (the step view) or not (the tier-1 view)."""
+        return self._reporting
+
+    # -- windows --------------------------------------------------------------------------------
+    def _cause_now(self) -> str:
+        if self._running:
+            return STEADY_CAUSE if self._stepped else self._run_cause
+        return self._down_cause or "other"
+
+    def _close(self, t: float, *, force: bool) -> None:
+        """Close the open window at ``t``; ``force`` for state changes (tier-1 running time then ends)."""
+        if self._stopped_at is not None or t < self._t:
+            return
+        if self._running and not self._reporting:
+            if self._tier1:  # tier-1 view: the run's time is productive; nothing to attribute
+                self._t = t
+                self._s_window = self._s
+                return
+            cause = self._open_cause or self._run_cause
+            self._open_cause = None
+            self._pending[cause] = self._pending.get(cause, 0.0) + (t - self._t)
+            self._t = t
+            self._s_window = self._s
+            if sum(self._pending.values()) >= TIER1_AFTER_S:
+                self._tier1 = True
+                self._pending.clear()
+            return
+        elapsed = t - self._t
+        ds = max(0.0, self._s - self._s_window)
+        nonstep = elapsed - ds + self._carry
+        cause = self._open_cause or self._cause_now()
+        self._open_cause = None
+        if nonstep < 0:
+            self._carry = nonstep
+        else:
+            self._wasted[cause] += nonstep
+            self._carry = 0.0
+        self._kept += ds
+        if ds > 0 and self._running:
+            self._stepped = True
+        self._t = t
+        self._s_window = self._s
+
+    # -- events ---------------------------------------------------------------------------------
     def set_state(self, state: str, now: float | None = None) -> None:
         """The agent entered ``state`` at ``now``."""
         if self._stopped_at is not None:
             return
         t = self._now(now)
         state = state.lower()
+        self._close(t, force=True)
         self._state = state
         if state == "running":
-            if self._running_since is None:
-                self._close_downtime(t)
-                self._down_since = None
-                self._running_since = t
-                self._cause = None
+            if not self._running:
+                self._running = True
+                self._stepped = False
+                self._run_cause = self._down_cause or "other"
+                self._down_cause = None
             return
-        if self._running_since is not None:  # leaving running: downtime begins
-            self._intervals.append((self._running_since, t))
-            self._running_since = None
-            self._down_since = t
-            if self._cause is None:
-                self._cause = _INFERRED_CAUSE.get(state, "other")
+        if self._running:  # leaving running: downtime begins
+            self._running = False
+            if self._down_cause is None:
+                self._down_cause = _INFERRED_CAUSE.get(state, "other")
         if state in TERMINAL_STATES:
             self.stop(t)
 
     def set_cause(self, reason: str, now: float | None = None) -> None:
         """Attribute the current downtime (or, while running, the next one) to ``reason``.
 
-        Relabels the whole open downtime segment (since the last state change): a crash found
-        during a rendezvous makes that rendezvous ``restart`` time. Segments closed by earlier state
-        changes keep their reason. ``now`` is accepted for symmetry; the relabel is instantaneous.
+        Applies from the open window on (windows close at every sample and state change): while
+        running, the time since the last sample is the failure's or notice's too. The supervisor says
+        why before it changes state, so whole downtimes get their cause.
         """
         if reason not in self._wasted:
             reason = "other"
-        self._cause = reason
+        self._down_cause = reason
+        if self._running:
+            self._open_cause = reason
 
-    def progress(self, step: int, now: float | None = None) -> None:
-        """Step ``step`` had been completed by ``now``. Non-increasing steps are ignored."""
-        if not self._marks or step > self._marks[-1][1]:
-            self._marks.append((self._now(now), step))
+    def progress(self, step: int | None, now: float | None = None, *, train_s: float | None = None) -> None:
+        """A sample of the workers: ``step`` completed (None: no live worker), ``train_s`` seconds of
+        step time so far on this node (cumulative; None: the workers do not report it)."""
+        t = self._now(now)
+        if train_s is not None:
+            if not self._reporting:
+                self._reporting = True
+                self._tier1 = False
+                self._s_window = self._s  # nothing was reported before: the open window starts at 0
+                self._resolve_pending()
+            if train_s >= self._s:
+                self._s = train_s
+        self._close(t, force=False)
+        if step is not None and (not self._marks or step > self._marks[-1][0]):
+            self._marks.append((step, self._kept))
 
     def committed(self, step: int, now: float | None = None) -> None:
-        """Step ``step`` is in a committed checkpoint: time before it can no longer be rolled back."""
-        t_step = self._time_of(step)
-        if t_step is None:
-            return
-        while len(self._marks) > 1 and self._marks[1][1] <= step:
+        """Step ``step`` is in a committed checkpoint: work before it can no longer be rolled back."""
+        while len(self._marks) > 1 and self._marks[1][0] <= step:
             self._marks.popleft()
-        while self._intervals and self._intervals[0][1] <= t_step:
-            s, e = self._intervals.popleft()
-            self._finalized_s += e - s
 
     def restored(self, step: int, now: float | None = None) -> tuple[float, int]:
-        """Workers restart from checkpoint ``step``: running time spent past it becomes ``recompute``.
+        """Workers restarted from checkpoint ``step``: kept step time past it becomes ``recompute``.
 
-        Returns ``(seconds, steps)`` reclassified. Steps are the ones trained beyond ``step`` before
-        the rollback (the highest step seen minus ``step``).
+        Call before reporting the restored workers' own progress. Returns ``(seconds, steps)``
+        reclassified; steps are the highest step seen minus ``step``.
         """
-        t = self._now(now)
-        top = self._marks[-1][1] if self._marks else None
+        top = self._marks[-1][0] if self._marks else None
         seconds, steps = 0.0, 0
         if top is not None and step < top:
-            t_step = self._time_of(step)
-            seconds = self._cut_productive(float("-inf") if t_step is None else t_step, t)
+            kept_at = self._kept_at(step)
+            seconds = max(0.0, self._kept - kept_at)
             steps = top - step
+            self._kept -= seconds
             self._wasted["recompute"] += seconds
             self._recomputed_steps += steps
-        while self._marks and self._marks[-1][1] >= step:
+        while self._marks and self._marks[-1][0] >= step:
             self._marks.pop()
-        self._marks.append((t, step))
+        self._marks.append((step, self._kept))
         return seconds, steps
 
     def lost_work(self, seconds: float, steps: int = 0, reason: str = "recompute", now: float | None = None) -> float:
-        """Move the most recent ``seconds`` of productive time to ``wasted[reason]``.
+        """Move ``seconds`` of productive time to ``wasted[reason]`` (capped at the productive time).
 
-        For callers that measured the loss themselves (the drain coordinator when a deadline was
-        missed). Do not also call :meth:`restored` for the same rollback. Returns the seconds moved
-        (capped at the productive time still open to rollback).
+        For callers that measured the loss themselves (e.g. a drain that missed its deadline). Do not
+        also call :meth:`restored` for the same rollback. Returns the seconds moved.
         """
         if reason not in self._wasted:
             reason = "other"
         t = self._now(now)
-        reopen = self._running_since is not None
-        if reopen:
-            self._intervals.append((self._running_since, t))
-            self._running_since = None
-        left = max(0.0, seconds)
-        moved = 0.0
-        while left > 0 and self._intervals:
-            s, e = self._intervals.pop()
-            take = min(left, e - s)
-            left -= take
-            moved += take
-            if e - take > s:
-                self._intervals.append((s, e - take))
-                break
-        if reopen:
-            self._running_since = t
+        self._close(t, force=True)
+        moved = min(max(0.0, seconds), max(0.0, self.snapshot(t).productive_s))
         self._wasted[reason] += moved
+        self._kept = max(0.0, self._kept - moved)
         self._recomputed_steps += max(0, steps)
         return moved
 
@@ -207,64 +278,38 @@ class GoodputLedger:
         if self._stopped_at is not None:
             return
         t = self._now(now)
-        if self._running_since is not None:
-            self._intervals.append((self._running_since, t))
-            self._running_since = None
-        else:
-            self._close_downtime(t)
-        self._down_since = None
+        self._close(t, force=True)
+        self._resolve_pending()  # workers that never reported trained nothing
         self._stopped_at = t
+
+    def _resolve_pending(self) -> None:
+        """Running time before any report was start-up of a worker-API job: waste of its cause."""
+        for cause, seconds in self._pending.items():
+            self._wasted[cause] += seconds
+        self._pending.clear()
 
     # -- reading --------------------------------------------------------------------------------
     def snapshot(self, now: float | None = None) -> GoodputSnapshot:
-        """The partition at ``now`` (or at the stop time, once stopped)."""
+        """The partition at ``now`` (or at the stop time, once stopped). Productive time is what is
+        not wasted: kept step time, the open window, and a tier-1 node's running time."""
         t = self._now(now) if self._stopped_at is None else self._stopped_at
-        productive = self._finalized_s + sum(e - s for s, e in self._intervals)
+        paid = max(0.0, t - self._start)
         wasted = dict(self._wasted)
-        if self._running_since is not None:
-            productive += t - self._running_since
-        elif self._down_since is not None:
-            wasted[self._cause or "other"] += t - self._down_since
-        return GoodputSnapshot(paid_s=t - self._start, productive_s=productive, wasted_s=wasted,
+        return GoodputSnapshot(paid_s=paid, productive_s=paid - sum(wasted.values()), wasted_s=wasted,
                                recomputed_steps=self._recomputed_steps)
 
     # -- internals ------------------------------------------------------------------------------
-    def _close_downtime(self, t: float) -> None:
-        if self._down_since is not None:
-            self._wasted[self._cause or "other"] += t - self._down_since
-            self._down_since = t
-
-    def _time_of(self, step: int) -> float | None:
-        """When ``step`` was reached, interpolated between marks; ``None`` if before every mark."""
+    def _kept_at(self, step: int) -> float:
+        """Kept step seconds when ``step`` was completed, interpolated between marks."""
         marks = self._marks
-        if not marks or step > marks[-1][1]:
-            return marks[-1][0] if marks else None
-        steps = [k for _, k in marks]
+        steps = [k for k, _ in marks]
         i = bisect.bisect_left(steps, step)
-        t1, k1 = marks[i]
+        if i >= len(marks):
+            return marks[-1][1]
+        k1, s1 = marks[i]
         if k1 == step:
-            return t1
-        if i == 0:
-            return None
-        t0, k0 = marks[i - 1]
-        return t0 + (t1 - t0) * (step - k0) / (k1 - k0)
-
-    def _cut_productive(self, t_from: float, t_to: float) -> float:
-        """Remove productive time inside ``[t_from, t_to]`` from the intervals; return its length."""
-        if self._running_since is not None:
-            self._intervals.append((self._running_since, t_to))
-            self._running_since = t_to
-        kept: deque[tuple[float, float]] = deque()
-        cut = 0.0
-        for s, e in self._intervals:
-            lo, hi = max(s, t_from), min(e, t_to)
-            if hi <= lo:
-                kept.append((s, e))
-                continue
-            cut += hi - lo
-            if s < lo:
-                kept.append((s, lo))
-            if hi < e:
-                kept.append((hi, e))
-        self._intervals = kept
-        return cut
+            return s1
+        if i == 0:  # before every mark: all kept time is past it
+            return 0.0
+        k0, s0 = marks[i - 1]
+        return s0 + (s1 - s0) * (step - k0) / (k1 - k0)

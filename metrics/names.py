@@ -31,11 +31,13 @@ RESTART_REASONS: tuple[str, ...] = ("worker_failure", "worker_hang", "rendezvous
 """``reason`` values pre-declared for ``trainguard_restarts_total`` (others are accepted, up to
 :data:`MAX_DYNAMIC_LABEL_VALUES`)."""
 
-WASTE_REASONS: tuple[str, ...] = ("startup", "drain", "resize", "restart", "recompute", "other")
-"""``reason`` label of wasted time/cost: ``startup`` until the first step; ``drain`` from a
-preemption notice until training runs again; ``resize`` a scale-up re-formation; ``restart`` from a
-failure until training runs again; ``recompute`` training time of steps later rolled back and
-recomputed; ``other`` downtime with no known cause."""
+WASTE_REASONS: tuple[str, ...] = ("startup", "drain", "resize", "restart", "recompute", "checkpoint", "other")
+"""``reason`` label of wasted time/cost: ``startup`` until the first step completes; ``drain`` from a
+preemption notice until a step completes again; ``resize`` a planned re-formation, likewise;
+``restart`` from a failure, likewise (each includes the new workers' start-up and restore);
+``recompute`` step time of steps later rolled back and recomputed; ``checkpoint`` time between the
+steps of a running job (saves blocking training, the per-step agreement); ``other`` downtime with no
+known cause."""
 
 MAX_DYNAMIC_LABEL_VALUES = 16
 """Beyond this many distinct values of one free-form label, further values are reported as ``other``."""

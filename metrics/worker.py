@@ -66,6 +66,27 @@ class _Families:
     ckpt_step: Any
     ckpt_ts: Any
     gpu_peak: Any
+    train_s: Any
+    restores: Any
+    restored_step: Any
+    auto: dict[str, Any]
+
+
+AUTO_GAUGES: dict[str, tuple[str, str]] = {
+    "interval_s": ("checkpoint_auto_interval_seconds",
+                   "Periodic checkpoint interval chosen by checkpoint.interval=auto (Young/Daly), seconds of training."),
+    "optimum_s": ("checkpoint_auto_optimum_seconds",
+                  "Young/Daly optimum for the measured inputs, before bounds and hysteresis."),
+    "save_cost_s": ("checkpoint_auto_save_cost_seconds",
+                    "Measured training time one periodic save costs (blocked + slowdown while persisting)."),
+    "persist_s": ("checkpoint_auto_persist_seconds", "Measured time to persist and commit a save (average)."),
+    "restore_s": ("checkpoint_auto_restore_seconds", "Measured time to restore a checkpoint (average)."),
+    "mtbf_s": ("checkpoint_auto_mtbf_seconds",
+               "Estimated mean time between unannounced failures of the job at its current world size."),
+    "unannounced_failures": ("checkpoint_auto_unannounced_failures",
+                             "Unannounced failures of the job so far, as proven by its restores."),
+}
+"""Inputs and outputs of the checkpoint interval controller, by :meth:`WorkerMetrics.observe_interval` key."""
 
 
 _families: _Families | None = None
@@ -115,6 +136,15 @@ def _make_families() -> _Families:
                       multiprocess_mode="max", registry=None),
         gpu_peak=Gauge(p + "gpu_allocator_peak_bytes", "torch.cuda.max_memory_allocated of the live workers, per GPU.",
                        ["gpu"], multiprocess_mode="livemax", registry=None),
+        train_s=Counter(p + "training_seconds",
+                        "Wall time of completed training steps, as seen on this node (counted by local rank 0).",
+                        registry=None),
+        restores=Counter(p + "checkpoint_restores", "Checkpoint restores by this node's workers (counted by local rank 0), "
+                         "by the kind of the checkpoint restored (other: nothing to restore, a start from step 0).", ["kind"], registry=None),
+        restored_step=Gauge(p + "checkpoint_restored_step", "Step the live workers restored from.",
+                            multiprocess_mode="livemax", registry=None),
+        # Written by global rank 0 only (the rank whose controller decides); livemax: gone with it.
+        auto={k: Gauge(p + name, doc, multiprocess_mode="livemax", registry=None) for k, (name, doc) in AUTO_GAUGES.items()},
     )
     return _families
 
@@ -151,6 +181,11 @@ class WorkerMetrics:
             return
         self._f = _make_families()
         if local_rank == 0:
+            # Declared at set-up, before the first step: the agent then counts this node's time by steps
+            # (start-up is not productive), see trainguard.metrics.goodput.
+            self._f.train_s.inc(0)
+            for kind in names.CHECKPOINT_KINDS:
+                self._f.restores.labels(kind=kind)
             # Declare the checkpoint series at 0 so increase()/rate() see the first event (a series
             # born at 1 has no increase). One rank per node is enough: the agent sums the files,
             # and every extra declared series costs each scrape ~17 keys per histogram per process.
@@ -172,6 +207,7 @@ class WorkerMetrics:
             return
         if self.local_rank == 0:
             f.steps.inc()
+            f.train_s.inc(max(0.0, step_time_s))
         if samples:
             f.samples.inc(samples)
         if tokens:
@@ -241,6 +277,27 @@ class WorkerMetrics:
             self.observe_checkpoint(kind, stage_s, time.monotonic() - t0, blocked_s, 0, step, ok)
 
         done.add_done_callback(finished)
+
+    def observe_restore(self, step: int, kind: str) -> None:
+        """The workers restored checkpoint ``step`` of ``kind``, or start from step 0 with nothing to
+        restore (``kind="other"``): the agent turns work trained past it on this node into
+        ``recompute`` waste. Counted by local rank 0."""
+        f = self._f
+        if f is None or self.local_rank != 0:
+            return
+        f.restored_step.set(step)
+        f.restores.labels(kind=self._kind(kind)).inc()
+
+    def observe_interval(self, values: dict[str, float | None]) -> None:
+        """The checkpoint interval controller's output and inputs (keys of :data:`AUTO_GAUGES`; None
+        values are skipped). Call from the rank whose controller decides."""
+        f = self._f
+        if f is None:
+            return
+        for key, v in values.items():
+            g = f.auto.get(key)
+            if g is not None and v is not None:
+                g.set(float(v))
 
     def sample_gpu_peak(self, now: float) -> None:
         """Report this worker's allocator peak (``torch.cuda.max_memory_allocated`` of its current

@@ -21,7 +21,8 @@ sharded checkpoints and exact data resumption at any world size.
 **Strategy.** How model and optimizer are spread over the ranks (DDP, FSDP2, ...) is a
 :class:`~trainguard.strategies.base.Strategy`, chosen by name or passed built. The runtime only uses
 its interface: ``setup`` wraps, ``no_sync`` drives accumulation, ``state`` is the model/optimizer entry
-of the checkpoint, ``plan`` splits the global batch, and ``name`` goes into the manifest. With the
+of the checkpoint, ``data_parallel`` says which ranks share a part of the batch, ``plan`` splits the
+global batch, and ``name`` goes into the manifest. With the
 32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
@@ -35,8 +36,9 @@ step: all of them save the same step ``s``, rank 0 commits it, and on a stop all
 ``s + 1``. Cost: one 8-byte all-reduce per step.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
-samples consumed) is part of the checkpoint; each global batch is split over the current ranks and
-the global batch stays constant by adapting gradient accumulation.
+samples consumed) is part of the checkpoint; each global batch is split over the current
+data-parallel ranks (all ranks, unless the strategy groups them: ``model_parallel``'s tensor-parallel
+groups share one part) and the global batch stays constant by adapting gradient accumulation.
 
 **In-place re-formation** (``workers.reform: in-process``, the default under the agent). A worker
 that survives a membership change does not exit: at the agreed step it commits the emergency
@@ -62,6 +64,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -70,7 +73,8 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats
+from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import device as dev
 from trainguard.runtime import protocol as proto
@@ -105,8 +109,8 @@ class SaveAbandoned(CheckpointError):
 class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
 
-    def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, fence: int,
-                 checkpoint: CheckpointConfig, control_path: str = "", strategy: str | Strategy = "ddp",
+    def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, checkpoint: CheckpointConfig,
+                 control_path: str = "", strategy: str | Strategy = "ddp", rdzv_id: str = "", rdzv_round: int = -1,
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
                  standby: bool = False, local_world_size: int = 1, inject_fault: str = "",
                  device: torch.device | None = None) -> None:
@@ -116,9 +120,10 @@ class Runtime:
         model (or build it there) and every batch to it; the strategy, checkpoint staging, barriers and
         metrics all use it (see :mod:`trainguard.runtime.device`)."""
         self.local_world_size = local_world_size
-        self.job_id, self.fence = job_id, fence
-        self.round = fence
-        """The rendezvous round of the current world."""
+        # The rendezvous only labels the checkpoint epoch this world claims (fencing uses epochs).
+        self.job_id, self.rdzv_id = job_id, rdzv_id
+        self.round = rdzv_round
+        """The rendezvous round of the current world (information: checkpoints are fenced by epochs)."""
         self._strategy_arg: str | Strategy = strategy
         self.strategy: Strategy | None = None
         self.checkpoint_config = checkpoint
@@ -126,6 +131,10 @@ class Runtime:
         self.cursor: GlobalSampleCursor | None = None
         self.accum_steps = 1
         self.micro_batch = 1
+        self.dp_rank, self.dp_size = rank, world_size
+        """This rank's data-parallel share of each global batch and the number of shares (see
+        :meth:`~trainguard.strategies.base.Strategy.data_parallel`; the rank and world without TP)."""
+        self._counts_samples = True
         self.global_batch = 0
         self.tokens_per_sample = 0
         self.reform_enabled = reform
@@ -145,7 +154,6 @@ class Runtime:
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
-        self._last_periodic = time.monotonic()
         self._timer = dev.StepTimer(self.device)
         self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
@@ -157,13 +165,16 @@ class Runtime:
         self._saved_step: int | None = None
         """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
+        self._interval: IntervalController | None = None
+        self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
+        self._interval_exported = 0.0
         self._link = (AgentLink(control_path, rank, local_rank, os.getpid())
                       if control_path and os.path.exists(control_path) else None)
         self._metrics: Any = None
         if threading.current_thread() is threading.main_thread():
             # Under plain torchrun (no agent link) a SIGTERM is the only notice a worker gets.
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._log = log.bind(rank=rank, world_size=world_size, fence=fence)
+        self._log = log.bind(rank=rank, world_size=world_size, round=rdzv_round)
         if reform and self._link is None:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
@@ -191,11 +202,11 @@ class Runtime:
             dist.init_process_group(dev.backend_for(device), **dev.init_kwargs(device, rtenv.pg_timeout_s))
         rank = dist.get_rank() if dist.is_initialized() else (-1 if rtenv.standby else 0)
         return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
-                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", fence=max(rtenv.round, 0),
-                   checkpoint=CheckpointConfig(**rtenv.checkpoint), control_path=rtenv.control_path,
-                   reform=reform, reform_timeout_s=rtenv.reform_timeout_s, pg_timeout_s=rtenv.pg_timeout_s,
-                   standby=rtenv.standby, local_world_size=rtenv.local_world_size, inject_fault=rtenv.inject_fault,
-                   device=device)
+                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", rdzv_id=rtenv.run_id,
+                   rdzv_round=rtenv.round, checkpoint=CheckpointConfig(**rtenv.checkpoint),
+                   control_path=rtenv.control_path, reform=reform, reform_timeout_s=rtenv.reform_timeout_s,
+                   pg_timeout_s=rtenv.pg_timeout_s, standby=rtenv.standby, local_world_size=rtenv.local_world_size,
+                   inject_fault=rtenv.inject_fault, device=device)
 
     @property
     def strategy_name(self) -> str:
@@ -228,7 +239,8 @@ class Runtime:
             self._wait_for_first_world()
         self.micro_batch = micro_batch
         self.global_batch = global_batch
-        self.accum_steps, _ = self.strategy.plan(global_batch, self.world_size, micro_batch)
+        self._data_parallel()
+        self.accum_steps, _ = self.strategy.plan(global_batch, self.dp_size, micro_batch)
         self.tokens_per_sample = tokens_per_sample
         self.cursor = GlobalSampleCursor(dataset_size, global_batch, seed)
         from trainguard.metrics import WorkerMetrics
@@ -236,6 +248,7 @@ class Runtime:
         # A no-op (one warning) when the agent set up no metrics channel, e.g. under plain torchrun.
         self._metrics = WorkerMetrics(self.rank, self.local_rank, device=self.device, gpu=dev.gpu_label(self.device))
         self._model, self._optimizer = self.strategy.setup(model, optimizer)
+        self._step_started = time.monotonic()
         self._timer.start()
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
@@ -250,7 +263,17 @@ class Runtime:
                        **self.strategy.describe())
         return self._model, self._optimizer
 
-    def _make_manager(self) -> None:
+    def _data_parallel(self) -> None:
+        """This rank's data-parallel share at the current world (the batch is split over the shares; the
+        ranks of one share, e.g. a TP group, get the same samples; the first of them counts them)."""
+        assert self.strategy is not None
+        shares = [self.strategy.data_parallel(r, self.world_size)[0] for r in range(self.world_size)]
+        self.dp_rank, self.dp_size = self.strategy.data_parallel(self.rank, self.world_size)
+        self._counts_samples = shares.index(self.dp_rank) == self.rank
+
+    def _make_manager(self, base: StepRef | None = None) -> None:
+        """``base``: the committed step this process's live state descends from, when it continues a
+        previous world in place (the next checkpoint epoch records it: the lineage goes on)."""
         if self.checkpoint_config.url:
             # The manager makes its own gloo group: its background persist thread runs collectives that
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
@@ -258,14 +281,32 @@ class Runtime:
             group = self._new_gloo_group() if self.world_size > 1 else None
             self._staging_ready = False
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
-                                              fence=self.fence, strategy=self.strategy_name, process_group=group,
+                                              strategy=self.strategy_name, process_group=group,
+                                              rdzv_id=self.rdzv_id, rdzv_round=self.round, base=base,
                                               inflight_timeout_s=self.inflight_timeout_s)
+            if self._interval is None:  # one schedule for the process: it survives in-place re-formations
+                self._interval = self._make_interval()
+            else:
+                self._interval.set_world_size(self.world_size)
+
+    def _make_interval(self) -> IntervalController:
+        """The periodic checkpoint schedule (``checkpoint.interval``). Global rank 0 decides; the step
+        flag all-reduce tells every other rank."""
+        cfg = self.checkpoint_config
+        policy, deprecated = cfg.interval_policy()
+        if deprecated and self.rank == 0:
+            self._log.warning("checkpoint_config_deprecated", keys=[f"checkpoint.{k}" for k in deprecated],
+                              fix="use `checkpoint.interval: <steps>` / `<duration>` (or `auto`) instead")
+        return IntervalController(policy, cfg.auto_settings(), world_size=self.world_size, sync_saves=not cfg.async_save)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         assert self._model is not None and self.cursor is not None and self.strategy is not None, "setup() first"
         self._trainer.step = self.step
         self._trainer.cursor = self.cursor.state_dict()
+        if self._interval is not None:
+            self._interval.tick()
+            self._trainer.extras["interval"] = self._interval.stats.to_dict()
         return {"app": self.strategy.state(self._model, self._optimizer), "trainer": self._trainer}
 
     def restore(self, step: int | None = None) -> int:
@@ -282,38 +323,94 @@ class Runtime:
         if self._manager is None:
             return self.step
         state = self._state()
+        t0 = time.monotonic()
         step = self._manager.restore(state, step)
-        self._timer.start()
+        seconds = time.monotonic() - t0
+        ctl = self._interval
         if step is not None:
             self.step = self._trainer.step
             self._saved_step = self.step
             self._note_committed(step)
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
-            self._log.info("worker_restored", step=step, source="storage", saved_world_size=self._trainer.saved_world_size,
-                           epoch=self.cursor.epoch, consumed=self.cursor.consumed)
+            restored = self._manager.last_restored
+            kind = restored.kind if restored is not None else "other"
+            if ctl is not None:
+                ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
+                ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats)
+            self._metrics.observe_restore(step, kind)
+            self._log.info("worker_restored", step=step, kind=kind, source="storage", restore_s=round(seconds, 3),
+                           saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
+                           consumed=self.cursor.consumed,
+                           unannounced_failures=ctl.stats.unannounced_failures if ctl is not None else None)
             if self._link is not None:
                 self._link.report(proto.Restored(step=step, rank=self.rank))
+        else:
+            # Nothing committed yet: the run starts at step 0. Tell the agent (work a world that died
+            # before its first checkpoint trained is lost) and count that world as a failure.
+            if ctl is not None and self._manager.last_restored_repeats:
+                ctl.observe_restore(None, "none", self._manager.last_restored_repeats)
+            self._metrics.observe_restore(0, "other")
+        if self._interval is not None:
+            self._interval.begin()
+        self._step_started = time.monotonic()
+        self._timer.start()
         return self.step
 
-    def _save(self, kind: str) -> float:
+    def _save(self, kind: str) -> tuple[float, SaveResult | None]:
+        """Save the current step; return the seconds ``save`` took and its result when it is committed
+        already (emergency/resize saves block), None while it persists in the background."""
         assert self._manager is not None
         t0 = time.monotonic()
         self._saved_step = self.step
         background = kind in (proto.CheckpointKind.PERIODIC.value, proto.CheckpointKind.NOTICE.value)
-        self._manager.save(self.step, self._state(), kind=kind, block=not background)
+        done = self._manager.save(self.step, self._state(), kind=kind, block=not background)
         seconds = time.monotonic() - t0
-        blocked = self._manager.last_blocked_s
-        in_flight = self._manager.pending if background else None
-        if in_flight is None:  # committed now
-            self._note_committed(self.step)
-            self._metrics.observe_checkpoint(kind, blocked, seconds - blocked, blocked, 0, self.step, True)
-        else:  # persisted and committed in the background: recorded when that finishes
-            step = self.step
-            in_flight.add_done_callback(lambda f: self._note_committed(step) if not f.cancelled() and f.exception() is None
-                                        else None)
-            self._metrics.observe_checkpoint_async(in_flight, kind, blocked, blocked, self.step)
-        return seconds
+        stage, blocked, step = self._manager.last_stage_s, self._manager.last_blocked_s, self.step
+        persisted = self._persisted  # list.append from the persist thread; drained by the training thread
+
+        def record(f: Future[SaveResult]) -> None:  # the persist thread, or here
+            r = None if f.cancelled() or f.exception() is not None else f.result()
+            if r is not None:
+                self._note_committed(r.step)
+            if r is None:
+                self._metrics.observe_checkpoint(kind, stage, None, blocked, 0, step, False)
+            elif not r.skipped:
+                self._metrics.observe_checkpoint(kind, r.stage_s, r.persist_s, r.blocked_s, r.nbytes, r.step, True)
+            if background:
+                persisted.append((r.persist_s if r is not None else 0.0, r is not None and not r.skipped))
+
+        committed_now = done.done()
+        if self._interval is not None:
+            self._interval.observe_save(blocked, seconds - blocked if committed_now else None)
+        done.add_done_callback(record)
+        return seconds, (done.result() if committed_now and done.exception() is None else None)
+
+    def _interval_step(self, step_s: float, now: float) -> bool:
+        """Feed the interval controller one step; return whether this rank says a periodic save is due."""
+        ctl = self._interval
+        assert ctl is not None
+        ctl.observe_step(step_s, persisting=self._manager is not None and self._manager.in_flight is not None)
+        fresh = bool(self._persisted)
+        while self._persisted:
+            persist_s, ok = self._persisted.pop(0)
+            if ok:
+                ctl.observe_persist(persist_s)
+        change = ctl.update(now)
+        if self.rank != 0:
+            return False
+        if change is not None:
+            self._log.info("checkpoint_interval_changed", old_s=None if change.old_s is None else round(change.old_s, 3),
+                           new_s=round(change.new_s, 3), optimum_s=round(change.optimum_s, 3), reason=change.reason,
+                           bound=change.bound, **change.inputs)
+        if change is not None or fresh or now - self._interval_exported >= 5.0:
+            self._interval_exported = now
+            opt, _, _ = ctl.optimum()
+            self._metrics.observe_interval({
+                "interval_s": ctl.interval_s if ctl.policy.mode is IntervalMode.AUTO else None, "optimum_s": opt,
+                "save_cost_s": ctl.save_cost_s, "persist_s": ctl.stats.persist_s, "restore_s": ctl.stats.restore_s,
+                "mtbf_s": ctl.mtbf_s, "unannounced_failures": ctl.stats.unannounced_failures})
+        return ctl.due(self.step, now)
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -322,7 +419,7 @@ class Runtime:
         self._cursor_at_step_start = self.cursor.state_dict()
         ids = self.cursor.next_global_batch()
         self.current_batch = ids
-        return split(ids, self.rank, self.world_size, self.micro_batch)
+        return split(ids, self.dp_rank, self.dp_size, self.micro_batch)
 
     @contextlib.contextmanager
     def accumulating(self, last: bool) -> Iterator[None]:
@@ -423,20 +520,23 @@ class Runtime:
             self._park(proto.ParkReason.PEER_LOST)
             return False
         self.step += 1
+        now = time.monotonic()
+        step_s = now - self._step_started  # the step itself: what end_step does next is not part of it
         if self._manager is not None and not self._staging_ready:
             # After the first step the optimizer state exists: allocate the staging buffers now, so that
             # the first save (perhaps an emergency one, against a deadline) does not pay for them.
             self._staging_ready = True
             self._manager.prepare_staging(self._state())
-        per_rank = self.cursor.global_batch_size // self.world_size
-        self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, None)
-        for seconds in self._timer.lap():  # CUDA: event times of the steps the GPU has finished
-            self._metrics.observe_step_time(seconds)
-        self._metrics.sample_gpu_peak(time.monotonic())
-        cfg = self.checkpoint_config
-        due = bool(self._manager) and (
-            (cfg.interval_steps and self.step % cfg.interval_steps == 0)
-            or (cfg.interval_s and time.monotonic() - self._last_periodic >= cfg.interval_s))
+        # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
+        per_rank = self.cursor.global_batch_size // self.dp_size if self._counts_samples else 0
+        if self._timer.cuda:  # host time says when work was queued: the GPU's events time the steps it finished
+            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, None)
+            for seconds in self._timer.lap():
+                self._metrics.observe_step_time(seconds)
+        else:
+            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s)
+        self._metrics.sample_gpu_peak(now)
+        due = self._interval_step(step_s, now) if self._interval is not None and self._manager is not None else False
         notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
         if notice is not None:
             self._log.info("checkpoint_requested", step=self.step, reason=notice)
@@ -460,13 +560,15 @@ class Runtime:
                 return True
             self._stop(stop, deadline)
         if save:
-            self._last_periodic = time.monotonic()
+            if self._interval is not None:
+                self._interval.saved()
             try:
                 self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
             except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
                 if not self._peer_failed(e):
                     raise
                 self._park(proto.ParkReason.PEER_LOST)
+        self._step_started = time.monotonic()
         return True
 
     def _roll_back_step(self) -> None:
@@ -486,14 +588,17 @@ class Runtime:
         need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state == "checkpoint"
         if self._manager is not None and need_checkpoint:
             try:
-                seconds, committed = self._save_by(kind, deadline)
+                seconds, result, committed = self._save_by(kind, deadline)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                            before_deadline=deadline is None or time.time() <= deadline)
             if self._link is not None:
                 self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank,
-                                                  seconds=round(seconds, 3), last_committed=committed))
+                                                  seconds=round(seconds, 3), nbytes=result.nbytes if result else 0,
+                                                  stage_s=round(result.stage_s, 6) if result else 0.0,
+                                                  persist_s=round(result.persist_s, 6) if result else 0.0,
+                                                  last_committed=committed))
         self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
     def _park(self, reason: proto.ParkReason) -> None:
@@ -501,10 +606,11 @@ class Runtime:
         exit with the resize code so that the agent restarts the world (the fallback)."""
         t0 = time.monotonic()
         old = (self.rank, self.world_size)
+        base = None
         try:
             if self._manager is not None:
                 self._manager.close()  # an in-flight save finishes on the old groups first
-                self._manager = None
+                base, self._manager = self._manager.base, None
             self._group = None
             rf.teardown_world(self.device)
             assert self._link is not None
@@ -519,8 +625,9 @@ class Runtime:
             self._join_world(msg)
             assert self.strategy is not None and self._model is not None
             self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
-            self._make_manager()
-            self.accum_steps, _ = self.strategy.plan(self.global_batch, self.world_size, self.micro_batch)
+            self._make_manager(base)
+            self._data_parallel()
+            self.accum_steps, _ = self.strategy.plan(self.global_batch, self.dp_size, self.micro_batch)
             outcome, live = self._sync_live_state(self.step)
         except Exception as e:
             self._log.error("reform_failed", reason=reason.value, error=f"{type(e).__name__}: {e}"[:500],
@@ -528,6 +635,7 @@ class Runtime:
             self._exit(proto.EXIT_RESIZE)
         self._broken = None
         self.reformations += 1
+        self._step_started = time.monotonic()
         self._timer.start()
         self._log.info("worker_reformed", step=self.step, reason=reason.value, old_rank=old[0], old_world_size=old[1],
                        accum_steps=self.accum_steps, state=outcome, live_step=live,
@@ -552,9 +660,9 @@ class Runtime:
                       device=self.device, group_rank=msg.group_rank, nodes=msg.nodes, timeout_s=self.pg_timeout_s)
         self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
         self.local_world_size = msg.local_world_size
-        self.fence = self.round = msg.round
+        self.round = msg.round
         self._group = self._new_gloo_group()
-        self._log = log.bind(rank=self.rank, world_size=self.world_size, fence=self.fence)
+        self._log = log.bind(rank=self.rank, world_size=self.world_size, round=self.round)
         if self._metrics is not None:
             self._metrics.rank = self.rank
 
@@ -605,8 +713,8 @@ class Runtime:
             return None
         return self._link.deadline
 
-    def _save_by(self, kind: str, deadline: float | None) -> tuple[float, int | None]:
-        """Save this step and wait for its commit; return ``(seconds, committed step)``.
+    def _save_by(self, kind: str, deadline: float | None) -> tuple[float, SaveResult | None, int | None]:
+        """Save this step and wait for its commit; return ``(seconds, its result, committed step)``.
 
         With a ``deadline`` (epoch seconds: the earliest drain deadline any rank knows, agreed at the
         step boundary) the save runs in a helper thread and is abandoned when the deadline passes
@@ -617,15 +725,15 @@ class Runtime:
         assert self._manager is not None
         manager = self._manager
         if deadline is None:
-            seconds = self._save(kind)
-            return seconds, self._note_committed(manager.wait())
+            seconds, result = self._save(kind)
+            return seconds, result, self._note_committed(manager.wait())
         box: dict[str, Any] = {}
 
         def run() -> None:
             dev.bind(self.device)  # CUDA's current device is per thread: not device 0 for this one
             try:
-                seconds = self._save(kind)
-                box["ok"] = (seconds, self._note_committed(manager.wait()))
+                seconds, result = self._save(kind)
+                box["ok"] = (seconds, result, self._note_committed(manager.wait()))
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 box["err"] = e
 
@@ -668,16 +776,19 @@ class Runtime:
                               effect="the next start begins from step 0")
         else:
             try:
-                seconds, committed = self._save_by(kind, deadline)
+                seconds, result, committed = self._save_by(kind, deadline)
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, seconds=round(seconds, 3),
+                                         nbytes=result.nbytes if result else 0,
+                                         stage_s=round(result.stage_s, 6) if result else 0.0,
+                                         persist_s=round(result.persist_s, 6) if result else 0.0,
                                          last_committed=committed)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
                 last = self._committed  # local knowledge: asking rank 0 is a collective, and a peer may be gone
-                self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
+                self._metrics.observe_checkpoint(kind, None, None, self._manager.last_blocked_s, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
@@ -705,7 +816,7 @@ class Runtime:
         if self._manager is not None and self.strategy is not None and self.step > 0 and self._saved_step != self.step:
             kind = proto.CheckpointKind.FINAL
             try:
-                seconds = self._save(kind.value)
+                seconds, result = self._save(kind.value)
                 committed = self._note_committed(self._manager.wait())
             except Exception as e:
                 self._metrics.observe_checkpoint(kind.value, None, None, 0.0, 0, self.step, False)
@@ -714,7 +825,10 @@ class Runtime:
             self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
             if self._link is not None:
                 self._link.report(proto.Committed(step=self.step, kind=kind, rank=self.rank,
-                                                  seconds=round(seconds, 3), last_committed=committed))
+                                                  seconds=round(seconds, 3), nbytes=result.nbytes if result else 0,
+                                                  stage_s=round(result.stage_s, 6) if result else 0.0,
+                                                  persist_s=round(result.persist_s, 6) if result else 0.0,
+                                                  last_committed=committed))
         if self._manager is not None:
             self._manager.close()
         if self._link is not None:

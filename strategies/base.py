@@ -3,13 +3,14 @@
 A :class:`Strategy` wraps model + optimizer for the current world (:meth:`Strategy.setup`), skips the
 gradient synchronisation on all but the last micro-batch of a step (:meth:`Strategy.no_sync`), gives
 the checkpoint a ``Stateful`` for its DCP app-state (:meth:`Strategy.state`), owns the numeric
-precision (:attr:`Strategy.precision`: autocast, loss scaling) and says what a world-size change
-needs (:attr:`Strategy.reshard_native`, :attr:`Strategy.resize_rule`, :meth:`Strategy.plan`).
+precision (:attr:`Strategy.precision`: autocast, loss scaling), says which ranks share a data-parallel
+share of the batch (:meth:`Strategy.data_parallel`) and what a world-size change needs
+(:attr:`Strategy.reshard_native`, :attr:`Strategy.resize_rule`, :meth:`Strategy.plan`).
 
 The worker runtime and the checkpoint code only ever talk to this interface (STYLE §1: no
 ``isinstance`` on a concrete strategy). Strategies are looked up by name with :func:`get_strategy`;
-implementations register themselves with :func:`register_strategy` (``ddp``, ``fsdp``, ``deepspeed``;
-imported lazily, so ``deepspeed`` is needed only when that strategy is used).
+implementations register themselves with :func:`register_strategy` (``ddp``, ``fsdp``, ``deepspeed``,
+``model_parallel``; imported lazily, so ``deepspeed`` is needed only when that strategy is used).
 
 Precision (:class:`Precision`)
     ``32``            fp32 everywhere (aliases ``32-true``, ``fp32``).
@@ -189,6 +190,15 @@ class Strategy(ABC):
         return StrategyState(model, optimizer, self.scaler)
 
     # -- resize ----------------------------------------------------------------------------------
+    def data_parallel(self, rank: int, world: int) -> tuple[int, int]:
+        """``(dp_rank, dp_size)``: which share of every global batch ``rank`` of ``world`` trains on.
+
+        The runtime splits each global batch over ``dp_size`` shares (:meth:`plan` gets ``dp_size``)
+        and gives rank ``rank`` share ``dp_rank``. Ranks with the same ``dp_rank`` train on the same
+        samples (e.g. one tensor-parallel group). Default: every rank is its own share (identity).
+        Raises :class:`StrategyError` for a world the strategy cannot split."""
+        return rank, world
+
     @property
     def resize_rule(self) -> str:
         """What a world-size change needs, in words (logged at setup, shown in docs)."""
@@ -197,7 +207,8 @@ class Strategy(ABC):
         return f"{BATCH_RULE}; {how}"
 
     def plan(self, global_batch: int, world_size: int, micro_batch: int) -> tuple[int, int]:
-        """``(accumulation_steps, samples_per_rank)`` at ``world_size`` (see :attr:`resize_rule`)."""
+        """``(accumulation_steps, samples_per_rank)`` at ``world_size`` data-parallel shares (see
+        :attr:`resize_rule`, :meth:`data_parallel`)."""
         return _plan(global_batch, world_size, micro_batch)
 
     # -- precision -------------------------------------------------------------------------------
@@ -282,7 +293,8 @@ def param_names(model: torch.nn.Module) -> dict[int, str]:
 
 _REGISTRY: dict[str, Callable[..., Strategy]] = {}
 _LAZY: dict[str, str] = {"ddp": "trainguard.strategies.ddp", "fsdp": "trainguard.strategies.fsdp",
-                         "fsdp2": "trainguard.strategies.fsdp", "deepspeed": "trainguard.strategies.deepspeed"}
+                         "fsdp2": "trainguard.strategies.fsdp", "deepspeed": "trainguard.strategies.deepspeed",
+                         "model_parallel": "trainguard.strategies.model_parallel"}
 
 
 def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:

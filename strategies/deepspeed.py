@@ -1,20 +1,30 @@
 """``deepspeed``: DeepSpeed ZeRO stage 1, 2 or 3 — optimizer state (1), + gradients (2), + parameters (3)
-partitioned over the ranks by a ``DeepSpeedEngine``.
+partitioned over the ranks by a ``DeepSpeedEngine``; optionally ZeRO-Offload (optimizer state, and at
+stage 3 parameters, in host memory, stepped by DeepSpeed's CPU Adam).
 
 Mapping onto the :class:`~trainguard.strategies.base.Strategy` interface
     :meth:`DeepSpeedStrategy.setup` calls ``deepspeed.initialize(model=, optimizer=, config=)`` with the
-    script's own torch optimizer (no DeepSpeed fused/CPU-Adam ops: nothing is JIT-compiled) and returns
-    ``(engine, engine.optimizer)``: the engine is the model from then on, the ZeRO optimizer wrapper the
-    optimizer. Gradient accumulation stays the runtime's: DeepSpeed's ``gradient_accumulation_steps``
-    is the runtime's accumulation steps at the current world size and ``train_micro_batch_size_per_gpu``
-    its micro-batch (the runtime calls :meth:`plan` before :meth:`setup`), and the accumulation
-    boundary is set explicitly per micro-batch (``engine.set_gradient_accumulation_boundary(last)``
-    in :meth:`no_sync`), so DeepSpeed reduces (ZeRO-1) or finishes the reduce-scatter (ZeRO-2/3) on the
-    last micro-batch only. :meth:`backward` is ``engine.backward(loss, scale_wrt_gas=False)`` — the
-    script already divides the loss by the number of micro-batches — and :meth:`optimizer_step` is
-    ``engine.step()``, called once per optimizer step (DeepSpeed's documented "set the boundary, step
-    once" style). Scripts must use ``rt.backward``/``rt.optimizer_step`` with this strategy: a bare
-    ``loss.backward()`` bypasses the engine's gradient partitioning.
+    script's own torch optimizer and returns ``(engine, engine.optimizer)``: the engine is the model from
+    then on, the ZeRO optimizer wrapper the optimizer. Gradient accumulation stays the runtime's:
+    DeepSpeed's ``gradient_accumulation_steps`` is the runtime's accumulation steps at the current world
+    size and ``train_micro_batch_size_per_gpu`` its micro-batch (the runtime calls :meth:`plan` before
+    :meth:`setup`), and the accumulation boundary is set explicitly per micro-batch
+    (``engine.set_gradient_accumulation_boundary(last)`` in :meth:`no_sync`), so DeepSpeed reduces
+    (ZeRO-1) or finishes the reduce-scatter (ZeRO-2/3) on the last micro-batch only. :meth:`backward` is
+    ``engine.backward(loss, scale_wrt_gas=False)`` — the script already divides the loss by the number
+    of micro-batches — and :meth:`optimizer_step` is ``engine.step()``, called once per optimizer step
+    (DeepSpeed's documented "set the boundary, step once" style). Scripts must use
+    ``rt.backward``/``rt.optimizer_step`` with this strategy: a bare ``loss.backward()`` bypasses the
+    engine's gradient partitioning.
+
+ZeRO-Offload
+    ``zero_optimization.offload_optimizer: {device: cpu}`` (any stage) and ``offload_param: {device:
+    cpu}`` (stage 3) in the config. DeepSpeed then steps with its C++ ``DeepSpeedCPUAdam``: the script's
+    ``torch.optim.Adam``/``AdamW`` is replaced by one with the same param groups and hyperparameters
+    (``adamw_mode`` for AdamW); other optimizers are refused unless the config sets
+    ``zero_force_ds_cpu_optimizer: false``. The op is JIT-built once per host, every wait on its build
+    lock bounded (:mod:`~trainguard.strategies.deepspeed_ops`, option ``op_build_timeout_s``). NVMe
+    offload is refused: swapped-out partitions are not in memory for the checkpoint to read.
 
 Precision
     ``32``: fp32 everywhere. ``bf16-mixed``: DeepSpeed's ``bf16`` section — the module is cast to bf16,
@@ -26,47 +36,37 @@ Precision
     :meth:`autocast` is still ``torch.autocast`` to that dtype (base class), so floating-point inputs
     and buffers the script creates in fp32 meet the low-precision weights without a dtype error.
 
-Checkpoint: world-size independent, under the normal manifest/commit rules
-    :meth:`state` is a ``Stateful`` whose state dict holds, **per parameter name**, the full fp32
-    master weight and every per-element optimizer state (``exp_avg``, ``exp_avg_sq`` for Adam), gathered
-    with DeepSpeed's tensor-fragment API (``deepspeed.utils.safe_get_full_fp32_param`` /
-    ``safe_get_full_optimizer_state``; collectives over the engine's data-parallel group), plus the
-    optimizer's scalar state per param group (``step``), the engine's step counters and the fp16 loss
-    scaler. Nothing in it depends on the world size or the ZeRO stage, so it goes into the DCP app
-    state like any other strategy's (replicated tensors are written once: DCP de-duplicates them) and
-    loads at any world size and stage, with no conversion step — hence ``reshard_native = True``. On
-    load every rank takes its own partition back with ``safe_set_full_fp32_param`` /
-    ``safe_set_full_optimizer_state`` and the module's (low-precision) weights are rewritten from the
-    same full values (ZeRO-3: inside ``deepspeed.zero.GatheredParameters``). A fresh engine has no
-    optimizer state until its first step, so the load creates it first (zeros of the keys a probe
-    step of the same optimizer class creates, then overwritten).
-
-    **Memory cost:** a save materialises the *full* fp32 parameters and optimizer states on every rank
-    (for Adam 3 x 4 bytes x parameters, e.g. 12 GB per rank for a 1B model), and the checkpoint
-    manager's staging buffers hold one more copy of it; a load does the same. ZeRO's per-rank memory
-    saving therefore does not hold during a checkpoint: this design trades it for checkpoints that
-    need no conversion. Models whose full fp32 state does not fit in one host's memory need DeepSpeed's
-    own sharded engine checkpoints + ``ds_to_universal``, which this strategy does not do.
+Checkpoint: each rank saves and loads what it owns, and loads at any world size and stage
+    :meth:`state` is a :class:`~trainguard.strategies.deepspeed_state.DeepSpeedState`: per parameter
+    name, the fp32 master weight and each per-element optimizer state as a flat global tensor of which
+    this rank holds its ZeRO range (views of the live partitions, no copies), plus the replicated scalars
+    (optimizer ``step``, engine counters, buffers, fp16 loss scaler). DCP writes each rank's ranges; a
+    load at another world size or ZeRO stage reads exactly the saved ranges that overlap what the
+    loading rank owns. Host memory for a save or a load is therefore O(what the rank owns) — with Adam
+    12 bytes x parameters / world size for the staged copy — not the full model (measured by
+    ``bench/deepspeed_memory.py``). It goes through the checkpoint manager's manifest/commit/fence path
+    like every strategy's state; ``reshard_native = True``. Checkpoints written by the earlier
+    full-state format (full-shape tensors per parameter) do not load into this format.
 
 Limits
     Every parameter must be trainable (``requires_grad``); DeepSpeed ``optimizer``/``scheduler`` config
     sections are refused (build the optimizer in the script; create LR schedulers on the returned
-    optimizer); no ZeRO offload, pipeline or tensor parallelism, MoE; stage 0 is ``ddp``.
+    optimizer); no NVMe offload, pipeline or tensor parallelism, MoE; stage 0 is ``ddp``.
 
 CPU (torch 2.13, gloo)
     DeepSpeed picks its CPU accelerator when CUDA is absent (``DS_ACCELERATOR`` overrides it) and uses
     gloo when oneCCL is not installed. Creating its communication backend JIT-builds a shared-memory
-    all-reduce op (``deepspeed_shm_comm``, used only by inference all-reduce) with a C++ compiler and
-    ninja; a build lock left by a killed process makes every later start wait forever on it. Setup marks
-    that op incompatible before ``deepspeed.initialize`` so no compiler is involved and gloo does every
-    collective. Verified with ZeRO-1/2/3 at 1 and 2 processes (tests/strategies).
+    all-reduce op (``deepspeed_shm_comm``, used only by inference all-reduce); setup marks that op
+    incompatible before ``deepspeed.initialize`` (a build lock left by a killed process once made every
+    later start wait forever on it), so gloo does every collective. ZeRO-Offload's CPU Adam is built
+    (see above). Verified with ZeRO-1/2/3 at 1 to 4 processes and ZeRO-2/3 offload at 1 and 2
+    (tests/strategies).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import json
 import os
 from collections.abc import Iterator
@@ -84,6 +84,7 @@ from trainguard.strategies.base import (
     register_strategy,
     world,
 )
+from trainguard.strategies.deepspeed_state import DeepSpeedState, OptimizerProbe, ZeroPartitions
 
 STAGES = (1, 2, 3)
 _OWNED_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -148,14 +149,18 @@ class DeepSpeedStrategy(Strategy):
         stage: ZeRO stage 1, 2 or 3 (default: the config's ``zero_optimization.stage``, else 2).
         config: a DeepSpeed config dict or the path of a JSON/YAML one; merged with the keys the
             runtime owns (micro-batch, accumulation steps, stage, precision flags), which it may only
-            leave out, set to ``"auto"`` or to the same value.
+            leave out, set to ``"auto"`` or to the same value. ZeRO-Offload is configured here
+            (``zero_optimization.offload_optimizer`` / ``offload_param``, device ``cpu``).
+        op_build_timeout_s: the longest wait for the build lock of DeepSpeed's CPU Adam op (ZeRO-Offload
+            only; the first build on a host takes minutes).
     """
 
     name = "deepspeed"
     reshard_native = True
 
     def __init__(self, *, precision: Any = "32", stage: int | str | None = None,
-                 config: dict[str, Any] | str | os.PathLike[str] | None = None) -> None:
+                 config: dict[str, Any] | str | os.PathLike[str] | None = None,
+                 op_build_timeout_s: float = 900.0) -> None:
         super().__init__(precision=precision)
         self.user_config = load_config(config)
         zero = self.user_config.get("zero_optimization") or {}
@@ -184,8 +189,14 @@ class DeepSpeedStrategy(Strategy):
                     f"deepspeed config enables `{section}` but `precision={self.precision.name!r}`. Fix: pass "
                     f"precision={'bf16-mixed' if section == 'bf16' else '16-mixed'} (the strategy sets the "
                     f"`enabled` flags from the precision) or remove `{section}.enabled` from the config")
+        self.offload = _offload(zero, self.stage)
+        if not op_build_timeout_s > 0:
+            raise StrategyError(f"invalid deepspeed option `op_build_timeout_s={op_build_timeout_s!r}`. Fix: a "
+                                f"positive number of seconds (default 900)")
+        self.op_build_timeout_s = float(op_build_timeout_s)
         self.engine: Any = None
-        self._probe: _OptimizerProbe | None = None
+        self._probe: OptimizerProbe | None = None
+        self._parts: ZeroPartitions | None = None
         self.accum_steps = 1
         self.micro_batch = 1
         self.owns_process_group = False
@@ -203,8 +214,9 @@ class DeepSpeedStrategy(Strategy):
     @property
     def resize_rule(self) -> str:
         """See base class."""
-        return (f"{BATCH_RULE}; the checkpoint holds full fp32 parameters and optimizer states per parameter "
-                f"name, which DeepSpeed re-partitions on load at any world size and ZeRO stage (no conversion)")
+        return (f"{BATCH_RULE}; each rank saves the ranges of the fp32 parameters and optimizer states its ZeRO "
+                f"partition owns, per parameter name; a load at any world size and ZeRO stage reads the ranges the "
+                f"new partition owns (DCP reshards, no conversion)")
 
     # -- setup -----------------------------------------------------------------------------------
     def build_config(self, world_size: int) -> dict[str, Any]:
@@ -265,7 +277,12 @@ class DeepSpeedStrategy(Strategy):
                 self._set_local_rank = True
         _, size = world()
         self.ds_config = self.build_config(size)
-        self._probe = _OptimizerProbe(optimizer)
+        if self.offload and self.user_config.get("zero_force_ds_cpu_optimizer", True):
+            from trainguard.strategies.deepspeed_ops import load_cpu_adam
+
+            load_cpu_adam(self.op_build_timeout_s)
+            optimizer = cpu_adam_like(optimizer)
+        self._probe = OptimizerProbe(optimizer)
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         self.engine = engine
         # The engine moved the module to its device (DeepSpeed's accelerator + LOCAL_RANK): autocast and
@@ -303,9 +320,12 @@ class DeepSpeedStrategy(Strategy):
 
     # -- checkpoint ------------------------------------------------------------------------------
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Stateful:
-        """See base class: full fp32 parameters + optimizer states per parameter name (see the module
-        docstring for the format and its memory cost). ``optimizer`` None: parameters only."""
-        return DeepSpeedState(self._engine(model), self._probe if optimizer is not None else None)
+        """See base class: this rank's ranges of the fp32 parameters and optimizer states, per parameter
+        name (:mod:`~trainguard.strategies.deepspeed_state`). ``optimizer`` None: parameters only."""
+        engine = self._engine(model)
+        if self._parts is None:
+            self._parts = ZeroPartitions(engine)
+        return DeepSpeedState(self._parts, self._probe if optimizer is not None else None)
 
     def teardown(self) -> None:
         """See base class: destroys the one-rank group :meth:`setup` created, if it did."""
@@ -318,7 +338,7 @@ class DeepSpeedStrategy(Strategy):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "zero_stage": self.stage, "ds_accum_steps": self.accum_steps,
-                "ds_micro_batch": self.micro_batch}
+                "ds_micro_batch": self.micro_batch, "offload": sorted(self.offload)}
 
 
 @contextlib.contextmanager
@@ -327,190 +347,64 @@ def _boundary(engine: Any, last: bool) -> Iterator[None]:
     yield
 
 
+def _offload(zero: dict[str, Any], stage: int) -> set[str]:
+    """Which ZeRO-Offload sections the config enables (``optimizer``, ``param``); refuses what the
+    checkpoint cannot cover (NVMe) or DeepSpeed cannot do (parameters below stage 3)."""
+    out: set[str] = set()
+    for what in ("optimizer", "param"):
+        key = f"offload_{what}"
+        section = zero.get(key)
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise StrategyError(f"deepspeed config `zero_optimization.{key}` must be a mapping, got {section!r}. "
+                                f"Fix: e.g. {{\"device\": \"cpu\"}}")
+        device = str(section.get("device", "none")).lower()
+        if device == "none":
+            continue
+        if device != "cpu":
+            raise StrategyError(f"deepspeed config `zero_optimization.{key}.device={section.get('device')!r}` is not "
+                                f"supported: trainguard checkpoints read partitions from memory, and NVMe-swapped ones "
+                                f"are not there. Fix: device \"cpu\" (ZeRO-Offload to host memory) or \"none\"")
+        if what == "param" and stage != 3:
+            raise StrategyError(f"deepspeed config enables `zero_optimization.offload_param` at stage {stage}; "
+                                f"DeepSpeed offloads parameters at ZeRO stage 3 only. Fix: stage=3, or remove "
+                                f"offload_param (offload_optimizer works at every stage)")
+        out.add(what)
+    return out
+
+
+def cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A ``DeepSpeedCPUAdam`` with ``optimizer``'s param groups and hyperparameters (ZeRO-Offload steps
+    host-resident partitions with it); a ``DeepSpeedCPUAdam`` is returned as it is."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        return optimizer
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise StrategyError(
+            f"deepspeed ZeRO-Offload steps with DeepSpeed's CPU Adam, which can replace torch.optim.Adam or AdamW "
+            f"but not {type(optimizer).__name__}. Fix: use Adam/AdamW (or deepspeed.ops.adam.DeepSpeedCPUAdam), or set "
+            f"\"zero_force_ds_cpu_optimizer\": false in the DeepSpeed config to step it on the CPU as it is (slow)")
+    adamw = type(optimizer) is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay"))
+    groups = []
+    for g in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if g.get(flag):
+                raise StrategyError(f"deepspeed ZeRO-Offload: {type(optimizer).__name__}({flag}=True) has no "
+                                    f"DeepSpeedCPUAdam equivalent. Fix: drop {flag}, or remove the offload sections")
+        groups.append({"params": g["params"], "lr": float(g["lr"]), "betas": tuple(g["betas"]), "eps": g["eps"],
+                       "weight_decay": g["weight_decay"]})
+    d = optimizer.defaults
+    return DeepSpeedCPUAdam(groups, lr=float(d["lr"]), betas=tuple(d["betas"]), eps=d["eps"],
+                            weight_decay=d["weight_decay"], adamw_mode=adamw)
+
+
 def _as_int(v: Any) -> int | None:
     try:
         return int(v)
     except (TypeError, ValueError):
         return None
-
-
-# ---- the world-size independent state -------------------------------------------------------------
-
-class _OptimizerProbe:
-    """Which optimizer state keys are per element (shaped like the parameter) and which are scalars.
-
-    Learned from one step of a throwaway optimizer of the same class and hyperparameters over a
-    2-element parameter, because a fresh engine has no optimizer state yet (torch optimizers create it
-    lazily at the first step) and a restore needs the keys before then.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        p = torch.zeros(2, requires_grad=True)
-        probe = type(optimizer)([p], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-        p.grad = torch.zeros_like(p)
-        probe.step()
-        state = probe.state[p]
-        self.element_keys = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape)
-        self.scalars = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()
-                        if k not in self.element_keys}
-
-
-class DeepSpeedState(Stateful):
-    """The ``app`` entry of a checkpoint for a DeepSpeed engine; the same keys at every world size.
-
-    ``state_dict()`` and ``load_state_dict()`` are collectives over the engine's data-parallel group
-    (call on every rank, in the training thread).
-    """
-
-    def __init__(self, engine: Any, probe: _OptimizerProbe | None) -> None:
-        self.engine = engine
-        self.probe = probe
-
-    # the ZeRO wrapper (``engine.optimizer``) and the torch optimizer it steps over flat partitions
-    @property
-    def _zero(self) -> Any:
-        return self.engine.optimizer
-
-    @property
-    def _torch_opt(self) -> torch.optim.Optimizer:
-        return self.engine.optimizer.optimizer
-
-    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self.engine.module.named_parameters())
-
-    def _flat_partitions(self) -> list[tuple[int, torch.Tensor]]:
-        """``(param group index, flat fp32 partition)`` for every tensor the torch optimizer steps.
-
-        ZeRO-1/2 keep them in the torch optimizer's param groups; ZeRO-3 empties those groups between
-        steps and keeps its sub-groups in ``fp32_partitioned_groups_flat``.
-        """
-        sub_groups = getattr(self._zero, "fp32_partitioned_groups_flat", None)
-        if sub_groups is not None:
-            return [(int(self._zero.sub_group_to_group_id[i]), t) for i, t in enumerate(sub_groups)]
-        return [(i, p) for i, g in enumerate(self._torch_opt.param_groups) for p in g["params"]]
-
-    def _optimizer_initialised(self) -> bool:
-        state = self._torch_opt.state
-        return all(t in state and state[t] for _, t in self._flat_partitions())
-
-    def state_dict(self) -> dict[str, Any]:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-        params: dict[str, torch.Tensor] = {}
-        for name, p in self._named_params():
-            full = safe_get_full_fp32_param(p)
-            if full is None:
-                raise StrategyError(f"deepspeed: no fp32 master weight for parameter {name!r} (not managed by the "
-                                    f"ZeRO optimizer). Fix: every parameter must be trainable and in the optimizer")
-            params[name] = full.detach().cpu()
-        out: dict[str, Any] = {"params": params, "buffers": self._buffers(), "engine": self._counters()}
-        if self.probe is None:
-            return out
-        initialised = self._optimizer_initialised()
-        optim: dict[str, dict[str, torch.Tensor]] = {}
-        for name, p in self._named_params():
-            optim[name] = {k: (safe_get_full_optimizer_state(p, k).detach().cpu() if initialised
-                               else torch.zeros(params[name].shape, dtype=torch.float32))
-                           for k in self.probe.element_keys}
-        out["optim"] = optim
-        out["optim_scalars"] = self._scalars(initialised)
-        scaler = getattr(self._zero, "loss_scaler", None)
-        if self.engine.fp16_enabled() and scaler is not None:
-            out["loss_scaler"] = {k: getattr(scaler, k) for k in _SCALER_FIELDS if hasattr(scaler, k)}
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        params = state_dict["params"]
-        missing = sorted({n for n, _ in self._named_params()} - set(params))
-        if missing:
-            raise StrategyError(f"deepspeed checkpoint lacks parameters {missing[:5]} of this model. Fix: restore "
-                                f"a checkpoint of the same model")
-        if self.probe is not None:
-            self._ensure_optimizer_state(state_dict["optim_scalars"])
-        for name, p in self._named_params():
-            full = params[name].to(torch.float32)
-            self._set_module_weight(p, full)
-            safe_set_full_fp32_param(p, full)
-            if self.probe is not None:
-                for k in self.probe.element_keys:
-                    safe_set_full_optimizer_state(p, state_dict["optim"][name][k].to(torch.float32), k)
-        with torch.no_grad():
-            for name, b in self.engine.module.named_buffers():
-                if name in state_dict["buffers"]:
-                    b.copy_(state_dict["buffers"][name])
-        for k, v in state_dict["engine"].items():
-            setattr(self.engine, k, int(v))
-        scaler = getattr(self._zero, "loss_scaler", None)
-        for k, v in (state_dict.get("loss_scaler") or {}).items():
-            if scaler is not None and hasattr(scaler, k):
-                setattr(scaler, k, v)
-
-    # -- pieces -----------------------------------------------------------------------------------
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for mod_name, m in self.engine.module.named_modules():
-            for b_name, b in m.named_buffers(recurse=False):
-                if b_name not in m._non_persistent_buffers_set:
-                    out[f"{mod_name}.{b_name}" if mod_name else b_name] = b.detach().cpu()
-        return out
-
-    def _counters(self) -> dict[str, int]:
-        return {k: int(getattr(self.engine, k)) for k in ("global_steps", "global_samples", "skipped_steps")
-                if hasattr(self.engine, k)}
-
-    def _scalars(self, initialised: bool) -> dict[str, dict[str, Any]]:
-        """Per param group: the optimizer's non-element state (Adam's ``step``), from its first partition."""
-        assert self.probe is not None
-        out: dict[str, dict[str, Any]] = {}
-        for i in range(len(self._torch_opt.param_groups)):
-            if not initialised:  # a template (restore) or a save before the first step: step 0
-                out[str(i)] = {k: (torch.zeros_like(v) if torch.is_tensor(v) else v)
-                               for k, v in self.probe.scalars.items()}
-        for i, flat in self._flat_partitions():
-            if initialised and str(i) not in out:
-                out[str(i)] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                               for k, v in self._torch_opt.state[flat].items() if k not in self.probe.element_keys}
-        return out
-
-    def _ensure_optimizer_state(self, scalars: dict[str, dict[str, Any]]) -> None:
-        """Give every flat partition the optimizer state a first step would create, with the saved
-        scalars (``step``), and link ZeRO-1/2's per-parameter fragments to it."""
-        assert self.probe is not None
-        state = self._torch_opt.state
-        for i, flat in self._flat_partitions():
-            st = state[flat]
-            for k in self.probe.element_keys:
-                if k not in st:
-                    st[k] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-            for k, v in scalars.get(str(i), {}).items():
-                st[k] = v.clone() if torch.is_tensor(v) else v
-        # ZeRO-1/2 (and the bf16 optimizer) address optimizer states per parameter through fragments
-        # linked lazily at the first step; link them now so safe_set_full_optimizer_state can write.
-        # A later step re-links to the same tensors.
-        link = getattr(self._zero, "_lazy_init_hp_params_optimizer_state", None)
-        if callable(link):
-            if hasattr(self._zero, "_hp_optimizer_states_linked"):
-                self._zero._hp_optimizer_states_linked = False
-            link()
-
-    def _set_module_weight(self, p: nn.Parameter, full: torch.Tensor) -> None:
-        """The module's (possibly bf16/fp16) copy of ``p`` := ``full``, as an optimizer step would."""
-        if hasattr(p, "ds_id"):  # ZeRO-3: p is a partition; gather, write, re-partition
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                if dist.get_rank() == 0:
-                    with torch.no_grad():
-                        p.data.copy_(full.to(p.device, p.dtype))
-            return
-        with torch.no_grad():
-            p.data.copy_(full.to(p.device, p.dtype))
-
-
-_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 register_strategy("deepspeed", DeepSpeedStrategy)

@@ -18,7 +18,7 @@ from trainguard.checkpoint.manager import CheckpointManager
 
 def test_stuck_background_save_is_bounded(tmp_path):
     m = CheckpointManager(CheckpointConfig(url=str(tmp_path / "ckpt"), async_save=True), "run", rank=0,
-                          world_size=1, fence=1, inflight_timeout_s=0.5)
+                          world_size=1, inflight_timeout_s=0.5)
     state = {"w": {"t": torch.ones(4)}}
     m.save(1, state)
     assert m.wait() == 1
@@ -44,4 +44,4 @@ def test_stuck_background_save_is_bounded(tmp_path):
     finally:
         release.set()
     assert [d.name for d in sorted((tmp_path / "ckpt" / "run").glob("step-*"))
-            if (d / "manifest.json").exists()][0] == "step-000000000001"
+            if (d / "manifest.json").exists()][0].startswith("step-000000000001")

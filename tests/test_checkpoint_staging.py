@@ -10,7 +10,8 @@ import torch._dynamo  # noqa: F401 - its lazy import sets TORCHINDUCTOR_CACHE_DI
 
 from trainguard.checkpoint import pinned
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.manager import CheckpointManager, _Stager
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.state import ModelOptimizerState
 
 
@@ -30,8 +31,7 @@ def _storages(obj) -> set[int]:
 def test_staging_bytes_equal_the_one_allocation(tmp_path):
     m, opt = _trained()
     state = {"model": ModelOptimizerState(m, opt)}
-    with CheckpointManager(CheckpointConfig(url=str(tmp_path / "c"), async_save=False), "run", rank=0, world_size=1,
-                           fence=1) as mgr:
+    with CheckpointManager(CheckpointConfig(url=str(tmp_path / "c"), async_save=False), "run", rank=0, world_size=1) as mgr:
         assert mgr.prepare_staging(state) == mgr.staging_bytes > 0  # allocated before any save
         mgr.save(1, state)
         stager = mgr._stager
@@ -52,7 +52,7 @@ def test_staging_bytes_equal_the_one_allocation(tmp_path):
 
 
 def test_layout_change_reallocates_exactly():
-    s = _Stager()
+    s = Stager()
     s.prepare({"a": torch.ones(3)})
     first = s.staging_bytes
     s.prepare({"a": torch.ones(3), "b": torch.zeros(10, dtype=torch.float64)})
@@ -158,8 +158,7 @@ def test_persist_waits_on_the_staging_event_before_writing(tmp_path, monkeypatch
         def synchronize(self):
             order.append("event.synchronize")
 
-    with CheckpointManager(CheckpointConfig(url=str(tmp_path / "c"), async_save=True), "run", rank=0, world_size=1,
-                           fence=1) as mgr:
+    with CheckpointManager(CheckpointConfig(url=str(tmp_path / "c"), async_save=True), "run", rank=0, world_size=1) as mgr:
         real_copy, real_write = mgr._stager._copy, mgr._write_shards
 
         def copy(sd):

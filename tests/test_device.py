@@ -105,7 +105,7 @@ def test_device_named_in_barrier_and_kwargs():
 
 
 def test_cpu_runtime_device_and_strategy_device():
-    rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="j", fence=0,
+    rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="j",
                  checkpoint=__import__("trainguard.checkpoint.config", fromlist=["x"]).CheckpointConfig())
     assert rt.device == torch.device("cpu")
     model = torch.nn.Linear(2, 2)
@@ -172,15 +172,22 @@ def _deepspeed_autocast(monkeypatch):
     monkeypatch.setattr(deepspeed, "initialize", lambda **kw: (Engine(), kw["optimizer"], None, None))
     s = get_strategy("deepspeed", precision="bf16-mixed")
     model = torch.nn.Linear(2, 2)  # sits on the CPU before initialize
-    s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert s._device_type == "cuda"
-    ctx = s.autocast()
-    assert isinstance(ctx, torch.autocast) and ctx.device == "cuda"
+    try:
+        s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert s._device_type == "cuda"
+        ctx = s.autocast()
+        assert isinstance(ctx, torch.autocast) and ctx.device == "cuda"
+    finally:
+        s.teardown()  # the one-rank group setup made
 
     s2 = get_strategy("deepspeed", precision="bf16-mixed")
     s2.device = torch.device("cpu")  # the runtime's device disagrees with the engine's: refused
-    with pytest.raises(StrategyError, match="DeepSpeed placed the model on cuda:0.*rt.device"):
-        s2.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        with pytest.raises(StrategyError, match="DeepSpeed placed the model on cuda:0.*rt.device"):
+            s2.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        s2.teardown()
+    assert not dist.is_initialized()
 
 
 def test_worker_gpu_label_is_the_uuid_nvml_writes(monkeypatch):

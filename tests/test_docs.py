@@ -209,6 +209,7 @@ def test_readme_worker_api_snippet_runs_as_written(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (run,) = os.listdir(ckpt)
     steps = sorted(d for d in os.listdir(ckpt / run) if d.startswith("step-"))
-    assert steps == ["step-000000000004", "step-000000000006"], steps  # periodic 4, final 6 (= total_steps)
+    # periodic 4, final 6 (= total_steps); directories are named by step and epoch
+    assert [d.split("-e")[0] for d in steps] == ["step-000000000004", "step-000000000006"], steps
     with open(ckpt / run / steps[-1] / "manifest.json") as fh:
         assert '"kind": "final"' in fh.read().replace('"kind":"final"', '"kind": "final"')

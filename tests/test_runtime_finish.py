@@ -28,7 +28,7 @@ def keep_sigterm_handler():
 
 
 def train(url: str, steps: int, *, interval_steps: int = 0, restore: bool = False) -> Runtime:
-    rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", fence=0,
+    rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0,
                  checkpoint=CheckpointConfig(url=url, interval_steps=interval_steps, async_save=False))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)

@@ -17,14 +17,13 @@ def main() -> None:
     url = sys.argv[1]
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
-    mgr = CheckpointManager(CheckpointConfig(url=url), "run", rank=0, world_size=1, fence=1)
+    def die(point: str, step: int) -> None:
+        if point == "before_commit" and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    mgr = CheckpointManager(CheckpointConfig(url=url), "run", rank=0, world_size=1, fault_hook=die)
     state = {"model": ModelOptimizerState(model)}
     mgr.save(1, state, block=True)
-
-    def die(*_a: object, **_k: object) -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    mgr._commit = die  # type: ignore[method-assign]
     mgr.save(2, state, block=True)
     sys.exit(3)  # not reached
 

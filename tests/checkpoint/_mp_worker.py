@@ -96,7 +96,7 @@ def main() -> int:
     if a.world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
     cfg = CheckpointConfig(url=a.url, storage_options=json.loads(a.opts), keep_last=2, retry_deadline_s=30)
-    mgr = CheckpointManager(cfg, "run", rank=a.rank, world_size=a.world, fence=1 if a.phase == "save" else 2)
+    mgr = CheckpointManager(cfg, "run", rank=a.rank, world_size=a.world)
     model: torch.nn.Module = make_model()
     if a.world > 1:
         model = DDP(model)

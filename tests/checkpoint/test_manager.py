@@ -1,4 +1,5 @@
-"""Single-process manager tests: async correctness, in-flight rule, retention, fencing, faults."""
+"""Single-process manager tests: async correctness, in-flight rule, retention, epochs and fencing,
+faults, SaveResult figures."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch
 from tests.checkpoint._launch import ROOT, child_env
 from trainguard.checkpoint import storage as storage_mod
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound, FencedError
-from trainguard.checkpoint.manager import CheckpointManager, scan_run
+from trainguard.checkpoint.discovery import StepRef, scan_run
+from trainguard.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, FencedError
+from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manifest import step_dir
 from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
 
@@ -58,8 +60,8 @@ def _same(a: dict, b: dict) -> bool:
     return True
 
 
-def _mgr(url: str, *, fence: int = 0, **cfg: object) -> CheckpointManager:
-    return CheckpointManager(CheckpointConfig(url=url, **cfg), "run", rank=0, world_size=1, fence=fence)
+def _mgr(url: str, *, hook=None, **cfg: object) -> CheckpointManager:
+    return CheckpointManager(CheckpointConfig(url=url, **cfg), "run", rank=0, world_size=1, fault_hook=hook)
 
 
 def _restore_fresh(mgr: CheckpointManager, step: int | None = None) -> tuple[int | None, dict]:
@@ -130,7 +132,7 @@ def test_new_save_waits_for_inflight_and_buffers_are_reused(url: str, monkeypatc
         mgr.wait(30)
         assert [(i.step, i.kind) for i in mgr.list()] == [(1, "periodic"), (2, "emergency"), (3, "periodic")]
         params = sum(p.numel() * 4 for p in m.parameters())
-        assert mgr._stager.rebuilds == 1  # one allocation, reused by saves 2 and 3
+        assert mgr.staging_rebuilds == 1  # one allocation, reused by saves 2 and 3
         assert params * 3 <= mgr.staging_bytes <= params * 3 + 64  # params + exp_avg + exp_avg_sq + steps
 
 
@@ -142,10 +144,11 @@ def test_retention_keeps_exactly_k(url: str) -> None:
             mgr.save(s, {"model": ModelOptimizerState(m, opt)})
         mgr.wait(30)
         assert [i.step for i in mgr.list()] == [4, 5, 6]
-    assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(s) for s in (4, 5, 6)]
+    assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(s, 1) for s in (4, 5, 6)]
 
 
-def test_truncated_shard_falls_back_to_previous_step(url: str) -> None:
+@pytest.mark.parametrize("verify", [True, False])  # caught by the size check, or by the load + a proof
+def test_truncated_shard_falls_back_to_previous_step(url: str, verify: bool) -> None:
     m, opt = _model()
     with _mgr(url) as mgr:
         _train(m, opt)
@@ -153,13 +156,17 @@ def test_truncated_shard_falls_back_to_previous_step(url: str) -> None:
         step1 = _snapshot(m, opt)
         _train(m, opt)
         mgr.save(2, {"model": ModelOptimizerState(m, opt)}, block=True)
-    shard = Path(url, "run", step_dir(2), "__0_0.distcp")
+    shard = Path(url, "run", step_dir(2, 1), "__0_0.distcp")
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    for verify in (True, False):  # caught by the size check, or by the load itself
-        with _mgr(url, verify=verify) as mgr:
-            got, restored = _restore_fresh(mgr)
-            assert got == 1 and _same(step1, restored)
-            assert mgr.latest() == 2  # still committed: restore never deletes evidence
+    with _mgr(url, verify=verify) as mgr:
+        got, restored = _restore_fresh(mgr)
+        assert got == 1 and _same(step1, restored)
+        assert mgr.epoch == 2 and mgr.epoch_record.base_step == 1  # the new epoch branches from step 1
+        assert mgr.latest() == 1
+        assert shard.exists()  # restore never deletes evidence ...
+        mgr.save(3, {"model": ModelOptimizerState(m, opt)}, block=True)
+    assert not shard.parent.exists()  # ... the next commit collects the proven-corrupt step
+    assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(1, 1), step_dir(3, 2)]
 
 
 def test_flipped_byte_is_caught_by_checksum(url: str) -> None:
@@ -168,15 +175,27 @@ def test_flipped_byte_is_caught_by_checksum(url: str) -> None:
         mgr.save(1, {"model": ModelOptimizerState(m, opt)}, block=True)
         _train(m, opt)
         mgr.save(2, {"model": ModelOptimizerState(m, opt)}, block=True)
-    shard = Path(url, "run", step_dir(2), "__0_0.distcp")
+    shard = Path(url, "run", step_dir(2, 1), "__0_0.distcp")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with _mgr(url) as mgr:
         assert _restore_fresh(mgr)[0] == 1
-    Path(url, "run", step_dir(1), "__0_0.distcp").unlink()
-    with _mgr(url) as mgr, pytest.raises(CheckpointCorrupt, match="step 2.*crc32.*step 1.*missing"):
+    Path(url, "run", step_dir(1, 1), "__0_0.distcp").unlink()
+    before = sorted(str(p) for p in Path(url).rglob("*"))
+    with _mgr(url) as mgr, pytest.raises(CheckpointCorrupt, match=r"step 1 \(epoch 1\).*missing.*Nothing was changed"):
         _restore_fresh(mgr)
+    assert sorted(str(p) for p in Path(url).rglob("*")) == before  # a failed restore writes nothing
+
+
+def test_intact_step_that_does_not_fit_the_model_fails_clearly(url: str) -> None:
+    m, opt = _model()
+    with _mgr(url) as mgr:
+        mgr.save(1, {"model": ModelOptimizerState(m, opt)}, block=True)
+    other = torch.nn.Linear(3, 3)  # another model: the checkpoint is fine, it just does not fit
+    with _mgr(url) as mgr, pytest.raises(CheckpointError, match="is intact .* but loading it .* failed.*Fix:"):
+        mgr.restore({"model": ModelOptimizerState(other)})
+    assert [p.name for p in Path(url, "run").glob("step-*")] == [step_dir(1, 1)]  # not skipped, not marked
 
 
 def test_restore_without_checkpoints_and_unknown_step(url: str) -> None:
@@ -190,32 +209,78 @@ def test_restore_without_checkpoints_and_unknown_step(url: str) -> None:
         assert _restore_fresh(mgr, 5)[0] == 5
 
 
-def test_stale_fence_cannot_commit(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stale_epoch_cannot_commit_logs_once_and_its_slipped_commit_is_a_kept_branch(
+        url: str, capsys: pytest.CaptureFixture[str]) -> None:
     m, opt = _model()
     state = {"model": ModelOptimizerState(m, opt)}
-    old = _mgr(url, fence=1)
+    old = _mgr(url)
     old.save(1, state)
     old.save(2, state)
-    assert old.wait(30) == 2
-    new = _mgr(url, fence=2)
-    assert _restore_fresh(new)[0] == 2  # the new round registers itself, starting from step 2
+    assert old.wait(30) == 2 and old.epoch == 1
+    new = _mgr(url)
+    assert _restore_fresh(new)[0] == 2 and new.epoch == 2  # the new world claims epoch 2, based on step 2
     old.save(3, state)
-    with pytest.raises(FencedError, match="fence .* 1 is older than round 2"):
+    with pytest.raises(FencedError, match="epoch 1 is older than epoch 2"):
         old.wait(30)
-    assert not Path(url, "run", step_dir(3)).exists()  # refused before writing anything
-    with pytest.raises(FencedError):  # the stale world keeps being refused
+    assert old.fenced and not list(Path(url, "run").glob("step-000000000003-*"))  # refused before writing
+    refused = old.save(4, state)  # the stale world keeps being refused, without raising into training
+    assert refused.done() and isinstance(refused.exception(), FencedError)
+    with pytest.raises(FencedError):
         old.save(4, state, block=True)
+    assert capsys.readouterr().out.count("checkpoint_fenced") == 1  # one clear error, not one per save
     new.save(3, state, block=True)
     assert new.latest() == 3
-    # A stale commit that raced past the check (simulated) lands on a dead branch: never restored.
-    monkeypatch.setattr(old, "_check_fence", lambda **_: None)
-    old.save(7, state, block=True)
-    assert Path(url, "run", step_dir(7), "manifest.json").exists()
-    assert new.latest() == 3 and scan_run(new.storage, "run").stale == [7]
-    new.save(4, state, block=True)  # and is garbage-collected by the owner's next commit
-    assert not Path(url, "run", step_dir(7)).exists()
-    old.close()
-    new.close()
+
+    # A stale commit racing past the commit-time check (a world claims right between the check and
+    # the manifest write) lands outside the newest lineage: never restored, kept for keep_last commits.
+    newer: list[CheckpointManager] = []
+
+    def claim_in_between(point: str, step: int) -> None:
+        if point == "before_manifest":
+            newer.append(_mgr(url, keep_last=2))
+            assert _restore_fresh(newer[0])[0] == 3
+
+    racer = _mgr(url, hook=claim_in_between)
+    assert _restore_fresh(racer)[0] == 3 and racer.epoch == 3
+    racer.save(7, state, block=True)  # committed by epoch 3 after epoch 4 was claimed
+    slipped = Path(url, "run", step_dir(7, 3), "manifest.json")
+    assert slipped.exists() and newer[0].epoch == 4
+    assert newer[0].latest() == 3 and [(i.step, i.in_lineage) for i in newer[0].list()][-1] == (7, False)
+    newer[0].save(4, state, block=True)
+    assert slipped.exists()  # kept: the new lineage has 1 commit newer than epoch 3, keep_last is 2
+    newer[0].save(5, state, block=True)
+    assert not slipped.exists()  # now it has 2 ("branch"), and retention keeps 4 and 5 of the lineage
+    assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(4, 4), step_dir(5, 4)]
+    for x in (old, new, racer, *newer):
+        x.close()
+
+
+def test_half_written_step_is_collected_once_its_epoch_commits_later(url: str) -> None:
+    def fail(point: str, step: int) -> None:
+        if point == "before_commit" and step == 2:
+            raise ConnectionResetError("injected: died between shards and manifest")
+
+    m, opt = _model()
+    state = {"model": ModelOptimizerState(m, opt)}
+    with _mgr(url, hook=fail) as mgr:
+        mgr.save(1, state, block=True)
+        with pytest.raises(CheckpointError, match="step 2"):
+            mgr.save(2, state, block=True)
+        assert scan_run(mgr.storage, "run").uncommitted == [StepRef(2, 1)]
+        r = mgr.save(3, state, block=True).result()
+    assert not Path(url, "run", step_dir(2, 1)).exists()
+    assert r.step == 3 and r.epoch == 1 and r.nbytes == r.total_bytes > 0 and r.persist_s > 0
+    assert 0 <= r.stage_s <= r.blocked_s
+
+
+def test_same_step_twice_in_one_epoch_keeps_the_committed_copy(url: str) -> None:
+    m, opt = _model()
+    with _mgr(url) as mgr:
+        first = mgr.save(5, {"model": ModelOptimizerState(m, opt)}, block=True).result()
+        manifest = Path(url, "run", step_dir(5, 1), "manifest.json").read_bytes()
+        again = mgr.save(5, {"model": ModelOptimizerState(m, opt)}, block=True).result()
+    assert again.skipped and again.nbytes == 0 and again.total_bytes == first.total_bytes
+    assert Path(url, "run", step_dir(5, 1), "manifest.json").read_bytes() == manifest
 
 
 @pytest.mark.slow
@@ -224,17 +289,18 @@ def test_kill_between_shards_and_manifest(url: str) -> None:
     p = subprocess.run([sys.executable, str(ROOT / "tests/checkpoint/_kill_worker.py"), url], env=child_env(),
                        capture_output=True, timeout=100)
     assert p.returncode == -9, p.stderr.decode()[-2000:]
-    assert Path(url, "run", step_dir(2), "__0_0.distcp").exists()
-    assert not Path(url, "run", step_dir(2), "manifest.json").exists()
-    with _mgr(url, fence=1) as mgr:
+    assert Path(url, "run", step_dir(2, 1), "__0_0.distcp").exists()
+    assert not Path(url, "run", step_dir(2, 1), "manifest.json").exists()
+    with _mgr(url) as mgr:
         assert mgr.latest() == 1 and [i.step for i in mgr.list()] == [1]
-        assert scan_run(mgr.storage, "run").uncommitted == [2]
+        assert scan_run(mgr.storage, "run").uncommitted == [StepRef(2, 1)]
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)
         assert mgr.restore({"model": ModelOptimizerState(model)}) == 1
         mgr.save(3, {"model": ModelOptimizerState(model)}, block=True)
-    assert not Path(url, "run", step_dir(2)).exists()  # collected after the next commit
-    assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(1), step_dir(3)]
+    # Epoch 1 never committed after its half-written step 2, so that directory is not provably dead
+    # (GC rule (b)): it stays, invisible to discovery, and `checkpoints ls --all` lists it.
+    assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(1, 1), step_dir(2, 1), step_dir(3, 2)]
 
 
 def test_trainer_state_round_trip_is_bit_identical(url: str) -> None:

@@ -26,7 +26,7 @@ def test_save_2_restore_1_and_3(storage_backend: Backend, tmp_path) -> None:
     args = ["--url", storage_backend.url, "--opts", opts_arg(storage_backend.storage_options), "--out", str(tmp_path)]
     _check(run_world("_mp_worker.py", 2, ["--phase", "save", *args], env=storage_backend.env), "save at 2 ranks")
     mgr = CheckpointManager(CheckpointConfig(url=storage_backend.url, storage_options=storage_backend.storage_options),
-                            "run", rank=0, world_size=1, fence=2)
+                            "run", rank=0, world_size=1)
     try:
         infos = mgr.list()
         assert [(i.step, i.world_size, i.num_files) for i in infos] == [(3, 2, 3)]  # 2 shards + .metadata

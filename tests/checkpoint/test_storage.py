@@ -17,7 +17,8 @@ from tests.fixtures.storage import Backend, Server, make_bucket, s3_options
 from trainguard.checkpoint import cli
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import StorageError
-from trainguard.checkpoint.manager import CheckpointManager, scan_run
+from trainguard.checkpoint.discovery import scan_run
+from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manifest import MANIFEST_NAME, step_dir
 from trainguard.checkpoint.state import ModelOptimizerState
 from trainguard.checkpoint.storage import Storage, is_transient
@@ -50,10 +51,10 @@ def test_remote_writes_are_flushed_and_never_call_fileno_or_os_sync(backend: str
     with CheckpointManager(CheckpointConfig(url=b.url, storage_options=b.storage_options), "run", rank=0,
                            world_size=1) as mgr:
         mgr.save(1, state, block=True)
-        man = scan_run(mgr.storage, "run").committed[0]
+        man = scan_run(mgr.storage, "run").manifests()[0]
         for fe in man.files:  # pytorch#183878: every byte reached the server
-            assert mgr.storage.size(f"run/{step_dir(1)}/{fe.path}") == fe.size
-            assert mgr.storage.crc32(f"run/{step_dir(1)}/{fe.path}") == (fe.size, fe.crc32)
+            assert mgr.storage.size(f"run/{step_dir(1, 1)}/{fe.path}") == fe.size
+            assert mgr.storage.crc32(f"run/{step_dir(1, 1)}/{fe.path}") == (fe.size, fe.crc32)
         expected = m.weight.detach().clone()
         with torch.no_grad():
             m.weight.zero_()
@@ -94,7 +95,7 @@ def test_dropped_buffer_is_detected_and_nothing_is_committed() -> None:
         with pytest.raises(StorageError, match="183878"):
             mgr.save(1, state, block=True)
         assert mgr.latest() is None
-        assert not storage.exists(f"run/{step_dir(1)}/{MANIFEST_NAME}")
+        assert not storage.exists(f"run/{step_dir(1, 1)}/{MANIFEST_NAME}")
 
 
 class _Code(Exception):
@@ -164,13 +165,20 @@ def test_s3_server_dies_mid_save(moto_server: Server, s3_env: None, chaos_proxy_
         assert [i.step for i in mgr.list()] == [1, 3]
 
 
-def test_cli_ls_and_show(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_ls_shows_epochs_and_lineage_and_show(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     url = str(tmp_path / "ck")
     state, _ = _state(width=8)
-    with CheckpointManager(CheckpointConfig(url=url), "myrun", rank=0, world_size=1, fence=4) as mgr:
+    with CheckpointManager(CheckpointConfig(url=url), "myrun", rank=0, world_size=1, rdzv_id="job",
+                           rdzv_round=4) as mgr:
         mgr.save(10, state, block=True)
         mgr.save(20, state, kind="emergency", block=True)
-    (tmp_path / "ck" / "myrun" / step_dir(30)).mkdir()  # half-written
+    with CheckpointManager(CheckpointConfig(url=url), "myrun", rank=0, world_size=1, rdzv_id="job",
+                           rdzv_round=0) as mgr:  # a fresh rendezvous store: round 0, epoch 2
+        assert mgr.restore(state, step=10) == 10  # branches away from 20
+        mgr.save(15, state, block=True)
+    (tmp_path / "ck" / "myrun" / step_dir(30, 2)).mkdir()  # half-written
+    (tmp_path / "ck" / "myrun" / "step-²").mkdir()  # stray names: ignored, never touched
+    (tmp_path / "ck" / "myrun" / "notes.txt").write_text("x")
     parser = argparse.ArgumentParser(prog="trainguard")
     cli.register(parser.add_subparsers(dest="cmd"))
     capsys.readouterr()  # drop the manager's log lines
@@ -182,14 +190,28 @@ def test_cli_ls_and_show(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
         return rc, cap.out + cap.err
 
     rc, out = run("checkpoints", "ls", url)
-    assert rc == 0 and "emergency" in out and out.count(" committed ") == 2 and "uncommitted" not in out
-    assert out.splitlines()[1].split()[:3] == ["STEP", "STATUS", "KIND"]
+    assert rc == 0 and "Traceback" not in out
+    out = out[out.index("run myrun at"):]  # (an unconfigured logger prints to stdout too)
+    assert "restore lineage (epoch 2): 10@e1 -> 15@e2" in out
+    lines = out.splitlines()
+    epochs = [ln.split() for ln in lines if ln.split()[:1] in (["1"], ["2"]) and ("owner" in ln or "fenced" in ln)]
+    assert [e[:4] for e in epochs] == [["2", "owner", "10@e1", "1"], ["1", "fenced", "scratch", "2"]]
+    assert "job round 0" in out and "job round 4" in out
+    steps = {(ln.split()[0], ln.split()[1]): ln.split()[3] for ln in lines if " committed " in ln}
+    assert steps == {("10", "1"): "restore", ("15", "2"): "restore", ("20", "1"): "branch"}
+    assert "uncommitted" not in out and "step-²" not in out
     rc, out = run("checkpoints", "ls", url, "--all", "--json")
-    assert rc == 0 and [(s["step"], s["status"]) for s in json.loads(out)["steps"]] == [
-        (10, "committed"), (20, "committed"), (30, "uncommitted")]
+    doc = json.loads(out[out.index('{\n "'):])
+    assert rc == 0 and [(s["step"], s["epoch"], s["status"]) for s in doc["steps"]] == [
+        (10, 1, "committed"), (15, 2, "committed"), (20, 1, "committed"), (30, 2, "uncommitted")]
+    assert doc["lineage"] == [{"step": 10, "epoch": 1}, {"step": 15, "epoch": 2}] and doc["newest_epoch"] == 2
+    assert doc["ignored"] == ["notes.txt", "step-²"]
+    assert [(e["epoch"], e["rdzv_round"], e["base_step"]) for e in doc["epochs"]] == [(2, 0, 10), (1, 4, -1)]
     rc, out = run("checkpoints", "show", url, "20", "--run-id", "myrun")
-    assert rc == 0 and "__0_0.distcp" in out and "fence       4" in out
+    assert rc == 0 and "__0_0.distcp" in out and "epoch       1" in out
     rc, out = run("checkpoints", "show", url, "20", "--json")
     assert rc == 0 and json.loads(out)["kind"] == "emergency"
     rc, out = run("checkpoints", "show", url, "30")
-    assert rc == 1 and "error:" in out and "does not exist" in out
+    assert rc == 1 and "error:" in out and "does not exist" in out and "Traceback" not in out
+    rc, out = run("checkpoints", "show", url, "99")
+    assert rc == 1 and "step 99 does not exist" in out

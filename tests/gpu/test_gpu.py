@@ -63,7 +63,7 @@ def test_checkpoint_from_cuda1_verified_against_cpu_reload(tmp_path):
     model(torch.randn(64, 1024, device=device)).sum().backward()
     opt.step()
     url = str(tmp_path / "ckpt")
-    with CheckpointManager(CheckpointConfig(url=url, async_save=True), "run", rank=0, world_size=1, fence=1) as mgr:
+    with CheckpointManager(CheckpointConfig(url=url, async_save=True), "run", rank=0, world_size=1) as mgr:
         mgr.save(1, {"model": ModelOptimizerState(model, opt)})
         with torch.no_grad():  # updates queued right after save() must not leak into the checkpoint
             for p in model.parameters():
@@ -73,7 +73,7 @@ def test_checkpoint_from_cuda1_verified_against_cpu_reload(tmp_path):
     expected = {k: v.detach().cpu() - 1.0 for k, v in model.state_dict().items()}
     cpu_model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
     cpu_opt = torch.optim.Adam(cpu_model.parameters())
-    with CheckpointManager(CheckpointConfig(url=url, verify=True), "run", rank=0, world_size=1, fence=2) as mgr:
+    with CheckpointManager(CheckpointConfig(url=url, verify=True), "run", rank=0, world_size=1) as mgr:
         assert mgr.restore({"model": ModelOptimizerState(cpu_model, cpu_opt)}) == 1
     for k, v in cpu_model.state_dict().items():
         torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6)

@@ -28,78 +28,122 @@ class Clock:
 
 def check_partition(g: GoodputSnapshot) -> None:
     assert g.paid_s == pytest.approx(g.productive_s + g.wasted_total_s, abs=1e-9)
+    assert all(v >= -1e-9 for v in g.wasted_s.values()), g.wasted_s
 
 
-def train(ledger: GoodputLedger, clock: Clock, first: int, last: int, step_s: float) -> None:
-    """Steps ``first..last`` at ``step_s`` each, marking progress after every step."""
-    for s in range(first, last + 1):
-        clock.tick(step_s)
-        ledger.progress(s)
+class Worker:
+    """A node's workers as the agent's sampler sees them: the last step and the cumulative step time."""
+
+    def __init__(self, ledger: GoodputLedger, clock: Clock) -> None:
+        self.led, self.c = ledger, clock
+        self.step, self.train_s = 0, 0.0
+
+    def setup(self, after_s: float) -> None:
+        """Process start, imports, model build: ``after_s`` seconds, then the series is declared."""
+        self.c.tick(after_s)
+        self.led.progress(None, train_s=self.train_s)
+
+    def train(self, first: int, last: int, step_s: float, gap_s: float = 0.0) -> None:
+        """Steps ``first..last`` of ``step_s`` each, ``gap_s`` between steps; one sample after each."""
+        for s in range(first, last + 1):
+            self.c.tick(step_s)
+            self.step, self.train_s = s, self.train_s + step_s
+            self.led.progress(s, train_s=self.train_s)
+            if gap_s:
+                self.c.tick(gap_s)
 
 
-def test_startup_then_training() -> None:
-    c = Clock()
+def test_worker_startup_is_not_productive() -> None:
+    """The agent starts at 0, runs workers at 15; they import and build until 18, restore until 20,
+    then train 100 steps of 1 s: only the steps are productive."""
+    c = Clock(0)
     led = GoodputLedger(c)
+    w = Worker(led, c)
     c.tick(10)
     led.set_state("rendezvous")
     c.tick(5)
     led.set_state("running")
-    train(led, c, 1, 100, 1.0)
+    w.setup(3)
+    c.tick(2)  # restore: no sample in between
+    w.train(1, 100, 1.0)
     g = led.snapshot()
     check_partition(g)
-    assert g.paid_s == pytest.approx(115)
+    assert g.paid_s == pytest.approx(120)
     assert g.productive_s == pytest.approx(100)
-    assert g.wasted_s["startup"] == pytest.approx(15)
-    assert g.goodput == pytest.approx(100 / 115)
+    assert g.wasted_s["startup"] == pytest.approx(20)
+    assert g.goodput == pytest.approx(100 / 120)
 
 
-def test_drain_then_resize_is_drain_downtime() -> None:
-    c = Clock()
+def test_time_between_steps_is_checkpoint_waste() -> None:
+    c = Clock(0)
     led = GoodputLedger(c)
+    w = Worker(led, c)
     led.set_state("running")
-    train(led, c, 1, 50, 1.0)
-    led.set_cause("drain")        # notice arrives while running
-    c.tick(2)                      # workers reach the agreed step
-    led.set_state("draining")
-    c.tick(6)                      # emergency checkpoint
-    led.set_state("resizing")
-    c.tick(4)                      # re-rendezvous at the smaller size
-    led.set_state("running")
-    train(led, c, 51, 60, 1.0)
+    w.setup(1)
+    for chunk in range(5):  # a 0.5 s save after every 10th step
+        w.train(chunk * 10 + 1, chunk * 10 + 10, 0.2)
+        c.tick(0.5)
+    led.stop()
     g = led.snapshot()
     check_partition(g)
-    assert g.productive_s == pytest.approx(50 + 2 + 10)  # the 2 s before draining were still training
-    assert g.wasted_s["drain"] == pytest.approx(10)
-    assert g.wasted_s["restart"] == 0 and g.wasted_s["recompute"] == 0
+    assert g.productive_s == pytest.approx(10)
+    assert g.wasted_s["checkpoint"] == pytest.approx(2.5)
+    assert g.wasted_s["startup"] == pytest.approx(1)
+
+
+def test_drain_then_resize_is_drain_downtime_until_steps_flow_again() -> None:
+    c = Clock(0)
+    led = GoodputLedger(c)
+    w = Worker(led, c)
+    led.set_state("running")
+    w.setup(0)
+    w.train(1, 50, 1.0)
+    led.set_cause("drain")        # notice arrives while running
+    w.train(51, 52, 1.0)          # workers reach the agreed step
+    led.set_state("draining")
+    c.tick(6)                     # emergency checkpoint
+    led.set_state("resizing")
+    c.tick(4)                     # re-rendezvous at the smaller size
+    led.set_state("running")
+    w.setup(5)                    # new worker processes start, import, restore
+    w.train(53, 62, 1.0)
+    g = led.snapshot()
+    check_partition(g)
+    assert g.productive_s == pytest.approx(62)
+    assert g.wasted_s["drain"] == pytest.approx(15)
+    assert g.wasted_s["restart"] == 0 and g.wasted_s["recompute"] == 0 and g.wasted_s["resize"] == 0
 
 
 def test_crash_restart_and_recompute() -> None:
-    c = Clock()
+    c = Clock(0)
     led = GoodputLedger(c)
+    w = Worker(led, c)
     led.set_state("running")
-    train(led, c, 1, 40, 1.0)
+    w.setup(0)
+    w.train(1, 40, 1.0)
     led.committed(40)
-    train(led, c, 41, 55, 1.0)
+    w.train(41, 55, 1.0)
     c.tick(0.5)                    # half of step 56, then a worker dies
-    led.set_state("rendezvous")    # state change first ...
-    c.tick(1)
-    led.set_cause("restart")       # ... then the supervisor says why
-    c.tick(3)
-    seconds, steps = led.restored(40)
+    led.set_cause("restart")       # the supervisor says why ...
+    led.set_state("restarting")    # ... then changes state
+    c.tick(4)
+    led.set_state("rendezvous")
     c.tick(1)
     led.set_state("running")
-    train(led, c, 41, 60, 1.0)
+    c.tick(3)                      # new workers start and restore step 40
+    seconds, steps = led.restored(40)
+    w.setup(0)
+    w.train(41, 60, 1.0)
     g = led.snapshot()
     check_partition(g)
     assert steps == 15
-    assert seconds == pytest.approx(15.5)           # steps 41..55 and half of 56
-    assert g.wasted_s["recompute"] == pytest.approx(15.5)
-    assert g.wasted_s["restart"] == pytest.approx(5)  # the whole downtime, relabelled
+    assert seconds == pytest.approx(15)              # steps 41..55
+    assert g.wasted_s["recompute"] == pytest.approx(15)
+    assert g.wasted_s["restart"] == pytest.approx(0.5 + 4 + 1 + 3)  # the lost half step, downtime, start-up
     assert g.productive_s == pytest.approx(40 + 20)
     assert g.recomputed_steps == 15
     # A second rollback to the same checkpoint reclaims only what was trained since the first.
-    c.tick(0.0)
-    led.set_state("starting")
+    led.set_state("restarting")
     seconds2, steps2 = led.restored(40)
     assert steps2 == 20 and seconds2 == pytest.approx(20)
     check_partition(led.snapshot())
@@ -109,22 +153,76 @@ def test_restore_between_sampled_marks_interpolates() -> None:
     c = Clock(0)
     led = GoodputLedger(c)
     led.set_state("running")
+    led.progress(None, train_s=0.0)
     for s in (10, 20, 30):         # sampled every 10 s, 1 step/s
         c.tick(10)
-        led.progress(s)
+        led.progress(s, train_s=float(s))
     led.set_state("rendezvous")
     seconds, steps = led.restored(25)
     assert steps == 5 and seconds == pytest.approx(5)
 
 
+def test_samples_out_of_step_with_steps_keep_counters_monotonic_and_totals_exact() -> None:
+    """Steps of 0.3 s, a 0.1 s gap, samples every second: a step straddles most sample instants."""
+    c = Clock(0)
+    led = GoodputLedger(c)
+    led.set_state("running")
+    led.progress(None, train_s=0.0)
+    t, train, step, done = 0.0, 0.0, 0, []  # completion times of steps
+    while t < 100:
+        t += 0.3
+        step += 1
+        done.append((t, step, train + 0.3))
+        train += 0.3
+        t += 0.1
+    prev: dict[str, float] = {}
+    for k in range(1, 101):
+        c.t = float(k)
+        last = [d for d in done if d[0] <= k][-1]
+        led.progress(last[1], train_s=last[2])
+        g = led.snapshot()
+        check_partition(g)
+        assert all(g.wasted_s[r] >= prev.get(r, 0.0) - 1e-9 for r in g.wasted_s), (k, g.wasted_s, prev)
+        prev = dict(g.wasted_s)
+    led.stop()
+    g = led.snapshot()
+    last = [d for d in done if d[0] <= 100][-1]
+    # The step in flight at the stop is lost; up to it, 0.3 of every 0.4 s trained.
+    assert g.productive_s == pytest.approx(last[2], abs=1e-6)
+    # Non-step time: the first sample's window is start-up (no step had completed when it opened).
+    assert g.wasted_s["startup"] == pytest.approx(0.4, abs=1e-6)
+    assert g.wasted_s["checkpoint"] == pytest.approx(100 - last[2] - 0.4, abs=1e-6)
+
+
+def test_without_step_reports_running_time_is_productive() -> None:
+    """Unmodified torchrun scripts report no step time: the state-only view."""
+    c = Clock()
+    led = GoodputLedger(c)
+    c.tick(10)
+    led.set_state("rendezvous")
+    c.tick(5)
+    led.set_state("running")
+    for s in range(1, 101):
+        c.tick(1)
+        led.progress(None)
+    g = led.snapshot()
+    check_partition(g)
+    assert g.paid_s == pytest.approx(115)
+    assert g.productive_s == pytest.approx(100)
+    assert g.wasted_s["startup"] == pytest.approx(15)
+    assert not led.reporting
+
+
 def test_lost_work_reported_by_caller() -> None:
     c = Clock()
     led = GoodputLedger(c)
+    w = Worker(led, c)
     led.set_state("running")
-    c.tick(30)
+    w.setup(0)
+    w.train(1, 30, 1.0)
     moved = led.lost_work(12, steps=12, reason="recompute")
     assert moved == pytest.approx(12)
-    c.tick(10)
+    w.train(31, 40, 1.0)
     g = led.snapshot()
     check_partition(g)
     assert g.productive_s == pytest.approx(28)
@@ -155,15 +253,17 @@ def test_stop_ends_the_paid_clock_and_unknown_reason_is_other() -> None:
 def test_committed_prunes_without_changing_totals() -> None:
     c = Clock()
     led = GoodputLedger(c)
+    w = Worker(led, c)
     led.set_state("running")
+    w.setup(0)
     for chunk in range(5):
-        train(led, c, chunk * 100 + 1, chunk * 100 + 100, 0.1)
+        w.train(chunk * 100 + 1, chunk * 100 + 100, 0.1)
         led.set_state("resizing")
         c.tick(1)
         led.set_state("running")
         led.committed(chunk * 100 + 100)
     before = led.snapshot()
-    assert len(led._marks) <= 2 and len(led._intervals) <= 1  # noqa: SLF001 - bounded memory
+    assert len(led._marks) <= 2  # noqa: SLF001 - bounded memory
     check_partition(before)
     assert before.productive_s == pytest.approx(50)
     assert before.wasted_s["resize"] == pytest.approx(5)
@@ -232,3 +332,38 @@ def test_metrics_config_errors_name_the_field(kwargs, field) -> None:
     with pytest.raises(FieldError) as e:
         MetricsConfig(**kwargs)
     assert e.value.field == field
+
+
+def test_a_node_drained_before_its_workers_reported_trained_nothing() -> None:
+    """Its running time was pending (productive for now); the stop shows it was start-up."""
+    c = Clock(0)
+    led = GoodputLedger(c)
+    c.tick(2)
+    led.set_state("running")
+    for _ in range(8):
+        c.tick(1)
+        led.progress(None)
+        assert led.snapshot().productive_s > 0  # pending: tentatively productive
+    led.set_cause("drain")
+    led.set_state("draining")
+    c.tick(1)
+    led.set_state("stopped")
+    g = led.snapshot()
+    check_partition(g)
+    assert g.productive_s == pytest.approx(0)
+    assert g.wasted_s["startup"] == pytest.approx(2 + 8) and g.wasted_s["drain"] == pytest.approx(1)
+
+
+def test_long_running_without_reports_is_a_tier1_script() -> None:
+    from trainguard.metrics.goodput import TIER1_AFTER_S
+
+    c = Clock(0)
+    led = GoodputLedger(c)
+    led.set_state("running")
+    for _ in range(int(TIER1_AFTER_S) + 30):
+        c.tick(1)
+        led.progress(None)
+    led.set_state("stopped")
+    g = led.snapshot()
+    check_partition(g)
+    assert g.productive_s == pytest.approx(TIER1_AFTER_S + 30)

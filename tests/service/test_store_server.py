@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.agent.store import DEFAULT_PORT, register
+from trainguard.agent.store import DEFAULT_PORT, is_exposed, register
 from tests.service.test_sdnotify import FakeSystemd
 
 STOP_TIMEOUT_S = 15.0
@@ -101,9 +101,35 @@ def test_register_defaults() -> None:
     parser = argparse.ArgumentParser(prog="trainguard")
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["store"])
-    assert (args.host, args.port, args.timeout) == ("0.0.0.0", DEFAULT_PORT, 300.0)
+    assert (args.host, args.port, args.timeout, args.firewalled) == ("127.0.0.1", DEFAULT_PORT, 300.0, False)
     assert DEFAULT_PORT == 29400
     assert callable(args.func)
+
+
+@pytest.mark.parametrize("host,exposed", [("127.0.0.1", False), ("127.0.1.1", False), ("::1", False), ("[::1]", False),
+                                          ("localhost", False), ("0.0.0.0", True), ("::", True), ("", True),
+                                          ("10.0.0.5", True), ("fd00::5", True), ("coordinator.internal", True)])
+def test_is_exposed(host: str, exposed: bool) -> None:
+    assert is_exposed(host) is exposed
+
+
+def test_store_beyond_loopback_warns_unless_firewalled(tmp_path: Path, spawned: list[StoreProcess]) -> None:
+    """The store is unauthenticated: listening on every interface is said loudly, unless the operator
+    states the port is firewalled to the cluster."""
+    loud = _spawn(tmp_path, "--host", "0.0.0.0", "--port", "0")
+    quiet = _spawn(tmp_path, "--host", "0.0.0.0", "--port", "0", "--firewalled")
+    spawned += [loud, quiet]
+    ready = loud.wait_event("store_ready")
+    assert ready["exposed"] is True and ready["firewalled"] is False
+    warning = next(e for e in loud.events() if e.get("event") == "store_exposed")
+    assert warning["level"] == "warning" and "no authentication" in str(warning["risk"])
+    assert "--firewalled" in str(warning["fix"]) and "etcd" in str(warning["fix"])
+    ready = quiet.wait_event("store_ready")
+    assert ready["exposed"] is True and ready["firewalled"] is True
+    assert not [e for e in quiet.events() if e.get("event") == "store_exposed"]
+    for sp in (loud, quiet):
+        sp.proc.send_signal(signal.SIGTERM)
+        assert sp.proc.wait(timeout=STOP_TIMEOUT_S) == 0
 
 
 def test_store_serves_notifies_and_stops_cleanly_on_sigterm(

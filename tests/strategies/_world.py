@@ -10,8 +10,10 @@ import subprocess
 import sys
 
 from tests.harness import REPO, free_port
+from trainguard.runtime.protocol import RuntimeEnv
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+MODEL_PARALLEL = os.path.join(REPO, "examples", "train_gpt_mp.py")
 # Small and fast on 2 shared cores; global batch 8 = 2 ranks x 2 micro-batches x 2 = 1 rank x 4 x 2.
 JOB = ["--global-batch", "8", "--micro-batch", "2", "--seq-len", "32", "--d-model", "32", "--layers", "2",
        "--max-bytes", "200000", "--log-every", "4", "--lr", "3e-3"]
@@ -21,18 +23,21 @@ E2E_SIZE = ["--global-batch", str(E2E_BATCH), "--micro-batch", "4"]
 
 
 def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interval: int, fence: int, loss_log: str,
-                extra: list[str] | None = None, timeout: float = 120.0) -> None:
-    """Train ranks ``0..world-1`` from the newest committed checkpoint (or ``--resume-step`` in
-    ``extra``) to ``steps``; periodic checkpoints every ``interval`` steps; fence = rendezvous round."""
+                extra: list[str] | None = None, timeout: float = 120.0, script: str = ELASTIC,
+                expect_ok: bool = True) -> list[tuple[int, str]]:
+    """Train ranks ``0..world-1`` of ``script`` from the newest committed checkpoint (or ``--resume-step``
+    in ``extra``) to ``steps``; periodic checkpoints every ``interval`` steps; fence = rendezvous round.
+    Returns each rank's ``(exit code, output)``; asserts they all succeeded unless ``expect_ok`` is False."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    cfg = {"job_id": "run", "checkpoint": {"url": ckpt_url, "interval_steps": interval}}
+    # The worker contract is written by its one owner (the fence is only the round the epoch record names).
+    rt_env = RuntimeEnv(job_id="run", round=fence, checkpoint={"url": ckpt_url, "interval_steps": interval}).to_env()
     procs = []
     for r in range(world):
         env = {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r), "LOCAL_RANK": str(r),
                "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "TRAINGUARD_RT_ROUND": str(fence), "TRAINGUARD_RT_CONFIG": json.dumps(cfg)}
-        cmd = [sys.executable, ELASTIC, "--strategy", strategy, "--steps", str(steps), "--loss-log", loss_log,
+               "MASTER_PORT": str(port), **rt_env}
+        cmd = [sys.executable, script, "--strategy", strategy, "--steps", str(steps), "--loss-log", loss_log,
                *JOB, *(extra or [])]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = []
@@ -46,7 +51,8 @@ def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interva
                 p.kill()
                 p.wait()
     bad = [f"--- rank {r} rc={rc}\n{out[-4000:]}" for r, (rc, out) in enumerate(outs) if rc != 0]
-    assert not bad, f"{strategy} at world size {world} failed:\n" + "\n".join(bad)
+    assert not expect_ok or not bad, f"{strategy} at world size {world} failed:\n" + "\n".join(bad)
+    return outs
 
 
 def losses(path: str) -> dict[int, float]:
@@ -60,17 +66,18 @@ def losses(path: str) -> dict[int, float]:
 
 
 def continuity(tmp: str, ckpt: str, strategy: str, step: int, world_before: int, logged: dict[int, float],
-               extra: list[str] | None = None) -> float:
+               extra: list[str] | None = None, script: str = ELASTIC, size: list[str] | None = None) -> float:
     """|loss of step+1 as logged by a resized run - loss of step+1 recomputed at ``world_before``|: the
     loss that step would have had without the resize.
 
     The reference restores the same committed ``step`` at the old world size from a copy of the run's
     checkpoints (so nothing it does can touch the run's) and trains one step of the e2e job
-    (:data:`JOB` + :data:`E2E_SIZE` + ``extra``).
+    (:data:`JOB` + ``size`` (default :data:`E2E_SIZE`) + ``extra``) with ``script``.
     """
     ref_dir = os.path.join(tmp, f"ref-{step}")
     shutil.copytree(ckpt, ref_dir)
     ref_log = os.path.join(tmp, f"ref-{step}.jsonl")
     run_segment(world_before, strategy, ref_dir, steps=step + 1, interval=0, fence=1000 + step, loss_log=ref_log,
-                extra=[*E2E_SIZE, *(extra or []), "--resume-step", str(step)])
+                extra=[*(E2E_SIZE if size is None else size), *(extra or []), "--resume-step", str(step)],
+                script=script, timeout=300)
     return abs(logged[step + 1] - losses(ref_log)[step + 1])

@@ -6,7 +6,12 @@ rejoins, the running world takes a resize checkpoint and re-forms at world size 
 
 Checked: every sample is used exactly once and every step logged once, and the loss is continuous —
 the first step after each restore has the loss it would have had without the resize (the same step
-recomputed from the same checkpoint at the old world size), within 1e-6 (fp32)."""
+recomputed from the same checkpoint at the old world size), within 1e-6 (fp32).
+
+``model_parallel`` the same way with two ranks per node, tensor-parallel within each node: ``(dp, tp) =
+(2, 2) -> (1, 2) -> (2, 2)`` (TP + FSDP2 + ``torch.compile`` with inductor); the ranks of a tensor-parallel
+group train on the same samples and every sample is used once per data-parallel share. A world of 3
+ranks with ``tp_size=2`` is refused with an error naming the setting."""
 
 from __future__ import annotations
 
@@ -15,9 +20,10 @@ import os
 
 import pytest
 
+from tests import samples
 from tests.e2e.test_drain import check_exactly_once, sample_log, worlds
 from tests.harness import Node, free_port, wait_listening, wait_until
-from tests.strategies._world import E2E_BATCH, E2E_SIZE, ELASTIC, JOB, continuity
+from tests.strategies._world import E2E_BATCH, E2E_SIZE, ELASTIC, JOB, MODEL_PARALLEL, continuity
 from trainguard.agent import control
 from trainguard.runtime.protocol import DrainRequest
 
@@ -117,3 +123,129 @@ def test_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path, 
     finally:
         for n in nodes:
             n.stop()
+
+
+# ---- model_parallel: (dp, tp) = (2, 2) -> (1, 2) -> (2, 2), two ranks per node ------------------------------
+
+MP_ARGS = ["--tp-size", "2", "--compile", "inductor"]
+# 16 = dp 2 x 2 micro-batches x 4 = dp 1 x 4 x 4
+MP_SIZE = ["--global-batch", "16", "--micro-batch", "4"]
+
+
+def check_model_parallel_samples(folder: str, global_batch: int) -> list[int]:
+    """Every sample once (``tests/samples.py``: one valid attempt per step, the whole global batch), and
+    in each step's valid attempt: the ranks of one data-parallel share (a TP group) trained the same
+    samples, and the shares in order are the global batch."""
+    seen = samples.check_exactly_once(folder, global_batch)
+    committed = samples.committed_batches(folder)
+    recs = [r for r in samples.read(folder) if not r.get("rolled_back")
+            and committed.get(r["step"], {}).get("round") == r["round"]]
+    by_step: dict[int, list[dict]] = {}
+    for r in recs:
+        by_step.setdefault(r["step"], []).append(r)
+    assert sorted(by_step) == sorted(committed)
+    for step, rs in by_step.items():
+        world, dp = rs[0]["world_size"], rs[0]["dp_size"]
+        assert sorted(r["rank"] for r in rs) == list(range(world)), f"step {step}: {rs}"
+        shares: dict[int, list[int]] = {}
+        for r in rs:
+            assert r["dp_rank"] == r["rank"] // (world // dp), f"step {step}: rank {r['rank']} in share {r['dp_rank']}"
+            assert shares.setdefault(r["dp_rank"], r["mine"]) == r["mine"], f"step {step}: a TP group split its samples"
+        assert sorted(shares) == list(range(dp))
+        assert [i for d in sorted(shares) for i in shares[d]] == committed[step]["ids"], f"step {step}"
+    return seen
+
+
+def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path):
+    tmp = str(tmp_path)
+    os.makedirs(os.path.join(tmp, "samples"))
+    ep = f"127.0.0.1:{free_port()}"
+    ckpt = os.path.join(tmp, "ckpt")
+    loss_log = os.path.join(tmp, "loss.jsonl")
+    common = ["--nproc-per-node", "2", "--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=10",
+              "--set", "checkpoint.keep_last=1000"]
+    args = ["--strategy", "model_parallel", *MP_ARGS, "--steps", "100000", *JOB, *MP_SIZE, "--step-sleep", "0.03",
+            "--log-every", "2", "--sample-log", os.path.join(tmp, "samples"), "--loss-log", loss_log]
+
+    def node(name: str) -> Node:
+        return Node(name, tmp, ep, nnodes="1:2", job="run", script=MODEL_PARALLEL, script_args=args, extra=common)
+
+    def steps_at(n: Node, world: int, at_least: int) -> bool:
+        return any(e["world_size"] == world and e["step"] >= at_least for e in n.events("train_step"))
+
+    a = node("a")
+    nodes = [a]
+    try:
+        wait_listening(ep)
+        b = node("b")
+        nodes.append(b)
+        wait_until(lambda: worlds(a)[-1:] == [4] and worlds(b)[-1:] == [4], 90, "world size 4")
+        wait_until(lambda: steps_at(a, 4, 6), 240, "6 steps at (dp, tp) = (2, 2)")
+        started = [e for e in a.events("started")]
+        assert started and started[0]["dp_size"] == 2 and started[0]["tp_size"] == 2
+        compiled = a.events("compiled")
+        assert compiled and compiled[0]["backend"] == "inductor" and compiled[0]["graphs"] >= 1, a.dump()
+        reply = control.request(b.socket, DrainRequest(deadline_s=60))
+        assert reply.ok, reply
+        assert b.wait(90) == 0, b.dump()
+        committed = [e for n in (a, b) for e in n.events("checkpoint_committed")
+                     if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
+        assert len(committed) == 4, a.dump() + b.dump()  # every rank of both nodes
+        s = committed[0]["step"]
+        assert all(e["step"] == s for e in committed)
+
+        resumed = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 2], 180, "resume at 2")
+        assert resumed[0]["step"] == s and resumed[0]["dp_size"] == 1 and resumed[0]["tp_size"] == 2
+        wait_until(lambda: steps_at(a, 2, s + 4), 120, "training at (1, 2)")
+
+        b2 = node("b2")
+        nodes.append(b2)
+        wait_until(lambda: worlds(a)[-1:] == [4] and worlds(b2) == [4], 120, "world size 4 again")
+        r2 = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 4], 180, "resume at 4")
+        r = r2[-1]["step"]
+        assert r2[-1]["dp_size"] == 2
+        resize = [e for e in a.events("checkpoint_committed")
+                  if e.get("kind") == "resize" and e.get("component") == "trainguard.worker"]
+        assert resize and resize[-1]["step"] == r
+        wait_until(lambda: steps_at(a, 4, r + 3), 180, "training at (2, 2) again")
+        for n in (a, b2):
+            n.signal(15)
+        for n in (a, b2):
+            assert n.wait(90) == 0, n.dump()
+
+        seen = check_model_parallel_samples(sample_log(tmp), 16)
+        with open(loss_log) as fh:
+            recs = [json.loads(line) for line in fh]
+        assert [x["step"] for x in recs] == list(range(1, len(recs) + 1)), "a step was logged twice or skipped"
+        loss = {x["step"]: x["loss"] for x in recs}
+        dp = {x["step"]: x["dp_size"] for x in recs}
+        assert dp[s] == 2 and dp[s + 1] == 1 and dp[r] == 1 and dp[r + 1] == 2
+        d1 = continuity(tmp, ckpt, "model_parallel", s, 4, loss, MP_ARGS, script=MODEL_PARALLEL, size=MP_SIZE)
+        d2 = continuity(tmp, ckpt, "model_parallel", r, 2, loss, MP_ARGS, script=MODEL_PARALLEL, size=MP_SIZE)
+        print(f"model_parallel (2,2)->(1,2)->(2,2): emergency_step={s} resize_step={r} steps={len(seen) // 16} "
+              f"loss_delta_after_drain={d1:.3g} loss_delta_after_rejoin={d2:.3g}")
+        assert d1 <= 1e-6 and d2 <= 1e-6, (d1, d2)
+    except AssertionError:
+        print(*(n.dump(60) for n in nodes), sep="\n")
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_model_parallel_refuses_a_world_of_3_ranks_with_tp_size_2(tmp_path):
+    """One node of 3 ranks: every rank refuses at setup with one line naming ``tp_size``, and the agent
+    (``workers.max_restarts=0``) fails the job instead of restarting it."""
+    tmp = str(tmp_path)
+    n = Node("a", tmp, f"127.0.0.1:{free_port()}", nnodes="1:1", job="run", script=MODEL_PARALLEL,
+             script_args=["--tp-size", "2", "--steps", "2", *JOB, "--global-batch", "12", "--micro-batch", "2"],
+             extra=["--nproc-per-node", "3", "--set", "workers.max_restarts=0"])
+    try:
+        assert n.wait(120) != 0, n.dump()
+        refused = n.events("setup_refused")
+        assert sorted(e["rank"] for e in refused) == [0, 1, 2], n.dump()
+        msg = refused[0]["error"]
+        assert "3 ranks" in msg and "`tp_size=2`" in msg and "Fix:" in msg and "--tp-size" in msg, msg
+        assert not any("Traceback" in line for line in n.lines()), n.dump()
+    finally:
+        n.stop()

@@ -14,6 +14,7 @@ The global batch is 8 at every size (2 ranks x 2 micro-batches x 2 samples, or 1
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 
@@ -33,7 +34,8 @@ def _elastic(tmp_path, strategy: str, *, exact_at_2: bool) -> dict[str, float]:
     assert sorted(ref) == list(range(1, STEPS + 1))
     # The elastic run's first segment (0 -> 4 at 2 ranks) is the reference's: start from its step 4.
     os.makedirs(os.path.join(el_dir, "run"))
-    shutil.copytree(os.path.join(ref_dir, "run", "step-000000000004"), os.path.join(el_dir, "run", "step-000000000004"))
+    step4 = glob.glob(os.path.join(ref_dir, "run", "step-000000000004-e*"))[0]  # named by step and epoch
+    shutil.copytree(step4, os.path.join(el_dir, "run", os.path.basename(step4)))
 
     figures: dict[str, float] = {}
     if exact_at_2:

@@ -28,7 +28,7 @@ SEQ = 8
 
 
 def _runtime(url: str) -> Runtime:
-    return Runtime(rank=0, world_size=1, local_rank=0, job_id="run", fence=0,
+    return Runtime(rank=0, world_size=1, local_rank=0, job_id="run",
                    checkpoint=CheckpointConfig(url=url, interval_steps=2, async_save=False))
 
 

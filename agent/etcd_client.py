@@ -1,0 +1,616 @@
+"""A small etcd v3 client: etcd's own JSON gateway over HTTPS, on the Python standard library.
+
+Why this client, and not another:
+
+* etcd serves its v3 API as JSON over HTTP/1.1 on the same client port as gRPC (the gRPC gateway:
+  ``POST /v3/kv/range``, ``/v3/kv/txn``, ``/v3/auth/authenticate``, ``/v3/watch``...), with the
+  same TLS, client-certificate and RBAC checks. ``/v3/`` is served by etcd 3.4 (Debian bookworm's
+  3.4.23 also answers ``/v3beta/``) and is the only prefix of 3.5 and 3.6, so one path covers every
+  etcd still supported. Keys and values travel base64-encoded, 64-bit integers as JSON strings.
+* The rendezvous needs six calls (range, put, txn, delete-range, lease grant, authenticate) and one
+  stream (watch). Written against :mod:`http.client` and :mod:`ssl`, they add no dependency, and we
+  see the raw ``ssl`` failure (unknown CA, wrong host name, refused client certificate) that
+  :mod:`trainguard.agent.etcd_rendezvous` turns into an error naming the setting to fix.
+* The alternatives, as of this writing: ``etcd3`` (PyPI, gRPC) had its last release in 2020 and pins
+  old ``grpcio``/``protobuf``; ``aetcd`` is asyncio-only while the agent is threaded; ``etcd3gw``
+  (maintained, also the JSON gateway) brings ``requests``, ``futurist`` and ``pbr`` for the same six
+  calls and hides the ``ssl`` detail behind ``requests`` exceptions.
+
+Semantics kept deliberately small:
+
+* **Failover.** ``endpoints`` lists etcd members; a request that cannot reach one (refused, timed
+  out, 5xx, "no leader") moves on to the next and, after a round, backs off and retries until
+  ``retry_s`` has passed. A failure that retrying cannot fix (TLS, credentials, permissions) raises
+  at once.
+* **Writes that must not run twice** (:meth:`EtcdClient.txn` with ``idempotent=False``, used by the
+  store's atomic ``add``) are retried only when the request cannot have reached etcd (the connection
+  failed to open, or a kept-alive connection was found closed).
+* **Auth.** With a ``username`` the client authenticates on first use and again when etcd answers
+  "invalid auth token" (simple tokens expire after ``--auth-token-ttl``, 300 s by default, and on a
+  member restart). The password and the token are never logged and never in ``repr``.
+* **Threads.** One keep-alive connection per (thread, member); the rendezvous handler calls from
+  its heartbeat timer, the supervisor thread and the main thread. A watch uses a connection of its own.
+
+Errors are :class:`EtcdError` with an :class:`EtcdFailure` value; :func:`failure_of_answer` and
+:func:`failure_of_exception` are the pure classifiers (table-tested).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import enum
+import http.client
+import json
+import random
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+API = "/v3"
+"""The gateway's path prefix (etcd >= 3.4)."""
+
+LEASE_TTL_S = 7200
+"""TTL of the lease the client attaches to keys it writes with ``lease=True``: torch's ``etcd-v2``
+backend gives its rendezvous state the same two hours."""
+
+CN_REFUSED_MARKER = "CommonName of client sending a request against gateway"
+"""etcd's answer (HTTP 400) to a client certificate with a Common Name when client-cert auth and
+RBAC are both on: the gateway cannot pass a CN-derived identity on, so it refuses the request."""
+
+
+class EtcdFailure(str, enum.Enum):
+    """Why an etcd call failed; decides whether to retry and which setting the error names."""
+
+    UNAVAILABLE = "unavailable"
+    """No member answered in time (refused, timed out, 5xx, no leader): retried, then raised."""
+    SERVER_UNTRUSTED = "server_untrusted"
+    """etcd's certificate does not verify against ``ca_file``."""
+    NAME_MISMATCH = "name_mismatch"
+    """etcd's certificate is valid but names another host than the one connected to."""
+    CLIENT_CERT_REJECTED = "client_cert_rejected"
+    """etcd ended the TLS handshake: it wants a client certificate signed by a CA it trusts."""
+    CLIENT_CERT_HAS_CN = "client_cert_has_cn"
+    """etcd's gateway refuses client certificates with a Common Name (client-cert auth + RBAC on)."""
+    TLS_MISMATCH = "tls_mismatch"
+    """One side speaks TLS and the other plain HTTP."""
+    BAD_CREDENTIALS = "bad_credentials"
+    """Unknown user or wrong password."""
+    AUTH_REQUIRED = "auth_required"
+    """etcd has authentication on and the request carried no user."""
+    AUTH_DISABLED = "auth_disabled"
+    """A user was configured but etcd's authentication is off (anyone may write)."""
+    TOKEN_EXPIRED = "token_expired"
+    """The auth token is no longer valid (expired, member restarted): re-authenticate."""
+    PERMISSION_DENIED = "permission_denied"
+    """The user's roles do not cover the key."""
+    LEASE_NOT_FOUND = "lease_not_found"
+    """The lease attached to a write has expired: grant a new one."""
+    REQUEST = "request"
+    """Any other error answer."""
+
+    @property
+    def retryable(self) -> bool:
+        return self is EtcdFailure.UNAVAILABLE
+
+
+class EtcdError(Exception):
+    """An etcd call failed: ``failure`` says why, ``endpoint`` where (``host:port``, may be empty)."""
+
+    def __init__(self, failure: EtcdFailure, message: str, *, endpoint: str = "") -> None:
+        where = f" ({endpoint})" if endpoint else ""
+        super().__init__(f"{message}{where}")
+        self.failure = failure
+        self.detail = message
+        self.endpoint = endpoint
+
+
+# ----------------------------------------------------------------------------------- classification
+_GRPC_UNAVAILABLE = {4, 8, 14}  # DeadlineExceeded, ResourceExhausted ("too many requests"), Unavailable
+
+
+def failure_of_answer(status: int, body: Any) -> EtcdFailure:
+    """Classify a non-200 gateway answer. ``body`` is the decoded JSON object, or the raw text."""
+    if isinstance(body, dict):
+        text = str(body.get("message") or body.get("error") or "")
+        code = body.get("code")
+    else:
+        text, code = str(body), None
+    low = text.lower()
+    if CN_REFUSED_MARKER.lower() in low:
+        return EtcdFailure.CLIENT_CERT_HAS_CN
+    if "http request to an https server" in low:
+        return EtcdFailure.TLS_MISMATCH
+    if "invalid user id or password" in low or "authentication failed" in low:
+        return EtcdFailure.BAD_CREDENTIALS
+    if "user name is empty" in low or "user name not found" in low:
+        return EtcdFailure.AUTH_REQUIRED
+    if "authentication is not enabled" in low:
+        return EtcdFailure.AUTH_DISABLED
+    if "invalid auth token" in low or "revision of auth store is old" in low or code == 16:
+        return EtcdFailure.TOKEN_EXPIRED
+    if "permission denied" in low or code == 7 or status == 403:
+        return EtcdFailure.PERMISSION_DENIED
+    if "requested lease not found" in low:
+        return EtcdFailure.LEASE_NOT_FOUND
+    if status >= 500 or code in _GRPC_UNAVAILABLE or status in (408, 429) or "leader" in low:
+        return EtcdFailure.UNAVAILABLE
+    return EtcdFailure.REQUEST
+
+
+def failure_of_exception(exc: BaseException) -> EtcdFailure:
+    """Classify an exception raised while connecting, sending or reading."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        reason = f"{getattr(exc, 'verify_message', '')} {exc}".lower()
+        return EtcdFailure.NAME_MISMATCH if "hostname mismatch" in reason or "ip address mismatch" in reason \
+            else EtcdFailure.SERVER_UNTRUSTED
+    if isinstance(exc, ssl.SSLError):
+        reason = f"{getattr(exc, 'reason', '') or ''} {exc}".lower()
+        if "wrong version number" in reason or "record layer failure" in reason or "http request" in reason:
+            return EtcdFailure.TLS_MISMATCH
+        if "alert" in reason or "certificate required" in reason or "bad certificate" in reason \
+                or "unknown ca" in reason:
+            return EtcdFailure.CLIENT_CERT_REJECTED
+        if "eof" in reason:
+            # The server hung up mid-handshake; etcd does so when it rejects the client's certificate
+            # under TLS 1.2. A member that is merely down refuses the connection instead.
+            return EtcdFailure.CLIENT_CERT_REJECTED
+        return EtcdFailure.UNAVAILABLE
+    if isinstance(exc, http.client.BadStatusLine) and not isinstance(exc, http.client.RemoteDisconnected):
+        return EtcdFailure.TLS_MISMATCH  # a TLS server's bytes read as HTTP
+    return EtcdFailure.UNAVAILABLE
+
+
+# ----------------------------------------------------------------------------------- settings
+@dataclass(frozen=True, slots=True)
+class EtcdSettings:
+    """Where etcd is and how to prove who we are. Paths are read when the client is built."""
+
+    endpoints: tuple[str, ...]
+    """``host:port`` of each etcd member (IPv6 as ``[addr]:port``)."""
+    ca_file: str = ""
+    """CA bundle that signed etcd's server certificate; empty = plain HTTP."""
+    cert_file: str = ""
+    """Client certificate (PEM) for etcd's ``--client-cert-auth``."""
+    key_file: str = ""
+    """Private key of ``cert_file``."""
+    server_name: str = ""
+    """Name to verify etcd's certificate against (and send as SNI) instead of the endpoint host."""
+    username: str = ""
+    """etcd user; empty = no authentication."""
+    password: str = field(default="", repr=False)
+    """The user's password (never logged)."""
+    timeout_s: float = 5.0
+    """Connect/read timeout of one request to one member."""
+    retry_s: float = 10.0
+    """How long one call keeps retrying members that are unavailable."""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca_file)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The client TLS context (raises ``ssl.SSLError``/``OSError`` on unreadable files)."""
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        if self.cert_file:
+            ctx.load_cert_chain(self.cert_file, self.key_file or None)
+        return ctx
+
+
+def split_host_port(endpoint: str) -> tuple[str, int]:
+    """``"10.0.0.5:2379"`` -> ``("10.0.0.5", 2379)``; ``"[::1]:2379"`` -> ``("::1", 2379)``."""
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def prefix_range_end(prefix: bytes) -> bytes:
+    """The ``range_end`` that selects every key starting with ``prefix`` (etcd's ``--prefix``)."""
+    end = bytearray(prefix)
+    for i in range(len(end) - 1, -1, -1):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"  # all keys
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text or "")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One key as etcd returns it (revisions are etcd's store revisions)."""
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> KeyValue:
+        return cls(unb64(d.get("key")), unb64(d.get("value")), int(d.get("create_revision", 0)),
+                   int(d.get("mod_revision", 0)))
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    """Outcome of a transaction: whether the compares held, the store revision after it, and the
+    decoded responses of the branch that ran (one per request, in order)."""
+
+    succeeded: bool
+    revision: int
+    responses: list[dict[str, Any]]
+
+    def kvs(self, i: int) -> list[KeyValue]:
+        """The keys returned by the ``i``-th request when it was a range."""
+        body = self.responses[i].get("response_range", {})
+        return [KeyValue.from_json(kv) for kv in body.get("kvs", [])]
+
+    def count(self, i: int) -> int:
+        return int(self.responses[i].get("response_range", {}).get("count", 0))
+
+
+# Request builders for txn(): plain dicts in the gateway's JSON shape.
+def op_range(key: bytes, *, range_end: bytes | None = None, count_only: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"key": b64(key)}
+    if range_end is not None:
+        body["range_end"] = b64(range_end)
+    if count_only:
+        body["count_only"] = True
+    return {"request_range": body}
+
+
+def op_put(key: bytes, value: bytes, *, lease: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        body["lease"] = str(lease)
+    return {"request_put": body}
+
+
+def op_delete(key: bytes, *, range_end: bytes | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"key": b64(key)}
+    if range_end is not None:
+        body["range_end"] = b64(range_end)
+    return {"request_delete_range": body}
+
+
+def cmp_mod_revision(key: bytes, revision: int) -> dict[str, Any]:
+    """Holds when ``key`` was last modified at ``revision`` (0: the key does not exist)."""
+    return {"target": "MOD", "key": b64(key), "result": "EQUAL", "mod_revision": str(revision)}
+
+
+def cmp_absent(key: bytes) -> dict[str, Any]:
+    """Holds when ``key`` does not exist (its create revision is 0)."""
+    return {"target": "CREATE", "key": b64(key), "result": "EQUAL", "create_revision": "0"}
+
+
+def cmp_value(key: bytes, value: bytes) -> dict[str, Any]:
+    """Holds when ``key`` exists with exactly ``value``."""
+    return {"target": "VALUE", "key": b64(key), "result": "EQUAL", "value": b64(value)}
+
+
+def cmp_never(key: bytes) -> dict[str, Any]:
+    """Never holds (no key is created before revision 0): a txn whose write branch etcd checks for
+    permission but never runs."""
+    return {"target": "CREATE", "key": b64(key), "result": "LESS", "create_revision": "0"}
+
+
+# ----------------------------------------------------------------------------------- transport
+class _Connection(http.client.HTTPSConnection):
+    """HTTPS that verifies (and sends as SNI) ``server_name`` instead of the host it connects to."""
+
+    def __init__(self, host: str, port: int, *, timeout: float, context: ssl.SSLContext, server_name: str) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._server_name = server_name or host
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_name)  # type: ignore[attr-defined]
+
+
+class EtcdClient:
+    """Thread-safe etcd v3 client over the JSON gateway. See the module docstring; :meth:`close` is
+    idempotent."""
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        if not settings.endpoints:
+            raise ValueError("EtcdClient needs at least one endpoint")
+        self.settings = settings
+        self._ctx = settings.ssl_context()
+        self._scheme = "https" if self._ctx is not None else "http"
+        self._local = threading.local()
+        self._conns: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._preferred = 0
+        self._token: str | None = None
+        self._lease: tuple[int, float] | None = None  # (id, monotonic time granted)
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return f"EtcdClient({self._scheme}://{','.join(s.endpoints)}, user={s.username or None!r})"
+
+    @property
+    def url(self) -> str:
+        """``scheme://first-endpoint`` (for logs)."""
+        return f"{self._scheme}://{self.settings.endpoints[0]}"
+
+    # ---- connections ---------------------------------------------------------------------------
+    def _new_connection(self, endpoint: str, timeout: float) -> http.client.HTTPConnection:
+        host, port = split_host_port(endpoint)
+        if self._ctx is None:
+            return http.client.HTTPConnection(host, port, timeout=timeout)
+        return _Connection(host, port, timeout=timeout, context=self._ctx, server_name=self.settings.server_name)
+
+    def _pooled(self, endpoint: str) -> http.client.HTTPConnection:
+        conns: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        conn = conns.get(endpoint)
+        if conn is None:
+            conn = conns[endpoint] = self._new_connection(endpoint, self.settings.timeout_s)
+            with self._lock:
+                self._conns.append(conn)
+        return conn
+
+    def _drop(self, endpoint: str) -> None:
+        conns = getattr(self._local, "conns", {})
+        conn = conns.pop(endpoint, None)
+        if conn is not None:
+            conn.close()
+            with self._lock:
+                with contextlib.suppress(ValueError):
+                    self._conns.remove(conn)
+
+    def close(self) -> None:
+        """Close every pooled connection. Safe to call twice and from any thread."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            with contextlib.suppress(Exception):
+                c.close()
+
+    def _headers(self, auth: bool) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if auth and self.settings.username:
+            headers["Authorization"] = self._ensure_token()
+        return headers
+
+    def _once(self, endpoint: str, path: str, payload: bytes, headers: dict[str, str],
+              idempotent: bool) -> tuple[int, bytes]:
+        """One request to one member over the pooled connection. Raises ``EtcdError``."""
+        conn = self._pooled(endpoint)
+        reused = conn.sock is not None
+        sent = False
+        try:
+            if conn.sock is None:
+                conn.connect()
+            sent = True
+            conn.request("POST", path, body=payload, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop(endpoint)
+            failure = failure_of_exception(exc)
+            if failure is EtcdFailure.UNAVAILABLE and sent and not idempotent:
+                stale = reused and isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError))
+                if not stale:  # it may have been applied: the caller must not blindly run it again
+                    raise EtcdError(EtcdFailure.REQUEST, f"outcome unknown, connection lost: {exc}", endpoint=endpoint) from exc
+            raise EtcdError(failure, f"{type(exc).__name__}: {exc}", endpoint=endpoint) from exc
+
+    def call(self, method: str, body: dict[str, Any], *, auth: bool = True, idempotent: bool = True) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<method>`` and return the decoded answer; raises :class:`EtcdError`."""
+        try:
+            return self._call(method, body, auth, idempotent)
+        except EtcdError as e:
+            if e.failure is not EtcdFailure.TOKEN_EXPIRED or not auth or not self.settings.username:
+                raise
+            self._token = None  # expired or invalidated (member restart, auth change): once more, anew
+            return self._call(method, body, auth, idempotent)
+
+    def _call(self, method: str, body: dict[str, Any], auth: bool, idempotent: bool) -> dict[str, Any]:
+        payload = json.dumps(body).encode()
+        path = f"{API}/{method}"
+        deadline = time.monotonic() + self.settings.retry_s
+        delay = 0.05
+        last: EtcdError | None = None
+        while True:
+            headers = self._headers(auth)  # authenticates first when needed; its errors are its own
+            n = len(self.settings.endpoints)
+            for i in range(n):
+                idx = (self._preferred + i) % n
+                endpoint = self.settings.endpoints[idx]
+                try:
+                    status, raw = self._once(endpoint, path, payload, headers, idempotent)
+                except EtcdError as e:
+                    if not e.failure.retryable:
+                        raise
+                    last = e
+                    continue
+                answer = _decode(raw)
+                if status == 200 and isinstance(answer, dict):
+                    self._preferred = idx
+                    return answer
+                failure = failure_of_answer(status, answer)
+                message = answer.get("message") if isinstance(answer, dict) else str(answer)[:200]
+                err = EtcdError(failure, f"HTTP {status}: {message}", endpoint=endpoint)
+                if not failure.retryable:
+                    raise err
+                last = err
+            if time.monotonic() + delay > deadline:
+                assert last is not None
+                raise EtcdError(EtcdFailure.UNAVAILABLE, f"no etcd member answered within {self.settings.retry_s:g} s; "
+                                f"last error: {last.detail}", endpoint=last.endpoint) from last
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 1.0)
+
+    # ---- auth ----------------------------------------------------------------------------------
+    def _ensure_token(self) -> str:
+        token = self._token
+        if token is None:
+            answer = self.call("auth/authenticate", {"name": self.settings.username, "password": self.settings.password},
+                               auth=False)
+            token = self._token = str(answer.get("token", ""))
+        return token
+
+    def authenticate(self) -> None:
+        """Authenticate now (no-op without a username); raises :class:`EtcdError`."""
+        if self.settings.username:
+            self._token = None
+            self._ensure_token()
+
+    # ---- kv --------------------------------------------------------------------------------------
+    def get(self, key: bytes) -> tuple[KeyValue | None, int]:
+        """``(the key or None, the store revision of the read)``."""
+        answer = self.call("kv/range", {"key": b64(key)})
+        kvs = answer.get("kvs", [])
+        return (KeyValue.from_json(kvs[0]) if kvs else None), _revision(answer)
+
+    def count(self, prefix: bytes) -> int:
+        """Number of keys under ``prefix``."""
+        answer = self.call("kv/range", {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix)), "count_only": True})
+        return int(answer.get("count", 0))
+
+    def put(self, key: bytes, value: bytes, *, lease: bool = False) -> int:
+        """Write ``key``; returns the new revision. ``lease``: attach the client's lease (see
+        :data:`LEASE_TTL_S`)."""
+        body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+        if lease:
+            return self._with_lease(lambda lid: _revision(self.call("kv/put", {**body, "lease": str(lid)})))
+        return _revision(self.call("kv/put", body))
+
+    def delete(self, key: bytes, *, range_end: bytes | None = None) -> int:
+        """Delete ``key`` (or ``[key, range_end)``); returns how many keys were deleted."""
+        body: dict[str, Any] = {"key": b64(key)}
+        if range_end is not None:
+            body["range_end"] = b64(range_end)
+        return int(self.call("kv/deleterange", body).get("deleted", 0))
+
+    def txn(self, compare: Sequence[dict[str, Any]], success: Sequence[dict[str, Any]],
+            failure: Sequence[dict[str, Any]] = (), *, idempotent: bool = True) -> TxnResult:
+        """One etcd transaction: if every ``compare`` holds run ``success``, else ``failure``."""
+        answer = self.call("kv/txn", {"compare": list(compare), "success": list(success), "failure": list(failure)},
+                           idempotent=idempotent)
+        responses = answer.get("responses", [])
+        return TxnResult(bool(answer.get("succeeded", False)), _revision(answer), responses)
+
+    # ---- leases ----------------------------------------------------------------------------------
+    def lease_id(self) -> int:
+        """The client's current lease, granted on first use and replaced once a quarter of its TTL
+        has passed: a key written with it lives at least 3/4 of :data:`LEASE_TTL_S` after the write.
+        Old leases are never revoked (that would delete the keys still attached to them); they
+        expire on their own."""
+        with self._lock:
+            lease = self._lease
+        if lease is not None and time.monotonic() - lease[1] < LEASE_TTL_S / 4:
+            return lease[0]
+        answer = self.call("lease/grant", {"TTL": str(LEASE_TTL_S)})
+        lid = int(answer["ID"])
+        with self._lock:
+            self._lease = (lid, time.monotonic())
+        return lid
+
+    def _with_lease(self, fn: Any) -> Any:
+        try:
+            return fn(self.lease_id())
+        except EtcdError as e:
+            if e.failure is not EtcdFailure.LEASE_NOT_FOUND:
+                raise
+            with self._lock:
+                self._lease = None  # expired while we were away (e.g. partitioned for hours)
+            return fn(self.lease_id())
+
+    def txn_with_lease(self, build: Any, *, idempotent: bool = True) -> TxnResult:
+        """``build(lease_id) -> (compare, success, failure)``, run as :meth:`txn` with a fresh lease
+        when the current one has expired."""
+        return self._with_lease(lambda lid: self.txn(*build(lid), idempotent=idempotent))
+
+    # ---- watch -----------------------------------------------------------------------------------
+    def wait_for_change(self, prefix: bytes, after_revision: int, timeout_s: float) -> bool:
+        """Block until a key under ``prefix`` changes after ``after_revision`` (True) or
+        ``timeout_s`` passes (False). One watch on a connection of its own, closed on return."""
+        if timeout_s <= 0:
+            return False
+        body = {"create_request": {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix)),
+                                   "start_revision": str(after_revision + 1)}}
+        endpoint = self.settings.endpoints[self._preferred % len(self.settings.endpoints)]
+        deadline = time.monotonic() + timeout_s
+        for attempt in (1, 2):
+            conn = self._new_connection(endpoint, min(self.settings.timeout_s, timeout_s))
+            try:
+                try:
+                    conn.request("POST", f"{API}/watch", body=json.dumps(body).encode(), headers=self._headers(True))
+                    resp = conn.getresponse()
+                    if resp.status != 200:
+                        answer = _decode(resp.read())
+                        raise EtcdError(failure_of_answer(resp.status, answer), f"watch: HTTP {resp.status}: {answer}",
+                                        endpoint=endpoint)
+                    for result in _stream(resp, conn, deadline):
+                        if result.get("canceled"):
+                            reason = str(result.get("cancel_reason", ""))
+                            failure = failure_of_answer(400, reason)
+                            if failure is EtcdFailure.TOKEN_EXPIRED and attempt == 1 and self.settings.username:
+                                self._token = None
+                                break
+                            if result.get("compact_revision"):
+                                return True  # history compacted: the caller re-reads
+                            raise EtcdError(failure, f"watch canceled: {reason}", endpoint=endpoint)
+                        if result.get("events") or result.get("compact_revision"):
+                            return True
+                    else:
+                        return False
+                except (OSError, http.client.HTTPException) as exc:
+                    failure = failure_of_exception(exc)
+                    if isinstance(exc, (socket.timeout, TimeoutError)) or failure.retryable:
+                        return False  # the caller re-reads; a real outage shows there
+                    raise EtcdError(failure, f"watch: {type(exc).__name__}: {exc}", endpoint=endpoint) from exc
+            finally:
+                conn.close()
+        return False
+
+
+def _stream(resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, deadline: float) -> Iterator[dict[str, Any]]:
+    """The ``result`` objects of a gateway stream (one JSON object per line) until ``deadline``."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        if conn.sock is not None:
+            conn.sock.settimeout(left)
+        try:
+            line = resp.readline()
+        except (socket.timeout, TimeoutError):
+            return
+        if not line:
+            return
+        msg = _decode(line)
+        if isinstance(msg, dict):
+            if "error" in msg and "result" not in msg:
+                err = msg["error"]
+                raise EtcdError(failure_of_answer(int(err.get("http_code", 400)), err), f"watch: {err.get('message')}")
+            yield msg.get("result", {})
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace").strip()
+
+
+def _revision(answer: dict[str, Any]) -> int:
+    return int(answer.get("header", {}).get("revision", 0))
+
+
+__all__ = ["API", "LEASE_TTL_S", "EtcdClient", "EtcdError", "EtcdFailure", "EtcdSettings", "KeyValue", "TxnResult",
+           "cmp_absent", "cmp_mod_revision", "cmp_never", "cmp_value", "failure_of_answer", "failure_of_exception",
+           "op_delete", "op_put", "op_range", "prefix_range_end", "split_host_port"]

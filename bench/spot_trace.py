@@ -1,0 +1,961 @@
+"""Goodput on a real spot trace: replay it against local agents, then simulate the whole trace.
+
+1. **Replay.** The membership trace (``time_ms,add|remove,node``, e.g. ``shared/traces/parcae-aws-p3.csv``)
+   is scaled to fit two cores: one agent per ``--nodes-per-agent`` trace nodes (at most
+   ``--max-agents``), times divided by ``--speed`` (both printed). Each agent is a ``trainguard run``
+   on 127.0.0.1 (one CPU/gloo worker training ``examples/train_gpt_elastic.py``) with an AWS IMDSv2
+   emulator of its own (``tests/emulators``) and a shared ``trainguard store``. A removal is a spot
+   ``instance-action`` served ``--lead-s`` before the node goes (a ``--unannounced`` share of them
+   come with no notice at all); when the node's time is up, whatever is left of it is SIGKILLed. An
+   addition starts a new agent. The same schedule runs for trainguard with ``checkpoint.interval:
+   auto``, with a fixed interval of 50 steps, and for plain ``torchrun`` elastic
+   (``examples/train_gpt.py``, ``torch.save`` every 50 steps, no notice handling: every removal is a
+   kill at its time).
+2. **Measure**, from the agents' and workers' own logs (every step's wall-clock start and end, the
+   agents' events) and metrics (scraped every second): ETTR (node-time of steps that end up in the
+   final model / node-time available), training time at each world size, per membership change the
+   time lost to detection, checkpoint, re-formation, restore and recompute, steps recomputed, samples
+   skipped or repeated in the final lineage (must be 0 for trainguard), and each agent's exported
+   ``trainguard_goodput_ratio`` against the ground truth.
+3. **Simulate** (``trainguard.metrics.spotsim``) with the measured per-change cost distributions:
+   first the replayed schedule itself (the prediction must be within 2 points of the measured ETTR),
+   then the full trace at its real scale (real times, 120 s notices), with the auto interval, fixed
+   50 steps, the torchrun baseline, a sweep of fixed intervals (the best one in hindsight), and the
+   unannounced share x10 and x0.1.
+
+Prints tables, writes JSON (``--json``) and a PNG of world size and cumulative useful steps over time
+(``--plot``; needs matplotlib: ``pip install trainguard[bench]``).
+
+``--quick``: a 2-hour window at the same compression, two agents: a few minutes, for CI of the pipeline.
+The full default run takes about 15-20 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.recovery import Proc, cursor_stream, dataset_size, kill_tree, parse_ts, plain_batch, strays  # noqa: E402
+from tests.emulators.aws import AwsImdsEmulator  # noqa: E402
+from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
+from trainguard.metrics import spotsim as sim  # noqa: E402
+
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+PLAIN = os.path.join(REPO, "examples", "train_gpt.py")
+GLOBAL_BATCH = 24
+
+
+def micro_batch(max_agents: int) -> int:
+    """The largest micro-batch (<= 4) that splits the global batch evenly at every world size up to
+    ``max_agents`` (the global batch stays constant through gradient accumulation)."""
+    for m in (4, 3, 2, 1):
+        if all(GLOBAL_BATCH % (w * m) == 0 for w in range(1, max_agents + 1)):
+            return m
+    raise SystemExit(f"--max-agents {max_agents}: no micro-batch splits the global batch {GLOBAL_BATCH} at every size")
+FIXED_STEPS = 50
+SPOT_PRICE, ON_DEMAND_PRICE = 0.918, 3.06  # p3.2xlarge, us-east-1: on-demand list price; spot ~70 % off (assumed)
+MONITOR_INTERVAL = 0.2
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------- the schedule
+@dataclass(frozen=True, slots=True)
+class Action:
+    t: float
+    kind: str
+    """``start``, ``notice`` (serve the spot notice), ``kill`` (the node's time is up)."""
+    agent: str
+    announced: bool = True
+
+
+def schedule(scaled: sim.Trace, unannounced: frozenset[int], lead_s: float, notices: bool = True) -> list[Action]:
+    out: list[Action] = []
+    i = 0
+    for e in scaled.events:
+        if e.kind == "add":
+            out.append(Action(e.t_s, "start", e.node))
+            continue
+        announced = notices and i not in unannounced
+        i += 1
+        if announced:
+            out.append(Action(max(0.0, e.t_s - lead_s), "notice", e.node))
+        out.append(Action(e.t_s, "kill", e.node, announced))
+    return sorted(out, key=lambda a: (a.t, a.kind != "kill"))
+
+
+# ---------------------------------------------------------------------------------------- one replay
+@dataclass
+class AgentRun:
+    name: str
+    proc: Proc
+    emulator: AwsImdsEmulator | None
+    samples_dir: str
+    started: float
+    notice_at: float | None = None
+    killed_at: float | None = None
+    exited_at: float | None = None
+    exit_code: int | None = None
+    metrics_url: str | None = None
+    scrape: str = ""
+    scrape_at: float = 0.0
+
+
+@dataclass
+class ReplayRaw:
+    name: str
+    mode: str
+    t0: float
+    t_end: float = 0.0
+    agents: dict[str, AgentRun] = field(default_factory=dict)
+    actions: list[Action] = field(default_factory=list)
+    lead_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def _scraper(raw: ReplayRaw, stop: threading.Event) -> None:
+    """Scrape every live agent's /metrics once a second; keep the last answer (the agents wait for one
+    more scrape before they exit, so the last one holds their final values)."""
+    while not stop.wait(1.0):
+        for a in list(raw.agents.values()):
+            if a.metrics_url is None:
+                ev = a.proc.events("metrics_serving")
+                if ev:
+                    a.metrics_url = ev[0][1].get("url")
+            if a.metrics_url is None or a.exited_at is not None:
+                continue
+            try:
+                with urllib.request.urlopen(a.metrics_url.rstrip("/") + "/metrics", timeout=2) as r:
+                    a.scrape, a.scrape_at = r.read().decode(), time.time()
+            except OSError:
+                pass
+
+
+def replay(name: str, mode: str, actions: list[Action], duration_s: float, a: argparse.Namespace, work: str,
+           max_agents: int) -> ReplayRaw:
+    """Run ``actions`` against real agents (``mode`` ``trainguard`` or ``torchrun``) for ``duration_s``."""
+    d = os.path.join(work, name)
+    os.makedirs(d)
+    store = Proc(f"{name}-store", [sys.executable, "-m", "trainguard.agent.cli", "store", "--host", "127.0.0.1",
+                                   "--port", "0", "--log-format", "json"], os.path.join(d, "store.log"))
+    raw = ReplayRaw(name, mode, t0=0.0, actions=actions, lead_s=a.lead_s)
+    stop = threading.Event()
+    scraper = threading.Thread(target=_scraper, args=(raw, stop), name="scraper", daemon=True)
+    try:
+        deadline = time.monotonic() + 60
+        port = None
+        while port is None and time.monotonic() < deadline:
+            ev = store.events("store_ready")
+            port = ev[0][1].get("port") if ev else None
+            time.sleep(0.1)
+        if port is None:
+            raise BenchError(f"the rendezvous store did not start:\n{store.tail()}")
+        endpoint = f"127.0.0.1:{port}"
+        scraper.start()
+        raw.t0 = time.time()
+        for act in actions:
+            wait = raw.t0 + act.t - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            _act(raw, act, mode, endpoint, a, d, max_agents)
+            _reap(raw)
+        wait = raw.t0 + duration_s - time.time()
+        if wait > 0:
+            time.sleep(wait)
+        raw.t_end = time.time()
+        live = [ag for ag in raw.agents.values() if ag.proc.proc.poll() is None]
+        for ag in live:  # the end of the trace: stop (trainguard drains: every step trained is kept)
+            ag.proc.proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 90
+        while any(ag.proc.proc.poll() is None for ag in live) and time.monotonic() < end:
+            time.sleep(0.2)
+            _reap(raw)
+        _reap(raw)
+    finally:
+        stop.set()
+        for ag in raw.agents.values():
+            ag.proc.kill()
+            if ag.emulator is not None:
+                ag.emulator.close()
+        store.kill()
+        for pid in strays(d):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    return raw
+
+
+def _reap(raw: ReplayRaw) -> None:
+    for ag in raw.agents.values():
+        if ag.exited_at is None and ag.proc.proc.poll() is not None:
+            ag.exit_code = ag.proc.proc.returncode
+            # When it exited, by its own last word if it had one (this is polled only now and then).
+            exits = [parse_ts(ev) for _, ev in ag.proc.events("agent_exit")]
+            ag.exited_at = exits[-1] if exits and exits[-1] else time.time()
+
+
+def _act(raw: ReplayRaw, act: Action, mode: str, endpoint: str, a: argparse.Namespace, d: str, max_agents: int) -> None:
+    t = time.time()
+    if act.kind == "start":
+        raw.agents[act.agent] = _start(act.agent, mode, endpoint, a, d, max_agents)
+        return
+    ag = raw.agents.get(act.agent)
+    if ag is None:
+        return
+    if act.kind == "notice":
+        ag.notice_at = t
+        if ag.emulator is not None:
+            ag.emulator.schedule_termination(in_s=a.lead_s)
+        return
+    _reap(raw)
+    if ag.proc.proc.poll() is None:  # the node's time is up: whatever is left of it goes
+        ag.killed_at = t
+        kill_tree(ag.proc.proc.pid)
+
+
+def _start(agent: str, mode: str, endpoint: str, a: argparse.Namespace, d: str, max_agents: int) -> AgentRun:
+    samples = os.path.join(d, "samples", agent)
+    os.makedirs(samples)
+    nnodes = f"1:{max_agents}"
+    if mode == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "bench", "--rdzv-conf", "is_host=0",
+               "--max-restarts", "1000", "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
+               PLAIN, "--steps", "1000000000", "--ckpt-dir", os.path.join(d, "ckpt"), "--ckpt-every", str(FIXED_STEPS),
+               "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(a.step_sleep), "--log-every", "1"]
+        # torch 2.13 needs this for a scale-up to work at all (see bench/recovery.py, agent/supervisor.py).
+        proc = Proc(agent, cmd, os.path.join(d, f"{agent}.log"), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        return AgentRun(agent, proc, None, samples, time.time())
+    emu = AwsImdsEmulator()
+    interval = ["--set", "checkpoint.interval=auto", "--set", f"checkpoint.interval_min_s={a.auto_min_s}",
+                "--set", f"checkpoint.interval_prior_mtbf_s={a.prior_mtbf_s / a.speed:g}",
+                "--set", f"checkpoint.interval_max_s={3600 / a.speed:g}"] if mode == "trainguard-auto" \
+        else ["--set", f"checkpoint.interval={FIXED_STEPS}"]
+    cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "bench", "--node-name", agent,
+           "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
+           "--state-dir", os.path.join(d, f"state-{agent}"), "--log-dir", os.path.join(d, f"logs-{agent}"),
+           "--set", "agent.log_format=json", "--set", "metrics.port=0", "--set", "metrics.sample_interval_s=0.5",
+           "--set", "rendezvous.is_host=false", "--set", "preemption.sources=aws,signal",
+           "--set", f"preemption.aws_endpoint={emu.url}", "--set", "preemption.poll_interval_s=0.5",
+           "--set", "workers.max_restarts=1000", "--set", f"cost.spot_price_per_hour={SPOT_PRICE}",
+           "--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", *interval,
+           ELASTIC, "--steps", "1000000000", "--log-every", "1000000", "--step-sleep", str(a.step_sleep),
+           "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch(max_agents)), "--sample-log", samples]
+    return AgentRun(agent, Proc(agent, cmd, os.path.join(d, f"{agent}.log")), emu, samples, time.time())
+
+
+# ---------------------------------------------------------------------------------------- analysis
+@dataclass(slots=True)
+class Exec:
+    """One execution of one step by one rank (trainguard), or by the world (torchrun rank 0 x world)."""
+
+    agent: str
+    step: int
+    rank: int
+    world: int
+    t0: float
+    t1: float
+    ids: tuple[int, ...] = ()
+
+
+def executions(raw: ReplayRaw) -> list[Exec]:
+    """Every completed attempt of a step (attempts a vanished peer interrupted, ``rolled_back`` in the
+    sample log of an in-place run, are void: see ``tests/samples.py``)."""
+    out: list[Exec] = []
+    void: set[tuple[int, Any]] = set()
+    rounds: dict[int, Any] = {}
+    for ag in raw.agents.values():
+        if raw.mode == "torchrun":
+            for t, ev in ag.proc.events("train_step"):
+                t1 = float(ev.get("t") or t)
+                out.append(Exec(ag.name, int(ev["step"]), 0, int(ev["world_size"]), t1 - float(ev["step_s"]), t1))
+            continue
+        for fname in sorted(os.listdir(ag.samples_dir)):
+            with open(os.path.join(ag.samples_dir, fname)) as fh:
+                for line in fh:
+                    with contextlib.suppress(ValueError, KeyError):
+                        r = json.loads(line)
+                        if r.get("rolled_back"):  # a vanished peer interrupted this attempt: void everywhere
+                            void.add((int(r["step"]), r.get("round")))
+                            continue
+                        e = Exec(ag.name, int(r["step"]), int(r["rank"]), int(r["world_size"]), float(r["t0"]),
+                                 float(r["t1"]), tuple(r["ids"]))
+                        rounds[id(e)] = r.get("round")
+                        out.append(e)
+    out = [e for e in out if (e.step, rounds.get(id(e))) not in void]
+    return sorted(out, key=lambda e: (e.t1, e.rank))
+
+
+def lineage(execs: list[Exec]) -> tuple[list[Exec], int]:
+    """The executions that end up in the final model, and its last step. The final model is what the
+    world that trained last ends with; each of its steps was kept in its last execution (a rollback
+    re-trains a step later, never earlier). With ranks, the kept execution of a step is rank 0's last
+    one and the other ranks' records that overlap it in time."""
+    rank0 = [e for e in execs if e.rank == 0]
+    if not rank0:
+        return [], 0
+    final = max(rank0, key=lambda e: e.t1).step
+    last: dict[int, Exec] = {}
+    for e in rank0:
+        if e.step <= final and (e.step not in last or e.t1 >= last[e.step].t1):
+            last[e.step] = e
+    kept = list(last.values())
+    for e in execs:
+        if e.rank != 0:
+            k = last.get(e.step)
+            if k is not None and e.world == k.world and e.t0 < k.t1 and e.t1 > k.t0:
+                kept.append(e)
+    return sorted(kept, key=lambda e: (e.t1, e.rank)), final
+
+
+def available_node_s(raw: ReplayRaw, scaled: sim.Trace) -> float:
+    return scaled.available_node_s()
+
+
+def analyse(raw: ReplayRaw, scaled: sim.Trace) -> dict[str, Any]:
+    execs = executions(raw)
+    kept, final = lineage(execs)
+    torchrun = raw.mode == "torchrun"
+    weight = (lambda e: e.world) if torchrun else (lambda e: 1)  # torchrun: rank 0's record stands for the world
+    productive = sum((e.t1 - e.t0) * weight(e) for e in kept)
+    all_node_s = sum((e.t1 - e.t0) * weight(e) for e in execs)
+    available = available_node_s(raw, scaled)
+    res: dict[str, Any] = {"mode": raw.mode, "final_step": final, "available_node_s": available,
+                           "productive_node_s": productive, "ettr": productive / available if available else 0.0,
+                           "recomputed_node_s": all_node_s - productive}
+    rank0 = [e for e in execs if e.rank == 0]
+    kept0 = [e for e in kept if e.rank == 0]
+    res["lost_steps"] = len(rank0) - len(kept0)
+    res["samples_per_step"] = GLOBAL_BATCH
+    res["committed_samples"] = final * GLOBAL_BATCH
+    res["cost_total"] = available / 3600 * SPOT_PRICE
+    res["cost_per_sample"] = res["cost_total"] / res["committed_samples"] if final else None
+    node_s_per_step = sum((e.t1 - e.t0) * e.world for e in kept0) / len(kept0) if kept0 else None
+    res["on_demand_cost_per_sample"] = (node_s_per_step / 3600 * ON_DEMAND_PRICE / GLOBAL_BATCH) if node_s_per_step else None
+    by_size: dict[int, float] = collections.defaultdict(float)
+    step_s: dict[int, list[float]] = collections.defaultdict(list)
+    for e in rank0:
+        by_size[e.world] += e.t1 - e.t0
+        step_s[e.world].append(e.t1 - e.t0)
+    res["training_s_by_world_size"] = {str(k): round(v, 3) for k, v in sorted(by_size.items())}
+    res["step_s_by_world_size"] = {str(k): round(statistics.median(v), 4) for k, v in sorted(step_s.items())}
+    # Samples of the final lineage against the stream the job should have read.
+    n = dataset_size()
+    if torchrun:
+        cache: dict[int, list[int]] = {}
+        used = [i for e in kept0 for i in plain_batch(e.step, n, cache)]
+        expected = [i for s in range(1, final + 1) for i in plain_batch(s, n, cache)]
+    else:
+        # Records carry each rank's share of the batch, or (in-place runs) the whole global batch on
+        # every rank: then rank 0's records are the lineage.
+        whole = kept0 and all(len(e.ids) == GLOBAL_BATCH for e in kept0)
+        used, expected = [i for e in (kept0 if whole else kept) for i in e.ids], cursor_stream(final, n)
+    # As multisets: a long run reads the dataset more than once (epochs), each time every id once.
+    seen, want = collections.Counter(used), collections.Counter(expected)
+    res["skipped_samples"] = sum((want - seen).values())
+    res["repeated_samples"] = sum((seen - want).values())
+    res["world_timeline"] = _timeline(rank0, kept0, raw.t0)
+    res["changes"], res["measured_costs"] = _changes(raw, rank0, kept0)
+    res["interval_changes"] = [{"t": round((parse_ts(ev) or t) - raw.t0, 3), **{k: ev.get(k) for k in
+                                ("old_s", "new_s", "optimum_s", "reason", "bound", "save_cost_s", "mtbf_s",
+                                 "unannounced_failures")}}
+                               for ag in raw.agents.values() for t, ev in ag.proc.events("checkpoint_interval_changed")]
+    res["interval_changes"].sort(key=lambda x: x["t"])
+    res["periodic_saves"] = len({ev.get("step") for ag in raw.agents.values() for _, ev in ag.proc.events("checkpoint_committed")
+                                 if ev.get("kind") == "periodic" and ev.get("component") == "trainguard.checkpoint"})
+    res["agents"] = {ag.name: _agent_truth(ag, kept, raw) for ag in raw.agents.values()}
+    res["waste_by_cause"] = measured_waste(raw, res)
+    return res
+
+
+def _timeline(rank0: list[Exec], kept0: list[Exec], t0: float) -> dict[str, list[float]]:
+    """World size and cumulative useful (kept) steps over time, for the plot."""
+    kept_t = sorted(e.t1 for e in kept0)
+    pts = {"t": [], "world": [], "useful_steps": []}
+    for e in rank0:
+        pts["t"].append(round(e.t1 - t0, 3))
+        pts["world"].append(e.world)
+        pts["useful_steps"].append(bisect.bisect_right(kept_t, e.t1))
+    return pts
+
+
+def _events(raw: ReplayRaw, name: str, pred: Any = None) -> list[tuple[float, str, dict[str, Any]]]:
+    out = []
+    for ag in raw.agents.values():
+        for t, ev in ag.proc.events(name):
+            if pred is None or pred(ev):
+                out.append((parse_ts(ev) or t, ag.name, ev))
+    return sorted(out, key=lambda x: x[0])
+
+
+def _first_after(items: list[tuple[float, str, dict[str, Any]]], t: float, until: float = float("inf")) -> float | None:
+    for ts, _, _ in items:
+        if t <= ts <= until:
+            return ts
+    return None
+
+
+def _last_in(items: list[tuple[float, str, dict[str, Any]]], t: float, until: float) -> float | None:
+    found = [ts for ts, _, _ in items if t <= ts <= until]
+    return max(found) if found else None
+
+
+def _gaps(steps: list[Exec]) -> list[tuple[float, float, Exec, Exec]]:
+    """Times the world did not train: ``(last step end, next step start, last, next)`` for pauses longer
+    than ``max(1 s, 5 x the median step)`` (a periodic save's blocking is shorter)."""
+    if len(steps) < 2:
+        return []
+    med = statistics.median(e.t1 - e.t0 for e in steps)
+    out = []
+    for prev, nxt in zip(steps, steps[1:]):
+        if nxt.t0 - prev.t1 > max(1.0, 5 * med):
+            out.append((prev.t1, nxt.t0, prev, nxt))
+    return out
+
+
+def _text_times(raw: ReplayRaw, needle: str) -> list[tuple[float, str, dict[str, Any]]]:
+    """Arrival times of plain log lines containing ``needle`` (torchrun logs text, not JSON)."""
+    return sorted((t, ag.name, {}) for ag in raw.agents.values() for t, line in ag.proc.lines() if needle in line)
+
+
+def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Per membership change (the actions of one instant): the world's pause around it and its phases,
+    from the agents' and workers' events. A change whose pause runs into the next change is reported as
+    ``overlapped`` and left out of the cost distributions (the simulator models overlap itself)."""
+    t0, lead = raw.t0, raw.lead_s
+    steps = sorted(rank0, key=lambda e: e.t1)
+    gaps = _gaps(steps)
+    kept_ids = {id(e) for e in kept0}
+    groups: list[list[Action]] = []
+    for act in raw.actions:
+        if act.kind == "notice":
+            continue
+        if groups and abs(groups[-1][0].t - act.t) < 1e-6 and groups[-1][0].kind == act.kind \
+                and groups[-1][0].announced == act.announced:
+            groups[-1].append(act)
+        else:
+            groups.append([act])
+    torchrun = raw.mode == "torchrun"
+    ckpt = _events(raw, "checkpoint_committed", lambda e: e.get("component") == "trainguard.worker")
+    rdzv = _events(raw, "rendezvous_complete")
+    failed = _events(raw, "state_change", lambda e: e.get("new") == "restarting")
+    resize_req = _events(raw, "resize_requested_from_workers")
+    resumed = sorted(_events(raw, "resumed") + _events(raw, "started"), key=lambda x: x[0])
+    if torchrun:
+        failed = _text_times(raw, "failed (exitcode")
+        resize_req = _text_times(raw, "new nodes")
+    staged = _events(raw, "checkpoint_staged", lambda e: e.get("kind") == "periodic")
+    committed = _events(raw, "checkpoint_committed",
+                        lambda e: e.get("kind") == "periodic" and e.get("component") == "trainguard.checkpoint")
+
+    def ref(g: list[Action]) -> float:
+        """When the world can first react to the change: the notice, else the action itself."""
+        return t0 + g[0].t - (lead if g[0].kind == "kill" and g[0].announced else 0.0)
+
+    costs: dict[str, list[float]] = collections.defaultdict(list)
+    out: list[dict[str, Any]] = []
+    prev_end = t0
+    for gi, g in enumerate(groups):
+        act = g[0]
+        kind = ("start" if act.t == 0 else "join") if act.kind == "start" else ("notice" if act.announced else "kill")
+        rec: dict[str, Any] = {"t": round(act.t, 3), "kind": kind, "agents": [x.agent for x in g]}
+        out.append(rec)
+        if kind == "start" and torchrun:
+            if steps:  # torchrun logs no rendezvous: agent start to the first step, warm-up included
+                rec["first_step_s"] = rec["startup_s"] = round(steps[0].t0 - (t0 + act.t), 3)
+                costs["startup_s"].append(steps[0].t0 - (t0 + act.t))
+                costs["reformation_s"].append(0.0)
+                prev_end = steps[0].t0
+            continue
+        if kind == "start":
+            if steps:
+                # agent start -> first rendezvous complete -> first step: rendezvous, then the workers'
+                # start-up (process start, imports, model build, restore).
+                t_r = _first_after(rdzv, t0, steps[0].t0)
+                rec["first_step_s"] = round(steps[0].t0 - (t0 + act.t), 3)
+                if t_r is not None:
+                    costs["startup_s"].append(steps[0].t0 - t_r)
+                    rec["startup_s"] = round(steps[0].t0 - t_r, 3)
+                prev_end = steps[0].t0
+            continue
+        t_ref = ref(g)
+        nxt = ref(groups[gi + 1]) if gi + 1 < len(groups) else float("inf")
+        # The pause this change caused: after a notice or a join the world stops after it; a kill hits
+        # the world mid-step (the pause starts at most one step before it).
+        lo, hi = {"kill": (t_ref - 5.0, t_ref + 2.0), "notice": (t_ref, t_ref + lead + 10.0),
+                  "join": (t_ref, t_ref + 60.0)}[kind]
+        gap = next(((a, b, pe, ne) for a, b, pe, ne in gaps if b > t_ref and max(prev_end, lo) <= a <= hi), None)
+        if gap is None:  # absorbed by the re-formation under way (e.g. a join during the start-up)
+            rec["absorbed"] = True
+            continue
+        t_last, t_first, last, first = gap
+        rec.update(world_before=last.world, world_after=first.world, down_s=round(t_first - t_last, 3),
+                   overlapped=t_first > nxt)
+        phases: dict[str, float] = {}
+        if torchrun:  # text logs: detection when torchrun reports the failed worker; re-formation until
+            # the restarted worker says it resumed (torchrun's rendezvous waits out its last call there,
+            # and joiners arriving meanwhile join the same round); restore until the first step.
+            t_det = _first_after(failed, t0 + act.t, t_first) if kind == "kill" else None
+            t_from = t_det or (t0 + act.t if kind == "kill" else t_last)
+            t_up = _last_in(resumed, t_from, t_first) or t_from
+            if t_det:
+                phases["detect_failure_s"] = t_det - (t0 + act.t)
+            phases["reformation_s"] = t_up - t_from
+            phases["restore_s"] = t_first - t_up
+            lost = [e for e in steps if prev_end <= e.t1 <= t_last and id(e) not in kept_ids]
+            rec["recomputed_steps"] = len(lost)
+            rec["recompute_node_s"] = round(sum((e.t1 - e.t0) * e.world for e in lost), 3)
+        elif kind == "notice":
+            t_commit = _last_in(ckpt, t_last, t_first)
+            t_r = _last_in(rdzv, t_commit or t_last, t_first)
+            phases["detect_notice_s"] = max(0.0, t_last - t_ref)
+            if t_commit:
+                phases["emergency_s"] = t_commit - t_last
+            if t_commit and t_r:
+                phases["reformation_s"] = t_r - t_commit
+            if t_r:
+                phases["restore_s"] = t_first - t_r
+        else:
+            t_act = t0 + act.t
+            t_det = _first_after(resize_req if kind == "join" else failed, t_act, t_first)
+            t_commit = _last_in(ckpt, t_last, t_first) if kind == "join" else None
+            t_up = (_last_in(resumed, t_det or t_act, t_first) if torchrun
+                    else _last_in(rdzv, t_commit or t_det or t_act, t_first))
+            if t_det and kind == "kill":
+                phases["detect_failure_s"] = t_det - t_act
+            if t_det and kind == "join":
+                rec["join_noticed_s"] = round(t_det - t_act, 3)
+            if t_commit:
+                phases["resize_checkpoint_s"] = t_commit - t_last
+            if t_up and (t_commit or t_det):
+                phases["reformation_s"] = t_up - (t_commit or t_det)
+            if t_up:
+                phases["restore_s"] = t_first - t_up
+            # Steps trained since the previous pause that the final model does not keep: rolled back.
+            lost = [e for e in steps if prev_end <= e.t1 <= t_last and id(e) not in kept_ids]
+            rec["recomputed_steps"] = len(lost)
+            rec["recompute_node_s"] = round(sum((e.t1 - e.t0) * e.world for e in lost), 3)
+        prev_end = t_first
+        rec["phases"] = {k: round(v, 3) for k, v in phases.items()}
+        for k, v in phases.items():
+            if v >= 0:  # overlapped changes only fill in what no clean change measured (see measured_costs)
+                costs[k if not rec["overlapped"] else f"overlapped:{k}"].append(v)
+    # A joiner's warm-up: its agent's start until it waits in the rendezvous (every agent has one).
+    for ag in raw.agents.values():
+        ready = [parse_ts(ev) or t for t, ev in ag.proc.events("state_change") if ev.get("new") == "rendezvous"]
+        if ready and not torchrun:
+            costs["warmup_s"].append(max(0.0, ready[0] - ag.started))
+    if torchrun:  # torchrun logs no JSON: its join is seen when the world notices the waiting node
+        costs.pop("warmup_s", None)
+    for _, _, ev in staged:
+        costs["periodic_overhead_s"].append(float(ev.get("blocked_s", 0.0)))
+    for _, _, ev in committed:
+        if ev.get("persist_s") is not None:
+            costs["periodic_persist_s"].append(float(ev["persist_s"]))
+    return out, {k: [round(x, 4) for x in v] for k, v in costs.items()}
+
+
+def measured_waste(raw: ReplayRaw, res: dict[str, Any]) -> dict[str, float]:
+    """Node-seconds lost by cause in the replay: the changes' phases x the nodes that waited, the
+    drained nodes' unused notice lead, periodic saves' blocking and the recomputed steps; ``other`` is
+    what none of these explains (mostly pauses where changes overlapped)."""
+    w: dict[str, float] = collections.defaultdict(float)
+    causes = {"emergency_s": "checkpoint", "resize_checkpoint_s": "checkpoint", "warmup_s": "warmup",
+              "detect_failure_s": "detection", "reformation_s": "reformation", "restore_s": "restore"}
+    for c in res["changes"]:
+        wb, wa = c.get("world_before") or 0, c.get("world_after") or 0
+        for k, v in c.get("phases", {}).items():
+            nodes = {"emergency_s": wb, "resize_checkpoint_s": wb, "warmup_s": len(c["agents"])}.get(k, wa)
+            if k in causes:
+                w[causes[k]] += v * nodes
+        if "startup_s" in c:
+            w["restore"] += c["startup_s"] * len(c["agents"])
+    w["warmup"] += sum(res["measured_costs"].get("warmup_s", []))
+    w["recompute"] = res["recomputed_node_s"]
+    w["periodic_checkpoint"] = sum(res["measured_costs"].get("periodic_overhead_s", []))
+    for ag in raw.agents.values():
+        if ag.notice_at is not None and ag.exited_at is not None:
+            reclaim = max((x.t for x in raw.actions if x.agent == ag.name and x.kind == "kill"), default=None)
+            if reclaim is not None:
+                w["notice_lead"] += max(0.0, min(raw.t_end, raw.t0 + reclaim) - ag.exited_at)
+    explained = sum(w.values())
+    w["other"] = res["available_node_s"] - res["productive_node_s"] - explained
+    return {k: round(v, 3) for k, v in sorted(w.items())}
+
+
+def _metric(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, found = 0.0, False
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += s.value
+                found = True
+    return total if found else None
+
+
+def _agent_truth(ag: AgentRun, kept: list[Exec], raw: ReplayRaw) -> dict[str, Any]:
+    """The agent's exported goodput and cost next to the ground truth from its workers' step timestamps."""
+    out: dict[str, Any] = {"started": round(ag.started - raw.t0, 3),
+                           "ended": round((ag.exited_at or raw.t_end) - raw.t0, 3),
+                           "end": "killed" if ag.killed_at else ("drained" if ag.notice_at else "stopped"),
+                           "exit_code": ag.exit_code}
+    if not ag.scrape or raw.mode == "torchrun":
+        return out
+    start = _metric(ag.scrape, "trainguard_agent_start_time_seconds")
+    stops = [parse_ts(ev) for _, ev in ag.proc.events("state_change") if ev.get("new") in ("stopped", "succeeded", "failed")]
+    stop = stops[-1] if stops and stops[-1] else None
+    mine = [e for e in kept if e.agent == ag.name]
+    out["metric_goodput"] = _metric(ag.scrape, "trainguard_goodput_ratio")
+    out["metric_paid_s"] = _metric(ag.scrape, "trainguard_paid_seconds_total")
+    out["metric_cost_total"] = _metric(ag.scrape, "trainguard_cost_total")
+    out["metric_cost_wasted"] = _metric(ag.scrape, "trainguard_cost_wasted_total")
+    out["metric_wasted_s"] = {r: _metric(ag.scrape, "trainguard_wasted_seconds_total", {"reason": r})
+                              for r in ("startup", "drain", "resize", "restart", "recompute", "checkpoint", "other")}
+    out["final_scrape"] = stop is not None and ag.scrape_at >= stop
+    if start and stop and not ag.killed_at:
+        paid = stop - start
+        productive = sum(e.t1 - e.t0 for e in mine)
+        out["truth_paid_s"] = round(paid, 3)
+        out["truth_productive_s"] = round(productive, 3)
+        out["truth_goodput"] = productive / paid if paid > 0 else None
+        out["truth_cost_total"] = paid / 3600 * SPOT_PRICE
+        out["truth_cost_wasted"] = (paid - productive) / 3600 * SPOT_PRICE
+    return out
+
+
+# ---------------------------------------------------------------------------------------- simulation
+def measured_costs(runs: list[dict[str, Any]], fallback: dict[str, list[float]] | None = None,
+                   unmeasured: list[str] | None = None) -> sim.ChangeCosts:
+    """Pool the runs' per-change cost samples into the simulator's distributions. A cost no clean
+    change measured comes from ``fallback`` (another run's), from its sibling (emergency <-> resize
+    checkpoint, restore <-> start-up), or stays at the simulator's default; ``unmeasured`` lists those."""
+    pooled: dict[str, list[float]] = collections.defaultdict(list)
+    for r in runs:
+        for k, v in r["measured_costs"].items():
+            pooled[k] += v
+    for k in [k for k in pooled if k.startswith("overlapped:")]:
+        clean = k.split(":", 1)[1]
+        if not pooled.get(clean):  # no clean change measured it: the pauses that overlapped another change
+            pooled[clean] = list(pooled[k])
+    for a, b in (("restore_s", "startup_s"), ("startup_s", "restore_s"), ("emergency_s", "resize_checkpoint_s"),
+                 ("resize_checkpoint_s", "emergency_s")):
+        if not pooled.get(a) and pooled.get(b):
+            pooled[a] = list(pooled[b])
+    out = {}
+    for k in sim.ChangeCosts.__slots__:
+        vals = pooled.get(k) or (fallback or {}).get(k)
+        if vals:
+            out[k] = sim.Dist.of(vals)
+        elif unmeasured is not None:
+            unmeasured.append(k)
+    return sim.ChangeCosts(**out)
+
+
+def job_model(run: dict[str, Any], *, torchrun: bool, scale_k: int = 1) -> sim.JobModel:
+    steps = tuple((int(w) * scale_k, float(s)) for w, s in run["step_s_by_world_size"].items())
+    return sim.JobModel(step_times=steps or ((1, 0.2),), samples_per_step=GLOBAL_BATCH, notices=not torchrun,
+                        resize_checkpoint=not torchrun)
+
+
+def predict(scaled: sim.Trace, costs: sim.ChangeCosts, job: sim.JobModel, policy: IntervalPolicy, settings: AutoSettings,
+            lead_s: float, unannounced: frozenset[int], seeds: int = 5) -> dict[str, Any]:
+    rs = [sim.simulate(scaled, costs, job, policy, settings=settings, lead_s=lead_s, unannounced=unannounced, seed=s,
+                       prices=sim.Prices(spot_per_hour=SPOT_PRICE, on_demand_per_hour=ON_DEMAND_PRICE))
+          for s in range(1, seeds + 1)]
+    return _mean(rs)
+
+
+def _mean(rs: list[sim.SimResult]) -> dict[str, Any]:
+    n = len(rs)
+    waste = {c: sum(r.waste_node_s[c] for r in rs) / n for c in sim.CAUSES}
+    return {"ettr": sum(r.ettr for r in rs) / n, "ettr_min": min(r.ettr for r in rs), "ettr_max": max(r.ettr for r in rs),
+            "waste_node_s": waste, "waste_total_node_s": sum(waste.values()),
+            "cost_per_sample": sum(r.cost_per_sample for r in rs) / n,
+            "on_demand_cost_per_sample": sum(r.on_demand_cost_per_sample for r in rs) / n,
+            "changes": sum(len(r.changes) for r in rs) / n, "thrash": sum(r.thrash for r in rs) / n,
+            "failures": sum(r.failures_seen for r in rs) / n, "periodic_saves": sum(r.periodic_saves for r in rs) / n,
+            "recomputed_steps": sum(r.recomputed_steps for r in rs) / n, "runs": n}
+
+
+def full_trace(trace: sim.Trace, costs: dict[str, sim.ChangeCosts], runs: dict[str, dict[str, Any]],
+               a: argparse.Namespace) -> dict[str, Any]:
+    """The whole trace at its real scale with the measured costs: auto, fixed 50 steps, torchrun, a
+    sweep of fixed intervals, and the unannounced share x10 / x0.1."""
+    k = a.nodes_per_agent
+    ref = runs.get("trainguard-auto") or runs.get("trainguard-fixed50")
+    job = job_model(ref, torchrun=False, scale_k=k)
+    settings = AutoSettings(prior_mtbf_s=a.prior_mtbf_s)  # the shipped defaults of checkpoint.interval_*
+    lead = a.real_lead_s
+    out: dict[str, Any] = {"lead_s": lead, "nodes_per_agent_for_step_time": k,
+                           "assumption": "the job of the replay: a step at n trace nodes takes what it took at n/k agents"}
+    tg_costs = costs["trainguard"]
+    shares = [("x1", a.sim_unannounced), ("x10", min(1.0, a.sim_unannounced * 10)), ("x0.1", a.sim_unannounced / 10)]
+    for share_name, share in shares[:1] if a.no_sweep else shares:
+        unann = [sim.pick_unannounced(trace, share, seed=s) for s in range(1, a.sim_seeds + 1)]
+
+        def run(policy: IntervalPolicy, c: sim.ChangeCosts = tg_costs, j: sim.JobModel = job) -> dict[str, Any]:
+            rs = [sim.simulate(trace, c, j, policy, settings=settings, lead_s=lead, unannounced=u, seed=s,
+                               prices=sim.Prices(spot_per_hour=SPOT_PRICE, on_demand_per_hour=ON_DEMAND_PRICE))
+                  for s, u in enumerate(unann, 1)]
+            return _mean(rs)
+
+        block: dict[str, Any] = {"unannounced_share": share}
+        block["trainguard-auto"] = run(IntervalPolicy(IntervalMode.AUTO))
+        block["trainguard-fixed50"] = run(IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS))
+        sweep = [(t, run(IntervalPolicy(IntervalMode.FIXED, seconds=t))["waste_total_node_s"])
+                 for t in ([] if a.no_sweep else [2 * 1.5 ** i for i in range(14)])]  # 2 s .. 6.5 min
+        if not sweep:
+            out[share_name] = block
+            continue
+        best_t, best_w = min(sweep, key=lambda x: x[1])
+        block["sweep"] = [{"interval_s": round(t, 2), "waste_node_s": round(w, 1)} for t, w in sweep]
+        block["best_fixed"] = {"interval_s": round(best_t, 2), "waste_node_s": best_w}
+        block["auto_vs_best_waste"] = block["trainguard-auto"]["waste_total_node_s"] / best_w
+        block["auto_vs_fixed50_waste"] = (block["trainguard-auto"]["waste_total_node_s"]
+                                          / block["trainguard-fixed50"]["waste_total_node_s"])
+        if "torchrun" in costs:  # the same job (trainguard's step times), torchrun's behaviour and costs
+            bjob = sim.JobModel(step_times=job.step_times, samples_per_step=GLOBAL_BATCH, notices=False,
+                                resize_checkpoint=False)
+            block["baseline"] = run(IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS), costs["torchrun"], bjob)
+        out[share_name] = block
+    return out
+
+
+# ---------------------------------------------------------------------------------------- report
+def plot(runs: dict[str, dict[str, Any]], path: str, title: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install trainguard[bench])"
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for name, r in runs.items():
+        tl = r["world_timeline"]
+        axes[0].step(tl["t"], tl["world"], where="post", label=name, linewidth=1)
+        axes[1].plot(tl["t"], tl["useful_steps"], label=name, linewidth=1)
+    axes[0].set_ylabel("world size (ranks)")
+    axes[1].set_ylabel("cumulative useful steps")
+    axes[1].set_xlabel("replay time (s)")
+    axes[0].set_title(title)
+    axes[0].legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def fmt(v: Any, spec: str = ".3f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=os.path.join(REPO, "..", "shared", "traces", "parcae-aws-p3.csv"))
+    ap.add_argument("--quick", action="store_true", help="a 2-hour window, two agents at most: a few minutes")
+    ap.add_argument("--start-h", type=float, default=0.0, help="replay the trace from this hour")
+    ap.add_argument("--hours", type=float, default=None, help="replay this many hours (default: all)")
+    ap.add_argument("--nodes-per-agent", type=int, default=11)
+    ap.add_argument("--rounding", choices=["up", "nearest"], default="up", help="agents = ceil or round(nodes / k)")
+    ap.add_argument("--max-agents", type=int, default=3)
+    ap.add_argument("--speed", type=float, default=130.0, help="time compression of the replay")
+    ap.add_argument("--lead-s", type=float, default=5.0, help="replay seconds between a notice and the node's end")
+    ap.add_argument("--real-lead-s", type=float, default=120.0, help="notice lead for the full-trace simulation")
+    ap.add_argument("--unannounced", type=float, default=0.25,
+                    help="share of removals with no notice in the replay (more than the simulation's, so that the "
+                         "replay measures failure detection a few times)")
+    ap.add_argument("--sim-unannounced", type=float, default=0.1, help="share of removals with no notice, full trace")
+    ap.add_argument("--unannounced-indices", default=None,
+                    help="comma-separated indices of the replay's removals that come with no notice (instead of the share)")
+    ap.add_argument("--baseline-costs", default=None, metavar="JSON",
+                    help="without a baseline run here: take torchrun's measured costs from this earlier run's JSON")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="full-trace simulation: skip the fixed-interval sweep and the x10 / x0.1 variants (CI)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--step-sleep", type=float, default=0.05)
+    ap.add_argument("--auto-min-s", type=float, default=1.0, help="checkpoint.interval_min_s of the auto run")
+    ap.add_argument("--prior-mtbf-s", type=float, default=3600.0, help="real seconds; the replay divides by --speed")
+    ap.add_argument("--runs", default="trainguard-auto,trainguard-fixed50,baseline")
+    ap.add_argument("--sim-seeds", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--keep", action="store_true")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.hours = a.hours or 2.0
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    trace = sim.load_trace(a.trace)
+    win = sim.window(trace, a.start_h * 3600, (a.hours * 3600) if a.hours else trace.duration_s - a.start_h * 3600)
+    scaled = sim.scale(win, nodes_per_agent=a.nodes_per_agent, max_agents=a.max_agents, speed=a.speed,
+                       rounding=a.rounding)
+    unannounced = (frozenset(int(i) for i in a.unannounced_indices.split(",") if i.strip())
+                   if a.unannounced_indices is not None else sim.pick_unannounced(scaled, a.unannounced, seed=a.seed))
+    print(f"trace {trace.name}: {trace.duration_s / 3600:.2f} h, {len(trace.instants())} change instants, "
+          f"{len(trace.removals())} removals; replaying {win.name}", flush=True)
+    print(f"scale: 1 agent per {a.nodes_per_agent} trace nodes ({a.rounding}, at most {a.max_agents}), "
+          f"time compressed x{a.speed:g}: "
+          f"{scaled.duration_s:.0f} s per run, {len(scaled.instants())} agent-count changes, "
+          f"{len(scaled.removals())} removals ({len(unannounced)} unannounced), notice lead {a.lead_s:g} s", flush=True)
+    work = tempfile.mkdtemp(prefix="tg-bench-spot-")
+    res: dict[str, Any] = {"trace": trace.name, "window": win.name, "nodes_per_agent": a.nodes_per_agent,
+                           "max_agents": a.max_agents, "speed": a.speed, "lead_s": a.lead_s,
+                           "unannounced_share": a.unannounced, "replay_s": scaled.duration_s,
+                           "scaled_changes": len(scaled.instants()), "cpus": os.cpu_count(), "prices": {
+                               "spot_per_hour": SPOT_PRICE, "on_demand_per_hour": ON_DEMAND_PRICE}}
+    runs: dict[str, dict[str, Any]] = {}
+    raws: dict[str, ReplayRaw] = {}
+    t_start = time.time()
+    try:
+        for name in [r for r in a.runs.split(",") if r]:
+            mode = "torchrun" if name == "baseline" else name
+            acts = schedule(scaled, unannounced, a.lead_s, notices=mode != "torchrun")
+            print(f"\n== {name}: {len(acts)} actions over {scaled.duration_s:.0f} s", flush=True)
+            raw = replay(name, mode, acts, scaled.duration_s, a, work, a.max_agents)
+            raws[name] = raw
+            runs[name] = analyse(raw, scaled)
+            r = runs[name]
+            print(f"   ETTR {r['ettr']:.3f}, final step {r['final_step']}, lost steps {r['lost_steps']}, "
+                  f"skipped/repeated samples {r['skipped_samples']}/{r['repeated_samples']}", flush=True)
+    finally:
+        left = strays(work)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        res["leftover_processes"] = len(left)
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"work folder kept: {work}")
+    res["replay_wall_s"] = round(time.time() - t_start, 1)
+
+    tg_runs = [r for n, r in runs.items() if n.startswith("trainguard")]
+    costs: dict[str, sim.ChangeCosts] = {}
+    unmeasured: dict[str, list[str]] = {"trainguard": [], "torchrun": []}
+    if tg_runs:
+        costs["trainguard"] = measured_costs(tg_runs, unmeasured=unmeasured["trainguard"])
+    if "baseline" in runs:
+        pooled_tg: dict[str, list[float]] = collections.defaultdict(list)
+        for r in tg_runs:
+            for k, v in r["measured_costs"].items():
+                pooled_tg[k] += v
+        # Its torch.save runs inside the step (counted as step time, as the replay measures it): no
+        # separate periodic cost.
+        costs["torchrun"] = measured_costs([runs["baseline"]], fallback={
+            "warmup_s": pooled_tg.get("warmup_s", []), "periodic_overhead_s": [0.0], "periodic_persist_s": [0.0],
+            "emergency_s": [0.0], "resize_checkpoint_s": [0.0], "detect_notice_s": [0.0]}, unmeasured=unmeasured["torchrun"])
+    if "torchrun" not in costs and a.baseline_costs:
+        with open(a.baseline_costs) as fh:
+            costs["torchrun"] = sim.ChangeCosts.from_dict(json.load(fh)["measured_costs"]["torchrun"])
+        res["baseline_costs_from"] = a.baseline_costs
+    res["measured_costs"] = {k: v.as_dict() for k, v in costs.items()}
+    res["unmeasured_costs"] = unmeasured
+    for k, v in unmeasured.items():
+        if v:
+            print(f"{k}: not measured by any clean change, simulator defaults used: {v}", flush=True)
+    # The simulator on the replayed schedule: its prediction against the measurement.
+    settings = AutoSettings(min_s=a.auto_min_s, max_s=3600 / a.speed, prior_mtbf_s=a.prior_mtbf_s / a.speed)
+    for name, r in runs.items():
+        torchrun = name == "baseline"
+        policy = IntervalPolicy(IntervalMode.AUTO) if name == "trainguard-auto" else IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS)
+        c = costs["torchrun" if torchrun else "trainguard"]
+        p = predict(scaled, c, job_model(r, torchrun=torchrun), policy, settings, a.lead_s, unannounced, a.sim_seeds)
+        r["predicted"] = p
+        r["prediction_error_points"] = round(100 * (p["ettr"] - r["ettr"]), 2)
+    if tg_runs:
+        res["full_trace"] = full_trace(trace, costs, runs, a)
+    res["runs"] = {n: {k: v for k, v in r.items() if k != "world_timeline"} for n, r in runs.items()}
+    for n, r in runs.items():
+        res["runs"][n]["world_timeline_points"] = len(r["world_timeline"]["t"])
+    # The headline keys (trainguard auto; baseline figures beside them).
+    head = runs.get("trainguard-auto") or next(iter(runs.values()), None)
+    if head is not None:
+        res["ettr"] = head["ettr"]
+        res["cost_per_sample"] = head["cost_per_sample"]
+        res["on_demand_cost_per_sample"] = head["on_demand_cost_per_sample"]
+        res["waste_by_cause"] = head["waste_by_cause"]
+        res["waste_by_cause_predicted"] = head["predicted"]["waste_node_s"]
+        res["changes"] = head["changes"]
+        res["lost_steps"] = head["lost_steps"]
+        res["skipped_samples"] = head["skipped_samples"]
+        res["repeated_samples"] = head["repeated_samples"]
+    if "baseline" in runs:
+        b = runs["baseline"]
+        res.update(baseline_ettr=b["ettr"], baseline_cost_per_sample=b["cost_per_sample"],
+                   baseline_lost_steps=b["lost_steps"], baseline_skipped_samples=b["skipped_samples"],
+                   baseline_repeated_samples=b["repeated_samples"])
+    report(res, runs)
+    if a.plot and runs:
+        err = plot(runs, a.plot, f"{win.name}: 1 agent / {a.nodes_per_agent} nodes, x{a.speed:g}")
+        res["plot"] = a.plot if err is None else None
+        if err:
+            print(f"no plot: {err}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1, sort_keys=True, default=float)
+    return 0 if runs else 1
+
+
+def report(res: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
+    print("\nreplay (measured; predicted by the simulator from the measured costs)")
+    print(f"{'run':<20} {'ETTR':>6} {'pred':>6} {'err pts':>7} {'$/1k samples':>12} {'lost steps':>10} {'skip/rep':>9} {'saves':>5}")
+    for n, r in runs.items():
+        cps = r["cost_per_sample"]
+        print(f"{n:<20} {r['ettr']:6.3f} {r['predicted']['ettr']:6.3f} {r['prediction_error_points']:7.2f} "
+              f"{fmt(cps * 1000 if cps else None, '.4f'):>12} {r['lost_steps']:>10} "
+              f"{r['skipped_samples']}/{r['repeated_samples']:<7} {r.get('periodic_saves', '-'):>5}")
+    for n, r in runs.items():
+        print(f"  {n}: training s by world size {r['training_s_by_world_size']}, step s {r['step_s_by_world_size']}")
+        agents = {k: (fmt(v.get('metric_goodput')), fmt(v.get('truth_goodput'))) for k, v in r["agents"].items()
+                  if v.get("truth_goodput") is not None}
+        if agents:
+            print(f"  {n}: goodput metric vs truth per agent {agents}")
+    ft = res.get("full_trace")
+    if not ft:
+        return
+    print(f"\nfull trace at real scale (simulated, notice lead {ft['lead_s']:g} s, mean of seeds)")
+    print(f"{'unannounced':<12} {'run':<20} {'ETTR':>6} {'waste node-h':>12} {'$/1k samples':>12} {'on-demand':>10}")
+    for key in ("x1", "x10", "x0.1"):
+        if key not in ft:
+            continue
+        b = ft[key]
+        for n in ("trainguard-auto", "trainguard-fixed50", "baseline"):
+            if n in b:
+                x = b[n]
+                print(f"{b['unannounced_share']:<12.3f} {n:<20} {x['ettr']:6.4f} {x['waste_total_node_s'] / 3600:12.2f} "
+                      f"{x['cost_per_sample'] * 1000:12.4f} {x['on_demand_cost_per_sample'] * 1000:10.4f}")
+        if "best_fixed" in b:
+            print(f"{'':<12} best fixed in hindsight {b['best_fixed']['interval_s']} s: auto/best waste "
+                  f"{b['auto_vs_best_waste']:.3f}, auto/fixed50 waste {b['auto_vs_fixed50_waste']:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Staging: copy the state to be saved into reusable host buffers, so training can go on.
+
+Training blocks only for this copy; the background persist thread then writes the buffers. The
+buffers hold one copy of the state: views into one exact-size
+:class:`~trainguard.checkpoint.pinned.HostArena` (page-locked in place when the state is on a GPU),
+allocated on first use (or by :meth:`Stager.prepare` after the first step) and reused by every later
+save (rebuilt only when the state's structure, shapes or dtypes change, e.g. when optimizer state
+appears after the first step). :attr:`Stager.staging_bytes` is the arena's size: what was allocated.
+From a GPU the copies run on a side stream (:class:`~trainguard.checkpoint.pinned.CopyStream`) and
+:attr:`Stager.ready` is the event the persist thread waits on; on the CPU they are plain and
+:attr:`Stager.ready` is None. Called from the training thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed._state_dict_utils import (
+    CompanionMismatch,
+    _copy_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainguard.checkpoint.pinned import CopyStream, HostArena, build, cuda_device_of, layout_bytes
+
+
+class Stager:
+    """Copies a state dict into reusable host buffers (one copy of the state, allocated once); see
+    the module docstring. ``cuda`` is ``torch.cuda`` (tests inject a fake)."""
+
+    def __init__(self, cuda: Any = None) -> None:
+        self._buffers: dict[str, Any] | None = None
+        self._arena: HostArena | None = None
+        self._copier: CopyStream | None = None
+        self._cuda = cuda
+        self.staging_bytes = 0
+        self.rebuilds = 0
+        self.ready: Any = None
+        """The event of the last :meth:`stage`'s GPU copies (None: they are complete)."""
+
+    @staticmethod
+    def _materialise(state: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+
+    def _rebuild(self, sd: dict[str, Any]) -> None:
+        if self._arena is not None:  # free (and unregister) the old buffers before allocating new ones
+            self._arena.release()
+        self._buffers = self._arena = None
+        device = cuda_device_of(sd)
+        self._arena = HostArena(layout_bytes(sd), pin=device is not None)
+        self._buffers = build(sd, self._arena)
+        self.staging_bytes = self._arena.nbytes
+        self.rebuilds += 1
+        if device is None:
+            self._copier = None
+        elif self._copier is None or self._copier.device != device:
+            self._copier = CopyStream(device, self._cuda)
+
+    @torch.no_grad()
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate the buffers for ``state`` now (no copy), so that the first save does not pay for it."""
+        sd = self._materialise(state)
+        if self._buffers is None or not _same_layout(sd, self._buffers):
+            self._rebuild(sd)
+
+    @torch.no_grad()
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        sd = self._materialise(state)
+        if self._buffers is None or not _same_layout(sd, self._buffers):
+            self._rebuild(sd)
+        try:
+            return self._copy(sd)
+        except CompanionMismatch:
+            self._rebuild(sd)
+            return self._copy(sd)
+
+    def _copy(self, sd: dict[str, Any]) -> dict[str, Any]:
+        assert self._buffers is not None
+        buffers = self._buffers
+        if self._copier is None:
+            self.ready = None
+            return _copy_state_dict(sd, buffers, non_blocking=False, type_check=False)
+        out, self.ready = self._copier.copy(_walk_tensors(sd), lambda: _copy_state_dict(
+            sd, buffers, non_blocking=True, type_check=False))
+        return out
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Same structure, and tensors of the same shape and dtype (no copying).
+
+    torch's ``_check_state_dict_similarity`` is not used: it walks with a companion object and so
+    also *copies* every tensor, which doubled the staging time.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(a, DTensor):
+        return isinstance(b, DTensor) and _same_layout(a._local_tensor, b._local_tensor)
+    if _is_sharded_tensor(a):
+        return _is_sharded_tensor(b) and _same_layout(_shard_layout(a), _shard_layout(b))
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and not isinstance(b, DTensor) and a.shape == b.shape
+                and a.dtype == b.dtype)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_layout(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
+    return not isinstance(b, (torch.Tensor, dict, list, tuple))
+
+
+def _is_sharded_tensor(obj: Any) -> bool:
+    """A ``ShardedTensor`` (e.g. a DeepSpeed ZeRO range): it supports no tensor op, only its local shards."""
+    return isinstance(obj, torch.Tensor) and callable(getattr(type(obj), "local_shards", None))
+
+
+def _shard_layout(obj: Any) -> list[Any]:
+    return [(list(s.metadata.shard_offsets), s.tensor) for s in obj.local_shards()]
+
+
+def _walk_tensors(obj: Any) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    out: list[torch.Tensor] = []
+    if isinstance(obj, DTensor):
+        out.append(obj._local_tensor)
+    elif _is_sharded_tensor(obj):
+        out.extend(s.tensor for s in obj.local_shards())
+    elif isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            out.extend(_walk_tensors(v))
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            out.extend(_walk_tensors(v))
+    return out
+
+
+__all__ = ["Stager"]

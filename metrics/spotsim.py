@@ -1,0 +1,707 @@
+"""Goodput of an elastic job on a spot membership trace: a pure, seeded simulator.
+
+Feed it a membership trace (:func:`load_trace`: ``time_ms,add|remove,node`` lines), the cost of each
+step of a membership change as *distributions* measured on a replay (:class:`ChangeCosts`), how the
+job reacts (:class:`JobModel`: trainguard drains on notices and takes a resize checkpoint before a
+scale-up; plain torchrun elastic does neither) and a periodic checkpoint policy (fixed steps, fixed
+seconds, off, or ``auto`` — the real :class:`~trainguard.checkpoint.interval.IntervalController`
+in the loop, fed what the simulated job measures). :func:`simulate` returns the effective training
+time ratio (ETTR: node-time spent on steps that end up in the final model / node-time available),
+the waste by cause in node-seconds, and the cost per committed sample next to on-demand.
+
+Why here (``trainguard.metrics``) and not in ``bench/``: it is arithmetic over the same notion of
+waste as the goodput ledger, unit-tested like it, and importable by the bench
+(``bench/spot_trace.py``), the tests and anyone sizing a cluster, without the bench's processes.
+
+The model (fluid, event-driven; times in seconds, node-time in node-seconds):
+
+* Available node-time is every trace node from its ``add`` to its ``remove`` (or the end).
+* The job's world trains at the world size ``w`` it has; a step takes ``JobModel.step_time_s(w)``.
+  Every available node not in the world is waste: ``warmup`` (a joiner starting), ``notice_lead``
+  (drained, waiting for its reclaim), ``idle`` (nothing for it to do).
+* An *announced* removal (a notice ``lead_s`` before the node goes): ``detect_notice_s`` later the
+  world stops at a step, takes an emergency checkpoint (``checkpoint``, all old nodes), the leavers
+  go, the rest re-form (``reformation``) and restart (``restore``: process start, imports, restore,
+  until the first step). If the node goes before the emergency checkpoint is done, it is a failure.
+  Without notice handling (``JobModel.notices=False``) every removal is unannounced.
+* An *unannounced* removal: the survivors notice after ``detect_failure_s`` (``detection``), re-form,
+  restore the newest committed checkpoint; the node-time trained since it was taken is ``recompute``.
+* An addition: the node warms up ``warmup_s`` (agent start, join); then the world takes a resize
+  checkpoint (``checkpoint``) and re-forms larger; without it (``resize_checkpoint=False``) the world
+  restarts from its last committed checkpoint (``recompute``).
+* Changes while the world re-forms: a node lost re-starts the re-formation (a failure: detection
+  first); a notice makes the leavers go at once; a joiner ready before the restore phase joins this
+  re-formation, one ready later waits and triggers the next one right after (thrash).
+* Periodic checkpoints every ``T`` seconds of training pause the world ``periodic_overhead_s``
+  (``periodic_checkpoint``) and commit ``periodic_persist_s`` later; a failure before the commit rolls
+  back to the previous one.
+* Cost: every available node-second at the spot price; the on-demand reference trains the same kept
+  steps with no interruption (``step_time_s(w) * w`` node-seconds per step) at the on-demand price.
+
+Everything is in simulated time: the clock and the random draws (``seed``) are the only inputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from trainguard.checkpoint.interval import AutoSettings, IntervalController, IntervalMode, IntervalPolicy
+
+CAUSES: tuple[str, ...] = ("detection", "checkpoint", "periodic_checkpoint", "reformation", "restore", "recompute",
+                           "warmup", "notice_lead", "idle")
+"""Waste causes, in node-seconds (see the module docstring)."""
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read as a membership trace."""
+
+
+# ---- traces -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TraceEvent:
+    t_s: float
+    kind: str
+    """``add`` or ``remove``."""
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """Membership events in time order; ``duration_s`` ends the trace (default: the last event)."""
+
+    events: tuple[TraceEvent, ...]
+    duration_s: float
+    name: str = ""
+
+    def sizes(self) -> list[tuple[float, int]]:
+        """``(time, nodes present)`` after each change instant, starting with ``(0, 0)``."""
+        out, n = [(0.0, 0)], 0
+        for t, adds, removes in self.instants():
+            n += len(adds) - len(removes)
+            if t == out[-1][0]:
+                out[-1] = (t, n)
+            else:
+                out.append((t, n))
+        return out
+
+    def instants(self) -> list[tuple[float, list[str], list[str]]]:
+        """``(time, added nodes, removed nodes)`` per distinct event time."""
+        out: list[tuple[float, list[str], list[str]]] = []
+        for e in self.events:
+            if not out or out[-1][0] != e.t_s:
+                out.append((e.t_s, [], []))
+            (out[-1][1] if e.kind == "add" else out[-1][2]).append(e.node)
+        return out
+
+    def available_node_s(self) -> float:
+        sizes = self.sizes()
+        total = 0.0
+        for (t0, n), (t1, _) in zip(sizes, sizes[1:] + [(self.duration_s, 0)]):
+            total += n * max(0.0, min(t1, self.duration_s) - t0)
+        return total
+
+    def removals(self) -> list[TraceEvent]:
+        return [e for e in self.events if e.kind == "remove"]
+
+
+def load_trace(path: str, *, name: str | None = None) -> Trace:
+    """Read ``time_ms,add|remove,node`` lines (a header line and blank lines are skipped)."""
+    events: list[TraceEvent] = []
+    present: set[str] = set()
+    with open(path, encoding="utf-8") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = [p.strip() for p in line.split(",")]
+            if lineno == 1 and not parts[0].lstrip("-").isdigit():
+                continue  # a header
+            if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in ("add", "remove") or not parts[2]:
+                raise TraceError(f"{path}:{lineno}: expected 'time_ms,add|remove,node', got {line!r}")
+            t, kind, node = int(parts[0]) / 1000.0, parts[1], parts[2]
+            if events and t < events[-1].t_s:
+                raise TraceError(f"{path}:{lineno}: time {parts[0]} ms goes back in time; sort the trace by time")
+            if kind == "add" and node in present:
+                raise TraceError(f"{path}:{lineno}: {node} is added while present")
+            if kind == "remove" and node not in present:
+                raise TraceError(f"{path}:{lineno}: {node} is removed while absent")
+            (present.add if kind == "add" else present.discard)(node)
+            events.append(TraceEvent(t, kind, node))
+    if not events:
+        raise TraceError(f"{path}: no events")
+    return Trace(tuple(events), events[-1].t_s, name or path.rsplit("/", 1)[-1])
+
+
+def window(trace: Trace, start_s: float, duration_s: float) -> Trace:
+    """The part of ``trace`` in ``[start_s, start_s + duration_s)``, re-based at 0: nodes present at
+    ``start_s`` are added at 0."""
+    end = start_s + duration_s
+    present: dict[str, None] = {}
+    out: list[TraceEvent] = []
+    for e in trace.events:
+        if e.t_s < start_s:
+            if e.kind == "add":
+                present[e.node] = None
+            else:
+                present.pop(e.node, None)
+            continue
+        if e.t_s >= end:
+            break
+        out.append(replace(e, t_s=e.t_s - start_s))
+    first = [TraceEvent(0.0, "add", n) for n in present]
+    return Trace(tuple(first + out), duration_s, f"{trace.name}[{start_s:g}s+{duration_s:g}s]")
+
+
+def scale(trace: Trace, *, nodes_per_agent: int, max_agents: int, min_agents: int = 1, speed: float = 1.0,
+          rounding: str = "nearest", prefix: str = "agent") -> Trace:
+    """Map a trace onto fewer, faster "agents": ``clamp(round(n / nodes_per_agent))`` agents while the
+    trace has ``n`` nodes (``rounding`` ``nearest``, halves up, or ``up``), times divided by ``speed``.
+    Removals take the longest-present agents first, so churn spreads over the agents. Only changes of
+    the agent count remain."""
+    if nodes_per_agent < 1 or max_agents < min_agents or min_agents < 0 or speed <= 0 or rounding not in ("nearest", "up"):
+        raise ValueError("scale: need nodes_per_agent >= 1, max_agents >= min_agents >= 0, speed > 0, "
+                         "rounding 'nearest' or 'up'")
+    agents: list[str] = []
+    made = 0
+    out: list[TraceEvent] = []
+    for t, n in trace.sizes():
+        share = math.ceil(n / nodes_per_agent) if rounding == "up" else int(math.floor(n / nodes_per_agent + 0.5))
+        want = max(min_agents, min(max_agents, share)) if n else 0
+        ts = t / speed
+        while len(agents) > want:
+            out.append(TraceEvent(ts, "remove", agents.pop(0)))
+        while len(agents) < want:
+            made += 1
+            agents.append(f"{prefix}{made}")
+            out.append(TraceEvent(ts, "add", agents[-1]))
+    return Trace(tuple(out), trace.duration_s / speed, f"{trace.name} /{nodes_per_agent} x{speed:g}")
+
+
+def pick_unannounced(trace: Trace, share: float, seed: int = 0) -> frozenset[int]:
+    """Indices (in :meth:`Trace.removals` order) of the removals that come without notice: each with
+    probability ``share``, seeded."""
+    rng = random.Random(seed)
+    return frozenset(i for i, _ in enumerate(trace.removals()) if rng.random() < share)
+
+
+# ---- inputs --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """An empirical distribution: a draw is one of ``samples`` (uniformly); a constant is one sample."""
+
+    samples: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.samples or any(not math.isfinite(x) or x < 0 for x in self.samples):
+            raise ValueError(f"Dist needs finite samples >= 0, got {self.samples!r}")
+
+    @classmethod
+    def of(cls, values: Iterable[float] | float) -> Dist:
+        if isinstance(values, (int, float)):
+            return cls((float(values),))
+        return cls(tuple(float(v) for v in values))
+
+    def draw(self, rng: random.Random) -> float:
+        return self.samples[0] if len(self.samples) == 1 else rng.choice(self.samples)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.samples) / len(self.samples)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChangeCosts:
+    """Seconds each part of a membership change takes (see the module docstring)."""
+
+    detect_notice_s: Dist = Dist.of(0.5)
+    detect_failure_s: Dist = Dist.of(10.0)
+    emergency_s: Dist = Dist.of(1.0)
+    resize_checkpoint_s: Dist = Dist.of(1.0)
+    reformation_s: Dist = Dist.of(2.0)
+    restore_s: Dist = Dist.of(5.0)
+    startup_s: Dist = Dist.of(5.0)
+    warmup_s: Dist = Dist.of(3.0)
+    periodic_overhead_s: Dist = Dist.of(0.05)
+    periodic_persist_s: Dist = Dist.of(0.5)
+
+    def as_dict(self) -> dict[str, list[float]]:
+        return {f: list(getattr(self, f).samples) for f in self.__slots__}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ChangeCosts:
+        return cls(**{k: Dist.of(v) for k, v in d.items() if k in cls.__slots__})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobModel:
+    """How the job behaves: trainguard by default; plain torchrun elastic with ``notices=False,
+    resize_checkpoint=False``."""
+
+    node_s_per_step: float = 1.0
+    """Step time x world size (constant global batch, linear scaling) unless ``step_times`` says."""
+    step_times: tuple[tuple[int, float], ...] = ()
+    """Measured step time per world size, ``((w, seconds), ...)``; other sizes use the nearest."""
+    samples_per_step: int = 1
+    notices: bool = True
+    resize_checkpoint: bool = True
+    min_nodes: int = 1
+    max_nodes: int = 1 << 30
+
+    def step_time_s(self, w: int) -> float:
+        if self.step_times:
+            return min(self.step_times, key=lambda ws: (abs(ws[0] - w), ws[0]))[1]
+        return self.node_s_per_step / max(1, w)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prices:
+    spot_per_hour: float = 0.918
+    on_demand_per_hour: float = 3.06
+
+
+@dataclass(slots=True)
+class Change:
+    """One re-formation of the world, for the report."""
+
+    t_s: float
+    why: str
+    size_before: int
+    size_after: int = 0
+    lost_node_s: dict[str, float] = field(default_factory=dict)
+    recomputed_steps: float = 0.0
+
+
+@dataclass(slots=True)
+class SimResult:
+    available_node_s: float
+    productive_node_s: float
+    waste_node_s: dict[str, float]
+    kept_steps: float
+    recomputed_steps: float
+    samples_per_step: int
+    changes: list[Change]
+    periodic_saves: int
+    failures_seen: int
+    intervals: list[tuple[float, float, str]]
+    """Auto: ``(time, interval, reason)`` per change of the interval."""
+    cost_total: float
+    on_demand_cost: float
+    world_time_s: dict[int, float]
+    """Seconds the world trained at each size."""
+
+    @property
+    def ettr(self) -> float:
+        return self.productive_node_s / self.available_node_s if self.available_node_s > 0 else 0.0
+
+    @property
+    def waste_total_node_s(self) -> float:
+        return sum(self.waste_node_s.values())
+
+    @property
+    def committed_samples(self) -> float:
+        return self.kept_steps * self.samples_per_step
+
+    @property
+    def cost_per_sample(self) -> float:
+        return self.cost_total / self.committed_samples if self.committed_samples > 0 else math.inf
+
+    @property
+    def on_demand_cost_per_sample(self) -> float:
+        return self.on_demand_cost / self.committed_samples if self.committed_samples > 0 else math.inf
+
+    @property
+    def thrash(self) -> int:
+        """Re-formations that ended at the size they started from."""
+        return sum(1 for c in self.changes if c.size_after == c.size_before)
+
+    def summary(self) -> dict[str, Any]:
+        return {"ettr": self.ettr, "available_node_s": self.available_node_s, "productive_node_s": self.productive_node_s,
+                "waste_node_s": dict(self.waste_node_s), "kept_steps": self.kept_steps,
+                "recomputed_steps": self.recomputed_steps, "changes": len(self.changes), "thrash": self.thrash,
+                "periodic_saves": self.periodic_saves, "failures_seen": self.failures_seen,
+                "cost_total": self.cost_total, "cost_per_sample": self.cost_per_sample,
+                "on_demand_cost_per_sample": self.on_demand_cost_per_sample,
+                "world_time_s": {str(k): v for k, v in sorted(self.world_time_s.items())}}
+
+
+# ---- the simulation ----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Phase:
+    cause: str
+    end: float
+    world: frozenset[str]
+    commit: str = ""
+    """A checkpoint of this kind commits when the phase ends (emergency/resize saves)."""
+
+
+@dataclass(slots=True)
+class _Piece:
+    t0: float
+    t1: float
+    w: int
+
+
+class _Sim:
+    def __init__(self, trace: Trace, costs: ChangeCosts, job: JobModel, policy: IntervalPolicy,
+                 settings: AutoSettings, lead_s: float, unannounced: frozenset[int], seed: int, prices: Prices) -> None:
+        self.trace, self.c, self.job, self.policy = trace, costs, job, policy
+        self.lead_s, self.unannounced, self.prices = lead_s, unannounced, prices
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.present: set[str] = set()
+        self.world: frozenset[str] = frozenset()
+        self.out_cause: dict[str, str] = {}
+        self._ver = 0  # bumped when present / out_cause change (caches the outside counts)
+        self._counts_key: tuple[int, frozenset[str]] | None = None
+        self._counts: dict[str, int] = {}
+        self._inside = 0
+        self.phases: list[_Phase] = []
+        self.resuming = False  # the phases are a periodic save's pause, not a re-formation
+        self.waiting: set[str] = set()  # joiners ready while the world restores: the next re-formation
+        self.waste = {c: 0.0 for c in CAUSES}
+        self.productive = 0.0
+        self.steps = 0.0
+        self.recomputed = 0.0
+        self.pieces: list[_Piece] = []  # trained since the newest commit's state
+        self.commit_steps = 0.0  # steps in the newest committed checkpoint
+        self.pending: tuple[float, float] | None = None  # periodic save in flight: (commits at, steps)
+        self.persist_s = 0.0
+        self.since_save = 0.0
+        self.saves = 0
+        self.new_failures = 0  # failures the next restore proves (see IntervalController.observe_restore)
+        self.restore_s = 0.0
+        self.changes: list[Change] = []
+        self.current: Change | None = None
+        self.world_time: dict[int, float] = {}
+        self.ctl = IntervalController(policy, settings, world_size=1, clock=lambda: self.now, now=0.0)
+        self._step_s: dict[int, float] = {}
+        self.intervals: list[tuple[float, float, str]] = []
+        self.started = False
+
+    # -- accounting ---------------------------------------------------------------------------------
+    def _outside(self, dt: float, world_cause: str | None = None) -> None:
+        """Charge ``dt`` to every present node outside the world (and to the world's, with a cause)."""
+        if dt <= 0:
+            return
+        key = (self._ver, self.world)
+        if key != self._counts_key:  # membership changed since the last count
+            counts: dict[str, int] = collections.Counter()
+            inside = 0
+            for n in self.present:
+                if n in self.world:
+                    inside += 1
+                else:
+                    counts[self.out_cause.get(n, "idle")] += 1
+            self._counts, self._inside, self._counts_key = counts, inside, key
+        for cause, k in self._counts.items():
+            self.waste[cause] += dt * k
+        if world_cause is not None:
+            self.waste[world_cause] += dt * self._inside
+
+    def _charge(self, cause: str, dt: float, nodes: int) -> None:
+        self.waste[cause] += dt * nodes
+        if self.current is not None:
+            self.current.lost_node_s[cause] = self.current.lost_node_s.get(cause, 0.0) + dt * nodes
+
+    def _interval(self) -> float:
+        p = self.policy
+        if p.mode is IntervalMode.OFF:
+            return math.inf
+        if p.mode is IntervalMode.AUTO:
+            ch = self.ctl.update(self.now)
+            if ch is not None:
+                self.intervals.append((self.now, ch.new_s, ch.reason))
+            return self.ctl.interval_s or math.inf
+        w = max(1, len(self.world))
+        cands = ([p.steps * self.step_s(w)] if p.steps else []) + ([p.seconds] if p.seconds else [])
+        return min(cands) if cands else math.inf
+
+    def advance(self, t: float) -> None:
+        """Let time pass until ``t``: train, take periodic saves, run scheduled phases."""
+        while self.now < t:
+            if self.phases:
+                ph = self.phases[0]
+                self.world = ph.world
+                t1 = min(ph.end, t)
+                self._charge(ph.cause, t1 - self.now, sum(1 for n in ph.world if n in self.present))
+                self._outside(t1 - self.now)
+                self.now = t1
+                if t1 >= ph.end:
+                    self.phases.pop(0)
+                    if ph.commit:
+                        self._committed()
+                    if not self.phases:
+                        self._phases_done()
+                continue
+            if not self.started or len(self.world) < self.job.min_nodes:
+                self._outside(t - self.now, world_cause="idle")
+                self.now = t
+                continue
+            t_save = self.now + max(0.0, self._interval() - self.since_save)
+            t_commit = self.pending[0] if self.pending else math.inf
+            t1 = min(t, t_save, t_commit)
+            self._train(t1)
+            if self.pending and self.now >= self.pending[0]:
+                self._committed(self.pending[1])
+                self.ctl.observe_persist(self.persist_s)
+            if t_save <= self.now < t:
+                self._periodic_save()
+
+    def step_s(self, w: int) -> float:
+        v = self._step_s.get(w)
+        if v is None:
+            v = self._step_s[w] = self.job.step_time_s(w)
+        return v
+
+    def _train(self, t1: float) -> None:
+        dt = t1 - self.now
+        if dt <= 0:
+            return
+        w = len(self.world)
+        self.productive += dt * w
+        self.steps += dt / self.step_s(w)
+        self.pieces.append(_Piece(self.now, t1, w))
+        self.world_time[w] = self.world_time.get(w, 0.0) + dt
+        self.since_save += dt
+        self._outside(dt)
+        self.now = t1
+
+    def _committed(self, steps: float | None = None) -> None:
+        """A checkpoint of the state ``steps`` (default: now) is durable: work before it is safe."""
+        if steps is None or steps >= self.steps:
+            self.pieces = []
+        else:  # a periodic save: what was trained after its state was taken stays at risk
+            at_risk = self.steps - steps
+            kept: list[_Piece] = []
+            for p in reversed(self.pieces):
+                if at_risk <= 1e-12:
+                    break
+                ps = (p.t1 - p.t0) / self.step_s(p.w)
+                kept.append(p if ps <= at_risk else _Piece(p.t1 - at_risk * self.step_s(p.w), p.t1, p.w))
+                at_risk -= ps
+            self.pieces = list(reversed(kept))
+        self.commit_steps = self.steps if steps is None else steps
+        self.pending = None
+
+    def _periodic_save(self) -> None:
+        if self.pending:  # at most one in flight: the previous one commits first
+            self._committed(self.pending[1])
+        overhead = self.c.periodic_overhead_s.draw(self.rng)
+        self.persist_s = self.c.periodic_persist_s.draw(self.rng)
+        self.saves += 1
+        self.ctl.observe_save(overhead)
+        self.pending = (self.now + overhead + self.persist_s, self.steps)
+        self.since_save = 0.0
+        self.ctl.saved(self.now + overhead)
+        self.phases = [_Phase("periodic_checkpoint", self.now + overhead, self.world)]
+        self.resuming = True
+
+    def _rollback(self) -> None:
+        """Lose what was trained since the newest committed checkpoint (a save in flight too)."""
+        lost_node_s = sum((p.t1 - p.t0) * p.w for p in self.pieces)
+        lost_steps = self.steps - self.commit_steps
+        self.productive -= lost_node_s
+        self.waste["recompute"] += lost_node_s
+        self.steps = self.commit_steps
+        self.pieces = []
+        self.pending = None
+        self.recomputed += lost_steps
+        if self.current is not None:
+            self.current.lost_node_s["recompute"] = self.current.lost_node_s.get("recompute", 0.0) + lost_node_s
+            self.current.recomputed_steps += lost_steps
+
+    # -- re-formations -------------------------------------------------------------------------------
+    def _begin_change(self, why: str) -> None:
+        if self.current is not None and self.phases and not self.resuming:
+            self.current.why += "+" + why  # the re-formation under way starts over
+            return
+        self.current = Change(self.now, why, len(self.world))
+        self.changes.append(self.current)
+        self.ctl.tick(self.now)  # the world stops training: close the exposure clock
+
+    def _reform(self, pre: list[_Phase], new_world: frozenset[str]) -> None:
+        t = pre[-1].end if pre else self.now
+        t += self.c.reformation_s.draw(self.rng)
+        phases = [*pre, _Phase("reformation", t, new_world)]
+        self.restore_s = self.c.restore_s.draw(self.rng) if self.started else self.c.startup_s.draw(self.rng)
+        phases.append(_Phase("restore", t + self.restore_s, new_world))
+        self.phases = phases
+        self.resuming = False
+        self.world = phases[0].world
+
+    def _phases_done(self) -> None:
+        if self.resuming:
+            self.resuming = False
+            return
+        self.started = True
+        if self.current is not None:
+            self.current.size_after = len(self.world)
+        n = self.new_failures
+        self.new_failures = 0
+        self.ctl.set_world_size(max(1, len(self.world)), self.now)
+        self.ctl.observe_restore(self.restore_s, "periodic" if n else "resize", max(0, n - 1))
+        self.ctl.begin(self.now)
+        self.since_save = 0.0
+        self.pieces = []
+        if self.waiting:  # joiners that came too late for this one: re-form again at once
+            self._resize(set(self.waiting))
+
+    def _phase(self) -> str | None:
+        """The re-formation phase under way (None while training or pausing for a periodic save)."""
+        return None if self.resuming or not self.phases else self.phases[0].cause
+
+    def _finish_pause(self) -> None:
+        if self.phases and self.resuming:
+            self.advance(self.phases[-1].end)
+
+    def _resize(self, joiners: set[str]) -> None:
+        """Joiners are ready: take a resize checkpoint (or roll back) and re-form larger."""
+        self._finish_pause()
+        self.waiting -= joiners
+        joiners = {j for j in joiners if j in self.present}
+        if not joiners:
+            return
+        phase = self._phase()
+        if phase in ("detection", "checkpoint", "reformation"):  # in time for the re-formation under way
+            new_world = self.phases[-1].world | joiners
+            for ph in self.phases:
+                if ph.cause in ("reformation", "restore"):
+                    ph.world = new_world
+            return
+        if phase == "restore":  # too late: the next re-formation
+            self.waiting |= joiners
+            return
+        self._begin_change("join" if self.started else "start")
+        new_world = self.world | joiners
+        if not self.started:
+            self._reform([], new_world)
+        elif self.job.resize_checkpoint and len(self.world) >= self.job.min_nodes:
+            end = self.now + self.c.resize_checkpoint_s.draw(self.rng)
+            self._reform([_Phase("checkpoint", end, self.world, commit="resize")], new_world)
+        else:
+            self._rollback()
+            self._reform([], new_world)
+
+    def _drain(self, leavers: set[str]) -> None:
+        """A notice reached ``leavers`` (after detection): emergency checkpoint, then re-form without them."""
+        self._finish_pause()
+        leavers = {n for n in leavers if n in self.world or any(n in ph.world for ph in self.phases)}
+        if not leavers:
+            return
+        for n in leavers:
+            self.out_cause[n] = "notice_lead"
+        self._ver += 1
+        phase = self._phase()
+        self._begin_change("notice")
+        if phase is not None:  # re-forming already: the leavers go at once, the re-formation starts over
+            rest = frozenset(n for n in self.phases[-1].world if n not in leavers)
+            self._reform([], rest)
+            return
+        end = self.now + self.c.emergency_s.draw(self.rng)
+        self._reform([_Phase("checkpoint", end, self.world, commit="emergency")], self.world - leavers)
+
+    def _gone(self, nodes: set[str]) -> None:
+        lost = {n for n in nodes if n in self.world or any(n in ph.world for ph in self.phases)}
+        for n in nodes:
+            self.present.discard(n)
+            self.out_cause.pop(n, None)
+            self.waiting.discard(n)
+        self._ver += 1
+        self._finish_pause()
+        if not lost:
+            return
+        phase = self._phase()
+        target = self.phases[-1].world if self.phases and not self.resuming else self.world
+        rest = frozenset(n for n in target if n not in lost)
+        self._begin_change("failure")
+        if phase is None or phase == "checkpoint":  # training, or saving: roll back to the newest commit
+            self._rollback()
+            self.new_failures += 1
+        elif phase == "restore":  # the new world had restored: it dies without a new checkpoint
+            self.new_failures += 1
+        survivors = frozenset(n for n in self.world if n not in lost)
+        end = self.now + self.c.detect_failure_s.draw(self.rng)
+        self._reform([_Phase("detection", end, survivors)], rest)
+
+    def run(self, end: float) -> None:
+        q: list[tuple[float, int, str, Any]] = []
+        seq = 0
+
+        def push(t: float, kind: str, payload: Any) -> None:
+            nonlocal seq
+            seq += 1
+            heapq.heappush(q, (t, seq, kind, payload))
+
+        removal_index = 0
+        for t, adds, removes in self.trace.instants():
+            if adds:
+                push(t, "add", adds)
+            if removes:
+                announced = []
+                for n in removes:
+                    if self.job.notices and removal_index not in self.unannounced:
+                        announced.append(n)
+                    removal_index += 1
+                if announced:
+                    push(max(0.0, t - self.lead_s), "notice", (announced, t))
+                push(t, "gone", removes)
+        push(end, "end", None)
+        while q:
+            t, _, kind, payload = heapq.heappop(q)
+            self.advance(min(t, end))
+            if kind == "end":
+                break
+            if kind == "add":
+                for n in payload:
+                    self.present.add(n)
+                    self.out_cause[n] = "warmup"
+                self._ver += 1
+                push(self.now + self.c.warmup_s.draw(self.rng), "join", payload)
+            elif kind == "join":
+                self._resize(set(payload))
+            elif kind == "notice":
+                nodes, t_gone = payload
+                push(self.now + self.c.detect_notice_s.draw(self.rng), "drain", (nodes, t_gone))
+            elif kind == "drain":
+                nodes, t_gone = payload
+                if self.now < t_gone:
+                    self._drain(set(nodes))
+            elif kind == "gone":
+                self._gone(set(payload))
+
+    def result(self) -> SimResult:
+        available = self.trace.available_node_s()
+        trained = sum(self.world_time.values())
+        mean_node_s = (sum(self.job.step_time_s(w) * w * s for w, s in self.world_time.items()) / trained
+                       if trained else self.job.step_time_s(1))
+        return SimResult(
+            available_node_s=available, productive_node_s=self.productive, waste_node_s=dict(self.waste),
+            kept_steps=self.steps, recomputed_steps=self.recomputed, samples_per_step=self.job.samples_per_step,
+            changes=self.changes, periodic_saves=self.saves, failures_seen=self.ctl.stats.unannounced_failures,
+            intervals=self.intervals, cost_total=available / 3600 * self.prices.spot_per_hour,
+            on_demand_cost=self.steps * mean_node_s / 3600 * self.prices.on_demand_per_hour,
+            world_time_s=dict(self.world_time))
+
+
+def simulate(trace: Trace, costs: ChangeCosts, job: JobModel, policy: IntervalPolicy, *,
+             settings: AutoSettings | None = None, lead_s: float = 120.0, unannounced: Iterable[int] = (),
+             seed: int = 0, prices: Prices | None = None) -> SimResult:
+    """Run the whole trace once. ``unannounced``: indices into :meth:`Trace.removals` that come
+    without notice (:func:`pick_unannounced`). Deterministic for a given ``seed``."""
+    sim = _Sim(trace, costs, job, policy, settings or AutoSettings(), lead_s, frozenset(unannounced), seed,
+               prices or Prices())
+    sim.run(trace.duration_s)
+    return sim.result()
+
+
+__all__ = ["CAUSES", "Change", "ChangeCosts", "Dist", "JobModel", "Prices", "SimResult", "Trace", "TraceError",
+           "TraceEvent", "load_trace", "pick_unannounced", "scale", "simulate", "window"]

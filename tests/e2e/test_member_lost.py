@@ -1,0 +1,60 @@
+"""A node lost while the new world's workers are still starting: the survivors' workers wait in
+process-group set-up for a rank that never comes, and nothing fails on its own until the process-group
+timeout (10 minutes by default). The agents watch the round's membership in every phase and re-form
+without the lost node."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+SLOW = os.path.join(REPO, "tests", "e2e", "_slow_start.py")
+ARGS = ["--steps", "100000", "--log-every", "2", "--step-sleep", "0.03", "--global-batch", "24"]
+
+
+def worlds(node):
+    return [e["world_size"] for e in node.events("rendezvous_complete")]
+
+
+def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
+    tmp = str(tmp_path)
+    ep = f"127.0.0.1:{free_port()}"
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "workers.reform=restart",
+              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
+    a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
+    nodes = [a, b]
+    try:
+        wait_until(lambda: any(e["world_size"] == 2 for e in a.events("train_step")), 120, "training at world size 2")
+        c = Node("c", tmp, ep, nnodes="1:3", script=SLOW, script_args=ARGS, extra=common, env={"SLOW_START_S": "60"})
+        nodes.append(c)
+        wait_until(lambda: worlds(c)[-1:] == [3], 90, "c in a world of 3 (its worker still starting)")
+        kids = c.worker_pids()
+        c.proc.kill()  # the node vanishes: agent and its (sleeping) worker
+        for p in kids:
+            os.kill(p, signal.SIGKILL)
+        t_kill = time.monotonic()
+        n_before = len(a.events("train_step"))
+        # a and b restarted their workers for the world of 3: they now wait for rank 2 in set-up.
+        lost = wait_until(lambda: a.events("member_lost") or b.events("member_lost"), 60, "a member_lost report")
+        assert lost
+        wait_until(lambda: worlds(a)[-1:] == [2] and any(e["world_size"] == 2 for e in a.events("train_step")[n_before:]),
+                   90, "training at world size 2 again")
+        recovered_s = time.monotonic() - t_kill
+        assert recovered_s < 60, recovered_s  # not the 600 s process-group timeout
+        decisions = [e for e in a.events("decision") if e.get("reason") == "member_lost"]
+        assert decisions and not [e for e in a.events("state_change") if e["new"] == "restarting"]
+        print(f"recovered {recovered_s:.1f} s after the kill")
+    except AssertionError:
+        for n in nodes:
+            print(n.dump(40))
+        raise
+    finally:
+        for n in nodes:
+            n.stop()

@@ -1,0 +1,242 @@
+"""The spot-trace simulator: hand-computed timelines, trace handling, and auto vs fixed intervals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy
+from trainguard.metrics.spotsim import (
+    ChangeCosts,
+    Dist,
+    JobModel,
+    Prices,
+    Trace,
+    TraceError,
+    TraceEvent,
+    load_trace,
+    pick_unannounced,
+    scale,
+    simulate,
+    window,
+)
+
+pytestmark = pytest.mark.timeout(60)
+OFF = IntervalPolicy(IntervalMode.OFF)
+ZERO = Dist.of(0.0)
+
+
+def trace(*events: tuple[float, str, str], duration: float) -> Trace:
+    return Trace(tuple(TraceEvent(t, k, n) for t, k, n in events), duration)
+
+
+def costs(**kw: float) -> ChangeCosts:
+    base = {f: 0.0 for f in ChangeCosts.__slots__}
+    base.update(kw)
+    return ChangeCosts(**{k: Dist.of(v) for k, v in base.items()})
+
+
+def check(r) -> None:
+    assert r.productive_node_s + r.waste_total_node_s == pytest.approx(r.available_node_s, abs=1e-6)
+    assert all(v >= -1e-9 for v in r.waste_node_s.values()), r.waste_node_s
+
+
+def test_start_up_only() -> None:
+    """2 nodes for 100 s: warm-up 1 s, rendezvous 2 s, start-up 3 s, then training."""
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), duration=100),
+                 costs(warmup_s=1, reformation_s=2, startup_s=3), JobModel(node_s_per_step=2, samples_per_step=8), OFF)
+    check(r)
+    assert r.available_node_s == 200
+    assert r.waste_node_s["warmup"] == pytest.approx(2)
+    assert r.waste_node_s["reformation"] == pytest.approx(4)
+    assert r.waste_node_s["restore"] == pytest.approx(6)
+    assert r.productive_node_s == pytest.approx(188)
+    assert r.ettr == pytest.approx(0.94)
+    assert r.kept_steps == pytest.approx(94)          # 1 s per step at 2 nodes
+    assert r.committed_samples == pytest.approx(94 * 8)
+
+
+def test_announced_removal_drains_with_an_emergency_checkpoint() -> None:
+    """3 nodes; c goes at 50 with a 10 s notice: detected at 41, emergency checkpoint 41..42, c waits
+    for its reclaim 42..50, a and b re-form 42..44 and restore 44..49."""
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (50, "remove", "c"), duration=100),
+                 costs(warmup_s=1, reformation_s=2, startup_s=3, restore_s=5, detect_notice_s=1, emergency_s=1),
+                 JobModel(node_s_per_step=1), OFF, lead_s=10)
+    check(r)
+    assert r.available_node_s == 250
+    assert r.waste_node_s["checkpoint"] == pytest.approx(3)
+    assert r.waste_node_s["notice_lead"] == pytest.approx(8)
+    assert r.waste_node_s["reformation"] == pytest.approx(6 + 4)
+    assert r.waste_node_s["restore"] == pytest.approx(9 + 10)
+    assert r.waste_node_s["recompute"] == 0 and r.waste_node_s["detection"] == 0
+    assert r.productive_node_s == pytest.approx(3 * 35 + 2 * 51)
+    assert [(c.why, c.size_before, c.size_after) for c in r.changes] == [("start", 0, 3), ("notice", 3, 2)]
+
+
+def test_unannounced_removal_rolls_back_to_the_last_periodic_checkpoint() -> None:
+    """Rendezvous 0..1; saves every 10 s of training (0.5 s pause, committed 1 s later) at 11 and 21.5;
+    b dies at 25 without notice: the 6 node-s trained since the save at 21.5 are recomputed;
+    detection 25..27, re-formation 27..28, restore 28..31, a save at 41 (pause 0.5 s)."""
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (25, "remove", "b"), duration=50),
+                 costs(periodic_overhead_s=0.5, periodic_persist_s=1, detect_failure_s=2, reformation_s=1, restore_s=3),
+                 JobModel(node_s_per_step=2), IntervalPolicy(IntervalMode.FIXED, seconds=10.0), unannounced=[0])
+    check(r)
+    assert r.available_node_s == 75
+    assert r.waste_node_s["periodic_checkpoint"] == pytest.approx(1 + 1 + 0.5)
+    assert r.waste_node_s["recompute"] == pytest.approx(6)
+    assert r.waste_node_s["detection"] == pytest.approx(2)
+    assert r.waste_node_s["reformation"] == pytest.approx(2 + 1)
+    assert r.waste_node_s["restore"] == pytest.approx(3)
+    assert r.productive_node_s == pytest.approx(20 + 20 + 10 + 8.5)
+    assert r.recomputed_steps == pytest.approx(3)        # 1 s per step at 2 nodes
+    assert r.kept_steps == pytest.approx(10 + 10 + 5 + 4.25)
+    assert r.failures_seen == 1 and r.periodic_saves == 3
+
+
+def test_a_save_not_yet_committed_does_not_protect() -> None:
+    """The failure comes 0.8 s after a save started (persist 1 s): the previous commit stands."""
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (10.8, "remove", "b"), duration=20),
+                 costs(periodic_overhead_s=0.5, periodic_persist_s=1), JobModel(node_s_per_step=2),
+                 IntervalPolicy(IntervalMode.FIXED, seconds=5.0), unannounced=[0])
+    check(r)
+    # saves at 5 (commits 6.5) and 10.5 (would commit 12): rolled back to the state at 5.
+    assert r.waste_node_s["recompute"] == pytest.approx(2 * (10.5 - 5.5))
+
+
+@pytest.mark.parametrize("resize_checkpoint, productive, recompute, warmup", [(True, 42, 0, 5), (False, 26, 18, 4)])
+def test_join_takes_a_resize_checkpoint_or_rolls_back(resize_checkpoint, productive, recompute, warmup) -> None:
+    """a warms up 0..2, re-forms 2..4, trains; b arrives at 20, ready at 22: a resize checkpoint 22..23
+    (b still warming up meanwhile), re-formation 23..25, restore 25..28. Without the checkpoint the
+    world rolls back to its start and re-forms at once."""
+    r = simulate(trace((0, "add", "a"), (20, "add", "b"), duration=40),
+                 costs(warmup_s=2, resize_checkpoint_s=1, reformation_s=2, restore_s=3),
+                 JobModel(node_s_per_step=1, resize_checkpoint=resize_checkpoint), OFF)
+    check(r)
+    assert r.available_node_s == 60
+    assert r.productive_node_s == pytest.approx(productive)
+    assert r.waste_node_s["recompute"] == pytest.approx(recompute)
+    assert r.waste_node_s["warmup"] == pytest.approx(warmup)
+
+
+def test_notice_too_short_for_the_emergency_checkpoint_is_a_failure() -> None:
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (30, "remove", "b"), duration=40),
+                 costs(detect_notice_s=1, emergency_s=1, detect_failure_s=2, restore_s=1),
+                 JobModel(node_s_per_step=1), OFF, lead_s=0.5)
+    check(r)
+    assert r.failures_seen == 1
+    assert r.waste_node_s["recompute"] == pytest.approx(60)   # nothing committed since the start
+    assert r.waste_node_s["checkpoint"] == 0
+
+
+def test_without_notice_handling_every_removal_is_a_failure() -> None:
+    t = trace((0, "add", "a"), (0, "add", "b"), (30, "remove", "b"), duration=40)
+    c = costs(detect_notice_s=1, emergency_s=1, detect_failure_s=2, restore_s=1)
+    planned = simulate(t, c, JobModel(node_s_per_step=1), OFF, lead_s=10)
+    torchrun = simulate(t, c, JobModel(node_s_per_step=1, notices=False, resize_checkpoint=False), OFF, lead_s=10)
+    assert planned.failures_seen == 0 and planned.waste_node_s["recompute"] == 0
+    assert torchrun.failures_seen == 1 and torchrun.waste_node_s["recompute"] == pytest.approx(60)
+
+
+def test_a_joiner_late_for_a_re_formation_triggers_the_next_one() -> None:
+    """b is ready at 5, while the world restores (4..10): the world comes up at 10 and re-forms again."""
+    r = simulate(trace((0, "add", "a"), (3, "add", "b"), duration=40),
+                 costs(warmup_s=2, reformation_s=2, startup_s=6, restore_s=6, resize_checkpoint_s=1),
+                 JobModel(node_s_per_step=1), OFF)
+    check(r)
+    assert [(c.why, c.size_before, c.size_after) for c in r.changes] == [("start", 0, 1), ("join", 1, 2)]
+    assert r.changes[1].t_s == pytest.approx(10)
+    assert r.productive_node_s == pytest.approx(2 * (40 - 19))
+
+
+def test_costs_and_cost_per_sample() -> None:
+    r = simulate(trace((0, "add", "a"), duration=3600), costs(), JobModel(node_s_per_step=2, samples_per_step=10), OFF,
+                 prices=Prices(spot_per_hour=1.0, on_demand_per_hour=3.0))
+    assert r.cost_total == pytest.approx(1.0)
+    assert r.committed_samples == pytest.approx(18000)
+    assert r.cost_per_sample == pytest.approx(1 / 18000)
+    assert r.on_demand_cost_per_sample == pytest.approx(3.0 / 18000)
+
+
+def test_distributions_are_drawn_with_the_seed() -> None:
+    t = trace((0, "add", "a"), (0, "add", "b"), *[(100.0 * k, "remove" if k % 2 else "add", "b") for k in range(1, 20)],
+              duration=2000)
+    c = ChangeCosts(restore_s=Dist.of([1, 5, 9]), reformation_s=Dist.of([1, 2]))
+    runs = [simulate(t, c, JobModel(node_s_per_step=1), OFF, seed=s).ettr for s in (1, 1, 2)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    with pytest.raises(ValueError):
+        Dist.of([])
+
+
+def test_load_trace_and_its_errors(tmp_path) -> None:
+    p = tmp_path / "t.csv"
+    p.write_text("0,add,n1\n0,add,n2\n60000,remove,n1\n120000,add,n3\n")
+    t = load_trace(str(p))
+    assert t.duration_s == 120 and [i[0] for i in t.instants()] == [0, 60, 120]
+    assert t.sizes() == [(0.0, 2), (60.0, 1), (120.0, 2)]
+    assert t.available_node_s() == 2 * 60 + 60
+    for body, msg in (("0,add,n1\n0,add,n1\n", ":2: n1 is added while present"),
+                      ("0,remove,n1\n", ":1: n1 is removed while absent"),
+                      ("10,add,n1\n5,add,n2\n", ":2: time 5 ms goes back"),
+                      ("0,join,n1\n", ":1: expected 'time_ms,add|remove,node'")):
+        p.write_text(body)
+        with pytest.raises(TraceError, match=msg):
+            load_trace(str(p))
+
+
+def test_window_and_scale() -> None:
+    t = trace(*[(0, "add", f"n{i}") for i in range(8)], (100, "remove", "n0"), (100, "remove", "n1"),
+              (200, "remove", "n2"), (200, "remove", "n3"), (300, "add", "n9"), (300, "add", "n8"), duration=400)
+    w = window(t, 150, 200)
+    assert w.sizes() == [(0.0, 6), (50.0, 4), (150.0, 6)] and w.duration_s == 200
+    assert w.available_node_s() == 6 * 50 + 4 * 100 + 6 * 50
+    s = scale(t, nodes_per_agent=2, max_agents=3, speed=10)
+    # 8 nodes -> 3 agents (capped), 6 -> 3, 4 -> 2, 6 -> 3; times / 10
+    assert s.sizes() == [(0.0, 3), (20.0, 2), (30.0, 3)] and s.duration_s == 40
+    assert [e.node for e in s.removals()] == ["agent1"]   # the longest present goes first
+    up = scale(t, nodes_per_agent=3, max_agents=3, rounding="up")
+    assert up.sizes() == [(0.0, 3), (100.0, 2)]   # ceil: 8 -> 3, 6 -> 2, 4 -> 2, 6 -> 2
+
+
+def test_pick_unannounced_is_seeded_and_near_the_share() -> None:
+    t = trace(*[(float(k), "add", f"n{k}") for k in range(1000)], *[(2000.0 + k, "remove", f"n{k}") for k in range(1000)],
+              duration=4000)
+    a, b = pick_unannounced(t, 0.1, seed=3), pick_unannounced(t, 0.1, seed=3)
+    assert a == b and 70 <= len(a) <= 130
+    assert pick_unannounced(t, 0.0) == frozenset() and len(pick_unannounced(t, 1.0)) == 1000
+
+
+def _churn(hours: float, every_s: float, nodes: int = 8, seed: int = 7) -> Trace:
+    """``nodes`` nodes; one leaves at random times (``every_s`` apart on average) and a fresh one
+    arrives a minute later."""
+    rng = random.Random(seed)
+    ev = [(0.0, "add", f"n{i}") for i in range(nodes)]
+    alive = [f"n{i}" for i in range(nodes)]
+    k, t = nodes, rng.expovariate(1 / every_s)
+    while t < hours * 3600 - 60:
+        ev.append((t, "remove", alive.pop(0)))
+        alive.append(f"n{k}")
+        ev.append((t + 60, "add", alive[-1]))
+        k += 1
+        t += 60 + rng.expovariate(1 / every_s)
+    return trace(*ev, duration=hours * 3600)
+
+
+@pytest.mark.parametrize("every_s, share", [(600.0, 1.0), (600.0, 0.1), (120.0, 1.0)])
+def test_auto_is_within_5_percent_of_the_best_fixed_interval_in_hindsight(every_s, share) -> None:
+    """Random churn (a node lost every ``every_s`` on average, a share of them without notice); the
+    controller in the loop against a sweep of fixed intervals, total waste over three seeds."""
+    t = _churn(12, every_s)
+    c = ChangeCosts(detect_failure_s=Dist.of([6, 10, 14]), reformation_s=Dist.of([1, 3]), restore_s=Dist.of([4, 6]),
+                    periodic_overhead_s=Dist.of([0.4, 0.6]), periodic_persist_s=Dist.of(2.0))
+    job = JobModel(node_s_per_step=8 * 0.5)
+
+    def waste(policy: IntervalPolicy) -> float:
+        return sum(simulate(t, c, job, policy, settings=AutoSettings(min_s=5, max_s=7200, prior_mtbf_s=3600),
+                            unannounced=pick_unannounced(t, share, seed), seed=seed).waste_total_node_s
+                   for seed in (1, 2, 3))
+
+    grid = [5 * 1.25 ** k for k in range(30)]  # 5 s .. ~3.2 h
+    best = min(waste(IntervalPolicy(IntervalMode.FIXED, seconds=s)) for s in grid)
+    auto = waste(IntervalPolicy(IntervalMode.AUTO))
+    assert auto <= 1.05 * best, (auto, best)
