@@ -38,6 +38,9 @@ def main() -> None:
     while not os.path.exists(ready):
         time.sleep(0.05)
     time.sleep(0.5)  # rank 1 is stopped by now
+    # Step 2 trained on both ranks (its collectives done) before rank 1 froze: the emergency save is of
+    # step 2, whose collectives now wait for the frozen peer. (Step 1, committed, would be skipped.)
+    rt.step += 1
     print(f"EMERGENCY_START {time.time():.3f}", flush=True)
     rt._stop(proto.StopReason.DRAIN, time.time() + deadline_in_s)  # exits the process
 

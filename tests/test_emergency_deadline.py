@@ -52,7 +52,7 @@ def test_emergency_save_abandoned_at_drain_deadline(tmp_path):
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     abandoned = [e for e in events if e.get("event") == "checkpoint_abandoned"]
     assert len(abandoned) == 1, out[-3000:]
-    assert abandoned[0]["last_committed"] == 1 and abandoned[0]["lost_steps"] == 0 and abandoned[0]["step"] == 1
+    assert abandoned[0]["last_committed"] == 1 and abandoned[0]["lost_steps"] == 1 and abandoned[0]["step"] == 2
     committed = sorted(d for d in os.listdir(tmp_path / "ckpt" / "run")
                        if os.path.exists(tmp_path / "ckpt" / "run" / d / "manifest.json"))
-    assert committed == ["step-000000000001"]  # the previous commit stands, nothing half-written is committed
+    assert [d.split("-e")[0] for d in committed] == ["step-000000000001"]  # step 1 stands; step 2 never committed
