@@ -145,6 +145,18 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         assert value(prom, 'max_over_time(trainguard_preemption_notices_total{node="b",source="manual"}[5m])', t) == 1
         assert value(prom, 'max_over_time(trainguard_drain_duration_seconds_count{node="b"}[5m])', t) == 1
         assert value(prom, 'max_over_time(trainguard_agent_state{node="b",state="stopped"}[5m])', t) == 1
+        # What b's workers logged is what b exported (b's last scrape came after its workers exited):
+        # bytes its ranks wrote and saves committed, per kind; nothing was rolled back by the drain.
+        logged = [e for e in b.events("checkpoint_committed") if e.get("component") == "trainguard.checkpoint"]
+        assert logged and all(e["rank_bytes"] > 0 for e in logged), b.dump()
+        for kind in ("periodic", "emergency"):
+            mine = [e for e in logged if e["kind"] == kind]
+            written = value(prom, f'max_over_time(trainguard_checkpoint_written_bytes_total{{node="b",kind="{kind}"}}[5m])', t)
+            assert written == sum(e["rank_bytes"] for e in mine), (kind, written, [e["rank_bytes"] for e in mine])
+            persisted = value(prom, f'max_over_time(trainguard_checkpoint_persist_duration_seconds_count{{node="b",kind="{kind}"}}[5m])', t)
+            assert persisted == len(mine), (kind, persisted, len(mine))
+        assert value(prom, "sum(max_over_time(trainguard_recomputed_steps_total[5m]))", t) == 0
+        assert value(prom, 'trainguard_wasted_seconds_total{node="a",reason="recompute"}', t) == 0
         # A planned drain is no restart (it must not consume one, nor count as one).
         assert value(prom, "sum(max_over_time(trainguard_restarts_total[5m]))", t) == 0
         assert value(prom, 'trainguard_wasted_seconds_total{node="a",reason="resize"}', t) > 0

@@ -250,6 +250,17 @@ def test_stop_ends_the_paid_clock_and_unknown_reason_is_other() -> None:
     assert led.snapshot().paid_s == pytest.approx(15)
 
 
+@pytest.mark.parametrize("terminal", ["succeeded", "failed", "stopped"])
+def test_the_paid_clock_stops_when_the_job_ends_whatever_the_outcome(terminal) -> None:
+    c = Clock()
+    led = GoodputLedger(c)
+    led.set_state("running")
+    c.tick(10)
+    led.set_state(terminal)
+    c.tick(1000)
+    assert led.snapshot().paid_s == pytest.approx(10)
+
+
 def test_committed_prunes_without_changing_totals() -> None:
     c = Clock()
     led = GoodputLedger(c)

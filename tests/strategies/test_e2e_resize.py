@@ -22,7 +22,7 @@ import pytest
 
 from tests import samples
 from tests.e2e.test_drain import check_exactly_once, sample_log, worlds
-from tests.harness import Node, free_port, wait_listening, wait_until
+from tests.harness import Node, continued, free_port, wait_listening, wait_until
 from tests.strategies._world import E2E_BATCH, E2E_SIZE, ELASTIC, JOB, MODEL_PARALLEL, continuity
 from trainguard.agent import control
 from trainguard.runtime.protocol import DrainRequest
@@ -82,9 +82,14 @@ def test_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path, 
         s = committed[0]["step"]
         assert all(e["step"] == s for e in committed) and all(e["before_deadline"] for e in committed)
 
+        if strategy == "deepspeed":  # no in-memory hand-over: it says so and takes the restart path
+            unsupported = [e for n in (a, b) for e in n.events("reform_in_place_unsupported")]
+            assert unsupported and all(e["strategy"] == "deepspeed" for e in unsupported), a.dump() + b.dump()
         wait_until(lambda: worlds(a)[-1:] == [1], 60, "survivor at world size 1")
-        resumed = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 1], 60, "resume at 1")
-        assert resumed[0]["step"] == s and resumed[0]["strategy"] == strategy
+        # fsdp re-forms in place (``reformed``), deepspeed restarts from the checkpoint (``resumed``)
+        resumed = wait_until(lambda: continued(a, 1), 60, "resume at 1")
+        assert resumed[0]["step"] == s and resumed[0]["event"] == ("reformed" if strategy == "fsdp" else "resumed")
+        assert resumed[0].get("strategy", strategy) == strategy
         restored = [e for e in a.events("worker_restored") if e.get("world_size") == 1]
         assert restored and restored[0]["saved_world_size"] == 2
         wait_until(lambda: any(e["world_size"] == 1 and e["step"] >= s + 4 for e in a.events("train_step")), 60,
@@ -93,13 +98,14 @@ def test_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path, 
         b2 = node("b2")
         nodes.append(b2)
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b2) == [2], 90, "world size 2 again")
-        r2 = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 2], 60, "resume at 2")
+        # A restarted world's rank 0 may be on either node (torch orders the rendezvous' members).
+        r2 = wait_until(lambda: continued(a, 2) or continued(b2, 2), 60, "resume at 2")
         r = r2[-1]["step"]
         resize = [e for e in a.events("checkpoint_committed")
                   if e.get("kind") == "resize" and e.get("component") == "trainguard.worker"]
         assert resize and resize[-1]["step"] == r
-        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= r + 3 for e in a.events("train_step")), 90,
-                   "training at world size 2 again")
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= r + 3 for n in (a, b2) for e in n.events("train_step")),
+                   90, "training at world size 2 again")
         for n in (a, b2):
             n.signal(15)
         for n in (a, b2):
@@ -127,7 +133,7 @@ def test_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path, 
 
 # ---- model_parallel: (dp, tp) = (2, 2) -> (1, 2) -> (2, 2), two ranks per node ------------------------------
 
-MP_ARGS = ["--tp-size", "2", "--compile", "inductor"]
+MP_ARGS = ["--tp-size", "2", "--compile", "aot_eager"]  # dynamo + AOT autograd over DTensor, no codegen (CI time)
 # 16 = dp 2 x 2 micro-batches x 4 = dp 1 x 4 x 4
 MP_SIZE = ["--global-batch", "16", "--micro-batch", "4"]
 
@@ -184,7 +190,7 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path):
         started = [e for e in a.events("started")]
         assert started and started[0]["dp_size"] == 2 and started[0]["tp_size"] == 2
         compiled = a.events("compiled")
-        assert compiled and compiled[0]["backend"] == "inductor" and compiled[0]["graphs"] >= 1, a.dump()
+        assert compiled and compiled[0]["backend"] == "aot_eager" and compiled[0]["graphs"] >= 1, a.dump()
         reply = control.request(b.socket, DrainRequest(deadline_s=60))
         assert reply.ok, reply
         assert b.wait(90) == 0, b.dump()
@@ -201,13 +207,15 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path):
         b2 = node("b2")
         nodes.append(b2)
         wait_until(lambda: worlds(a)[-1:] == [4] and worlds(b2) == [4], 120, "world size 4 again")
-        r2 = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 4], 180, "resume at 4")
+        # The restarted world's rank 0 may be on either node (torch orders the rendezvous' members).
+        r2 = wait_until(lambda: [e for n in (a, b2) for e in n.events("resumed") if e["world_size"] == 4], 180,
+                        "resume at 4")
         r = r2[-1]["step"]
         assert r2[-1]["dp_size"] == 2
         resize = [e for e in a.events("checkpoint_committed")
                   if e.get("kind") == "resize" and e.get("component") == "trainguard.worker"]
         assert resize and resize[-1]["step"] == r
-        wait_until(lambda: steps_at(a, 4, r + 3), 180, "training at (2, 2) again")
+        wait_until(lambda: steps_at(a, 4, r + 3) or steps_at(b2, 4, r + 3), 180, "training at (2, 2) again")
         for n in (a, b2):
             n.signal(15)
         for n in (a, b2):
