@@ -51,6 +51,9 @@ class Observation:
     """Why they parked (:class:`~trainguard.runtime.protocol.ParkReason` value)."""
     emergency_committed: bool = False
     """This node's workers reported the emergency checkpoint committed (they exit right after)."""
+    resize_overdue: bool = False
+    """The workers were asked to resize longer ago than they can take (a step and a save, each bounded
+    by ``workers.pg_timeout_s``): one may be stuck in a collective; restart the world instead."""
     member_lost: bool = False
     """A member of the current world is gone (keep-alive expired) while our workers run on: they may
     be blocked in a collective with it (or in their start-up) and never notice."""
@@ -94,6 +97,8 @@ def decide(o: Observation) -> Decision:
         if o.emergency_committed:  # leave at once: the survivors re-form as soon as this node is out
             return Decision(Act.LEAVE, "drained")
         return Decision(Act.WAIT, "draining")
+    if o.asked == "resize" and o.resize_overdue:
+        return Decision(Act.RESTART, "resize_overdue", consume_restart=False)
     if o.nodes_waiting > 0:
         if not o.api_workers:
             return Decision(Act.RESTART, "scale_up", consume_restart=False)

@@ -133,6 +133,7 @@ class Supervisor:
         self._error: BaseException | None = None
         self._world: dict[str, Any] = {}
         self._asked = ""
+        self._asked_at = 0.0
         self._failures_in_a_row = 0
         self._parked: dict[int, proto.Parked] = {}
         self._current: World | None = None
@@ -249,6 +250,11 @@ class Supervisor:
         except Exception as e:  # an observer failure must never break supervision
             log.warning("observer_failed", method=method, error=str(e))
 
+    def _resize_bound_s(self) -> float:
+        """How long workers asked to resize may take: finish a step and save (each bounded by the
+        process groups' timeout; the save's storage calls by ``checkpoint.retry_deadline_s``)."""
+        return 2 * self.cfg.workers.pg_timeout_s + self.cfg.checkpoint.retry_deadline_s
+
     # ---- worker environment -------------------------------------------------------------------
     def worker_env(self) -> dict[str, str]:
         """Variables every worker gets besides torchrun's (:class:`~trainguard.runtime.protocol.RuntimeEnv`)."""
@@ -261,6 +267,7 @@ class Supervisor:
             pg_timeout_s=cfg.workers.pg_timeout_s,
         ).to_env()
         env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
+        env.update(workerenv.gpu_defaults(cfg.workers, os.environ, reform_in_process=self.reform_enabled))
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         if self.observer is not None:
             env.update(self.observer.worker_env())
@@ -396,6 +403,7 @@ class Supervisor:
             parked=len(parked) if healthy else 0,
             park_reason=max((p.reason.value for p in parked.values()), default=""),
             member_lost=self._member_lost(healthy) if drain is None else False,
+            resize_overdue=self._asked == "resize" and time.monotonic() - self._asked_at > self._resize_bound_s(),
             emergency_committed=self._emergency_committed,
         )
         return obs, poll
@@ -413,8 +421,10 @@ class Supervisor:
             self._asked = "drain"
         elif d.act is Act.ASK_RESIZE:
             n = self.control.broadcast(proto.Stop(proto.StopReason.RESIZE, None, d.reason))
-            log.info("resize_requested_from_workers", workers=n, nodes_waiting=obs.nodes_waiting)
+            log.info("resize_requested_from_workers", workers=n, nodes_waiting=obs.nodes_waiting,
+                     bound_s=round(self._resize_bound_s(), 1))
             self._asked = "resize"
+            self._asked_at = time.monotonic()
         elif d.act is Act.CHECKPOINT:
             with self._lock:
                 reason, self._checkpoint_reason = self._checkpoint_reason, None

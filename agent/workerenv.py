@@ -22,6 +22,29 @@ def omp_default(w: WorkersConfig, inherited: Mapping[str, str]) -> bool:
     return w.nproc_per_node > 1 and "OMP_NUM_THREADS" not in inherited and "OMP_NUM_THREADS" not in w.env
 
 
+NCCL_ABORT_COMMUNICATOR_ONLY = "2"
+"""``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: on a failed or timed-out collective the watchdog aborts the
+communicator and the error surfaces in the worker, which stays alive to re-form in place."""
+
+NCCL_TEAR_DOWN = "3"
+"""``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` (torch's default): the watchdog ends the worker process; the
+agent sees the exit and restarts the world."""
+
+
+def gpu_defaults(w: WorkersConfig, inherited: Mapping[str, str], *, reform_in_process: bool) -> dict[str, str]:
+    """GPU variables for the workers, unless the agent's environment or ``workers.env`` sets them.
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``: a hung or failed NCCL collective is detected by torch's
+    watchdog after the process group's timeout (``workers.pg_timeout_s``) and never hangs the worker;
+    with in-place re-formation the communicator is aborted and the worker survives to re-form,
+    otherwise the worker exits and the world restarts. ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: CUDA numbers
+    the GPUs as NVML does (CUDA's default orders fastest first), so ``LOCAL_RANK`` k, the agent's
+    NVML device k and ``nvidia-smi`` name the same GPU. Harmless without GPUs."""
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": NCCL_ABORT_COMMUNICATOR_ONLY if reform_in_process else NCCL_TEAR_DOWN,
+              "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    return {k: v for k, v in wanted.items() if k not in inherited and k not in w.env}
+
+
 def torchrun_defaults(w: WorkersConfig, inherited: Mapping[str, str]) -> dict[str, str]:
     """Variables torchrun would give these workers that elastic does not write itself."""
     return {"OMP_NUM_THREADS": "1"} if omp_default(w, inherited) else {}

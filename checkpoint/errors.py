@@ -35,6 +35,10 @@ class StorageError(CheckpointError):
         self.transient = transient
 
 
+class InflightTimeout(CheckpointError):
+    """The previous background save is still running past the manager's ``inflight_timeout_s``."""
+
+
 class FencedError(CheckpointError):
     """This world's epoch is older than the newest claimed one (or its epoch record was taken over).
 

@@ -77,6 +77,7 @@ from trainguard.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointError,
     FencedError,
+    InflightTimeout,
     StorageError,
 )
 from trainguard.checkpoint.integrity import describe, root_causes
@@ -162,12 +163,18 @@ class CheckpointManager:
             world in place (the manager of that world's :attr:`base`): the epoch this world claims
             records it, so the lineage goes on. Ranks that do not know it (joiners) pass None.
         fault_hook: see :data:`FaultHook` (tests).
+        inflight_timeout_s: how long a :meth:`save`, :meth:`restore` or :meth:`close` waits for the
+            previous background save (None: no bound). A persist stuck past it (a vanished peer in its
+            collectives, a storage call that never returns) makes the waiting call raise
+            :class:`InflightTimeout` instead of hanging; the last committed step stands.
     """
 
     def __init__(self, config: CheckpointConfig, run_id: str, *, rank: int, world_size: int, strategy: str = "ddp",
                  process_group: Any = None, storage: Storage | None = None, rdzv_id: str = "", rdzv_round: int = -1,
-                 base: StepRef | None = None, fault_hook: FaultHook | None = None) -> None:
+                 base: StepRef | None = None, fault_hook: FaultHook | None = None,
+                 inflight_timeout_s: float | None = None) -> None:
         self._closed = True  # until fully built: close() must be safe on a half-built object
+        self.inflight_timeout_s = inflight_timeout_s
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[SaveResult] | None = None
         self.last_blocked_s = 0.0
@@ -275,6 +282,16 @@ class CheckpointManager:
         why it failed), or None. Callers may add done-callbacks."""
         return self._inflight
 
+    def prepare_staging(self, state: dict[str, Any]) -> int:
+        """Allocate the staging buffers for ``state`` now, without saving (call after the first step,
+        once the optimizer state exists): the first save, which may be an emergency one, then does not
+        pay for a multi-GB page-locked allocation. Returns the staging bytes. Not a collective."""
+        self._check_open()
+        if self._inflight is None or self._inflight.done():  # never re-carve buffers a persist is reading
+            self._bind(state)
+            self._stager.prepare(state)
+        return self._stager.staging_bytes
+
     def save(self, step: int, state: dict[str, Any], kind: str = "periodic", *,
              block: bool | None = None) -> Future[SaveResult]:
         """Checkpoint ``state`` as ``step`` (a collective: call on every rank).
@@ -315,6 +332,7 @@ class CheckpointManager:
         self._bind(state)
         t1 = time.monotonic()
         staged = self._stager.stage(state)
+        ready = self._stager.ready
         t2 = time.monotonic()
         stage_s, blocked = t2 - t1, t2 - t0
         self._log.info("checkpoint_staged", step=step, kind=kind, blocked_s=round(blocked, 6),
@@ -322,11 +340,11 @@ class CheckpointManager:
                        staging_bytes=self._stager.staging_bytes)
         self.last_blocked_s, self.last_stage_s = blocked, stage_s
         if sync:
-            return _done(self._persist(step, staged, kind, stage_s, blocked))
+            return _done(self._persist(step, staged, kind, stage_s, blocked, ready))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._inflight_step = step
-        self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked)
+        self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready)
         return self._inflight
 
     def wait(self, timeout: float | None = None) -> int | None:
@@ -469,12 +487,17 @@ class CheckpointManager:
         """Wait for the in-flight save (errors logged) and stop the background thread. Idempotent."""
         if getattr(self, "_closed", True) and getattr(self, "_executor", None) is None:
             return
+        stuck = False
         try:
             self._finish_inflight()
+        except InflightTimeout as e:
+            stuck = True
+            self._log.error("checkpoint_inflight_abandoned", error=str(e), effect="the manager closes without it; "
+                            "the last committed step stands")
         finally:
             ex, self._executor = self._executor, None
             if ex is not None:
-                ex.shutdown(wait=True)
+                ex.shutdown(wait=not stuck)
             self._closed = True
 
     def __enter__(self) -> CheckpointManager:
@@ -538,21 +561,29 @@ class CheckpointManager:
     # -- internals: save ------------------------------------------------------------------------
 
     def _finish_inflight(self) -> None:
-        """Wait for the in-flight save; its failure was logged (and a fence recorded) by ``_persist``."""
+        """Wait for the in-flight save, at most :attr:`inflight_timeout_s` (then :class:`InflightTimeout`;
+        it keeps running and stays in flight); its failure was logged (and a fence recorded) by ``_persist``."""
         f = self._inflight
         if f is None:
             return
         try:
-            f.result()
+            f.result(timeout=self.inflight_timeout_s)
+        except FutureTimeout:
+            raise InflightTimeout(f"the background save of step {self._inflight_step} to {self.url} is still running "
+                                  f"after {self.inflight_timeout_s:g}s (a peer gone from its collectives, or storage "
+                                  f"not answering). The last committed step stands") from None
         except Exception:  # noqa: BLE001 - already logged by _persist
             pass
-        finally:
-            self._inflight = None
-            self._inflight_step = None
+        self._inflight = None
+        self._inflight_step = None
 
-    def _persist(self, step: int, staged: dict[str, Any], kind: str, stage_s: float, blocked_s: float) -> SaveResult:
-        """Claim if needed, write, commit and clean up one staged state (background thread, or caller)."""
+    def _persist(self, step: int, staged: dict[str, Any], kind: str, stage_s: float, blocked_s: float,
+                 ready: Any = None) -> SaveResult:
+        """Claim if needed, write, commit and clean up one staged state (background thread, or caller).
+        ``ready``: the event of the staging copies (GPU); the buffers are read only after it."""
         t0 = time.monotonic()
+        if ready is not None:
+            ready.synchronize()  # this save's copies only: not a device-wide synchronize
         ref: StepRef | None = None
         try:
             if self._record is None:

@@ -1,10 +1,14 @@
 """Staging: copy the state to be saved into reusable host buffers, so training can go on.
 
 Training blocks only for this copy; the background persist thread then writes the buffers. The
-buffers hold one copy of the state, are allocated on first use and reused by every later save
-(rebuilt only when the state's structure, shapes or dtypes change, e.g. when optimizer state
-appears after the first step). With CUDA tensors they are pinned and the copy is non-blocking,
-followed by one synchronize. Called from the training thread only.
+buffers hold one copy of the state: views into one exact-size
+:class:`~trainguard.checkpoint.pinned.HostArena` (page-locked in place when the state is on a GPU),
+allocated on first use (or by :meth:`Stager.prepare` after the first step) and reused by every later
+save (rebuilt only when the state's structure, shapes or dtypes change, e.g. when optimizer state
+appears after the first step). :attr:`Stager.staging_bytes` is the arena's size: what was allocated.
+From a GPU the copies run on a side stream (:class:`~trainguard.checkpoint.pinned.CopyStream`) and
+:attr:`Stager.ready` is the event the persist thread waits on; on the CPU they are plain and
+:attr:`Stager.ready` is None. Called from the training thread only.
 """
 
 from __future__ import annotations
@@ -15,46 +19,70 @@ import torch
 from torch.distributed._state_dict_utils import (
     CompanionMismatch,
     _copy_state_dict,
-    _create_cpu_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainguard.checkpoint.pinned import CopyStream, HostArena, build, cuda_device_of, layout_bytes
+
 
 class Stager:
-    """Copies a state dict into reusable CPU buffers (one copy of the state, allocated once).
+    """Copies a state dict into reusable host buffers (one copy of the state, allocated once); see
+    the module docstring. ``cuda`` is ``torch.cuda`` (tests inject a fake)."""
 
-    Buffers are rebuilt only when the state's structure, shapes or dtypes change (e.g. optimizer
-    state appearing after the first step). With CUDA tensors the buffers are pinned and the copy is
-    non-blocking, followed by one synchronize.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, cuda: Any = None) -> None:
         self._buffers: dict[str, Any] | None = None
+        self._arena: HostArena | None = None
+        self._copier: CopyStream | None = None
+        self._cuda = cuda
         self.staging_bytes = 0
         self.rebuilds = 0
+        self.ready: Any = None
+        """The event of the last :meth:`stage`'s GPU copies (None: they are complete)."""
 
     @staticmethod
     def _materialise(state: dict[str, Any]) -> dict[str, Any]:
         return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
 
+    def _rebuild(self, sd: dict[str, Any]) -> None:
+        if self._arena is not None:  # free (and unregister) the old buffers before allocating new ones
+            self._arena.release()
+        self._buffers = self._arena = None
+        device = cuda_device_of(sd)
+        self._arena = HostArena(layout_bytes(sd), pin=device is not None)
+        self._buffers = build(sd, self._arena)
+        self.staging_bytes = self._arena.nbytes
+        self.rebuilds += 1
+        if device is None:
+            self._copier = None
+        elif self._copier is None or self._copier.device != device:
+            self._copier = CopyStream(device, self._cuda)
+
+    @torch.no_grad()
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate the buffers for ``state`` now (no copy), so that the first save does not pay for it."""
+        sd = self._materialise(state)
+        if self._buffers is None or not _same_layout(sd, self._buffers):
+            self._rebuild(sd)
+
     @torch.no_grad()
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         sd = self._materialise(state)
-        cuda = _has_cuda_tensor(sd)
         if self._buffers is None or not _same_layout(sd, self._buffers):
-            self._buffers = None  # free the old buffers before allocating new ones
-            self._buffers = _create_cpu_state_dict(sd, pin_memory=cuda)
-            self.staging_bytes = _tensor_bytes(self._buffers)
-            self.rebuilds += 1
+            self._rebuild(sd)
         try:
-            out = _copy_state_dict(sd, self._buffers, non_blocking=cuda, type_check=False)
+            return self._copy(sd)
         except CompanionMismatch:
-            self._buffers = _create_cpu_state_dict(sd, pin_memory=cuda)
-            self.staging_bytes = _tensor_bytes(self._buffers)
-            self.rebuilds += 1
-            out = _copy_state_dict(sd, self._buffers, non_blocking=cuda, type_check=False)
-        if cuda:
-            torch.cuda.synchronize()
+            self._rebuild(sd)
+            return self._copy(sd)
+
+    def _copy(self, sd: dict[str, Any]) -> dict[str, Any]:
+        assert self._buffers is not None
+        buffers = self._buffers
+        if self._copier is None:
+            self.ready = None
+            return _copy_state_dict(sd, buffers, non_blocking=False, type_check=False)
+        out, self.ready = self._copier.copy(_walk_tensors(sd), lambda: _copy_state_dict(
+            sd, buffers, non_blocking=True, type_check=False))
         return out
 
 
@@ -106,14 +134,6 @@ def _walk_tensors(obj: Any) -> list[torch.Tensor]:
         for v in obj:
             out.extend(_walk_tensors(v))
     return out
-
-
-def _tensor_bytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _walk_tensors(obj))
-
-
-def _has_cuda_tensor(obj: Any) -> bool:
-    return any(t.is_cuda for t in _walk_tensors(obj))
 
 
 __all__ = ["Stager"]

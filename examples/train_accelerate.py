@@ -1,7 +1,8 @@
 """The bundled byte-level GPT as a plain HF Accelerate script (tier 1: runs unchanged under torchrun).
 
-Nothing trainguard-specific: ``Accelerator(cpu=True)`` reads the torchelastic env (``WORLD_SIZE``,
-``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and joins a gloo process group, ``prepare``
+Nothing trainguard-specific: ``Accelerator()`` reads the torchelastic env (``WORLD_SIZE``,
+``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and joins a process group (NCCL on
+``cuda:LOCAL_RANK`` when there are GPUs, else gloo on the CPU), ``prepare``
 wraps model, optimizer and data loader, ``backward`` and ``save_state`` / ``load_state`` do the rest. As
 in Accelerate's own examples (``--checkpointing_steps``, ``--resume_from_checkpoint``), the state is
 saved to ``<ckpt-dir>/step_<n>`` every ``--ckpt-every`` steps and the newest one is loaded at start
@@ -75,7 +76,7 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cuda:LOCAL_RANK when there are GPUs
     set_seed(args.seed)
     world = accelerator.num_processes
     if args.global_batch % world:

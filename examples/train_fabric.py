@@ -51,7 +51,9 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local_world)
-    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=local_world, num_nodes=nodes)
+    # One GPU per worker when there are GPUs (Fabric picks cuda:LOCAL_RANK), else the CPU.
+    fabric = Fabric(accelerator="cuda" if torch.cuda.is_available() else "cpu", strategy="ddp", devices=local_world,
+                    num_nodes=nodes)
     fabric.launch()  # under torchrun (or trainguard): the processes exist already; joins the process group
     fabric.seed_everything(args.seed)
     world = fabric.world_size

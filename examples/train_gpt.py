@@ -62,6 +62,13 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(d, 256, bias=False)
         self.register_buffer("mask", torch.triu(torch.full((seq_len, seq_len), float("-inf")), 1), persistent=False)
 
+    def reset_parameters(self) -> None:
+        """(Re)compute the causal mask: after ``to_empty`` (a meta-device model materialised by fsdp) it
+        holds garbage, and it is in no checkpoint (non-persistent). The submodules reset their own weights."""
+        n = self.mask.shape[0]
+        with torch.no_grad():
+            self.mask.copy_(torch.triu(torch.full((n, n), float("-inf"), device=self.mask.device), 1))
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
@@ -112,6 +119,8 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     distributed = "WORLD_SIZE" in os.environ
+    if backend == "nccl":  # this worker's GPU, current before the process group exists (as torchrun scripts should)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if distributed:
         dist.init_process_group(backend)
     rank = dist.get_rank() if distributed else 0

@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--precision", default="32", help="32 | bf16-mixed | 16-mixed")
     p.add_argument("--resume-step", type=int, default=None, help="restore this committed step (default: newest)")
     p.add_argument("--activation-checkpointing", action="store_true", help="fsdp: recompute each block in backward")
+    p.add_argument("--meta-init", action="store_true",
+                   help="fsdp: build the model on the meta device; fsdp materialises each rank's shards on rt.device")
     p.add_argument("--zero-stage", type=int, default=None, help="deepspeed: ZeRO stage 1 | 2 | 3 (default 2)")
     p.add_argument("--deepspeed-config", default=None, help="deepspeed: a DeepSpeed JSON/YAML config to merge")
     args = p.parse_args()
@@ -57,7 +59,11 @@ def main() -> None:
     corpus = load_corpus(args.max_bytes)
     n_samples = (len(corpus) - 1) // args.seq_len
     torch.manual_seed(args.seed)
-    model = TinyGPT(args.seq_len, args.d_model, args.layers)
+    if args.meta_init:  # no memory until fsdp shards it: each rank allocates and initialises its shards only
+        with torch.device("meta"):
+            model = TinyGPT(args.seq_len, args.d_model, args.layers)
+    else:  # built on the CPU (the same weights on every device), then moved to this worker's device
+        model = TinyGPT(args.seq_len, args.d_model, args.layers).to(rt.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     options: dict[str, object] = {"activation_checkpointing": True} if args.activation_checkpointing else {}
     if args.strategy == "deepspeed":
@@ -76,9 +82,9 @@ def main() -> None:
         t0 = time.perf_counter()
         started = time.time()
         micro = rt.next_batches()
-        total = torch.zeros(())
+        total = torch.zeros((), device=rt.device)
         for i, ids in enumerate(micro):
-            x, y = batch_for(corpus, ids, args.seq_len)
+            x, y = (t.to(rt.device, non_blocking=True) for t in batch_for(corpus, ids, args.seq_len))
             with rt.accumulating(last=i == len(micro) - 1):
                 with rt.autocast():
                     loss = F.cross_entropy(model(x).reshape(-1, 256).float(), y.reshape(-1)) / len(micro)

@@ -493,10 +493,10 @@ class AgentMetrics:
             util = GaugeMetricFamily(P + "gpu_utilization_ratio",
                                      "Fraction of the last sample period a kernel ran (NVML), per GPU.", labels=["gpu"])
             for rd in readings:
-                used.add_metric([str(rd.index)], rd.used_bytes)
-                total.add_metric([str(rd.index)], rd.total_bytes)
+                used.add_metric([rd.label], rd.used_bytes)
+                total.add_metric([rd.label], rd.total_bytes)
                 if rd.utilization_ratio is not None:
-                    util.add_metric([str(rd.index)], rd.utilization_ratio)
+                    util.add_metric([rd.label], rd.utilization_ratio)
             yield used
             yield total
             if util.samples:

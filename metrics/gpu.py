@@ -30,6 +30,15 @@ class GpuReading:
     used_bytes: int
     total_bytes: int
     utilization_ratio: float | None
+    uuid: str = ""
+    """NVML's ``GPU-<uuid>``; empty when NVML does not say (the series are then labelled by index)."""
+
+    @property
+    def label(self) -> str:
+        """The ``gpu`` label of this GPU's series: its UUID, the same value the workers' allocator-peak
+        series carry (``trainguard.runtime.device.gpu_label``); indices diverge between NVML and CUDA
+        under ``CUDA_VISIBLE_DEVICES`` or CUDA's FASTEST_FIRST order."""
+        return self.uuid or str(self.index)
 
 
 class GpuSampler:
@@ -38,6 +47,7 @@ class GpuSampler:
     def __init__(self, *, enabled: bool = True, nvml: Any | None = None) -> None:
         self._nvml: Any | None = None
         self._handles: list[Any] = []
+        self._uuids: list[str] = []
         self._failed: set[int] = set()
         self._lock = threading.Lock()
         self.reason = ""
@@ -75,6 +85,17 @@ class GpuSampler:
             self._shutdown(nvml)
             return
         self._nvml, self._handles = nvml, handles
+        self._uuids = [self._uuid(nvml, h) for h in handles]
+
+    @staticmethod
+    def _uuid(nvml: Any, handle: Any) -> str:
+        try:
+            raw = nvml.nvmlDeviceGetUUID(handle)
+        except Exception:  # an old driver, a fake: labelled by index
+            return ""
+        s = raw.decode() if isinstance(raw, bytes) else str(raw)
+        s = s.strip().strip("\0")
+        return s if s.startswith(("GPU-", "MIG-")) else f"GPU-{s}"
 
     @staticmethod
     def _shutdown(nvml: Any) -> None:
@@ -107,7 +128,7 @@ class GpuSampler:
                 util = float(nvml.nvmlDeviceGetUtilizationRates(h).gpu) / 100.0
             except Exception:
                 util = None
-            out.append(GpuReading(i, int(mem.used), int(mem.total), util))
+            out.append(GpuReading(i, int(mem.used), int(mem.total), util, self._uuids[i] if i < len(self._uuids) else ""))
         return out
 
     def close(self) -> None:

@@ -157,9 +157,16 @@ class WorkerMetrics:
     object (every method a no-op) with one warning, because metrics must never stop training.
     """
 
-    def __init__(self, rank: int, local_rank: int, *, strict: bool = False) -> None:
+    def __init__(self, rank: int, local_rank: int, *, strict: bool = False, device: Any = None,
+                 gpu: str | None = None) -> None:
         self.rank = rank
         self.local_rank = local_rank
+        self.device = device
+        """The worker's ``torch.device`` (``rt.device``): the allocator peak is read there, never on
+        the current device. None: the current device."""
+        self.gpu = gpu
+        """Label of this worker's GPU series (its UUID, see ``trainguard.runtime.device.gpu_label``);
+        None: the local rank."""
         self._f: _Families | None = None
         self._kinds_warned: set[str] = set()
         self._next_gpu_peak = 0.0  # monotonic s; inf once CUDA turned out to be absent
@@ -192,8 +199,9 @@ class WorkerMetrics:
         """False when the channel is not in effect and every method is a no-op."""
         return self._f is not None
 
-    def observe_step(self, step: int, samples: int, tokens: int, step_time_s: float) -> None:
-        """Record one completed step: its number, this rank's samples and tokens, its wall time (s)."""
+    def observe_step(self, step: int, samples: int, tokens: int, step_time_s: float | None) -> None:
+        """Record one completed step: its number, this rank's samples and tokens, its time (s; None:
+        recorded separately by :meth:`observe_step_time`, e.g. once the GPU's events complete)."""
         f = self._f
         if f is None:
             return
@@ -204,9 +212,15 @@ class WorkerMetrics:
             f.samples.inc(samples)
         if tokens:
             f.tokens.inc(tokens)
-        f.step_time.observe(step_time_s)
+        if step_time_s is not None:
+            f.step_time.observe(step_time_s)
         f.step.set(step)
         f.last_step_ts.set(time.time())
+
+    def observe_step_time(self, step_time_s: float) -> None:
+        """Record the time (s) of one step measured after the fact (CUDA events)."""
+        if self._f is not None:
+            self._f.step_time.observe(step_time_s)
 
     def _kind(self, kind: str) -> str:
         k = names.normalize_label(kind)
@@ -287,7 +301,7 @@ class WorkerMetrics:
 
     def sample_gpu_peak(self, now: float) -> None:
         """Report this worker's allocator peak (``torch.cuda.max_memory_allocated`` of its current
-        device, labelled with its local rank) at most every :data:`GPU_PEAK_INTERVAL_S` of ``now``
+        device, :attr:`device`, labelled :attr:`gpu`) at most every :data:`GPU_PEAK_INTERVAL_S` of ``now``
         (monotonic seconds). Cheap enough to call every step. Without CUDA (or torch), or while this
         process has not initialised CUDA, nothing is read and the series stays absent: never faked."""
         if self._f is None or now < self._next_gpu_peak:
@@ -298,12 +312,13 @@ class WorkerMetrics:
             return
         self._next_gpu_peak = now + GPU_PEAK_INTERVAL_S
         if torch.cuda.is_initialized():  # else this process has not used its GPU (yet): nothing to report
-            self.observe_gpu_peak(int(torch.cuda.max_memory_allocated()))
+            self.observe_gpu_peak(int(torch.cuda.max_memory_allocated(self.device)))
 
-    def observe_gpu_peak(self, nbytes: int, gpu: int | None = None) -> None:
+    def observe_gpu_peak(self, nbytes: int, gpu: int | str | None = None) -> None:
         """Record the allocator peak (``torch.cuda.max_memory_allocated``, bytes) of GPU ``gpu``
-        (default: this worker's local rank)."""
+        (default: :attr:`gpu`, else this worker's local rank)."""
         f = self._f
         if f is None:
             return
-        f.gpu_peak.labels(gpu=str(self.local_rank if gpu is None else gpu)).set(nbytes)
+        label = gpu if gpu is not None else (self.gpu if self.gpu is not None else self.local_rank)
+        f.gpu_peak.labels(gpu=str(label)).set(nbytes)

@@ -15,12 +15,12 @@ broadcasts from rank 0) -> the checkpoint manager's group -> :func:`sync_live_st
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from trainguard.runtime import device as dev
 from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.runtime.reform")
@@ -37,27 +37,26 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_FAILURE_MARKERS)
 
 
-def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def init_world(*, rank: int, world_size: int, local_rank: int, local_world_size: int, master_addr: str,
-               master_port: int, group_rank: int = 0, nodes: int = 1, timeout_s: float = 0.0) -> None:
-    """Initialise the default process group for a new world, the way torch elastic's env does."""
+               master_port: int, device: torch.device, group_rank: int = 0, nodes: int = 1,
+               timeout_s: float = 0.0) -> None:
+    """Initialise the default process group for a new world, the way torch elastic's env does, on
+    ``device`` (made current first; ``device_id`` binds the group to it) with ``timeout_s``."""
     os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
                        "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(group_rank),
                        "GROUP_WORLD_SIZE": str(nodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size)})
-    kw: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)} if timeout_s > 0 else {}
-    dist.init_process_group(backend(), **kw)
+    dev.bind(device)
+    dist.init_process_group(dev.backend_for(device), **dev.init_kwargs(device, timeout_s))
 
 
-def teardown_world() -> None:
+def teardown_world(device: torch.device) -> None:
     """Destroy every process group of this process (the default one and all sub-groups). After a
-    peer failure gloo groups destroy at once; NCCL communicators are aborted first."""
+    peer failure gloo groups destroy at once; NCCL communicators are aborted first (unverified on
+    GPUs: docs/gpu.md)."""
     if not dist.is_initialized():
         return
-    if backend() == "nccl":  # pragma: no cover - no GPU here; see docs/strategies.md
+    if dev.backend_for(device) == "nccl":  # pragma: no cover - no GPU here; see docs/gpu.md
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if abort is not None:
             try:
@@ -68,13 +67,14 @@ def teardown_world() -> None:
 
 
 def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra: dict[str, Any],
-                    load_extra: Any, group: Any = None) -> tuple[str, int | None]:
+                    load_extra: Any, group: Any = None, tensor_group: Any = None) -> tuple[str, int | None]:
     """Agree on the newest live state and hand it to every rank that lacks it.
 
     ``step`` is the step this rank's in-memory state is at (None: a fresh process, nothing live).
     ``tensors`` are the replicated tensors (parameters, buffers, optimizer state), broadcast in place
     from the source; ``extra`` is small picklable state (step, data cursor, optimizer state layout)
-    given to ``load_extra`` on the receivers. Returns ``(outcome, source step)``: ``none`` (no rank
+    given to ``load_extra`` on the receivers. Flags and ``extra`` go over ``group`` (gloo, CPU); the
+    tensors over ``tensor_group`` (None: the default group — NCCL for tensors on the GPU). Returns ``(outcome, source step)``: ``none`` (no rank
     holds live state: restore from storage), ``agreed`` (every rank is at the same step: nothing
     moved) or ``broadcast``.
     """
@@ -95,8 +95,8 @@ def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra
     if rank != src:
         load_extra(box[0])
     for t in tensors.values():
-        dist.broadcast(t, group=group, group_src=src)
+        dist.broadcast(t, group=tensor_group, group_src=src)
     return "broadcast", newest
 
 
-__all__ = ["backend", "init_world", "is_peer_failure", "sync_live_state", "teardown_world"]
+__all__ = ["init_world", "is_peer_failure", "sync_live_state", "teardown_world"]

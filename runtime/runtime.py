@@ -76,6 +76,7 @@ from trainguard.checkpoint.errors import CheckpointError
 from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats
 from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
 from trainguard.checkpoint.state import TrainerState
+from trainguard.runtime import device as dev
 from trainguard.runtime import protocol as proto
 from trainguard.runtime import reform as rf
 from trainguard.runtime.cursor import GlobalSampleCursor
@@ -86,6 +87,24 @@ from trainguard.strategies.batch import split
 
 log = get_logger("trainguard.worker")
 
+_NO_DEADLINE = -(2**62)
+_GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
+
+
+def _encode_deadline(deadline: float | None) -> int:
+    """A drain deadline (epoch s) as the flag all-reduce carries it: ``-milliseconds``, so that MAX
+    over the ranks picks the earliest one; no deadline is a value below every real one."""
+    return _NO_DEADLINE if deadline is None else -int(deadline * 1000)
+
+
+def _decode_deadline(value: int) -> float | None:
+    return None if value <= _NO_DEADLINE else -value / 1000.0
+
+
+class SaveAbandoned(CheckpointError):
+    """An emergency or resize checkpoint still running at the drain deadline was given up; the last
+    committed step stands."""
+
 
 class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
@@ -93,8 +112,13 @@ class Runtime:
     def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, checkpoint: CheckpointConfig,
                  control_path: str = "", strategy: str | Strategy = "ddp", rdzv_id: str = "", rdzv_round: int = -1,
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
-                 standby: bool = False, local_world_size: int = 1, inject_fault: str = "") -> None:
+                 standby: bool = False, local_world_size: int = 1, inject_fault: str = "",
+                 device: torch.device | None = None) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.device = dev.select_device(local_rank) if device is None else torch.device(device)
+        """This worker's device: ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``. Move the
+        model (or build it there) and every batch to it; the strategy, checkpoint staging, barriers and
+        metrics all use it (see :mod:`trainguard.runtime.device`)."""
         self.local_world_size = local_world_size
         # The rendezvous only labels the checkpoint epoch this world claims (fencing uses epochs).
         self.job_id, self.rdzv_id = job_id, rdzv_id
@@ -130,6 +154,14 @@ class Runtime:
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
+        self._timer = dev.StepTimer(self.device)
+        self._staging_ready = False
+        self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
+        """Bound of waiting for the previous background save: its collectives are bounded by the process
+        groups' timeout, its storage operations by ``checkpoint.retry_deadline_s``."""
+        self._committed: int | None = None
+        """The newest step known committed on this rank (restored, or saved and waited for): what a
+        failed or abandoned save falls back to. Local knowledge, no collective."""
         self._saved_step: int | None = None
         """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
@@ -164,16 +196,17 @@ class Runtime:
 
         tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
         reform = rtenv.reform and rtenv.under_agent
+        device = dev.select_device(rtenv.local_rank)
+        dev.bind(device)  # before init_process_group, and before the script builds anything on the GPU
         if not rtenv.standby and (rtenv.world_size > 1 or reform) and not dist.is_initialized():
-            kw: dict[str, Any] = {"timeout": timedelta(seconds=rtenv.pg_timeout_s)} if rtenv.pg_timeout_s > 0 else {}
-            dist.init_process_group(rf.backend(), **kw)
+            dist.init_process_group(dev.backend_for(device), **dev.init_kwargs(device, rtenv.pg_timeout_s))
         rank = dist.get_rank() if dist.is_initialized() else (-1 if rtenv.standby else 0)
         return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
                    job_id=rtenv.job_id or rtenv.run_id or "trainguard", rdzv_id=rtenv.run_id,
                    rdzv_round=rtenv.round, checkpoint=CheckpointConfig(**rtenv.checkpoint),
                    control_path=rtenv.control_path, reform=reform, reform_timeout_s=rtenv.reform_timeout_s,
                    pg_timeout_s=rtenv.pg_timeout_s, standby=rtenv.standby, local_world_size=rtenv.local_world_size,
-                   inject_fault=rtenv.inject_fault)
+                   inject_fault=rtenv.inject_fault, device=device)
 
     @property
     def strategy_name(self) -> str:
@@ -196,6 +229,7 @@ class Runtime:
         if precision is not None:
             options["precision"] = precision
         self.strategy = get_strategy(chosen, **options)
+        self.strategy.device = self.device  # the strategy never guesses it from where the model sits
         if self.reform_enabled and self.strategy.reform_state is None:
             self._log.info("reform_in_place_unsupported", strategy=self.strategy.name,
                            effect="membership changes restart the workers (the fallback path)")
@@ -212,9 +246,10 @@ class Runtime:
         from trainguard.metrics import WorkerMetrics
 
         # A no-op (one warning) when the agent set up no metrics channel, e.g. under plain torchrun.
-        self._metrics = WorkerMetrics(self.rank, self.local_rank)
-        self._step_started = time.monotonic()
+        self._metrics = WorkerMetrics(self.rank, self.local_rank, device=self.device, gpu=dev.gpu_label(self.device))
         self._model, self._optimizer = self.strategy.setup(model, optimizer)
+        self._step_started = time.monotonic()
+        self._timer.start()
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
         self._make_manager()
@@ -244,9 +279,11 @@ class Runtime:
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
             # Built here (not by the manager) so that it gets workers.pg_timeout_s; the same one collective.
             group = self._new_gloo_group() if self.world_size > 1 else None
+            self._staging_ready = False
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
                                               strategy=self.strategy_name, process_group=group,
-                                              rdzv_id=self.rdzv_id, rdzv_round=self.round, base=base)
+                                              rdzv_id=self.rdzv_id, rdzv_round=self.round, base=base,
+                                              inflight_timeout_s=self.inflight_timeout_s)
             if self._interval is None:  # one schedule for the process: it survives in-place re-formations
                 self._interval = self._make_interval()
             else:
@@ -293,6 +330,7 @@ class Runtime:
         if step is not None:
             self.step = self._trainer.step
             self._saved_step = self.step
+            self._note_committed(step)
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
             restored = self._manager.last_restored
@@ -316,6 +354,7 @@ class Runtime:
         if self._interval is not None:
             self._interval.begin()
         self._step_started = time.monotonic()
+        self._timer.start()
         return self.step
 
     def _save(self, kind: str) -> tuple[float, SaveResult | None]:
@@ -332,6 +371,8 @@ class Runtime:
 
         def record(f: Future[SaveResult]) -> None:  # the persist thread, or here
             r = None if f.cancelled() or f.exception() is not None else f.result()
+            if r is not None:
+                self._note_committed(r.step)
             if r is None:
                 self._metrics.observe_checkpoint(kind, stage, None, blocked, 0, step, False)
             elif not r.skipped:
@@ -434,14 +475,18 @@ class Runtime:
         if self.world_size == 1 or not dist.is_initialized() or self._broken is not None:
             return tensor
         red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        # The default group runs on rt.device (NCCL takes GPU tensors only): a tensor elsewhere travels there.
+        work = tensor if tensor.device == self.device else tensor.to(self.device)
         try:
-            dist.all_reduce(tensor, op=red)
+            dist.all_reduce(work, op=red)
         except Exception as e:
             if not self._peer_failed(e):
                 raise
             return tensor
         if op == "mean":
-            tensor /= self.world_size
+            work /= self.world_size
+        if work is not tensor:
+            tensor.copy_(work)
         return tensor
 
     def _peer_failed(self, e: BaseException) -> bool:
@@ -477,9 +522,19 @@ class Runtime:
         self.step += 1
         now = time.monotonic()
         step_s = now - self._step_started  # the step itself: what end_step does next is not part of it
+        if self._manager is not None and not self._staging_ready:
+            # After the first step the optimizer state exists: allocate the staging buffers now, so that
+            # the first save (perhaps an emergency one, against a deadline) does not pay for them.
+            self._staging_ready = True
+            self._manager.prepare_staging(self._state())
         # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
         per_rank = self.cursor.global_batch_size // self.dp_size if self._counts_samples else 0
-        self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s)
+        if self._timer.cuda:  # host time says when work was queued: the GPU's events time the steps it finished
+            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, None)
+            for seconds in self._timer.lap():
+                self._metrics.observe_step_time(seconds)
+        else:
+            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s)
         self._metrics.sample_gpu_peak(now)
         due = self._interval_step(step_s, now) if self._interval is not None and self._manager is not None else False
         notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
@@ -488,7 +543,8 @@ class Runtime:
         # One all-reduce (MAX) agrees on everything at this step boundary: [stop reason, save kind]
         # where kind 2 = out of cycle (an early warning on some node), 1 = periodic, 0 = none.
         mine = self._local_request()
-        flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due))], dtype=torch.int32)
+        flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due)), _encode_deadline(self._deadline())],
+                             dtype=torch.int64)
         if self._group is not None:
             try:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
@@ -497,12 +553,12 @@ class Runtime:
                     raise
                 self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
                 return True
-        stop, save = proto.StopReason(int(flags[0])), int(flags[1])
+        stop, save, deadline = proto.StopReason(int(flags[0])), int(flags[1]), _decode_deadline(int(flags[2]))
         if stop is not proto.StopReason.NONE:
             if self.reform_enabled and mine is not proto.StopReason.DRAIN:
-                self._survive(stop)  # this node stays: park and re-form in place
+                self._survive(stop, deadline)  # this node stays: park and re-form in place
                 return True
-            self._stop(stop)
+            self._stop(stop, deadline)
         if save:
             if self._interval is not None:
                 self._interval.saved()
@@ -523,16 +579,20 @@ class Runtime:
         self._log.warning("step_rolled_back", step=self.step + 1, reason="peer_lost")
 
     # ---- in-place re-formation ------------------------------------------------------------------
-    def _survive(self, why: proto.StopReason) -> None:
-        """A peer drains or a node joins: commit what durability needs, then park for the new world."""
+    def _survive(self, why: proto.StopReason, deadline: float | None = None) -> None:
+        """A peer drains or a node joins: commit what durability needs, then park for the new world.
+        A save still running at the drain ``deadline`` is abandoned (see :meth:`_save_by`): the worker
+        exits with the resize code and the world restarts from the last commit."""
         kind = why.checkpoint_kind.value
         assert self.strategy is not None
         need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state == "checkpoint"
         if self._manager is not None and need_checkpoint:
-            seconds, result = self._save(kind)
-            committed = self._manager.wait()
+            try:
+                seconds, result, committed = self._save_by(kind, deadline)
+            except SaveAbandoned as e:
+                self._abandon(why, e)
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
-                           before_deadline=True)
+                           before_deadline=deadline is None or time.time() <= deadline)
             if self._link is not None:
                 self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank,
                                                   seconds=round(seconds, 3), nbytes=result.nbytes if result else 0,
@@ -552,7 +612,7 @@ class Runtime:
                 self._manager.close()  # an in-flight save finishes on the old groups first
                 base, self._manager = self._manager.base, None
             self._group = None
-            rf.teardown_world()
+            rf.teardown_world(self.device)
             assert self._link is not None
             self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
             self._log.info("worker_parked", step=self.step, reason=reason.value)
@@ -576,6 +636,7 @@ class Runtime:
         self._broken = None
         self.reformations += 1
         self._step_started = time.monotonic()
+        self._timer.start()
         self._log.info("worker_reformed", step=self.step, reason=reason.value, old_rank=old[0], old_world_size=old[1],
                        accum_steps=self.accum_steps, state=outcome, live_step=live,
                        parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
@@ -591,9 +652,12 @@ class Runtime:
         raise RuntimeError(f"injected fault at {point} (inject_fault={self._inject_fault!r})")
 
     def _join_world(self, msg: proto.Reform) -> None:
+        if dev.select_device(msg.local_rank) != self.device:  # a live process cannot move its model
+            raise RuntimeError(f"the new world gives this worker local rank {msg.local_rank} ({dev.select_device(msg.local_rank)}), "
+                               f"but its state lives on {self.device}")
         rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
                       local_world_size=msg.local_world_size, master_addr=msg.master_addr, master_port=msg.master_port,
-                      group_rank=msg.group_rank, nodes=msg.nodes, timeout_s=self.pg_timeout_s)
+                      device=self.device, group_rank=msg.group_rank, nodes=msg.nodes, timeout_s=self.pg_timeout_s)
         self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
         self.local_world_size = msg.local_world_size
         self.round = msg.round
@@ -638,11 +702,71 @@ class Runtime:
             if d["scaler"] is not None and self.strategy is not None and self.strategy.scaler is not None:
                 self.strategy.scaler.load_state_dict(d["scaler"])
 
-        return rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group)
+        # Flags and small state over the gloo group; the tensors over the default group when they live on
+        # the GPU (NCCL), over the same gloo group on the CPU.
+        return rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group,
+                                  tensor_group=None if self.device.type == "cuda" else self._group)
 
-    def _stop(self, why: proto.StopReason) -> None:
+    def _deadline(self) -> float | None:
+        """This node's drain deadline (epoch seconds), when its agent asked it to drain."""
+        if self._link is None or self._local_request() is not proto.StopReason.DRAIN:
+            return None
+        return self._link.deadline
+
+    def _save_by(self, kind: str, deadline: float | None) -> tuple[float, SaveResult | None, int | None]:
+        """Save this step and wait for its commit; return ``(seconds, its result, committed step)``.
+
+        With a ``deadline`` (epoch seconds: the earliest drain deadline any rank knows, agreed at the
+        step boundary) the save runs in a helper thread and is abandoned when the deadline passes
+        (:class:`SaveAbandoned`): a peer that vanished without a TCP reset leaves the save's gloo
+        collectives waiting for ``workers.pg_timeout_s`` (torch's gloo default: 30 minutes), far past
+        any notice. The thread stays blocked; the caller exits the process. Without a deadline (a
+        resize), the process groups' timeout bounds the wait."""
+        assert self._manager is not None
+        manager = self._manager
+        if deadline is None:
+            seconds, result = self._save(kind)
+            return seconds, result, self._note_committed(manager.wait())
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            dev.bind(self.device)  # CUDA's current device is per thread: not device 0 for this one
+            try:
+                seconds, result = self._save(kind)
+                box["ok"] = (seconds, result, self._note_committed(manager.wait()))
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                box["err"] = e
+
+        t = threading.Thread(target=run, name="trainguard-emergency-save", daemon=True)
+        t.start()
+        t.join(max(0.0, deadline - time.time()))
+        if t.is_alive():
+            raise SaveAbandoned(f"the {kind} checkpoint of step {self.step} was still running at the drain deadline")
+        if "err" in box:
+            raise box["err"]
+        return box["ok"]
+
+    def _note_committed(self, step: int | None) -> int | None:
+        if step is not None and (self._committed is None or step > self._committed):
+            self._committed = step
+        return step
+
+    def _abandon(self, why: proto.StopReason, e: SaveAbandoned) -> None:
+        """The deadline passed mid-save: the last committed checkpoint stands. Say how much work that
+        loses, tell the agent, and exit with the resize code (no cleanup: a thread may be stuck in a
+        collective with a vanished peer, and closing the manager would wait for it)."""
+        last = self._committed
+        self._metrics.observe_checkpoint(why.checkpoint_kind.value, None, None, 0.0, 0, self.step, False)
+        self._log.error("checkpoint_abandoned", step=self.step, kind=why.checkpoint_kind.value, reason=str(e),
+                        last_committed=last, lost_steps=self.step - (last or 0),
+                        effect="exiting with the resize code; the job resumes from the last committed step")
+        if self._link is not None:
+            self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
+                                              last_committed=last))
+        self._exit(proto.EXIT_RESIZE)
+
+    def _stop(self, why: proto.StopReason, deadline: float | None = None) -> None:
         kind = why.checkpoint_kind.value
-        deadline = self._link.deadline if self._link else None
         self._log.warning("worker_stopping", step=self.step, kind=kind,
                           deadline_in_s=round(deadline - time.time(), 1) if deadline else None)
         report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False)
@@ -652,8 +776,7 @@ class Runtime:
                               effect="the next start begins from step 0")
         else:
             try:
-                seconds, result = self._save(kind)
-                committed = self._manager.wait()
+                seconds, result, committed = self._save_by(kind, deadline)
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, seconds=round(seconds, 3),
@@ -661,12 +784,10 @@ class Runtime:
                                          stage_s=round(result.stage_s, 6) if result else 0.0,
                                          persist_s=round(result.persist_s, 6) if result else 0.0,
                                          last_committed=committed)
+            except SaveAbandoned as e:
+                self._abandon(why, e)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
-                last = None
-                try:
-                    last = self._manager.latest()
-                except CheckpointError as e2:
-                    self._log.warning("checkpoint_latest_unknown", error=str(e2)[:500])
+                last = self._committed  # local knowledge: asking rank 0 is a collective, and a peer may be gone
                 self._metrics.observe_checkpoint(kind, None, None, self._manager.last_blocked_s, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
@@ -696,7 +817,7 @@ class Runtime:
             kind = proto.CheckpointKind.FINAL
             try:
                 seconds, result = self._save(kind.value)
-                committed = self._manager.wait()
+                committed = self._note_committed(self._manager.wait())
             except Exception as e:
                 self._metrics.observe_checkpoint(kind.value, None, None, 0.0, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind.value, error=str(e)[:500])
@@ -716,5 +837,5 @@ class Runtime:
             self.strategy.teardown()
         if dist.is_initialized():
             if barrier:
-                dist.barrier()
+                dist.barrier(**dev.barrier_kwargs(self.device))
             dist.destroy_process_group()

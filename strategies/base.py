@@ -119,10 +119,11 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def module_device(model: torch.nn.Module) -> torch.device:
-    """The device of the model's first parameter (CPU for a parameterless module)."""
-    for p in model.parameters():
-        return p.device
+def default_device() -> torch.device:
+    """The device a strategy uses when nobody set :attr:`Strategy.device`: the current CUDA device
+    when CUDA is available, else the CPU. The worker runtime always sets it (``rt.device``)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -132,6 +133,10 @@ class Strategy(ABC):
     Not thread-safe; the training loop owns it. Subclasses set :attr:`name` and
     :attr:`reshard_native` and implement :meth:`setup` and :meth:`no_sync`; they may override the
     precision hooks (:meth:`autocast`, :meth:`make_scaler`) when they handle precision natively.
+
+    **Device rule:** a strategy trains on :attr:`device`, which the runtime sets (``rt.device``) before
+    :meth:`setup`; it never derives the device from where the model's parameters sit (a model built on
+    the CPU or on ``meta`` is moved or materialised there).
     """
 
     name: ClassVar[str]
@@ -147,6 +152,8 @@ class Strategy(ABC):
     def __init__(self, *, precision: str | int | Precision | None = "32") -> None:
         self.precision = Precision.parse(precision)
         self.scaler: Any = None
+        self.device: torch.device | None = None
+        """Where this worker trains (set by the runtime before :meth:`setup`; None: :func:`default_device`)."""
         self._device_type = "cpu"
         self.keep_wrapped = False
         """Set by the runtime when worlds re-form in place: wrap even at world size 1, so that the
@@ -205,9 +212,16 @@ class Strategy(ABC):
         return _plan(global_batch, world_size, micro_batch)
 
     # -- precision -------------------------------------------------------------------------------
-    def _prepare_precision(self, model: torch.nn.Module) -> None:
-        """Record the device type and build the loss scaler (call from :meth:`setup`)."""
-        self._device_type = module_device(model).type
+    def target_device(self) -> torch.device:
+        """:attr:`device`, filled in with :func:`default_device` when the runtime did not set it."""
+        if self.device is None:
+            self.device = default_device()
+        return self.device
+
+    def _prepare_precision(self, model: torch.nn.Module | None = None) -> None:
+        """Record the device type (of :attr:`device`; ``model`` is not looked at) and build the loss
+        scaler (call from :meth:`setup`)."""
+        self._device_type = self.target_device().type
         if self.precision.needs_scaler and self.scaler is None:
             self.scaler = self.make_scaler()
 

@@ -46,16 +46,22 @@ class DDPStrategy(Strategy):
 
     def setup(self, model: torch.nn.Module,
               optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """See base class. DDP keeps the parameter objects, so ``optimizer`` is returned unchanged."""
-        self._prepare_precision(model)
+        """See base class. The model is moved to :attr:`~Strategy.device` (``Module.to`` keeps the
+        parameter objects, so ``optimizer`` stays valid and is returned unchanged). A model built on
+        ``meta`` is refused: DDP replicates real weights (use fsdp for meta-device initialisation)."""
+        self._prepare_precision()
+        if any(p.is_meta for p in model.parameters()):
+            raise StrategyError("ddp got a model with parameters on the meta device. Fix: build it on the CPU or on "
+                                "rt.device (or use strategy='fsdp', which materialises meta-device models shard by shard)")
+        model.to(self.target_device())
         _, size = world()
         if size == 1 and not self.keep_wrapped:
             return model, optimizer
-        return DistributedDataParallel(model, **self._ddp_args(model)), optimizer
+        return DistributedDataParallel(model, **self._ddp_args()), optimizer
 
-    def _ddp_args(self, model: torch.nn.Module) -> dict[str, Any]:
-        dev = next(model.parameters()).device
-        return {"device_ids": [dev.index] if dev.type == "cuda" else None, **self.ddp_kwargs}
+    def _ddp_args(self) -> dict[str, Any]:
+        device = self.target_device()
+        return {"device_ids": [device.index] if device.type == "cuda" else None, **self.ddp_kwargs}
 
     def reform(self, model: torch.nn.Module,
                optimizer: torch.optim.Optimizer | None) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
@@ -65,7 +71,7 @@ class DDPStrategy(Strategy):
                                 "keep_wrapped before setup)")
         training = model.training
         inner = model.module
-        DistributedDataParallel.__init__(model, inner, **self._ddp_args(inner))
+        DistributedDataParallel.__init__(model, inner, **self._ddp_args())
         model.train(training)
         return model, optimizer
 

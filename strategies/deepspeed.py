@@ -81,7 +81,6 @@ from trainguard.strategies.base import (
     BATCH_RULE,
     Strategy,
     StrategyError,
-    module_device,
     register_strategy,
     world,
 )
@@ -278,7 +277,6 @@ class DeepSpeedStrategy(Strategy):
                 self._set_local_rank = True
         _, size = world()
         self.ds_config = self.build_config(size)
-        self._device_type = module_device(model).type
         if self.offload and self.user_config.get("zero_force_ds_cpu_optimizer", True):
             from trainguard.strategies.deepspeed_ops import load_cpu_adam
 
@@ -287,6 +285,13 @@ class DeepSpeedStrategy(Strategy):
         self._probe = OptimizerProbe(optimizer)
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         self.engine = engine
+        # The engine moved the module to its device (DeepSpeed's accelerator + LOCAL_RANK): autocast and
+        # the scaler follow that device, never where the module sat before initialize().
+        self._device_type = torch.device(engine.device).type
+        if self.device is not None and torch.device(engine.device) != self.device:
+            raise StrategyError(f"DeepSpeed placed the model on {engine.device}, but this worker's device is {self.device} "
+                                f"(rt.device, from LOCAL_RANK). Fix: leave DS_ACCELERATOR and LOCAL_RANK as the launcher "
+                                f"set them; one worker per GPU")
         return engine, ds_optimizer
 
     # -- step ------------------------------------------------------------------------------------

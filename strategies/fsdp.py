@@ -26,6 +26,23 @@ Options
     on the CPU (meaningful on GPU; a no-op on a CPU-only run).
     ``reshard_after_forward``: free the unsharded parameters after forward (ZeRO-3 like, default) or
     keep them until backward (ZeRO-2 like, more memory, one all-gather fewer).
+    ``accumulate_unsharded``: with gradient accumulation > 1, keep full-size (unsharded, fp32)
+    gradients locally until the last micro-batch (``set_requires_gradient_sync(False)``): one
+    reduce-scatter per step instead of one per micro-batch, at the memory cost of a full gradient
+    replica per GPU (about 28 GB at 7B parameters). Off by default: accumulation > 1 happens exactly
+    after the world shrinks, so the fast path would make a resize OOM the survivors. When on, the
+    estimate is logged (``fsdp_unsharded_gradients``) at every setup/re-formation that accumulates.
+
+Device and meta-device initialisation
+    The mesh is built on :attr:`~Strategy.device` (``rt.device``), never on the device the model sits
+    on. A model built on the CPU is moved shard by shard to that device by ``fully_shard``; a model
+    built on ``meta`` (``with torch.device("meta"): model = Net()``: no memory at all) is sharded
+    there, materialised with ``to_empty(device=rt.device)`` (each rank allocates its shards only) and
+    initialised by ``init_weights(module)`` (default: ``reset_parameters()`` of every module that has
+    one, ``_reset_parameters()`` for ``nn.MultiheadAttention``; the model's own ``reset_parameters``
+    must set its non-persistent buffers, which no checkpoint holds). Restoring a checkpoint then
+    overwrites the parameters. In-place re-formation re-runs the initialiser on the fresh shards of a
+    meta-built model before the checkpoint reload.
 
 Optimizer
     ``fully_shard`` replaces every parameter with a sharded one, so :meth:`FSDPStrategy.setup` builds
@@ -63,14 +80,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainguard.runtime.log import get_logger
 from trainguard.strategies.base import (
     Strategy,
     StrategyError,
-    module_device,
     param_names,
     rebuild_optimizer,
     register_strategy,
 )
+
+log = get_logger("trainguard.strategies.fsdp")
 
 WrapPolicy = Sequence[type[nn.Module] | str] | Callable[[nn.Module], bool] | None
 
@@ -139,6 +158,8 @@ class FSDPStrategy(Strategy):
         activation_checkpointing: False, True (= the wrapped modules), or a policy like ``wrap``.
         cpu_offload: offload sharded parameters/gradients/optimizer step to CPU (``CPUOffloadPolicy``).
         reshard_after_forward: passed to ``fully_shard`` for the non-root modules.
+        accumulate_unsharded: the one-reduce-scatter-per-step accumulation path (see the module docstring).
+        init_weights: initialiser of a meta-device model after ``to_empty`` (default: ``reset_parameters``).
     """
 
     name = "fsdp"
@@ -147,8 +168,11 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, *, precision: Any = "32", wrap: WrapPolicy = None,
                  activation_checkpointing: WrapPolicy | bool = False, cpu_offload: bool = False,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, accumulate_unsharded: bool = False,
+                 init_weights: Callable[[nn.Module], None] | None = None) -> None:
         super().__init__(precision=precision)
+        self.accumulate_unsharded = accumulate_unsharded
+        self.init_weights = init_weights
         self.wrap = wrap
         self.activation_checkpointing = activation_checkpointing
         self.cpu_offload = cpu_offload
@@ -157,6 +181,9 @@ class FSDPStrategy(Strategy):
         self.checkpointed: list[str] = []
         self.owns_process_group = False
         self._template: nn.Module | None = None
+        self._accum = 1
+        self._meta_init = False
+        self._grad_bytes: int | None = None
         self._opt_names: list[list[str]] = []
 
     # -- setup -----------------------------------------------------------------------------------
@@ -185,19 +212,50 @@ class FSDPStrategy(Strategy):
         """See base class. Returns the same (now sharded) model object and a rebuilt optimizer; with
         :attr:`keep_wrapped`, an :class:`ElasticModule` around it (see the module docstring)."""
         old = param_names(model)
-        device_type = module_device(model).type
-        self._prepare_precision(model)
+        self._prepare_precision()
+        device = self.target_device()
+        on_meta = any(p.is_meta for p in model.parameters())
         if self.keep_wrapped:
             self._template = meta_copy(model)
-        self._shard(model, device_type)
+        self._shard(model, device.type)
+        if on_meta:
+            self._materialise(model, device)
         new = {_strip_ckpt(n): p for n, p in model.named_parameters()}
+        self._grad_bytes = self.unsharded_gradient_bytes(model)
+        self._log_unsharded()
         opt = rebuild_optimizer(optimizer, old, new)
         if not self.keep_wrapped:
             return model, opt
         by_id = {id(p): n for n, p in new.items()}
         self._opt_names = [[by_id[id(p)] for p in g["params"]] for g in opt.param_groups]
-        self._device_type = device_type
         return ElasticModule(model), opt
+
+    def _materialise(self, model: nn.Module, device: torch.device) -> None:
+        """A meta-device model, sharded: allocate this rank's shards on ``device`` and initialise them."""
+        model.to_empty(device=device)
+        self._meta_init = True
+        self._initialise(model)
+
+    def _initialise(self, model: nn.Module) -> None:
+        with torch.no_grad():
+            if self.init_weights is not None:
+                self.init_weights(model)
+                return
+            for m in model.modules():
+                reset = getattr(m, "reset_parameters", None)
+                if not callable(reset) and isinstance(m, nn.MultiheadAttention):
+                    reset = m._reset_parameters
+                if callable(reset):
+                    reset()
+
+    def unsharded_gradient_bytes(self, model: nn.Module) -> int:
+        """Bytes of the full-size gradients the unsharded accumulation path keeps per rank (fp32 when
+        mixed precision reduces in fp32). ``numel`` of a sharded ``DTensor`` is its global size."""
+        total = 0
+        for p in _inner(model).parameters():
+            dtype = torch.float32 if self.precision.compute_dtype is not None else p.dtype
+            total += p.numel() * torch.empty((), dtype=dtype).element_size()
+        return total
 
     def _shard(self, model: nn.Module, device_type: str) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -222,8 +280,10 @@ class FSDPStrategy(Strategy):
             raise StrategyError("fsdp reform() needs the ElasticModule setup() returned with keep_wrapped set")
         fresh = copy.deepcopy(self._template)
         buffers = {n: b for n, b in fresh.named_buffers()}
-        self._shard(fresh, self._device_type)
-        fresh.to_empty(device=torch.device(self._device_type))
+        self._shard(fresh, self.target_device().type)
+        fresh.to_empty(device=self.target_device())
+        if self._meta_init:  # the template's buffers are on meta too: recompute them
+            self._initialise(fresh)
         with torch.no_grad():
             for n, b in fresh.named_buffers():  # to_empty dropped their values; persistent ones reload too
                 src = buffers.get(_strip_ckpt(n))
@@ -263,9 +323,24 @@ class FSDPStrategy(Strategy):
 
     # -- step ------------------------------------------------------------------------------------
     def no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
-        """See base class: ``set_requires_gradient_sync(False)`` keeps unsharded gradients locally
-        until the last micro-batch, which reduce-scatters the accumulated sum."""
-        return _gradient_sync(_inner(model), last)
+        """See base class. Default: every micro-batch reduce-scatters its gradients, which accumulate
+        sharded (1/world of the memory). With ``accumulate_unsharded``:
+        ``set_requires_gradient_sync(False)`` keeps unsharded gradients locally until the last
+        micro-batch, which reduce-scatters the accumulated sum."""
+        return _gradient_sync(_inner(model), last or not self.accumulate_unsharded)
+
+    def plan(self, global_batch: int, world_size: int, micro_batch: int) -> tuple[int, int]:
+        """See base class; logs the unsharded-gradient memory when that path will be taken."""
+        accum, per_rank = super().plan(global_batch, world_size, micro_batch)
+        self._accum = accum
+        self._log_unsharded()
+        return accum, per_rank
+
+    def _log_unsharded(self) -> None:
+        if self._accum > 1 and self.accumulate_unsharded and self._grad_bytes is not None:
+            log.info("fsdp_unsharded_gradients", accum_steps=self._accum, bytes_per_rank=self._grad_bytes,
+                     effect="each rank holds full-size gradients until the last micro-batch",
+                     fix="leave accumulate_unsharded off to reduce-scatter per micro-batch (sharded gradients)")
 
     def teardown(self) -> None:
         """See base class: destroys the one-rank group :meth:`setup` created, if it did."""
@@ -275,7 +350,8 @@ class FSDPStrategy(Strategy):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "wrapped": self.wrapped, "activation_checkpointing": self.checkpointed,
-                "cpu_offload": self.cpu_offload, "reshard_after_forward": self.reshard_after_forward}
+                "cpu_offload": self.cpu_offload, "reshard_after_forward": self.reshard_after_forward,
+                "accumulate_unsharded": self.accumulate_unsharded}
 
 
 @contextlib.contextmanager

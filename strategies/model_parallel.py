@@ -47,7 +47,6 @@ from trainguard.strategies.base import (
     BATCH_RULE,
     Strategy,
     StrategyError,
-    module_device,
     param_names,
     rebuild_optimizer,
     register_strategy,
@@ -142,8 +141,8 @@ class ModelParallelStrategy(Strategy):
         if self.mesh is not None:
             raise StrategyError("ModelParallelStrategy.setup() was called twice. Fix: build one strategy per model")
         old = param_names(model)
-        self._prepare_precision(model)
-        self.mesh = self._build_mesh(module_device(model).type)
+        self._prepare_precision()
+        self.mesh = self._build_mesh(self.target_device().type)  # rt.device, never where the model sits
         out = self.parallelize_fn(model, self.mesh)
         model = model if out is None else out
         if not isinstance(model, nn.Module):

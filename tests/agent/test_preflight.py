@@ -248,3 +248,15 @@ def test_checkpoints_show_accepts_the_run_folder(tmp_path, capsys):
         assert args.func(args) == 0, capsys.readouterr()
         out = capsys.readouterr().out
         assert "run-a" in out and "final" in out and "several runs" not in out
+
+
+@pytest.mark.parametrize("reform,inherited,env,expected", [
+    (True, {}, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
+    (False, {}, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
+    (True, {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
+    (False, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
+])
+def test_gpu_worker_env_defaults(reform, inherited, env, expected):
+    """NCCL failures surface (abort the communicator and survive to re-form, or tear the worker
+    down), and CUDA numbers GPUs as NVML does; the user's own settings win."""
+    assert workerenv.gpu_defaults(WorkersConfig(env=env), inherited, reform_in_process=reform) == expected

@@ -299,3 +299,14 @@ def test_wait_for_next_scrape_ignores_a_scrape_begun_before() -> None:
         later.join()
         text = urllib.request.urlopen(ex.url + "/metrics", timeout=5).read()  # the body is unchanged
         assert text == b"" or b"# HELP" in text
+
+
+def test_gpu_series_labelled_by_uuid_when_nvml_says(metrics_factory, fake_nvml: FakeNvml) -> None:
+    """NVML side labelled by UUID (as the workers' allocator peak: rt.device's UUID), not by NVML index."""
+    fake_nvml.nvmlDeviceGetUUID = lambda h: [b"GPU-aaaa-0000", "bbbb-1111"][h]  # bytes or str, prefix or not
+    m = metrics_factory(nvml=fake_nvml)
+    assert value(m, "trainguard_gpu_memory_used_bytes", gpu="GPU-aaaa-0000") == 1 << 30
+    assert value(m, "trainguard_gpu_memory_used_bytes", gpu="GPU-bbbb-1111") == 2 << 30
+    with pytest.raises(KeyError):
+        value(m, "trainguard_gpu_memory_used_bytes", gpu="0")
+    m.close()
