@@ -74,7 +74,10 @@ def test_two_nodes_train_restart_scale_up_and_drain(nodes):
         assert [e["new"] for e in c.events("state_change")][-2:] == ["draining", "stopped"]
         # the survivors' re-formations for the scale-up and for the peer's drain were free
         assert {n.name: control.request(n.socket, StatusRequest()).data["remaining_restarts"] for n in (a, b)} == budget
-        assert [e["reason"] for e in a.events("decision")][-1] == "peer_drain"
+        # The survivor whose worker notices first says peer_drain; the other may see it waiting in the
+        # next round first and call it a scale-up (the same restart, no restart consumed).
+        last = {n.name: [e["reason"] for e in n.events("decision")][-1] for n in (a, b)}
+        assert "peer_drain" in last.values() and set(last.values()) <= {"peer_drain", "scale_up"}, last
     except AssertionError:
         print(a.dump(), b.dump(), sep="\n")
         raise

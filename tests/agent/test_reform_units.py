@@ -89,3 +89,31 @@ def test_runtime_env_round_trip_with_reform_fields():
 ])
 def test_what_counts_as_a_vanished_peer(err, peer):
     assert is_peer_failure(err) is peer
+
+
+def test_a_void_step_swallows_later_peer_failures_and_nothing_else(tmp_path, monkeypatch):
+    """Once a vanished peer made the step void (a failed background save, a failed collective), the
+    rest of the step still runs the script's forward, and DDP's forward broadcasts buffers: that
+    failure must be swallowed too (the step is rolled back), any other error must not."""
+    import signal
+
+    import torch
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.runtime.runtime import Runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # setup() may set it: restored
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0, checkpoint=CheckpointConfig())
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
+        rt.reform_enabled = True  # as under an agent with workers.reform: in-process
+        rt._broken = RuntimeError("Connection closed by peer")  # the step is void already
+        with rt.accumulating(last=True):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24775")
+        with pytest.raises(ValueError), rt.accumulating(last=True):
+            raise ValueError("a bug in the script")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
