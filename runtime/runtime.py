@@ -560,19 +560,32 @@ class Runtime:
         stop, save, deadline = proto.StopReason(int(flags[0])), int(flags[1]), _decode_deadline(int(flags[2]))
         if stop is not proto.StopReason.NONE:
             if self.reform_enabled and mine is not proto.StopReason.DRAIN:
+                assert self.strategy is not None
+                if save and stop is not proto.StopReason.DRAIN and self.strategy.reform_state != "checkpoint":
+                    # The re-formation itself saves nothing here (the state is handed over in memory):
+                    # keep the periodic schedule, so that the step the new world continues from is durable.
+                    if not self._periodic_save(save):
+                        return True  # a peer vanished during it: re-formed already
                 self._survive(stop, deadline)  # this node stays: park and re-form in place
                 return True
             self._stop(stop, deadline)
         if save:
-            if self._interval is not None:
-                self._interval.saved()
-            try:
-                self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
-            except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
-                if not self._peer_failed(e):
-                    raise
-                self._park(proto.ParkReason.PEER_LOST)
+            self._periodic_save(save)
         self._step_started = time.monotonic()
+        return True
+
+    def _periodic_save(self, save: int) -> bool:
+        """The periodic (``save == 1``) or out-of-cycle notice (``2``) checkpoint agreed at this step.
+        False when a peer vanished during it (this worker parked and re-formed meanwhile)."""
+        if self._interval is not None:
+            self._interval.saved()
+        try:
+            self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
+        except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
+            if not self._peer_failed(e):
+                raise
+            self._park(proto.ParkReason.PEER_LOST)
+            return False
         return True
 
     def _roll_back_step(self) -> None:
