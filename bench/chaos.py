@@ -56,7 +56,7 @@ from tests import samples as sample_log  # noqa: E402
 from tests.emulators import AwsImdsEmulator  # noqa: E402
 from tests.fixtures.http_faults import HttpFaultProxy  # noqa: E402
 from tests.fixtures.storage import make_bucket, s3_options, start_moto_server  # noqa: E402
-from tests.harness import alive, free_port, wait_listening  # noqa: E402
+from tests.harness import alive, descendants, free_port, wait_listening  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 GLOBAL_BATCH = 24
@@ -106,24 +106,9 @@ def say(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- processes
-def _ppids() -> dict[int, int]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{entry}/stat") as fh:
-                    out[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
-    return out
-
-
 def tree(pid: int) -> set[int]:
     """``pid`` and its live descendants."""
-    ppids = _ppids()
-    found, frontier = {pid}, {pid}
-    while frontier:
-        frontier = {p for p, pp in ppids.items() if pp in frontier} - found
-        found |= frontier
-    return {p for p in found if alive(p)}
+    return {p for p in (pid, *descendants(pid)) if alive(p)}
 
 
 def cmdline(pid: int) -> str:

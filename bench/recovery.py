@@ -50,7 +50,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from tests.harness import alive, descendants, free_port  # noqa: E402  (process helpers shared with the tests)
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 PLAIN = os.path.join(REPO, "examples", "train_gpt.py")
 GLOBAL_BATCH = 24
@@ -81,12 +82,6 @@ class BenchError(RuntimeError):
 
 def say(who: str, text: str) -> None:
     print(f"[{time.time() - T0:6.1f}s] {who:<9} {text}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def iso_z(epoch: float) -> str:
@@ -121,41 +116,12 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: flo
 # ---------------------------------------------------------------------------------------- IMDSv2
 def imds() -> Any:
     """The AWS IMDSv2 emulator the tests use (``tests/emulators``), started."""
-    sys.path.insert(0, REPO)
     from tests.emulators import AwsImdsEmulator
 
     return AwsImdsEmulator()
 
 
 # ---------------------------------------------------------------------------------------- processes
-def _ppids() -> dict[int, int]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{entry}/stat") as fh:
-                    out[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    ppids = _ppids()
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, pp in ppids.items() if pp in frontier]
-        found += kids
-        frontier = kids
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     """``sig`` to ``pid``, its descendants and their process groups (torch elastic starts each worker
     in a session of its own, so the launcher's group alone does not reach the workers)."""

@@ -22,19 +22,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc)."""
-    out = []
+def parent_pids() -> dict[int, int]:
+    """pid -> parent pid of every process, from one scan of /proc."""
+    out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    out.append(int(entry))
-            except (OSError, IndexError):
+                    out[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
                 pass
     return out
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    return [p for p, pp in parent_pids().items() if pp == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid``, breadth first (from one scan of /proc)."""
+    ppids = parent_pids()
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in ppids.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
 
 
 def alive(pid: int) -> bool:
