@@ -428,15 +428,10 @@ class Runtime:
         In-place mode: a collective that fails inside because a peer vanished is swallowed here and
         the step is rolled back at :meth:`end_step`."""
         assert self.strategy is not None and self._model is not None, "setup() first"
-        if self._broken is not None:  # the step is void already; the forward may still run a collective
-            try:
-                yield
-            except Exception as e:
-                if not self._peer_failed(e):
-                    raise
-            return
+        # A step made void already skips the sync; its forward may still run a collective that fails.
+        sync = contextlib.nullcontext() if self._broken is not None else self.strategy.no_sync(self._model, last)
         try:
-            with self.strategy.no_sync(self._model, last):
+            with sync:
                 yield
         except Exception as e:
             if not self._peer_failed(e):
