@@ -507,17 +507,25 @@ class Runtime:
         """Call after ``optimizer.step()``: counts the step, agrees with every rank on drain/resize and
         periodic checkpoints, saves, and exits with code 75 after an emergency/resize checkpoint (or,
         re-forming in place, continues in the new world). Returns whether the step counted: False when
-        a vanished peer interrupted it (it is redone with the same samples)."""
+        a vanished peer interrupted it and the new world redoes it (with the same samples). A rank whose
+        own optimizer step failed still gets True when another survivor finished that step: the new
+        world continues from the newest live state, so the step counted for the job."""
         assert self.cursor is not None, "setup() first"
         stepped, self._stepped = self._stepped, False
         if self._broken is not None:
+            attempted = self.step + 1
             if stepped:  # the optimizer step ran on this rank: the step happened; the new world agrees
                 self.step += 1
                 self._park(proto.ParkReason.PEER_LOST)
                 return True
             self._roll_back_step()
             self._park(proto.ParkReason.PEER_LOST)
-            return False
+            # The survivors agree on the newest live state (sync_live_state): a peer whose all-reduce
+            # completed before the failure handed the finished step over, and it is not redone.
+            if self.step < attempted:
+                return False
+            self._log.info("step_handed_over", step=attempted, reason="a survivor finished it before the failure")
+            return True
         self.step += 1
         now = time.monotonic()
         step_s = now - self._step_started  # the step itself: what end_step does next is not part of it

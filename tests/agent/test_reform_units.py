@@ -117,3 +117,41 @@ def test_a_void_step_swallows_later_peer_failures_and_nothing_else(tmp_path, mon
             raise ValueError("a bug in the script")
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("peer_finished", [True, False])
+def test_a_step_a_survivor_finished_counts_on_the_rank_whose_step_failed(tmp_path, monkeypatch, peer_finished):
+    """A peer dies mid all-reduce: one survivor's collective completed (its optimizer step ran),
+    another's failed (it rolled back). The new world takes the newest live state, so the step
+    counted for the job; end_step must say so on both, or the script would log the step as void
+    and the job's sample accounting would miss a step that was trained (chaos case sigkill_node)."""
+    import signal
+
+    import torch
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.runtime.runtime import Runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0, checkpoint=CheckpointConfig())
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
+        rt.reform_enabled = True
+        rt.step = 7
+        parked: list[proto.ParkReason] = []
+
+        def park(reason: proto.ParkReason) -> None:  # the new world: the newest live state wins
+            parked.append(reason)
+            if peer_finished:
+                rt.step = 8
+
+        monkeypatch.setattr(rt, "_park", park)
+        rt._broken = RuntimeError("Connection closed by peer")
+        rt._stepped = False  # this rank's optimizer step did not run
+        assert rt.end_step() is peer_finished
+        assert parked == [proto.ParkReason.PEER_LOST] and rt.step == (8 if peer_finished else 7)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
