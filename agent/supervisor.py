@@ -63,6 +63,7 @@ from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
 from trainguard.agent.decisions import Act, Decision, Observation, decide
 from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, World
+from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
 from trainguard.runtime import protocol as proto
 from trainguard.runtime.log import get_logger
@@ -148,6 +149,9 @@ class Supervisor:
         self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
         os.makedirs(cfg.agent.state_dir, mode=0o700, exist_ok=True)
         self.control_path = proto.control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
+        # Tier 0: the agent owns its workers' snapshot memory (it outlives a worker); removed in _finish.
+        self.snapshots = NodeSnapshots(cfg.checkpoint, cfg.agent.job_id, cfg.agent.node_name)
+        self.memory_dir = self.snapshots.open()
         self.control = ControlServer(self.control_path, self._on_control)
         entrypoint, args = worker_command(cfg)
         spec = WorkerSpec(
@@ -264,7 +268,7 @@ class Supervisor:
             control_path=self.control_path, round=self.adapter.round,
             checkpoint=dataclasses.asdict(cfg.checkpoint), reform=self.reform_enabled,
             reform_timeout_s=cfg.workers.reform_timeout_s, standby=self._standby_start,
-            pg_timeout_s=cfg.workers.pg_timeout_s,
+            pg_timeout_s=cfg.workers.pg_timeout_s, memory_dir=self.memory_dir,
         ).to_env()
         env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
         env.update(workerenv.gpu_defaults(cfg.workers, os.environ, reform_in_process=self.reform_enabled))
@@ -673,6 +677,7 @@ class Supervisor:
             except Exception as e:
                 log.warning("rendezvous_close_failed", error=str(e))
         self.control.close()
+        self.snapshots.remove(outcome.value)  # the job is over for this node: its snapshots with it
         code = 0 if outcome in (AgentState.SUCCEEDED, AgentState.STOPPED) else 1
         log.info("agent_exit", outcome=outcome.value, exit_code=code,
                  uptime_s=round(time.monotonic() - self._run_started, 1))

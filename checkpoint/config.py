@@ -71,7 +71,29 @@ class CheckpointConfig:
     or at once on a permission error): ``fail`` (raise a clear error; nothing in storage changes) or
     ``fallback`` (restore the next older step; nothing is marked stale or deleted)."""
 
+    memory_interval_steps: int = 0
+    """Tier 0: snapshot every worker's checkpoint state into shared memory owned by the node's agent
+    every N steps (0 = off). A worker killed without notice is then restarted from the newest step
+    every rank snapshotted, losing at most N steps, instead of from the last checkpoint in storage.
+    Needs the trainguard agent (it owns the memory: a worker's death leaves it intact); under plain
+    torchrun nothing is snapshotted. Costs two copies of each rank's state in host memory."""
+
+    memory_max_bytes: int = 0
+    """Tier 0: the most host memory this node's snapshots may take, in bytes (all local workers, both
+    buffers of each). 0: only the free space of ``memory_dir`` limits it. A state that does not fit
+    stops the worker with an error naming this key."""
+
+    memory_dir: str = "/dev/shm"
+    """Tier 0: the memory-backed folder (tmpfs) the agent creates its node's snapshot folder in
+    (``<memory_dir>/trainguard-<job_id>-<node>/``, removed when the job ends or the node leaves)."""
+
     def __post_init__(self) -> None:
+        require(self.memory_interval_steps >= 0, "memory_interval_steps", f"must be >= 0, got {self.memory_interval_steps}",
+                "use 0 to turn in-memory snapshots off, 1 to snapshot every step")
+        require(self.memory_max_bytes >= 0, "memory_max_bytes", f"must be >= 0, got {self.memory_max_bytes}",
+                "use 0 for no cap besides the free space of memory_dir, or a number of bytes")
+        require(bool(self.memory_dir) and self.memory_dir.startswith("/"), "memory_dir",
+                f"must be an absolute path, got {self.memory_dir!r}", "use a tmpfs folder such as /dev/shm")
         require(self.keep_last >= 2, "keep_last", f"must be >= 2, got {self.keep_last}",
                 "keep at least 2 committed checkpoints, as the newest may be the one being restored")
         require(self.interval_steps >= 0, "interval_steps", f"must be >= 0, got {self.interval_steps}",

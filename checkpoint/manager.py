@@ -82,10 +82,12 @@ from trainguard.checkpoint.errors import (
 )
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
+from trainguard.checkpoint.memory import MemoryTier, choose_step
 from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
 from trainguard.runtime.log import get_logger
+from trainguard.runtime.protocol import CheckpointTier
 
 log = get_logger("trainguard.checkpoint")
 
@@ -188,6 +190,8 @@ class CheckpointManager:
         was none, the empty start) as their starting point: each of them died without committing
         anything newer. With the manifest's ``kind`` (``periodic``: its writer died too) this tells
         failures from planned re-formations."""
+        self.last_restored_tier = CheckpointTier.NONE
+        """Where the last :meth:`restore` found its state (``memory``: tier 0, ``storage``, or ``none``)."""
         if not config.url:
             raise CheckpointError("checkpoint.url is empty. Fix: set YAML key `checkpoint.url` or env var "
                                   "TRAINGUARD_CHECKPOINT_URL to a path, s3://, gs:// or memory:// URL")
@@ -404,9 +408,14 @@ class CheckpointManager:
         self._log = log.bind(run_id=self.run_id, rank=self.rank, world_size=self.world_size)
         return self.claim_epoch()
 
-    def restore(self, state: dict[str, Any], step: int | None = None) -> int | None:
+    def restore(self, state: dict[str, Any], step: int | None = None, *, memory: MemoryTier | None = None) -> int | None:
         """Load the newest committed step of the restore lineage (or ``step``) into ``state`` in place;
         return it, or None when the run has no committed step. A collective.
+
+        With ``memory`` (this rank's tier 0) and no ``step``: the newest step every rank holds an intact
+        in-memory snapshot of is loaded instead, when storage holds no newer committed step
+        (:func:`~trainguard.checkpoint.memory.choose_step`); :attr:`last_restored_tier` says which tier
+        was used. The world's epoch is then based on the committed step that snapshot descends from.
 
         Reshards to the current world size. Skips a step only when it is proven corrupt; retries a
         step that is unreadable now until ``checkpoint.restore_deadline_s``, then raises
@@ -422,6 +431,11 @@ class CheckpointManager:
         deadline = t_start + self.config.restore_deadline_s
         loader = StepLoader(self.storage, self.run_id, self._group, verify_files=self.config.verify, log=self._log)
         plan = self._on_rank0(lambda: loader.plan(deadline, step))
+        self.last_restored_tier = CheckpointTier.NONE
+        if memory is not None and step is None:
+            got = self._restore_memory(state, memory, plan.candidates[0][0].step if plan.candidates else None, t_start)
+            if got is not None:
+                return got
         candidates = [ref for ref, _ in plan.candidates]
         if not candidates:
             if plan.invalid:
@@ -443,9 +457,11 @@ class CheckpointManager:
                 assert m is not None
                 self._base = ref
                 self.last_restored = m
+                self.last_restored_tier = CheckpointTier.STORAGE
                 self.last_restored_repeats = plan.starts.get((ref.step, ref.epoch), 0)
                 self._claim()
-                self._log.info("checkpoint_restored", step=m.step, saved_epoch=m.epoch, epoch=self.epoch,
+                self._log.info("checkpoint_restored", step=m.step, tier=CheckpointTier.STORAGE.value,
+                               saved_epoch=m.epoch, epoch=self.epoch,
                                url=where, saved_world_size=m.world_size,
                                load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3),
                                verified=self.config.verify, skipped=len(problems))
@@ -691,6 +707,48 @@ class CheckpointManager:
             self._log.warning("checkpoint_cleanup_failed", error=describe(e))
 
     # -- internals: restore ---------------------------------------------------------------------
+
+    def _restore_memory(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
+                        t_start: float) -> int | None:
+        """Tier 0 (a collective): agree on the newest step every rank holds, load it on every rank, claim
+        the epoch. None when no complete step is newer than storage's (or a load failed: storage next)."""
+        try:
+            mine = memory.available(state)
+        except Exception as e:  # noqa: BLE001 - an unreadable tier 0 is no reason to fail a restore
+            self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
+            mine = []
+        held = self._group.all_gather(mine)
+        chosen, why = choose_step(held, newest_durable=newest_durable)
+        if chosen is None:
+            if self.rank == 0:
+                self._log.info("checkpoint_memory_skipped", reason=why, newest_durable=newest_durable)
+            return None
+        t0 = time.monotonic()
+        err: str | None = None
+        extra: dict[str, Any] = {}
+        try:
+            extra = memory.load(chosen, state)
+        except Exception as e:  # noqa: BLE001 - agreed below; every rank then goes to storage
+            err = describe(e)[:500]
+        errors = [e for e in self._group.all_gather(err) if e]
+        if errors:
+            self._log.error("checkpoint_memory_load_failed", step=chosen, errors=errors[:4])
+            if newest_durable is None:
+                raise CheckpointError(f"loading the in-memory snapshot of step {chosen} failed on some ranks "
+                                      f"({errors[0]}) after others loaded it, and storage holds no committed step to "
+                                      f"fall back to. Fix: restart the job; set checkpoint.memory_interval_steps=0 "
+                                      f"(TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS) if it happens again")
+            return None
+        bases = [b for b in self._group.all_gather(extra.get("base")) if b is not None]
+        self._base = max(bases) if bases else None
+        self.last_restored = None
+        self.last_restored_repeats = 0
+        self.last_restored_tier = CheckpointTier.MEMORY
+        self._claim()
+        self._log.info("checkpoint_restored", step=chosen, tier=CheckpointTier.MEMORY.value, epoch=self.epoch,
+                       base_step=self._base.step if self._base else None, newest_durable=newest_durable,
+                       load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
+        return chosen
 
 
 def _versions() -> dict[str, str]:

@@ -142,6 +142,15 @@ class TrainerState(Stateful):
                 "world_size": world, "cursor": pickle.dumps({_ENVELOPE: 1, "cursor": self.cursor, "extras": self.extras}),
                 "rng": pickle.dumps(dict(enumerate(table)))}
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` with this rank's RNG states only, and no collective: what an in-memory
+        snapshot (:mod:`trainguard.checkpoint.memory`) keeps, since it is restored by the same rank of a
+        world of the same size."""
+        rank, world = self._rank_world()
+        return {"step": self.step, "seed": self.seed, "config_fingerprint": self.config_fingerprint,
+                "world_size": world, "cursor": pickle.dumps({_ENVELOPE: 1, "cursor": self.cursor, "extras": self.extras}),
+                "rng": pickle.dumps({rank: capture_rng()})}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.seed = int(state_dict["seed"])

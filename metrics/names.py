@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from trainguard.runtime.protocol import AgentState, CheckpointKind, NoticeSource
+from trainguard.runtime.protocol import AgentState, CheckpointKind, CheckpointTier, NoticeSource
 
 PREFIX = "trainguard_"
 
@@ -23,6 +23,14 @@ CHECKPOINT_KINDS: tuple[str, ...] = (*(k.value for k in CheckpointKind), "other"
 """``kind`` label of checkpoint metrics (:class:`~trainguard.runtime.protocol.CheckpointKind`):
 ``periodic`` the interval save; ``emergency`` taken on a drain; ``resize`` taken before a re-formation;
 ``final`` at the end of training; ``notice`` out of cycle on an early warning; ``other`` anything else."""
+
+CHECKPOINT_TIERS: tuple[str, ...] = tuple(t.value for t in CheckpointTier)
+"""``tier`` label of restores (:class:`~trainguard.runtime.protocol.CheckpointTier`): ``memory`` the
+node's in-memory snapshots (tier 0), ``peer`` a buddy's replica (reserved), ``storage`` a committed
+checkpoint, ``none`` nothing to restore."""
+
+MEMORY_BUCKETS_S: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Buckets of the in-memory snapshot time (a memory copy: milliseconds)."""
 
 NOTICE_SOURCES: tuple[str, ...] = tuple(s.value for s in NoticeSource)
 """``source`` label of preemption notices (:class:`~trainguard.runtime.protocol.NoticeSource`)."""

@@ -69,6 +69,9 @@ class _Families:
     train_s: Any
     restores: Any
     restored_step: Any
+    tier_restores: Any
+    memory_snapshot: Any
+    memory_bytes: Any
     auto: dict[str, Any]
 
 
@@ -143,6 +146,15 @@ def _make_families() -> _Families:
                          "by the kind of the checkpoint restored (other: nothing to restore, a start from step 0).", ["kind"], registry=None),
         restored_step=Gauge(p + "checkpoint_restored_step", "Step the live workers restored from.",
                             multiprocess_mode="livemax", registry=None),
+        tier_restores=Counter(p + "checkpoint_tier_restores", "Restores by this node's workers (counted by local rank "
+                              "0), by the tier the state came from (memory, peer, storage, none).", ["tier"],
+                              registry=None),
+        memory_snapshot=Histogram(p + "checkpoint_memory_snapshot_duration_seconds",
+                                  "Time to copy the checkpoint state into the node's shared memory (tier 0), per rank.",
+                                  buckets=names.MEMORY_BUCKETS_S, registry=None),
+        memory_bytes=Gauge(p + "checkpoint_memory_bytes",
+                           "Host memory held by the in-memory snapshots (tier 0) of this node's live workers.",
+                           multiprocess_mode="livesum", registry=None),
         # Written by global rank 0 only (the rank whose controller decides); livemax: gone with it.
         auto={k: Gauge(p + name, doc, multiprocess_mode="livemax", registry=None) for k, (name, doc) in AUTO_GAUGES.items()},
     )
@@ -186,6 +198,8 @@ class WorkerMetrics:
             self._f.train_s.inc(0)
             for kind in names.CHECKPOINT_KINDS:
                 self._f.restores.labels(kind=kind)
+            for tier in names.CHECKPOINT_TIERS:
+                self._f.tier_restores.labels(tier=tier)
             # Declare the checkpoint series at 0 so increase()/rate() see the first event (a series
             # born at 1 has no increase). One rank per node is enough: the agent sums the files,
             # and every extra declared series costs each scrape ~17 keys per histogram per process.
@@ -287,6 +301,24 @@ class WorkerMetrics:
             return
         f.restored_step.set(step)
         f.restores.labels(kind=self._kind(kind)).inc()
+
+    def observe_restore_tier(self, tier: str) -> None:
+        """The workers restored from ``tier`` (a :class:`~trainguard.runtime.protocol.CheckpointTier` value).
+        Counted by local rank 0."""
+        f = self._f
+        if f is None or self.local_rank != 0:
+            return
+        f.tier_restores.labels(tier=tier if tier in names.CHECKPOINT_TIERS else "none").inc()
+
+    def observe_memory(self, seconds: float | None, nbytes: int) -> None:
+        """One in-memory snapshot took ``seconds`` (None: none was taken); this rank's snapshots hold
+        ``nbytes`` of host memory."""
+        f = self._f
+        if f is None:
+            return
+        if seconds is not None:
+            f.memory_snapshot.observe(seconds)
+        f.memory_bytes.set(nbytes)
 
     def observe_interval(self, values: dict[str, float | None]) -> None:
         """The checkpoint interval controller's output and inputs (keys of :data:`AUTO_GAUGES`; None

@@ -110,6 +110,19 @@ class CheckpointKind(str, Enum):
     node stays in the job."""
 
 
+class CheckpointTier(str, Enum):
+    """Where a restore found the state it loaded: the ``tier`` of logs and of the restore metric."""
+
+    MEMORY = "memory"
+    """Tier 0: the snapshots in this node's agent-owned shared memory (every rank its own)."""
+    PEER = "peer"
+    """Tier 1: a replica held by a buddy node (not implemented yet; the label is reserved)."""
+    STORAGE = "storage"
+    """Tier 2: a committed checkpoint in storage (``checkpoint.url``)."""
+    NONE = "none"
+    """Nothing to restore: the run starts at step 0."""
+
+
 class ParkReason(str, Enum):
     """Why a live worker waits for a new world instead of exiting (in-place re-formation)."""
 
@@ -210,6 +223,8 @@ class RuntimeEnv:
     """How long a parked worker waits for its :class:`Reform` before it exits for a restart."""
     standby: bool = False
     """Started before its world exists (a joiner warming up): wait for a :class:`Reform` in ``setup``."""
+    memory_dir: str = ""
+    """This node's tier-0 snapshot folder, created and removed by the agent (empty: no tier 0)."""
     inject_fault: str = ""
     """Fault injection for tests (``workers.env``): ``reform:<flag file>`` makes the next in-place
     re-formation fail in the worker once (the flag file records that it did), to exercise the fallback."""
@@ -222,7 +237,7 @@ class RuntimeEnv:
 
     _RT_FIELDS: ClassVar[tuple[str, ...]] = ("job_id", "node", "agent_pid", "control_path", "round",
                                              "checkpoint", "pg_timeout_s", "reform", "reform_timeout_s", "standby",
-                                             "inject_fault")
+                                             "memory_dir", "inject_fault")
 
     def to_env(self) -> dict[str, str]:
         """The ``TRAINGUARD_RT_*`` variables (torchelastic writes its own)."""
@@ -277,6 +292,7 @@ class RuntimeEnv:
             reform=get("reform") == "1",
             reform_timeout_s=num(RT_PREFIX + "REFORM_TIMEOUT_S", get("reform_timeout_s"), float, 120.0),
             standby=get("standby") == "1",
+            memory_dir=get("memory_dir") or "",
             inject_fault=get("inject_fault") or "",
             rank=num("RANK", env.get("RANK"), int, 0),
             local_rank=num("LOCAL_RANK", env.get("LOCAL_RANK"), int, 0),

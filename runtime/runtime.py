@@ -75,6 +75,7 @@ from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
 from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats
 from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
+from trainguard.checkpoint.memory import MemoryTier, MemoryTierError
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import device as dev
 from trainguard.runtime import protocol as proto
@@ -113,7 +114,7 @@ class Runtime:
                  control_path: str = "", strategy: str | Strategy = "ddp", rdzv_id: str = "", rdzv_round: int = -1,
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
                  standby: bool = False, local_world_size: int = 1, inject_fault: str = "",
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, memory_dir: str = "") -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = dev.select_device(local_rank) if device is None else torch.device(device)
         """This worker's device: ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``. Move the
@@ -154,6 +155,9 @@ class Runtime:
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._manager: CheckpointManager | None = None
+        self._memory_dir = memory_dir if checkpoint.memory_interval_steps > 0 else ""
+        self._memory: MemoryTier | None = None
+        """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
         self._timer = dev.StepTimer(self.device)
         self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
@@ -206,7 +210,7 @@ class Runtime:
                    rdzv_round=rtenv.round, checkpoint=CheckpointConfig(**rtenv.checkpoint),
                    control_path=rtenv.control_path, reform=reform, reform_timeout_s=rtenv.reform_timeout_s,
                    pg_timeout_s=rtenv.pg_timeout_s, standby=rtenv.standby, local_world_size=rtenv.local_world_size,
-                   inject_fault=rtenv.inject_fault, device=device)
+                   inject_fault=rtenv.inject_fault, device=device, memory_dir=rtenv.memory_dir)
 
     @property
     def strategy_name(self) -> str:
@@ -288,6 +292,32 @@ class Runtime:
                 self._interval = self._make_interval()
             else:
                 self._interval.set_world_size(self.world_size)
+            self._bind_memory()
+
+    def _bind_memory(self) -> None:
+        """Tier 0 for this rank of the current world (a new world invalidates what its rank's files held)."""
+        if not self._memory_dir:
+            return
+        if self._memory is not None:
+            self._memory.rebind(self.rank, self.world_size)
+            return
+        try:
+            self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
+                                      local_world_size=self.local_world_size,
+                                      max_bytes=self.checkpoint_config.memory_max_bytes)
+        except MemoryTierError as e:
+            self._memory_refused(e)
+
+    def _memory_refused(self, e: MemoryTierError) -> None:
+        """Tier 0 cannot work as configured: say why and how to fix it, and go on without it (training and
+        the durable checkpoints are not stopped for it)."""
+        self._log.error("memory_tier_refused", error=str(e), effect="no in-memory snapshots in this worker; "
+                        "an unannounced failure restores from storage")
+        if self._memory is not None:
+            self._memory.invalidate()
+            self._memory.close()
+        self._memory, self._memory_dir = None, ""
+        self._metrics.observe_memory(None, 0)
 
     def _make_interval(self) -> IntervalController:
         """The periodic checkpoint schedule (``checkpoint.interval``). Global rank 0 decides; the step
@@ -324,22 +354,29 @@ class Runtime:
             return self.step
         state = self._state()
         t0 = time.monotonic()
-        step = self._manager.restore(state, step)
+        step = self._manager.restore(state, step, memory=self._memory)
         seconds = time.monotonic() - t0
+        tier = self._manager.last_restored_tier
+        if self._memory is not None and tier is not proto.CheckpointTier.MEMORY:
+            self._memory.invalidate()  # what it held is not what the job continues from
+        self._metrics.observe_restore_tier(tier.value)
         ctl = self._interval
         if step is not None:
             self.step = self._trainer.step
-            self._saved_step = self.step
-            self._note_committed(step)
+            if tier is proto.CheckpointTier.STORAGE:  # a snapshot in memory is not durable: finish() saves it
+                self._saved_step = self.step
+                self._note_committed(step)
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
             restored = self._manager.last_restored
-            kind = restored.kind if restored is not None else "other"
+            # A snapshot in memory is the periodic state of a world that died without notice.
+            kind = (restored.kind if restored is not None else
+                    proto.CheckpointKind.PERIODIC.value if tier is proto.CheckpointTier.MEMORY else "other")
             if ctl is not None:
                 ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
                 ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats)
             self._metrics.observe_restore(step, kind)
-            self._log.info("worker_restored", step=step, kind=kind, source="storage", restore_s=round(seconds, 3),
+            self._log.info("worker_restored", step=step, kind=kind, source=tier.value, restore_s=round(seconds, 3),
                            saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
                            consumed=self.cursor.consumed,
                            unannounced_failures=ctl.stats.unannounced_failures if ctl is not None else None)
@@ -572,10 +609,24 @@ class Runtime:
                 self._survive(stop, deadline)  # this node stays: park and re-form in place
                 return True
             self._stop(stop, deadline)
+        self._snapshot()
         if save:
             self._periodic_save(save)
         self._step_started = time.monotonic()
         return True
+
+    def _snapshot(self) -> None:
+        """Tier 0: copy this step's checkpoint state into the agent's shared memory, every
+        ``checkpoint.memory_interval_steps`` steps. No collective: completeness is agreed at restore."""
+        mem = self._memory
+        if mem is None or self._manager is None or self.step % self.checkpoint_config.memory_interval_steps:
+            return
+        try:
+            r = mem.snapshot(self.step, self._state(), extra={"base": self._manager.base})
+        except MemoryTierError as e:
+            self._memory_refused(e)
+            return
+        self._metrics.observe_memory(r.seconds, mem.nbytes)
 
     def _periodic_save(self, save: int) -> bool:
         """The periodic (``save == 1``) or out-of-cycle notice (``2``) checkpoint agreed at this step.

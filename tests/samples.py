@@ -59,3 +59,43 @@ def check_exactly_once(folder: str, global_batch: int) -> list[int]:
     assert all(len(steps[s]["ids"]) == global_batch for s in steps), "the global batch changed size"
     assert len(seen) == len(set(seen)), "a sample was used twice"
     return seen
+
+
+def lineage_batches(folder: str) -> tuple[dict[int, dict[str, Any]], dict[int, list[int]]]:
+    """The committed lineage after restarts from a snapshot: a world that restored step ``k`` redoes
+    ``k + 1 ...`` in a later round, so for each step the attempt of the newest round is the one the job
+    continued from, and the older rounds' attempts of it are abandoned work. Returns ``(step -> that
+    attempt, step -> the older rounds that attempted it)``; every attempt must be internally consistent
+    (AssertionError else), and a redone step must train the same ids (the cursor is restored with it)."""
+    recs = read(folder)
+    void = {(r["step"], r["round"]) for r in recs if r.get("rolled_back")}
+    attempts: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for r in recs:
+        if not r.get("rolled_back") and (r["step"], r["round"]) not in void:
+            attempts.setdefault(r["step"], {}).setdefault(r["round"], []).append(r)
+    out: dict[int, dict[str, Any]] = {}
+    redone: dict[int, list[int]] = {}
+    for step, by_round in sorted(attempts.items()):
+        for rnd, rs in by_round.items():
+            assert all(x["ids"] == rs[0]["ids"] for x in rs), f"step {step} round {rnd}: ranks disagree"
+        newest = max(by_round)
+        rs = by_round[newest]
+        out[step] = {"ids": rs[0]["ids"], "world_size": rs[0]["world_size"], "round": newest,
+                     "ranks": sorted(x["rank"] for x in rs)}
+        if len(by_round) > 1:
+            redone[step] = sorted(r for r in by_round if r != newest)
+            assert all(by_round[r][0]["ids"] == rs[0]["ids"] for r in by_round), f"step {step} redone with other ids"
+    return out, redone
+
+
+def check_lineage_exactly_once(folder: str, global_batch: int) -> dict[int, list[int]]:
+    """:func:`check_exactly_once` over the committed lineage (:func:`lineage_batches`); returns the redone
+    steps (step -> the abandoned rounds)."""
+    steps, redone = lineage_batches(folder)
+    assert steps, "no step was logged"
+    assert sorted(steps) == list(range(1, max(steps) + 1)), (
+        f"a step is missing: {sorted(set(range(1, max(steps) + 1)) - set(steps))[:10]}")
+    assert all(len(steps[s]["ids"]) == global_batch for s in steps), "the global batch changed size"
+    seen = [i for s in sorted(steps) for i in steps[s]["ids"]]
+    assert len(seen) == len(set(seen)), "a sample was used twice in the committed lineage"
+    return redone

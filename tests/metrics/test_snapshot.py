@@ -59,7 +59,7 @@ def test_snapshot_is_sane_and_documented() -> None:
     for name, fam in snap.items():
         assert name.startswith("trainguard_")
         assert "node" in fam["labels"], name
-        assert set(fam["labels"]) <= {"node", "gpu", "kind", "reason", "source", "state", "capacity", "currency"}, name
+        assert set(fam["labels"]) <= {"node", "gpu", "kind", "reason", "source", "state", "capacity", "currency", "tier"}, name
         if fam["type"] == "counter":
             assert fam["samples"] == [name + "_total"], name
         for sample in fam["samples"]:

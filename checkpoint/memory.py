@@ -1,0 +1,558 @@
+"""Tier 0: in-memory snapshots of each worker's checkpoint state, in shared memory its agent owns.
+
+Every ``checkpoint.memory_interval_steps`` steps each rank copies its checkpoint state (the state
+dict the durable save stages: model and optimizer shards, trainer state) into a file under the node's
+snapshot folder, which the *agent* creates on a tmpfs (``/dev/shm``) and removes when the job ends
+(:mod:`trainguard.agent.memtier`). The worker only maps the files, so a worker killed with SIGKILL
+leaves its last snapshot in memory; the restarted worker restores it instead of the last checkpoint in
+storage.
+
+Slots and the header (torn writes)
+    Each rank has :data:`SLOTS` slot files, ``rank-<rank>-<k>.snap``, and writes each snapshot into
+    the slot that does not hold its newest one. A slot is a 4 KiB header, then the data: every
+    tensor's bytes back to back (:data:`ALIGN`-aligned), then a pickled *skeleton* (the state dict's
+    structure with every tensor replaced by its index, and every non-tensor value as it is). The
+    header's commit word is zeroed before the data is written and set to ``step + 1`` after the data
+    and the other header fields (step, world size, rank, lengths, CRC32 of the data): a slot whose
+    writer died half-way has commit 0 (or a commit that does not match its step), and a slot is valid
+    only when its CRC32 matches. So a kill during a snapshot loses that snapshot, never the previous
+    one in the other slot.
+
+Completeness: agreement at restore time, no collective per snapshot
+    A snapshot of step ``s`` is complete when *every* rank of the world holds a valid slot of ``s``.
+    Ranks never agree on that while training (that would add a collective per step): at restore
+    every rank reports the steps it holds (:meth:`MemoryTier.available`) and the newest step all of
+    them hold is chosen (:func:`choose_step`), never a mix of steps. Two slots suffice: a rank cannot
+    start snapshot ``s + 2`` before every rank finished snapshot ``s + 1`` (the gradient all-reduce of
+    step ``s + 2`` needs every rank, and a rank snapshots ``s + 1`` before it starts step ``s + 2``),
+    so when a rank dies mid-write the others still hold the step it holds.
+
+Where tier 0 applies, and where it does not
+    A rank reads only its own rank's files on its own node: the world must have the same size, and
+    each rank must be on the node that held that rank (torch elastic keeps the ranks of a restarted
+    world of the same nodes in the same order). Anything else (another world size, a rank moved to
+    another node, a layout that changed) makes the restore fall back to storage. A restore from
+    storage, and every new world, invalidate this rank's slots (:meth:`MemoryTier.invalidate`), so a
+    snapshot of an abandoned branch of history is never restored later.
+
+Threading: the training thread only. GPU tensors are copied with a blocking ``copy_`` (not verified
+on a GPU yet, see ``docs/gpu.md``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainguard.checkpoint.errors import CheckpointError
+
+SLOTS = 2
+"""Slot files per rank (double buffering: a torn write never destroys the previous snapshot)."""
+HEADER_BYTES = 4096
+"""The header's room at the start of every slot file (the data starts page-aligned after it)."""
+ALIGN = 16
+"""Byte alignment of every tensor in a slot."""
+MAGIC = b"TGMEM001"
+_HEADER = struct.Struct("<8sQqqqQQQI")
+"""magic, commit (step + 1 once complete, else 0), step, world size, rank, tensor bytes, skeleton bytes,
+data capacity, CRC32 of the data (tensors + skeleton)."""
+_COMMIT_OFFSET = 8
+_META_SLACK = 64 * 1024
+"""Room for the skeleton to grow between snapshots (the cursor and RNG blobs change size a little)."""
+
+
+class MemoryTierError(CheckpointError):
+    """Tier 0 cannot work as configured (does not fit, or its folder is unusable): the message names
+    the setting and the fix."""
+
+
+# ---- pure parts -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A slot's header, as read back."""
+
+    commit: int
+    step: int
+    world_size: int
+    rank: int
+    tensor_bytes: int
+    meta_bytes: int
+    capacity: int
+    crc32: int
+
+    @property
+    def complete(self) -> bool:
+        """The writer finished this slot (the commit word is written last and names its step)."""
+        return self.commit == self.step + 1 and self.step >= 0
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(MAGIC, self.commit, self.step, self.world_size, self.rank, self.tensor_bytes,
+                            self.meta_bytes, self.capacity, self.crc32)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Header | None:
+        """The header in ``raw`` (None: too short, or not a slot of ours)."""
+        if len(raw) < _HEADER.size:
+            return None
+        magic, *rest = _HEADER.unpack_from(raw)
+        if magic != MAGIC:
+            return None
+        return cls(*rest)
+
+
+def choose_step(held: Sequence[Sequence[int]], *, newest_durable: int | None) -> tuple[int | None, str]:
+    """The step to restore from tier 0, given the steps each rank holds a valid snapshot of (one list
+    per rank), and why. Only a step *every* rank holds counts (snapshots of different steps are never
+    mixed); the newest such step is chosen when it is newer than storage's newest committed step
+    (``newest_durable``; at an equal step the committed checkpoint is restored: its manifest says what
+    kind of stop left it, which the checkpoint interval's failure count needs)."""
+    if not held:
+        return None, "no ranks"
+    common = set(held[0]).intersection(*map(set, held[1:]))
+    if not common:
+        missing = [r for r, steps in enumerate(held) if not steps]
+        why = (f"ranks {missing[:8]} hold no snapshot" if missing else
+               "the ranks hold no step in common (" + ", ".join(f"rank {r}: {sorted(s)}" for r, s in
+                                                             list(enumerate(held))[:8]) + ")")
+        return None, why
+    best = max(common)
+    if newest_durable is not None and best <= newest_durable:
+        return None, f"storage holds committed step {newest_durable}, not older than the snapshots' {best}"
+    return best, "ok"
+
+
+def slot_bytes(tensor_bytes: int, meta_bytes: int) -> int:
+    """Size of one slot file for a state of ``tensor_bytes`` (aligned) and a skeleton of ``meta_bytes``."""
+    return HEADER_BYTES + tensor_bytes + meta_bytes + _META_SLACK
+
+
+def node_bytes(per_slot: int, local_world_size: int) -> int:
+    """Host memory this node's tier 0 takes when every local rank holds a state like this one."""
+    return per_slot * SLOTS * max(1, local_world_size)
+
+
+def check_fits(per_slot: int, *, local_world_size: int, max_bytes: int, free_bytes: int, directory: str) -> None:
+    """Raise :class:`MemoryTierError` (naming the setting and the fix) when this node's snapshots do not
+    fit under ``checkpoint.memory_max_bytes`` (0: no cap) or in the free space of the folder (what is
+    free plus what this rank already holds there)."""
+    need = node_bytes(per_slot, local_world_size)
+    off = ("or turn tier 0 off with checkpoint.memory_interval_steps=0 "
+           "(TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS)")
+    if max_bytes and need > max_bytes:
+        raise MemoryTierError(
+            f"in-memory snapshots need {need} bytes on this node ({SLOTS} buffers x {per_slot} bytes x "
+            f"{max(1, local_world_size)} local workers) but checkpoint.memory_max_bytes "
+            f"(TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES) is {max_bytes}. Fix: raise it to at least {need}, {off}")
+    mine = per_slot * SLOTS
+    if mine > free_bytes:
+        raise MemoryTierError(
+            f"in-memory snapshots need {mine} bytes for this rank ({SLOTS} buffers x {per_slot} bytes) but "
+            f"{directory} has {free_bytes} bytes free. Fix: make the tmpfs larger (e.g. `mount -o remount,"
+            f"size=...` for /dev/shm, or --shm-size for a container), point checkpoint.memory_dir "
+            f"(TRAINGUARD_CHECKPOINT_MEMORY_DIR) at a larger tmpfs, {off}")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# ---- state walking ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Leaf:
+    """A tensor's place in the skeleton: its index in the slot, local shape and dtype."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Shards:
+    """A ShardedTensor's local shards (e.g. a DeepSpeed ZeRO range)."""
+
+    leaves: tuple[_Leaf, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Tuple:
+    items: list[Any]
+
+
+def _local(t: Any) -> list[torch.Tensor] | None:
+    """The local tensors of a tensor-like leaf (a DTensor's shard, a ShardedTensor's shards), else None."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return [t._local_tensor]
+    if isinstance(t, torch.Tensor) and callable(getattr(type(t), "local_shards", None)):
+        return [s.tensor for s in t.local_shards()]
+    if isinstance(t, torch.Tensor):
+        return [t]
+    return None
+
+
+def _is_sharded(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and callable(getattr(type(t), "local_shards", None))
+
+
+def skeleton(sd: Any, out: list[torch.Tensor]) -> Any:
+    """``sd`` with every tensor replaced by a :class:`_Leaf` (its local tensors appended to ``out``)."""
+    local = _local(sd)
+    if local is not None:
+        leaves = []
+        for t in local:
+            leaves.append(_Leaf(len(out), tuple(t.shape), str(t.dtype)))
+            out.append(t)
+        return _Shards(tuple(leaves)) if _is_sharded(sd) else leaves[0]
+    if isinstance(sd, dict):
+        return {k: skeleton(v, out) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [skeleton(v, out) for v in sd]
+    if isinstance(sd, tuple):
+        return _Tuple([skeleton(v, out) for v in sd])
+    return sd
+
+
+def layout(skel: Any) -> Any:
+    """The tensor layout of a skeleton (structure, shapes, dtypes; no values): two states load into each
+    other only when their layouts are equal."""
+    if isinstance(skel, _Leaf):
+        return ("T", skel.shape, skel.dtype)
+    if isinstance(skel, _Shards):
+        return ("S", tuple(layout(x) for x in skel.leaves))
+    if isinstance(skel, dict):
+        return {k: layout(v) for k, v in skel.items()}
+    if isinstance(skel, list):
+        return [layout(v) for v in skel]
+    if isinstance(skel, _Tuple):
+        return ("U", tuple(layout(v) for v in skel.items))
+    return None
+
+
+def fill(cur: Any, skel: Any, views: list[torch.Tensor]) -> Any:
+    """Copy the snapshot into the tensors of ``cur`` (in place, as ``dcp.load`` does) and return ``cur``'s
+    structure with the snapshot's non-tensor values."""
+    local = _local(cur)
+    if local is not None:
+        leaves = skel.leaves if isinstance(skel, _Shards) else (skel,)
+        for dst, leaf in zip(local, leaves, strict=True):
+            dst.copy_(views[leaf.index])
+        return cur
+    if isinstance(cur, dict):
+        return {k: fill(cur[k], skel[k], views) for k in cur}
+    if isinstance(cur, list):
+        return [fill(c, s, views) for c, s in zip(cur, skel, strict=True)]
+    if isinstance(cur, tuple):
+        return tuple(fill(c, s, views) for c, s in zip(cur, skel.items, strict=True))
+    return skel
+
+
+def materialise(state: dict[str, Any]) -> dict[str, Any]:
+    """The state dicts of ``state``'s entries, without collectives: a ``Stateful`` that has a
+    ``local_state_dict()`` (the trainer state: this rank's RNG only) gives that."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, Stateful):
+            local = getattr(v, "local_state_dict", None)
+            out[k] = local() if callable(local) else v.state_dict()
+        else:
+            out[k] = v
+    return out
+
+
+# ---- slot files -------------------------------------------------------------------------------------
+
+
+class _Slot:
+    """One slot file of this rank, mapped read-write while it is the one being written."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = os.path.getsize(path) if os.path.exists(path) else 0
+        self._mm: mmap.mmap | None = None
+
+    def header(self) -> Header | None:
+        try:
+            with open(self.path, "rb") as fh:
+                return Header.unpack(fh.read(_HEADER.size))
+        except OSError:
+            return None
+
+    def ensure(self, size: int) -> None:
+        """Size the file to ``size`` bytes, reserving the memory now (a full tmpfs fails here, cleanly,
+        instead of with SIGBUS on a later write into the mapping)."""
+        if self._mm is not None and self.size == size:
+            return
+        self.close()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+
+    @property
+    def mm(self) -> mmap.mmap:
+        assert self._mm is not None
+        return self._mm
+
+    def invalidate(self) -> None:
+        """Zero the commit word (the slot reads as torn from now on)."""
+        if self._mm is not None:
+            self._mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
+            return
+        try:
+            with open(self.path, "r+b") as fh:
+                if Header.unpack(fh.read(_HEADER.size)) is not None:
+                    fh.seek(_COMMIT_OFFSET)
+                    fh.write(b"\0" * 8)
+        except OSError:
+            pass
+
+    def read_valid(self, world_size: int, rank: int) -> tuple[Header, bytes] | None:
+        """The header and data of this slot when it is complete, of this rank and world size, and its
+        CRC32 matches; else None."""
+        h = self.header()
+        if h is None or not h.complete or h.world_size != world_size or h.rank != rank:
+            return None
+        n = h.tensor_bytes + h.meta_bytes
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(HEADER_BYTES)
+                data = fh.read(n)
+        except OSError:
+            return None
+        if len(data) != n or zlib.crc32(data) != h.crc32:
+            return None
+        return h, data
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotResult:
+    """What one snapshot cost this rank."""
+
+    step: int
+    seconds: float
+    nbytes: int
+    """Bytes of state copied (tensors + skeleton)."""
+
+
+class MemoryTier:
+    """This rank's tier-0 snapshots in ``directory`` (the node folder its agent created).
+
+    Args:
+        directory: the agent's node folder (must exist: the agent owns it).
+        rank, world_size: this rank in the current world.
+        local_world_size: workers on this node (the cap is per node).
+        max_bytes: ``checkpoint.memory_max_bytes`` (0: no cap besides the folder's free space).
+    """
+
+    def __init__(self, directory: str, *, rank: int, world_size: int, local_world_size: int = 1,
+                 max_bytes: int = 0) -> None:
+        if not os.path.isdir(directory):
+            raise MemoryTierError(f"the tier-0 snapshot folder {directory} does not exist (its agent creates it). "
+                                  f"Fix: start the workers through the trainguard agent, or set "
+                                  f"checkpoint.memory_interval_steps=0 (TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS)")
+        self.directory = directory
+        self.local_world_size = local_world_size
+        self.max_bytes = max_bytes
+        self._slots: list[_Slot] = []
+        self._newest: int | None = None  # index of the slot holding this rank's newest snapshot
+        self._views: list[torch.Tensor] | None = None
+        self._layout: Any = None
+        self.rebind(rank, world_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory this rank's slot files take (bytes)."""
+        return sum(s.size for s in self._slots)
+
+    def rebind(self, rank: int, world_size: int) -> None:
+        """A new world (a re-formation in place): write and read as ``rank`` of ``world_size`` from now on,
+        and invalidate what that rank's files hold (a snapshot of an earlier world with this rank number
+        must never be mistaken for this world's)."""
+        self.close()
+        self.rank, self.world_size = rank, world_size
+        self._slots = [_Slot(os.path.join(self.directory, f"rank-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
+        self._views, self._layout, self._newest = None, None, None
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Make this rank's slots read as empty (after a restore from storage: what they hold belongs to
+        a branch of history the job left)."""
+        for s in self._slots:
+            s.invalidate()
+        self._newest = None
+
+    def snapshot(self, step: int, state: dict[str, Any], *, extra: dict[str, Any] | None = None) -> SnapshotResult:
+        """Copy ``state`` (as the durable save would stage it) into the slot not holding the newest
+        snapshot, and commit that slot as ``step``. ``extra``: small picklable values restored with it
+        (e.g. the committed step the state descends from). Raises :class:`MemoryTierError` when it does
+        not fit."""
+        t0 = time.monotonic()
+        tensors: list[torch.Tensor] = []
+        skel = skeleton(materialise(state), tensors)
+        meta = pickle.dumps({"skeleton": skel, "extra": dict(extra or {})}, protocol=pickle.HIGHEST_PROTOCOL)
+        idx = 0 if self._newest is None else (self._newest + 1) % SLOTS
+        target = self._slots[idx]
+        lay = layout(skel)
+        tensor_bytes = sum(_align(t.numel() * t.element_size()) for t in tensors)
+        if lay != self._layout or target.size < HEADER_BYTES + tensor_bytes + len(meta):
+            per_slot = max(slot_bytes(tensor_bytes, len(meta)), target.size if lay == self._layout else 0)
+            st = os.statvfs(self.directory)
+            check_fits(per_slot, local_world_size=self.local_world_size, max_bytes=self.max_bytes,
+                       free_bytes=st.f_bavail * st.f_frsize + self.nbytes, directory=self.directory)
+            if self._layout is not None and lay != self._layout:
+                self.invalidate()  # the other slot holds another layout: never restored into this state
+            target.invalidate()
+            target.ensure(per_slot)
+            self._layout = lay
+        target.ensure(target.size)
+        _write(target.mm, step, self.world_size, self.rank, tensors, tensor_bytes, meta)
+        self._newest = idx
+        return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
+
+    def _valid(self) -> list[tuple[int, Header, bytes]]:
+        out = []
+        for i, s in enumerate(self._slots):
+            got = s.read_valid(self.world_size, self.rank)
+            if got is not None:
+                out.append((i, *got))
+        return out
+
+    def available(self, state: dict[str, Any]) -> list[int]:
+        """The steps this rank holds a complete, checksum-verified snapshot of, of this world size, whose
+        layout fits ``state`` (newest first)."""
+        want = layout(skeleton(materialise(state), []))
+        steps = []
+        for _, h, data in self._valid():
+            try:
+                meta = pickle.loads(data[h.tensor_bytes:])
+            except Exception:  # noqa: BLE001 - a slot we cannot read is not a candidate
+                continue
+            if layout(meta["skeleton"]) == want:
+                steps.append(h.step)
+        return sorted(steps, reverse=True)
+
+    def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
+        """Load the snapshot of ``step`` into ``state`` in place (as ``dcp.load``: tensors copied into the
+        current state dicts, then ``load_state_dict``); return its ``extra``. Raises
+        :class:`MemoryTierError` when this rank holds no valid snapshot of ``step``."""
+        for i, h, data in self._valid():
+            if h.step != step:
+                continue
+            meta = pickle.loads(data[h.tensor_bytes:])
+            raw = torch.frombuffer(bytearray(data[:h.tensor_bytes]), dtype=torch.uint8) if h.tensor_bytes else None
+            views: list[torch.Tensor] = []
+            off = 0
+            for leaf in _leaves(meta["skeleton"]):
+                dtype = _dtype(leaf.dtype)
+                n = _numel(leaf.shape) * torch.empty((), dtype=dtype).element_size()
+                chunk = raw[off:off + n] if raw is not None and n else torch.empty(0, dtype=torch.uint8)
+                views.append(chunk.view(dtype).view(leaf.shape))
+                off += _align(n)
+            skel = meta["skeleton"]
+            with torch.no_grad():
+                for k, v in state.items():
+                    if isinstance(v, Stateful):
+                        local = getattr(v, "local_state_dict", None)
+                        cur = local() if callable(local) else v.state_dict()
+                        v.load_state_dict(fill(cur, skel[k], views))
+                    elif isinstance(v, dict):
+                        v.update(fill(v, skel[k], views))
+            self._newest = i
+            return dict(meta["extra"])
+        raise MemoryTierError(f"rank {self.rank} holds no valid in-memory snapshot of step {step} in {self.directory}")
+
+    def close(self) -> None:
+        """Unmap the slot files (they stay: the agent owns them)."""
+        for s in self._slots:
+            s.close()
+
+
+def _write(mm: mmap.mmap, step: int, world_size: int, rank: int, tensors: list[torch.Tensor], tensor_bytes: int,
+           meta: bytes) -> None:
+    """Write one snapshot into a mapped slot: commit word zeroed, data, header, commit word last."""
+    mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
+    if tensor_bytes:
+        buf = torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER_BYTES, count=tensor_bytes)
+        off = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                if n:
+                    buf[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach())
+                off += _align(n)
+        del buf
+    end = HEADER_BYTES + tensor_bytes + len(meta)
+    mm[HEADER_BYTES + tensor_bytes:end] = meta
+    with memoryview(mm) as mv, mv[HEADER_BYTES:end] as data:
+        crc = zlib.crc32(data)
+    h = Header(commit=0, step=step, world_size=world_size, rank=rank, tensor_bytes=tensor_bytes,
+               meta_bytes=len(meta), capacity=len(mm) - HEADER_BYTES, crc32=crc)
+    mm[0:_HEADER.size] = h.pack()
+    mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = struct.pack("<Q", step + 1)  # the commit: written last
+
+
+def _leaves(skel: Any) -> list[_Leaf]:
+    """The leaves of a skeleton in index order."""
+    out: list[_Leaf] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, _Leaf):
+            out.append(x)
+        elif isinstance(x, _Shards):
+            out.extend(x.leaves)
+        elif isinstance(x, _Tuple):
+            for v in x.items:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(skel)
+    out.sort(key=lambda leaf: leaf.index)
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    d = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(d, torch.dtype):
+        raise MemoryTierError(f"unknown dtype {name!r} in an in-memory snapshot")
+    return d
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+__all__ = ["HEADER_BYTES", "SLOTS", "Header", "MemoryTier", "MemoryTierError", "SnapshotResult", "check_fits",
+           "choose_step", "node_bytes", "slot_bytes"]

@@ -1,0 +1,78 @@
+"""Tier 0 end to end: two agents train DDP on gloo with an in-memory snapshot every step and no durable
+checkpoint in storage; the test SIGKILLs one worker (its agent lives). The agents restart the world
+(``workers.reform: restart``), and every rank restores the newest step all of them hold in their
+agent's shared memory: at most ``memory_interval_steps`` (1) steps are lost, every sample is trained
+exactly once in the committed lineage, and the snapshot folders survive the worker and go with the agents."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests import samples
+from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+from tests.strategies import _world
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+
+
+def restored(node):
+    return [e for e in node.events("worker_restored")]
+
+
+def test_worker_sigkill_resumes_from_memory(tmp_path):
+    tmp = str(tmp_path)
+    folder = os.path.join(tmp, "samples")
+    os.makedirs(folder)
+    shm = os.path.join(tmp, "shm")
+    ep = f"127.0.0.1:{free_port()}"
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval=off",
+              "--set", "checkpoint.memory_interval_steps=1", "--set", f"checkpoint.memory_dir={shm}",
+              "--set", "workers.reform=restart"]
+    args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", folder,
+            *_world.JOB[:-4], *_world.E2E_SIZE]
+    a = Node("a", tmp, ep, script=ELASTIC, script_args=args, extra=common)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, script=ELASTIC, script_args=args, extra=common)
+    nodes = [a, b]
+    try:
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= 8 for e in a.events("train_step")), 120,
+                   "8 steps at world size 2")
+        node_dirs = sorted(os.listdir(shm))
+        assert node_dirs == ["trainguard-job-a", "trainguard-job-b"], node_dirs
+        (victim,) = b.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.monotonic()
+        last_logged = max(r["step"] for r in samples.read(folder))
+        back = wait_until(lambda: [e for e in restored(a) + restored(b) if e.get("source") == "memory"], 90,
+                          "the restarted world restoring from memory")
+        wait_until(lambda: any(e["step"] >= back[0]["step"] + 3 for e in a.events("train_step")
+                               if e["world_size"] == 2 and a.events("resumed")), 60, "training again")
+        resumed_s = time.monotonic() - t_kill
+        steps = {e["step"] for e in back}
+        assert len(steps) == 1, back  # every rank restored the same step
+        (step,) = steps
+        assert {e["rank"] for e in back} == {0, 1}, back
+        lost = last_logged - step
+        assert 0 <= lost <= 1, (last_logged, step)
+        assert not [e for n in nodes for e in n.events("worker_restored") if e.get("source") == "storage"]
+        # the snapshot files of both ranks are still there (the agents own them), two slots each
+        files = sorted(f for d in os.listdir(shm) for f in os.listdir(os.path.join(shm, d)))
+        assert files == ["rank-00000-0.snap", "rank-00000-1.snap", "rank-00001-0.snap", "rank-00001-1.snap"], files
+        for n in nodes:
+            n.signal(signal.SIGTERM)  # a drain of the whole job: both agents stop and remove their folders
+        for n in nodes:
+            n.wait(60)
+        redone = samples.check_lineage_exactly_once(folder, _world.E2E_BATCH)
+        assert set(redone) <= {step + 1} and len(redone) == lost, (redone, step, lost)
+        assert os.listdir(shm) == [], os.listdir(shm)
+        print(f"restored step {step}, lost {lost} step(s), training again {resumed_s:.1f} s after the kill")
+    except AssertionError:
+        for n in nodes:
+            print(n.dump(60))
+        raise
+    finally:
+        for n in nodes:
+            n.stop()

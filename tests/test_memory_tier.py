@@ -1,0 +1,219 @@
+"""Tier 0 (in-memory snapshots) without processes: the choice of the step to restore, torn and corrupt
+slots, the memory cap, a round trip into a model, the manager choosing between memory and storage, and
+the agent's node folder."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (get_state_dict imports it lazily and sets TORCHINDUCTOR_CACHE_DIR: see tests/checkpoint/conftest.py)
+
+from trainguard.agent.memtier import NodeSnapshots, node_dir
+from trainguard.checkpoint import memory as mem
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.discovery import StepRef
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
+from trainguard.runtime.configbase import FieldError
+from trainguard.runtime.protocol import CheckpointTier
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("held, durable, want", [
+    ([[7, 6], [7, 6]], None, 7),          # every rank finished 7
+    ([[7, 6], [6]], None, 6),             # rank 1 died writing 7: its slot is torn, 6 is complete everywhere
+    ([[8, 7], [7, 6]], None, 7),          # one snapshot apart: the newest common step
+    ([[8, 7], [6, 5]], None, None),       # nothing in common: never mix steps
+    ([[7, 6], []], None, None),           # a rank holds nothing (a new node, a lost folder)
+    ([[7, 6], [7, 6]], 5, 7),             # newer than storage's newest committed step
+    ([[7, 6], [7, 6]], 7, None),          # storage holds the same step: the committed checkpoint
+    ([[7, 6], [7, 6]], 9, None),          # storage is newer
+    ([[3]], None, 3),                     # one rank
+    ([], None, None),
+])
+def test_choose_step(held, durable, want):
+    got, why = mem.choose_step(held, newest_durable=durable)
+    assert got == want, why
+    assert (why == "ok") == (want is not None)
+
+
+def test_cap_arithmetic_and_errors():
+    per_slot = mem.slot_bytes(1000, 100)
+    assert per_slot == mem.HEADER_BYTES + 1100 + 64 * 1024
+    assert mem.node_bytes(per_slot, 4) == per_slot * mem.SLOTS * 4
+    mem.check_fits(per_slot, local_world_size=4, max_bytes=mem.node_bytes(per_slot, 4), free_bytes=10**12, directory="/x")
+    with pytest.raises(mem.MemoryTierError) as e:
+        mem.check_fits(per_slot, local_world_size=4, max_bytes=mem.node_bytes(per_slot, 4) - 1, free_bytes=10**12,
+                       directory="/x")
+    msg = str(e.value)
+    assert "checkpoint.memory_max_bytes" in msg and "TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES" in msg
+    assert str(mem.node_bytes(per_slot, 4)) in msg and "memory_interval_steps=0" in msg
+    with pytest.raises(mem.MemoryTierError, match=r"/x has 10 bytes free.*TRAINGUARD_CHECKPOINT_MEMORY_DIR"):
+        mem.check_fits(per_slot, local_world_size=1, max_bytes=0, free_bytes=10, directory="/x")
+
+
+def _job(seed: int = 0, width: int = 16) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainerState, dict]:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    trainer = TrainerState(seed=3, cursor={"epoch": 0, "consumed": 0})
+    return m, opt, trainer, {"app": ModelOptimizerState(m, opt), "trainer": trainer}
+
+
+def _train(m, opt, trainer, step):
+    opt.zero_grad()
+    m(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    trainer.step, trainer.cursor = step, {"epoch": 0, "consumed": 4 * step}
+
+
+def _copy(m, opt):
+    import copy
+
+    return copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict()["state"])
+
+
+def test_round_trip_two_slots_torn_and_corrupt(tmp_path):
+    m, opt, trainer, state = _job()
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
+    _train(m, opt, trainer, 1)
+    tier.snapshot(1, state, extra={"base": StepRef(0, 2)})
+    want_m, want_o = _copy(m, opt)
+    _train(m, opt, trainer, 2)
+    r = tier.snapshot(2, state)
+    assert r.nbytes > 0 and tier.nbytes == sum(os.path.getsize(p) for p in tmp_path.iterdir())
+    assert sorted(os.listdir(tmp_path)) == ["rank-00000-0.snap", "rank-00000-1.snap"]
+    assert tier.available(state) == [2, 1]
+    _train(m, opt, trainer, 3)  # not snapshotted
+
+    # restore step 1 into the live objects: weights, Adam state, trainer step and cursor
+    assert tier.load(1, state) == {"base": StepRef(0, 2)}
+    assert all(torch.equal(v, want_m[k]) for k, v in m.state_dict().items())
+    got_o = opt.state_dict()["state"]
+    assert all(torch.equal(got_o[i][k], want_o[i][k]) for i in want_o for k in want_o[i])
+    assert trainer.step == 1 and trainer.cursor == {"epoch": 0, "consumed": 4}
+
+    # a writer killed after zeroing the commit word of the slot it was writing (step 3 into 2's slot)
+    slot2 = next(p for p in tmp_path.iterdir() if mem.Header.unpack(p.read_bytes()[:4096]).step == 2)
+    raw = bytearray(slot2.read_bytes())
+    raw[8:16] = b"\0" * 8
+    slot2.write_bytes(bytes(raw))
+    assert tier.available(state) == [1]
+    # a commit word that names another step than the header's (fields written, commit of an old write)
+    raw[8:16] = struct.pack("<Q", 5)
+    slot2.write_bytes(bytes(raw))
+    assert tier.available(state) == [1]
+    # a flipped byte in the data of the other slot: its checksum fails
+    slot1 = next(p for p in tmp_path.iterdir() if p != slot2)
+    raw1 = bytearray(slot1.read_bytes())
+    raw1[mem.HEADER_BYTES + 3] ^= 0xFF
+    slot1.write_bytes(bytes(raw1))
+    assert tier.available(state) == []
+    with pytest.raises(mem.MemoryTierError, match="no valid in-memory snapshot of step 1"):
+        tier.load(1, state)
+    tier.close()
+
+
+def test_other_world_size_rank_or_layout_is_not_a_candidate(tmp_path):
+    m, opt, trainer, state = _job()
+    _train(m, opt, trainer, 1)
+    t0 = mem.MemoryTier(str(tmp_path), rank=0, world_size=2)
+    t0.snapshot(1, state)
+    assert t0.available(state) == [1]
+    assert mem.MemoryTier(str(tmp_path), rank=0, world_size=3).available(state) == []  # and it invalidated them
+    t0 = mem.MemoryTier(str(tmp_path), rank=0, world_size=2)
+    t0.snapshot(1, state)
+    other = _job(width=17)[3]  # another model: the layout differs
+    assert t0.available(other) == []
+    t0.rebind(1, 2)  # a new world: this rank's files start empty
+    assert t0.available(state) == []
+    t0.rebind(0, 2)
+    assert t0.available(state) == []
+
+
+def test_layout_change_invalidates_the_older_slot(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(m.parameters())
+    state = {"app": ModelOptimizerState(m, opt), "trainer": TrainerState()}
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
+    sd = {"w": torch.zeros(3)}
+    tier.snapshot(1, {"x": sd})
+    tier.snapshot(2, {"x": {"w": torch.zeros(5)}})  # the layout changed (e.g. optimizer state appeared)
+    assert tier.available({"x": {"w": torch.zeros(5)}}) == [2]
+    assert tier.available({"x": sd}) == []
+    assert tier.available(state) == []
+
+
+def test_cap_refuses_the_snapshot(tmp_path):
+    m, opt, trainer, state = _job()
+    _train(m, opt, trainer, 1)
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1, local_world_size=8, max_bytes=100_000)
+    with pytest.raises(mem.MemoryTierError, match="checkpoint.memory_max_bytes"):
+        tier.snapshot(1, state)
+    assert tier.available(state) == []
+
+
+def test_missing_folder_names_the_fix(tmp_path):
+    with pytest.raises(mem.MemoryTierError, match="through the trainguard agent.*MEMORY_INTERVAL_STEPS"):
+        mem.MemoryTier(str(tmp_path / "nope"), rank=0, world_size=1)
+
+
+def test_manager_prefers_a_newer_snapshot_and_falls_back_to_storage(tmp_path):
+    cfg = CheckpointConfig(url=f"memory://tier0-{os.getpid()}-{id(tmp_path)}", memory_interval_steps=1)
+    m, opt, trainer, state = _job()
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
+    with CheckpointManager(cfg, "run", rank=0, world_size=1) as mgr:
+        _train(m, opt, trainer, 1)
+        mgr.save(1, state, block=True)
+        for s in (2, 3):
+            _train(m, opt, trainer, s)
+            tier.snapshot(s, state, extra={"base": mgr.base})
+        want_m, _ = _copy(m, opt)
+        _train(m, opt, trainer, 4)  # then the worker dies
+    m2, opt2, trainer2, state2 = _job(seed=5)
+    with CheckpointManager(cfg, "run", rank=0, world_size=1) as mgr:
+        assert mgr.restore(state2, memory=tier) == 3
+        assert mgr.last_restored_tier is CheckpointTier.MEMORY and mgr.last_restored is None
+        assert all(torch.equal(v, want_m[k]) for k, v in m2.state_dict().items()) and trainer2.step == 3
+        assert mgr.base == StepRef(1, 1) and mgr.epoch_record.base_step == 1  # the lineage goes on from step 1
+        mgr.save(3, state2, block=True)  # committed: storage now holds the snapshot's step
+    with CheckpointManager(cfg, "run", rank=0, world_size=1) as mgr:
+        assert mgr.restore(_job(seed=6)[3], memory=tier) == 3
+        assert mgr.last_restored_tier is CheckpointTier.STORAGE  # same step: the committed checkpoint
+    tier.invalidate()
+    with CheckpointManager(cfg, "run", rank=0, world_size=1) as mgr:
+        assert mgr.restore(_job(seed=7)[3], memory=tier) == 3
+        assert mgr.last_restored_tier is CheckpointTier.STORAGE
+
+
+def test_config_checks_name_the_key():
+    with pytest.raises(FieldError, match="memory_interval_steps"):
+        CheckpointConfig(memory_interval_steps=-1)
+    with pytest.raises(FieldError, match="memory_max_bytes"):
+        CheckpointConfig(memory_max_bytes=-5)
+    with pytest.raises(FieldError, match="memory_dir.*absolute"):
+        CheckpointConfig(memory_dir="shm")
+
+
+def test_agent_owns_the_node_folder(tmp_path):
+    root = str(tmp_path / "shm")
+    assert node_dir(root, "job/1", "node a") == os.path.join(root, "trainguard-job_1-node_a")
+    off = NodeSnapshots(CheckpointConfig(url="/c", memory_dir=root), "j", "n")
+    assert off.open() == "" and not os.path.exists(root)
+    on = NodeSnapshots(CheckpointConfig(url="/c", memory_dir=root, memory_interval_steps=1), "j", "n")
+    path = on.open()
+    assert os.path.isdir(path) and oct(os.stat(path).st_mode & 0o777) == "0o700"
+    with open(os.path.join(path, "rank-00000-0.snap"), "wb") as fh:
+        fh.write(b"x" * 10)
+    assert on.open() == path and os.listdir(path) == ["rank-00000-0.snap"]  # a restarted agent keeps them
+    on.remove("succeeded")
+    assert not os.path.exists(path)
+    on.remove("again")  # idempotent
+    bad = NodeSnapshots(CheckpointConfig(url="/c", memory_dir="/proc/nope", memory_interval_steps=1), "j", "n")
+    with pytest.raises(ValueError, match="checkpoint.memory_dir.*TRAINGUARD_CHECKPOINT_MEMORY_DIR"):
+        bad.open()
