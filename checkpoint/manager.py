@@ -718,16 +718,17 @@ class CheckpointManager:
             self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
             mine = []
         held = self._group.all_gather(mine)
-        chosen, why = choose_step(held, newest_durable=newest_durable)
-        if chosen is None:
+        pick, why = choose_step(held, newest_durable=newest_durable)
+        if pick is None:
             if self.rank == 0:
                 self._log.info("checkpoint_memory_skipped", reason=why, newest_durable=newest_durable)
             return None
+        chosen, world = pick
         t0 = time.monotonic()
         err: str | None = None
         extra: dict[str, Any] = {}
         try:
-            extra = memory.load(chosen, state)
+            extra = memory.load(chosen, state, world=world)
         except Exception as e:  # noqa: BLE001 - agreed below; every rank then goes to storage
             err = describe(e)[:500]
         errors = [e for e in self._group.all_gather(err) if e]
@@ -745,7 +746,7 @@ class CheckpointManager:
         self.last_restored_repeats = 0
         self.last_restored_tier = CheckpointTier.MEMORY
         self._claim()
-        self._log.info("checkpoint_restored", step=chosen, tier=CheckpointTier.MEMORY.value, epoch=self.epoch,
+        self._log.info("checkpoint_restored", step=chosen, tier=CheckpointTier.MEMORY.value, world=world, epoch=self.epoch,
                        base_step=self._base.step if self._base else None, newest_durable=newest_durable,
                        load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
         return chosen

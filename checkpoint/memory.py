@@ -19,7 +19,8 @@ Slots and the header (torn writes)
     one in the other slot.
 
 Completeness: agreement at restore time, no collective per snapshot
-    A snapshot of step ``s`` is complete when *every* rank of the world holds a valid slot of ``s``.
+    A snapshot of step ``s`` is complete when *every* rank of the world holds a valid slot of ``s``
+    written by the same world (each snapshot records a world id: rendezvous id and round).
     Ranks never agree on that while training (that would add a collective per step): at restore
     every rank reports the steps it holds (:meth:`MemoryTier.available`) and the newest step all of
     them hold is chosen (:func:`choose_step`), never a mix of steps. Two slots suffice: a rank cannot
@@ -32,8 +33,8 @@ Where tier 0 applies, and where it does not
     each rank must be on the node that held that rank (torch elastic keeps the ranks of a restarted
     world of the same nodes in the same order). Anything else (another world size, a rank moved to
     another node, a layout that changed) makes the restore fall back to storage. A restore from
-    storage, and every new world, invalidate this rank's slots (:meth:`MemoryTier.invalidate`), so a
-    snapshot of an abandoned branch of history is never restored later.
+    storage, and a world re-formed in place, invalidate this rank's slots (:meth:`MemoryTier.invalidate`,
+    :meth:`MemoryTier.rebind`), so a snapshot of an abandoned branch of history is never restored later.
 
 Threading: the training thread only. GPU tensors are copied with a blocking ``copy_`` (not verified
 on a GPU yet, see ``docs/gpu.md``).
@@ -112,25 +113,27 @@ class Header:
         return cls(*rest)
 
 
-def choose_step(held: Sequence[Sequence[int]], *, newest_durable: int | None) -> tuple[int | None, str]:
-    """The step to restore from tier 0, given the steps each rank holds a valid snapshot of (one list
-    per rank), and why. Only a step *every* rank holds counts (snapshots of different steps are never
-    mixed); the newest such step is chosen when it is newer than storage's newest committed step
+def choose_step(held: Sequence[Sequence[tuple[int, str]]], *,
+                newest_durable: int | None) -> tuple[tuple[int, str] | None, str]:
+    """The snapshot to restore from tier 0, given the ``(step, world)`` snapshots each rank holds (one
+    list per rank; ``world`` names the world that wrote it), and why. Only a snapshot *every* rank holds,
+    of the same step written by the same world, counts (steps, and worlds, are never mixed); the newest
+    such step is chosen when it is newer than storage's newest committed step
     (``newest_durable``; at an equal step the committed checkpoint is restored: its manifest says what
     kind of stop left it, which the checkpoint interval's failure count needs)."""
     if not held:
         return None, "no ranks"
-    common = set(held[0]).intersection(*map(set, held[1:]))
+    common = set(map(tuple, held[0])).intersection(*(set(map(tuple, h)) for h in held[1:]))
     if not common:
-        missing = [r for r, steps in enumerate(held) if not steps]
+        missing = [r for r, snaps in enumerate(held) if not snaps]
         why = (f"ranks {missing[:8]} hold no snapshot" if missing else
-               "the ranks hold no step in common (" + ", ".join(f"rank {r}: {sorted(s)}" for r, s in
-                                                             list(enumerate(held))[:8]) + ")")
+               "the ranks hold no snapshot in common (" + "; ".join(
+                   f"rank {r}: {sorted(s)}" for r, s in list(enumerate(held))[:8]) + ")")
         return None, why
     best = max(common)
-    if newest_durable is not None and best <= newest_durable:
-        return None, f"storage holds committed step {newest_durable}, not older than the snapshots' {best}"
-    return best, "ok"
+    if newest_durable is not None and best[0] <= newest_durable:
+        return None, f"storage holds committed step {newest_durable}, not older than the snapshots' {best[0]}"
+    return (best[0], best[1]), "ok"
 
 
 def slot_bytes(tensor_bytes: int, meta_bytes: int) -> int:
@@ -382,21 +385,25 @@ class MemoryTier:
         self._newest: int | None = None  # index of the slot holding this rank's newest snapshot
         self._views: list[torch.Tensor] | None = None
         self._layout: Any = None
-        self.rebind(rank, world_size)
+        self._attach(rank, world_size)
 
     @property
     def nbytes(self) -> int:
         """Host memory this rank's slot files take (bytes)."""
         return sum(s.size for s in self._slots)
 
-    def rebind(self, rank: int, world_size: int) -> None:
-        """A new world (a re-formation in place): write and read as ``rank`` of ``world_size`` from now on,
-        and invalidate what that rank's files hold (a snapshot of an earlier world with this rank number
-        must never be mistaken for this world's)."""
+    def _attach(self, rank: int, world_size: int) -> None:
         self.close()
         self.rank, self.world_size = rank, world_size
         self._slots = [_Slot(os.path.join(self.directory, f"rank-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
-        self._views, self._layout, self._newest = None, None, None
+        self._layout, self._newest = None, None
+
+    def rebind(self, rank: int, world_size: int) -> None:
+        """A new world formed in place: write and read as ``rank`` of ``world_size`` from now on. What
+        this rank's old files and the new rank's files hold is invalidated: snapshots of the old world
+        are older than the live state this process continues with."""
+        self.invalidate()
+        self._attach(rank, world_size)
         self.invalidate()
 
     def invalidate(self) -> None:
@@ -406,15 +413,18 @@ class MemoryTier:
             s.invalidate()
         self._newest = None
 
-    def snapshot(self, step: int, state: dict[str, Any], *, extra: dict[str, Any] | None = None) -> SnapshotResult:
+    def snapshot(self, step: int, state: dict[str, Any], *, world: str = "",
+                 extra: dict[str, Any] | None = None) -> SnapshotResult:
         """Copy ``state`` (as the durable save would stage it) into the slot not holding the newest
-        snapshot, and commit that slot as ``step``. ``extra``: small picklable values restored with it
-        (e.g. the committed step the state descends from). Raises :class:`MemoryTierError` when it does
-        not fit."""
+        snapshot, and commit that slot as ``step``. ``world`` names the world writing it (the same on
+        every rank, e.g. rendezvous id and round): a restore never combines snapshots of different
+        worlds. ``extra``: small picklable values restored with it (e.g. the committed step the state
+        descends from). Raises :class:`MemoryTierError` when it does not fit."""
         t0 = time.monotonic()
         tensors: list[torch.Tensor] = []
         skel = skeleton(materialise(state), tensors)
-        meta = pickle.dumps({"skeleton": skel, "extra": dict(extra or {})}, protocol=pickle.HIGHEST_PROTOCOL)
+        meta = pickle.dumps({"skeleton": skel, "world": world, "extra": dict(extra or {})},
+                            protocol=pickle.HIGHEST_PROTOCOL)
         idx = 0 if self._newest is None else (self._newest + 1) % SLOTS
         target = self._slots[idx]
         lay = layout(skel)
@@ -442,9 +452,9 @@ class MemoryTier:
                 out.append((i, *got))
         return out
 
-    def available(self, state: dict[str, Any]) -> list[int]:
-        """The steps this rank holds a complete, checksum-verified snapshot of, of this world size, whose
-        layout fits ``state`` (newest first)."""
+    def available(self, state: dict[str, Any]) -> list[tuple[int, str]]:
+        """The ``(step, world)`` snapshots this rank holds complete and checksum-verified, of this world
+        size, whose layout fits ``state`` (newest first)."""
         want = layout(skeleton(materialise(state), []))
         steps = []
         for _, h, data in self._valid():
@@ -453,17 +463,19 @@ class MemoryTier:
             except Exception:  # noqa: BLE001 - a slot we cannot read is not a candidate
                 continue
             if layout(meta["skeleton"]) == want:
-                steps.append(h.step)
+                steps.append((h.step, str(meta.get("world", ""))))
         return sorted(steps, reverse=True)
 
-    def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
-        """Load the snapshot of ``step`` into ``state`` in place (as ``dcp.load``: tensors copied into the
+    def load(self, step: int, state: dict[str, Any], *, world: str = "") -> dict[str, Any]:
+        """Load the snapshot of ``step`` written by ``world`` into ``state`` in place (as ``dcp.load``: tensors copied into the
         current state dicts, then ``load_state_dict``); return its ``extra``. Raises
         :class:`MemoryTierError` when this rank holds no valid snapshot of ``step``."""
         for i, h, data in self._valid():
             if h.step != step:
                 continue
             meta = pickle.loads(data[h.tensor_bytes:])
+            if str(meta.get("world", "")) != world:
+                continue
             raw = torch.frombuffer(bytearray(data[:h.tensor_bytes]), dtype=torch.uint8) if h.tensor_bytes else None
             views: list[torch.Tensor] = []
             off = 0

@@ -622,7 +622,8 @@ class Runtime:
         if mem is None or self._manager is None or self.step % self.checkpoint_config.memory_interval_steps:
             return
         try:
-            r = mem.snapshot(self.step, self._state(), extra={"base": self._manager.base})
+            r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
+                             extra={"base": self._manager.base})
         except MemoryTierError as e:
             self._memory_refused(e)
             return

@@ -23,16 +23,21 @@ from trainguard.runtime.protocol import CheckpointTier
 pytestmark = pytest.mark.timeout(60)
 
 
+W, V = "run/0", "run/3"  # two worlds (rendezvous id / round)
+
+
 @pytest.mark.parametrize("held, durable, want", [
-    ([[7, 6], [7, 6]], None, 7),          # every rank finished 7
-    ([[7, 6], [6]], None, 6),             # rank 1 died writing 7: its slot is torn, 6 is complete everywhere
-    ([[8, 7], [7, 6]], None, 7),          # one snapshot apart: the newest common step
-    ([[8, 7], [6, 5]], None, None),       # nothing in common: never mix steps
-    ([[7, 6], []], None, None),           # a rank holds nothing (a new node, a lost folder)
-    ([[7, 6], [7, 6]], 5, 7),             # newer than storage's newest committed step
-    ([[7, 6], [7, 6]], 7, None),          # storage holds the same step: the committed checkpoint
-    ([[7, 6], [7, 6]], 9, None),          # storage is newer
-    ([[3]], None, 3),                     # one rank
+    ([[(7, W), (6, W)], [(7, W), (6, W)]], None, (7, W)),   # every rank finished 7
+    ([[(7, W), (6, W)], [(6, W)]], None, (6, W)),           # rank 1 died writing 7: 6 is complete everywhere
+    ([[(8, W), (7, W)], [(7, W), (6, W)]], None, (7, W)),   # one snapshot apart: the newest common step
+    ([[(8, W), (7, W)], [(6, W), (5, W)]], None, None),     # nothing in common: never mix steps
+    ([[(7, W), (6, W)], []], None, None),                   # a rank holds nothing (a new node, a lost folder)
+    ([[(7, W), (6, V)], [(7, V), (6, V)]], None, (6, V)),   # step 7 of two different worlds: never mixed
+    ([[(7, W)], [(7, V)]], None, None),
+    ([[(7, W), (6, W)], [(7, W), (6, W)]], 5, (7, W)),      # newer than storage's newest committed step
+    ([[(7, W), (6, W)], [(7, W), (6, W)]], 7, None),        # storage holds the same step: the committed one
+    ([[(7, W), (6, W)], [(7, W), (6, W)]], 9, None),        # storage is newer
+    ([[(3, W)]], None, (3, W)),                             # one rank
     ([], None, None),
 ])
 def test_choose_step(held, durable, want):
@@ -81,17 +86,19 @@ def test_round_trip_two_slots_torn_and_corrupt(tmp_path):
     m, opt, trainer, state = _job()
     tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
     _train(m, opt, trainer, 1)
-    tier.snapshot(1, state, extra={"base": StepRef(0, 2)})
+    tier.snapshot(1, state, world=W, extra={"base": StepRef(0, 2)})
     want_m, want_o = _copy(m, opt)
     _train(m, opt, trainer, 2)
-    r = tier.snapshot(2, state)
+    r = tier.snapshot(2, state, world=W)
     assert r.nbytes > 0 and tier.nbytes == sum(os.path.getsize(p) for p in tmp_path.iterdir())
     assert sorted(os.listdir(tmp_path)) == ["rank-00000-0.snap", "rank-00000-1.snap"]
-    assert tier.available(state) == [2, 1]
+    assert tier.available(state) == [(2, W), (1, W)]
     _train(m, opt, trainer, 3)  # not snapshotted
 
     # restore step 1 into the live objects: weights, Adam state, trainer step and cursor
-    assert tier.load(1, state) == {"base": StepRef(0, 2)}
+    with pytest.raises(mem.MemoryTierError):
+        tier.load(1, state, world=V)  # another world's step 1: not this one
+    assert tier.load(1, state, world=W) == {"base": StepRef(0, 2)}
     assert all(torch.equal(v, want_m[k]) for k, v in m.state_dict().items())
     got_o = opt.state_dict()["state"]
     assert all(torch.equal(got_o[i][k], want_o[i][k]) for i in want_o for k in want_o[i])
@@ -102,11 +109,11 @@ def test_round_trip_two_slots_torn_and_corrupt(tmp_path):
     raw = bytearray(slot2.read_bytes())
     raw[8:16] = b"\0" * 8
     slot2.write_bytes(bytes(raw))
-    assert tier.available(state) == [1]
+    assert tier.available(state) == [(1, W)]
     # a commit word that names another step than the header's (fields written, commit of an old write)
     raw[8:16] = struct.pack("<Q", 5)
     slot2.write_bytes(bytes(raw))
-    assert tier.available(state) == [1]
+    assert tier.available(state) == [(1, W)]
     # a flipped byte in the data of the other slot: its checksum fails
     slot1 = next(p for p in tmp_path.iterdir() if p != slot2)
     raw1 = bytearray(slot1.read_bytes())
@@ -114,7 +121,7 @@ def test_round_trip_two_slots_torn_and_corrupt(tmp_path):
     slot1.write_bytes(bytes(raw1))
     assert tier.available(state) == []
     with pytest.raises(mem.MemoryTierError, match="no valid in-memory snapshot of step 1"):
-        tier.load(1, state)
+        tier.load(1, state, world=W)
     tier.close()
 
 
@@ -122,17 +129,19 @@ def test_other_world_size_rank_or_layout_is_not_a_candidate(tmp_path):
     m, opt, trainer, state = _job()
     _train(m, opt, trainer, 1)
     t0 = mem.MemoryTier(str(tmp_path), rank=0, world_size=2)
-    t0.snapshot(1, state)
-    assert t0.available(state) == [1]
-    assert mem.MemoryTier(str(tmp_path), rank=0, world_size=3).available(state) == []  # and it invalidated them
-    t0 = mem.MemoryTier(str(tmp_path), rank=0, world_size=2)
-    t0.snapshot(1, state)
+    t0.snapshot(1, state, world=W)
+    assert t0.available(state) == [(1, W)]
+    assert mem.MemoryTier(str(tmp_path), rank=0, world_size=3).available(state) == []
+    # a restarted worker (a new process, same rank and world size) finds them
+    assert mem.MemoryTier(str(tmp_path), rank=0, world_size=2).available(state) == [(1, W)]
     other = _job(width=17)[3]  # another model: the layout differs
     assert t0.available(other) == []
-    t0.rebind(1, 2)  # a new world: this rank's files start empty
+    t0.snapshot(2, state, world=W)
+    t1 = mem.MemoryTier(str(tmp_path), rank=1, world_size=2)
+    t1.snapshot(2, state, world=W)
+    t0.rebind(1, 2)  # re-formed in place as rank 1: the old rank's and the new rank's files are emptied
     assert t0.available(state) == []
-    t0.rebind(0, 2)
-    assert t0.available(state) == []
+    assert mem.MemoryTier(str(tmp_path), rank=0, world_size=2).available(state) == []
 
 
 def test_layout_change_invalidates_the_older_slot(tmp_path):
@@ -144,7 +153,7 @@ def test_layout_change_invalidates_the_older_slot(tmp_path):
     sd = {"w": torch.zeros(3)}
     tier.snapshot(1, {"x": sd})
     tier.snapshot(2, {"x": {"w": torch.zeros(5)}})  # the layout changed (e.g. optimizer state appeared)
-    assert tier.available({"x": {"w": torch.zeros(5)}}) == [2]
+    assert tier.available({"x": {"w": torch.zeros(5)}}) == [(2, "")]
     assert tier.available({"x": sd}) == []
     assert tier.available(state) == []
 
@@ -172,7 +181,7 @@ def test_manager_prefers_a_newer_snapshot_and_falls_back_to_storage(tmp_path):
         mgr.save(1, state, block=True)
         for s in (2, 3):
             _train(m, opt, trainer, s)
-            tier.snapshot(s, state, extra={"base": mgr.base})
+            tier.snapshot(s, state, world=W, extra={"base": mgr.base})
         want_m, _ = _copy(m, opt)
         _train(m, opt, trainer, 4)  # then the worker dies
     m2, opt2, trainer2, state2 = _job(seed=5)

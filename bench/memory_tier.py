@@ -1,0 +1,217 @@
+"""In-memory checkpoint tier (tier 0): what a snapshot costs and what it saves (benchmark, not a timed test).
+
+Scenarios, side by side in one invocation:
+
+* **overhead** -- one process trains the bundled byte-level GPT (``examples/train_gpt.py``'s ``TinyGPT``,
+  the example's defaults: d_model 64, 2 layers, seq 64, global batch 24 in micro-batches of 4, AdamW)
+  and alternates blocks of ``--block`` steps *with* a tier-0 snapshot after every step (the call the
+  worker runtime makes: :meth:`MemoryTier.snapshot` of ``{"app": model + optimizer, "trainer": ...}``
+  into ``/dev/shm``) and *without*, for ``--overhead-steps`` steps. ``snapshot_overhead_ratio`` = mean
+  step time with / without (the snapshot included in the step). ``memory_ratio`` = host memory of this
+  rank's tier 0 (both slot files) / its state's tensor bytes (tier 1 does not exist yet: nothing added).
+* **worker_kill** -- two ``trainguard run`` agents on 127.0.0.1 (c10d, gloo, DDP, one worker each,
+  ``workers.reform: restart``) train ``examples/train_gpt_elastic.py`` with a snapshot every step
+  (``checkpoint.memory_interval_steps=1``) and no periodic checkpoint in storage; after ``--kill-at``
+  steps node b's worker is SIGKILLed (its agent lives). ``worker_kill_lost_steps``: the newest step any
+  rank finished before the kill minus the step the new world restored; ``worker_kill_resume_s``: from
+  the kill until the new world finished its first step (the workers' own clock, from the sample log).
+* **worker_kill_storage** (unless ``--no-baseline``) -- the same kill with tier 0 off and a periodic
+  checkpoint in storage every ``--baseline-interval`` steps: today's path, the same figures.
+* node_kill_* (a whole node lost: tier 1, a buddy's replica) are not implemented: null, with the reason.
+
+Run: ``OMP_NUM_THREADS=1 python bench/memory_tier.py [--json out.json]`` (about two minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from tests import samples  # noqa: E402  (the sample-log reader the e2e tests use)
+from tests.harness import Node, free_port, wait_listening, wait_until  # noqa: E402
+
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+NODE_KILL_REASON = "tier 1 (a buddy node's replica) is not implemented yet: a lost node restores from storage"
+
+
+def overhead(steps: int, block: int, shm_root: str) -> dict[str, Any]:
+    """Alternate blocks of steps with and without a snapshot after each step; return the figures."""
+    import torch
+
+    from trainguard.checkpoint.memory import MemoryTier
+    from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
+    from trainguard.examples.train_gpt import TinyGPT, batch_for, load_corpus
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)
+    corpus = load_corpus(2_000_000)
+    model = TinyGPT(64, 64, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    trainer = TrainerState(seed=1234, cursor={"epoch": 0, "consumed": 0})
+    state = {"app": ModelOptimizerState(model, opt), "trainer": trainer}
+    folder = tempfile.mkdtemp(prefix="trainguard-bench-", dir=shm_root)
+    tier = MemoryTier(folder, rank=0, world_size=1)
+    n = (len(corpus) - 1) // 64
+    g = torch.Generator().manual_seed(0)
+
+    def step(i: int) -> None:
+        ids = torch.randint(0, n, (24,), generator=g).tolist()
+        for k in range(6):
+            x, y = batch_for(corpus, ids[4 * k:4 * k + 4], 64)
+            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)) / 6
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        trainer.step, trainer.cursor = i, {"epoch": 0, "consumed": 24 * i}
+
+    try:
+        for i in range(1, 6):  # warm-up: allocator, optimizer state, the slot files
+            step(i)
+            tier.snapshot(i, state)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        snap_s: list[float] = []
+        i = 5
+        while i < 5 + steps:
+            on = ((i - 5) // block) % 2 == 0
+            i += 1
+            t0 = time.perf_counter()
+            step(i)
+            if on:
+                snap_s.append(tier.snapshot(i, state).seconds)
+            times[on].append(time.perf_counter() - t0)
+        state_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                           if isinstance(v, torch.Tensor))
+        with_s, without_s = statistics.mean(times[True]), statistics.mean(times[False])
+        return {"overhead_steps": steps, "overhead_block": block,
+                "step_s_with_snapshots": round(with_s, 6), "step_s_without_snapshots": round(without_s, 6),
+                "step_s_with_snapshots_median": round(statistics.median(times[True]), 6),
+                "step_s_without_snapshots_median": round(statistics.median(times[False]), 6),
+                "snapshot_overhead_ratio": round(with_s / without_s, 4),
+                "snapshot_overhead_ratio_median": round(statistics.median(times[True]) / statistics.median(times[False]), 4),
+                "snapshot_s_mean": round(statistics.mean(snap_s), 6), "snapshot_s_p95": round(sorted(snap_s)[int(0.95 * len(snap_s))], 6),
+                "state_bytes": state_bytes, "tier0_bytes": tier.nbytes, "tier1_bytes": 0,
+                "memory_ratio": round(tier.nbytes / state_bytes, 4)}
+    finally:
+        tier.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int, shm_root: str) -> dict[str, Any]:
+    """Two agents, SIGKILL node b's worker at step ``kill_at``; the figures of the restart."""
+    os.makedirs(tmp)
+    folder = os.path.join(tmp, "samples")
+    os.makedirs(folder)
+    ep = f"127.0.0.1:{free_port()}"
+    job = f"bench{os.getpid()}{'m' if memory else 's'}"
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "workers.reform=restart",
+              "--set", f"checkpoint.memory_dir={shm_root}"]
+    common += (["--set", "checkpoint.interval=off", "--set", "checkpoint.memory_interval_steps=1"] if memory else
+               ["--set", f"checkpoint.interval={baseline_interval}", "--set", "checkpoint.memory_interval_steps=0"])
+    args = ["--steps", "100000", "--log-every", "1", "--sample-log", folder]
+    a = Node("a", tmp, ep, job=job, script=ELASTIC, script_args=args, extra=common)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, job=job, script=ELASTIC, script_args=args, extra=common)
+    nodes = [a, b]
+    try:
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= kill_at for e in a.events("train_step")), 180,
+                   f"{kill_at} steps at world size 2")
+        (victim,) = b.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.time()
+        before = samples.read(folder)
+        last = max(r["step"] for r in before)
+        old_rounds = {r["round"] for r in before}
+        back = wait_until(lambda: [e for n in nodes for e in n.events("worker_restored")], 120, "a restore")
+        first = wait_until(lambda: sorted((r["t1"], r["step"]) for r in samples.read(folder)
+                                          if r["round"] not in old_rounds and "t1" in r), 120,
+                           "the first step of the new world")
+        restored = {e["step"] for e in back}
+        tiers = sorted({e.get("source") for e in back})
+        step = min(restored)
+        steps_before = sorted({r["step"] for r in before if r.get("world_size") == 2})
+        step_s = statistics.median(
+            r2["t1"] - r1["t1"] for r1, r2 in zip(
+                sorted((r for r in before if r["rank"] == 0), key=lambda r: r["step"])[-21:-1],
+                sorted((r for r in before if r["rank"] == 0), key=lambda r: r["step"])[-20:]))
+        return {"lost_steps": last - step, "resume_s": round(first[0][0] - t_kill, 3), "restored_step": step,
+                "last_step_before_kill": last, "restore_tier": tiers[0] if len(tiers) == 1 else tiers,
+                "ranks_restored": len(back), "step_s": round(step_s, 4), "steps_before_kill": len(steps_before)}
+    finally:
+        for n in nodes:
+            n.stop()
+        for n in ("a", "b"):
+            shutil.rmtree(os.path.join(shm_root, f"trainguard-{job}-{n}"), ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--json", default="")
+    p.add_argument("--overhead-steps", type=int, default=400)
+    p.add_argument("--block", type=int, default=10)
+    p.add_argument("--kill-at", type=int, default=25)
+    p.add_argument("--baseline-interval", type=int, default=50)
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--shm", default="/dev/shm")
+    p.add_argument("--keep", action="store_true")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out: dict[str, Any] = {"model": "TinyGPT d_model=64 layers=2 seq=64, global batch 24 (micro 4), AdamW"}
+    print("overhead: alternating blocks with / without a snapshot per step ...", flush=True)
+    out.update(overhead(args.overhead_steps, args.block, args.shm))
+    tmp = tempfile.mkdtemp(prefix="trainguard-memtier-")
+    try:
+        print("worker_kill: tier 0 ...", flush=True)
+        k = worker_kill(os.path.join(tmp, "memory"), memory=True, kill_at=args.kill_at,
+                        baseline_interval=args.baseline_interval, shm_root=args.shm)
+        out.update({"worker_kill_lost_steps": k["lost_steps"], "worker_kill_resume_s": k["resume_s"],
+                    "worker_kill": k})
+        if not args.no_baseline:
+            print("worker_kill_storage: tier 0 off, storage every "
+                  f"{args.baseline_interval} steps ...", flush=True)
+            s = worker_kill(os.path.join(tmp, "storage"), memory=False, kill_at=args.kill_at,
+                            baseline_interval=args.baseline_interval, shm_root=args.shm)
+            out.update({"worker_kill_storage_lost_steps": s["lost_steps"], "worker_kill_storage_resume_s": s["resume_s"],
+                        "worker_kill_storage": s})
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out.update({"node_kill_lost_steps": None, "node_kill_resume_s": None, "node_kill_reason": NODE_KILL_REASON})
+    out["restore_tier"] = {"worker_kill": out["worker_kill"]["restore_tier"],
+                           "worker_kill_storage": out.get("worker_kill_storage", {}).get("restore_tier"),
+                           "node_kill": None}
+    rows = [("snapshot_overhead_ratio (mean step with/without)", out["snapshot_overhead_ratio"]),
+            ("  step s with / without snapshots", f"{out['step_s_with_snapshots']} / {out['step_s_without_snapshots']}"),
+            ("  snapshot s mean / p95", f"{out['snapshot_s_mean']} / {out['snapshot_s_p95']}"),
+            ("memory_ratio (tier0+tier1 / state)", f"{out['memory_ratio']} ({out['tier0_bytes']} / {out['state_bytes']} B)"),
+            ("worker_kill_lost_steps (tier 0)", out["worker_kill_lost_steps"]),
+            ("worker_kill_resume_s (tier 0)", out["worker_kill_resume_s"]),
+            ("restore_tier (worker_kill)", out["restore_tier"]["worker_kill"])]
+    if "worker_kill_storage" in out:
+        rows += [("worker_kill_lost_steps (storage only)", out["worker_kill_storage_lost_steps"]),
+                 ("worker_kill_resume_s (storage only)", out["worker_kill_storage_resume_s"]),
+                 ("restore_tier (worker_kill_storage)", out["restore_tier"]["worker_kill_storage"])]
+    rows += [("node_kill_*", f"null: {NODE_KILL_REASON}")]
+    width = max(len(r[0]) for r in rows)
+    print()
+    for name, v in rows:
+        print(f"{name:<{width}}  {v}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
