@@ -44,7 +44,7 @@ ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 NODE_KILL_REASON = "tier 1 (a buddy node's replica) is not implemented yet: a lost node restores from storage"
 
 
-def overhead(steps: int, block: int, shm_root: str) -> dict[str, Any]:
+def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: int = 2) -> dict[str, Any]:
     """Alternate blocks of steps with and without a snapshot after each step; return the figures."""
     import torch
 
@@ -55,7 +55,7 @@ def overhead(steps: int, block: int, shm_root: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(1234)
     corpus = load_corpus(2_000_000)
-    model = TinyGPT(64, 64, 2)
+    model = TinyGPT(64, d_model, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     trainer = TrainerState(seed=1234, cursor={"epoch": 0, "consumed": 0})
     state = {"app": ModelOptimizerState(model, opt), "trainer": trainer}
@@ -93,7 +93,7 @@ def overhead(steps: int, block: int, shm_root: str) -> dict[str, Any]:
         state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                            if isinstance(v, torch.Tensor))
         with_s, without_s = statistics.mean(times[True]), statistics.mean(times[False])
-        return {"overhead_steps": steps, "overhead_block": block,
+        return {"d_model": d_model, "layers": layers, "overhead_steps": steps, "overhead_block": block,
                 "step_s_with_snapshots": round(with_s, 6), "step_s_without_snapshots": round(without_s, 6),
                 "step_s_with_snapshots_median": round(statistics.median(times[True]), 6),
                 "step_s_without_snapshots_median": round(statistics.median(times[False]), 6),
@@ -129,16 +129,16 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
         (victim,) = b.worker_pids()
         os.kill(victim, signal.SIGKILL)
         t_kill = time.time()
-        before = samples.read(folder)
-        last = max(r["step"] for r in before)
-        old_rounds = {r["round"] for r in before}
-        back = wait_until(lambda: [e for n in nodes for e in n.events("worker_restored")], 120, "a restore")
+        old_rounds = {r["round"] for r in samples.read(folder)}
         first = wait_until(lambda: sorted((r["t1"], r["step"]) for r in samples.read(folder)
                                           if r["round"] not in old_rounds and "t1" in r), 120,
                            "the first step of the new world")
-        restored = {e["step"] for e in back}
-        tiers = sorted({e.get("source") for e in back})
-        step = min(restored)
+        time.sleep(1.0)  # both ranks' restore reports reach the agents' logs
+        back = [e for n in nodes for e in n.events("worker_restored")]
+        before = [r for r in samples.read(folder) if r["round"] in old_rounds]  # incl. what the survivor finished
+        last = max(r["step"] for r in before)
+        tiers = sorted({e.get("source") for e in back}) or ["none"]
+        step = min((e["step"] for e in back), default=0)
         steps_before = sorted({r["step"] for r in before if r.get("world_size") == 2})
         step_s = statistics.median(
             r2["t1"] - r1["t1"] for r1, r2 in zip(
@@ -159,16 +159,22 @@ def main() -> int:
     p.add_argument("--json", default="")
     p.add_argument("--overhead-steps", type=int, default=400)
     p.add_argument("--block", type=int, default=10)
-    p.add_argument("--kill-at", type=int, default=25)
+    p.add_argument("--kill-at", type=int, default=75,
+                   help="kill after this many steps (75 with the baseline's interval 50: it loses half an interval)")
     p.add_argument("--baseline-interval", type=int, default=50)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--shm", default="/dev/shm")
+    p.add_argument("--larger", default="256x4", help="also measure the overhead on TinyGPT d_model x layers ('' = skip)")
     p.add_argument("--keep", action="store_true")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out: dict[str, Any] = {"model": "TinyGPT d_model=64 layers=2 seq=64, global batch 24 (micro 4), AdamW"}
     print("overhead: alternating blocks with / without a snapshot per step ...", flush=True)
     out.update(overhead(args.overhead_steps, args.block, args.shm))
+    if args.larger:
+        d, n = (int(x) for x in args.larger.split("x"))
+        print(f"overhead: the same on a larger TinyGPT (d_model {d}, {n} layers) ...", flush=True)
+        out["larger_model"] = overhead(max(100, args.overhead_steps // 4), args.block, args.shm, d, n)
     tmp = tempfile.mkdtemp(prefix="trainguard-memtier-")
     try:
         print("worker_kill: tier 0 ...", flush=True)
@@ -193,6 +199,9 @@ def main() -> int:
     rows = [("snapshot_overhead_ratio (mean step with/without)", out["snapshot_overhead_ratio"]),
             ("  step s with / without snapshots", f"{out['step_s_with_snapshots']} / {out['step_s_without_snapshots']}"),
             ("  snapshot s mean / p95", f"{out['snapshot_s_mean']} / {out['snapshot_s_p95']}"),
+            *([(f"  larger model ({out['larger_model']['d_model']}x{out['larger_model']['layers']}, "
+                f"{out['larger_model']['state_bytes']} B): ratio", out["larger_model"]["snapshot_overhead_ratio"])]
+              if "larger_model" in out else []),
             ("memory_ratio (tier0+tier1 / state)", f"{out['memory_ratio']} ({out['tier0_bytes']} / {out['state_bytes']} B)"),
             ("worker_kill_lost_steps (tier 0)", out["worker_kill_lost_steps"]),
             ("worker_kill_resume_s (tier 0)", out["worker_kill_resume_s"]),

@@ -50,7 +50,7 @@ import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -174,9 +174,9 @@ def _align(n: int) -> int:
 # ---- state walking ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Leaf:
-    """A tensor's place in the skeleton: its index in the slot, local shape and dtype."""
+class _Leaf(NamedTuple):
+    """A tensor's place in the skeleton: its index in the slot, local shape and dtype (a NamedTuple:
+    pickled several times faster than a dataclass, and there is one per tensor per snapshot)."""
 
     index: int
     shape: tuple[int, ...]
@@ -197,15 +197,17 @@ class _Tuple:
 
 def _local(t: Any) -> list[torch.Tensor] | None:
     """The local tensors of a tensor-like leaf (a DTensor's shard, a ShardedTensor's shards), else None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return [t]
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
         return [t._local_tensor]
-    if isinstance(t, torch.Tensor) and callable(getattr(type(t), "local_shards", None)):
+    if _is_sharded(t):
         return [s.tensor for s in t.local_shards()]
-    if isinstance(t, torch.Tensor):
-        return [t]
-    return None
+    return [t]
 
 
 def _is_sharded(t: Any) -> bool:
@@ -214,15 +216,16 @@ def _is_sharded(t: Any) -> bool:
 
 def skeleton(sd: Any, out: list[torch.Tensor]) -> Any:
     """``sd`` with every tensor replaced by a :class:`_Leaf` (its local tensors appended to ``out``)."""
-    local = _local(sd)
-    if local is not None:
+    if isinstance(sd, dict):
+        return {k: skeleton(v, out) for k, v in sd.items()}
+    if isinstance(sd, torch.Tensor):
+        local = _local(sd)
+        assert local is not None
         leaves = []
         for t in local:
             leaves.append(_Leaf(len(out), tuple(t.shape), str(t.dtype)))
             out.append(t)
-        return _Shards(tuple(leaves)) if _is_sharded(sd) else leaves[0]
-    if isinstance(sd, dict):
-        return {k: skeleton(v, out) for k, v in sd.items()}
+        return _Shards(tuple(leaves)) if len(local) != 1 or _is_sharded(sd) else leaves[0]
     if isinstance(sd, list):
         return [skeleton(v, out) for v in sd]
     if isinstance(sd, tuple):
@@ -233,7 +236,7 @@ def skeleton(sd: Any, out: list[torch.Tensor]) -> Any:
 def layout(skel: Any) -> Any:
     """The tensor layout of a skeleton (structure, shapes, dtypes; no values): two states load into each
     other only when their layouts are equal."""
-    if isinstance(skel, _Leaf):
+    if type(skel) is _Leaf:
         return ("T", skel.shape, skel.dtype)
     if isinstance(skel, _Shards):
         return ("S", tuple(layout(x) for x in skel.leaves))
@@ -264,14 +267,21 @@ def fill(cur: Any, skel: Any, views: list[torch.Tensor]) -> Any:
     return skel
 
 
+def _has_local(v: Any) -> bool:
+    return callable(getattr(v, "local_state_dict", None)) and callable(getattr(v, "load_local_state_dict", None))
+
+
 def materialise(state: dict[str, Any]) -> dict[str, Any]:
-    """The state dicts of ``state``'s entries, without collectives: a ``Stateful`` that has a
-    ``local_state_dict()`` (the trainer state: this rank's RNG only) gives that."""
+    """The state dicts of ``state``'s entries. An entry with ``local_state_dict()`` /
+    ``load_local_state_dict()`` gives the former: this rank's own state in the objects' own format, no
+    collective, no FQN conversion (model + optimizer: ``ModelOptimizerState``; the trainer state: this
+    rank's RNG only). Other ``Stateful`` entries give ``state_dict()``."""
     out: dict[str, Any] = {}
     for k, v in state.items():
-        if isinstance(v, Stateful):
-            local = getattr(v, "local_state_dict", None)
-            out[k] = local() if callable(local) else v.state_dict()
+        if _has_local(v):
+            out[k] = v.local_state_dict()
+        elif isinstance(v, Stateful):
+            out[k] = v.state_dict()
         else:
             out[k] = v
     return out
@@ -287,6 +297,8 @@ class _Slot:
         self.path = path
         self.size = os.path.getsize(path) if os.path.exists(path) else 0
         self._mm: mmap.mmap | None = None
+        self._views: list[torch.Tensor] = []
+        self._views_sig: Any = None
 
     def header(self) -> Header | None:
         try:
@@ -315,6 +327,21 @@ class _Slot:
     def mm(self) -> mmap.mmap:
         assert self._mm is not None
         return self._mm
+
+    def views(self, sig: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> list[torch.Tensor]:
+        """Tensors over the mapped data area, one per ``(shape, dtype)`` of ``sig`` (built once per layout)."""
+        if self._views_sig != sig:
+            self._views = []
+            total = sum(_align(_numel(sh) * torch.empty((), dtype=dt).element_size()) for sh, dt in sig)
+            buf = torch.frombuffer(self.mm, dtype=torch.uint8, offset=HEADER_BYTES, count=total) if total else None
+            off = 0
+            for shape, dtype in sig:
+                n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+                raw = buf[off:off + n] if buf is not None and n else torch.empty(0, dtype=torch.uint8)
+                self._views.append(raw.view(dtype).view(shape))
+                off += _align(n)
+            self._views_sig = sig
+        return self._views
 
     def invalidate(self) -> None:
         """Zero the commit word (the slot reads as torn from now on)."""
@@ -347,6 +374,7 @@ class _Slot:
         return h, data
 
     def close(self) -> None:
+        self._views, self._views_sig = [], None  # release the exported buffer before unmapping
         if self._mm is not None:
             self._mm.close()
             self._mm = None
@@ -384,7 +412,8 @@ class MemoryTier:
         self._slots: list[_Slot] = []
         self._newest: int | None = None  # index of the slot holding this rank's newest snapshot
         self._views: list[torch.Tensor] | None = None
-        self._layout: Any = None
+        self._sig: Any = None
+        self._tensor_bytes = 0
         self._attach(rank, world_size)
 
     @property
@@ -396,7 +425,7 @@ class MemoryTier:
         self.close()
         self.rank, self.world_size = rank, world_size
         self._slots = [_Slot(os.path.join(self.directory, f"rank-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
-        self._layout, self._newest = None, None
+        self._sig, self._newest = None, None
 
     def rebind(self, rank: int, world_size: int) -> None:
         """A new world formed in place: write and read as ``rank`` of ``world_size`` from now on. What
@@ -427,20 +456,24 @@ class MemoryTier:
                             protocol=pickle.HIGHEST_PROTOCOL)
         idx = 0 if self._newest is None else (self._newest + 1) % SLOTS
         target = self._slots[idx]
-        lay = layout(skel)
-        tensor_bytes = sum(_align(t.numel() * t.element_size()) for t in tensors)
-        if lay != self._layout or target.size < HEADER_BYTES + tensor_bytes + len(meta):
-            per_slot = max(slot_bytes(tensor_bytes, len(meta)), target.size if lay == self._layout else 0)
+        sig = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        if sig != self._sig:
+            tensor_bytes = sum(_align(t.numel() * t.element_size()) for t in tensors)
+        else:
+            tensor_bytes = self._tensor_bytes
+        if sig != self._sig or target.size < HEADER_BYTES + tensor_bytes + len(meta):
+            per_slot = max(slot_bytes(tensor_bytes, len(meta)), target.size if sig == self._sig else 0)
             st = os.statvfs(self.directory)
             check_fits(per_slot, local_world_size=self.local_world_size, max_bytes=self.max_bytes,
                        free_bytes=st.f_bavail * st.f_frsize + self.nbytes, directory=self.directory)
-            if self._layout is not None and lay != self._layout:
+            if self._sig is not None and sig != self._sig:
                 self.invalidate()  # the other slot holds another layout: never restored into this state
             target.invalidate()
             target.ensure(per_slot)
-            self._layout = lay
+            self._sig, self._tensor_bytes = sig, tensor_bytes
         target.ensure(target.size)
-        _write(target.mm, step, self.world_size, self.rank, tensors, tensor_bytes, meta)
+        _write(target.mm, target.views(sig), tensors, step=step, world_size=self.world_size, rank=self.rank,
+               tensor_bytes=tensor_bytes, meta=meta)
         self._newest = idx
         return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
 
@@ -488,10 +521,10 @@ class MemoryTier:
             skel = meta["skeleton"]
             with torch.no_grad():
                 for k, v in state.items():
-                    if isinstance(v, Stateful):
-                        local = getattr(v, "local_state_dict", None)
-                        cur = local() if callable(local) else v.state_dict()
-                        v.load_state_dict(fill(cur, skel[k], views))
+                    if _has_local(v):
+                        v.load_local_state_dict(fill(v.local_state_dict(), skel[k], views))
+                    elif isinstance(v, Stateful):
+                        v.load_state_dict(fill(v.state_dict(), skel[k], views))
                     elif isinstance(v, dict):
                         v.update(fill(v, skel[k], views))
             self._newest = i
@@ -504,20 +537,16 @@ class MemoryTier:
             s.close()
 
 
-def _write(mm: mmap.mmap, step: int, world_size: int, rank: int, tensors: list[torch.Tensor], tensor_bytes: int,
-           meta: bytes) -> None:
+def _write(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor], *, step: int, world_size: int,
+           rank: int, tensor_bytes: int, meta: bytes) -> None:
     """Write one snapshot into a mapped slot: commit word zeroed, data, header, commit word last."""
     mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
-    if tensor_bytes:
-        buf = torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER_BYTES, count=tensor_bytes)
-        off = 0
-        with torch.no_grad():
-            for t in tensors:
-                n = t.numel() * t.element_size()
-                if n:
-                    buf[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach())
-                off += _align(n)
-        del buf
+    with torch.no_grad():
+        if all(t.device.type == "cpu" for t in tensors):
+            torch._foreach_copy_(views, tensors)
+        else:  # GPU -> host: blocking copies (not verified on a GPU yet)
+            for dst, src in zip(views, tensors, strict=True):
+                dst.copy_(src)
     end = HEADER_BYTES + tensor_bytes + len(meta)
     mm[HEADER_BYTES + tensor_bytes:end] = meta
     with memoryview(mm) as mv, mv[HEADER_BYTES:end] as data:
@@ -533,7 +562,7 @@ def _leaves(skel: Any) -> list[_Leaf]:
     out: list[_Leaf] = []
 
     def walk(x: Any) -> None:
-        if isinstance(x, _Leaf):
+        if type(x) is _Leaf:
             out.append(x)
         elif isinstance(x, _Shards):
             out.extend(x.leaves)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import _init_optim_state  # what get_state_dict does for a fresh optimizer
 from torch.distributed.checkpoint.stateful import Stateful
 
 
@@ -50,6 +51,23 @@ class ModelOptimizerState(Stateful):
             return {"model": model_sd}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """The module's and the optimizer's own ``state_dict()`` (no FQN conversion, no collective): what
+        an in-memory snapshot keeps (:mod:`trainguard.checkpoint.memory`), loaded back only by the same
+        rank of a world of the same size, into the same objects. A tenth of ``get_state_dict``'s cost.
+        The optimizer state is created first if it does not exist yet (as ``get_state_dict`` does), so a
+        fresh process has the layout of a snapshot taken after its first step."""
+        if self.optimizer is None:
+            return {"model": self.model.state_dict()}
+        _init_optim_state(self.optimizer)
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def load_local_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of :meth:`local_state_dict`."""
+        self.model.load_state_dict(state_dict["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state_dict["optim"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.optimizer is None:
@@ -150,6 +168,10 @@ class TrainerState(Stateful):
         return {"step": self.step, "seed": self.seed, "config_fingerprint": self.config_fingerprint,
                 "world_size": world, "cursor": pickle.dumps({_ENVELOPE: 1, "cursor": self.cursor, "extras": self.extras}),
                 "rng": pickle.dumps({rank: capture_rng()})}
+
+    def load_local_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of :meth:`local_state_dict` (the same format as :meth:`state_dict`)."""
+        self.load_state_dict(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
