@@ -226,3 +226,68 @@ def test_agent_owns_the_node_folder(tmp_path):
     bad = NodeSnapshots(CheckpointConfig(url="/c", memory_dir="/proc/nope", memory_interval_steps=1), "j", "n")
     with pytest.raises(ValueError, match="checkpoint.memory_dir.*TRAINGUARD_CHECKPOINT_MEMORY_DIR"):
         bad.open()
+
+
+# ---- the worker runtime: snapshots every N steps, the restore order, the refusal ------------------------
+
+@pytest.fixture
+def keep_sigterm_handler():
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _train_rt(url: str, folder: str, steps: int, *, every: int, max_bytes: int = 0, restore: bool = False):
+    from trainguard.runtime import Runtime
+
+    rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_id="r", rdzv_round=0, memory_dir=folder,
+                 checkpoint=CheckpointConfig(url=url, interval="off", memory_interval_steps=every,
+                                             memory_max_bytes=max_bytes, async_save=False))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
+    if restore:
+        rt.restore()
+    x = torch.randn(32, 4)
+    while rt.step < steps:
+        micro = rt.next_batches()
+        for i, ids in enumerate(micro):
+            with rt.accumulating(last=i == len(micro) - 1):
+                rt.backward(model(x[ids]).pow(2).mean() / len(micro))
+        rt.optimizer_step(opt)
+        opt.zero_grad()
+        rt.end_step()
+    return rt, model
+
+
+def test_runtime_restores_the_newest_snapshot_then_saves_it_durably(tmp_path, keep_sigterm_handler):
+    from structlog.testing import capture_logs
+
+    url, folder = str(tmp_path / "ckpt"), str(tmp_path / "node")
+    os.makedirs(folder)
+    _, ref = _train_rt(str(tmp_path / "ref"), str(tmp_path / "unused"), 6, every=0)  # the same run to step 6
+    _train_rt(url, folder, 7, every=2)  # snapshots of 2, 4, 6; "killed" after step 7 (no finish)
+    with capture_logs() as logs:
+        rt, model = _train_rt(url, folder, 6, every=2, restore=True)
+    restored = [e for e in logs if e["event"] == "worker_restored"]
+    assert restored and restored[0]["step"] == 6 and restored[0]["source"] == "memory", restored
+    assert rt.step == 6 and torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+    assert rt.cursor.consumed == 6 * 4
+    rt.finish(barrier=False)  # a snapshot is not durable: the last step is saved to storage
+    with CheckpointManager(CheckpointConfig(url=url), "run", rank=0, world_size=1) as mgr:
+        assert [(c.step, c.kind) for c in mgr.list()] == [(6, "final")]
+
+
+def test_runtime_refuses_a_state_over_the_cap_and_trains_on(tmp_path, keep_sigterm_handler):
+    from structlog.testing import capture_logs
+
+    folder = str(tmp_path / "node")
+    os.makedirs(folder)
+    with capture_logs() as logs:
+        rt, _ = _train_rt(str(tmp_path / "ckpt"), folder, 3, every=1, max_bytes=1000)
+    refused = [e for e in logs if e["event"] == "memory_tier_refused"]
+    assert len(refused) == 1 and "TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES" in refused[0]["error"]
+    assert rt.step == 3 and not [f for f in os.listdir(folder) if os.path.getsize(os.path.join(folder, f))]
