@@ -83,6 +83,11 @@ class CheckpointConfig:
     buffers of each). 0: only the free space of ``memory_dir`` limits it. A state that does not fit
     stops the worker with an error naming this key."""
 
+    memory_replica: bool = False
+    """Tier 1: also copy each rank's newest snapshot to a buddy rank on the next node, in the background
+    (double-buffered; at most one replica per source rank). A world of the same size that lost a whole
+    node then restores the lost ranks' state from the replicas. Doubles tier 0's memory."""
+
     memory_dir: str = "/dev/shm"
     """Tier 0: the memory-backed folder (tmpfs) the agent creates its node's snapshot folder in
     (``<memory_dir>/trainguard-<job_id>-<node>/``, removed when the job ends or the node leaves)."""

@@ -82,7 +82,7 @@ from trainguard.checkpoint.errors import (
 )
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.memory import MemoryTier, choose_step
+from trainguard.checkpoint.memory import MemoryTier, choose_sources
 from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
@@ -412,10 +412,11 @@ class CheckpointManager:
         """Load the newest committed step of the restore lineage (or ``step``) into ``state`` in place;
         return it, or None when the run has no committed step. A collective.
 
-        With ``memory`` (this rank's tier 0) and no ``step``: the newest step every rank holds an intact
-        in-memory snapshot of is loaded instead, when storage holds no newer committed step
-        (:func:`~trainguard.checkpoint.memory.choose_step`); :attr:`last_restored_tier` says which tier
-        was used. The world's epoch is then based on the committed step that snapshot descends from.
+        With ``memory`` (this rank's tier 0) and no ``step``: the newest step for which an intact
+        in-memory snapshot of every rank exists — its own, or a buddy node's replica (tier 1), handed
+        over point to point — is loaded instead, when storage holds no newer committed step
+        (:func:`~trainguard.checkpoint.memory.choose_sources`); :attr:`last_restored_tier` says which tier
+        was used (``peer`` when any rank loaded a replica). The world's epoch is then based on the committed step that snapshot descends from.
 
         Reshards to the current world size. Skips a step only when it is proven corrupt; retries a
         step that is unreadable now until ``checkpoint.restore_deadline_s``, then raises
@@ -710,15 +711,17 @@ class CheckpointManager:
 
     def _restore_memory(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
                         t_start: float) -> int | None:
-        """Tier 0 (a collective): agree on the newest step every rank holds, load it on every rank, claim
-        the epoch. None when no complete step is newer than storage's (or a load failed: storage next)."""
+        """Tiers 0 and 1 (a collective): agree on the newest step for which a snapshot of every rank exists
+        in some node's memory (its own, or a buddy's replica), hand the replicas to the ranks that lack
+        their own, load on every rank, claim the epoch. None when there is no such step newer than
+        storage's (or a load or transfer failed: storage next)."""
         try:
-            mine = memory.available(state)
+            mine = memory.provides(state)
         except Exception as e:  # noqa: BLE001 - an unreadable tier 0 is no reason to fail a restore
             self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
             mine = []
-        held = self._group.all_gather(mine)
-        pick, why = choose_step(held, newest_durable=newest_durable)
+        provided = self._group.all_gather(mine)
+        pick, sources, why = choose_sources(provided, world_size=self.world_size, newest_durable=newest_durable)
         if pick is None:
             if self.rank == 0:
                 self._log.info("checkpoint_memory_skipped", reason=why, newest_durable=newest_durable)
@@ -727,10 +730,17 @@ class CheckpointManager:
         t0 = time.monotonic()
         err: str | None = None
         extra: dict[str, Any] = {}
+        received: bytes | None = None
+        moved = sorted(r for r, p in sources.items() if p != r)
         try:
-            extra = memory.load(chosen, state, world=world)
-        except Exception as e:  # noqa: BLE001 - agreed below; every rank then goes to storage
+            received = self._hand_over(memory, sources, moved, chosen, world)
+        except Exception as e:  # noqa: BLE001 - agreed below
             err = describe(e)[:500]
+        if not any(self._group.all_gather(err)):
+            try:
+                extra = memory.load_blob(received, state) if received is not None else memory.load(chosen, state, world=world)
+            except Exception as e:  # noqa: BLE001 - agreed below; every rank then goes to storage
+                err = describe(e)[:500]
         errors = [e for e in self._group.all_gather(err) if e]
         if errors:
             self._log.error("checkpoint_memory_load_failed", step=chosen, errors=errors[:4])
@@ -744,13 +754,32 @@ class CheckpointManager:
         self._base = max(bases) if bases else None
         self.last_restored = None
         self.last_restored_repeats = 0
-        self.last_restored_tier = CheckpointTier.MEMORY
+        self.last_restored_tier = CheckpointTier.PEER if moved else CheckpointTier.MEMORY
         self._claim()
-        self._log.info("checkpoint_restored", step=chosen, tier=CheckpointTier.MEMORY.value, world=world, epoch=self.epoch,
+        self._log.info("checkpoint_restored", step=chosen, tier=self.last_restored_tier.value, world=world,
+                       epoch=self.epoch, from_replicas={r: sources[r] for r in moved},
                        base_step=self._base.step if self._base else None, newest_durable=newest_durable,
                        load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
         return chosen
 
+    def _hand_over(self, memory: MemoryTier, sources: dict[int, int], moved: list[int], step: int,
+                   world: str) -> bytes | None:
+        """Send the replicas of ``moved`` ranks from their providers to them (point to point over the
+        checkpoint group, one rank after the other); return what this rank received, if anything."""
+        got: bytes | None = None
+        for r in moved:
+            p = sources[r]
+            if self.rank == p:
+                blob = memory.blob(r, step, world)
+                dist.send(torch.tensor([len(blob)], dtype=torch.int64), dst=r, group=self._pg)
+                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=r, group=self._pg)
+            elif self.rank == r:
+                n = torch.zeros(1, dtype=torch.int64)
+                dist.recv(n, src=p, group=self._pg)
+                buf = torch.empty(int(n.item()), dtype=torch.uint8)
+                dist.recv(buf, src=p, group=self._pg)
+                got = buf.numpy().tobytes()
+        return got
 
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version

@@ -23,7 +23,7 @@ Completeness: agreement at restore time, no collective per snapshot
     written by the same world (each snapshot records a world id: rendezvous id and round).
     Ranks never agree on that while training (that would add a collective per step): at restore
     every rank reports the steps it holds (:meth:`MemoryTier.available`) and the newest step all of
-    them hold is chosen (:func:`choose_step`), never a mix of steps. Two slots suffice: a rank cannot
+    them hold is chosen (:func:`choose_sources`), never a mix of steps. Two slots suffice: a rank cannot
     start snapshot ``s + 2`` before every rank finished snapshot ``s + 1`` (the gradient all-reduce of
     step ``s + 2`` needs every rank, and a rank snapshots ``s + 1`` before it starts step ``s + 2``),
     so when a rank dies mid-write the others still hold the step it holds.
@@ -42,6 +42,7 @@ on a GPU yet, see ``docs/gpu.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import pickle
@@ -113,27 +114,30 @@ class Header:
         return cls(*rest)
 
 
-def choose_step(held: Sequence[Sequence[tuple[int, str]]], *,
-                newest_durable: int | None) -> tuple[tuple[int, str] | None, str]:
-    """The snapshot to restore from tier 0, given the ``(step, world)`` snapshots each rank holds (one
-    list per rank; ``world`` names the world that wrote it), and why. Only a snapshot *every* rank holds,
-    of the same step written by the same world, counts (steps, and worlds, are never mixed); the newest
-    such step is chosen when it is newer than storage's newest committed step
-    (``newest_durable``; at an equal step the committed checkpoint is restored: its manifest says what
-    kind of stop left it, which the checkpoint interval's failure count needs)."""
-    if not held:
-        return None, "no ranks"
-    common = set(map(tuple, held[0])).intersection(*(set(map(tuple, h)) for h in held[1:]))
-    if not common:
-        missing = [r for r, snaps in enumerate(held) if not snaps]
-        why = (f"ranks {missing[:8]} hold no snapshot" if missing else
-               "the ranks hold no snapshot in common (" + "; ".join(
-                   f"rank {r}: {sorted(s)}" for r, s in list(enumerate(held))[:8]) + ")")
-        return None, why
-    best = max(common)
-    if newest_durable is not None and best[0] <= newest_durable:
-        return None, f"storage holds committed step {newest_durable}, not older than the snapshots' {best[0]}"
-    return (best[0], best[1]), "ok"
+def choose_sources(provided: Sequence[Sequence[tuple[int, int, str]]], *, world_size: int,
+                   newest_durable: int | None) -> tuple[tuple[int, str] | None, dict[int, int], str]:
+    """Tier 0 + tier 1: given the ``(rank, step, world)`` snapshots each current rank can hand out (its
+    own, and the replicas its node holds for a buddy), the newest ``(step, world)`` for which *every*
+    rank ``0..world_size-1`` has a snapshot somewhere, and which rank provides each (itself when it
+    can: a local load; else the lowest rank holding a replica: a transfer). Never mixes steps or
+    worlds; only a step newer than ``newest_durable`` (storage) counts. Returns ``(pick, sources, why)``."""
+    holders: dict[tuple[int, str], dict[int, set[int]]] = {}
+    for provider, items in enumerate(provided):
+        for rank, step, world in items:
+            if 0 <= rank < world_size:
+                holders.setdefault((step, world), {}).setdefault(rank, set()).add(provider)
+    complete = [k for k, by_rank in holders.items() if len(by_rank) == world_size]
+    if not complete:
+        if not holders:
+            return None, {}, "no rank holds a snapshot"
+        best = max(holders, key=lambda k: (len(holders[k]), k[0]))
+        missing = sorted(set(range(world_size)) - set(holders[best]))
+        return None, {}, f"no step has a snapshot of every rank (step {best[0]} lacks ranks {missing[:8]})"
+    pick = max(complete)
+    if newest_durable is not None and pick[0] <= newest_durable:
+        return None, {}, f"storage holds committed step {newest_durable}, not older than the snapshots' {pick[0]}"
+    sources = {r: (r if r in ps else min(ps)) for r, ps in holders[pick].items()}
+    return pick, sources, "ok"
 
 
 def slot_bytes(tensor_bytes: int, meta_bytes: int) -> int:
@@ -356,11 +360,11 @@ class _Slot:
         except OSError:
             pass
 
-    def read_valid(self, world_size: int, rank: int) -> tuple[Header, bytes] | None:
-        """The header and data of this slot when it is complete, of this rank and world size, and its
-        CRC32 matches; else None."""
+    def read_valid(self, world_size: int, rank: int | None) -> tuple[Header, bytes] | None:
+        """The header and data of this slot when it is complete, of this world size and ``rank`` (None:
+        any), and its CRC32 matches; else None."""
         h = self.header()
-        if h is None or not h.complete or h.world_size != world_size or h.rank != rank:
+        if h is None or not h.complete or h.world_size != world_size or (rank is not None and h.rank != rank):
             return None
         n = h.tensor_bytes + h.meta_bytes
         try:
@@ -414,12 +418,18 @@ class MemoryTier:
         self._views: list[torch.Tensor] | None = None
         self._sig: Any = None
         self._tensor_bytes = 0
+        self._replica_sizes: dict[str, int] = {}
         self._attach(rank, world_size)
 
     @property
     def nbytes(self) -> int:
         """Host memory this rank's slot files take (bytes)."""
         return sum(s.size for s in self._slots)
+
+    @property
+    def replica_bytes(self) -> int:
+        """Host memory of the replica files this rank wrote for its buddy's source rank (bytes)."""
+        return sum(self._replica_sizes.values())
 
     def _attach(self, rank: int, world_size: int) -> None:
         self.close()
@@ -500,41 +510,125 @@ class MemoryTier:
         return sorted(steps, reverse=True)
 
     def load(self, step: int, state: dict[str, Any], *, world: str = "") -> dict[str, Any]:
-        """Load the snapshot of ``step`` written by ``world`` into ``state`` in place (as ``dcp.load``: tensors copied into the
-        current state dicts, then ``load_state_dict``); return its ``extra``. Raises
-        :class:`MemoryTierError` when this rank holds no valid snapshot of ``step``."""
+        """Load the snapshot of ``step`` written by ``world`` into ``state`` in place (as ``dcp.load``:
+        tensors copied into the current state dicts, then ``load_state_dict``); return its ``extra``.
+        Raises :class:`MemoryTierError` when this rank holds no valid snapshot of ``step``."""
         for i, h, data in self._valid():
-            if h.step != step:
-                continue
-            meta = pickle.loads(data[h.tensor_bytes:])
-            if str(meta.get("world", "")) != world:
-                continue
-            raw = torch.frombuffer(bytearray(data[:h.tensor_bytes]), dtype=torch.uint8) if h.tensor_bytes else None
-            views: list[torch.Tensor] = []
-            off = 0
-            for leaf in _leaves(meta["skeleton"]):
-                dtype = _dtype(leaf.dtype)
-                n = _numel(leaf.shape) * torch.empty((), dtype=dtype).element_size()
-                chunk = raw[off:off + n] if raw is not None and n else torch.empty(0, dtype=torch.uint8)
-                views.append(chunk.view(dtype).view(leaf.shape))
-                off += _align(n)
-            skel = meta["skeleton"]
-            with torch.no_grad():
-                for k, v in state.items():
-                    if _has_local(v):
-                        v.load_local_state_dict(fill(v.local_state_dict(), skel[k], views))
-                    elif isinstance(v, Stateful):
-                        v.load_state_dict(fill(v.state_dict(), skel[k], views))
-                    elif isinstance(v, dict):
-                        v.update(fill(v, skel[k], views))
-            self._newest = i
-            return dict(meta["extra"])
+            if h.step == step and _world_of(h, data) == world:
+                extra = _load_data(h, data, state)
+                self._newest = i
+                return extra
         raise MemoryTierError(f"rank {self.rank} holds no valid in-memory snapshot of step {step} in {self.directory}")
+
+    # -- tier 1: replicas of a buddy's snapshots ---------------------------------------------------
+
+    def blob(self, rank: int, step: int, world: str) -> bytes:
+        """A complete slot (header + data) of ``rank``'s snapshot of ``step`` by ``world``: this rank's
+        own, or a replica this node holds. Raises :class:`MemoryTierError` when there is none."""
+        slots = self._slots if rank == self.rank else self._replica_slots(rank)
+        for s in slots:
+            got = s.read_valid(self.world_size, rank)
+            if got is not None and got[0].step == step and _world_of(*got) == world:
+                h, data = got
+                return h.pack() + bytes(HEADER_BYTES - _HEADER.size) + data
+        raise MemoryTierError(f"no valid in-memory snapshot of rank {rank}, step {step} in {self.directory}")
+
+    def newest_blob(self) -> bytes | None:
+        """This rank's newest snapshot as a blob (what is sent to the buddy), or None."""
+        if self._newest is None:
+            return None
+        got = self._slots[self._newest].read_valid(self.world_size, self.rank)
+        if got is None:
+            return None
+        h, data = got
+        return h.pack() + bytes(HEADER_BYTES - _HEADER.size) + data
+
+    def _replica_slots(self, rank: int) -> list[_Slot]:
+        return [_Slot(os.path.join(self.directory, f"replica-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
+
+    def write_replica(self, blob: bytes) -> Header:
+        """Keep a buddy's snapshot (a :meth:`newest_blob`): at most one replica per source rank, double
+        buffered: written into the slot that does not hold the newest intact replica, commit word last,
+        so a transfer cut short never replaces a good replica. Raises :class:`MemoryTierError` on a blob
+        that is not a complete snapshot."""
+        h = Header.unpack(blob[:_HEADER.size])
+        data = blob[HEADER_BYTES:]
+        if h is None or not h.complete or len(data) != h.tensor_bytes + h.meta_bytes or zlib.crc32(data) != h.crc32:
+            raise MemoryTierError("a replica that is not a complete snapshot was refused")
+        slots = self._replica_slots(h.rank)
+        held = [(s.read_valid(h.world_size, h.rank), i) for i, s in enumerate(slots)]
+        newest = max(((got[0].step, i) for got, i in held if got is not None), default=None)
+        target = slots[0 if newest is None else (newest[1] + 1) % SLOTS]
+        size = HEADER_BYTES + len(data)
+        target.ensure(max(size, target.size))
+        mm = target.mm
+        mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
+        mm[HEADER_BYTES:size] = data
+        mm[0:_HEADER.size] = dataclasses.replace(h, commit=0).pack()
+        mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = struct.pack("<Q", h.step + 1)
+        target.close()
+        self._replica_sizes[target.path] = target.size
+        return h
+
+    def provides(self, state: dict[str, Any]) -> list[tuple[int, int, str]]:
+        """``(rank, step, world)`` of every intact snapshot of this world size this rank can hand out:
+        its own (whose layout fits ``state``) and the replicas its node holds (checked by their rank)."""
+        out = [(self.rank, step, world) for step, world in self.available(state)]
+        for name in sorted(os.listdir(self.directory)):
+            if not name.startswith("replica-") or not name.endswith(".snap"):
+                continue
+            got = _Slot(os.path.join(self.directory, name)).read_valid(self.world_size, None)
+            if got is not None and got[0].rank != self.rank:
+                out.append((got[0].rank, got[0].step, _world_of(*got)))
+        return sorted(set(out), key=lambda x: (-x[1], x[0], x[2]))
+
+    def load_blob(self, blob: bytes, state: dict[str, Any]) -> dict[str, Any]:
+        """Load a snapshot received from a peer (a :meth:`blob`) into ``state``; raises
+        :class:`MemoryTierError` when it is damaged or does not fit ``state``'s layout."""
+        h = Header.unpack(blob[:_HEADER.size])
+        data = blob[HEADER_BYTES:]
+        if h is None or not h.complete or zlib.crc32(data) != h.crc32:
+            raise MemoryTierError("a snapshot received from a peer failed its checksum")
+        meta = pickle.loads(data[h.tensor_bytes:])
+        if layout(meta["skeleton"]) != layout(skeleton(materialise(state), [])):
+            raise MemoryTierError(f"the snapshot of rank {h.rank} received from a peer does not fit this rank's state")
+        return _load_data(h, data, state)
 
     def close(self) -> None:
         """Unmap the slot files (they stay: the agent owns them)."""
         for s in self._slots:
             s.close()
+
+
+def _world_of(h: Header, data: bytes) -> str:
+    try:
+        return str(pickle.loads(data[h.tensor_bytes:]).get("world", ""))
+    except Exception:  # noqa: BLE001 - unreadable meta: matches no world
+        return "\0unreadable"
+
+
+def _load_data(h: Header, data: bytes, state: dict[str, Any]) -> dict[str, Any]:
+    """Load one snapshot's data (tensors + skeleton) into ``state`` in place; return its ``extra``."""
+    meta = pickle.loads(data[h.tensor_bytes:])
+    raw = torch.frombuffer(bytearray(data[:h.tensor_bytes]), dtype=torch.uint8) if h.tensor_bytes else None
+    views: list[torch.Tensor] = []
+    off = 0
+    for leaf in _leaves(meta["skeleton"]):
+        dtype = _dtype(leaf.dtype)
+        n = _numel(leaf.shape) * torch.empty((), dtype=dtype).element_size()
+        chunk = raw[off:off + n] if raw is not None and n else torch.empty(0, dtype=torch.uint8)
+        views.append(chunk.view(dtype).view(leaf.shape))
+        off += _align(n)
+    skel = meta["skeleton"]
+    with torch.no_grad():
+        for k, v in state.items():
+            if _has_local(v):
+                v.load_local_state_dict(fill(v.local_state_dict(), skel[k], views))
+            elif isinstance(v, Stateful):
+                v.load_state_dict(fill(v.state_dict(), skel[k], views))
+            elif isinstance(v, dict):
+                v.update(fill(v, skel[k], views))
+    return dict(meta["extra"])
 
 
 def _write(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor], *, step: int, world_size: int,
@@ -596,4 +690,4 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 __all__ = ["HEADER_BYTES", "SLOTS", "Header", "MemoryTier", "MemoryTierError", "SnapshotResult", "check_fits",
-           "choose_step", "node_bytes", "slot_bytes"]
+           "choose_sources", "node_bytes", "slot_bytes"]

@@ -76,6 +76,7 @@ from trainguard.checkpoint.errors import CheckpointError
 from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats
 from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
 from trainguard.checkpoint.memory import MemoryTier, MemoryTierError
+from trainguard.checkpoint.replica import Replicator
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import device as dev
 from trainguard.runtime import protocol as proto
@@ -158,6 +159,8 @@ class Runtime:
         self._memory_dir = memory_dir if checkpoint.memory_interval_steps > 0 else ""
         self._memory: MemoryTier | None = None
         """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
+        self._replicator: Replicator | None = None
+        """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
         self._timer = dev.StepTimer(self.device)
         self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
@@ -283,6 +286,10 @@ class Runtime:
             # must never interleave with the step-flag all-reduce the training thread runs on ours.
             # Built here (not by the manager) so that it gets workers.pg_timeout_s; the same one collective.
             group = self._new_gloo_group() if self.world_size > 1 else None
+            cfg = self.checkpoint_config
+            # Tier 1's transfers get their own group; made on every rank alike (by config, not by state).
+            replica_group = (self._new_gloo_group() if self.world_size > 1 and cfg.memory_interval_steps > 0
+                             and cfg.memory_replica else None)
             self._staging_ready = False
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
                                               strategy=self.strategy_name, process_group=group,
@@ -292,21 +299,28 @@ class Runtime:
                 self._interval = self._make_interval()
             else:
                 self._interval.set_world_size(self.world_size)
-            self._bind_memory()
+            self._bind_memory(replica_group)
 
-    def _bind_memory(self) -> None:
-        """Tier 0 for this rank of the current world (a new world invalidates what its rank's files held)."""
+    def _bind_memory(self, replica_group: Any = None) -> None:
+        """Tier 0 for this rank of the current world (a new world invalidates what its rank's files held),
+        and tier 1 when a replica group was made."""
+        self._replicator = None
         if not self._memory_dir:
             return
         if self._memory is not None:
             self._memory.rebind(self.rank, self.world_size)
-            return
-        try:
-            self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
-                                      local_world_size=self.local_world_size,
-                                      max_bytes=self.checkpoint_config.memory_max_bytes)
-        except MemoryTierError as e:
-            self._memory_refused(e)
+        else:
+            try:
+                self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
+                                          local_world_size=self.local_world_size,
+                                          max_bytes=self.checkpoint_config.memory_max_bytes)
+            except MemoryTierError as e:
+                self._memory_refused(e)
+                return
+        if replica_group is not None:
+            rep = Replicator(self._memory, replica_group, rank=self.rank, world_size=self.world_size,
+                             local_world_size=self.local_world_size)
+            self._replicator = rep if rep.enabled else None
 
     def _memory_refused(self, e: MemoryTierError) -> None:
         """Tier 0 cannot work as configured: say why and how to fix it, and go on without it (training and
@@ -316,7 +330,7 @@ class Runtime:
         if self._memory is not None:
             self._memory.invalidate()
             self._memory.close()
-        self._memory, self._memory_dir = None, ""
+        self._memory, self._memory_dir, self._replicator = None, "", None
         self._metrics.observe_memory(None, 0)
 
     def _make_interval(self) -> IntervalController:
@@ -621,13 +635,18 @@ class Runtime:
         mem = self._memory
         if mem is None or self._manager is None or self.step % self.checkpoint_config.memory_interval_steps:
             return
+        rep = self._replicator
+        if rep is not None:
+            rep.wait()  # the slot about to be written may be the one the buddy transfer reads
         try:
             r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
                              extra={"base": self._manager.base})
         except MemoryTierError as e:
             self._memory_refused(e)
             return
-        self._metrics.observe_memory(r.seconds, mem.nbytes)
+        if rep is not None and self._replicator is not None:  # all ranks alike: every rank reached this step
+            rep.replicate()
+        self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes)
 
     def _periodic_save(self, save: int) -> bool:
         """The periodic (``save == 1``) or out-of-cycle notice (``2``) checkpoint agreed at this step.
@@ -679,6 +698,7 @@ class Runtime:
         t0 = time.monotonic()
         old = (self.rank, self.world_size)
         base = None
+        self._replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
         try:
             if self._manager is not None:
                 self._manager.close()  # an in-flight save finishes on the old groups first

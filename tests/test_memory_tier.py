@@ -40,10 +40,71 @@ W, V = "run/0", "run/3"  # two worlds (rendezvous id / round)
     ([[(3, W)]], None, (3, W)),                             # one rank
     ([], None, None),
 ])
-def test_choose_step(held, durable, want):
-    got, why = mem.choose_step(held, newest_durable=durable)
+def test_choose_step_from_own_snapshots(held, durable, want):
+    provided = [[(r, step, world) for step, world in items] for r, items in enumerate(held)]
+    got, sources, why = mem.choose_sources(provided, world_size=len(held), newest_durable=durable)
     assert got == want, why
     assert (why == "ok") == (want is not None)
+    assert sources == ({r: r for r in range(len(held))} if want else {})  # every rank loads its own
+
+
+@pytest.mark.parametrize("provided, durable, want, sources", [
+    # every rank holds its own: local loads
+    ([[(0, 7, W)], [(1, 7, W)], [(2, 7, W)]], None, (7, W), {0: 0, 1: 1, 2: 2}),
+    # rank 2's node was lost; rank 0 holds its replica (a replacement node is rank 2 now, holding nothing)
+    ([[(0, 7, W), (2, 7, W), (2, 6, W)], [(1, 7, W)], []], None, (7, W), {0: 0, 1: 1, 2: 0}),
+    # the replica lags one snapshot: the newest step every rank has somewhere
+    ([[(0, 8, W), (0, 7, W), (2, 7, W)], [(1, 8, W), (1, 7, W)], []], None, (7, W), {0: 0, 1: 1, 2: 0}),
+    # a replica of another world never completes this one
+    ([[(0, 7, W), (2, 7, V)], [(1, 7, W)], []], None, None, {}),
+    ([[(0, 7, W), (2, 7, W)], [(1, 7, W)], []], 7, None, {}),        # storage holds the same step
+    ([[(0, 7, W), (5, 7, W)], [(1, 7, W)]], None, (7, W), {0: 0, 1: 1}),  # a rank outside this world: ignored
+    ([[], []], None, None, {}),
+])
+def test_choose_sources(provided, durable, want, sources):
+    pick, got, why = mem.choose_sources(provided, world_size=len(provided), newest_durable=durable)
+    assert pick == want, why
+    assert got == sources
+
+
+def test_replicas_are_double_buffered_and_a_torn_transfer_keeps_the_good_one(tmp_path):
+    src_dir, buddy_dir = tmp_path / "a", tmp_path / "b"
+    src_dir.mkdir()
+    buddy_dir.mkdir()
+    m, opt, trainer, state = _job()
+    src = mem.MemoryTier(str(src_dir), rank=2, world_size=3)
+    buddy = mem.MemoryTier(str(buddy_dir), rank=0, world_size=3)
+    blobs = {}
+    for s in (1, 2, 3):
+        _train(m, opt, trainer, s)
+        src.snapshot(s, state, world=W)
+        blobs[s] = src.newest_blob()
+        assert buddy.write_replica(blobs[s]).step == s
+    files = sorted(os.listdir(buddy_dir))
+    assert files == ["replica-00002-0.snap", "replica-00002-1.snap"]  # one replica per source, two buffers
+    assert [(r, st) for r, st, _ in buddy.provides(_job()[3]) if r == 2] == [(2, 3), (2, 2)]
+    with pytest.raises(mem.MemoryTierError):
+        buddy.write_replica(blobs[3][:-10])  # cut short: refused, nothing replaced
+    torn = bytearray(blobs[3])
+    torn[mem.HEADER_BYTES + 1] ^= 0xFF
+    with pytest.raises(mem.MemoryTierError):
+        buddy.write_replica(bytes(torn))
+    assert [(r, st) for r, st, _ in buddy.provides(_job()[3]) if r == 2] == [(2, 3), (2, 2)]
+    # the lost rank's replacement loads the replica it is handed
+    m2, opt2, trainer2, state2 = _job(seed=9)
+    assert buddy.blob(2, 3, W) == blobs[3]
+    src.load_blob(buddy.blob(2, 3, W), state2)
+    assert trainer2.step == 3 and all(torch.equal(a, b) for a, b in zip(m2.state_dict().values(), m.state_dict().values()))
+    with pytest.raises(mem.MemoryTierError, match="does not fit"):
+        src.load_blob(blobs[3], _job(width=17)[3])
+
+
+def test_buddies():
+    from trainguard.checkpoint.replica import buddies
+
+    assert buddies(0, 3, 1) == (1, 2) and buddies(2, 3, 1) == (0, 1)
+    assert buddies(1, 4, 2) == (3, 3)  # two nodes of two: the same local rank on the other node
+    assert buddies(0, 2, 2) is None    # one node: no other failure domain
 
 
 def test_cap_arithmetic_and_errors():

@@ -1,0 +1,109 @@
+"""Tier 1: each rank's newest in-memory snapshot, copied to a buddy rank on another node in the background.
+
+After every snapshot the worker runtime calls :meth:`Replicator.replicate`: a background thread sends
+this rank's newest snapshot (header + data, as :meth:`MemoryTier.newest_blob`) to its *buddy* — the rank
+``local_world_size`` further on, i.e. the same local rank on the next node — and receives the snapshot of
+the rank ``local_world_size`` before it, which :meth:`MemoryTier.write_replica` keeps in its own agent's
+folder (``replica-<rank>-<k>.snap``: at most one replica per source rank, double-buffered, commit word
+last, so a transfer cut short never replaces a good replica). When a whole node is lost, the ranks that
+replace its ranks in a world of the same size receive those replicas from the buddies at restore
+(:meth:`~trainguard.checkpoint.manager.CheckpointManager.restore`).
+
+Transport: point-to-point ``isend``/``irecv`` over a dedicated gloo group (its own, so the transfers
+never interleave with the training loop's collectives or the checkpoint persist thread's). Every rank
+replicates at the same steps and waits for its previous transfer before it writes the next snapshot
+(:meth:`Replicator.wait`): the transfers stay matched across ranks, a snapshot slot is never rewritten
+while it is being sent, and the replica lags the snapshot by at most one snapshot interval. A transfer
+that fails (a peer gone) stops replication for this world (``memory_replica_failed``); the snapshots
+themselves go on. Buddies are chosen by node order only (no failure-domain configuration yet).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.checkpoint.memory import MemoryTier
+from trainguard.runtime.log import get_logger
+
+log = get_logger("trainguard.checkpoint.replica")
+
+
+def buddies(rank: int, world_size: int, local_world_size: int) -> tuple[int, int] | None:
+    """``(rank this one sends to, rank it receives from)``: the same local rank on the next and the
+    previous node; None when the world has one node (no other failure domain)."""
+    step = max(1, local_world_size)
+    if world_size <= step or world_size % step:
+        return None
+    return (rank + step) % world_size, (rank - step) % world_size
+
+
+class Replicator:
+    """Background copies of this rank's snapshots to its buddy (see the module docstring)."""
+
+    def __init__(self, tier: MemoryTier, group: Any, *, rank: int, world_size: int, local_world_size: int) -> None:
+        self.tier = tier
+        self.group = group
+        self.rank = rank
+        self.pair = buddies(rank, world_size, local_world_size)
+        self._thread: threading.Thread | None = None
+        self.failed: str | None = None
+        self.last_seconds = 0.0
+        self.last_step: int | None = None
+        """The step of the newest replica this rank received (None before the first)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.pair is not None and self.failed is None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the transfer in flight (True when none is left)."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+            if t.is_alive():
+                return False
+            self._thread = None
+        return True
+
+    def replicate(self) -> None:
+        """Send this rank's newest snapshot to the buddy and receive the predecessor's, in the background.
+        Call on every rank after each snapshot; waits for the previous transfer first."""
+        if not self.enabled:
+            return
+        self.wait()
+        blob = self.tier.newest_blob()
+        if blob is None:
+            return
+        self._thread = threading.Thread(target=self._run, args=(blob,), name="trainguard-replica", daemon=True)
+        self._thread.start()
+
+    def _run(self, blob: bytes) -> None:
+        assert self.pair is not None
+        dst, src = self.pair
+        t0 = time.monotonic()
+        try:
+            n_out = torch.tensor([len(blob)], dtype=torch.int64)
+            n_in = torch.zeros(1, dtype=torch.int64)
+            works = [dist.isend(n_out, dst=dst, group=self.group), dist.irecv(n_in, src=src, group=self.group)]
+            for w in works:
+                w.wait()
+            out = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            inc = torch.empty(int(n_in.item()), dtype=torch.uint8)
+            works = [dist.isend(out, dst=dst, group=self.group), dist.irecv(inc, src=src, group=self.group)]
+            for w in works:
+                w.wait()
+            h = self.tier.write_replica(inc.numpy().tobytes())
+            self.last_step = h.step
+            self.last_seconds = time.monotonic() - t0
+        except Exception as e:  # noqa: BLE001 - a failed transfer must not kill training
+            self.failed = f"{type(e).__name__}: {e}"[:500]
+            log.warning("memory_replica_failed", rank=self.rank, buddy=dst, source=src, error=self.failed,
+                        effect="no more replicas in this world; the snapshots go on")
+
+
+__all__ = ["Replicator", "buddies"]
