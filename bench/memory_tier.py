@@ -17,7 +17,12 @@ Scenarios, side by side in one invocation:
   the kill until the new world finished its first step (the workers' own clock, from the sample log).
 * **worker_kill_storage** (unless ``--no-baseline``) -- the same kill with tier 0 off and a periodic
   checkpoint in storage every ``--baseline-interval`` steps: today's path, the same figures.
-* node_kill_* (a whole node lost: tier 1, a buddy's replica) are not implemented: null, with the reason.
+* **node_kill** -- three agents train the same job with FSDP2 (``--strategy fsdp``), a snapshot every
+  step and tier 1 on (``checkpoint.memory_replica``: each rank's snapshot copied to the next node in the
+  background); after ``--kill-at`` steps node c is SIGKILLed (agent and worker) and a replacement node d
+  is started at once (``min_nodes`` 3). ``node_kill_lost_steps`` / ``node_kill_resume_s`` as above;
+  ``memory_ratio`` = node a's tier-0 + tier-1 bytes (its own two slots + the replica of c's rank) / its
+  state's tensor bytes, read from the files.
 
 Run: ``OMP_NUM_THREADS=1 python bench/memory_tier.py [--json out.json]`` (about two minutes).
 """
@@ -41,7 +46,6 @@ from tests import samples  # noqa: E402  (the sample-log reader the e2e tests us
 from tests.harness import Node, free_port, wait_listening, wait_until  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
-NODE_KILL_REASON = "tier 1 (a buddy node's replica) is not implemented yet: a lost node restores from storage"
 
 
 def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: int = 2) -> dict[str, Any]:
@@ -107,8 +111,26 @@ def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: i
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int, shm_root: str) -> dict[str, Any]:
-    """Two agents, SIGKILL node b's worker at step ``kill_at``; the figures of the restart."""
+def _folder_bytes(folder: str) -> dict[str, int]:
+    """Bytes of own slots (tier 0) and replicas (tier 1) in a node folder, and the state's tensor bytes."""
+    from trainguard.checkpoint.memory import Header
+
+    out = {"tier0_bytes": 0, "tier1_bytes": 0, "state_bytes": 0}
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        out["tier1_bytes" if name.startswith("replica-") else "tier0_bytes"] += os.path.getsize(path)
+        if name.startswith("rank-"):
+            with open(path, "rb") as fh:
+                h = Header.unpack(fh.read(64))
+            if h is not None:
+                out["state_bytes"] = max(out["state_bytes"], h.tensor_bytes)
+    return out
+
+
+def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int, shm_root: str,
+                node_kill: bool = False) -> dict[str, Any]:
+    """Two agents, SIGKILL node b's worker at step ``kill_at``; the figures of the restart. ``node_kill``:
+    three FSDP2 agents with tier 1, node c killed whole and replaced by node d."""
     os.makedirs(tmp)
     folder = os.path.join(tmp, "samples")
     os.makedirs(folder)
@@ -119,16 +141,35 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
     common += (["--set", "checkpoint.interval=off", "--set", "checkpoint.memory_interval_steps=1"] if memory else
                ["--set", f"checkpoint.interval={baseline_interval}", "--set", "checkpoint.memory_interval_steps=0"])
     args = ["--steps", "100000", "--log-every", "1", "--sample-log", folder]
-    a = Node("a", tmp, ep, job=job, script=ELASTIC, script_args=args, extra=common)
+    nnodes, size = "1:2", 2
+    if node_kill:
+        job += "n"
+        common += ["--set", "checkpoint.memory_replica=true", "--set", "rendezvous.keep_alive_interval_s=1",
+                   "--set", "rendezvous.keep_alive_max_attempts=3"]
+        args += ["--strategy", "fsdp"]
+        nnodes, size = "3:3", 3
+    a = Node("a", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args, extra=common)
     wait_listening(ep)
-    b = Node("b", tmp, ep, job=job, script=ELASTIC, script_args=args, extra=common)
+    b = Node("b", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args, extra=common)
     nodes = [a, b]
+    if node_kill:
+        nodes.append(Node("c", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args, extra=common))
     try:
-        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= kill_at for e in a.events("train_step")), 180,
-                   f"{kill_at} steps at world size 2")
-        (victim,) = b.worker_pids()
-        os.kill(victim, signal.SIGKILL)
-        t_kill = time.time()
+        wait_until(lambda: any(e["world_size"] == size and e["step"] >= kill_at for e in a.events("train_step")), 180,
+                   f"{kill_at} steps at world size {size}")
+        extra: dict[str, Any] = {}
+        if node_kill:
+            extra = _folder_bytes(os.path.join(shm_root, f"trainguard-{job}-a"))
+            victims = nodes[2].worker_pids()
+            nodes[2].proc.kill()
+            for v in victims:
+                os.kill(v, signal.SIGKILL)
+            t_kill = time.time()
+            nodes.append(Node("d", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args, extra=common))
+        else:
+            (victim,) = b.worker_pids()
+            os.kill(victim, signal.SIGKILL)
+            t_kill = time.time()
         old_rounds = {r["round"] for r in samples.read(folder)}
         first = wait_until(lambda: sorted((r["t1"], r["step"]) for r in samples.read(folder)
                                           if r["round"] not in old_rounds and "t1" in r), 120,
@@ -139,18 +180,19 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
         last = max(r["step"] for r in before)
         tiers = sorted({e.get("source") for e in back}) or ["none"]
         step = min((e["step"] for e in back), default=0)
-        steps_before = sorted({r["step"] for r in before if r.get("world_size") == 2})
+        steps_before = sorted({r["step"] for r in before if r.get("world_size") == size})
         step_s = statistics.median(
             r2["t1"] - r1["t1"] for r1, r2 in zip(
                 sorted((r for r in before if r["rank"] == 0), key=lambda r: r["step"])[-21:-1],
                 sorted((r for r in before if r["rank"] == 0), key=lambda r: r["step"])[-20:]))
         return {"lost_steps": last - step, "resume_s": round(first[0][0] - t_kill, 3), "restored_step": step,
                 "last_step_before_kill": last, "restore_tier": tiers[0] if len(tiers) == 1 else tiers,
-                "ranks_restored": len(back), "step_s": round(step_s, 4), "steps_before_kill": len(steps_before)}
+                "ranks_restored": len(back), "step_s": round(step_s, 4), "steps_before_kill": len(steps_before),
+                **extra}
     finally:
         for n in nodes:
             n.stop()
-        for n in ("a", "b"):
+        for n in ("a", "b", "c", "d"):
             shutil.rmtree(os.path.join(shm_root, f"trainguard-{job}-{n}"), ignore_errors=True)
 
 
@@ -189,20 +231,27 @@ def main() -> int:
                             baseline_interval=args.baseline_interval, shm_root=args.shm)
             out.update({"worker_kill_storage_lost_steps": s["lost_steps"], "worker_kill_storage_resume_s": s["resume_s"],
                         "worker_kill_storage": s})
+        print("node_kill: 3 FSDP2 nodes, tier 1 on, node c SIGKILLed, node d replaces it ...", flush=True)
+        n = worker_kill(os.path.join(tmp, "node"), memory=True, kill_at=args.kill_at,
+                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill=True)
+        out.update({"node_kill_lost_steps": n["lost_steps"], "node_kill_resume_s": n["resume_s"], "node_kill": n})
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
-    out.update({"node_kill_lost_steps": None, "node_kill_resume_s": None, "node_kill_reason": NODE_KILL_REASON})
+    out["tier0_ratio"] = out.pop("memory_ratio")  # one process, tier 0 only
+    nk = out.get("node_kill")
+    if nk:
+        out["memory_ratio"] = round((nk["tier0_bytes"] + nk["tier1_bytes"]) / nk["state_bytes"], 4)
     out["restore_tier"] = {"worker_kill": out["worker_kill"]["restore_tier"],
                            "worker_kill_storage": out.get("worker_kill_storage", {}).get("restore_tier"),
-                           "node_kill": None}
+                           "node_kill": nk["restore_tier"] if nk else None}
     rows = [("snapshot_overhead_ratio (mean step with/without)", out["snapshot_overhead_ratio"]),
             ("  step s with / without snapshots", f"{out['step_s_with_snapshots']} / {out['step_s_without_snapshots']}"),
             ("  snapshot s mean / p95", f"{out['snapshot_s_mean']} / {out['snapshot_s_p95']}"),
             *([(f"  larger model ({out['larger_model']['d_model']}x{out['larger_model']['layers']}, "
                 f"{out['larger_model']['state_bytes']} B): ratio", out["larger_model"]["snapshot_overhead_ratio"])]
               if "larger_model" in out else []),
-            ("memory_ratio (tier0+tier1 / state)", f"{out['memory_ratio']} ({out['tier0_bytes']} / {out['state_bytes']} B)"),
+            ("tier-0 ratio (one process: tier0 / state)", f"{out['tier0_ratio']} ({out['tier0_bytes']} / {out['state_bytes']} B)"),
             ("worker_kill_lost_steps (tier 0)", out["worker_kill_lost_steps"]),
             ("worker_kill_resume_s (tier 0)", out["worker_kill_resume_s"]),
             ("restore_tier (worker_kill)", out["restore_tier"]["worker_kill"])]
@@ -210,7 +259,13 @@ def main() -> int:
         rows += [("worker_kill_lost_steps (storage only)", out["worker_kill_storage_lost_steps"]),
                  ("worker_kill_resume_s (storage only)", out["worker_kill_storage_resume_s"]),
                  ("restore_tier (worker_kill_storage)", out["restore_tier"]["worker_kill_storage"])]
-    rows += [("node_kill_*", f"null: {NODE_KILL_REASON}")]
+    if "node_kill" in out:
+        nk = out["node_kill"]
+        rows += [("node_kill_lost_steps (tier 1)", out["node_kill_lost_steps"]),
+                 ("node_kill_resume_s (tier 1)", out["node_kill_resume_s"]),
+                 ("restore_tier (node_kill)", out["restore_tier"]["node_kill"]),
+                 ("memory_ratio (node a: tier0+tier1 / state)",
+                  f"{out['memory_ratio']} ({nk['tier0_bytes']} + {nk['tier1_bytes']} / {nk['state_bytes']} B)")]
     width = max(len(r[0]) for r in rows)
     print()
     for name, v in rows:

@@ -22,21 +22,25 @@ Completeness: agreement at restore time, no collective per snapshot
     A snapshot of step ``s`` is complete when *every* rank of the world holds a valid slot of ``s``
     written by the same world (each snapshot records a world id: rendezvous id and round).
     Ranks never agree on that while training (that would add a collective per step): at restore
-    every rank reports the steps it holds (:meth:`MemoryTier.available`) and the newest step all of
-    them hold is chosen (:func:`choose_sources`), never a mix of steps. Two slots suffice: a rank cannot
+    every rank reports the snapshots it can hand out (:meth:`MemoryTier.provides`: its own, and the
+    replicas of a buddy's, tier 1, see :mod:`trainguard.checkpoint.replica`) and the newest step for
+    which every rank's snapshot exists somewhere is chosen (:func:`choose_sources`), never a mix of
+    steps; a rank that lacks its own receives the replica from the rank holding it. Two slots suffice: a rank cannot
     start snapshot ``s + 2`` before every rank finished snapshot ``s + 1`` (the gradient all-reduce of
     step ``s + 2`` needs every rank, and a rank snapshots ``s + 1`` before it starts step ``s + 2``),
     so when a rank dies mid-write the others still hold the step it holds.
 
 Where tier 0 applies, and where it does not
-    A rank reads only its own rank's files on its own node: the world must have the same size, and
-    each rank must be on the node that held that rank (torch elastic keeps the ranks of a restarted
-    world of the same nodes in the same order). Anything else (another world size, a rank moved to
-    another node, a layout that changed) makes the restore fall back to storage. A restore from
+    A rank reads its own rank's files on its own node, or receives a replica of its rank: the world
+    must have the same size (torch elastic keeps the ranks of a restarted world of the same nodes in the
+    same order). Anything else (another world size, a rank moved to another node and not replicated
+    there, a layout that changed) makes the restore fall back to storage. A restore from
     storage, and a world re-formed in place, invalidate this rank's slots (:meth:`MemoryTier.invalidate`,
     :meth:`MemoryTier.rebind`), so a snapshot of an abandoned branch of history is never restored later.
 
-Threading: the training thread only. GPU tensors are copied with a blocking ``copy_`` (not verified
+Threading: the training thread, except :meth:`MemoryTier.newest_blob` and :meth:`MemoryTier.write_replica`,
+which the replication thread calls while the training thread waits for it before the next snapshot.
+GPU tensors are copied with a blocking ``copy_`` (not verified
 on a GPU yet, see ``docs/gpu.md``).
 """
 

@@ -32,6 +32,11 @@ from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.checkpoint.replica")
 
+WAIT_S = 30.0
+"""How long the next snapshot waits for the previous transfer. Past it (a buddy that stopped
+replicating, e.g. its snapshots were refused, or a peer gone) this rank stops replicating for the
+world (``memory_replica_failed``) instead of stalling training; its buddies then time out the same way."""
+
 
 def buddies(rank: int, world_size: int, local_world_size: int) -> tuple[int, int] | None:
     """``(rank this one sends to, rank it receives from)``: the same local rank on the next and the
@@ -70,12 +75,20 @@ class Replicator:
             self._thread = None
         return True
 
+    def settle(self) -> None:
+        """Before a snapshot: wait (at most :data:`WAIT_S`) for the transfer that may read the slot about
+        to be written; a transfer still running then stops replication for this world."""
+        if self._thread is not None and not self.wait(WAIT_S):
+            self.failed = f"the transfer of the previous snapshot did not finish within {WAIT_S:g}s"
+            self._thread = None  # left behind: a daemon thread blocked in gloo until the group's timeout
+            log.warning("memory_replica_failed", rank=self.rank, error=self.failed,
+                        effect="no more replicas in this world; the snapshots go on")
+
     def replicate(self) -> None:
         """Send this rank's newest snapshot to the buddy and receive the predecessor's, in the background.
-        Call on every rank after each snapshot; waits for the previous transfer first."""
-        if not self.enabled:
+        Call on every rank after each snapshot (after :meth:`settle`)."""
+        if not self.enabled or self._thread is not None:
             return
-        self.wait()
         blob = self.tier.newest_blob()
         if blob is None:
             return

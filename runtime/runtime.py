@@ -637,7 +637,7 @@ class Runtime:
             return
         rep = self._replicator
         if rep is not None:
-            rep.wait()  # the slot about to be written may be the one the buddy transfer reads
+            rep.settle()  # the slot about to be written may be the one the buddy transfer reads
         try:
             r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
                              extra={"base": self._manager.base})
@@ -646,6 +646,8 @@ class Runtime:
             return
         if rep is not None and self._replicator is not None:  # all ranks alike: every rank reached this step
             rep.replicate()
+            if rep.failed is not None:
+                self._replicator = None
         self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes)
 
     def _periodic_save(self, save: int) -> bool:

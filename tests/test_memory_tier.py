@@ -352,3 +352,23 @@ def test_runtime_refuses_a_state_over_the_cap_and_trains_on(tmp_path, keep_sigte
     refused = [e for e in logs if e["event"] == "memory_tier_refused"]
     assert len(refused) == 1 and "TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES" in refused[0]["error"]
     assert rt.step == 3 and not [f for f in os.listdir(folder) if os.path.getsize(os.path.join(folder, f))]
+
+
+def test_replicator_gives_up_on_a_stalled_transfer(tmp_path, monkeypatch):
+    import threading
+
+    from trainguard.checkpoint import replica
+
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=2)
+    rep = replica.Replicator(tier, None, rank=0, world_size=2, local_world_size=1)
+    assert rep.enabled and rep.pair == (1, 1)
+    done = threading.Event()
+    rep._thread = threading.Thread(target=done.wait, daemon=True)  # a transfer whose peer never answers
+    rep._thread.start()
+    monkeypatch.setattr(replica, "WAIT_S", 0.05)
+    rep.settle()
+    assert not rep.enabled and "did not finish" in rep.failed
+    rep.replicate()  # a no-op from now on
+    assert rep._thread is None
+    done.set()
+    assert replica.Replicator(tier, None, rank=0, world_size=1, local_world_size=1).enabled is False
