@@ -79,9 +79,10 @@ class CheckpointConfig:
     torchrun nothing is snapshotted. Costs two copies of each rank's state in host memory."""
 
     memory_max_bytes: int = 0
-    """Tier 0: the most host memory this node's snapshots may take, in bytes (all local workers, both
-    buffers of each). 0: only the free space of ``memory_dir`` limits it. A state that does not fit
-    stops the worker with an error naming this key."""
+    """Tier 0 (+ tier 1): the most host memory this node's snapshots may take, in bytes (all local
+    workers, both buffers of each, and the buddy replicas with ``memory_replica``). 0: only the free
+    space of ``memory_dir`` limits it. A state that does not fit is refused with an error naming this
+    key (``memory_tier_refused``): that worker takes no snapshots, training goes on."""
 
     memory_replica: bool = False
     """Tier 1: also copy each rank's newest snapshot to a buddy rank on the next node, in the background

@@ -149,27 +149,31 @@ def slot_bytes(tensor_bytes: int, meta_bytes: int) -> int:
     return HEADER_BYTES + tensor_bytes + meta_bytes + _META_SLACK
 
 
-def node_bytes(per_slot: int, local_world_size: int) -> int:
-    """Host memory this node's tier 0 takes when every local rank holds a state like this one."""
-    return per_slot * SLOTS * max(1, local_world_size)
+def node_bytes(per_slot: int, local_world_size: int, copies: int = 1) -> int:
+    """Host memory this node's snapshots take when every local rank holds a state like this one:
+    ``copies`` = 1 (tier 0: its own two slots) or 2 (tier 1 too: two slots of a buddy's replica)."""
+    return per_slot * SLOTS * max(1, local_world_size) * max(1, copies)
 
 
-def check_fits(per_slot: int, *, local_world_size: int, max_bytes: int, free_bytes: int, directory: str) -> None:
-    """Raise :class:`MemoryTierError` (naming the setting and the fix) when this node's snapshots do not
-    fit under ``checkpoint.memory_max_bytes`` (0: no cap) or in the free space of the folder (what is
-    free plus what this rank already holds there)."""
-    need = node_bytes(per_slot, local_world_size)
+def check_fits(per_slot: int, *, local_world_size: int, max_bytes: int, free_bytes: int, directory: str,
+               copies: int = 1) -> None:
+    """Raise :class:`MemoryTierError` (naming the setting and the fix) when this node's snapshots (and
+    replicas: ``copies`` 2) do not fit under ``checkpoint.memory_max_bytes`` (0: no cap) or in the free
+    space of the folder (what is free plus what this rank already holds there)."""
+    need = node_bytes(per_slot, local_world_size, copies)
+    what = f"{SLOTS} buffers x {per_slot} bytes x {max(1, local_world_size)} local workers" + (
+        f" x {copies} (own + a buddy's replica)" if copies > 1 else "")
     off = ("or turn tier 0 off with checkpoint.memory_interval_steps=0 "
            "(TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS)")
     if max_bytes and need > max_bytes:
         raise MemoryTierError(
-            f"in-memory snapshots need {need} bytes on this node ({SLOTS} buffers x {per_slot} bytes x "
-            f"{max(1, local_world_size)} local workers) but checkpoint.memory_max_bytes "
+            f"in-memory snapshots need {need} bytes on this node ({what}) but checkpoint.memory_max_bytes "
             f"(TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES) is {max_bytes}. Fix: raise it to at least {need}, {off}")
-    mine = per_slot * SLOTS
+    mine = per_slot * SLOTS * max(1, copies)
     if mine > free_bytes:
         raise MemoryTierError(
-            f"in-memory snapshots need {mine} bytes for this rank ({SLOTS} buffers x {per_slot} bytes) but "
+            f"in-memory snapshots need {mine} bytes for this rank ({SLOTS} buffers x {per_slot} bytes"
+            f"{' x 2 with the replica' if copies > 1 else ''}) but "
             f"{directory} has {free_bytes} bytes free. Fix: make the tmpfs larger (e.g. `mount -o remount,"
             f"size=...` for /dev/shm, or --shm-size for a container), point checkpoint.memory_dir "
             f"(TRAINGUARD_CHECKPOINT_MEMORY_DIR) at a larger tmpfs, {off}")
@@ -409,7 +413,7 @@ class MemoryTier:
     """
 
     def __init__(self, directory: str, *, rank: int, world_size: int, local_world_size: int = 1,
-                 max_bytes: int = 0) -> None:
+                 max_bytes: int = 0, copies: int = 1) -> None:
         if not os.path.isdir(directory):
             raise MemoryTierError(f"the tier-0 snapshot folder {directory} does not exist (its agent creates it). "
                                   f"Fix: start the workers through the trainguard agent, or set "
@@ -417,6 +421,8 @@ class MemoryTier:
         self.directory = directory
         self.local_world_size = local_world_size
         self.max_bytes = max_bytes
+        self.copies = copies
+        """1: tier 0 only; 2: this rank also holds a buddy's replica (counted against the cap)."""
         self._slots: list[_Slot] = []
         self._newest: int | None = None  # index of the slot holding this rank's newest snapshot
         self._views: list[torch.Tensor] | None = None
@@ -479,7 +485,8 @@ class MemoryTier:
             per_slot = max(slot_bytes(tensor_bytes, len(meta)), target.size if sig == self._sig else 0)
             st = os.statvfs(self.directory)
             check_fits(per_slot, local_world_size=self.local_world_size, max_bytes=self.max_bytes,
-                       free_bytes=st.f_bavail * st.f_frsize + self.nbytes, directory=self.directory)
+                       free_bytes=st.f_bavail * st.f_frsize + self.nbytes + self.replica_bytes,
+                       directory=self.directory, copies=self.copies)
             if self._sig is not None and sig != self._sig:
                 self.invalidate()  # the other slot holds another layout: never restored into this state
             target.invalidate()

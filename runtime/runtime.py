@@ -313,7 +313,8 @@ class Runtime:
             try:
                 self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
                                           local_world_size=self.local_world_size,
-                                          max_bytes=self.checkpoint_config.memory_max_bytes)
+                                          max_bytes=self.checkpoint_config.memory_max_bytes,
+                                          copies=2 if self.checkpoint_config.memory_replica else 1)
             except MemoryTierError as e:
                 self._memory_refused(e)
                 return

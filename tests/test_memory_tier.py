@@ -118,6 +118,11 @@ def test_cap_arithmetic_and_errors():
     msg = str(e.value)
     assert "checkpoint.memory_max_bytes" in msg and "TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES" in msg
     assert str(mem.node_bytes(per_slot, 4)) in msg and "memory_interval_steps=0" in msg
+    # with tier 1 every rank also holds one replica (two buffers) of a buddy's state
+    assert mem.node_bytes(per_slot, 4, copies=2) == 2 * mem.node_bytes(per_slot, 4)
+    with pytest.raises(mem.MemoryTierError, match="own \\+ a buddy's replica"):
+        mem.check_fits(per_slot, local_world_size=4, max_bytes=mem.node_bytes(per_slot, 4), free_bytes=10**12,
+                       directory="/x", copies=2)
     with pytest.raises(mem.MemoryTierError, match=r"/x has 10 bytes free.*TRAINGUARD_CHECKPOINT_MEMORY_DIR"):
         mem.check_fits(per_slot, local_world_size=1, max_bytes=0, free_bytes=10, directory="/x")
 
