@@ -191,7 +191,8 @@ class CheckpointManager:
         anything newer. With the manifest's ``kind`` (``periodic``: its writer died too) this tells
         failures from planned re-formations."""
         self.last_restored_tier = CheckpointTier.NONE
-        """Where the last :meth:`restore` found its state (``memory``: tier 0, ``storage``, or ``none``)."""
+        """Where the last :meth:`restore` found its state: ``memory`` (tier 0), ``peer`` (some ranks got a
+        buddy's replica, tier 1), ``storage``, or ``none``."""
         if not config.url:
             raise CheckpointError("checkpoint.url is empty. Fix: set YAML key `checkpoint.url` or env var "
                                   "TRAINGUARD_CHECKPOINT_URL to a path, s3://, gs:// or memory:// URL")
@@ -416,7 +417,8 @@ class CheckpointManager:
         in-memory snapshot of every rank exists — its own, or a buddy node's replica (tier 1), handed
         over point to point — is loaded instead, when storage holds no newer committed step
         (:func:`~trainguard.checkpoint.memory.choose_sources`); :attr:`last_restored_tier` says which tier
-        was used (``peer`` when any rank loaded a replica). The world's epoch is then based on the committed step that snapshot descends from.
+        was used (``peer`` when any rank loaded a replica). The world's epoch is then based on the
+        committed step that snapshot descends from.
 
         Reshards to the current world size. Skips a step only when it is proven corrupt; retries a
         step that is unreadable now until ``checkpoint.restore_deadline_s``, then raises

@@ -26,7 +26,7 @@ CHECKPOINT_KINDS: tuple[str, ...] = (*(k.value for k in CheckpointKind), "other"
 
 CHECKPOINT_TIERS: tuple[str, ...] = tuple(t.value for t in CheckpointTier)
 """``tier`` label of restores (:class:`~trainguard.runtime.protocol.CheckpointTier`): ``memory`` the
-node's in-memory snapshots (tier 0), ``peer`` a buddy's replica (reserved), ``storage`` a committed
+node's in-memory snapshots (tier 0), ``peer`` a buddy's replica (tier 1), ``storage`` a committed
 checkpoint, ``none`` nothing to restore."""
 
 MEMORY_BUCKETS_S: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

@@ -116,7 +116,7 @@ class CheckpointTier(str, Enum):
     MEMORY = "memory"
     """Tier 0: the snapshots in this node's agent-owned shared memory (every rank its own)."""
     PEER = "peer"
-    """Tier 1: a replica held by a buddy node (not implemented yet; the label is reserved)."""
+    """Tier 1: some ranks loaded the replica a buddy node held of their snapshot (the rest their own)."""
     STORAGE = "storage"
     """Tier 2: a committed checkpoint in storage (``checkpoint.url``)."""
     NONE = "none"

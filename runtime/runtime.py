@@ -372,7 +372,8 @@ class Runtime:
         step = self._manager.restore(state, step, memory=self._memory)
         seconds = time.monotonic() - t0
         tier = self._manager.last_restored_tier
-        if self._memory is not None and tier is not proto.CheckpointTier.MEMORY:
+        in_memory = tier in (proto.CheckpointTier.MEMORY, proto.CheckpointTier.PEER)
+        if self._memory is not None and not in_memory:
             self._memory.invalidate()  # what it held is not what the job continues from
         self._metrics.observe_restore_tier(tier.value)
         ctl = self._interval
@@ -384,9 +385,9 @@ class Runtime:
             assert self.cursor is not None
             self.cursor.load_state_dict(self._trainer.cursor)
             restored = self._manager.last_restored
-            # A snapshot in memory is the periodic state of a world that died without notice.
+            # A snapshot in memory (or a buddy's replica) is the periodic state of a world that died without notice.
             kind = (restored.kind if restored is not None else
-                    proto.CheckpointKind.PERIODIC.value if tier is proto.CheckpointTier.MEMORY else "other")
+                    proto.CheckpointKind.PERIODIC.value if in_memory else "other")
             if ctl is not None:
                 ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
                 ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats)
