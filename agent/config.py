@@ -258,6 +258,12 @@ class WorkersConfig:
     restart_backoff_max_s: float = 30.0
     """Cap of the restart backoff."""
 
+    failure_stop_grace_s: float = 3.0
+    """After a failure (a member or a worker lost), how long the local workers still running get
+    between SIGTERM and SIGKILL before the restart. A worker blocked in a collective with a vanished
+    peer cannot run its SIGTERM handler (the world it would checkpoint is broken anyway), so a long
+    wait only delays recovery; torch elastic's own wait is 30 s. Drains keep their deadline."""
+
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the workers (string values; shown redacted unless the name is on the
     allow-list of non-secret prefixes such as ``NCCL_``, ``OMP_``, ``CUDA_``)."""
@@ -293,6 +299,8 @@ class WorkersConfig:
                 "e.g. 0.5")
         require(self.restart_backoff_max_s <= 3600, "restart_backoff_max_s",
                 f"must be at most 3600, got {self.restart_backoff_max_s}", "e.g. 30")
+        require(0 < self.failure_stop_grace_s <= 300, "failure_stop_grace_s",
+                f"must be within (0, 300] s, got {self.failure_stop_grace_s}", "e.g. 3")
         require(self.exit_barrier_timeout_s > 0, "exit_barrier_timeout_s", f"must be > 0, got {self.exit_barrier_timeout_s}",
                 "e.g. 300")
         require(self.exit_barrier_timeout_s <= MAX_TIMEOUT_S, "exit_barrier_timeout_s",

@@ -509,6 +509,14 @@ class Supervisor:
                 log.warning("reform_send_failed", local_rank=local_rank,
                             effect="that worker times out and exits; the world restarts")
 
+    def _stop_failed_world(self, reason: str) -> None:
+        """Before a failure restart: workers still running get ``workers.failure_stop_grace_s``
+        between SIGTERM and SIGKILL (not torch elastic's 30 s). One blocked in a collective whose peer
+        vanished never runs its handler; waiting longer only keeps the survivors waiting."""
+        grace = self.cfg.workers.failure_stop_grace_s
+        log.warning("workers_terminating", reason=reason, grace_s=grace)
+        self.adapter.terminate_workers(grace)
+
     def _restart(self, d: Decision, obs: Observation) -> RunResult | None:
         self.control.forget_workers()
         self._workers_gone()
@@ -516,6 +524,7 @@ class Supervisor:
             self._parked.clear()
         self._standby_start = False
         if d.consume_restart:  # a planned resize is no restart (metrics: its downtime is "resize")
+            self._stop_failed_world(d.reason)
             self._observe("restart", d.reason)
             left = self.adapter.consume_restart()
             self._failures_in_a_row += 1

@@ -277,6 +277,23 @@ class Exec:
     t0: float
     t1: float
     ids: tuple[int, ...] = ()
+    round: Any = None  # the rendezvous round of the attempt (sample log); None: torchrun's rank-0 events
+
+    def attempt(self) -> tuple[Any, ...]:
+        """The attempt this record belongs to: (step, round) in the sample log, where every rank of
+        the world writes one record per attempt; each torchrun event is an attempt of its own."""
+        return (self.step, self.round) if self.round is not None else (self.step, self.agent, self.t1)
+
+
+def leads(execs: list[Exec]) -> list[Exec]:
+    """One record per attempt: its lowest rank's. Not always rank 0's: a rank 0 killed mid-step
+    never writes the step a survivor finished and handed over to the re-formed world."""
+    by: dict[tuple[Any, ...], Exec] = {}
+    for e in execs:
+        k = e.attempt()
+        if k not in by or e.rank < by[k].rank:
+            by[k] = e
+    return sorted(by.values(), key=lambda e: (e.t1, e.rank))
 
 
 def executions(raw: ReplayRaw) -> list[Exec]:
@@ -284,7 +301,6 @@ def executions(raw: ReplayRaw) -> list[Exec]:
     sample log of an in-place run, are void: see ``tests/samples.py``)."""
     out: list[Exec] = []
     void: set[tuple[int, Any]] = set()
-    rounds: dict[int, Any] = {}
     for ag in raw.agents.values():
         if raw.mode == "torchrun":
             for t, ev in ag.proc.events("train_step"):
@@ -299,33 +315,30 @@ def executions(raw: ReplayRaw) -> list[Exec]:
                         if r.get("rolled_back"):  # a vanished peer interrupted this attempt: void everywhere
                             void.add((int(r["step"]), r.get("round")))
                             continue
-                        e = Exec(ag.name, int(r["step"]), int(r["rank"]), int(r["world_size"]), float(r["t0"]),
-                                 float(r["t1"]), tuple(r["ids"]))
-                        rounds[id(e)] = r.get("round")
-                        out.append(e)
-    out = [e for e in out if (e.step, rounds.get(id(e))) not in void]
+                        out.append(Exec(ag.name, int(r["step"]), int(r["rank"]), int(r["world_size"]), float(r["t0"]),
+                                        float(r["t1"]), tuple(r["ids"]), r.get("round")))
+    out = [e for e in out if (e.step, e.round) not in void]
     return sorted(out, key=lambda e: (e.t1, e.rank))
 
 
 def lineage(execs: list[Exec]) -> tuple[list[Exec], int]:
     """The executions that end up in the final model, and its last step. The final model is what the
-    world that trained last ends with; each of its steps was kept in its last execution (a rollback
-    re-trains a step later, never earlier). With ranks, the kept execution of a step is rank 0's last
-    one and the other ranks' records that overlap it in time."""
-    rank0 = [e for e in execs if e.rank == 0]
-    if not rank0:
+    world that trained last ends with; each of its steps was kept in its last attempt (a rollback
+    re-trains a step later, never earlier): that attempt's lead record (:func:`leads`) and the other
+    ranks' records of the same attempt."""
+    lead = leads(execs)
+    if not lead:
         return [], 0
-    final = max(rank0, key=lambda e: e.t1).step
+    final = max(lead, key=lambda e: e.t1).step
     last: dict[int, Exec] = {}
-    for e in rank0:
+    for e in lead:
         if e.step <= final and (e.step not in last or e.t1 >= last[e.step].t1):
             last[e.step] = e
+    kept_attempts = {e.attempt() for e in last.values()}
     kept = list(last.values())
     for e in execs:
-        if e.rank != 0:
-            k = last.get(e.step)
-            if k is not None and e.world == k.world and e.t0 < k.t1 and e.t1 > k.t0:
-                kept.append(e)
+        if e.round is not None and e.attempt() in kept_attempts and e is not last[e.step]:
+            kept.append(e)
     return sorted(kept, key=lambda e: (e.t1, e.rank)), final
 
 
@@ -344,8 +357,9 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace) -> dict[str, Any]:
     res: dict[str, Any] = {"mode": raw.mode, "final_step": final, "available_node_s": available,
                            "productive_node_s": productive, "ettr": productive / available if available else 0.0,
                            "recomputed_node_s": all_node_s - productive}
-    rank0 = [e for e in execs if e.rank == 0]
-    kept0 = [e for e in kept if e.rank == 0]
+    rank0 = leads(execs)  # one record per attempt (rank 0's, or the lowest surviving rank's)
+    lead_ids = {id(e) for e in rank0}
+    kept0 = [e for e in kept if id(e) in lead_ids]
     res["lost_steps"] = len(rank0) - len(kept0)
     res["samples_per_step"] = GLOBAL_BATCH
     res["committed_samples"] = final * GLOBAL_BATCH

@@ -121,7 +121,8 @@ def test_crash_consumes_restarts_then_fails(tmp_path):
     sup, fake, tr = make(tmp_path, [HEALTHY] * 2 + [exited(1)] + [HEALTHY] + [exited(-9)] + [exited(1)], max_restarts=2)
     result = sup._loop()
     assert result.state.value == "FAILED"
-    assert fake.calls == ["start", "restart", "restart", "stop"]
+    # A failure restart SIGKILLs what still runs after workers.failure_stop_grace_s (not elastic's 30 s).
+    assert fake.calls == ["start", "terminate(3)", "restart", "terminate(3)", "restart", "stop"]
     assert fake.remaining_restarts == 0
     assert tr.count(AgentState.RESTARTING) == 2 and tr[-1] == AgentState.FAILED
     sup.control.close()
@@ -226,7 +227,7 @@ def test_a_failed_in_place_reformation_falls_back_to_a_restart_instead_of_crashi
     sup.sm.to(AgentState.RENDEZVOUS)
     sup.sm.to(AgentState.RUNNING)
     assert sup._reform("drain") is None
-    assert fake.calls == ["reform", "restart"]
+    assert fake.calls == ["reform", "terminate(3)", "restart"]
     assert tr[-5:] == [AgentState.RESIZING, AgentState.RENDEZVOUS, AgentState.RESTARTING, AgentState.RENDEZVOUS,
                        AgentState.RUNNING], tr
     assert fake.remaining_restarts == 1

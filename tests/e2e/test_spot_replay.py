@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 TRACE = """time_ms,event,node
 0,add,n1
 0,add,n2
-22000,remove,n2
-32000,add,n3
-50000,remove,n1
+18000,remove,n2
+27000,add,n3
+40000,remove,n1
 """
 
 
@@ -38,7 +38,7 @@ def test_replay_of_a_tiny_trace_measures_goodput_like_the_agents_export_it(tmp_p
     out = tmp_path / "spot.json"
     # Removal 0 comes with a 6 s notice; removal 1 is a kill -9 (--unannounced-indices).
     cmd = [sys.executable, os.path.join(REPO, "bench", "spot_trace.py"), "--trace", str(trace), "--nodes-per-agent", "1",
-           "--max-agents", "3", "--speed", "1", "--hours", str(72 / 3600), "--lead-s", "6", "--unannounced-indices", "1",
+           "--max-agents", "3", "--speed", "1", "--hours", str(58 / 3600), "--lead-s", "6", "--unannounced-indices", "1",
            "--runs", "trainguard-fixed50", "--sim-seeds", "1", "--no-sweep", "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env["OMP_NUM_THREADS"] = "1"
