@@ -113,7 +113,7 @@ def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: i
 
 def _folder_bytes(folder: str) -> dict[str, int]:
     """Bytes of own slots (tier 0) and replicas (tier 1) in a node folder, and the state's tensor bytes."""
-    from trainguard.checkpoint.memory import Header
+    from trainguard.checkpoint.memory import HEADER_BYTES, Header
 
     out = {"tier0_bytes": 0, "tier1_bytes": 0, "state_bytes": 0}
     for name in os.listdir(folder):
@@ -121,7 +121,7 @@ def _folder_bytes(folder: str) -> dict[str, int]:
         out["tier1_bytes" if name.startswith("replica-") else "tier0_bytes"] += os.path.getsize(path)
         if name.startswith("rank-"):
             with open(path, "rb") as fh:
-                h = Header.unpack(fh.read(64))
+                h = Header.unpack(fh.read(HEADER_BYTES))
             if h is not None:
                 out["state_bytes"] = max(out["state_bytes"], h.tensor_bytes)
     return out
