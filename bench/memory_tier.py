@@ -103,7 +103,8 @@ def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: i
                 "step_s_without_snapshots_median": round(statistics.median(times[False]), 6),
                 "snapshot_overhead_ratio": round(with_s / without_s, 4),
                 "snapshot_overhead_ratio_median": round(statistics.median(times[True]) / statistics.median(times[False]), 4),
-                "snapshot_s_mean": round(statistics.mean(snap_s), 6), "snapshot_s_p95": round(sorted(snap_s)[int(0.95 * len(snap_s))], 6),
+                "snapshot_s_mean": round(statistics.mean(snap_s), 6),
+                "snapshot_s_p95": round(sorted(snap_s)[int(0.95 * len(snap_s))], 6),
                 "state_bytes": state_bytes, "tier0_bytes": tier.nbytes, "tier1_bytes": 0,
                 "memory_ratio": round(tier.nbytes / state_bytes, 4)}
     finally:
@@ -251,7 +252,8 @@ def main() -> int:
             *([(f"  larger model ({out['larger_model']['d_model']}x{out['larger_model']['layers']}, "
                 f"{out['larger_model']['state_bytes']} B): ratio", out["larger_model"]["snapshot_overhead_ratio"])]
               if "larger_model" in out else []),
-            ("tier-0 ratio (one process: tier0 / state)", f"{out['tier0_ratio']} ({out['tier0_bytes']} / {out['state_bytes']} B)"),
+            ("tier-0 ratio (one process: tier0 / state)",
+             f"{out['tier0_ratio']} ({out['tier0_bytes']} / {out['state_bytes']} B)"),
             ("worker_kill_lost_steps (tier 0)", out["worker_kill_lost_steps"]),
             ("worker_kill_resume_s (tier 0)", out["worker_kill_resume_s"]),
             ("restore_tier (worker_kill)", out["restore_tier"]["worker_kill"])]

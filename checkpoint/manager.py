@@ -740,7 +740,8 @@ class CheckpointManager:
             err = describe(e)[:500]
         if not any(self._group.all_gather(err)):
             try:
-                extra = memory.load_blob(received, state) if received is not None else memory.load(chosen, state, world=world)
+                extra = (memory.load_blob(received, state) if received is not None
+                         else memory.load(chosen, state, world=world))
             except Exception as e:  # noqa: BLE001 - agreed below; every rank then goes to storage
                 err = describe(e)[:500]
         errors = [e for e in self._group.all_gather(err) if e]

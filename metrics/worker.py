@@ -72,6 +72,7 @@ class _Families:
     tier_restores: Any
     memory_snapshot: Any
     memory_bytes: Any
+    replica_lag: Any
     auto: dict[str, Any]
 
 
@@ -153,8 +154,12 @@ def _make_families() -> _Families:
                                   "Time to copy the checkpoint state into the node's shared memory (tier 0), per rank.",
                                   buckets=names.MEMORY_BUCKETS_S, registry=None),
         memory_bytes=Gauge(p + "checkpoint_memory_bytes",
-                           "Host memory held by the in-memory snapshots (tier 0) of this node's live workers.",
+                           "Host memory held by the in-memory snapshots (tier 0) of this node's live workers, "
+                           "and the buddy replicas they hold (tier 1).",
                            multiprocess_mode="livesum", registry=None),
+        replica_lag=Gauge(p + "checkpoint_memory_replica_lag_steps",
+                          "Steps between this node's newest snapshot and the newest buddy replica it received (tier 1).",
+                          multiprocess_mode="livemax", registry=None),
         # Written by global rank 0 only (the rank whose controller decides); livemax: gone with it.
         auto={k: Gauge(p + name, doc, multiprocess_mode="livemax", registry=None) for k, (name, doc) in AUTO_GAUGES.items()},
     )
@@ -310,15 +315,18 @@ class WorkerMetrics:
             return
         f.tier_restores.labels(tier=tier if tier in names.CHECKPOINT_TIERS else "none").inc()
 
-    def observe_memory(self, seconds: float | None, nbytes: int) -> None:
-        """One in-memory snapshot took ``seconds`` (None: none was taken); this rank's snapshots hold
-        ``nbytes`` of host memory."""
+    def observe_memory(self, seconds: float | None, nbytes: int, replica_lag: int | None = None) -> None:
+        """One in-memory snapshot took ``seconds`` (None: none was taken); this rank's snapshots (and the
+        replicas it holds) take ``nbytes`` of host memory; the newest replica it received is
+        ``replica_lag`` steps behind (None: no tier 1)."""
         f = self._f
         if f is None:
             return
         if seconds is not None:
             f.memory_snapshot.observe(seconds)
         f.memory_bytes.set(nbytes)
+        if replica_lag is not None:
+            f.replica_lag.set(replica_lag)
 
     def observe_interval(self, values: dict[str, float | None]) -> None:
         """The checkpoint interval controller's output and inputs (keys of :data:`AUTO_GAUGES`; None

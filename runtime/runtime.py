@@ -650,7 +650,8 @@ class Runtime:
             rep.replicate()
             if rep.failed is not None:
                 self._replicator = None
-        self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes)
+        lag = self.step - rep.last_step if rep is not None and rep.last_step is not None else None
+        self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag)
 
     def _periodic_save(self, save: int) -> bool:
         """The periodic (``save == 1``) or out-of-cycle notice (``2``) checkpoint agreed at this step.

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (get_state_dict imports it lazily and sets TORCHINDUCTOR_CACHE_DIR: see tests/checkpoint/conftest.py)
+import torch._dynamo  # noqa: F401  (imported lazily by get_state_dict, it sets TORCHINDUCTOR_CACHE_DIR)
 
 from trainguard.agent.memtier import NodeSnapshots, node_dir
 from trainguard.checkpoint import memory as mem
