@@ -377,3 +377,29 @@ def test_replicator_gives_up_on_a_stalled_transfer(tmp_path, monkeypatch):
     assert rep._thread is None
     done.set()
     assert replica.Replicator(tier, None, rank=0, world_size=1, local_world_size=1).enabled is False
+
+
+def test_a_buddy_killed_mid_transfer_keeps_its_good_replica(tmp_path, monkeypatch):
+    src_dir, buddy_dir = tmp_path / "a", tmp_path / "b"
+    src_dir.mkdir()
+    buddy_dir.mkdir()
+    m, opt, trainer, state = _job()
+    src = mem.MemoryTier(str(src_dir), rank=1, world_size=2)
+    buddy = mem.MemoryTier(str(buddy_dir), rank=0, world_size=2)
+    for s in (1, 2, 3):
+        _train(m, opt, trainer, s)
+        src.snapshot(s, state, world=W)
+        if s < 3:
+            buddy.write_replica(src.newest_blob())
+
+    def die(*a, **k):  # the receiver dies after the data went in, before the header and the commit word
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(mem.dataclasses, "replace", die)
+    with pytest.raises(SystemExit):
+        buddy.write_replica(src.newest_blob())
+    monkeypatch.undo()
+    # step 3 went into the slot of step 1 (the older one) and is torn; step 2 is intact and restorable
+    assert [(r, st) for r, st, _ in buddy.provides(_job()[3]) if r == 1] == [(1, 2)]
+    buddy.write_replica(src.newest_blob())  # the next transfer completes
+    assert [(r, st) for r, st, _ in buddy.provides(_job()[3]) if r == 1] == [(1, 3), (1, 2)]
