@@ -89,6 +89,12 @@ class CheckpointConfig:
     (double-buffered; at most one replica per source rank). A world of the same size that lost a whole
     node then restores the lost ranks' state from the replicas. Doubles tier 0's memory."""
 
+    memory_failure_domain: str = ""
+    """Tier 1: this node's failure domain (a rack, a zone, a power feed: what fails together). When the
+    nodes name theirs, each node's buddy is chosen in another domain (possible while no domain holds
+    more than half the nodes; else logged as ``memory_replica_buddies`` with ``separated: false``).
+    Empty: the buddy is the next node."""
+
     memory_dir: str = "/dev/shm"
     """Tier 0: the memory-backed folder (tmpfs) the agent creates its node's snapshot folder in
     (``<memory_dir>/trainguard-<job_id>-<node>/``, removed when the job ends or the node leaves)."""

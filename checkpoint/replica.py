@@ -1,10 +1,10 @@
 """Tier 1: each rank's newest in-memory snapshot, copied to a buddy rank on another node in the background.
 
 After every snapshot the worker runtime calls :meth:`Replicator.replicate`: a background thread sends
-this rank's newest snapshot (header + data, as :meth:`MemoryTier.newest_blob`) to its *buddy* — the rank
-``local_world_size`` further on, i.e. the same local rank on the next node — and receives the snapshot of
-the rank ``local_world_size`` before it, which :meth:`MemoryTier.write_replica` keeps in its own agent's
-folder (``replica-<rank>-<k>.snap``: at most one replica per source rank, double-buffered, commit word
+this rank's newest snapshot (header + data, as :meth:`MemoryTier.newest_blob`) to its *buddy* — the
+same local rank on its node's buddy node (:func:`node_buddies`: a rotation of the nodes, so every node
+sends one copy and receives one) — and receives the snapshot of the rank whose buddy it is, which
+:meth:`MemoryTier.write_replica` keeps in its own agent's folder (``replica-<rank>-<k>.snap``: at most one replica per source rank, double-buffered, commit word
 last, so a transfer cut short never replaces a good replica). When a whole node is lost, the ranks that
 replace its ranks in a world of the same size receive those replicas from the buddies at restore
 (:meth:`~trainguard.checkpoint.manager.CheckpointManager.restore`).
@@ -15,7 +15,8 @@ replicates at the same steps and waits for its previous transfer before it write
 (:meth:`Replicator.wait`): the transfers stay matched across ranks, a snapshot slot is never rewritten
 while it is being sent, and the replica lags the snapshot by at most one snapshot interval. A transfer
 that fails (a peer gone) stops replication for this world (``memory_replica_failed``); the snapshots
-themselves go on. Buddies are chosen by node order only (no failure-domain configuration yet).
+themselves go on. Buddies: :func:`node_buddies` (in another failure domain when the nodes name theirs,
+``checkpoint.memory_failure_domain``; else the next node).
 """
 
 from __future__ import annotations
@@ -38,28 +39,79 @@ replicating, e.g. its snapshots were refused, or a peer gone) this rank stops re
 world (``memory_replica_failed``) instead of stalling training; its buddies then time out the same way."""
 
 
-def buddies(rank: int, world_size: int, local_world_size: int) -> tuple[int, int] | None:
-    """``(rank this one sends to, rank it receives from)``: the same local rank on the next and the
-    previous node; None when the world has one node (no other failure domain)."""
+def node_buddies(domains: list[str]) -> tuple[list[int], bool]:
+    """The buddy node of every node, given each node's failure domain (``""``: unknown), and whether
+    every buddy is in another domain. A rotation (every node sends to one node and receives from one),
+    over the nodes grouped by domain, by the size of the largest domain: when no domain holds more than
+    half the nodes, no node's buddy shares its domain. Without domains: the next node."""
+    n = len(domains)
+    if n < 2:
+        return list(range(n)), False
+    if not any(domains):
+        return [(i + 1) % n for i in range(n)], False
+    order = sorted(range(n), key=lambda i: (domains[i], i))
+    largest = max(domains.count(d) for d in set(domains))
+    shift = largest if largest <= n // 2 else max(1, n // 2)
+    out = [0] * n
+    for pos, node in enumerate(order):
+        out[node] = order[(pos + shift) % n]
+    return out, all(domains[i] != domains[out[i]] for i in range(n))
+
+
+def buddies(rank: int, world_size: int, local_world_size: int,
+            domains: list[str] | None = None) -> tuple[int, int] | None:
+    """``(rank this one sends to, rank it receives from)``: the same local rank on its node's buddy node
+    and on the node whose buddy it is (:func:`node_buddies` over ``domains``, one per node; None: the
+    next and the previous node); None when the world has one node."""
     step = max(1, local_world_size)
     if world_size <= step or world_size % step:
         return None
-    return (rank + step) % world_size, (rank - step) % world_size
+    nodes = world_size // step
+    plan, _ = node_buddies(list(domains) if domains is not None else [""] * nodes)
+    node, local = divmod(rank, step)
+    return plan[node] * step + local, plan.index(node) * step + local
 
 
 class Replicator:
     """Background copies of this rank's snapshots to its buddy (see the module docstring)."""
 
-    def __init__(self, tier: MemoryTier, group: Any, *, rank: int, world_size: int, local_world_size: int) -> None:
+    def __init__(self, tier: MemoryTier, group: Any, *, rank: int, world_size: int, local_world_size: int,
+                 domains: list[str] | None = None) -> None:
         self.tier = tier
         self.group = group
         self.rank = rank
-        self.pair = buddies(rank, world_size, local_world_size)
+        self.pair = buddies(rank, world_size, local_world_size, domains)
         self._thread: threading.Thread | None = None
         self.failed: str | None = None
         self.last_seconds = 0.0
         self.last_step: int | None = None
         """The step of the newest replica this rank received (None before the first)."""
+
+    @classmethod
+    def create(cls, tier: MemoryTier | None, group: Any, *, rank: int, world_size: int, local_world_size: int,
+               domain: str) -> Replicator | None:
+        """Agree on the buddies (a collective over ``group``: every rank passes its node's failure domain,
+        ``checkpoint.memory_failure_domain``, and whether it has tier 0) and return this rank's replicator,
+        or None on every rank alike (one node, or some rank without tier 0). Call on every rank of the
+        world, in the same order as its other group calls."""
+        table: list[Any] = [None] * world_size
+        dist.all_gather_object(table, (domain, tier is not None), group=group)
+        step = max(1, local_world_size)
+        domains = [str(table[i][0]) for i in range(0, world_size, step)] if world_size % step == 0 else None
+        if rank == 0 and domains is not None and any(domains):
+            plan, separated = node_buddies(domains)
+            (log.info if separated else log.warning)(
+                "memory_replica_buddies", domains=domains, buddies=plan, separated=separated,
+                **({} if separated else {"effect": "some node's buddy shares its failure domain: more than half "
+                                                   "of the nodes are in one domain"}))
+        if not all(has for _, has in table):  # a rank without tier 0 would leave its buddies' transfers hanging
+            if rank == 0:
+                log.warning("memory_replica_off", ranks_without_tier0=[i for i, (_, has) in enumerate(table) if not has],
+                            effect="no replicas in this world")
+            return None
+        assert tier is not None
+        rep = cls(tier, group, rank=rank, world_size=world_size, local_world_size=local_world_size, domains=domains)
+        return rep if rep.enabled else None
 
     @property
     def enabled(self) -> bool:

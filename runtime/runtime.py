@@ -305,23 +305,21 @@ class Runtime:
         """Tier 0 for this rank of the current world (a new world invalidates what its rank's files held),
         and tier 1 when a replica group was made."""
         self._replicator = None
-        if not self._memory_dir:
-            return
-        if self._memory is not None:
-            self._memory.rebind(self.rank, self.world_size)
-        else:
-            try:
-                self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
-                                          local_world_size=self.local_world_size,
-                                          max_bytes=self.checkpoint_config.memory_max_bytes,
-                                          copies=2 if self.checkpoint_config.memory_replica else 1)
-            except MemoryTierError as e:
-                self._memory_refused(e)
-                return
-        if replica_group is not None:
-            rep = Replicator(self._memory, replica_group, rank=self.rank, world_size=self.world_size,
-                             local_world_size=self.local_world_size)
-            self._replicator = rep if rep.enabled else None
+        if self._memory_dir:
+            if self._memory is not None:
+                self._memory.rebind(self.rank, self.world_size)
+            else:
+                try:
+                    self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
+                                              local_world_size=self.local_world_size,
+                                              max_bytes=self.checkpoint_config.memory_max_bytes,
+                                              copies=2 if self.checkpoint_config.memory_replica else 1)
+                except MemoryTierError as e:
+                    self._memory_refused(e)
+        if replica_group is not None:  # a collective: every rank, with or without tier 0
+            self._replicator = Replicator.create(self._memory, replica_group, rank=self.rank,
+                                                 world_size=self.world_size, local_world_size=self.local_world_size,
+                                                 domain=self.checkpoint_config.memory_failure_domain)
 
     def _memory_refused(self, e: MemoryTierError) -> None:
         """Tier 0 cannot work as configured: say why and how to fix it, and go on without it (training and

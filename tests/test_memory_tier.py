@@ -403,3 +403,33 @@ def test_a_buddy_killed_mid_transfer_keeps_its_good_replica(tmp_path, monkeypatc
     assert [(r, st) for r, st, _ in buddy.provides(_job()[3]) if r == 1] == [(1, 2)]
     buddy.write_replica(src.newest_blob())  # the next transfer completes
     assert [(r, st) for r, st, _ in buddy.provides(_job()[3]) if r == 1] == [(1, 3), (1, 2)]
+
+
+@pytest.mark.parametrize("domains, separated", [
+    (["", "", ""], False),                       # no domains named: the next node
+    (["r1", "r1", "r2", "r2"], True),            # two racks of two: every buddy in the other rack
+    (["z1", "z2", "z1", "z2", "z1", "z2"], True),
+    (["a", "a", "a", "b"], False),               # one domain holds 3 of 4 nodes: impossible, logged
+    (["a", "b", "c"], True),
+])
+def test_node_buddies_form_a_rotation_across_failure_domains(domains, separated):
+    from trainguard.checkpoint.replica import node_buddies
+
+    plan, ok = node_buddies(domains)
+    assert sorted(plan) == list(range(len(domains)))  # every node receives exactly one replica
+    assert all(plan[i] != i for i in range(len(domains)))
+    assert ok == separated
+    if separated:
+        assert all(domains[i] != domains[plan[i]] for i in range(len(domains)))
+    if not any(domains):
+        assert plan == [(i + 1) % len(domains) for i in range(len(domains))]
+
+
+def test_buddies_by_rank_with_domains():
+    from trainguard.checkpoint.replica import buddies
+
+    # 4 nodes x 2 local ranks, racks r1 = nodes 0, 1 and r2 = nodes 2, 3: node 0 -> node 2, node 2 -> node 1, ...
+    doms = ["r1", "r1", "r2", "r2"]
+    pairs = {r: buddies(r, 8, 2, doms) for r in range(8)}
+    assert all(pairs[dst][1] == r for r, (dst, _) in pairs.items())  # r sends to dst <=> dst receives from r
+    assert all(dst % 2 == r % 2 and doms[dst // 2] != doms[r // 2] for r, (dst, _) in pairs.items())

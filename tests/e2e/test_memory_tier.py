@@ -96,20 +96,26 @@ def test_node_sigkill_restores_the_lost_rank_from_its_buddy(tmp_path):
               "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
     args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", folder,
             "--strategy", "fsdp", *_world.JOB[:-4], *_world.E2E_SIZE]
-    a = Node("a", tmp, ep, nnodes="3:3", script=ELASTIC, script_args=args, extra=common)
+
+    def node(name, zone):  # each node names its failure domain: buddies are chosen across them
+        return Node(name, tmp, ep, nnodes="3:3", script=ELASTIC, script_args=args,
+                    extra=[*common, "--set", f"checkpoint.memory_failure_domain={zone}"])
+
+    a = node("a", "zone-a")
     wait_listening(ep)
-    b = Node("b", tmp, ep, nnodes="3:3", script=ELASTIC, script_args=args, extra=common)
-    c = Node("c", tmp, ep, nnodes="3:3", script=ELASTIC, script_args=args, extra=common)
+    b, c = node("b", "zone-b"), node("c", "zone-c")
     nodes = [a, b, c]
     try:
         wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
                    "8 steps at world size 3")
         assert "replica-00002-0.snap" in os.listdir(os.path.join(shm, "trainguard-job-a"))  # a holds c's rank 2
+        plan = a.events("memory_replica_buddies")
+        assert plan and plan[0]["separated"] and plan[0]["domains"] == ["zone-a", "zone-b", "zone-c"], plan
         kids = c.worker_pids()
         c.proc.kill()  # the whole node: agent and worker
         for p in kids:
             os.kill(p, signal.SIGKILL)
-        d = Node("d", tmp, ep, nnodes="3:3", script=ELASTIC, script_args=args, extra=common)
+        d = node("d", "zone-c")  # the replacement, in the lost node's zone
         nodes.append(d)
         back = wait_until(lambda: [e for n in (a, b, d) for e in restored(n)] if len(
             [e for n in (a, b, d) for e in restored(n)]) == 3 else None, 120, "three ranks restored")
