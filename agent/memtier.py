@@ -16,6 +16,7 @@ import re
 import shutil
 
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.runtime.configbase import ConfigError
 from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.agent.memtier")
@@ -37,16 +38,17 @@ class NodeSnapshots:
 
     def open(self) -> str:
         """Create the folder (kept if it exists: a restarted agent's workers restore from it); return its
-        path, or "" when tier 0 is off. Raises ``ValueError`` naming ``checkpoint.memory_dir`` when the
-        folder cannot be made."""
+        path, or "" when tier 0 is off. Raises :class:`ConfigError` naming ``checkpoint.memory_dir`` (the
+        CLI prints it and exits 2) when the folder cannot be made."""
         if not self.enabled:
             return ""
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"cannot create the in-memory snapshot folder {self.path}: {e.strerror}. Fix: point "
-                             f"checkpoint.memory_dir (TRAINGUARD_CHECKPOINT_MEMORY_DIR) at a writable tmpfs such as "
-                             f"/dev/shm, or set checkpoint.memory_interval_steps=0") from None
+            raise ConfigError("checkpoint.memory_dir", f"cannot create the in-memory snapshot folder {self.path}: "
+                              f"{e.strerror}", "point it at a writable tmpfs such as /dev/shm, or set "
+                              "checkpoint.memory_interval_steps=0 (TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS)",
+                              value=self.path) from None
         held = sum(os.path.getsize(os.path.join(self.path, f)) for f in os.listdir(self.path))
         log.info("memory_tier_ready", path=self.path, bytes_held=held)
         return self.path

@@ -290,7 +290,9 @@ def test_agent_owns_the_node_folder(tmp_path):
     assert not os.path.exists(path)
     on.remove("again")  # idempotent
     bad = NodeSnapshots(CheckpointConfig(url="/c", memory_dir="/proc/nope", memory_interval_steps=1), "j", "n")
-    with pytest.raises(ValueError, match="checkpoint.memory_dir.*TRAINGUARD_CHECKPOINT_MEMORY_DIR"):
+    from trainguard.runtime.configbase import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.memory_dir / TRAINGUARD_CHECKPOINT_MEMORY_DIR"):
         bad.open()
 
 
