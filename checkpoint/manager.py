@@ -746,12 +746,16 @@ class CheckpointManager:
                 err = describe(e)[:500]
         errors = [e for e in self._group.all_gather(err) if e]
         if errors:
-            self._log.error("checkpoint_memory_load_failed", step=chosen, errors=errors[:4])
+            self._log.error("checkpoint_memory_load_failed", step=chosen, errors=errors[:4],
+                            effect="the snapshots of this set are invalidated on every rank")
+            memory.invalidate_all()  # never chosen again: the next restore (or restart) goes to storage
             if newest_durable is None:
                 raise CheckpointError(f"loading the in-memory snapshot of step {chosen} failed on some ranks "
-                                      f"({errors[0]}) after others loaded it, and storage holds no committed step to "
-                                      f"fall back to. Fix: restart the job; set checkpoint.memory_interval_steps=0 "
-                                      f"(TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS) if it happens again")
+                                      f"({errors[0]}) after others may have loaded it, and storage holds no committed "
+                                      f"step to fall back to; the snapshots were invalidated, so the restarted "
+                                      f"workers start from step 0. Fix: none needed; set "
+                                      f"checkpoint.memory_interval_steps=0 (TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS) "
+                                      f"if it happens again")
             return None
         bases = [b for b in self._group.all_gather(extra.get("base")) if b is not None]
         self._base = max(bases) if bases else None

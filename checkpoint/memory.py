@@ -462,6 +462,14 @@ class MemoryTier:
             s.invalidate()
         self._newest = None
 
+    def invalidate_all(self) -> None:
+        """:meth:`invalidate`, and every replica in the folder too (a snapshot set that failed to load
+        must not be chosen again by the next restart)."""
+        self.invalidate()
+        for name in os.listdir(self.directory):
+            if name.startswith("replica-") and name.endswith(".snap"):
+                _Slot(os.path.join(self.directory, name)).invalidate()
+
     def snapshot(self, step: int, state: dict[str, Any], *, world: str = "",
                  extra: dict[str, Any] | None = None) -> SnapshotResult:
         """Copy ``state`` (as the durable save would stage it) into the slot not holding the newest

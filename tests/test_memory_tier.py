@@ -435,3 +435,27 @@ def test_buddies_by_rank_with_domains():
     pairs = {r: buddies(r, 8, 2, doms) for r in range(8)}
     assert all(pairs[dst][1] == r for r, (dst, _) in pairs.items())  # r sends to dst <=> dst receives from r
     assert all(dst % 2 == r % 2 and doms[dst // 2] != doms[r // 2] for r, (dst, _) in pairs.items())
+
+
+def test_a_snapshot_that_fails_to_load_is_never_chosen_again(tmp_path):
+    cfg = CheckpointConfig(url=f"memory://tier0-fail-{os.getpid()}-{id(tmp_path)}", memory_interval_steps=1)
+    m, opt, trainer, state = _job()
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
+    _train(m, opt, trainer, 1)
+    tier.snapshot(1, state, world=W)
+    _train(m, opt, trainer, 2)
+    tier.snapshot(2, state, world=W)
+
+    def broken(*a, **k):
+        raise RuntimeError("load_state_dict refused it")
+
+    m2, opt2, trainer2, state2 = _job(seed=4)
+    trainer2.load_local_state_dict = broken  # the trainer state fails to load (after the model loaded)
+    from trainguard.checkpoint.errors import CheckpointError
+
+    with CheckpointManager(cfg, "run", rank=0, world_size=1) as mgr:
+        with pytest.raises(CheckpointError, match="invalidated.*start from step 0"):
+            mgr.restore(state2, memory=tier)
+    assert tier.available(_job()[3]) == []  # both slots: the next restart starts clean
+    with CheckpointManager(cfg, "run", rank=0, world_size=1) as mgr:
+        assert mgr.restore(_job(seed=5)[3], memory=tier) is None and mgr.last_restored_tier is CheckpointTier.NONE
