@@ -82,7 +82,7 @@ from trainguard.checkpoint.errors import (
 )
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.memory import MemoryTier, choose_sources
+from trainguard.checkpoint.memory import ANY_RANK, MemoryTier, choose_sources
 from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
@@ -733,15 +733,19 @@ class CheckpointManager:
         err: str | None = None
         extra: dict[str, Any] = {}
         received: bytes | None = None
-        moved = sorted(r for r, p in sources.items() if p != r)
+        moved = sorted(r for r, (p, _) in sources.items() if p != r)
         try:
             received = self._hand_over(memory, sources, moved, chosen, world)
         except Exception as e:  # noqa: BLE001 - agreed below
             err = describe(e)[:500]
         if not any(self._group.all_gather(err)):
             try:
-                extra = (memory.load_blob(received, state) if received is not None
-                         else memory.load(chosen, state, world=world))
+                _, src = sources[self.rank]
+                if received is None and src == self.rank:
+                    extra = memory.load(chosen, state, world=world)  # its own snapshot: the common case
+                else:
+                    blob = received if received is not None else memory.blob(src, chosen, world)
+                    extra = memory.load_blob(blob, state)
             except Exception as e:  # noqa: BLE001 - agreed below; every rank then goes to storage
                 err = describe(e)[:500]
         errors = [e for e in self._group.all_gather(err) if e]
@@ -762,22 +766,23 @@ class CheckpointManager:
         self.last_restored = None
         self.last_restored_repeats = 0
         self.last_restored_tier = CheckpointTier.PEER if moved else CheckpointTier.MEMORY
+        replicated = any(src == ANY_RANK for _, src in sources.values())
         self._claim()
         self._log.info("checkpoint_restored", step=chosen, tier=self.last_restored_tier.value, world=world,
-                       epoch=self.epoch, from_replicas={r: sources[r] for r in moved},
+                       epoch=self.epoch, from_peers={r: sources[r][0] for r in moved}, replicated=replicated,
                        base_step=self._base.step if self._base else None, newest_durable=newest_durable,
                        load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
         return chosen
 
-    def _hand_over(self, memory: MemoryTier, sources: dict[int, int], moved: list[int], step: int,
+    def _hand_over(self, memory: MemoryTier, sources: dict[int, tuple[int, int]], moved: list[int], step: int,
                    world: str) -> bytes | None:
-        """Send the replicas of ``moved`` ranks from their providers to them (point to point over the
+        """Send the snapshots of ``moved`` ranks from their providers to them (point to point over the
         checkpoint group, one rank after the other); return what this rank received, if anything."""
         got: bytes | None = None
         for r in moved:
-            p = sources[r]
+            p, src = sources[r]
             if self.rank == p:
-                blob = memory.blob(r, step, world)
+                blob = memory.blob(src, step, world)
                 dist.send(torch.tensor([len(blob)], dtype=torch.int64), dst=r, group=self._pg)
                 dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=r, group=self._pg)
             elif self.rank == r:

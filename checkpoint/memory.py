@@ -33,8 +33,10 @@ Completeness: agreement at restore time, no collective per snapshot
 Where tier 0 applies, and where it does not
     A rank reads its own rank's files on its own node, or receives a replica of its rank: the world
     must have the same size (torch elastic keeps the ranks of a restarted world of the same nodes in the
-    same order). Anything else (another world size, a rank moved to another node and not replicated
-    there, a layout that changed) makes the restore fall back to storage. A restore from
+    same order). Replicated state (DDP, ``replicated=True``) is the exception: any rank's snapshot
+    restores any rank at any world size (:data:`ANY_RANK`). Anything else (sharded state at another
+    world size, a rank moved to another node and not replicated there, a layout that changed) makes
+    the restore fall back to storage. A restore from
     storage, and a world re-formed in place, invalidate this rank's slots (:meth:`MemoryTier.invalidate`,
     :meth:`MemoryTier.rebind`), so a snapshot of an abandoned branch of history is never restored later.
 
@@ -69,6 +71,9 @@ HEADER_BYTES = 4096
 ALIGN = 16
 """Byte alignment of every tensor in a slot."""
 MAGIC = b"TGMEM001"
+ANY_RANK = -1
+"""The rank of a *replicated* snapshot (DDP: every rank holds the whole model and optimizer state) in
+:meth:`MemoryTier.provides`: it restores any rank of a world of any size."""
 _HEADER = struct.Struct("<8sQqqqQQQI")
 """magic, commit (step + 1 once complete, else 0), step, world size, rank, tensor bytes, skeleton bytes,
 data capacity, CRC32 of the data (tensors + skeleton)."""
@@ -119,17 +124,20 @@ class Header:
 
 
 def choose_sources(provided: Sequence[Sequence[tuple[int, int, str]]], *, world_size: int,
-                   newest_durable: int | None) -> tuple[tuple[int, str] | None, dict[int, int], str]:
-    """Tier 0 + tier 1: given the ``(rank, step, world)`` snapshots each current rank can hand out (its
-    own, and the replicas its node holds for a buddy), the newest ``(step, world)`` for which *every*
-    rank ``0..world_size-1`` has a snapshot somewhere, and which rank provides each (itself when it
-    can: a local load; else the lowest rank holding a replica: a transfer). Never mixes steps or
+                   newest_durable: int | None) -> tuple[tuple[int, str] | None, dict[int, tuple[int, int]], str]:
+    """Tiers 0 and 1: given the ``(rank, step, world)`` snapshots each current rank can hand out (its
+    own, the replicas its node holds for a buddy, and — replicated state, DDP — :data:`ANY_RANK`
+    snapshots that stand for every rank), the newest ``(step, world)`` for which *every* rank
+    ``0..world_size-1`` has a snapshot somewhere, and for each rank ``(provider, source rank)``: the rank
+    that hands it over (itself when it can: a local load; else the lowest rank holding one: a transfer)
+    and which snapshot (the rank's own or its replica, or :data:`ANY_RANK`). Never mixes steps or
     worlds; only a step newer than ``newest_durable`` (storage) counts. Returns ``(pick, sources, why)``."""
-    holders: dict[tuple[int, str], dict[int, set[int]]] = {}
+    holders: dict[tuple[int, str], dict[int, set[tuple[int, int]]]] = {}
     for provider, items in enumerate(provided):
         for rank, step, world in items:
-            if 0 <= rank < world_size:
-                holders.setdefault((step, world), {}).setdefault(rank, set()).add(provider)
+            targets = range(world_size) if rank == ANY_RANK else [rank] if 0 <= rank < world_size else []
+            for r in targets:
+                holders.setdefault((step, world), {}).setdefault(r, set()).add((provider, rank))
     complete = [k for k, by_rank in holders.items() if len(by_rank) == world_size]
     if not complete:
         if not holders:
@@ -140,7 +148,10 @@ def choose_sources(provided: Sequence[Sequence[tuple[int, int, str]]], *, world_
     pick = max(complete)
     if newest_durable is not None and pick[0] <= newest_durable:
         return None, {}, f"storage holds committed step {newest_durable}, not older than the snapshots' {pick[0]}"
-    sources = {r: (r if r in ps else min(ps)) for r, ps in holders[pick].items()}
+    sources = {}
+    for r, options in holders[pick].items():
+        local = sorted(o for o in options if o[0] == r)
+        sources[r] = local[0] if local else min(options)
     return pick, sources, "ok"
 
 
@@ -413,7 +424,7 @@ class MemoryTier:
     """
 
     def __init__(self, directory: str, *, rank: int, world_size: int, local_world_size: int = 1,
-                 max_bytes: int = 0, copies: int = 1) -> None:
+                 max_bytes: int = 0, copies: int = 1, replicated: bool = False) -> None:
         if not os.path.isdir(directory):
             raise MemoryTierError(f"the tier-0 snapshot folder {directory} does not exist (its agent creates it). "
                                   f"Fix: start the workers through the trainguard agent, or set "
@@ -423,6 +434,9 @@ class MemoryTier:
         self.max_bytes = max_bytes
         self.copies = copies
         """1: tier 0 only; 2: this rank also holds a buddy's replica (counted against the cap)."""
+        self.replicated = replicated
+        """Every rank holds the whole state (DDP): a snapshot of any rank restores any rank of a world of
+        any size (:data:`ANY_RANK`)."""
         self._slots: list[_Slot] = []
         self._newest: int | None = None  # index of the slot holding this rank's newest snapshot
         self._views: list[torch.Tensor] | None = None
@@ -463,11 +477,12 @@ class MemoryTier:
         self._newest = None
 
     def invalidate_all(self) -> None:
-        """:meth:`invalidate`, and every replica in the folder too (a snapshot set that failed to load
-        must not be chosen again by the next restart)."""
+        """:meth:`invalidate`, and every other snapshot and replica in the node folder too: after a restore
+        from storage they all belong to a branch of history the job left, and a snapshot set that failed
+        to load must not be chosen again by the next restart."""
         self.invalidate()
         for name in os.listdir(self.directory):
-            if name.startswith("replica-") and name.endswith(".snap"):
+            if name.endswith(".snap"):
                 _Slot(os.path.join(self.directory, name)).invalidate()
 
     def snapshot(self, step: int, state: dict[str, Any], *, world: str = "",
@@ -480,8 +495,8 @@ class MemoryTier:
         t0 = time.monotonic()
         tensors: list[torch.Tensor] = []
         skel = skeleton(materialise(state), tensors)
-        meta = pickle.dumps({"skeleton": skel, "world": world, "extra": dict(extra or {})},
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        meta = pickle.dumps({"skeleton": skel, "world": world, "replicated": self.replicated,
+                             "extra": dict(extra or {})}, protocol=pickle.HIGHEST_PROTOCOL)
         idx = 0 if self._newest is None else (self._newest + 1) % SLOTS
         target = self._slots[idx]
         sig = tuple((tuple(t.shape), t.dtype) for t in tensors)
@@ -543,10 +558,15 @@ class MemoryTier:
 
     def blob(self, rank: int, step: int, world: str) -> bytes:
         """A complete slot (header + data) of ``rank``'s snapshot of ``step`` by ``world``: this rank's
-        own, or a replica this node holds. Raises :class:`MemoryTierError` when there is none."""
-        slots = self._slots if rank == self.rank else self._replica_slots(rank)
+        own, a replica this node holds, or (``rank`` :data:`ANY_RANK`) a replicated snapshot of any rank
+        and world size in this node's folder. Raises :class:`MemoryTierError` when there is none."""
+        if rank == ANY_RANK:
+            slots = self._own_files()
+        else:
+            slots = self._slots if rank == self.rank else self._replica_slots(rank)
         for s in slots:
-            got = s.read_valid(self.world_size, rank)
+            got = (s.read_valid(s.header().world_size if s.header() else -1, None) if rank == ANY_RANK
+                   else s.read_valid(self.world_size, rank))
             if got is not None and got[0].step == step and _world_of(*got) == world:
                 h, data = got
                 return h.pack() + bytes(HEADER_BYTES - _HEADER.size) + data
@@ -589,10 +609,29 @@ class MemoryTier:
         self._replica_sizes[target.path] = target.size
         return h
 
+    def _own_files(self) -> list[_Slot]:
+        return [_Slot(os.path.join(self.directory, n)) for n in sorted(os.listdir(self.directory))
+                if n.startswith("rank-") and n.endswith(".snap")]
+
     def provides(self, state: dict[str, Any]) -> list[tuple[int, int, str]]:
-        """``(rank, step, world)`` of every intact snapshot of this world size this rank can hand out:
-        its own (whose layout fits ``state``) and the replicas its node holds (checked by their rank)."""
+        """``(rank, step, world)`` of every intact snapshot this rank can hand out: of this world size,
+        its own (whose layout fits ``state``) and the replicas its node holds (checked by their rank);
+        when :attr:`replicated`, also every replicated snapshot in the node folder whose layout fits, of
+        any rank and world size, as ``(ANY_RANK, step, world)``."""
         out = [(self.rank, step, world) for step, world in self.available(state)]
+        if self.replicated:
+            want = layout(skeleton(materialise(state), []))
+            for slot in self._own_files():
+                h = slot.header()
+                got = slot.read_valid(h.world_size, None) if h is not None else None
+                if got is None:
+                    continue
+                try:
+                    meta = pickle.loads(got[1][got[0].tensor_bytes:])
+                except Exception:  # noqa: BLE001 - unreadable: not a candidate
+                    continue
+                if meta.get("replicated") and layout(meta["skeleton"]) == want:
+                    out.append((ANY_RANK, got[0].step, str(meta.get("world", ""))))
         for name in sorted(os.listdir(self.directory)):
             if not name.startswith("replica-") or not name.endswith(".snap"):
                 continue

@@ -310,10 +310,12 @@ class Runtime:
                 self._memory.rebind(self.rank, self.world_size)
             else:
                 try:
+                    assert self.strategy is not None
                     self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
                                               local_world_size=self.local_world_size,
                                               max_bytes=self.checkpoint_config.memory_max_bytes,
-                                              copies=2 if self.checkpoint_config.memory_replica else 1)
+                                              copies=2 if self.checkpoint_config.memory_replica else 1,
+                                              replicated=self.strategy.reform_state == "replicated")
                 except MemoryTierError as e:
                     self._memory_refused(e)
         if replica_group is not None:  # a collective: every rank, with or without tier 0
@@ -372,7 +374,7 @@ class Runtime:
         tier = self._manager.last_restored_tier
         in_memory = tier in (proto.CheckpointTier.MEMORY, proto.CheckpointTier.PEER)
         if self._memory is not None and not in_memory:
-            self._memory.invalidate()  # what it held is not what the job continues from
+            self._memory.invalidate_all()  # what the node's folder held is not what the job continues from
         self._metrics.observe_restore_tier(tier.value)
         ctl = self._interval
         if step is not None:

@@ -45,20 +45,26 @@ def test_choose_step_from_own_snapshots(held, durable, want):
     got, sources, why = mem.choose_sources(provided, world_size=len(held), newest_durable=durable)
     assert got == want, why
     assert (why == "ok") == (want is not None)
-    assert sources == ({r: r for r in range(len(held))} if want else {})  # every rank loads its own
+    assert sources == ({r: (r, r) for r in range(len(held))} if want else {})  # every rank loads its own
 
 
 @pytest.mark.parametrize("provided, durable, want, sources", [
     # every rank holds its own: local loads
-    ([[(0, 7, W)], [(1, 7, W)], [(2, 7, W)]], None, (7, W), {0: 0, 1: 1, 2: 2}),
+    ([[(0, 7, W)], [(1, 7, W)], [(2, 7, W)]], None, (7, W), {0: (0, 0), 1: (1, 1), 2: (2, 2)}),
     # rank 2's node was lost; rank 0 holds its replica (a replacement node is rank 2 now, holding nothing)
-    ([[(0, 7, W), (2, 7, W), (2, 6, W)], [(1, 7, W)], []], None, (7, W), {0: 0, 1: 1, 2: 0}),
+    ([[(0, 7, W), (2, 7, W), (2, 6, W)], [(1, 7, W)], []], None, (7, W), {0: (0, 0), 1: (1, 1), 2: (0, 2)}),
     # the replica lags one snapshot: the newest step every rank has somewhere
-    ([[(0, 8, W), (0, 7, W), (2, 7, W)], [(1, 8, W), (1, 7, W)], []], None, (7, W), {0: 0, 1: 1, 2: 0}),
+    ([[(0, 8, W), (0, 7, W), (2, 7, W)], [(1, 8, W), (1, 7, W)], []], None, (7, W),
+     {0: (0, 0), 1: (1, 1), 2: (0, 2)}),
+    # replicated state (DDP): the world shrank 3 -> 2, the survivors hold snapshots of the old world's
+    # ranks 0 and 2; each loads its own node's copy, whichever old rank wrote it
+    ([[(-1, 7, W), (-1, 6, W)], [(-1, 7, W)]], None, (7, W), {0: (0, -1), 1: (1, -1)}),
+    # a replicated snapshot only one survivor holds is handed to the other
+    ([[(-1, 7, W)], [(-1, 6, W)]], None, (7, W), {0: (0, -1), 1: (0, -1)}),
     # a replica of another world never completes this one
     ([[(0, 7, W), (2, 7, V)], [(1, 7, W)], []], None, None, {}),
     ([[(0, 7, W), (2, 7, W)], [(1, 7, W)], []], 7, None, {}),        # storage holds the same step
-    ([[(0, 7, W), (5, 7, W)], [(1, 7, W)]], None, (7, W), {0: 0, 1: 1}),  # a rank outside this world: ignored
+    ([[(0, 7, W), (5, 7, W)], [(1, 7, W)]], None, (7, W), {0: (0, 0), 1: (1, 1)}),  # a rank outside: ignored
     ([[], []], None, None, {}),
 ])
 def test_choose_sources(provided, durable, want, sources):
@@ -459,3 +465,19 @@ def test_a_snapshot_that_fails_to_load_is_never_chosen_again(tmp_path):
     assert tier.available(_job()[3]) == []  # both slots: the next restart starts clean
     with CheckpointManager(cfg, "run", rank=0, world_size=1) as mgr:
         assert mgr.restore(_job(seed=5)[3], memory=tier) is None and mgr.last_restored_tier is CheckpointTier.NONE
+
+
+def test_replicated_snapshots_restore_any_rank_at_any_world_size(tmp_path):
+    m, opt, trainer, state = _job()
+    _train(m, opt, trainer, 4)
+    old = mem.MemoryTier(str(tmp_path), rank=2, world_size=3, replicated=True)  # rank 2 of a world of 3 (DDP)
+    old.snapshot(4, state, world=W)
+    sharded = mem.MemoryTier(str(tmp_path), rank=0, world_size=2)  # the same files, not replicated (FSDP)
+    assert sharded.provides(_job()[3]) == []
+    new = mem.MemoryTier(str(tmp_path), rank=0, world_size=2, replicated=True)  # rank 0 of a world of 2
+    assert new.provides(_job()[3]) == [(mem.ANY_RANK, 4, W)]
+    m2, opt2, trainer2, state2 = _job(seed=3)
+    new.load_blob(new.blob(mem.ANY_RANK, 4, W), state2)
+    assert trainer2.step == 4 and all(torch.equal(x, y) for x, y in zip(m2.state_dict().values(), m.state_dict().values()))
+    new.invalidate_all()  # after a restore from storage: nothing in the folder is a candidate any more
+    assert new.provides(_job()[3]) == []

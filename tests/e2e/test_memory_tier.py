@@ -1,8 +1,15 @@
-"""Tier 0 end to end: two agents train DDP on gloo with an in-memory snapshot every step and no durable
-checkpoint in storage; the test SIGKILLs one worker (its agent lives). The agents restart the world
-(``workers.reform: restart``), and every rank restores the newest step all of them hold in their
-agent's shared memory: at most ``memory_interval_steps`` (1) steps are lost, every sample is trained
-exactly once in the committed lineage, and the snapshot folders survive the worker and go with the agents."""
+"""The in-memory checkpoint tiers end to end (gloo, ``workers.reform: restart``, no periodic checkpoint
+in storage): every restore must come from memory, lose at most the step in flight, and keep every sample
+trained exactly once in the committed lineage.
+
+* tier 0, DDP: three agents; the test SIGKILLs one worker (its agent lives): the world restarts at the
+  same size and every rank restores the newest step all of them hold in their agent's shared memory;
+  then it SIGKILLs a whole node: the two survivors re-form a world of 2 and restore from their own
+  nodes' memory (DDP state is replicated: any rank's snapshot restores any rank at any world size).
+  The snapshot folders survive the workers and go with the agents.
+* tier 1, FSDP2: three agents replicate their snapshots to a buddy node; a whole node is SIGKILLed and a
+  replacement joins (min nodes 3): the lost rank's state comes from its buddy's replica.
+"""
 
 import os
 import signal
@@ -14,7 +21,7 @@ from tests import samples
 from tests.harness import REPO, Node, free_port, wait_listening, wait_until
 from tests.strategies import _world
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 
 
@@ -22,7 +29,25 @@ def restored(node):
     return [e for e in node.events("worker_restored")]
 
 
-def test_worker_sigkill_resumes_from_memory(tmp_path):
+def _restores_after(nodes, n_before, world):
+    """The restore reports (one per rank) of the newest world, once ``world`` ranks of a world formed after
+    ``n_before`` restoring worlds have reported."""
+    got = sorted((e for n in nodes for e in restored(n)), key=lambda e: (e["round"], e["rank"]))
+    rounds = sorted({e["round"] for e in got})
+    if not rounds:
+        return None
+    last = [e for e in got if e["round"] == rounds[-1]]
+    return last if len(rounds) > n_before and len(last) == world else None
+
+
+def _lost(folder, back):
+    """(restored step, newest step any rank of the dead world trained before it)."""
+    (step,) = {e["step"] for e in back}  # every rank restored the same step
+    new_round = min(e["round"] for e in back)
+    return step, max(r["step"] for r in samples.read(folder) if r["round"] < new_round)
+
+
+def test_worker_then_node_sigkill_resume_from_memory(tmp_path):
     tmp = str(tmp_path)
     folder = os.path.join(tmp, "samples")
     os.makedirs(folder)
@@ -30,48 +55,55 @@ def test_worker_sigkill_resumes_from_memory(tmp_path):
     ep = f"127.0.0.1:{free_port()}"
     common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval=off",
               "--set", "checkpoint.memory_interval_steps=1", "--set", f"checkpoint.memory_dir={shm}",
-              "--set", "workers.reform=restart"]
+              "--set", "workers.reform=restart",
+              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
     args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", folder,
             *_world.JOB[:-4], *_world.E2E_SIZE]
-    a = Node("a", tmp, ep, script=ELASTIC, script_args=args, extra=common)
+    a = Node("a", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
     wait_listening(ep)
-    b = Node("b", tmp, ep, script=ELASTIC, script_args=args, extra=common)
-    nodes = [a, b]
+    b = Node("b", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    c = Node("c", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    nodes = [a, b, c]
     try:
-        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= 8 for e in a.events("train_step")), 120,
-                   "8 steps at world size 2")
-        node_dirs = sorted(os.listdir(shm))
-        assert node_dirs == ["trainguard-job-a", "trainguard-job-b"], node_dirs
+        wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
+                   "8 steps at world size 3")
+        assert sorted(os.listdir(shm)) == ["trainguard-job-a", "trainguard-job-b", "trainguard-job-c"]
+
+        # 1. one worker SIGKILLed, its agent lives: the world of 3 restarts and restores from memory
         (victim,) = b.worker_pids()
         os.kill(victim, signal.SIGKILL)
         t_kill = time.monotonic()
-        back = wait_until(lambda: [e for e in restored(a) + restored(b) if e.get("source") == "memory"], 90,
-                          "the restarted world restoring from memory")
-        wait_until(lambda: any(e["step"] >= back[0]["step"] + 3 for e in a.events("train_step")
-                               if e["world_size"] == 2 and a.events("resumed")), 60, "training again")
+        back = wait_until(lambda: _restores_after(nodes, 0, 3), 120, "three ranks restored")
         resumed_s = time.monotonic() - t_kill
-        back = [e for e in restored(a) + restored(b)]  # both ranks' reports by now
-        steps = {e["step"] for e in back}
-        assert len(steps) == 1, back  # every rank restored the same step
-        (step,) = steps
-        assert sorted(e["rank"] for e in back) == [0, 1] and {e["source"] for e in back} == {"memory"}, back
-        # the newest step any rank of the killed world trained (the survivor may finish one the victim did not)
-        new_round = min(e["round"] for e in back)
-        last = max(r["step"] for r in samples.read(folder) if r["round"] < new_round)
-        lost = last - step
-        assert 0 <= lost <= 1, (last, step)
-        assert not [e for n in nodes for e in n.events("worker_restored") if e.get("source") == "storage"]
-        # the snapshot files of both ranks are still there (the agents own them), two slots each
-        files = sorted(f for d in os.listdir(shm) for f in os.listdir(os.path.join(shm, d)))
-        assert files == ["rank-00000-0.snap", "rank-00000-1.snap", "rank-00001-0.snap", "rank-00001-1.snap"], files
-        for n in nodes:
+        assert {e["source"] for e in back} == {"memory"} and sorted(e["rank"] for e in back) == [0, 1, 2], back
+        step1, last1 = _lost(folder, back)
+        assert 0 <= last1 - step1 <= 1, (last1, step1)
+        wait_until(lambda: any(e["step"] >= step1 + 3 for e in a.events("train_step")), 60, "training again")
+
+        # 2. node c SIGKILLed whole (agent and worker): the survivors form a world of 2 and restore from
+        # their own nodes' memory (replicated DDP state), not from storage
+        kids = c.worker_pids()
+        c.proc.kill()
+        for p in kids:
+            os.kill(p, signal.SIGKILL)
+        back2 = wait_until(lambda: _restores_after([a, b], 1, 2), 120, "two ranks restored in a world of 2")
+        assert {e["source"] for e in back2} == {"memory"}, back2
+        step2, last2 = _lost(folder, back2)
+        assert 0 <= last2 - step2 <= 1, (last2, step2)
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= step2 + 3 for e in a.events("train_step")), 60,
+                   "training at world size 2")
+        assert not [e for n in nodes for e in restored(n) if e.get("source") == "storage"]
+        own = sorted(f for f in os.listdir(os.path.join(shm, "trainguard-job-a")))
+        assert own[:2] == ["rank-00000-0.snap", "rank-00000-1.snap"], own  # the agents own them: still there
+        for n in (a, b):
             n.signal(signal.SIGTERM)  # a drain of the whole job: both agents stop and remove their folders
-        for n in nodes:
+        for n in (a, b):
             n.wait(60)
         redone = samples.check_lineage_exactly_once(folder, _world.E2E_BATCH)
-        assert sorted(redone) == list(range(step + 1, last + 1)), (redone, step, last)
-        assert os.listdir(shm) == [], os.listdir(shm)
-        print(f"restored step {step}, lost {lost} step(s), training again {resumed_s:.1f} s after the kill")
+        assert sorted(redone) == [*range(step1 + 1, last1 + 1), *range(step2 + 1, last2 + 1)], redone
+        assert sorted(os.listdir(shm)) == ["trainguard-job-c"]  # a and b removed theirs; c was killed
+        print(f"worker kill: restored step {step1}, lost {last1 - step1}, all ranks restored {resumed_s:.1f} s "
+              f"after the kill; node kill: world of 2 restored step {step2}, lost {last2 - step2}")
     except AssertionError:
         for n in nodes:
             print(n.dump(60))
