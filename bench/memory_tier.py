@@ -23,6 +23,9 @@ Scenarios, side by side in one invocation:
   is started at once (``min_nodes`` 3). ``node_kill_lost_steps`` / ``node_kill_resume_s`` as above;
   ``memory_ratio`` = node a's tier-0 + tier-1 bytes (its own two slots + the replica of c's rank) / its
   state's tensor bytes, read from the files.
+* **node_kill_ddp** -- three DDP agents (tier 0 only, min nodes 2); node c is SIGKILLed whole and not
+  replaced: the survivors form a world of 2 and restore from their own nodes' memory (replicated state
+  restores at any world size). ``node_kill_ddp_lost_steps`` / ``node_kill_ddp_resume_s``.
 
 Run: ``OMP_NUM_THREADS=1 python bench/memory_tier.py [--json out.json]`` (about two minutes).
 """
@@ -129,9 +132,10 @@ def _folder_bytes(folder: str) -> dict[str, int]:
 
 
 def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int, shm_root: str,
-                node_kill: bool = False) -> dict[str, Any]:
+                node_kill: str = "") -> dict[str, Any]:
     """Two agents, SIGKILL node b's worker at step ``kill_at``; the figures of the restart. ``node_kill``:
-    three FSDP2 agents with tier 1, node c killed whole and replaced by node d."""
+    ``"fsdp"``: three FSDP2 agents with tier 1, node c killed whole and replaced by node d; ``"ddp"``:
+    three DDP agents (tier 0 only, min nodes 2), node c killed whole, no replacement (a world of 2)."""
     os.makedirs(tmp)
     folder = os.path.join(tmp, "samples")
     os.makedirs(folder)
@@ -144,11 +148,12 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
     args = ["--steps", "100000", "--log-every", "1", "--sample-log", folder]
     nnodes, size = "1:2", 2
     if node_kill:
-        job += "n"
-        common += ["--set", "checkpoint.memory_replica=true", "--set", "rendezvous.keep_alive_interval_s=1",
-                   "--set", "rendezvous.keep_alive_max_attempts=3"]
-        args += ["--strategy", "fsdp"]
-        nnodes, size = "3:3", 3
+        job += node_kill
+        common += ["--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
+        if node_kill == "fsdp":
+            common += ["--set", "checkpoint.memory_replica=true"]
+            args += ["--strategy", "fsdp"]
+        nnodes, size = ("3:3" if node_kill == "fsdp" else "2:3"), 3
     a = Node("a", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args, extra=common)
     wait_listening(ep)
     b = Node("b", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args, extra=common)
@@ -166,7 +171,9 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
             for v in victims:
                 os.kill(v, signal.SIGKILL)
             t_kill = time.time()
-            nodes.append(Node("d", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args, extra=common))
+            if node_kill == "fsdp":
+                nodes.append(Node("d", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args,
+                                  extra=common))
         else:
             (victim,) = b.worker_pids()
             os.kill(victim, signal.SIGKILL)
@@ -234,8 +241,14 @@ def main() -> int:
                         "worker_kill_storage": s})
         print("node_kill: 3 FSDP2 nodes, tier 1 on, node c SIGKILLed, node d replaces it ...", flush=True)
         n = worker_kill(os.path.join(tmp, "node"), memory=True, kill_at=args.kill_at,
-                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill=True)
+                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="fsdp")
         out.update({"node_kill_lost_steps": n["lost_steps"], "node_kill_resume_s": n["resume_s"], "node_kill": n})
+        print("node_kill_ddp: 3 DDP nodes, tier 0 only, node c SIGKILLed, the survivors form a world of 2 ...",
+              flush=True)
+        n = worker_kill(os.path.join(tmp, "node-ddp"), memory=True, kill_at=args.kill_at,
+                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="ddp")
+        out.update({"node_kill_ddp_lost_steps": n["lost_steps"], "node_kill_ddp_resume_s": n["resume_s"],
+                    "node_kill_ddp": n})
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -245,7 +258,8 @@ def main() -> int:
         out["memory_ratio"] = round((nk["tier0_bytes"] + nk["tier1_bytes"]) / nk["state_bytes"], 4)
     out["restore_tier"] = {"worker_kill": out["worker_kill"]["restore_tier"],
                            "worker_kill_storage": out.get("worker_kill_storage", {}).get("restore_tier"),
-                           "node_kill": nk["restore_tier"] if nk else None}
+                           "node_kill": nk["restore_tier"] if nk else None,
+                           "node_kill_ddp": out["node_kill_ddp"]["restore_tier"] if "node_kill_ddp" in out else None}
     rows = [("snapshot_overhead_ratio (mean step with/without)", out["snapshot_overhead_ratio"]),
             ("  step s with / without snapshots", f"{out['step_s_with_snapshots']} / {out['step_s_without_snapshots']}"),
             ("  snapshot s mean / p95", f"{out['snapshot_s_mean']} / {out['snapshot_s_p95']}"),
@@ -266,6 +280,9 @@ def main() -> int:
         rows += [("node_kill_lost_steps (tier 1)", out["node_kill_lost_steps"]),
                  ("node_kill_resume_s (tier 1)", out["node_kill_resume_s"]),
                  ("restore_tier (node_kill)", out["restore_tier"]["node_kill"]),
+                 ("node_kill_ddp lost steps / resume s / tier (3 -> 2, no replacement)",
+                  f"{out['node_kill_ddp_lost_steps']} / {out['node_kill_ddp_resume_s']} / "
+                  f"{out['restore_tier']['node_kill_ddp']}"),
                  ("memory_ratio (node a: tier0+tier1 / state)",
                   f"{out['memory_ratio']} ({nk['tier0_bytes']} + {nk['tier1_bytes']} / {nk['state_bytes']} B)")]
     width = max(len(r[0]) for r in rows)
