@@ -151,10 +151,11 @@ def test_early_warnings_checkpoint_and_stay_a_spot_interruption_drains_a_rendezv
         wait_until(lambda: lone.events("state_change") and lone.events("state_change")[-1]["new"] == "rendezvous",
                    60, "the lone node waiting in its rendezvous")
         t0 = time.monotonic()
-        assert control.request(lone.socket, DrainRequest(deadline_s=60, reason="test")).ok
-        assert lone.wait(30) == 0, lone.dump()
-        left_after = time.monotonic() - t0
-        assert left_after < 2.0, f"left {left_after:.2f} s after the drain"
+        # The deadline is 10 minutes away: a node that waited for it (deadline - 2 s, the old
+        # behaviour) would still be here; one that aborts its rendezvous leaves within seconds.
+        assert control.request(lone.socket, DrainRequest(deadline_s=600, reason="test")).ok
+        assert lone.wait(60) == 0, lone.dump()
+        print(f"the lone node left {time.monotonic() - t0:.2f} s after the drain (deadline in 600 s)")
         stopped = lone.events("state_change")[-1]
         assert stopped["new"] == "stopped" and stopped["reason"] == "drained_during_rendezvous"
 
