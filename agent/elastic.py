@@ -36,11 +36,13 @@ Two changes to how the dynamic rendezvous joins (see :func:`next_round`), instal
 
 from __future__ import annotations
 
+import copy
+import pickle
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import torch.distributed as dist
@@ -49,6 +51,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _Action,
     _DistributedRendezvousOpExecutor,
@@ -380,6 +383,60 @@ class ElasticAdapter:
         return self._agent._remaining_restarts
 
     # -- rendezvous --------------------------------------------------------------------------------
+    def reconnect_store(self) -> bool:
+        """Reconnect to a c10d rendezvous store that restarted (``trainguard store`` under systemd).
+
+        A ``TCPStore`` client never reconnects by itself: every call after the server restarted fails
+        with a broken pipe, so without this the agent could neither see a joiner nor re-form. A new
+        client to the same endpoint replaces the handler's; the restarted store is empty, so this node
+        publishes its last view of the rendezvous state there unless a peer did first (the write is a
+        compare-and-set against the empty key: one copy wins, the others read it). The current round's
+        store (worker-API mark, drain keys) is rebuilt on the new client; keys written under it before
+        the restart are gone. Returns False (nothing changed) for other backends, or while the endpoint
+        does not answer yet. (A store hosted by an agent dies with that agent: nothing to reconnect to.)"""
+        handler = self.handler
+        holder = getattr(handler, "_state_holder", None)
+        backend = getattr(holder, "_backend", None)
+        if not isinstance(backend, C10dRendezvousBackend) or getattr(handler, "_store", None) is None:
+            return False
+        old = handler._store
+        host = getattr(old, "host", "")
+        port = int(getattr(old, "port", 0) or 0)
+        if not host or not port:
+            return False
+        timeout = getattr(old, "timeout", None) or timedelta(seconds=60)
+        try:
+            new = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=min(timeout, timedelta(seconds=5)))
+        except Exception:  # noqa: BLE001 - not back yet: the caller tries again later
+            return False
+        new.set_timeout(timeout)
+        run_id = handler._settings.run_id
+        fresh = C10dRendezvousBackend(new, run_id)
+        with handler._heartbeat_lock:  # the keep-alive timer thread syncs the same holder
+            # Every node's heartbeat is as stale as the outage is long (none could write): refresh them
+            # all, or the first sync would drop the whole round as dead. A node that died meanwhile
+            # sends no more keep-alives and is dropped after the usual keep-alive timeout.
+            state = copy.deepcopy(holder.state)
+            now = datetime.now(timezone.utc)
+            for node in state.last_heartbeats:
+                state.last_heartbeats[node] = now
+            result = fresh.set_state(pickle.dumps(state), None)
+            if result and result[2]:
+                holder._state = state
+            holder._backend = fresh
+            holder._token = result[1] if result else None
+            holder._dirty = False
+            holder._last_sync_time = -1.0
+            handler._store = new
+            holder.sync()
+        if self.group.store is not None:  # the running world's round store, as _next_rendezvous built it
+            self.group.store = dist.PrefixStore(f"torch.rendezvous.{run_id}.{self.round}", new)
+        log.warning("rendezvous_store_reconnected", endpoint=f"{host}:{port}", round=self.round,
+                    published=bool(result and result[2]),
+                    effect="this node's view of the round was republished to the restarted store" if result and result[2]
+                    else "a peer republished the round first")
+        return True
+
     @property
     def store(self) -> Any:
         """The current round's store (keys under the round's prefix), or None before the first round."""

@@ -142,6 +142,7 @@ class Supervisor:
         self._marked_api_round = -1
         self._store_down_since: float | None = None
         self._store_failures = 0
+        self._reconnect_at = 0.0
         self._member_check_at = 0.0
         self._member_lost_since: float | None = None
         self.reform_enabled = cfg.workers.reform == "in-process"
@@ -319,8 +320,17 @@ class Supervisor:
         if self._store_down_since is None:
             self._store_down_since = time.monotonic()
             log.warning("rendezvous_store_unreachable", op=op, error=f"{type(e).__name__}: {e}"[:300],
-                        effect="the workers train on; scale-up and member checks wait for the store; the next "
-                               "membership change fails over to a restart if the store is still unreachable")
+                        effect="the workers train on; scale-up and member checks wait for the store (the agent "
+                               "reconnects once it answers again); the next membership change fails over to a "
+                               "restart if the store is still unreachable")
+        now = time.monotonic()
+        if now >= self._reconnect_at:  # a restarted store: a TCPStore client never reconnects by itself
+            self._reconnect_at = now + self.cfg.rendezvous.keep_alive_interval_s
+            try:
+                if self.adapter.reconnect_store():
+                    self._store_ok()
+            except Exception as err:  # noqa: BLE001 - retried at the next failed call
+                log.warning("rendezvous_store_reconnect_failed", error=f"{type(err).__name__}: {err}"[:300])
 
     def _store_ok(self) -> None:
         if self._store_down_since is not None:

@@ -101,6 +101,9 @@ class FakeAdapter:
         self.calls.append("leave")
         return True
 
+    def reconnect_store(self):
+        return False
+
     def close(self):
         self.closed = True
 

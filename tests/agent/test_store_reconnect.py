@@ -1,0 +1,67 @@
+"""A restarted ``trainguard store``: the agents' TCPStore clients never reconnect by themselves (every
+call fails with a broken pipe), so the agent rebuilds its client and republishes the round it is in.
+Real store processes on loopback, a real c10d rendezvous handler, no workers."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+
+from tests.e2e.test_checkpoint_epochs import Store
+from tests.harness import wait_until
+from trainguard.agent.config import RendezvousConfig
+from trainguard.agent.elastic import ElasticAdapter
+from trainguard.agent.rendezvous import build_handler
+
+
+def adapter_for(endpoint: str, tmp_path, name: str) -> ElasticAdapter:
+    cfg = RendezvousConfig(backend="c10d", endpoint=endpoint, is_host=False, min_nodes=1, max_nodes=2,
+                           last_call_timeout_s=1, keep_alive_interval_s=1)
+    spec = WorkerSpec(role="default", local_world_size=1, rdzv_handler=build_handler(cfg, "job"),
+                      entrypoint="/bin/true", args=())
+    return ElasticAdapter(spec, DefaultLogsSpecs(log_dir=str(tmp_path / name)), exit_barrier_timeout=5,
+                          worker_env=dict, abort_rendezvous=lambda: False)
+
+
+def test_an_agent_reconnects_to_a_restarted_store_and_republishes_its_round(tmp_path):
+    store = Store(str(tmp_path), "first")
+    a = adapter_for(store.endpoint, tmp_path, "a")
+    joiner = None
+    try:
+        info = a.handler.next_rendezvous()  # round 0, this node alone
+        a.group.store = info.store
+        before = a.peek()
+        assert before.round == 0 and before.this_node_participates
+        a.group.store.set("mark", "1")
+
+        store.stop()
+        store = Store(str(tmp_path), "restarted", port=store.port)
+        with pytest.raises(Exception):  # the old client is dead for good
+            a.peek()
+        wait_until(a.reconnect_store, 20, "a reconnection to the restarted store")
+
+        after = a.peek()
+        assert after.round == 0 and after.this_node_participates and after.participants == before.participants
+        a.group.store.set("mark", "2")  # the running world's round store works again (keys are new)
+        assert a.group.store.get("mark") == b"2"
+        assert a.nodes_waiting() == 0
+
+        # A node that starts against the restarted store sees the republished round, not an empty one.
+        joiner = adapter_for(store.endpoint, tmp_path, "b")
+        seen = joiner.peek()
+        assert seen.round == 0 and seen.participants == before.participants and not seen.this_node_participates
+    finally:
+        for ad in (a, joiner):
+            if ad is not None:
+                ad.handler.shutdown()
+        store.stop()
+
+
+def test_other_backends_do_not_reconnect(tmp_path):
+    cfg = RendezvousConfig(backend="static", endpoint="127.0.0.1:1", min_nodes=1, max_nodes=1)
+    spec = WorkerSpec(role="default", local_world_size=1, rdzv_handler=build_handler(cfg, "job"),
+                      entrypoint="/bin/true", args=())
+    ad = ElasticAdapter(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "s")), exit_barrier_timeout=5,
+                        worker_env=dict, abort_rendezvous=lambda: False)
+    assert ad.reconnect_store() is False
