@@ -108,15 +108,20 @@ def test_relaunch_store_restart_and_split_brain_keep_every_checkpoint(tmp_path) 
         e_alone = claims(a)[-1]["epoch"]
         wait_until(lambda: any(r.epoch == e_alone for r in committed_refs(a)), 90, "a commit by the re-formed world")
 
-        # 2. restart the store on its port: the running world goes on saving.
+        # 2. restart the store on its port: the running world goes on saving, and a's agent reconnects
+        # (republishing its round into the empty store).
         s1.stop()
         s1b = Store(tmp, "s1b", port=s1.port)
         stores.append(s1b)
         before = len(committed_refs(a))
         wait_until(lambda: len(committed_refs(a)) >= before + 2, 90, "a goes on saving after the store restart")
+        wait_until(lambda: a.events("rendezvous_store_reconnected"), 60, "a reconnected to the restarted store")
 
-        # 3. split brain: b2 forms a second world of the same job on the restarted store (round 0).
-        b2 = node("b2", s1b)
+        # 3. split brain: b2 forms a second world of the same job on another store (round 0), e.g. the
+        # default endpoint copied to a node that cannot reach the first one.
+        s3 = Store(tmp, "s3")
+        stores.append(s3)
+        b2 = node("b2", s3)
         wait_until(lambda: worlds(b2)[-1:] == [1] and len(committed_refs(b2)) >= 2, 150, "b2 commits")
         b2_claim = claims(b2)[-1]
         assert b2_claim["rdzv_round"] == 0 and b2_claim["epoch"] > claims(a)[-1]["epoch"]
