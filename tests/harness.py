@@ -9,11 +9,29 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_gpt.py")
+
+
+@contextmanager
+def bench_module(script: str) -> Iterator[Any]:
+    """``bench/<script>`` imported as a module (for its pure parts), registered while in use."""
+    import importlib.util
+
+    name = "tg_bench_" + script.removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", script))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(name, None)
 
 
 def free_port() -> int:

@@ -3,26 +3,18 @@ decides "skipped / repeated" for every case, and the seeded case windows that ad
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
-from tests.harness import REPO
+from tests.harness import bench_module
 
 
 @pytest.fixture(scope="module")
 def chaos():
-    spec = importlib.util.spec_from_file_location("tg_bench_chaos", os.path.join(REPO, "bench", "chaos.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["tg_bench_chaos"] = mod
-    try:
-        spec.loader.exec_module(mod)
+    with bench_module("chaos.py") as mod:
         yield mod
-    finally:
-        sys.modules.pop("tg_bench_chaos", None)
 
 
 def write(folder, recs):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported lazily by get_state_dict, it sets TORCHINDUCTOR_CACHE_DIR)
 
+from tests.test_runtime_finish import train_loop
 from trainguard.agent.memtier import NodeSnapshots, node_dir
 from trainguard.checkpoint import memory as mem
 from trainguard.checkpoint.config import CheckpointConfig
@@ -325,15 +326,7 @@ def _train_rt(url: str, folder: str, steps: int, *, every: int, max_bytes: int =
     model, opt = rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
     if restore:
         rt.restore()
-    x = torch.randn(32, 4)
-    while rt.step < steps:
-        micro = rt.next_batches()
-        for i, ids in enumerate(micro):
-            with rt.accumulating(last=i == len(micro) - 1):
-                rt.backward(model(x[ids]).pow(2).mean() / len(micro))
-        rt.optimizer_step(opt)
-        opt.zero_grad()
-        rt.end_step()
+    train_loop(rt, model, opt, steps)
     return rt, model
 
 

@@ -36,6 +36,12 @@ def train(url: str, steps: int, *, interval_steps: int = 0, restore: bool = Fals
     model, opt = rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
     if restore:
         rt.restore()
+    train_loop(rt, model, opt, steps)
+    return rt
+
+
+def train_loop(rt: Runtime, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """Train a set-up single-rank runtime on a fixed random dataset until step ``steps``."""
     x = torch.randn(32, 4)
     while rt.step < steps:
         micro = rt.next_batches()
@@ -45,7 +51,6 @@ def train(url: str, steps: int, *, interval_steps: int = 0, restore: bool = Fals
         rt.optimizer_step(opt)
         opt.zero_grad()
         rt.end_step()
-    return rt
 
 
 def committed(ckpt) -> dict[int, str]:

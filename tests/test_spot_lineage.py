@@ -4,25 +4,15 @@ surviving rank finished and handed to the re-formed world; that step is in the l
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
-from tests.harness import REPO
+from tests.harness import bench_module
 
 
 @pytest.fixture(scope="module")
 def spot():
-    spec = importlib.util.spec_from_file_location("tg_bench_spot", os.path.join(REPO, "bench", "spot_trace.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["tg_bench_spot"] = mod
-    try:
-        spec.loader.exec_module(mod)
+    with bench_module("spot_trace.py") as mod:
         yield mod
-    finally:
-        sys.modules.pop("tg_bench_spot", None)
 
 
 def ex(spot, agent, step, rank, world, rnd, t):

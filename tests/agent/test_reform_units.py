@@ -91,40 +91,10 @@ def test_what_counts_as_a_vanished_peer(err, peer):
     assert is_peer_failure(err) is peer
 
 
-def test_a_void_step_swallows_later_peer_failures_and_nothing_else(tmp_path, monkeypatch):
-    """Once a vanished peer made the step void (a failed background save, a failed collective), the
-    rest of the step still runs the script's forward, and DDP's forward broadcasts buffers: that
-    failure must be swallowed too (the step is rolled back), any other error must not."""
-    import signal
-
-    import torch
-
-    from trainguard.checkpoint.config import CheckpointConfig
-    from trainguard.runtime.runtime import Runtime
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # setup() may set it: restored
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0, checkpoint=CheckpointConfig())
-        model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
-        rt.reform_enabled = True  # as under an agent with workers.reform: in-process
-        rt._broken = RuntimeError("Connection closed by peer")  # the step is void already
-        with rt.accumulating(last=True):
-            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24775")
-        with pytest.raises(ValueError), rt.accumulating(last=True):
-            raise ValueError("a bug in the script")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@pytest.mark.parametrize("peer_finished", [True, False])
-def test_a_step_a_survivor_finished_counts_on_the_rank_whose_step_failed(tmp_path, monkeypatch, peer_finished):
-    """A peer dies mid all-reduce: one survivor's collective completed (its optimizer step ran),
-    another's failed (it rolled back). The new world takes the newest live state, so the step
-    counted for the job; end_step must say so on both, or the script would log the step as void
-    and the job's sample accounting would miss a step that was trained (chaos case sigkill_node)."""
+@pytest.fixture
+def reform_rt(tmp_path, monkeypatch):
+    """A set-up one-rank Runtime re-forming in place (as under an agent with workers.reform:
+    in-process); SIGTERM's handler and TORCHINDUCTOR_CACHE_DIR (setup() may set it) restored after."""
     import signal
 
     import torch
@@ -140,18 +110,40 @@ def test_a_step_a_survivor_finished_counts_on_the_rank_whose_step_failed(tmp_pat
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
         rt.reform_enabled = True
-        rt.step = 7
-        parked: list[proto.ParkReason] = []
-
-        def park(reason: proto.ParkReason) -> None:  # the new world: the newest live state wins
-            parked.append(reason)
-            if peer_finished:
-                rt.step = 8
-
-        monkeypatch.setattr(rt, "_park", park)
-        rt._broken = RuntimeError("Connection closed by peer")
-        rt._stepped = False  # this rank's optimizer step did not run
-        assert rt.end_step() is peer_finished
-        assert parked == [proto.ParkReason.PEER_LOST] and rt.step == (8 if peer_finished else 7)
+        yield rt
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_void_step_swallows_later_peer_failures_and_nothing_else(reform_rt):
+    """Once a vanished peer made the step void (a failed background save, a failed collective), the
+    rest of the step still runs the script's forward, and DDP's forward broadcasts buffers: that
+    failure must be swallowed too (the step is rolled back), any other error must not."""
+    rt = reform_rt
+    rt._broken = RuntimeError("Connection closed by peer")  # the step is void already
+    with rt.accumulating(last=True):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24775")
+    with pytest.raises(ValueError), rt.accumulating(last=True):
+        raise ValueError("a bug in the script")
+
+
+@pytest.mark.parametrize("peer_finished", [True, False])
+def test_a_step_a_survivor_finished_counts_on_the_rank_whose_step_failed(reform_rt, monkeypatch, peer_finished):
+    """A peer dies mid all-reduce: one survivor's collective completed (its optimizer step ran),
+    another's failed (it rolled back). The new world takes the newest live state, so the step
+    counted for the job; end_step must say so on both, or the script would log the step as void
+    and the job's sample accounting would miss a step that was trained (chaos case sigkill_node)."""
+    rt = reform_rt
+    rt.step = 7
+    parked: list[proto.ParkReason] = []
+
+    def park(reason: proto.ParkReason) -> None:  # the new world: the newest live state wins
+        parked.append(reason)
+        if peer_finished:
+            rt.step = 8
+
+    monkeypatch.setattr(rt, "_park", park)
+    rt._broken = RuntimeError("Connection closed by peer")
+    rt._stepped = False  # this rank's optimizer step did not run
+    assert rt.end_step() is peer_finished
+    assert parked == [proto.ParkReason.PEER_LOST] and rt.step == (8 if peer_finished else 7)
