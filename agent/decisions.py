@@ -57,6 +57,10 @@ class Observation:
     member_lost: bool = False
     """A member of the current world is gone (keep-alive expired) while our workers run on: they may
     be blocked in a collective with it (or in their start-up) and never notice."""
+    member_gone: bool = False
+    """A member of the current world is missing from the round, not yet for the grace period."""
+    reform_in_place: bool = False
+    """The workers re-form in place (``workers.reform: in-process``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,11 @@ def decide(o: Observation) -> Decision:
         return Decision(Act.REFORM, o.park_reason or "reform")
     if o.member_lost and not o.draining:
         return Decision(Act.RESTART, "member_lost", consume_restart=False)
+    if o.member_gone and o.api_workers and o.reform_in_place and o.asked == "" and not o.draining:
+        # Workers joining a world that lost a member wait in its arrival count and go back to the agent
+        # alive; workers training park at their next step boundary. Those that cannot (blocked in a
+        # collective) are restarted once the grace period is over (member_lost above).
+        return Decision(Act.ASK_RESIZE, "member_lost")
     if o.draining:
         if o.drain_deadline_passed:
             return Decision(Act.TERMINATE, "drain_deadline_passed")

@@ -134,6 +134,8 @@ class Supervisor:
         self._error: BaseException | None = None
         self._world: dict[str, Any] = {}
         self._asked = ""
+        self._drain_published: int | None = None
+        """The round this node published its leave in (the record is per round)."""
         self._asked_at = 0.0
         self._failures_in_a_row = 0
         self._parked: dict[int, proto.Parked] = {}
@@ -282,10 +284,13 @@ class Supervisor:
     # ---- rendezvous-store records -------------------------------------------------------------
     def _publish_drain(self) -> None:
         store = self.adapter.store
+        if self._drain_published == self.adapter.round:
+            return
         try:
             if store is not None:
                 store.set(LEAVING_KEY + self.adapter.node_id, "1")
                 store.add(DRAIN_KEY, 1)
+                self._drain_published = self.adapter.round
         except Exception as e:  # the store may be gone with its host; the drain goes on regardless
             log.warning("drain_publish_failed", error=str(e))
 
@@ -402,6 +407,7 @@ class Supervisor:
                 self._store_ok()
             except Exception as e:
                 self._store_failed("nodes_waiting", e)
+        member_lost = self._member_lost(healthy) if drain is None else False
         obs = Observation(
             workers=poll.status,
             exit_codes=poll.exit_codes,
@@ -416,7 +422,9 @@ class Supervisor:
             nproc=self.cfg.workers.nproc_per_node,
             parked=len(parked) if healthy else 0,
             park_reason=max((p.reason.value for p in parked.values()), default=""),
-            member_lost=self._member_lost(healthy) if drain is None else False,
+            member_lost=member_lost,
+            member_gone=drain is None and self._member_lost_since is not None,
+            reform_in_place=self.reform_enabled,
             resize_overdue=self._asked == "resize" and time.monotonic() - self._asked_at > self._resize_bound_s(),
             emergency_committed=self._emergency_committed,
         )
@@ -633,6 +641,8 @@ class Supervisor:
             self.sm.to(AgentState.DRAINING, reason=reason)
         # Leave first: the survivors re-form as soon as this node is out of the round, and our
         # workers have committed (or are being terminated) already.
+        if self._drain is not None:  # a planned leave (also one before the world's first step): say so
+            self._publish_drain()
         try:
             self.adapter.leave(timeout_s=self.cfg.rendezvous.close_timeout_s)
         except Exception as e:  # the store may be gone; leaving is best effort, stopping is not

@@ -234,6 +234,8 @@ class RuntimeEnv:
     world_size: int = 1
     local_world_size: int = 1
     run_id: str = ""
+    master_addr: str = ""
+    master_port: int = 0
 
     _RT_FIELDS: ClassVar[tuple[str, ...]] = ("job_id", "node", "agent_pid", "control_path", "round",
                                              "checkpoint", "pg_timeout_s", "reform", "reform_timeout_s", "standby",
@@ -299,6 +301,8 @@ class RuntimeEnv:
             world_size=num("WORLD_SIZE", env.get("WORLD_SIZE"), int, 1),
             local_world_size=num("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE"), int, 1),
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+            master_addr=env.get("MASTER_ADDR", ""),
+            master_port=num("MASTER_PORT", env.get("MASTER_PORT"), int, 0),
         )
 
     @property

@@ -4,8 +4,11 @@ world, and hand the training state to ranks that lack it, from a live peer inste
 Why the world is built the torchelastic way (``env://``, rank 0 hosting a ``TCPStore`` at
 ``MASTER_ADDR:MASTER_PORT``): a re-formed world can mix live workers (re-formed here) with workers
 the agent just started (a warmed-up joiner, or a restarted node), which initialise from the env that
-torch elastic gave them. Both must build the same store, so both go through ``env://`` with the
-address the rendezvous published for the round.
+torch elastic gave them. Both must build the same store, so both go through :func:`init_world` with
+the address the rendezvous published for the round: :func:`arrive` at the store rank 0 hosts (as
+``env://`` does), counted, then ``init_process_group`` on it under torch's ``default_pg`` prefix. The
+count is what makes a join interruptible: a world that loses a member before it forms is called off
+by the agent (:class:`JoinAborted`) instead of waiting out the process-group timeout.
 
 Collective order (it must match between a re-formed worker and a freshly started one):
 ``init_process_group`` -> the runtime's flag group -> the strategy's wrapping (DDP's constructor
@@ -15,6 +18,9 @@ broadcasts from rank 0) -> the checkpoint manager's group -> :func:`sync_live_st
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,17 +43,78 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_FAILURE_MARKERS)
 
 
+class JoinAborted(RuntimeError):
+    """A world this worker was joining was called off before every rank arrived: the agent saw a member
+    of the round go (or this node drain), or the rank hosting the world's store vanished."""
+
+
+ARRIVED_KEY = "trainguard/arrived"
+"""Key of the arrival count in a world's store (outside the ``default_pg`` prefix torch uses)."""
+CONNECT_S = 1.0
+"""Bound of one attempt to reach the world's store: how often a waiting worker looks at ``aborted``."""
+POLL_S = 0.05
+
+
+def arrive(*, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float,
+           aborted: Callable[[], bool] = lambda: False, connect_s: float = CONNECT_S) -> dist.Store:
+    """Reach the world's ``TCPStore`` (rank 0 hosts it, like torch elastic's ``env://``) and wait until
+    all ``world_size`` ranks have arrived; only then may ``init_process_group`` start, whose own waits
+    for a missing rank cannot be interrupted (they run out after ``timeout_s``).
+
+    Between attempts and polls ``aborted()`` is asked: True raises :class:`JoinAborted`, so that a worker
+    whose world lost a member before it formed goes back to its agent alive, with its state, instead of
+    sitting out the process-group timeout. A store that stops answering (its host is gone) raises
+    :class:`JoinAborted` too; ``timeout_s`` passing raises :class:`TimeoutError`."""
+    deadline = time.monotonic() + (timeout_s if timeout_s > 0 else 1800.0)
+
+    def check(what: str) -> None:
+        if aborted():
+            raise JoinAborted(f"the agent called the world off while {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the world's ranks did not all arrive within workers.pg_timeout_s={timeout_s:.0f}s "
+                               f"while {what}")
+
+    store: dist.Store | None = None
+    while store is None:
+        check(f"connecting to the world's store at {master_addr}:{master_port}")
+        try:
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                                  timeout=timedelta(seconds=connect_s), wait_for_workers=False, multi_tenant=True)
+        except (RuntimeError, OSError) as e:
+            if rank == 0:  # the host binds its own port: that failing is no peer's absence
+                raise
+            log.debug("world_store_unreachable", error=str(e)[:200])
+            time.sleep(POLL_S)
+    try:
+        arrived = store.add(ARRIVED_KEY, 1)
+        while arrived < world_size:
+            check(f"waiting for {world_size - arrived} of {world_size} ranks")
+            time.sleep(POLL_S)
+            arrived = store.add(ARRIVED_KEY, 0)
+    except (RuntimeError, OSError) as e:
+        if isinstance(e, (JoinAborted, TimeoutError)):
+            raise
+        raise JoinAborted(f"the world's store stopped answering: {e}"[:300]) from e
+    store.set_timeout(timedelta(seconds=timeout_s) if timeout_s > 0 else dist.default_pg_timeout)
+    return store
+
+
 def init_world(*, rank: int, world_size: int, local_rank: int, local_world_size: int, master_addr: str,
                master_port: int, device: torch.device, group_rank: int = 0, nodes: int = 1,
-               timeout_s: float = 0.0) -> None:
+               timeout_s: float = 0.0, aborted: Callable[[], bool] = lambda: False) -> None:
     """Initialise the default process group for a new world, the way torch elastic's env does, on
-    ``device`` (made current first; ``device_id`` binds the group to it) with ``timeout_s``."""
+    ``device`` (made current first; ``device_id`` binds the group to it) with ``timeout_s``, after every
+    rank has :func:`arrive`d (raises :class:`JoinAborted` when ``aborted()`` says so before that)."""
     os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
                        "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(group_rank),
                        "GROUP_WORLD_SIZE": str(nodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size)})
     dev.bind(device)
-    dist.init_process_group(dev.backend_for(device), **dev.init_kwargs(device, timeout_s))
+    store = arrive(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                   timeout_s=timeout_s, aborted=aborted)
+    # The prefix torch's env:// init puts on its store: the same keys as a world made that way.
+    dist.init_process_group(dev.backend_for(device), store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, **dev.init_kwargs(device, timeout_s))
 
 
 def teardown_world(device: torch.device) -> None:

@@ -206,7 +206,14 @@ class Runtime:
         device = dev.select_device(rtenv.local_rank)
         dev.bind(device)  # before init_process_group, and before the script builds anything on the GPU
         if not rtenv.standby and (rtenv.world_size > 1 or reform) and not dist.is_initialized():
-            dist.init_process_group(dev.backend_for(device), **dev.init_kwargs(device, rtenv.pg_timeout_s))
+            if rtenv.under_agent and rtenv.master_addr:
+                # Every worker a trainguard agent starts joins through the arrival count that a re-formed
+                # worker's join waits on (reform.arrive): fresh and re-formed workers can share a world.
+                rf.init_world(rank=rtenv.rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
+                              local_world_size=rtenv.local_world_size, master_addr=rtenv.master_addr,
+                              master_port=rtenv.master_port, device=device, timeout_s=rtenv.pg_timeout_s)
+            else:
+                dist.init_process_group(dev.backend_for(device), **dev.init_kwargs(device, rtenv.pg_timeout_s))
         rank = dist.get_rank() if dist.is_initialized() else (-1 if rtenv.standby else 0)
         return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
                    job_id=rtenv.job_id or rtenv.run_id or "trainguard", rdzv_id=rtenv.run_id,
@@ -711,15 +718,19 @@ class Runtime:
             self._group = None
             rf.teardown_world(self.device)
             assert self._link is not None
-            self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
-            self._log.info("worker_parked", step=self.step, reason=reason.value)
-            msg = self._link.wait_reform(self.reform_timeout_s)
-            if msg is None:
-                raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
-                                   f"{self.reform_timeout_s:.0f}s")
-            t_world = time.monotonic()
-            self._maybe_inject("reform")
-            self._join_world(msg)
+            while True:
+                self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step,
+                                               reason=reason))
+                self._log.info("worker_parked", step=self.step, reason=reason.value)
+                msg = self._link.wait_reform(self.reform_timeout_s)
+                if msg is None:
+                    raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
+                                       f"{self.reform_timeout_s:.0f}s")
+                t_world = time.monotonic()
+                self._maybe_inject("reform")
+                if self._join_world(msg):
+                    break
+                reason = proto.ParkReason.PEER_LOST  # nothing changed yet: park again, state intact
             assert self.strategy is not None and self._model is not None
             self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
             self._make_manager(base)
@@ -748,13 +759,24 @@ class Runtime:
             fh.write(f"{point} failed in pid {os.getpid()}\n")
         raise RuntimeError(f"injected fault at {point} (inject_fault={self._inject_fault!r})")
 
-    def _join_world(self, msg: proto.Reform) -> None:
+    def _join_world(self, msg: proto.Reform) -> bool:
+        """Join the world ``msg`` describes. False when it was called off before every rank arrived
+        (:class:`rf.JoinAborted`: the agent saw a member go, or this node drains): nothing of this
+        worker changed, it parks again."""
         if dev.select_device(msg.local_rank) != self.device:  # a live process cannot move its model
             raise RuntimeError(f"the new world gives this worker local rank {msg.local_rank} ({dev.select_device(msg.local_rank)}), "
                                f"but its state lives on {self.device}")
-        rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
-                      local_world_size=msg.local_world_size, master_addr=msg.master_addr, master_port=msg.master_port,
-                      device=self.device, group_rank=msg.group_rank, nodes=msg.nodes, timeout_s=self.pg_timeout_s)
+        assert self._link is not None
+        link = self._link
+        try:
+            rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
+                          local_world_size=msg.local_world_size, master_addr=msg.master_addr,
+                          master_port=msg.master_port, device=self.device, group_rank=msg.group_rank, nodes=msg.nodes,
+                          timeout_s=self.pg_timeout_s, aborted=lambda: link.request is not proto.StopReason.NONE)
+        except rf.JoinAborted as e:
+            self._log.warning("join_aborted", round=msg.round, rank=msg.rank, world_size=msg.world_size,
+                              error=str(e)[:300], effect="parked again with the same state; the agent re-forms")
+            return False
         self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
         self.local_world_size = msg.local_world_size
         self.round = msg.round
@@ -762,6 +784,7 @@ class Runtime:
         self._log = log.bind(rank=self.rank, world_size=self.world_size, round=self.round)
         if self._metrics is not None:
             self._metrics.rank = self.rank
+        return True
 
     def _wait_for_first_world(self) -> None:
         """A standby worker (a warmed-up joiner): report ready, then join the world the agent forms."""
@@ -769,11 +792,14 @@ class Runtime:
         t0 = time.monotonic()
         self._link.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
         self._log.info("worker_warm", warmup_s=None)
-        msg = self._link.wait_reform(self.reform_timeout_s)
-        if msg is None:
-            self._log.error("standby_timeout", timeout_s=self.reform_timeout_s)
-            self._exit(proto.EXIT_RESIZE)
-        self._join_world(msg)
+        while True:
+            msg = self._link.wait_reform(self.reform_timeout_s)
+            if msg is None:
+                self._log.error("standby_timeout", timeout_s=self.reform_timeout_s)
+                self._exit(proto.EXIT_RESIZE)
+            if self._join_world(msg):
+                break
+            self._link.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
         self._standby = False
         self._log.info("worker_joined", waited_s=round(time.monotonic() - t0, 3))
 

@@ -38,6 +38,15 @@ DECISIONS = [
      Act.LEAVE, "drained"),
     ("a member lost while ours run on -> restart, no restart consumed",
      Observation(W.HEALTHY, member_lost=True, api_workers=True), Act.RESTART, "member_lost"),
+    ("a member gone, ours re-form in place -> ask them back (a join waiting for it is called off)",
+     Observation(W.HEALTHY, member_gone=True, api_workers=True, reform_in_place=True), Act.ASK_RESIZE, "member_lost"),
+    ("a member gone, restart mode -> wait out the grace period",
+     Observation(W.HEALTHY, member_gone=True, api_workers=True), Act.WAIT, ""),
+    ("a member gone, the workers asked already -> wait for them to park",
+     Observation(W.HEALTHY, member_gone=True, api_workers=True, reform_in_place=True, asked="resize"), Act.WAIT, ""),
+    ("a member gone while this node drains -> the drain goes on",
+     Observation(W.HEALTHY, member_gone=True, api_workers=True, reform_in_place=True, draining=True), Act.ASK_DRAIN,
+     "notice"),
     ("emergency committed -> leave without waiting for the exit",
      Observation(W.HEALTHY, draining=True, asked="drain", api_workers=True, emergency_committed=True), Act.LEAVE, "drained"),
 ]
@@ -147,3 +156,92 @@ def test_a_step_a_survivor_finished_counts_on_the_rank_whose_step_failed(reform_
     rt._stepped = False  # this rank's optimizer step did not run
     assert rt.end_step() is peer_finished
     assert parked == [proto.ParkReason.PEER_LOST] and rt.step == (8 if peer_finished else 7)
+
+
+# ---- the arrival count before a world's process group (reform.arrive) ---------------------------
+
+def _arrive_all(world_size, port, **kw):
+    """Every rank of a world arriving from its own thread; returns (rank -> store or exception)."""
+    import threading
+
+    from trainguard.runtime.reform import arrive
+
+    out = {}
+
+    def one(rank):
+        try:
+            out[rank] = arrive(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, **kw)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_every_rank_arrives_before_any_goes_on():
+    from tests.harness import free_port
+    from trainguard.runtime.reform import ARRIVED_KEY
+
+    out = _arrive_all(3, free_port(), timeout_s=20)
+    assert all(not isinstance(v, Exception) for v in out.values()), out
+    assert out[0].add(ARRIVED_KEY, 0) == 3
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["the store's host", "a rank whose host never came"])
+def test_a_join_called_off_returns_alive(rank):
+    """The world loses a member before it forms: the waiting worker is back within a poll (the
+    process group's own wait would last workers.pg_timeout_s)."""
+    import time
+
+    from tests.harness import free_port
+    from trainguard.runtime.reform import JoinAborted, arrive
+
+    t0 = time.monotonic()
+    with pytest.raises(JoinAborted, match="called the world off"):
+        arrive(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=600,
+               aborted=lambda: time.monotonic() - t0 > 0.3)
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_world_that_never_fills_runs_out_at_the_timeout():
+    from tests.harness import free_port
+    from trainguard.runtime.reform import arrive
+
+    with pytest.raises(TimeoutError, match="workers.pg_timeout_s"):
+        arrive(rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=0.5)
+
+
+def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monkeypatch):
+    """Runtime._join_world: called off (the agent's Stop arrived) -> False, rank, world and groups
+    untouched; a world that forms -> True, a process group made through the arrival count."""
+    import torch.distributed as dist
+
+    from tests.harness import free_port
+
+    rt = reform_rt
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE"):  # init_world sets torch elastic's env
+        monkeypatch.setenv(var, "")
+
+    class Link:
+        request = proto.StopReason.RESIZE
+
+    rt._link = Link()
+    msg = proto.Reform(rank=1, world_size=2, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
+                       master_port=free_port(), round=5, group_rank=1, nodes=2)
+    assert rt._join_world(msg) is False
+    assert (rt.rank, rt.world_size, rt.round) == (0, 1, 0) and not dist.is_initialized()
+    Link.request = proto.StopReason.NONE
+    msg = proto.Reform(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
+                       master_port=free_port(), round=6, group_rank=0, nodes=1)
+    try:
+        assert rt._join_world(msg) is True
+        assert dist.is_initialized() and dist.get_world_size() == 1 and rt.round == 6
+    finally:
+        from trainguard.runtime.reform import teardown_world
+
+        teardown_world(rt.device)

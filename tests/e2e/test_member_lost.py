@@ -58,3 +58,50 @@ def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_in_place_a_member_lost_before_the_new_world_forms_costs_no_step(tmp_path):
+    """In-place re-formation (the default): node c joins a running world of 2 and vanishes after the
+    round of 3 completed but before its worker joined the new world (its warmed-up worker is stopped
+    first, so the window is certain). The survivors' workers wait in the world's arrival count; their
+    agents see the member go and call the join off: the workers park again with their state and re-form
+    at 2, same processes, no step redone (the chaos case `sigterm_agent @ rendezvous`, which planned
+    leaves hit the same way)."""
+    tmp = str(tmp_path)
+    ep = f"127.0.0.1:{free_port()}"
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}",
+              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
+    a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
+    nodes = [a, b]
+    try:
+        wait_until(lambda: any(e["world_size"] == 2 for e in a.events("train_step")), 120, "training at world size 2")
+        pids = (a.worker_pids(), b.worker_pids())
+        c = Node("c", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
+        nodes.append(c)
+        wait_until(lambda: c.events("joiner_warm") or c.events("worker_warm"), 120, "c's worker warm")
+        kids = c.worker_pids()
+        for p in kids:
+            os.kill(p, signal.SIGSTOP)  # c will join the round, but its worker never the world
+        wait_until(lambda: worlds(a)[-1:] == [3] and worlds(b)[-1:] == [3], 90, "a and b in the round of 3")
+        time.sleep(1.0)  # a's and b's workers are in the new world's arrival count now
+        last = max(e["step"] for e in a.events("train_step"))
+        c.proc.kill()
+        for p in kids:
+            os.kill(p, signal.SIGKILL)
+        wait_until(lambda: worlds(a)[-1:] == [2] and any(e["world_size"] == 2 and e["step"] > last
+                                                         for e in a.events("train_step")), 90, "training at 2 again")
+        assert a.events("join_aborted") and b.events("join_aborted")
+        assert (a.worker_pids(), b.worker_pids()) == pids  # the same processes, never restarted
+        assert not [e for n in (a, b) for e in n.events("state_change") if e["new"] == "restarting"]
+        steps = [e["step"] for e in a.events("train_step")]
+        assert len(steps) == len(set(steps)), "a step was trained twice"
+        assert not a.events("step_rolled_back") and not b.events("step_rolled_back")
+    except AssertionError:
+        for n in nodes:
+            print(n.dump(40))
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
