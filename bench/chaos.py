@@ -17,7 +17,11 @@ each, ``workers.reform`` left at its default, in-process) training ``examples/tr
 * **phases**: ``step`` (a random moment while training), ``save`` (right after a node staged an
   async checkpoint: the upload is under way), ``rendezvous`` (one node is drained first and a fresh one
   started; the fault hits when the fresh node's round completes, while the world re-forms),
-  ``restore`` (a worker is SIGKILLed first; the fault hits while its replacement restores);
+  ``restore`` (a worker is SIGKILLed first; the fault hits while its replacement restores),
+  ``allreduce`` (another node's worker is SIGSTOPped for 1.5 s; the fault hits 0.4 s in, while the
+  other ranks wait in the step's collectives), ``commit`` (the proxy holds the upload of the next
+  ``manifest.json``, rank 0's commit, for 3 s; the fault hits while it is held); the last two are
+  numbered after the first 96 fault cases, so windows of the first four phases keep their numbers;
 * **targets**: the node whose worker is rank 0, or another one.
 
 For every case: recovered (training at the expected world size again, past the step it was at when
@@ -92,6 +96,10 @@ KINDS = {k.name: k for k in [
 ]}
 FAULTS = [k for k in KINDS if k != "scale_up"]
 PHASES = ["step", "save", "rendezvous", "restore"]
+TIMED_PHASES = ["allreduce", "commit"]
+"""Phases that need the bench to hold the cluster at a point (cases 97-144 of the full matrix)."""
+STALL_S = 1.5
+COMMIT_HOLD_S = 3.0
 TARGETS = ["rank0", "peer"]
 QUICK = [("drain", "step", "peer"), ("sigkill_worker", "step", "peer"), ("sigkill_node", "save", "rank0"),
          ("metadata_garbage", "step", "peer"), ("storage_503", "save", "peer")]
@@ -476,6 +484,24 @@ def prepare_phase(c: Cluster, phase: str, target: str, res: CaseResult) -> Agent
         if not hit:
             res.note += "no save seen within 60 s; "
         return node
+    if phase == "allreduce":  # stop one other node's worker: everyone else waits for it in a collective
+        node = pick(c, target)
+        others = [a for a in c.live() if a is not node]
+        staller = c.rng.choice(others) if others else node
+        stopped = staller.workers()
+        kill_pids(stopped, signal.SIGSTOP)
+        threading.Timer(STALL_S, kill_pids, args=(stopped, signal.SIGCONT)).start()
+        time.sleep(0.4)
+        res.note += f"worker of {staller.name} stopped {STALL_S:g} s; "
+        return node
+    if phase == "commit":  # hold rank 0's next commit (the manifest upload) and hit while it is held
+        node = pick(c, target)
+        rule = c.proxy.stall(r"^(PUT|POST) \S*manifest\.json", seconds=COMMIT_HOLD_S, times=1)
+        if not wait_for(lambda: rule.hits > 0, 60):
+            res.note += "no commit seen within 60 s; "
+            c.proxy.clear()
+        time.sleep(0.3)
+        return node
     if phase == "restore":
         victim = c.rng.choice(c.live())
         old = victim.workers()
@@ -597,7 +623,9 @@ def plan(seed: int, quick: bool, cap: int | None, skip: int = 0) -> list[tuple[s
     rng = random.Random(seed)
     cases = [(k, p, t) for k in FAULTS for p in PHASES for t in TARGETS]
     rng.shuffle(cases)
-    cases = cases[skip:]
+    timed = [(k, p, t) for k in FAULTS for p in TIMED_PHASES for t in TARGETS]
+    random.Random(seed + 1).shuffle(timed)
+    cases = (cases + timed)[skip:]
     return cases[:cap] if cap else cases
 
 

@@ -53,9 +53,12 @@ def test_missing_step_and_wrong_batch_are_skipped(chaos, tmp_path):
 
 def test_seeded_windows_partition_the_matrix(chaos):
     full = chaos.plan(7, False, None)
-    assert len(full) == len(chaos.FAULTS) * len(chaos.PHASES) * len(chaos.TARGETS) == len(set(full)) == 96
-    windows = [chaos.plan(7, False, 20, skip) for skip in range(0, 96, 20)]
+    phases = chaos.PHASES + chaos.TIMED_PHASES
+    assert len(full) == len(chaos.FAULTS) * len(phases) * len(chaos.TARGETS) == len(set(full)) == 144
+    windows = [chaos.plan(7, False, 20, skip) for skip in range(0, 144, 20)]
     assert [c for w in windows for c in w] == full
+    # the timed phases come after the first 96 cases, whose numbers stay what earlier windows ran
+    assert {p for _, p, _ in full[:96]} == set(chaos.PHASES) and {p for _, p, _ in full[96:]} == set(chaos.TIMED_PHASES)
     assert chaos.plan(8, False, None) != full and sorted(chaos.plan(8, False, None)) == sorted(full)
     quick = chaos.plan(7, True, None)
     assert {k for k, _, _ in quick} == {"drain", "sigkill_worker", "sigkill_node", "metadata_garbage", "storage_503"}
