@@ -37,6 +37,7 @@ import bisect
 import collections
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -202,6 +203,52 @@ def replay(name: str, mode: str, actions: list[Action], duration_s: float, a: ar
         for pid in strays(d):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            dump_raw(raw, os.path.join(d, RAW_FILE))
+    return raw
+
+
+RAW_FILE = "replay.json"
+
+
+def dump_raw(raw: ReplayRaw, path: str) -> None:
+    """What the analysis needs besides the logs (``--reanalyse`` reads it back): the schedule, each agent's
+    start, notice, kill and exit times, and each log line's arrival time (torchrun's text lines carry none)."""
+    agents = {n: {"started": ag.started, "notice_at": ag.notice_at, "killed_at": ag.killed_at,
+                  "exited_at": ag.exited_at, "exit_code": ag.exit_code, "samples_dir": ag.samples_dir,
+                  "scrape": ag.scrape, "scrape_at": ag.scrape_at,
+                  "log": os.path.basename(ag.proc._fh.name), "line_times": [round(t, 4) for t, _ in ag.proc.lines()]}
+              for n, ag in raw.agents.items()}
+    with open(path, "w") as fh:
+        json.dump({"name": raw.name, "mode": raw.mode, "t0": raw.t0, "t_end": raw.t_end, "lead_s": raw.lead_s,
+                   "actions": [[x.t, x.kind, x.agent, x.announced] for x in raw.actions], "agents": agents}, fh)
+
+
+class LoggedProc:
+    """A finished agent's log read back from its folder: the :class:`Proc` read interface."""
+
+    def __init__(self, name: str, path: str, times: list[float]) -> None:
+        with open(path, errors="replace") as fh:
+            text = [line.rstrip("\n") for line in fh]
+        self.name, self._lines = name, list(zip(times, text))
+        self.proc = type("Done", (), {"poll": staticmethod(lambda: 0), "returncode": 0, "pid": -1})()
+
+    events = Proc.events
+    lines = Proc.lines
+    _lock = contextlib.nullcontext()
+
+
+def load_raw(folder: str) -> ReplayRaw:
+    """A replay run kept with ``--keep`` (its folder holds ``replay.json``), for ``--reanalyse``."""
+    with open(os.path.join(folder, RAW_FILE)) as fh:
+        d = json.load(fh)
+    raw = ReplayRaw(d["name"], d["mode"], d["t0"], d["t_end"], lead_s=d["lead_s"],
+                    actions=[Action(t, k, ag, bool(an)) for t, k, ag, an in d["actions"]])
+    for n, a in d["agents"].items():
+        proc = LoggedProc(n, os.path.join(folder, a["log"]), a["line_times"])
+        raw.agents[n] = AgentRun(n, proc, None, a["samples_dir"], a["started"],  # type: ignore[arg-type]
+                                 a["notice_at"], a["killed_at"], a["exited_at"], a["exit_code"], None, a["scrape"],
+                                 a["scrape_at"])
     return raw
 
 
@@ -374,6 +421,9 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace) -> dict[str, Any]:
         step_s[e.world].append(e.t1 - e.t0)
     res["training_s_by_world_size"] = {str(k): round(v, 3) for k, v in sorted(by_size.items())}
     res["step_s_by_world_size"] = {str(k): round(statistics.median(v), 4) for k, v in sorted(step_s.items())}
+    res["step_s_mean_by_world_size"] = {str(k): round(statistics.fmean(v), 5) for k, v in sorted(step_s.items())}
+    res["step_overhead_s"], res["between_steps_node_s"] = _between_steps(raw, rank0)
+    res["in_place"] = any(ag.proc.events("reformed_in_place") for ag in raw.agents.values())
     # Samples of the final lineage against the stream the job should have read.
     n = dataset_size()
     if torchrun:
@@ -401,6 +451,29 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace) -> dict[str, Any]:
     res["agents"] = {ag.name: _agent_truth(ag, kept, raw) for ag in raw.agents.values()}
     res["waste_by_cause"] = measured_waste(raw, res)
     return res
+
+
+def _between_steps(raw: ReplayRaw, rank0: list[Exec]) -> tuple[float, float]:
+    """The time between two consecutive steps of a world outside the steps themselves (the runtime's
+    per-step work: data, hooks, logging): the mean gap after steps that took no periodic save, over gaps
+    with no re-formation in them (under 1 s); and the node-seconds all such gaps took (saves included)."""
+    if raw.mode == "torchrun":
+        return 0.0, 0.0
+    saved = {(int(e.get("step", -1)), e.get("world_size")) for _, _, e in
+             _events(raw, "checkpoint_staged", lambda e: e.get("kind") == "periodic")}
+    rdzv = [t for t, _, _ in _events(raw, "rendezvous_complete")]
+    plain, node_s = [], 0.0
+    for a, b in zip(rank0, rank0[1:]):
+        gap = b.t0 - a.t1
+        if not 0 <= gap < 1.0 or a.world != b.world or a.step + 1 != b.step:
+            continue
+        k = bisect.bisect_left(rdzv, a.t1)
+        if k < len(rdzv) and rdzv[k] <= b.t0:
+            continue
+        node_s += gap * a.world
+        if (a.step, a.world) not in saved:
+            plain.append(gap)
+    return (statistics.fmean(plain) if plain else 0.0), node_s
 
 
 def _timeline(rank0: list[Exec], kept0: list[Exec], t0: float) -> dict[str, list[float]]:
@@ -471,6 +544,7 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
         else:
             groups.append([act])
     torchrun = raw.mode == "torchrun"
+    tg_ev = _TgEvents(raw)
     ckpt = _events(raw, "checkpoint_committed", lambda e: e.get("component") == "trainguard.worker")
     rdzv = _events(raw, "rendezvous_complete")
     failed = _events(raw, "state_change", lambda e: e.get("new") == "restarting")
@@ -504,17 +578,28 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
             continue
         if kind == "start":
             if steps:
-                # agent start -> first rendezvous complete -> first step: rendezvous, then the workers'
-                # start-up (process start, imports, model build, restore).
-                t_r = _first_after(rdzv, t0, steps[0].t0)
+                # agent start -> rendezvous complete -> first step: rendezvous, then the workers' start-up
+                # (process start, imports, model build, restore); the last rendezvous before the first
+                # step, when a change during the start-up restarted it.
+                t_r = _last_in(rdzv, t0, steps[0].t0)
                 rec["first_step_s"] = round(steps[0].t0 - (t0 + act.t), 3)
                 if t_r is not None:
                     costs["startup_s"].append(steps[0].t0 - t_r)
                     rec["startup_s"] = round(steps[0].t0 - t_r, 3)
-                prev_end = steps[0].t0
+                # The first round: the last of its nodes waiting in the rendezvous until it completes.
+                first = tg_ev.rounds[0] if tg_ev.rounds else None
+                ready = [min((parse_ts(e) or t for t, e in raw.agents[x.agent].proc.events("state_change")
+                              if e.get("new") == "rendezvous"), default=math.inf) for x in g]
+                if first and ready and first[0] >= max(ready):
+                    costs["start_reformation_s"].append(first[0] - max(ready))
+                    rec["rendezvous_s"] = round(first[0] - max(ready), 3)
+                    tg_ev.claimed.add(first[1])
             continue
         t_ref = ref(g)
         nxt = ref(groups[gi + 1]) if gi + 1 < len(groups) else float("inf")
+        if not torchrun:
+            prev_end = _tg_change(rec, t0 + act.t, t_ref, nxt, prev_end, steps, kept_ids, tg_ev, costs)
+            continue
         # The pause this change caused: after a notice or a join the world stops after it; a kill hits
         # the world mid-step (the pause starts at most one step before it).
         lo, hi = {"kill": (t_ref - 5.0, t_ref + 2.0), "notice": (t_ref, t_ref + lead + 10.0),
@@ -575,11 +660,18 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
         for k, v in phases.items():
             if v >= 0:  # overlapped changes only fill in what no clean change measured (see measured_costs)
                 costs[k if not rec["overlapped"] else f"overlapped:{k}"].append(v)
-    # A joiner's warm-up: its agent's start until it waits in the rendezvous (every agent has one).
+    # Warm-up: an agent's start until it waits in the rendezvous (a node of the first world:
+    # agent_start_s), or until its workers are warm in standby (a node joining a running world).
+    first_step = steps[0].t0 if steps else float("inf")
     for ag in raw.agents.values():
-        ready = [parse_ts(ev) or t for t, ev in ag.proc.events("state_change") if ev.get("new") == "rendezvous"]
-        if ready and not torchrun:
-            costs["warmup_s"].append(max(0.0, ready[0] - ag.started))
+        if torchrun:
+            break
+        warm = [parse_ts(e) or t for t, e in ag.proc.events("joiner_warm")]
+        ready = [parse_ts(e) or t for t, e in ag.proc.events("state_change") if e.get("new") == "rendezvous"]
+        if warm:
+            costs["warmup_s"].append(max(0.0, warm[0] - ag.started))
+        elif ready:
+            costs["agent_start_s" if ag.started < first_step else "warmup_s"].append(max(0.0, ready[0] - ag.started))
     if torchrun:  # torchrun logs no JSON: its join is seen when the world notices the waiting node
         costs.pop("warmup_s", None)
     for _, _, ev in staged:
@@ -590,13 +682,98 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
     return out, {k: [round(x, 4) for x in v] for k, v in costs.items()}
 
 
+class _TgEvents:
+    """The agents' events a trainguard change is measured by, each ``(time, agent, event)`` in time order."""
+
+    def __init__(self, raw: ReplayRaw) -> None:
+        self.rdzv = _events(raw, "rendezvous_complete")
+        # Each round: when it completed first, and the agents in it.
+        rounds: dict[Any, tuple[float, set[str]]] = {}
+        for t, agent, e in self.rdzv:
+            t_first, members = rounds.setdefault(e.get("round"), (t, set()))
+            members.add(agent)
+        self.rounds = sorted((t, r, members) for r, (t, members) in rounds.items())
+        self.claimed: set[Any] = set()
+        self.commit = _events(raw, "checkpoint_committed", lambda e: e.get("component") == "trainguard.worker"
+                              and e.get("kind") in ("emergency", "resize"))
+        self.resize = _events(raw, "resize_requested_from_workers")
+        self.react = sorted(_events(raw, "decision", lambda e: e.get("act") in ("reform", "restart"))
+                            + _events(raw, "state_change", lambda e: e.get("new") == "restarting"), key=lambda x: x[0])
+
+
+def _tg_change(rec: dict[str, Any], t_act: float, t_ref: float, nxt: float, prev_end: float, steps: list[Exec],
+               kept_ids: set[int], ev: _TgEvents, costs: dict[str, list[float]]) -> float:
+    """One trainguard membership change, by its re-formation: the first round completed after the world
+    could react (``t_ref``) that the joiner is in, or the leaver is not. Its pause is the gap between the
+    steps around that rendezvous; a change whose round an earlier change's already was had its round
+    merged into that one (``merged``: no costs of its own). Returns the end of the pause."""
+    kind = rec["kind"]
+    agents = set(rec["agents"])
+    fits = (lambda m: agents <= m) if kind == "join" else (lambda m: not agents & m)
+    found = next(((t, r) for t, r, m in ev.rounds if t >= t_ref and fits(m)), None)
+    if found is None or found[1] in ev.claimed:  # no round of its own (the end of the trace), or merged
+        rec["merged" if found is not None else "absorbed"] = True
+        return prev_end
+    t_r = found[0]
+    ev.claimed.add(found[1])
+    rec["round"] = found[1]
+    i = bisect.bisect_left([e.t0 for e in steps], t_r)
+    first = steps[i] if i < len(steps) else None
+    last = steps[i - 1] if i > 0 else None
+    if first is None:
+        rec["absorbed"] = True
+        return prev_end
+    t_first = first.t0
+    t_last = last.t1 if last is not None else None  # None: before the first step (the start-up restarted)
+    rec.update(world_before=last.world if last else 0, world_after=first.world, overlapped=t_first > nxt,
+               down_s=round(t_first - t_last, 3) if t_last is not None else None)
+    phases: dict[str, float] = {}
+    if kind == "notice":
+        t_stop = t_last if t_last is not None else t_ref
+        t_commit = _last_in(ev.commit, t_stop, t_r)
+        phases["detect_notice_s"] = max(0.0, t_stop - t_ref)
+        if t_commit:
+            phases["emergency_s"] = t_commit - t_stop
+        phases["reformation_s"] = t_r - (t_commit or t_stop)
+        restore = "restore_s"
+    elif kind == "join":
+        t_det = _first_after(ev.resize, t_act, t_r) or t_act
+        t_commit = _last_in(ev.commit, max(t_det, t_last or t_det), t_r)
+        t_stop = max(t_det, t_last) if t_last is not None else t_det
+        if t_commit:
+            phases["resize_checkpoint_s"] = t_commit - t_stop
+        phases["join_reformation_s"] = t_r - (t_commit or t_stop)
+        rec["join_noticed_s"] = round(t_det - t_act, 3)
+        restore = "join_restore_s"
+    else:
+        t_det = _first_after(ev.react, t_act, t_r)
+        if t_det is not None:
+            phases["detect_failure_s"] = t_det - t_act
+            phases["failure_reformation_s"] = t_r - t_det
+        restore = "failure_restore_s"
+    if t_last is not None:
+        phases[restore] = t_first - t_r
+        lost = [e for e in steps if prev_end <= e.t1 <= t_last and id(e) not in kept_ids]
+        rec["recomputed_steps"] = len(lost)
+        rec["recompute_node_s"] = round(sum((e.t1 - e.t0) * e.world for e in lost), 3)
+    else:
+        rec["during_start_up"] = True  # the start-up that follows is the start's (startup_s)
+    rec["phases"] = {k: round(v, 3) for k, v in phases.items()}
+    for k, v in phases.items():
+        if v >= 0:  # overlapped changes only fill in what no clean change measured (see measured_costs)
+            costs[k if not rec["overlapped"] else f"overlapped:{k}"].append(v)
+    return max(prev_end, t_first)
+
+
 def measured_waste(raw: ReplayRaw, res: dict[str, Any]) -> dict[str, float]:
     """Node-seconds lost by cause in the replay: the changes' phases x the nodes that waited, the
     drained nodes' unused notice lead, periodic saves' blocking and the recomputed steps; ``other`` is
     what none of these explains (mostly pauses where changes overlapped)."""
     w: dict[str, float] = collections.defaultdict(float)
     causes = {"emergency_s": "checkpoint", "resize_checkpoint_s": "checkpoint", "warmup_s": "warmup",
-              "detect_failure_s": "detection", "reformation_s": "reformation", "restore_s": "restore"}
+              "detect_failure_s": "detection", "reformation_s": "reformation", "restore_s": "restore",
+              "join_reformation_s": "reformation", "failure_reformation_s": "reformation",
+              "join_restore_s": "restore", "failure_restore_s": "restore"}
     for c in res["changes"]:
         wb, wa = c.get("world_before") or 0, c.get("world_after") or 0
         for k, v in c.get("phases", {}).items():
@@ -605,9 +782,14 @@ def measured_waste(raw: ReplayRaw, res: dict[str, Any]) -> dict[str, float]:
                 w[causes[k]] += v * nodes
         if "startup_s" in c:
             w["restore"] += c["startup_s"] * len(c["agents"])
-    w["warmup"] += sum(res["measured_costs"].get("warmup_s", []))
+        if "rendezvous_s" in c:
+            w["reformation"] += c["rendezvous_s"] * len(c["agents"])
+    w["warmup"] += sum(res["measured_costs"].get("warmup_s", [])) + sum(res["measured_costs"].get("agent_start_s", []))
+    # The gaps between steps (periodic saves' blocking included: it is taken out below).
+    w["between_steps"] = res.get("between_steps_node_s", 0.0)
     w["recompute"] = res["recomputed_node_s"]
     w["periodic_checkpoint"] = sum(res["measured_costs"].get("periodic_overhead_s", []))
+    w["between_steps"] = max(0.0, w["between_steps"] - w["periodic_checkpoint"])
     for ag in raw.agents.values():
         if ag.notice_at is not None and ag.exited_at is not None:
             reclaim = max((x.t for x in raw.actions if x.agent == ag.name and x.kind == "kill"), default=None)
@@ -689,9 +871,13 @@ def measured_costs(runs: list[dict[str, Any]], fallback: dict[str, list[float]] 
 
 
 def job_model(run: dict[str, Any], *, torchrun: bool, scale_k: int = 1) -> sim.JobModel:
-    steps = tuple((int(w) * scale_k, float(s)) for w, s in run["step_s_by_world_size"].items())
+    """The replayed job: its mean step time per world size, the gap between steps, and whether its worlds
+    re-formed in place."""
+    per_size = run.get("step_s_mean_by_world_size") or run["step_s_by_world_size"]
+    steps = tuple((int(w) * scale_k, float(s)) for w, s in per_size.items())
     return sim.JobModel(step_times=steps or ((1, 0.2),), samples_per_step=GLOBAL_BATCH, notices=not torchrun,
-                        resize_checkpoint=not torchrun)
+                        resize_checkpoint=not torchrun, in_place=bool(run.get("in_place")),
+                        step_overhead_s=float(run.get("step_overhead_s") or 0.0))
 
 
 def predict(scaled: sim.Trace, costs: sim.ChangeCosts, job: sim.JobModel, policy: IntervalPolicy, settings: AutoSettings,
@@ -821,7 +1007,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-seeds", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, samples, replay.json)")
+    ap.add_argument("--reanalyse", default=None, metavar="WORK_FOLDER",
+                    help="analyse and simulate the runs kept by an earlier --keep run (same schedule options) "
+                         "instead of replaying: no agents are started")
     a = ap.parse_args(argv)
     if a.quick:
         a.hours = a.hours or 2.0
@@ -839,7 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
           f"time compressed x{a.speed:g}: "
           f"{scaled.duration_s:.0f} s per run, {len(scaled.instants())} agent-count changes, "
           f"{len(scaled.removals())} removals ({len(unannounced)} unannounced), notice lead {a.lead_s:g} s", flush=True)
-    work = tempfile.mkdtemp(prefix="tg-bench-spot-")
+    work = a.reanalyse or tempfile.mkdtemp(prefix="tg-bench-spot-")
     res: dict[str, Any] = {"trace": trace.name, "window": win.name, "nodes_per_agent": a.nodes_per_agent,
                            "max_agents": a.max_agents, "speed": a.speed, "lead_s": a.lead_s,
                            "unannounced_share": a.unannounced, "replay_s": scaled.duration_s,
@@ -853,7 +1042,13 @@ def main(argv: list[str] | None = None) -> int:
             mode = "torchrun" if name == "baseline" else name
             acts = schedule(scaled, unannounced, a.lead_s, notices=mode != "torchrun")
             print(f"\n== {name}: {len(acts)} actions over {scaled.duration_s:.0f} s", flush=True)
-            raw = replay(name, mode, acts, scaled.duration_s, a, work, a.max_agents)
+            if a.reanalyse:  # the logs of an earlier --keep run of the same schedule
+                raw = load_raw(os.path.join(a.reanalyse, name))
+                if [(x.t, x.kind, x.agent) for x in raw.actions] != [(x.t, x.kind, x.agent) for x in acts]:
+                    raise SystemExit(f"--reanalyse {a.reanalyse}: {name} ran another schedule; pass the same "
+                                     "--trace/--start-h/--hours/--speed/--seed options as that run")
+            else:
+                raw = replay(name, mode, acts, scaled.duration_s, a, work, a.max_agents)
             raws[name] = raw
             runs[name] = analyse(raw, scaled)
             r = runs[name]
@@ -865,7 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         res["leftover_processes"] = len(left)
-        if not a.keep:
+        if not a.keep and not a.reanalyse:
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"work folder kept: {work}")

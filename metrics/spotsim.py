@@ -26,9 +26,16 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
   Without notice handling (``JobModel.notices=False``) every removal is unannounced.
 * An *unannounced* removal: the survivors notice after ``detect_failure_s`` (``detection``), re-form,
   restore the newest committed checkpoint; the node-time trained since it was taken is ``recompute``.
-* An addition: the node warms up ``warmup_s`` (agent start, join); then the world takes a resize
-  checkpoint (``checkpoint``) and re-forms larger; without it (``resize_checkpoint=False``) the world
-  restarts from its last committed checkpoint (``recompute``).
+* An addition: the node warms up (``agent_start_s`` for a node of the first world, ``warmup_s`` for one
+  joining a running world: agent start, and with in-place re-formation its workers' start in standby);
+  then the world takes a resize checkpoint (``checkpoint``) and re-forms larger; without it
+  (``resize_checkpoint=False``) the world restarts from its last committed checkpoint (``recompute``).
+* In-place re-formation (``JobModel.in_place``, trainguard's worker-API path): a join takes no checkpoint
+  (the joiner takes the state from a live peer) and an unannounced loss rolls back only the interrupted
+  step (the survivors continue from memory); only a world that loses every node restarts from its newest
+  committed checkpoint. ``restore`` is then the survivors' process-group rebuild until the next step.
+* Between two steps the runtime spends ``JobModel.step_overhead_s`` outside the step itself (``between_steps``):
+  productive time is the steps' own time, as the replay measures it.
 * Changes while the world re-forms: a node lost re-starts the re-formation (a failure: detection
   first); a notice makes the leavers go at once; a joiner ready before the restore phase joins this
   re-formation, one ready later waits and triggers the next one right after (thrash).
@@ -54,7 +61,7 @@ from typing import Any
 from trainguard.checkpoint.interval import AutoSettings, IntervalController, IntervalMode, IntervalPolicy
 
 CAUSES: tuple[str, ...] = ("detection", "checkpoint", "periodic_checkpoint", "reformation", "restore", "recompute",
-                           "warmup", "notice_lead", "idle")
+                           "warmup", "notice_lead", "idle", "between_steps")
 """Waste causes, in node-seconds (see the module docstring)."""
 
 
@@ -221,19 +228,34 @@ class Dist:
 class ChangeCosts:
     """Seconds each part of a membership change takes (see the module docstring)."""
 
+    agent_start_s: Dist | None = None
+    """A node of the first world: its agent's start until it waits in the rendezvous (None: ``warmup_s``)."""
     detect_notice_s: Dist = Dist.of(0.5)
     detect_failure_s: Dist = Dist.of(10.0)
     emergency_s: Dist = Dist.of(1.0)
     resize_checkpoint_s: Dist = Dist.of(1.0)
     reformation_s: Dist = Dist.of(2.0)
     restore_s: Dist = Dist.of(5.0)
+    start_reformation_s: Dist | None = None
+    """The first world's rendezvous, the last node ready until it completes (None: ``reformation_s``): with
+    no plan to go by, it waits out the rendezvous' last call."""
+    join_reformation_s: Dist | None = None
+    """A scale-up's re-formation (None: ``reformation_s``); with in-place re-formation from the request to
+    the workers until the world re-formed, their parking at a step boundary included."""
+    join_restore_s: Dist | None = None
+    """A scale-up's restore (None: ``restore_s``): in place, the joiner takes the state from a peer."""
+    failure_reformation_s: Dist | None = None
+    """The re-formation after an unannounced loss, from its detection (None: ``reformation_s``): the
+    rendezvous waits until the lost node is given up, and a survivor blocked in a collective is restarted."""
+    failure_restore_s: Dist | None = None
+    """The restore after an unannounced loss (None: ``restore_s``)."""
     startup_s: Dist = Dist.of(5.0)
     warmup_s: Dist = Dist.of(3.0)
     periodic_overhead_s: Dist = Dist.of(0.05)
     periodic_persist_s: Dist = Dist.of(0.5)
 
     def as_dict(self) -> dict[str, list[float]]:
-        return {f: list(getattr(self, f).samples) for f in self.__slots__}
+        return {f: list(getattr(self, f).samples) for f in self.__slots__ if getattr(self, f) is not None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ChangeCosts:
@@ -252,8 +274,17 @@ class JobModel:
     samples_per_step: int = 1
     notices: bool = True
     resize_checkpoint: bool = True
+    in_place: bool = False
+    """Worlds re-form in place (see the module docstring): joins need no checkpoint, a node lost without
+    notice costs the interrupted step, not the work since the newest commit."""
+    step_overhead_s: float = 0.0
+    """Seconds between two steps outside the steps themselves (``between_steps`` waste)."""
     min_nodes: int = 1
     max_nodes: int = 1 << 30
+
+    def cycle_s(self, w: int) -> float:
+        """A step and the gap to the next one."""
+        return self.step_time_s(w) + self.step_overhead_s
 
     def step_time_s(self, w: int) -> float:
         if self.step_times:
@@ -457,17 +488,24 @@ class _Sim:
                 self._periodic_save()
 
     def step_s(self, w: int) -> float:
+        """Seconds from one step's start to the next's (the step and the gap after it)."""
         v = self._step_s.get(w)
         if v is None:
-            v = self._step_s[w] = self.job.step_time_s(w)
+            v = self._step_s[w] = self.job.cycle_s(w)
         return v
+
+    def _share(self, w: int) -> float:
+        """The productive share of training time at world size ``w``."""
+        return self.job.step_time_s(w) / self.step_s(w)
 
     def _train(self, t1: float) -> None:
         dt = t1 - self.now
         if dt <= 0:
             return
         w = len(self.world)
-        self.productive += dt * w
+        share = self._share(w)
+        self.productive += dt * w * share
+        self.waste["between_steps"] += dt * w * (1.0 - share)
         self.steps += dt / self.step_s(w)
         self.pieces.append(_Piece(self.now, t1, w))
         self.world_time[w] = self.world_time.get(w, 0.0) + dt
@@ -505,15 +543,43 @@ class _Sim:
         self.phases = [_Phase("periodic_checkpoint", self.now + overhead, self.world)]
         self.resuming = True
 
-    def _rollback(self) -> None:
-        """Lose what was trained since the newest committed checkpoint (a save in flight too)."""
-        lost_node_s = sum((p.t1 - p.t0) * p.w for p in self.pieces)
+    def _rollback(self, *, interrupted_only: bool = False) -> None:
+        """Lose what was trained since the newest committed checkpoint (a save in flight too), or with
+        ``interrupted_only`` (in place) the step under way only."""
+        if interrupted_only:
+            lost_steps = self.steps - max(math.floor(self.steps + 1e-9), self.commit_steps)
+            self._drop_latest(lost_steps)
+            return
+        lost_node_s = sum((p.t1 - p.t0) * p.w * self._share(p.w) for p in self.pieces)
         lost_steps = self.steps - self.commit_steps
-        self.productive -= lost_node_s
-        self.waste["recompute"] += lost_node_s
+        self._lost(lost_node_s, lost_steps)
         self.steps = self.commit_steps
         self.pieces = []
         self.pending = None
+
+    def _drop_latest(self, lost_steps: float) -> None:
+        """Lose the newest ``lost_steps`` steps trained (the interrupted one), keeping the rest."""
+        if lost_steps <= 1e-12:
+            return
+        lost_node_s, left = 0.0, lost_steps
+        while left > 1e-12 and self.pieces:
+            p = self.pieces[-1]
+            ps = (p.t1 - p.t0) / self.step_s(p.w)
+            take = min(ps, left)
+            lost_node_s += take * self.step_s(p.w) * p.w * self._share(p.w)
+            if take >= ps:
+                self.pieces.pop()
+            else:
+                p.t1 -= take * self.step_s(p.w)
+            left -= take
+        self._lost(lost_node_s, lost_steps)
+        self.steps -= lost_steps
+        if self.pending and self.pending[1] > self.steps:
+            self.pending = None  # its state included the lost step: it is void
+
+    def _lost(self, lost_node_s: float, lost_steps: float) -> None:
+        self.productive -= lost_node_s
+        self.waste["recompute"] += lost_node_s
         self.recomputed += lost_steps
         if self.current is not None:
             self.current.lost_node_s["recompute"] = self.current.lost_node_s.get("recompute", 0.0) + lost_node_s
@@ -528,11 +594,14 @@ class _Sim:
         self.changes.append(self.current)
         self.ctl.tick(self.now)  # the world stops training: close the exposure clock
 
-    def _reform(self, pre: list[_Phase], new_world: frozenset[str]) -> None:
+    def _reform(self, pre: list[_Phase], new_world: frozenset[str], kind: str = "") -> None:
+        """Re-form after ``pre``; ``kind`` (``join``, ``failure``) picks that kind's measured costs."""
         t = pre[-1].end if pre else self.now
-        t += self.c.reformation_s.draw(self.rng)
+        c = self.c
+        t += (getattr(c, f"{kind}_reformation_s", None) or c.reformation_s).draw(self.rng)
         phases = [*pre, _Phase("reformation", t, new_world)]
-        self.restore_s = self.c.restore_s.draw(self.rng) if self.started else self.c.startup_s.draw(self.rng)
+        restore = getattr(c, f"{kind}_restore_s", None) or c.restore_s
+        self.restore_s = restore.draw(self.rng) if self.started else c.startup_s.draw(self.rng)
         phases.append(_Phase("restore", t + self.restore_s, new_world))
         self.phases = phases
         self.resuming = False
@@ -583,13 +652,15 @@ class _Sim:
         self._begin_change("join" if self.started else "start")
         new_world = self.world | joiners
         if not self.started:
-            self._reform([], new_world)
+            self._reform([], new_world, "start")
+        elif self.job.in_place:  # the joiner takes the state from a live peer: no checkpoint
+            self._reform([], new_world, "join")
         elif self.job.resize_checkpoint and len(self.world) >= self.job.min_nodes:
             end = self.now + self.c.resize_checkpoint_s.draw(self.rng)
-            self._reform([_Phase("checkpoint", end, self.world, commit="resize")], new_world)
+            self._reform([_Phase("checkpoint", end, self.world, commit="resize")], new_world, "join")
         else:
             self._rollback()
-            self._reform([], new_world)
+            self._reform([], new_world, "join")
 
     def _drain(self, leavers: set[str]) -> None:
         """A notice reached ``leavers`` (after detection): emergency checkpoint, then re-form without them."""
@@ -623,14 +694,16 @@ class _Sim:
         target = self.phases[-1].world if self.phases and not self.resuming else self.world
         rest = frozenset(n for n in target if n not in lost)
         self._begin_change("failure")
-        if phase is None or phase == "checkpoint":  # training, or saving: roll back to the newest commit
+        if (phase is None or phase == "checkpoint") and self.job.in_place and rest:
+            self._rollback(interrupted_only=True)  # the survivors continue from memory
+        elif phase is None or phase == "checkpoint":  # training, or saving: roll back to the newest commit
             self._rollback()
             self.new_failures += 1
         elif phase == "restore":  # the new world had restored: it dies without a new checkpoint
             self.new_failures += 1
         survivors = frozenset(n for n in self.world if n not in lost)
         end = self.now + self.c.detect_failure_s.draw(self.rng)
-        self._reform([_Phase("detection", end, survivors)], rest)
+        self._reform([_Phase("detection", end, survivors)], rest, "failure")
 
     def run(self, end: float) -> None:
         q: list[tuple[float, int, str, Any]] = []
@@ -665,7 +738,9 @@ class _Sim:
                     self.present.add(n)
                     self.out_cause[n] = "warmup"
                 self._ver += 1
-                push(self.now + self.c.warmup_s.draw(self.rng), "join", payload)
+                # A node of the first world starts the usual way; one joining a running world warms up.
+                warm = self.c.warmup_s if self.started or self.c.agent_start_s is None else self.c.agent_start_s
+                push(self.now + warm.draw(self.rng), "join", payload)
             elif kind == "join":
                 self._resize(set(payload))
             elif kind == "notice":
@@ -681,8 +756,8 @@ class _Sim:
     def result(self) -> SimResult:
         available = self.trace.available_node_s()
         trained = sum(self.world_time.values())
-        mean_node_s = (sum(self.job.step_time_s(w) * w * s for w, s in self.world_time.items()) / trained
-                       if trained else self.job.step_time_s(1))
+        mean_node_s = (sum(self.job.cycle_s(w) * w * s for w, s in self.world_time.items()) / trained
+                       if trained else self.job.cycle_s(1))
         return SimResult(
             available_node_s=available, productive_node_s=self.productive, waste_node_s=dict(self.waste),
             kept_steps=self.steps, recomputed_steps=self.recomputed, samples_per_step=self.job.samples_per_step,

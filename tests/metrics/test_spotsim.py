@@ -32,7 +32,8 @@ def trace(*events: tuple[float, str, str], duration: float) -> Trace:
 
 
 def costs(**kw: float) -> ChangeCosts:
-    base = {f: 0.0 for f in ChangeCosts.__slots__}
+    # The optional per-kind costs stay None (they fall back to the general ones) unless given.
+    base = {f: 0.0 for f in ChangeCosts.__slots__ if getattr(ChangeCosts(), f) is not None}
     base.update(kw)
     return ChangeCosts(**{k: Dist.of(v) for k, v in base.items()})
 
@@ -147,6 +148,75 @@ def test_a_joiner_late_for_a_re_formation_triggers_the_next_one() -> None:
     assert [(c.why, c.size_before, c.size_after) for c in r.changes] == [("start", 0, 1), ("join", 1, 2)]
     assert r.changes[1].t_s == pytest.approx(10)
     assert r.productive_node_s == pytest.approx(2 * (40 - 19))
+
+
+def test_in_place_a_loss_without_notice_costs_the_interrupted_step() -> None:
+    """In place, b dies at 25.5 without notice, half-way through step 26: only that half step is lost
+    (the survivor continues from memory); detection 25.5..27.5, re-formation 27.5..28.5, restore
+    28.5..29.5 (the failure's own costs, not the general ones), then a trains alone (2 s a step)."""
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (25.5, "remove", "b"), duration=50),
+                 costs(detect_failure_s=2, start_reformation_s=0, reformation_s=100, restore_s=100,
+                       failure_reformation_s=1, failure_restore_s=1),
+                 JobModel(node_s_per_step=2, in_place=True), IntervalPolicy(IntervalMode.FIXED, seconds=10.0),
+                 unannounced=[0])
+    check(r)
+    assert r.available_node_s == 75.5
+    assert r.waste_node_s["recompute"] == pytest.approx(1)        # half a step at 2 nodes
+    assert r.recomputed_steps == pytest.approx(0.5)
+    assert r.waste_node_s["detection"] == pytest.approx(2)
+    assert r.waste_node_s["reformation"] == pytest.approx(1)
+    assert r.waste_node_s["restore"] == pytest.approx(1)
+    assert r.productive_node_s == pytest.approx(50 + 20.5)
+    assert r.kept_steps == pytest.approx(25 + 20.5 / 2)
+    assert r.failures_seen == 0      # no restore from a checkpoint: the interval controller sees none
+
+
+def test_in_place_a_world_that_loses_every_node_restarts_from_its_last_commit() -> None:
+    """a, alone, dies without notice at 10 as c arrives: nothing survives to continue from memory, so the
+    10 node-s trained since the start (no commit) are lost; c waits out the detection (1 s) and trains."""
+    r = simulate(trace((0, "add", "a"), (10, "add", "c"), (10, "remove", "a"), duration=30),
+                 costs(detect_failure_s=1), JobModel(node_s_per_step=1, in_place=True), OFF, unannounced=[0])
+    check(r)
+    assert r.waste_node_s["recompute"] == pytest.approx(10)
+    assert r.waste_node_s["warmup"] == pytest.approx(1)
+    assert r.productive_node_s == pytest.approx(19)
+
+
+def test_in_place_join_and_the_start_use_their_own_costs() -> None:
+    """a warms up 0..2, the first rendezvous 2..5 (start_reformation_s), start-up 5..9, trains; b arrives
+    at 20, warm at 22: no checkpoint (the joiner takes the state from a peer), re-formation 22..23, restore
+    23..23.5, then both train to 40."""
+    r = simulate(trace((0, "add", "a"), (20, "add", "b"), duration=40),
+                 costs(warmup_s=2, start_reformation_s=3, reformation_s=100, join_reformation_s=1, join_restore_s=0.5,
+                       startup_s=4, restore_s=100, resize_checkpoint_s=100),
+                 JobModel(node_s_per_step=1, in_place=True), OFF)
+    check(r)
+    assert r.waste_node_s["warmup"] == pytest.approx(4)
+    assert r.waste_node_s["reformation"] == pytest.approx(3 + 2)
+    assert r.waste_node_s["restore"] == pytest.approx(4 + 1)
+    assert r.waste_node_s["checkpoint"] == 0
+    assert r.productive_node_s == pytest.approx(13 + 33)
+    assert [(c.why, c.size_before, c.size_after) for c in r.changes] == [("start", 0, 1), ("join", 1, 2)]
+
+
+def test_the_first_world_warms_up_by_agent_start_s() -> None:
+    """Nodes of the first world take agent_start_s (1 s) to reach the rendezvous; a node joining the
+    running world later takes warmup_s (5 s: its workers start in standby)."""
+    r = simulate(trace((0, "add", "a"), (20, "add", "b"), duration=40),
+                 costs(agent_start_s=1, warmup_s=5), JobModel(node_s_per_step=1, in_place=True), OFF)
+    check(r)
+    assert r.waste_node_s["warmup"] == pytest.approx(1 + 5)
+    assert r.productive_node_s == pytest.approx(39 + 15)
+
+
+def test_time_between_steps_is_not_productive() -> None:
+    """0.9 s steps with 0.1 s between them: 10 % of the training time is between_steps waste; the kept
+    steps count the whole cycle."""
+    r = simulate(trace((0, "add", "a"), duration=100), costs(), JobModel(node_s_per_step=0.9, step_overhead_s=0.1), OFF)
+    check(r)
+    assert r.productive_node_s == pytest.approx(90)
+    assert r.waste_node_s["between_steps"] == pytest.approx(10)
+    assert r.kept_steps == pytest.approx(100)
 
 
 def test_costs_and_cost_per_sample() -> None:
