@@ -26,6 +26,9 @@
 Prints tables, writes JSON (``--json``) and a PNG of world size and cumulative useful steps over time
 (``--plot``; needs matplotlib: ``pip install trainguard[bench]``).
 
+``--keep`` keeps the work folder (logs, sample logs, ``replay.json`` per run); ``--reanalyse FOLDER`` analyses
+and simulates such a kept run again (same schedule options) without starting any agent.
+
 ``--quick``: a 2-hour window at the same compression, two agents: a few minutes, for CI of the pipeline.
 The full default run takes about 15-20 minutes on 2 cores.
 """
@@ -620,8 +623,9 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
             t_up = _last_in(resumed, t_from, t_first) or t_from
             if t_det:
                 phases["detect_failure_s"] = t_det - (t0 + act.t)
-            phases["reformation_s"] = t_up - t_from
-            phases["restore_s"] = t_first - t_up
+            prefix = "failure_" if kind == "kill" else "join_"
+            phases[f"{prefix}reformation_s"] = t_up - t_from
+            phases[f"{prefix}restore_s"] = t_first - t_up
             lost = [e for e in steps if prev_end <= e.t1 <= t_last and id(e) not in kept_ids]
             rec["recomputed_steps"] = len(lost)
             rec["recompute_node_s"] = round(sum((e.t1 - e.t0) * e.world for e in lost), 3)
@@ -856,16 +860,18 @@ def measured_costs(runs: list[dict[str, Any]], fallback: dict[str, list[float]] 
         clean = k.split(":", 1)[1]
         if not pooled.get(clean):  # no clean change measured it: the pauses that overlapped another change
             pooled[clean] = list(pooled[k])
-    for a, b in (("restore_s", "startup_s"), ("startup_s", "restore_s"), ("emergency_s", "resize_checkpoint_s"),
+    for a, b in (("reformation_s", "join_reformation_s"), ("restore_s", "join_restore_s"), ("restore_s", "startup_s"),
+                 ("startup_s", "restore_s"), ("emergency_s", "resize_checkpoint_s"),
                  ("resize_checkpoint_s", "emergency_s")):
         if not pooled.get(a) and pooled.get(b):
             pooled[a] = list(pooled[b])
     out = {}
+    optional = {k for k in sim.ChangeCosts.__slots__ if getattr(sim.ChangeCosts(), k) is None}
     for k in sim.ChangeCosts.__slots__:
         vals = pooled.get(k) or (fallback or {}).get(k)
         if vals:
             out[k] = sim.Dist.of(vals)
-        elif unmeasured is not None:
+        elif unmeasured is not None and k not in optional:  # an optional one falls back to the general cost
             unmeasured.append(k)
     return sim.ChangeCosts(**out)
 
@@ -1078,8 +1084,11 @@ def main(argv: list[str] | None = None) -> int:
                 pooled_tg[k] += v
         # Its torch.save runs inside the step (counted as step time, as the replay measures it): no
         # separate periodic cost.
+        # Its first start is measured from the agents' start (startup_s); a joiner's warm-up is an
+        # agent's start (trainguard's, the same Python and torch imports).
         costs["torchrun"] = measured_costs([runs["baseline"]], fallback={
-            "warmup_s": pooled_tg.get("warmup_s", []), "periodic_overhead_s": [0.0], "periodic_persist_s": [0.0],
+            "warmup_s": pooled_tg.get("agent_start_s", []), "agent_start_s": [0.0], "start_reformation_s": [0.0],
+            "periodic_overhead_s": [0.0], "periodic_persist_s": [0.0],
             "emergency_s": [0.0], "resize_checkpoint_s": [0.0], "detect_notice_s": [0.0]}, unmeasured=unmeasured["torchrun"])
     if "torchrun" not in costs and a.baseline_costs:
         with open(a.baseline_costs) as fh:

@@ -34,8 +34,11 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
   (the joiner takes the state from a live peer) and an unannounced loss rolls back only the interrupted
   step (the survivors continue from memory); only a world that loses every node restarts from its newest
   committed checkpoint. ``restore`` is then the survivors' process-group rebuild until the next step.
-* Between two steps the runtime spends ``JobModel.step_overhead_s`` outside the step itself (``between_steps``):
-  productive time is the steps' own time, as the replay measures it.
+* Each kind of change may have costs of its own (``start_reformation_s``, ``join_*``, ``failure_*``; None:
+  the general ``reformation_s`` / ``restore_s``): a first rendezvous waits out the last call, a join
+  moves the state to the joiner, an unplanned re-formation waits until the lost node is given up.
+* Between two steps the runtime spends ``JobModel.step_overhead_s`` outside the step itself
+  (``between_steps``): productive time is the steps' own time, as the replay measures it.
 * Changes while the world re-forms: a node lost re-starts the re-formation (a failure: detection
   first); a notice makes the leavers go at once; a joiner ready before the restore phase joins this
   re-formation, one ready later waits and triggers the next one right after (thrash).
