@@ -714,6 +714,10 @@ def _tg_change(rec: dict[str, Any], t_act: float, t_ref: float, nxt: float, prev
     kind = rec["kind"]
     agents = set(rec["agents"])
     fits = (lambda m: agents <= m) if kind == "join" else (lambda m: not agents & m)
+    before = [m for t, _, m in ev.rounds if t < t_ref]
+    if kind != "join" and not (before and agents & before[-1]):  # it left before it ever joined the world
+        rec["not_in_world"] = True
+        return prev_end
     found = next(((t, r) for t, r, m in ev.rounds if t >= t_ref and fits(m)), None)
     if found is None or found[1] in ev.claimed:  # no round of its own (the end of the trace), or merged
         rec["merged" if found is not None else "absorbed"] = True
