@@ -1103,13 +1103,18 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in unmeasured.items():
         if v:
             print(f"{k}: not measured by any clean change, simulator defaults used: {v}", flush=True)
-    # The simulator on the replayed schedule: its prediction against the measurement.
+    # The simulator on the replayed schedule: its prediction against the measurement. Each run is
+    # predicted from the costs its own changes measured (runs of one schedule differ by the load beside
+    # them on a shared machine); a cost it did not measure comes from the pooled runs.
     settings = AutoSettings(min_s=a.auto_min_s, max_s=3600 / a.speed, prior_mtbf_s=a.prior_mtbf_s / a.speed)
     for name, r in runs.items():
         torchrun = name == "baseline"
-        policy = IntervalPolicy(IntervalMode.AUTO) if name == "trainguard-auto" else IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS)
-        c = costs["torchrun" if torchrun else "trainguard"]
+        policy = (IntervalPolicy(IntervalMode.AUTO) if name == "trainguard-auto"
+                  else IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS))
+        pooled = costs["torchrun" if torchrun else "trainguard"]
+        c = measured_costs([r], fallback=pooled.as_dict())
         p = predict(scaled, c, job_model(r, torchrun=torchrun), policy, settings, a.lead_s, unannounced, a.sim_seeds)
+        r["predicted_from"] = "own costs"
         r["predicted"] = p
         r["prediction_error_points"] = round(100 * (p["ettr"] - r["ettr"]), 2)
     if tg_runs:
