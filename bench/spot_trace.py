@@ -460,8 +460,6 @@ def _between_steps(raw: ReplayRaw, rank0: list[Exec]) -> tuple[float, float]:
     """The time between two consecutive steps of a world outside the steps themselves (the runtime's
     per-step work: data, hooks, logging): the mean gap after steps that took no periodic save, over gaps
     with no re-formation in them (under 1 s); and the node-seconds all such gaps took (saves included)."""
-    if raw.mode == "torchrun":
-        return 0.0, 0.0
     saved = {(int(e.get("step", -1)), e.get("world_size")) for _, _, e in
              _events(raw, "checkpoint_staged", lambda e: e.get("kind") == "periodic")}
     rdzv = [t for t, _, _ in _events(raw, "rendezvous_complete")]
