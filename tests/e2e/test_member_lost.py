@@ -21,17 +21,32 @@ def worlds(node):
     return [e["world_size"] for e in node.events("rendezvous_complete")]
 
 
-def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
-    tmp = str(tmp_path)
+def two_training_nodes(tmp, *settings):
+    """Nodes a and b (of up to 3) training at world size 2 on a store of a's; returns (a, b, endpoint,
+    their agent flags) for the third node to use."""
     ep = f"127.0.0.1:{free_port()}"
-    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "workers.reform=restart",
-              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "rendezvous.keep_alive_interval_s=1",
+              "--set", "rendezvous.keep_alive_max_attempts=3"]
+    for s in settings:
+        common += ["--set", s]
     a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
     wait_listening(ep)
     b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
-    nodes = [a, b]
     try:
         wait_until(lambda: any(e["world_size"] == 2 for e in a.events("train_step")), 120, "training at world size 2")
+    except AssertionError:
+        for n in (a, b):
+            print(n.dump(40))
+            n.stop()
+        raise
+    return a, b, ep, common
+
+
+def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
+    tmp = str(tmp_path)
+    a, b, ep, common = two_training_nodes(tmp, "workers.reform=restart")
+    nodes = [a, b]
+    try:
         c = Node("c", tmp, ep, nnodes="1:3", script=SLOW, script_args=ARGS, extra=common, env={"SLOW_START_S": "60"})
         nodes.append(c)
         wait_until(lambda: worlds(c)[-1:] == [3], 90, "c in a world of 3 (its worker still starting)")
@@ -68,15 +83,9 @@ def test_in_place_a_member_lost_before_the_new_world_forms_costs_no_step(tmp_pat
     at 2, same processes, no step redone (the chaos case `sigterm_agent @ rendezvous`, which planned
     leaves hit the same way)."""
     tmp = str(tmp_path)
-    ep = f"127.0.0.1:{free_port()}"
-    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}",
-              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
-    a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
-    wait_listening(ep)
-    b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
+    a, b, ep, common = two_training_nodes(tmp)
     nodes = [a, b]
     try:
-        wait_until(lambda: any(e["world_size"] == 2 for e in a.events("train_step")), 120, "training at world size 2")
         pids = (a.worker_pids(), b.worker_pids())
         c = Node("c", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
         nodes.append(c)
