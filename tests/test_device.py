@@ -68,7 +68,9 @@ def test_from_env_without_timeout_keeps_torch_default(fake_cuda):
     assert "timeout" not in kw and kw["device_id"] == torch.device("cuda", 0)
 
 
-def test_reform_init_world_binds_the_device_too(fake_cuda):
+def test_reform_init_world_binds_the_device_too(fake_cuda, monkeypatch):
+    arrivals = []
+    monkeypatch.setattr(rf, "arrive", lambda **kw: arrivals.append(kw) or torch.distributed.HashStore())
     with mock.patch.dict(os.environ):  # init_world exports the torchelastic variables
         rf.init_world(rank=5, world_size=8, local_rank=5, local_world_size=8, master_addr="127.0.0.1",
                       master_port=1, device=torch.device("cuda", 5), timeout_s=30)
@@ -76,6 +78,8 @@ def test_reform_init_world_binds_the_device_too(fake_cuda):
     backend, kw = fake_cuda[1][1]
     assert (backend, kw["device_id"], kw["timeout"]) == ("nccl", torch.device("cuda", 5),
                                                            datetime.timedelta(seconds=30))
+    # the process group is made on the world's store, after the arrival count, as rank 5 of 8
+    assert (kw["rank"], kw["world_size"]) == (5, 8) and arrivals[0]["master_port"] == 1
 
 
 @pytest.mark.parametrize("available,count,local_rank,expected", [

@@ -3,6 +3,8 @@ internals (elastic's TestAgent idea; the adapter is the seam, STYLE §11)."""
 
 import time
 
+import pytest
+
 from trainguard.agent.configload import load_config
 from trainguard.agent.elastic import Peek, Poll, RendezvousAborted, World
 from trainguard.agent.supervisor import DRAIN_KEY, Supervisor
@@ -255,4 +257,21 @@ def test_an_unreachable_store_is_logged_once_per_outage_not_per_poll(tmp_path):
     assert events.count("rendezvous_store_unreachable") == 1, events
     back = [e for e in logs if e["event"] == "rendezvous_store_reachable"]
     assert len(back) == 1 and back[0]["failed_calls"] == 20, back
+    sup.control.close()
+
+
+@pytest.mark.parametrize("reason,consumed", [("member_lost", False), ("resize_overdue", False), ("scale_up", False)])
+def test_a_restart_whose_workers_may_be_blocked_stops_them_with_the_short_grace(tmp_path, reason, consumed):
+    """member_lost / resize_overdue restarts consume no restart, but the workers may sit in a collective
+    with a vanished peer and never run their SIGTERM handler: they get workers.failure_stop_grace_s
+    (3 s), not elastic's 30 s (chaos `sigkill_node @ allreduce` waited 32 s in that stop). A planned
+    scale-up restart of running plain workers keeps elastic's stop (their handler may save)."""
+    from trainguard.agent.decisions import Act, Decision, Observation
+
+    sup, fake, tr = make(tmp_path, [], max_restarts=2)
+    sup.sm.to(AgentState.RENDEZVOUS)
+    sup.sm.to(AgentState.RUNNING)
+    assert sup._restart(Decision(Act.RESTART, reason, consume_restart=consumed), Observation(workers=WorkerStatus.HEALTHY)) is None
+    assert fake.calls == (["terminate(3)", "restart"] if reason != "scale_up" else ["restart"])
+    assert fake.remaining_restarts == 2
     sup.control.close()

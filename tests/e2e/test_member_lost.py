@@ -21,17 +21,37 @@ def worlds(node):
     return [e["world_size"] for e in node.events("rendezvous_complete")]
 
 
-def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
-    tmp = str(tmp_path)
+def steps(*nodes):
+    """The ``train_step`` lines of ``nodes`` (the script logs them on global rank 0, which can be any node)."""
+    return [e for n in nodes for e in n.events("train_step")]
+
+
+def two_training_nodes(tmp, *settings):
+    """Nodes a and b (of up to 3) training at world size 2 on a store of a's; returns (a, b, endpoint,
+    their agent flags) for the third node to use."""
     ep = f"127.0.0.1:{free_port()}"
-    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "workers.reform=restart",
-              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "rendezvous.keep_alive_interval_s=1",
+              "--set", "rendezvous.keep_alive_max_attempts=3"]
+    for s in settings:
+        common += ["--set", s]
     a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
     wait_listening(ep)
     b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
+    try:
+        wait_until(lambda: any(e["world_size"] == 2 for e in steps(a, b)), 120, "training at world size 2")
+    except AssertionError:
+        for n in (a, b):
+            print(n.dump(40))
+            n.stop()
+        raise
+    return a, b, ep, common
+
+
+def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
+    tmp = str(tmp_path)
+    a, b, ep, common = two_training_nodes(tmp, "workers.reform=restart")
     nodes = [a, b]
     try:
-        wait_until(lambda: any(e["world_size"] == 2 for e in a.events("train_step")), 120, "training at world size 2")
         c = Node("c", tmp, ep, nnodes="1:3", script=SLOW, script_args=ARGS, extra=common, env={"SLOW_START_S": "60"})
         nodes.append(c)
         wait_until(lambda: worlds(c)[-1:] == [3], 90, "c in a world of 3 (its worker still starting)")
@@ -40,11 +60,11 @@ def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
         for p in kids:
             os.kill(p, signal.SIGKILL)
         t_kill = time.monotonic()
-        n_before = len(a.events("train_step"))
+        at_2 = len([e for e in steps(a, b) if e["world_size"] == 2])
         # a and b restarted their workers for the world of 3: they now wait for rank 2 in set-up.
         lost = wait_until(lambda: a.events("member_lost") or b.events("member_lost"), 60, "a member_lost report")
         assert lost
-        wait_until(lambda: worlds(a)[-1:] == [2] and any(e["world_size"] == 2 for e in a.events("train_step")[n_before:]),
+        wait_until(lambda: worlds(a)[-1:] == [2] and len([e for e in steps(a, b) if e["world_size"] == 2]) > at_2,
                    90, "training at world size 2 again")
         recovered_s = time.monotonic() - t_kill
         assert recovered_s < 60, recovered_s  # not the 600 s process-group timeout
@@ -68,15 +88,9 @@ def test_in_place_a_member_lost_before_the_new_world_forms_costs_no_step(tmp_pat
     at 2, same processes, no step redone (the chaos case `sigterm_agent @ rendezvous`, which planned
     leaves hit the same way)."""
     tmp = str(tmp_path)
-    ep = f"127.0.0.1:{free_port()}"
-    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}",
-              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
-    a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
-    wait_listening(ep)
-    b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
+    a, b, ep, common = two_training_nodes(tmp)
     nodes = [a, b]
     try:
-        wait_until(lambda: any(e["world_size"] == 2 for e in a.events("train_step")), 120, "training at world size 2")
         pids = (a.worker_pids(), b.worker_pids())
         c = Node("c", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
         nodes.append(c)
@@ -86,17 +100,17 @@ def test_in_place_a_member_lost_before_the_new_world_forms_costs_no_step(tmp_pat
             os.kill(p, signal.SIGSTOP)  # c will join the round, but its worker never the world
         wait_until(lambda: worlds(a)[-1:] == [3] and worlds(b)[-1:] == [3], 90, "a and b in the round of 3")
         time.sleep(1.0)  # a's and b's workers are in the new world's arrival count now
-        last = max(e["step"] for e in a.events("train_step"))
+        last = max(e["step"] for e in steps(a, b))
         c.proc.kill()
         for p in kids:
             os.kill(p, signal.SIGKILL)
         wait_until(lambda: worlds(a)[-1:] == [2] and any(e["world_size"] == 2 and e["step"] > last
-                                                         for e in a.events("train_step")), 90, "training at 2 again")
+                                                         for e in steps(a, b)), 90, "training at 2 again")
         assert a.events("join_aborted") and b.events("join_aborted")
         assert (a.worker_pids(), b.worker_pids()) == pids  # the same processes, never restarted
         assert not [e for n in (a, b) for e in n.events("state_change") if e["new"] == "restarting"]
-        steps = [e["step"] for e in a.events("train_step")]
-        assert len(steps) == len(set(steps)), "a step was trained twice"
+        logged = [e["step"] for e in steps(a, b)]
+        assert len(logged) == len(set(logged)), "a step was trained twice"
         assert not a.events("step_rolled_back") and not b.events("step_rolled_back")
     except AssertionError:
         for n in nodes:
