@@ -173,6 +173,21 @@ class Node:
         return f"--- {self.name} (last {n} lines) ---\n" + "\n".join(self.lines()[-n:])
 
 
+@contextmanager
+def running(nodes: list[Node], tail: int = 40) -> Iterator[list[Node]]:
+    """The e2e convention for a test's nodes (``nodes`` may grow inside): on a failed assertion print each
+    node's last ``tail`` lines, and always stop them all."""
+    try:
+        yield nodes
+    except AssertionError:
+        for n in nodes:
+            print(n.dump(tail))
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
+
+
 def continued(node: Node, world: int) -> list[dict[str, Any]]:
     """The job's rank 0 on ``node`` continuing at ``world``: ``resumed`` after a restart from a
     checkpoint, or ``reformed`` after an in-place re-formation (both carry the step it continues from)."""

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+from tests.harness import REPO, Node, free_port, running, wait_listening, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -50,8 +50,7 @@ def two_training_nodes(tmp, *settings):
 def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
     tmp = str(tmp_path)
     a, b, ep, common = two_training_nodes(tmp, "workers.reform=restart")
-    nodes = [a, b]
-    try:
+    with running([a, b]) as nodes:
         c = Node("c", tmp, ep, nnodes="1:3", script=SLOW, script_args=ARGS, extra=common, env={"SLOW_START_S": "60"})
         nodes.append(c)
         wait_until(lambda: worlds(c)[-1:] == [3], 90, "c in a world of 3 (its worker still starting)")
@@ -71,13 +70,6 @@ def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
         decisions = [e for e in a.events("decision") if e.get("reason") == "member_lost"]
         assert decisions and not [e for e in a.events("state_change") if e["new"] == "restarting"]
         print(f"recovered {recovered_s:.1f} s after the kill")
-    except AssertionError:
-        for n in nodes:
-            print(n.dump(40))
-        raise
-    finally:
-        for n in nodes:
-            n.stop()
 
 
 def test_in_place_a_member_lost_before_the_new_world_forms_costs_no_step(tmp_path):
@@ -89,8 +81,7 @@ def test_in_place_a_member_lost_before_the_new_world_forms_costs_no_step(tmp_pat
     leaves hit the same way)."""
     tmp = str(tmp_path)
     a, b, ep, common = two_training_nodes(tmp)
-    nodes = [a, b]
-    try:
+    with running([a, b]) as nodes:
         pids = (a.worker_pids(), b.worker_pids())
         c = Node("c", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=common)
         nodes.append(c)
@@ -112,10 +103,3 @@ def test_in_place_a_member_lost_before_the_new_world_forms_costs_no_step(tmp_pat
         logged = [e["step"] for e in steps(a, b)]
         assert len(logged) == len(set(logged)), "a step was trained twice"
         assert not a.events("step_rolled_back") and not b.events("step_rolled_back")
-    except AssertionError:
-        for n in nodes:
-            print(n.dump(40))
-        raise
-    finally:
-        for n in nodes:
-            n.stop()
