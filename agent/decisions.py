@@ -68,6 +68,15 @@ class Decision:
     act: Act
     reason: str = ""
     consume_restart: bool = False
+    workers_may_be_stuck: bool = False
+    """A restart whose running workers may sit blocked in a collective and never run their SIGTERM
+    handler: stop them with ``workers.failure_stop_grace_s``, not elastic's 30 s (a failure restart,
+    one that consumes a restart, always does)."""
+
+    @property
+    def short_stop(self) -> bool:
+        """Stop the workers still running with the short grace before this restart."""
+        return self.consume_restart or self.workers_may_be_stuck
 
 
 def decide(o: Observation) -> Decision:
@@ -92,7 +101,7 @@ def decide(o: Observation) -> Decision:
     if o.parked >= o.nproc > 0:
         return Decision(Act.REFORM, o.park_reason or "reform")
     if o.member_lost and not o.draining:
-        return Decision(Act.RESTART, "member_lost", consume_restart=False)
+        return Decision(Act.RESTART, "member_lost", consume_restart=False, workers_may_be_stuck=True)
     if o.member_gone and o.api_workers and o.reform_in_place and o.asked == "" and not o.draining:
         # Workers joining a world that lost a member wait in its arrival count and go back to the agent
         # alive; workers training park at their next step boundary. Those that cannot (blocked in a
@@ -107,7 +116,7 @@ def decide(o: Observation) -> Decision:
             return Decision(Act.LEAVE, "drained")
         return Decision(Act.WAIT, "draining")
     if o.asked == "resize" and o.resize_overdue:
-        return Decision(Act.RESTART, "resize_overdue", consume_restart=False)
+        return Decision(Act.RESTART, "resize_overdue", consume_restart=False, workers_may_be_stuck=True)
     if o.nodes_waiting > 0:
         if not o.api_workers:
             return Decision(Act.RESTART, "scale_up", consume_restart=False)

@@ -81,9 +81,6 @@ workers up before it enters the rendezvous."""
 MEMBER_LOST_GRACE_S = 3.0
 """How long workers may run on after a member of their world is gone before the world restarts (API
 workers usually notice first, in their next collective, and park)."""
-STUCK_REASONS = frozenset({"member_lost", "resize_overdue"})
-"""Restarts that consume no restart but whose workers may sit blocked in a collective (they get
-``workers.failure_stop_grace_s`` before SIGKILL, like a failure restart, not elastic's 30 s)."""
 
 # Set once, deliberately, for the whole agent process: see the module docstring.
 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -544,8 +541,9 @@ class Supervisor:
         with self._lock:
             self._parked.clear()
         self._standby_start = False
-        if d.consume_restart:  # a planned resize is no restart (metrics: its downtime is "resize")
+        if d.short_stop:
             self._stop_failed_world(d.reason)
+        if d.consume_restart:  # a planned resize is no restart (metrics: its downtime is "resize")
             self._observe("restart", d.reason)
             left = self.adapter.consume_restart()
             self._failures_in_a_row += 1
@@ -556,8 +554,6 @@ class Supervisor:
             self._wake.wait(backoff)
         else:
             self._failures_in_a_row = 0
-            if d.reason in STUCK_REASONS:  # no restart consumed, but the workers may be blocked: as above
-                self._stop_failed_world(d.reason)
             self.sm.to(AgentState.RESIZING, reason=d.reason)
         if self._drain is not None:
             return self._leave("drained_during_restart")

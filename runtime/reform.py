@@ -85,16 +85,18 @@ def arrive(*, rank: int, world_size: int, master_addr: str, master_port: int, ti
                 raise
             log.debug("world_store_unreachable", error=str(e)[:200])
             time.sleep(POLL_S)
-    try:
-        arrived = store.add(ARRIVED_KEY, 1)
-        while arrived < world_size:
-            check(f"waiting for {world_size - arrived} of {world_size} ranks")
-            time.sleep(POLL_S)
-            arrived = store.add(ARRIVED_KEY, 0)
-    except (RuntimeError, OSError) as e:
-        if isinstance(e, (JoinAborted, TimeoutError)):
-            raise
-        raise JoinAborted(f"the world's store stopped answering: {e}"[:300]) from e
+
+    def count(add: int) -> int:
+        try:
+            return store.add(ARRIVED_KEY, add)
+        except (RuntimeError, OSError) as e:  # its host is gone: this world will not form
+            raise JoinAborted(f"the world's store stopped answering: {e}"[:300]) from e
+
+    arrived = count(1)
+    while arrived < world_size:
+        check(f"waiting for {world_size - arrived} of {world_size} ranks")
+        time.sleep(POLL_S)
+        arrived = count(0)
     store.set_timeout(timedelta(seconds=timeout_s) if timeout_s > 0 else dist.default_pg_timeout)
     return store
 

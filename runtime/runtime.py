@@ -790,16 +790,15 @@ class Runtime:
         """A standby worker (a warmed-up joiner): report ready, then join the world the agent forms."""
         assert self._link is not None, "a standby worker needs its agent"
         t0 = time.monotonic()
-        self._link.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
         self._log.info("worker_warm", warmup_s=None)
-        while True:
+        while True:  # again after a join the agent called off
+            self._link.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
             msg = self._link.wait_reform(self.reform_timeout_s)
             if msg is None:
                 self._log.error("standby_timeout", timeout_s=self.reform_timeout_s)
                 self._exit(proto.EXIT_RESIZE)
             if self._join_world(msg):
                 break
-            self._link.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
         self._standby = False
         self._log.info("worker_joined", waited_s=round(time.monotonic() - t0, 3))
 

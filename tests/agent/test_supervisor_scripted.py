@@ -260,18 +260,25 @@ def test_an_unreachable_store_is_logged_once_per_outage_not_per_poll(tmp_path):
     sup.control.close()
 
 
-@pytest.mark.parametrize("reason,consumed", [("member_lost", False), ("resize_overdue", False), ("scale_up", False)])
-def test_a_restart_whose_workers_may_be_blocked_stops_them_with_the_short_grace(tmp_path, reason, consumed):
+@pytest.mark.parametrize("reason,seen", [
+    ("member_lost", {"member_lost": True, "api_workers": True}),
+    ("resize_overdue", {"asked": "resize", "resize_overdue": True, "api_workers": True}),
+    ("scale_up", {"nodes_waiting": 1}),
+])
+def test_a_restart_whose_workers_may_be_blocked_stops_them_with_the_short_grace(tmp_path, reason, seen):
     """member_lost / resize_overdue restarts consume no restart, but the workers may sit in a collective
     with a vanished peer and never run their SIGTERM handler: they get workers.failure_stop_grace_s
     (3 s), not elastic's 30 s (chaos `sigkill_node @ allreduce` waited 32 s in that stop). A planned
     scale-up restart of running plain workers keeps elastic's stop (their handler may save)."""
-    from trainguard.agent.decisions import Act, Decision, Observation
+    from trainguard.agent.decisions import Act, Observation, decide
 
     sup, fake, tr = make(tmp_path, [], max_restarts=2)
     sup.sm.to(AgentState.RENDEZVOUS)
     sup.sm.to(AgentState.RUNNING)
-    assert sup._restart(Decision(Act.RESTART, reason, consume_restart=consumed), Observation(workers=WorkerStatus.HEALTHY)) is None
+    obs = Observation(workers=WorkerStatus.HEALTHY, **seen)
+    d = decide(obs)
+    assert (d.act, d.reason, d.consume_restart) == (Act.RESTART, reason, False)
+    assert sup._restart(d, obs) is None
     assert fake.calls == (["terminate(3)", "restart"] if reason != "scale_up" else ["restart"])
     assert fake.remaining_restarts == 2
     sup.control.close()
