@@ -614,10 +614,10 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     return res
 
 
-def plan(seed: int, quick: bool, cap: int | None, skip: int = 0) -> list[tuple[str, str, str]]:
+def plan(seed: int, quick: bool, cap: int | None, skip: int = 0, only: str | None = None) -> list[tuple[str, str, str]]:
     """The fault cases: ``--quick``'s list, or every kind x phase x target in a seeded order, from
     ``skip`` on (so runs with the same seed and disjoint ``--skip``/``--cases`` windows add up to the
-    full matrix)."""
+    full matrix), narrowed to ``only`` (see :func:`select`)."""
     if quick:
         return list(QUICK)
     rng = random.Random(seed)
@@ -625,8 +625,24 @@ def plan(seed: int, quick: bool, cap: int | None, skip: int = 0) -> list[tuple[s
     rng.shuffle(cases)
     timed = [(k, p, t) for k in FAULTS for p in TIMED_PHASES for t in TARGETS]
     random.Random(seed + 1).shuffle(timed)
-    cases = (cases + timed)[skip:]
+    cases = [c for c in (cases + timed)[skip:] if select(c, only)]
     return cases[:cap] if cap else cases
+
+
+def select(case: tuple[str, str, str], only: str | None) -> bool:
+    """``--only``: comma-separated ``kind@phase`` patterns, either side may be ``*`` or ``planned``
+    (the kinds that give notice), e.g. ``planned@restore`` or ``drain@*,sigkill_node@commit``."""
+    if not only:
+        return True
+    kind, phase, _ = case
+    for pat in only.split(","):
+        k, _, ph = pat.strip().partition("@")
+        if k not in ("*", "planned", "") and k not in KINDS or ph not in ("*", "") and ph not in PHASES + TIMED_PHASES:
+            raise SystemExit(f"chaos: --only {pat!r}: expected kind@phase with kind in {sorted(KINDS)} + "
+                             f"['*', 'planned'] and phase in {PHASES + TIMED_PHASES} + ['*']")
+        if (k in ("*", "") or k == kind or k == "planned" and KINDS[kind].planned) and ph in ("*", "", phase):
+            return True
+    return False
 
 
 def row(r: CaseResult) -> str:
@@ -643,6 +659,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="the CI subset (5 faults + their scale-ups)")
     p.add_argument("--cases", type=int, default=None, help="run at most N fault cases (scale-ups not counted)")
     p.add_argument("--skip", type=int, default=0, help="start at this index of the seeded order (chunked full runs)")
+    p.add_argument("--only", default=None, help="only these cases of the seeded order: kind@phase[,...] "
+                                                 "(either side * ; kind 'planned': the kinds that give notice)")
+    p.add_argument("--repeat", type=int, default=1, help="run the selected cases this many times over")
     p.add_argument("--budget-s", type=float, default=None, help="start no new fault case after this many seconds")
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs, sample log)")
@@ -654,7 +673,7 @@ def main() -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, stop)
-    cases = plan(a.seed, a.quick, a.cases, a.skip)
+    cases = plan(a.seed, a.quick, a.cases, a.skip, a.only) * max(1, a.repeat)
     say(f"work folder {work}; {len(cases)} fault cases, seed {a.seed}")
     results: list[CaseResult] = []
     c: Cluster | None = None
@@ -701,7 +720,7 @@ def main() -> int:
         "leftover_processes": sum(len(r.leftover_pids) for r in results) + len(leftover_end),
         "leftover_at_end": len(leftover_end), "cluster_restarts": c.restarts if c else 0,
         "median_recover_s": _median([r.recover_s for r in results if r.recover_s is not None]),
-        "wall_s": round(time.time() - t_start, 1), "seed": a.seed, "skip": a.skip, "planned_fault_cases": len(cases), "quick": a.quick, "error": error,
+        "wall_s": round(time.time() - t_start, 1), "seed": a.seed, "skip": a.skip, "only": a.only, "planned_fault_cases": len(cases), "quick": a.quick, "error": error,
     }
     print("\n" + json.dumps(summary))
     if a.json:

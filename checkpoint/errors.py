@@ -39,6 +39,12 @@ class InflightTimeout(CheckpointError):
     """The previous background save is still running past the manager's ``inflight_timeout_s``."""
 
 
+class SaveCancelled(CheckpointError):
+    """The in-flight save was given up before its shards were all written: the world it was taken in
+    lost a peer, so it could never commit (every rank must write and agree). Nothing was committed;
+    the last committed step stands."""
+
+
 class FencedError(CheckpointError):
     """This world's epoch is older than the newest claimed one (or its epoch record was taken over).
 

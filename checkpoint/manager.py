@@ -78,6 +78,7 @@ from trainguard.checkpoint.errors import (
     CheckpointError,
     FencedError,
     InflightTimeout,
+    SaveCancelled,
     StorageError,
 )
 from trainguard.checkpoint.integrity import describe, root_causes
@@ -179,6 +180,9 @@ class CheckpointManager:
         self.inflight_timeout_s = inflight_timeout_s
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[SaveResult] | None = None
+        self._writer: Any = None
+        """The DCP writer of the save under way (background thread), for :meth:`cancel_inflight`."""
+        self._cancel_why: str | None = None
         self.last_blocked_s = 0.0
         """Seconds the last :meth:`save` blocked its caller (waiting for the previous save + staging)."""
         self.last_stage_s = 0.0
@@ -349,8 +353,26 @@ class CheckpointManager:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._inflight_step = step
+        self._cancel_why = None
         self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready)
         return self._inflight
+
+    def cancel_inflight(self, why: str) -> bool:
+        """Give up the background save if its shards are still being written (thread-safe): it stops at
+        the next write slice, and :meth:`close` / :meth:`wait` return without waiting for the rest of
+        the upload. For a world that lost a peer: such a save can never commit (every rank writes, then
+        all agree), and waiting for a slow upload would keep this worker from the new world. A save past
+        its writes (rank 0 writing the manifest) is left to finish. True when a save was cancelled."""
+        f = self._inflight
+        if f is None or f.done():
+            return False
+        self._cancel_why = why
+        writer = self._writer
+        if writer is not None:
+            writer.cancel()
+        self._log.warning("checkpoint_inflight_cancelled", step=self._inflight_step, why=why,
+                          effect="its shard writes stop at the next slice; the last committed step stands")
+        return True
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait for the in-flight save; return the newest step committed by this manager (or None).
@@ -652,13 +674,21 @@ class CheckpointManager:
         while True:
             attempt += 1
             writer = self.storage.dcp_writer(rel)
+            self._writer = writer
             err: BaseException | None = None
             try:
+                if self._cancel_why is not None:
+                    writer.cancel()
                 dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
             except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
                 err = e
+            finally:
+                self._writer = None
             if err is None:
                 return writer.digests
+            if writer.is_cancelled:  # no retry, and no collective: the world it was taken in is gone
+                raise SaveCancelled(f"the save of step {ref.step} to {self.storage.url_of(rel)} was cancelled: "
+                                    f"{self._cancel_why}. Nothing was committed; the previous committed step stands")
             elapsed = time.monotonic() - start
             delay = backoff.delay(attempt)
             transient = all(is_transient(c) for c in root_causes(err))

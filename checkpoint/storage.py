@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from trainguard.runtime.log import get_logger
-from trainguard.checkpoint.errors import CheckpointNotFound, StorageError
+from trainguard.checkpoint.errors import CheckpointNotFound, SaveCancelled, StorageError
 from trainguard.checkpoint.retry import Backoff, retry_call
 
 log = get_logger("trainguard.checkpoint.storage")
@@ -474,23 +474,35 @@ from torch.distributed.checkpoint._fsspec_filesystem import (  # noqa: E402
 )
 
 
+WRITE_SLICE = 8 << 20
+"""Bytes handed to the backend per call: a cancelled save stops within one slice (object stores upload
+a part whenever their buffer fills, inside ``write``)."""
+
+
 class _DigestWriter(io.RawIOBase):
     """Write-only stream over an fsspec file: counts bytes, computes CRC32, commits durably on close.
 
     ``close()`` is the commit: flush the fsspec buffer (pytorch#183878), ``fsync`` if local, close
     (which uploads the last part on object stores), then verify the stored size. ``fileno`` is not
-    offered (pytorch#142396).
+    offered (pytorch#142396). Once ``cancelled`` is set, the next write or the commit raises
+    :class:`SaveCancelled` (the caller aborts the file).
     """
 
-    def __init__(self, raw: Any, path: str, storage: Storage, local: bool) -> None:
+    def __init__(self, raw: Any, path: str, storage: Storage, local: bool,
+                 cancelled: threading.Event | None = None) -> None:
         super().__init__()
         self._raw = raw
         self._path = path
         self._storage = storage
         self._local = local
+        self._cancelled = cancelled
         self.size = 0
         self.crc = 0
         self._committed = False
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled is not None and self._cancelled.is_set():
+            raise SaveCancelled(f"{self._path}: the save was cancelled (its world lost a peer); the file is dropped")
 
     def writable(self) -> bool:
         return True
@@ -503,13 +515,16 @@ class _DigestWriter(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        n = self._raw.write(mv)
-        n = len(mv) if n is None else n
-        if n != len(mv):
-            raise StorageError(f"short write to {self._path}: {n} of {len(mv)} bytes", transient=True)
-        self.crc = zlib.crc32(mv, self.crc)
-        self.size += n
-        return n
+        for start in range(0, len(mv), WRITE_SLICE):
+            self._check_cancelled()
+            part = mv[start:start + WRITE_SLICE]
+            n = self._raw.write(part)
+            n = len(part) if n is None else n
+            if n != len(part):
+                raise StorageError(f"short write to {self._path}: {n} of {len(part)} bytes", transient=True)
+            self.crc = zlib.crc32(part, self.crc)
+            self.size += n
+        return len(mv)
 
     def tell(self) -> int:
         return self.size
@@ -522,6 +537,7 @@ class _DigestWriter(io.RawIOBase):
         if self._committed or self.closed:
             super().close()
             return
+        self._check_cancelled()  # before the commit: the caller aborts the file
         self._committed = True
         try:
             if self._local:
@@ -564,6 +580,8 @@ class _DurableFileSystem(_TorchFsspecFileSystem):
         self.local = storage.is_local
         self.digests: dict[str, tuple[int, int]] = {}
         self._digest_lock = threading.Lock()
+        self.cancelled = threading.Event()
+        """Set by :meth:`DCPWriter.cancel`: every open stream stops at its next slice."""
 
     def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
         return path
@@ -580,7 +598,7 @@ class _DurableFileSystem(_TorchFsspecFileSystem):
                 yield f
             return
         raw = self.fs.open(path, mode)
-        stream = _DigestWriter(raw, path, self.storage, self.local)
+        stream = _DigestWriter(raw, path, self.storage, self.local, self.cancelled)
         try:
             yield stream
             stream.close()
@@ -635,6 +653,15 @@ class DCPWriter(_TorchFsspecWriter):
     @property
     def digests(self) -> dict[str, tuple[int, int]]:
         return dict(self.fs.digests)
+
+    def cancel(self) -> None:
+        """Stop writing (thread-safe): the streams raise :class:`SaveCancelled` at their next slice or
+        commit and drop their files; ``dcp.save`` then fails on every rank that was cancelled."""
+        self.fs.cancelled.set()
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.fs.cancelled.is_set()
 
 
 class DCPReader(_TorchFsspecReader):

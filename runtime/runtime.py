@@ -713,7 +713,9 @@ class Runtime:
         self._replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
         try:
             if self._manager is not None:
-                self._manager.close()  # an in-flight save finishes on the old groups first
+                if reason is proto.ParkReason.PEER_LOST:  # its save cannot commit: do not wait for its upload
+                    self._manager.cancel_inflight("a peer of this world is gone")
+                self._manager.close()  # an in-flight save finishes (or fails) on the old groups first
                 base, self._manager = self._manager.base, None
             self._group = None
             rf.teardown_world(self.device)

@@ -245,3 +245,58 @@ def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monke
         from trainguard.runtime.reform import teardown_world
 
         teardown_world(rt.device)
+
+
+@pytest.mark.parametrize("reason", [proto.ParkReason.PEER_LOST, proto.ParkReason.RESIZE])
+def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path, monkeypatch, reason):
+    """A survivor whose background save is uploading when a peer dies: that save can never commit, so
+    the worker gives it up and parks (reports Parked) at once, instead of finishing a slow upload while
+    its agent's member-lost grace runs out and restarts the world from storage (chaos cases
+    `aws_notice @ restore`). A planned park (resize) lets the save finish and commit."""
+    import threading
+
+    import torch
+
+    from trainguard.checkpoint import storage as storage_mod
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.runtime.runtime import Runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    url = str(tmp_path / "ckpt")
+    rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0,
+                 checkpoint=CheckpointConfig(url=url, interval_steps=1000))
+    model = torch.nn.Linear(4, 1)
+    rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=32, global_batch=4, micro_batch=2, seed=1)
+    rt.reform_enabled = True
+    entered, release = threading.Event(), threading.Event()
+    write = storage_mod._DigestWriter.write
+
+    def held(w, b):  # the background thread's first write is a slow upload call: held until released
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            assert release.wait(30)
+        return write(w, b)
+
+    monkeypatch.setattr(storage_mod._DigestWriter, "write", held)
+    rt.step = 5
+    rt._save(proto.CheckpointKind.PERIODIC.value)
+    assert entered.wait(30)  # the upload is under way (held)
+    reports: list[object] = []
+
+    class Link:
+        request = proto.StopReason.NONE
+
+        def report(self, msg):
+            reports.append(msg)
+            raise SystemExit("parked")  # stop here: what follows (waiting for the new world) is not under test
+
+    rt._link = Link()
+    threading.Timer(0.3, release.set).start()  # the upload call in progress returns
+    with pytest.raises(SystemExit, match="parked"):
+        rt._park(reason)
+    assert [type(m).__name__ for m in reports] == ["Parked"]
+    committed = sorted(p.parent.name for p in (tmp_path / "ckpt" / "run").glob("step-*/manifest.json"))
+    if reason is proto.ParkReason.PEER_LOST:
+        assert committed == []  # given up: nothing of step 5 was committed
+    else:
+        assert [c[:17] for c in committed] == ["step-000000000005"]

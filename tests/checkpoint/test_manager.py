@@ -16,7 +16,13 @@ from tests.checkpoint._launch import ROOT, child_env
 from trainguard.checkpoint import storage as storage_mod
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.discovery import StepRef, scan_run
-from trainguard.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, FencedError
+from trainguard.checkpoint.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    FencedError,
+    SaveCancelled,
+)
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manifest import step_dir
 from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
@@ -134,6 +140,36 @@ def test_new_save_waits_for_inflight_and_buffers_are_reused(url: str, monkeypatc
         params = sum(p.numel() * 4 for p in m.parameters())
         assert mgr.staging_rebuilds == 1  # one allocation, reused by saves 2 and 3
         assert params * 3 <= mgr.staging_bytes <= params * 3 + 64  # params + exp_avg + exp_avg_sq + steps
+
+
+def test_a_cancelled_save_stops_writing_commits_nothing_and_the_next_save_commits(
+        url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world that lost a peer gives up its in-flight save (it could never commit) instead of waiting
+    for its upload: the writes stop at the next slice, the half-written step holds no shard, the
+    committed step stands, and the manager's next save is not cancelled."""
+    m, opt = _model()
+    _train(m, opt)
+    state = {"model": ModelOptimizerState(m, opt)}
+    with _mgr(url) as mgr:
+        mgr.save(1, state)
+        assert mgr.wait(30) == 1
+        assert not mgr.cancel_inflight("nothing in flight")
+        gate = _Gate(monkeypatch)
+        mgr.save(2, state)
+        assert gate.entered.wait(30)  # the background thread is about to write its first slice
+        assert mgr.cancel_inflight("a peer of this world is gone")
+        gate.release.set()
+        with pytest.raises(SaveCancelled, match="a peer of this world is gone"):
+            mgr.wait(30)
+        assert [i.step for i in mgr.list()] == [1]
+        step2 = Path(url) / "run" / step_dir(2, mgr.epoch)
+        assert not [f for f in step2.rglob("*") if f.is_file()] if step2.exists() else True
+        _train(m, opt)
+        mgr.save(3, state)
+        assert mgr.wait(30) == 3
+        assert [i.step for i in mgr.list()] == [1, 3]
+        got, _ = _restore_fresh(mgr)
+    assert got == 3
 
 
 def test_retention_keeps_exactly_k(url: str) -> None:
