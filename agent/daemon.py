@@ -48,7 +48,7 @@ def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list
     watchers = build_watchers(cfg.preemption)
     coordinator = DrainCoordinator(
         sup, on_early_warning=cfg.preemption.on_early_warning, drain_lead_s=cfg.preemption.drain_lead_s,
-        observer=metrics,
+        train_through=cfg.preemption.train_through_notice, observer=metrics,
         acknowledge=(lambda n: acknowledge(watchers, n)) if cfg.preemption.azure_acknowledge else None)
     sup.on_emergency_commit = coordinator.on_emergency_commit
     manual = manual_watcher(watchers)

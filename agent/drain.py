@@ -10,8 +10,10 @@ notice                                                 action
 =====================================================  ==========================================
 spot interruption (AWS ``instance-action``), GCP       ``drain``: every rank checkpoints the same
 ``preempted``, GCP ``TERMINATE_ON_HOST_MAINTENANCE``,  step, this node leaves before the deadline
-Azure ``Preempt``/``Terminate``, SIGTERM/SIGINT,
-SLURM SIGUSR1, ``trainguard drain``
+Azure ``Preempt``/``Terminate``, SIGTERM/SIGINT,       (cloud notices with ``preemption.
+SLURM SIGUSR1, ``trainguard drain``                    train_through_notice``: a checkpoint now,
+                                                       the drain ``drain_lead_s`` before the
+                                                       deadline, at once when it is closer)
 AWS rebalance recommendation, GCP                      ``preemption.on_early_warning``:
 ``MIGRATE_ON_HOST_MAINTENANCE`` (live migration),      ``checkpoint`` (default: one out-of-cycle
 Azure ``Freeze`` (a pause; memory kept)                checkpoint, the node stays), ``drain`` or
@@ -64,10 +66,18 @@ class NoticeDecision:
     """With ``CHECKPOINT``: wall-clock time at which the node drains after all (None: it stays)."""
 
 
-def decide_notice(notice: Notice, *, on_early_warning: str, drain_lead_s: float, now: float) -> NoticeDecision:
+CLOUD_SOURCES = frozenset({"aws", "gcp", "azure"})
+"""Sources whose termination deadline is the provider's own (``train_through_notice`` applies)."""
+
+
+def decide_notice(notice: Notice, *, on_early_warning: str, drain_lead_s: float, now: float,
+                  train_through: bool = False) -> NoticeDecision:
     """What ``notice`` means for this node. Pure: no clocks, no I/O (``now`` is epoch seconds)."""
     if notice.kind in TERMINATE_KINDS:
-        return NoticeDecision(NoticeAction.DRAIN, f"{notice.source}_{notice.kind}")
+        reason = f"{notice.source}_{notice.kind}"
+        if train_through and notice.source in CLOUD_SOURCES and notice.deadline - now > drain_lead_s:
+            return NoticeDecision(NoticeAction.CHECKPOINT, reason, drain_at=notice.deadline - drain_lead_s)
+        return NoticeDecision(NoticeAction.DRAIN, reason)
     event = str(notice.detail.get("EventType") or notice.detail.get("value") or notice.kind)
     if notice.source == "azure" and event in _RESTARTING_EVENTS:
         if on_early_warning == "ignore":
@@ -101,12 +111,13 @@ class DrainCoordinator:
     """Owns the notices of one node. Thread-safe: watchers call :meth:`on_notice` on their threads."""
 
     def __init__(self, target: DrainTarget, *, on_early_warning: str = "checkpoint", drain_lead_s: float = 20.0,
-                 observer: NoticeObserver | None = None,
+                 train_through: bool = False, observer: NoticeObserver | None = None,
                  acknowledge: Callable[[Notice], bool] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self._target = target
         self.on_early_warning = on_early_warning
         self.drain_lead_s = drain_lead_s
+        self.train_through = train_through
         self._observer = observer
         self._acknowledge = acknowledge
         self._clock = clock
@@ -120,7 +131,8 @@ class DrainCoordinator:
     def on_notice(self, notice: Notice) -> NoticeDecision:
         """Decide and act on one notice (any thread; returns at once)."""
         now = self._clock()
-        d = decide_notice(notice, on_early_warning=self.on_early_warning, drain_lead_s=self.drain_lead_s, now=now)
+        d = decide_notice(notice, on_early_warning=self.on_early_warning, drain_lead_s=self.drain_lead_s, now=now,
+                          train_through=self.train_through)
         with self._lock:
             self.decisions.append((notice, d))
             if d.action is not NoticeAction.IGNORE:
@@ -180,8 +192,9 @@ class DrainCoordinator:
             t.cancel()
 
     def describe(self) -> dict[str, Any]:
-        return {"on_early_warning": self.on_early_warning, "drain_lead_s": self.drain_lead_s}
+        return {"on_early_warning": self.on_early_warning, "drain_lead_s": self.drain_lead_s,
+                "train_through_notice": self.train_through}
 
 
 __all__ = ["EARLY_WARNING_POLICIES", "TERMINATE_KINDS", "DrainCoordinator", "DrainTarget", "NoticeAction",
-           "NoticeDecision", "decide_notice"]
+           "NoticeDecision", "decide_notice", "CLOUD_SOURCES"]

@@ -156,6 +156,9 @@ class Agent:
                "--set", "preemption.poll_interval_s=0.5",
                "--set", f"checkpoint.url={url}", "--set", f"checkpoint.interval_steps={CKPT_EVERY}",
                "--set", "checkpoint.keep_last=100000",
+               # Every worker the bench SIGKILLs consumes a restart: a budget of 3 would end an agent after
+               # its third (the budget working as designed, not a failed recovery).
+               "--set", "workers.max_restarts=1000",
                ELASTIC, *SCRIPT_ARGS, "--sample-log", os.path.join(work, "samples")]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
         env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",

@@ -24,6 +24,9 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
   go, the rest re-form (``reformation``) and restart (``restore``: process start, imports, restore,
   until the first step). If the node goes before the emergency checkpoint is done, it is a failure.
   Without notice handling (``JobModel.notices=False``) every removal is unannounced.
+  With ``JobModel.drain_lead_s`` (``preemption.train_through_notice``) a notice with a longer lead
+  takes an out-of-cycle checkpoint (``periodic_checkpoint``) at once and drains ``drain_lead_s``
+  before the reclaim: only that much notice lead is idle.
 * An *unannounced* removal: the survivors notice after ``detect_failure_s`` (``detection``), re-form,
   restore the newest committed checkpoint; the node-time trained since it was taken is ``recompute``.
 * An addition: the node warms up (``agent_start_s`` for a node of the first world, ``warmup_s`` for one
@@ -282,6 +285,10 @@ class JobModel:
     notice costs the interrupted step, not the work since the newest commit."""
     step_overhead_s: float = 0.0
     """Seconds between two steps outside the steps themselves (``between_steps`` waste)."""
+    drain_lead_s: float | None = None
+    """``preemption.train_through_notice``: a notice further than this from its reclaim takes one
+    out-of-cycle checkpoint (a periodic save's cost) and the world trains on until ``drain_lead_s``
+    before the reclaim, then drains. None: drain at once (the default)."""
     min_nodes: int = 1
     max_nodes: int = 1 << 30
 
@@ -748,7 +755,15 @@ class _Sim:
                 self._resize(set(payload))
             elif kind == "notice":
                 nodes, t_gone = payload
-                push(self.now + self.c.detect_notice_s.draw(self.rng), "drain", (nodes, t_gone))
+                t_drain = self.now + self.c.detect_notice_s.draw(self.rng)
+                lead = self.job.drain_lead_s
+                if lead is not None and t_gone - t_drain > lead:  # train through: a save now, the drain later
+                    push(t_drain, "insure", None)
+                    t_drain = t_gone - lead
+                push(t_drain, "drain", (nodes, t_gone))
+            elif kind == "insure":
+                if not self.phases and self.started and len(self.world) >= self.job.min_nodes:
+                    self._periodic_save()
             elif kind == "drain":
                 nodes, t_gone = payload
                 if self.now < t_gone:

@@ -17,9 +17,12 @@ broadcasts from rank 0) -> the checkpoint manager's group -> :func:`sync_live_st
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -115,8 +118,74 @@ def init_world(*, rank: int, world_size: int, local_rank: int, local_world_size:
     store = arrive(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                    timeout_s=timeout_s, aborted=aborted)
     # The prefix torch's env:// init puts on its store: the same keys as a world made that way.
-    dist.init_process_group(dev.backend_for(device), store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size, **dev.init_kwargs(device, timeout_s))
+    with world_connections():
+        dist.init_process_group(dev.backend_for(device), store=dist.PrefixStore("default_pg", store), rank=rank,
+                                world_size=world_size, **dev.init_kwargs(device, timeout_s))
+
+
+# ---- ending a broken world's connections -------------------------------------------------------
+# Destroying a gloo group closes its TCP connections only when its last reference goes, and DDP's
+# reducer keeps one for the life of the process (gloo's abort() and shutdown() leave the connections
+# open). A survivor blocked in a collective step that waits on *this* rank (a ring step, not one with
+# the dead peer) would then wait out the process-group timeout while this rank is parked. Shutting the
+# connections down sends every peer an end of stream: its collective fails at once as a peer failure,
+# and it parks too.
+_WORLD_SOCKETS: dict[int, int] = {}
+"""fd -> inode of the TCP connections the current world's groups opened (see :func:`world_connections`)."""
+
+
+def _tcp_connections() -> dict[int, int]:
+    """fd -> inode of this process's connected TCP sockets (Linux ``/proc``; elsewhere none)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            fd = int(name)
+            st = os.fstat(fd)
+        except (ValueError, OSError):
+            continue
+        if not stat.S_ISSOCK(st.st_mode):
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM and \
+                        not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    out[fd] = st.st_ino
+        except OSError:
+            continue
+    return out
+
+
+@contextlib.contextmanager
+def world_connections() -> Iterator[None]:
+    """Record the TCP connections opened while a group of the current world is made (a gloo group
+    connects to every peer in its constructor), for :func:`end_world_connections`."""
+    before = _tcp_connections()
+    try:
+        yield
+    finally:
+        _WORLD_SOCKETS.update({fd: ino for fd, ino in _tcp_connections().items() if before.get(fd) != ino})
+
+
+def end_world_connections() -> int:
+    """Shut down (not close: the fds stay gloo's) every connection :func:`world_connections` recorded
+    that is still the same socket; returns how many. For a world that lost a peer, before its groups
+    are destroyed: the peers blocked on this rank fail their collective now."""
+    ended = 0
+    for fd, ino in list(_WORLD_SOCKETS.items()):
+        try:
+            if os.fstat(fd).st_ino != ino:
+                continue
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+            ended += 1
+        except OSError:
+            continue
+    _WORLD_SOCKETS.clear()
+    return ended
 
 
 def teardown_world(device: torch.device) -> None:
@@ -133,6 +202,7 @@ def teardown_world(device: torch.device) -> None:
             except Exception as e:
                 log.warning("nccl_abort_failed", error=str(e))
     dist.destroy_process_group()
+    _WORLD_SOCKETS.clear()  # the next world records its own
 
 
 def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra: dict[str, Any],
@@ -168,4 +238,5 @@ def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra
     return "broadcast", newest
 
 
-__all__ = ["init_world", "is_peer_failure", "sync_live_state", "teardown_world"]
+__all__ = ["end_world_connections", "init_world", "is_peer_failure", "sync_live_state", "teardown_world",
+           "world_connections"]

@@ -189,7 +189,8 @@ class Runtime:
     def _new_gloo_group(self) -> Any:
         """A gloo side group with ``workers.pg_timeout_s`` (torch's default when unset)."""
         kw: dict[str, Any] = {"timeout": timedelta(seconds=self.pg_timeout_s)} if self.pg_timeout_s > 0 else {}
-        return dist.new_group(backend="gloo", **kw)
+        with rf.world_connections():
+            return dist.new_group(backend="gloo", **kw)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Runtime:
@@ -712,9 +713,14 @@ class Runtime:
         base = None
         self._replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
         try:
-            if self._manager is not None:
-                if reason is proto.ParkReason.PEER_LOST:  # its save cannot commit: do not wait for its upload
+            if reason is proto.ParkReason.PEER_LOST:
+                # The world is broken: its in-flight save can never commit (do not wait for its upload),
+                # and peers blocked in a collective step on this rank must fail it now, not at the
+                # process-group timeout (see rf.end_world_connections).
+                if self._manager is not None:
                     self._manager.cancel_inflight("a peer of this world is gone")
+                self._log.info("world_connections_ended", connections=rf.end_world_connections())
+            if self._manager is not None:
                 self._manager.close()  # an in-flight save finishes (or fails) on the old groups first
                 base, self._manager = self._manager.base, None
             self._group = None

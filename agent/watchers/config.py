@@ -70,7 +70,15 @@ class PreemptionConfig:
 
     drain_lead_s: float = 20.0
     """Seconds before a scheduled event's start at which a delayed drain begins (Azure Reboot/Redeploy
-    with ``on_early_warning: checkpoint``); events closer than this drain at once."""
+    with ``on_early_warning: checkpoint``, and cloud terminations with ``train_through_notice``); events
+    closer than this drain at once. Keep it above the emergency checkpoint's time plus the leave."""
+
+    train_through_notice: bool = False
+    """Keep training after a cloud termination notice (AWS ``instance-action``, GCP ``preempted``, Azure
+    ``Preempt``/``Terminate``) whose deadline is more than ``drain_lead_s`` away: one out-of-cycle
+    checkpoint at once (insurance against an early reclaim), then the drain ``drain_lead_s`` before the
+    deadline. AWS's 2-minute notice then trains about 100 s longer per removed node instead of idling
+    them out. Off: drain at once. Signals and ``trainguard drain`` always drain at once."""
 
     term_grace_s: float = 25.0
     """For scripts without the worker API: seconds between SIGTERM and SIGKILL to workers on a notice

@@ -38,6 +38,28 @@ CASES = [
 ]
 
 
+THROUGH = [
+    # train_through_notice: cloud terminations with a long lead train on, checkpoint now, drain 20 s before
+    ("aws spot interruption trains through", notice("aws", "termination", 120), C, 100.0),
+    ("gcp preempted: 30 s, trains 10 s", notice("gcp", "preempt", 30), C, 10.0),
+    ("azure preempt: lead at the bound drains now", notice("azure", "preempt", 20, EventType="Preempt"), D, None),
+    ("aws interruption already close drains now", notice("aws", "termination", 5), D, None),
+    ("sigterm still drains now", notice("signal", "stop", 30), D, None),
+    ("manual drain still drains now", notice("manual", "drain", 300), D, None),
+    ("early warnings keep their policy", notice("aws", "rebalance", 120), C, None),
+]
+
+
+@pytest.mark.parametrize("name,n,action,drain_after", THROUGH, ids=[c[0] for c in THROUGH])
+def test_train_through_notice(name, n, action, drain_after):
+    d = decide_notice(n, on_early_warning="checkpoint", drain_lead_s=20.0, now=NOW, train_through=True)
+    assert d.action is action, d
+    assert (None if d.drain_at is None else d.drain_at - NOW) == drain_after
+    assert d.reason == f"{n.source}_{n.kind}" or n.kind == "rebalance"
+    off = decide_notice(n, on_early_warning="checkpoint", drain_lead_s=20.0, now=NOW)
+    assert off.action is (C if n.kind == "rebalance" else D) and off.drain_at is None  # off: as before
+
+
 @pytest.mark.parametrize("name,n,policy,action,drain_after", CASES, ids=[c[0] for c in CASES])
 def test_policy_table(name, n, policy, action, drain_after):
     d = decide_notice(n, on_early_warning=policy, drain_lead_s=20.0, now=NOW)

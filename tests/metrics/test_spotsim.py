@@ -75,6 +75,30 @@ def test_announced_removal_drains_with_an_emergency_checkpoint() -> None:
     assert [(c.why, c.size_before, c.size_after) for c in r.changes] == [("start", 0, 3), ("notice", 3, 2)]
 
 
+def test_training_through_the_notice_idles_only_the_drain_lead() -> None:
+    """As above with ``drain_lead_s`` 3 (preemption.train_through_notice): the notice is detected at 41,
+    an out-of-cycle save pauses the world 0.5 s (41..41.5), training goes on until the drain at 47, the
+    emergency checkpoint 47..48, c idles 48..50; a and b re-form 48..50 and restore 50..55."""
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (50, "remove", "c"), duration=100),
+                 costs(warmup_s=1, reformation_s=2, startup_s=3, restore_s=5, detect_notice_s=1, emergency_s=1,
+                       periodic_overhead_s=0.5, periodic_persist_s=1),
+                 JobModel(node_s_per_step=1, drain_lead_s=3), OFF, lead_s=10)
+    check(r)
+    assert r.waste_node_s["periodic_checkpoint"] == pytest.approx(3 * 0.5)
+    assert r.waste_node_s["checkpoint"] == pytest.approx(3)
+    assert r.waste_node_s["notice_lead"] == pytest.approx(2)
+    assert r.waste_node_s["reformation"] == pytest.approx(6 + 4)
+    assert r.waste_node_s["restore"] == pytest.approx(9 + 10)
+    assert r.productive_node_s == pytest.approx(3 * (41 - 6 + 47 - 41.5) + 2 * 45)
+    assert r.periodic_saves == 1
+    at_once = simulate(trace((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (50, "remove", "c"), duration=100),
+                       costs(warmup_s=1, reformation_s=2, startup_s=3, restore_s=5, detect_notice_s=1, emergency_s=1,
+                             periodic_overhead_s=0.5, periodic_persist_s=1),
+                       JobModel(node_s_per_step=1), OFF, lead_s=10)
+    assert r.ettr > at_once.ettr
+    assert r.productive_node_s - at_once.productive_node_s == pytest.approx(3 * 5.5 - 2 * 6)
+
+
 def test_unannounced_removal_rolls_back_to_the_last_periodic_checkpoint() -> None:
     """Rendezvous 0..1; saves every 10 s of training (0.5 s pause, committed 1 s later) at 11 and 21.5;
     b dies at 25 without notice: the 6 node-s trained since the save at 21.5 are recomputed;
