@@ -119,3 +119,25 @@ def test_scheduled_drain_fires_and_close_cancels_it():
     c2.on_notice(notice("azure", "maintenance", 21.0, EventType="Reboot"))
     c2.close()
     assert not c2._timers
+
+
+def test_coordinator_trains_through_a_cloud_notice_then_drains_before_its_deadline():
+    """train_through_notice: the AWS notice takes a checkpoint at once and the drain comes
+    drain_lead_s before the deadline, not at the notice; a SIGTERM still drains at once."""
+    import time
+
+    target = Target()
+    c = DrainCoordinator(target, drain_lead_s=20.0, train_through=True, clock=lambda: NOW)
+    try:
+        d = c.on_notice(notice("aws", "termination", 20.3))
+        assert d.action is C and d.drain_at == pytest.approx(NOW + 0.3)
+        assert target.checkpoints == ["aws_termination"] and target.drains == []
+        t0 = time.monotonic()
+        while not target.drains and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        assert [x[:2] for x in target.drains] == [("aws", "termination")]
+        assert target.drains[0][2] == NOW + 20.3  # the provider's deadline stands
+        c.on_notice(notice("signal", "stop", 30))
+        assert [x[:2] for x in target.drains] == [("aws", "termination"), ("signal", "stop")]
+    finally:
+        c.close()
