@@ -118,8 +118,11 @@ def init_world(*, rank: int, world_size: int, local_rank: int, local_world_size:
     store = arrive(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                    timeout_s=timeout_s, aborted=aborted)
     # The prefix torch's env:// init puts on its store: the same keys as a world made that way.
-    with world_connections():
-        dist.init_process_group(dev.backend_for(device), store=dist.PrefixStore("default_pg", store), rank=rank,
+    backend = dev.backend_for(device)
+    # gloo's connections are ended by hand after a peer failure; NCCL communicators are aborted instead
+    # (teardown_world), their sockets are left alone.
+    with world_connections() if backend == "gloo" else contextlib.nullcontext():
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                                 world_size=world_size, **dev.init_kwargs(device, timeout_s))
 
 

@@ -56,3 +56,14 @@ def no_leaks(request):
         problems.append(f"non-daemon threads left running: {[t.name for t in stray]}")
     if problems:
         pytest.fail(f"{request.node.nodeid} leaked: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _structlog_config_restored():
+    """A test that configures logging the way a worker does (``Runtime.from_env``) must not change
+    where the next test's log lines go (``capsys`` reads stdout): the suite runs in any order."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
