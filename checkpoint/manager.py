@@ -717,7 +717,12 @@ class CheckpointManager:
         self.storage.fsync_dir(self.run_id)
 
     def _cleanup(self, committed: StepRef) -> None:
-        """Rank 0, after a commit: delete what :func:`gc_plan` allows. Never raises."""
+        """Rank 0, after a commit: delete what :func:`gc_plan` allows. Never raises. Skipped once the
+        save was cancelled (:meth:`cancel_inflight`: the worker waits for it to park; the next commit
+        collects what this one would have)."""
+        if self._cancel_why is not None:
+            self._log.info("checkpoint_gc_skipped", reason="cancelled", why=self._cancel_why)
+            return
         try:
             scan = scan_run(self.storage, self.run_id)
             assert self._record is not None
@@ -727,6 +732,9 @@ class CheckpointManager:
             protected = {committed} | ({self._base} if self._base else set())
             for d in gc_plan(scan, epoch=self._record.epoch, keep_last=self.config.keep_last, protected=protected,
                              proven_corrupt=self._corrupt):
+                if self._cancel_why is not None:
+                    self._log.info("checkpoint_gc_skipped", reason="cancelled", why=self._cancel_why)
+                    return
                 rel = f"{self.run_id}/{d.ref.name}"
                 if d.ref in scan.committed:
                     # Manifest first: the step disappears from discovery atomically, then its files go.

@@ -174,6 +174,9 @@ class Runtime:
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
         self._interval: IntervalController | None = None
         self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
+        self._save_deferred = False
+        """A periodic save was agreed while a previous one still persisted: taken at the first boundary
+        at which none does (rank 0 keeps asking for it)."""
         self._interval_exported = 0.0
         self._link = (AgentLink(control_path, rank, local_rank, os.getpid())
                       if control_path and os.path.exists(control_path) else None)
@@ -608,11 +611,14 @@ class Runtime:
         notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
         if notice is not None:
             self._log.info("checkpoint_requested", step=self.step, reason=notice)
-        # One all-reduce (MAX) agrees on everything at this step boundary: [stop reason, save kind]
-        # where kind 2 = out of cycle (an early warning on some node), 1 = periodic, 0 = none.
+        due = due or self._save_deferred
+        # One all-reduce (MAX) agrees on everything at this step boundary: [stop reason, save kind,
+        # deadline, busy] where kind 2 = out of cycle (an early warning on some node), 1 = periodic,
+        # 0 = none, and busy = some rank's previous save is still persisting.
         mine = self._local_request()
-        flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due)), _encode_deadline(self._deadline())],
-                             dtype=torch.int64)
+        busy = int(self._manager is not None and self._manager.in_flight is not None)
+        flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due)), _encode_deadline(self._deadline()),
+                              busy], dtype=torch.int64)
         if self._group is not None:
             try:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
@@ -622,6 +628,15 @@ class Runtime:
                 self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
                 return True
         stop, save, deadline = proto.StopReason(int(flags[0])), int(flags[1]), _decode_deadline(int(flags[2]))
+        if save == 1 and int(flags[3]):
+            # A periodic save while the previous one still persists somewhere would stall every rank on
+            # it: defer it to the first step boundary at which none is (the same durability, no stall,
+            # and no rank left waiting outside a collective when a peer dies).
+            if not self._save_deferred:
+                self._log.info("checkpoint_deferred", step=self.step, reason="the previous save is still persisting")
+            self._save_deferred, save = True, 0
+        elif save:
+            self._save_deferred = False
         if stop is not proto.StopReason.NONE:
             if self.reform_enabled and mine is not proto.StopReason.DRAIN:
                 assert self.strategy is not None

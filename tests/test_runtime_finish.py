@@ -40,8 +40,11 @@ def train(url: str, steps: int, *, interval_steps: int = 0, restore: bool = Fals
     return rt
 
 
-def train_loop(rt: Runtime, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
-    """Train a set-up single-rank runtime on a fixed random dataset until step ``steps``."""
+def train_loop(rt: Runtime, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, *,
+               settle: bool = True) -> None:
+    """Train a set-up single-rank runtime on a fixed random dataset until step ``steps``. ``settle``:
+    wait for each background save after its step (these steps are faster than a save, which would
+    otherwise defer the next periodic one: see the deferral test)."""
     x = torch.randn(32, 4)
     while rt.step < steps:
         micro = rt.next_batches()
@@ -51,6 +54,8 @@ def train_loop(rt: Runtime, model: torch.nn.Module, opt: torch.optim.Optimizer, 
         rt.optimizer_step(opt)
         opt.zero_grad()
         rt.end_step()
+        if settle and rt._manager is not None:
+            rt._manager.wait(60)
 
 
 def committed(ckpt) -> dict[int, str]:
@@ -76,6 +81,40 @@ def test_finish_saves_the_last_step_once(tmp_path):
     ckpt2 = tmp_path / "ck2"
     train(str(ckpt2), 4, interval_steps=2).finish()
     assert committed(ckpt2) == {2: "periodic", 4: "periodic"}
+
+
+def test_a_periodic_save_due_while_the_previous_persists_is_deferred_not_waited_for(tmp_path, monkeypatch):
+    """Interval 2 steps; step 2's save is held in its upload: step 4's save is deferred (training goes on,
+    nothing waits on the held save), and taken at the first step boundary after step 2's commit (5)."""
+    import threading
+
+    from trainguard.checkpoint import storage as storage_mod
+
+    ckpt = tmp_path / "ck"
+    rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0,
+                 checkpoint=CheckpointConfig(url=str(ckpt), interval_steps=2))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
+    release = threading.Event()
+    write = storage_mod._DigestWriter.write
+
+    def held(w, b):
+        if threading.current_thread() is not threading.main_thread():
+            assert release.wait(60)
+        return write(w, b)
+
+    monkeypatch.setattr(storage_mod._DigestWriter, "write", held)
+    with structlog.testing.capture_logs() as logs:
+        train_loop(rt, model, opt, 4, settle=False)  # returns: nothing waited on the held save
+        assert rt._manager.in_flight == 2 and committed(ckpt) == {}
+        release.set()
+        rt._manager.wait(60)
+        train_loop(rt, model, opt, 5, settle=False)
+        rt._manager.wait(60)
+    assert committed(ckpt) == {2: "periodic", 5: "periodic"}
+    assert [e["step"] for e in logs if e["event"] == "checkpoint_deferred"] == [4]
 
 
 def test_without_checkpoint_url_the_runtime_warns_and_finish_saves_nothing(tmp_path):
