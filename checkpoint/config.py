@@ -52,6 +52,12 @@ class CheckpointConfig:
     async_save: bool = True
     """Persist in the background; training blocks only while state is staged to host memory."""
 
+    when_busy: str = "defer"
+    """A periodic save that comes due while the previous one still persists (on any rank): ``defer``
+    (train on; take it at the first step boundary at which none persists: no stall when storage is
+    slower than the interval) or ``wait`` (every rank waits for the previous save, then saves at the
+    due step: a checkpoint at every interval step, at the cost of the stall)."""
+
     retry_attempts: int = 5
     """Attempts per storage operation on transient errors (exponential backoff)."""
 
@@ -100,6 +106,8 @@ class CheckpointConfig:
     (``<memory_dir>/trainguard-<job_id>-<node>/``, removed when the job ends or the node leaves)."""
 
     def __post_init__(self) -> None:
+        require(self.when_busy in ("defer", "wait"), "when_busy", f"must be defer or wait, got {self.when_busy!r}",
+                "use defer (the default) unless every interval step must have its own checkpoint")
         require(self.memory_interval_steps >= 0, "memory_interval_steps", f"must be >= 0, got {self.memory_interval_steps}",
                 "use 0 to turn in-memory snapshots off, 1 to snapshot every step")
         require(self.memory_max_bytes >= 0, "memory_max_bytes", f"must be >= 0, got {self.memory_max_bytes}",

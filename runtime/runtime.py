@@ -628,7 +628,7 @@ class Runtime:
                 self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
                 return True
         stop, save, deadline = proto.StopReason(int(flags[0])), int(flags[1]), _decode_deadline(int(flags[2]))
-        if save == 1 and int(flags[3]):
+        if save == 1 and int(flags[3]) and self.checkpoint_config.when_busy == "defer":
             # A periodic save while the previous one still persists somewhere would stall every rank on
             # it: defer it to the first step boundary at which none is (the same durability, no stall,
             # and no rank left waiting outside a collective when a peer dies).

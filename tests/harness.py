@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_gpt.py")
 
@@ -32,6 +34,19 @@ def bench_module(script: str) -> Iterator[Any]:
         yield mod
     finally:
         sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def short_tmp():
+    """A fresh folder with a short path (``/tmp/tg-XXXX``), removed after the test: a TMPDIR under
+    which the agent's control socket path stays within the 107 bytes Unix sockets allow (pytest's own
+    tmp_path is longer under pytest-xdist, ``.../popen-gw0/<test name>0``)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="tg-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def free_port() -> int:

@@ -59,7 +59,9 @@ def train_loop(rt: Runtime, model: torch.nn.Module, opt: torch.optim.Optimizer, 
 
 
 def committed(ckpt) -> dict[int, str]:
-    out = {}
+    out: dict[int, str] = {}
+    if not (ckpt / "run").exists():
+        return out
     for d in sorted(os.listdir(ckpt / "run")):
         if d.startswith("step-") and os.path.exists(ckpt / "run" / d / "manifest.json"):
             with open(ckpt / "run" / d / "manifest.json") as fh:

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests.harness import short_tmp  # noqa: F401 - a fixture
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 SCRIPT = os.path.join(os.path.dirname(__file__), "_dump_env.py")
 PER_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
@@ -33,8 +35,8 @@ def worker_envs(cmd: list[str], out: str, env: dict[str, str], cwd: str) -> tupl
     return envs, r.stderr
 
 
-def test_worker_env_matches_torchrun(tmp_path):
-    tmp = str(tmp_path)
+def test_worker_env_matches_torchrun(short_tmp):
+    tmp = short_tmp
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TRAINGUARD_", "TORCHELASTIC_")) and k not in ("OMP_NUM_THREADS", "XDG_RUNTIME_DIR")}
     env["TMPDIR"] = tmp

@@ -25,7 +25,7 @@ import urllib.request
 
 import pytest
 
-from tests.harness import REPO, wait_until
+from tests.harness import REPO, short_tmp, wait_until  # noqa: F401 - short_tmp: a fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -68,8 +68,8 @@ class Run:
         self._fh.close()
 
 
-def test_first_hour(tmp_path):
-    tmp = str(tmp_path)
+def test_first_hour(short_tmp):
+    tmp = short_tmp
     ckpt = os.path.join(tmp, "ckpt")
     # TMPDIR moves the per-user private base (/tmp/trainguard-<uid>) into this test's folder: the CLI
     # finds the agents there with no flags, and nothing of other tests' agents is in the way.

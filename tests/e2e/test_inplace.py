@@ -32,6 +32,7 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
     loss_log = os.path.join(tmp, "loss.jsonl")
     # A committed checkpoint of every step, so a restart from the step before any change can be replayed.
     common = ["--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=1", "--set", "checkpoint.keep_last=100000",
+              "--set", "checkpoint.when_busy=wait",
               "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
     args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", os.path.join(tmp, "samples"),
             "--loss-log", loss_log, "--strategy", strategy, *JOB]

@@ -67,8 +67,10 @@ def test_node_lost_during_worker_start_up_does_not_hang_the_survivors(tmp_path):
                    90, "training at world size 2 again")
         recovered_s = time.monotonic() - t_kill
         assert recovered_s < 60, recovered_s  # not the 600 s process-group timeout
-        decisions = [e for e in a.events("decision") if e.get("reason") == "member_lost"]
-        assert decisions and not [e for e in a.events("state_change") if e["new"] == "restarting"]
+        # One of the survivors restarts on member_lost; the other may see that one re-enter the
+        # rendezvous first and restart for it (scale_up): either way nothing consumed a restart.
+        decisions = [e for n in (a, b) for e in n.events("decision") if e.get("reason") == "member_lost"]
+        assert decisions and not [e for n in (a, b) for e in n.events("state_change") if e["new"] == "restarting"]
         print(f"recovered {recovered_s:.1f} s after the kill")
 
 

@@ -32,7 +32,7 @@ def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interva
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     # The worker contract is written by its one owner (the fence is only the round the epoch record names).
-    rt_env = RuntimeEnv(job_id=job_id, round=fence, checkpoint={"url": ckpt_url, "interval_steps": interval}).to_env()
+    rt_env = RuntimeEnv(job_id=job_id, round=fence, checkpoint={"url": ckpt_url, "interval_steps": interval, "when_busy": "wait"}).to_env()
     procs = []
     for r in range(world):
         env = {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r), "LOCAL_RANK": str(r),
