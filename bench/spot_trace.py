@@ -1026,7 +1026,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reanalyse", default=None, metavar="WORK_FOLDER",
                     help="analyse and simulate the runs kept by an earlier --keep run (same schedule options) "
                          "instead of replaying: no agents are started")
+    ap.add_argument("--costs-from", default=None, metavar="JSON",
+                    help="simulate the whole trace again from the costs an earlier run measured (its --json), "
+                         "with this run's simulation options (--real-lead-s, --drain-lead-s, --sim-unannounced, "
+                         "--sim-seeds, --no-sweep): no replay, no agents")
     a = ap.parse_args(argv)
+    if a.costs_from:
+        return resimulate(a)
     if a.quick:
         a.hours = a.hours or 2.0
 
@@ -1156,6 +1162,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if runs else 1
 
 
+def resimulate(a: argparse.Namespace) -> int:
+    """``--costs-from``: the full-trace simulation of an earlier run's measured costs and step times, the
+    replay's own figures carried over unchanged (they were measured then, not now)."""
+    with open(a.costs_from) as fh:
+        res = json.load(fh)
+    a.nodes_per_agent = res["nodes_per_agent"]  # the step times were measured at that scale
+    trace = sim.load_trace(a.trace)
+    costs = {k: sim.ChangeCosts.from_dict(v) for k, v in res["measured_costs"].items()}
+    runs = res["runs"]
+    res["full_trace"] = full_trace(trace, costs, runs, a)
+    res["full_trace_costs_from"] = a.costs_from
+    print(f"costs and replay figures from {a.costs_from} (replayed {res['window']}); the full trace simulated again")
+    report(res, runs)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1, sort_keys=True, default=float)
+    return 0
+
+
 def report(res: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
     print("\nreplay (measured; predicted by the simulator from the measured costs)")
     print(f"{'run':<20} {'ETTR':>6} {'pred':>6} {'err pts':>7} {'$/1k samples':>12} {'lost steps':>10} {'skip/rep':>9} {'saves':>5}")
@@ -1166,7 +1191,7 @@ def report(res: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
               f"{r['skipped_samples']}/{r['repeated_samples']:<7} {r.get('periodic_saves', '-'):>5}")
     for n, r in runs.items():
         print(f"  {n}: training s by world size {r['training_s_by_world_size']}, step s {r['step_s_by_world_size']}")
-        agents = {k: (fmt(v.get('metric_goodput')), fmt(v.get('truth_goodput'))) for k, v in r["agents"].items()
+        agents = {k: (fmt(v.get('metric_goodput')), fmt(v.get('truth_goodput'))) for k, v in r.get("agents", {}).items()
                   if v.get("truth_goodput") is not None}
         if agents:
             print(f"  {n}: goodput metric vs truth per agent {agents}")

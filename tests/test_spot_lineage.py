@@ -4,9 +4,12 @@ surviving rank finished and handed to the re-formed world; that step is in the l
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
-from tests.harness import bench_module
+from tests.harness import REPO, bench_module
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +41,27 @@ def test_a_redone_step_keeps_its_last_attempt_only(spot):
     kept, final = spot.lineage(execs)
     assert final == 2
     assert sorted((e.step, e.round, e.rank) for e in kept) == [(1, 0, 0), (1, 0, 1), (2, 1, 0)]
+
+
+def test_costs_from_an_earlier_run_simulate_the_whole_trace_again_with_training_through_notices(spot, tmp_path):
+    # The committed whole-trace run's measured costs, simulated again without agents: training through a
+    # 120 s notice (drain 20 s before the reclaim) turns most of the idle notice lead into training.
+    # A synthetic 4-hour trace (8 nodes; every 10 min one leaves and comes back 5 min later).
+    rows = ["time_ms,event,node"] + [f"0,add,n{i}" for i in range(8)]
+    for k in range(1, 24):
+        rows += [f"{k * 600_000},remove,n{k % 8}", f"{k * 600_000 + 300_000},add,n{k % 8}"]
+    trace = tmp_path / "synthetic.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "resim.json"
+    src = os.path.join(REPO, "docs", "results", "spot", "whole-trace-final.json")
+    assert spot.main(["--costs-from", src, "--trace", str(trace), "--no-sweep", "--sim-seeds", "2",
+                      "--drain-lead-s", "20", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    with open(src) as fh:
+        before = json.load(fh)
+    assert res["full_trace_costs_from"] == src
+    assert res["ettr"] == before["ettr"] and res["runs"].keys() == before["runs"].keys()  # replay figures kept
+    block = res["full_trace"]["x1"]
+    auto, through = block["trainguard-auto"], block["trainguard-auto-through"]
+    assert through["waste_node_s"]["notice_lead"] < 0.5 * auto["waste_node_s"]["notice_lead"]
+    assert through["ettr"] > auto["ettr"]
