@@ -15,6 +15,10 @@ Scenarios, side by side in one invocation:
   steps node b's worker is SIGKILLed (its agent lives). ``worker_kill_lost_steps``: the newest step any
   rank finished before the kill minus the step the new world restored; ``worker_kill_resume_s``: from
   the kill until the new world finished its first step (the workers' own clock, from the sample log).
+* **worker_kill_inplace** -- the same kill with tier 0 on and ``workers.reform: in-process`` (the default for
+  worker-API jobs): the survivor keeps its live state and re-forms with the restarted worker, which takes
+  the state from it (``restore_tier`` ``peer``: a live peer, not a replica) instead of the whole world
+  restarting.
 * **worker_kill_storage** (unless ``--no-baseline``) -- the same kill with tier 0 off and a periodic
   checkpoint in storage every ``--baseline-interval`` steps: today's path, the same figures.
 * **node_kill** -- three agents train the same job with FSDP2 (``--strategy fsdp``), a snapshot every
@@ -132,7 +136,7 @@ def _folder_bytes(folder: str) -> dict[str, int]:
 
 
 def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int, shm_root: str,
-                node_kill: str = "") -> dict[str, Any]:
+                node_kill: str = "", reform: str = "restart") -> dict[str, Any]:
     """Two agents, SIGKILL node b's worker at step ``kill_at``; the figures of the restart. ``node_kill``:
     ``"fsdp"``: three FSDP2 agents with tier 1, node c killed whole and replaced by node d; ``"ddp"``:
     three DDP agents (tier 0 only, min nodes 2), node c killed whole, no replacement (a world of 2)."""
@@ -140,8 +144,8 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
     folder = os.path.join(tmp, "samples")
     os.makedirs(folder)
     ep = f"127.0.0.1:{free_port()}"
-    job = f"bench{os.getpid()}{'m' if memory else 's'}"
-    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "workers.reform=restart",
+    job = f"bench{os.getpid()}{'m' if memory else 's'}{'i' if reform != 'restart' else ''}"
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", f"workers.reform={reform}",
               "--set", f"checkpoint.memory_dir={shm_root}"]
     common += (["--set", "checkpoint.interval=off", "--set", "checkpoint.memory_interval_steps=1"] if memory else
                ["--set", f"checkpoint.interval={baseline_interval}", "--set", "checkpoint.memory_interval_steps=0"])
@@ -232,6 +236,11 @@ def main() -> int:
                         baseline_interval=args.baseline_interval, shm_root=args.shm)
         out.update({"worker_kill_lost_steps": k["lost_steps"], "worker_kill_resume_s": k["resume_s"],
                     "worker_kill": k})
+        print("worker_kill_inplace: tier 0, workers.reform in-process ...", flush=True)
+        k = worker_kill(os.path.join(tmp, "inplace"), memory=True, kill_at=args.kill_at,
+                        baseline_interval=args.baseline_interval, shm_root=args.shm, reform="in-process")
+        out.update({"worker_kill_inplace_lost_steps": k["lost_steps"], "worker_kill_inplace_resume_s": k["resume_s"],
+                    "worker_kill_inplace": k})
         if not args.no_baseline:
             print("worker_kill_storage: tier 0 off, storage every "
                   f"{args.baseline_interval} steps ...", flush=True)
@@ -257,6 +266,7 @@ def main() -> int:
     if nk:
         out["memory_ratio"] = round((nk["tier0_bytes"] + nk["tier1_bytes"]) / nk["state_bytes"], 4)
     out["restore_tier"] = {"worker_kill": out["worker_kill"]["restore_tier"],
+                           "worker_kill_inplace": out["worker_kill_inplace"]["restore_tier"],
                            "worker_kill_storage": out.get("worker_kill_storage", {}).get("restore_tier"),
                            "node_kill": nk["restore_tier"] if nk else None,
                            "node_kill_ddp": out["node_kill_ddp"]["restore_tier"] if "node_kill_ddp" in out else None}
@@ -270,7 +280,10 @@ def main() -> int:
              f"{out['tier0_ratio']} ({out['tier0_bytes']} / {out['state_bytes']} B)"),
             ("worker_kill_lost_steps (tier 0)", out["worker_kill_lost_steps"]),
             ("worker_kill_resume_s (tier 0)", out["worker_kill_resume_s"]),
-            ("restore_tier (worker_kill)", out["restore_tier"]["worker_kill"])]
+            ("restore_tier (worker_kill)", out["restore_tier"]["worker_kill"]),
+            ("worker_kill in place: lost steps / resume s / tier",
+             f"{out['worker_kill_inplace_lost_steps']} / {out['worker_kill_inplace_resume_s']} / "
+             f"{out['restore_tier']['worker_kill_inplace']}")]
     if "worker_kill_storage" in out:
         rows += [("worker_kill_lost_steps (storage only)", out["worker_kill_storage_lost_steps"]),
                  ("worker_kill_resume_s (storage only)", out["worker_kill_storage_resume_s"]),

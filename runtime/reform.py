@@ -52,6 +52,9 @@ class JoinAborted(RuntimeError):
 
 
 ARRIVED_KEY = "trainguard/arrived"
+FATE_KEY = "trainguard/fate"
+"""Whether the world forms (:func:`arrive`): :data:`FATE_GO` or :data:`FATE_OFF`, set once."""
+FATE_GO, FATE_OFF = "go", "off"
 """Key of the arrival count in a world's store (outside the ``default_pg`` prefix torch uses)."""
 CONNECT_S = 1.0
 """Bound of one attempt to reach the world's store: how often a waiting worker looks at ``aborted``."""
@@ -67,17 +70,38 @@ def arrive(*, rank: int, world_size: int, master_addr: str, master_port: int, ti
     Between attempts and polls ``aborted()`` is asked: True raises :class:`JoinAborted`, so that a worker
     whose world lost a member before it formed goes back to its agent alive, with its state, instead of
     sitting out the process-group timeout. A store that stops answering (its host is gone) raises
-    :class:`JoinAborted` too; ``timeout_s`` passing raises :class:`TimeoutError`."""
+    :class:`JoinAborted` too; ``timeout_s`` passing raises :class:`TimeoutError`.
+
+    Whether the world forms is agreed once, in the store (:data:`FATE_KEY`, compare-and-set): the first
+    rank to see every rank arrived sets ``go``, a rank called off before that sets ``off``. A rank called
+    off after ``go`` joins all the same (its agent's request is served at the first step boundary), and
+    the others see ``off`` at their next poll: no rank goes on to ``init_process_group`` for a world that
+    one of its ranks has left (that rank's arrival still counted)."""
     deadline = time.monotonic() + (timeout_s if timeout_s > 0 else 1800.0)
+    store: dist.Store | None = None
+
+    def fate(want: str) -> str:
+        """The world's agreed fate: ``want`` unless another rank decided first."""
+        assert store is not None
+        try:
+            return store.compare_set(FATE_KEY, "", want).decode()
+        except (RuntimeError, OSError) as e:  # its host is gone: this world will not form
+            raise JoinAborted(f"the world's store stopped answering: {e}"[:300]) from e
 
     def check(what: str) -> None:
-        if aborted():
+        if store is not None:
+            try:
+                called_off = store.check([FATE_KEY]) and store.get(FATE_KEY) == FATE_OFF.encode()
+            except (RuntimeError, OSError) as e:
+                raise JoinAborted(f"the world's store stopped answering: {e}"[:300]) from e
+            if called_off:
+                raise JoinAborted(f"another rank called the world off while {what}")
+        if aborted() and (store is None or fate(FATE_OFF) == FATE_OFF):
             raise JoinAborted(f"the agent called the world off while {what}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the world's ranks did not all arrive within workers.pg_timeout_s={timeout_s:.0f}s "
                                f"while {what}")
 
-    store: dist.Store | None = None
     while store is None:
         check(f"connecting to the world's store at {master_addr}:{master_port}")
         try:
@@ -96,8 +120,8 @@ def arrive(*, rank: int, world_size: int, master_addr: str, master_port: int, ti
             raise JoinAborted(f"the world's store stopped answering: {e}"[:300]) from e
 
     arrived = count(1)
-    while arrived < world_size:
-        check(f"waiting for {world_size - arrived} of {world_size} ranks")
+    while arrived < world_size or fate(FATE_GO) != FATE_GO:
+        check(f"waiting for {max(0, world_size - arrived)} of {world_size} ranks")
         time.sleep(POLL_S)
         arrived = count(0)
     store.set_timeout(timedelta(seconds=timeout_s) if timeout_s > 0 else dist.default_pg_timeout)

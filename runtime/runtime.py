@@ -735,16 +735,17 @@ class Runtime:
                 if self._manager is not None:
                     self._manager.cancel_inflight("a peer of this world is gone")
                 self._log.info("world_connections_ended", connections=rf.end_world_connections())
+            assert self._link is not None
+            # This rank's state is final: the agent may re-form now. A save still persisting finishes
+            # below, while the rendezvous runs (the new world waits for this rank in its arrival count);
+            # reported after it, a slow commit kept the agent in the old round while its peers had left it.
+            self._report_parked(reason)
             if self._manager is not None:
                 self._manager.close()  # an in-flight save finishes (or fails) on the old groups first
                 base, self._manager = self._manager.base, None
             self._group = None
             rf.teardown_world(self.device)
-            assert self._link is not None
             while True:
-                self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step,
-                                               reason=reason))
-                self._log.info("worker_parked", step=self.step, reason=reason.value)
                 msg = self._link.wait_reform(self.reform_timeout_s)
                 if msg is None:
                     raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
@@ -754,6 +755,7 @@ class Runtime:
                 if self._join_world(msg):
                     break
                 reason = proto.ParkReason.PEER_LOST  # nothing changed yet: park again, state intact
+                self._report_parked(reason)
             assert self.strategy is not None and self._model is not None
             self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
             self._make_manager(base)
@@ -772,6 +774,11 @@ class Runtime:
                        accum_steps=self.accum_steps, state=outcome, live_step=live,
                        parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
                        seconds=round(time.monotonic() - t0, 3), pid=os.getpid())
+
+    def _report_parked(self, reason: proto.ParkReason) -> None:
+        assert self._link is not None
+        self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
+        self._log.info("worker_parked", step=self.step, reason=reason.value)
 
     def _maybe_inject(self, point: str) -> None:
         """Test fault hook (:attr:`RuntimeEnv.inject_fault`): fail once at ``point``."""

@@ -207,6 +207,47 @@ def test_a_join_called_off_returns_alive(rank):
     assert time.monotonic() - t0 < 5
 
 
+def _arrive_each(port, ranks):
+    """``ranks``: rank -> (seconds before arriving, aborted callable); each from its own thread."""
+    import threading
+    import time
+
+    from trainguard.runtime.reform import arrive
+
+    out = {}
+
+    def one(rank, delay, aborted):
+        time.sleep(delay)
+        try:
+            out[rank] = arrive(rank=rank, world_size=len(ranks), master_addr="127.0.0.1", master_port=port,
+                               timeout_s=20, aborted=aborted)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r, d, a)) for r, (d, a) in ranks.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_a_rank_called_off_after_it_arrived_calls_the_world_off_for_every_rank():
+    """Chaos `sigterm_agent @ rendezvous`: rank 2 arrived, then its agent drained and called its join
+    off; rank 1 arrived after that and made the count full. Before the agreement the others went on to
+    init_process_group and waited there for rank 2 until their agents restarted them (from storage)."""
+    import threading
+
+    from tests.harness import free_port
+    from trainguard.runtime.reform import JoinAborted
+
+    off = threading.Event()
+    threading.Timer(0.5, off.set).start()  # rank 2's agent calls it off 0.5 s in; rank 1 arrives at 1.0 s
+    out = _arrive_each(free_port(), {0: (0.0, lambda: False), 1: (1.0, lambda: False), 2: (0.1, off.is_set)})
+    assert all(isinstance(v, JoinAborted) for v in out.values()), out
+    assert "another rank called the world off" in str(out[1])
+
+
 def test_a_world_that_never_fills_runs_out_at_the_timeout():
     from tests.harness import free_port
     from trainguard.runtime.reform import arrive
@@ -252,7 +293,10 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
     """A survivor whose background save is uploading when a peer dies: that save can never commit, so
     the worker gives it up and parks (reports Parked) at once, instead of finishing a slow upload while
     its agent's member-lost grace runs out and restarts the world from storage (chaos cases
-    `aws_notice @ restore`). A planned park (resize) lets the save finish and commit."""
+    `aws_notice @ restore`). A planned park (resize) lets the save finish and commit, but reports
+    Parked first: its agent joins the re-formation while the save persists (chaos `drain @ rendezvous`:
+    rank 0 reported 5 s late, after a slow commit, its peer was already in the next round, and its agent
+    restarted the world as a member lost)."""
     import threading
 
     import torch
@@ -281,22 +325,27 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
     rt.step = 5
     rt._save(proto.CheckpointKind.PERIODIC.value)
     assert entered.wait(30)  # the upload is under way (held)
-    reports: list[object] = []
+    reports: list[tuple[object, bool]] = []
+
+    def committed() -> list[str]:
+        return sorted(p.parent.name[:17] for p in (tmp_path / "ckpt" / "run").glob("step-*/manifest.json"))
 
     class Link:
         request = proto.StopReason.NONE
 
         def report(self, msg):
-            reports.append(msg)
-            raise SystemExit("parked")  # stop here: what follows (waiting for the new world) is not under test
+            reports.append((msg, release.is_set()))
+
+        def wait_reform(self, timeout_s):
+            raise SystemExit("parked")  # stop here: what follows (the new world) is not under test
 
     rt._link = Link()
     threading.Timer(0.3, release.set).start()  # the upload call in progress returns
     with pytest.raises(SystemExit, match="parked"):
         rt._park(reason)
-    assert [type(m).__name__ for m in reports] == ["Parked"]
-    committed = sorted(p.parent.name for p in (tmp_path / "ckpt" / "run").glob("step-*/manifest.json"))
+    assert [type(m).__name__ for m, _ in reports] == ["Parked"]
+    assert reports[0][1] is False  # reported while the upload was still held
     if reason is proto.ParkReason.PEER_LOST:
-        assert committed == []  # given up: nothing of step 5 was committed
+        assert committed() == []  # given up: nothing of step 5 was committed
     else:
-        assert [c[:17] for c in committed] == ["step-000000000005"]
+        assert committed() == ["step-000000000005"]  # and the planned park's save committed all the same
