@@ -66,6 +66,12 @@ class AgentLink:
                 elif isinstance(msg, proto.CheckpointNow):
                     self.checkpoint_reason = msg.why or "agent"
                 elif isinstance(msg, proto.Reform):
+                    # The stop order that led to the park is served by this new world; one that comes
+                    # after it (a drain while the world forms) stays pending. Cleared here, in the
+                    # messages' order, not when the training thread takes the world (chaos
+                    # `sigterm_agent @ rendezvous`: a drain 18 ms after the Reform was lost that way).
+                    self.request = proto.StopReason.NONE
+                    self.deadline = None
                     self._reform = msg
                     self._reformed.set()
 
@@ -76,15 +82,14 @@ class AgentLink:
 
     def wait_reform(self, timeout_s: float) -> proto.Reform | None:
         """Block until the agent sends the new world (None after ``timeout_s`` or if the agent went
-        away). The stop order that led here is consumed: the new world starts with none pending."""
+        away). The stop order that led here is consumed (when the Reform arrived): the new world starts
+        with only the orders that came after it pending."""
         deadline = time.monotonic() + timeout_s
         while not self._reformed.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline or not self._thread.is_alive():
                 return None
         self._reformed.clear()
         msg, self._reform = self._reform, None
-        self.request = proto.StopReason.NONE
-        self.deadline = None
         return msg
 
     def take_checkpoint(self) -> str | None:

@@ -7,6 +7,7 @@ from trainguard.agent.decisions import Act, Observation, decide
 from trainguard.agent.elastic import Plan, planned_complete
 from trainguard.runtime import protocol as proto
 from trainguard.runtime.reform import is_peer_failure
+from tests.harness import short_tmp  # noqa: F401 - a fixture
 
 W = proto.WorkerStatus
 
@@ -349,3 +350,37 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
         assert committed() == []  # given up: nothing of step 5 was committed
     else:
         assert committed() == ["step-000000000005"]  # and the planned park's save committed all the same
+
+
+def test_a_stop_order_after_the_new_world_stays_pending(short_tmp):  # noqa: F811 - the fixture
+    """The agent sends the new world (Reform) and, 18 ms later, a drain (its node got SIGTERM while
+    the world formed). The worker takes the world after both arrived: the drain must still be pending
+    for the new world's first step boundary (chaos `sigterm_agent @ rendezvous`: it was cleared with
+    the resize that led to the park, and the node sat out its whole 30 s drain deadline)."""
+    import os
+    import socket
+    import time
+
+    from trainguard.runtime.link import AgentLink
+
+    path = os.path.join(short_tmp, "agent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    link = AgentLink(path, rank=0, local_rank=0, pid=os.getpid())
+    conn, _ = srv.accept()
+    try:
+        conn.sendall(proto.encode(proto.Stop(proto.StopReason.RESIZE, None, "scale_up")))
+        deadline = time.monotonic() + 10
+        while link.request is not proto.StopReason.RESIZE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        world = proto.Reform(rank=0, world_size=3, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
+                             master_port=29500, round=30, group_rank=0, nodes=3)
+        conn.sendall(proto.encode(world) + proto.encode(proto.Stop(proto.StopReason.DRAIN, time.time() + 30, "stop")))
+        while link.request is not proto.StopReason.DRAIN and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.wait_reform(5) == world
+        assert link.request is proto.StopReason.DRAIN and link.deadline is not None
+    finally:
+        conn.close()
+        srv.close()
