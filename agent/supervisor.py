@@ -147,6 +147,10 @@ class Supervisor:
         self._reconnect_at = 0.0
         self._member_check_at = 0.0
         self._member_lost_since: float | None = None
+        self._joining: set[int] = set()
+        """Local ranks sent a new world (:class:`~trainguard.runtime.protocol.Reform`) that have not said
+        :class:`~trainguard.runtime.protocol.Joined` yet: between worlds, never inside a collective."""
+        self._joining_since = 0.0
         self.reform_enabled = cfg.workers.reform == "in-process"
         self._run_started = time.monotonic()
         self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
@@ -228,6 +232,10 @@ class Supervisor:
                 self._parked[msg.local_rank] = msg
             log.info("worker_parked", local_rank=msg.local_rank, rank=msg.rank, step=msg.step, reason=msg.reason.value)
             self._wake.set()
+            return None
+        if isinstance(msg, proto.Joined):
+            with self._lock:
+                self._joining.discard(msg.local_rank)
             return None
         if isinstance(msg, proto.Restored):
             if msg.rank == self._world.get("first_rank"):  # one report per node
@@ -366,7 +374,12 @@ class Supervisor:
                             grace_s=MEMBER_LOST_GRACE_S)
             elif not gone:
                 self._member_lost_since = None
-        return self._member_lost_since is not None and now - self._member_lost_since > MEMBER_LOST_GRACE_S
+        if self._member_lost_since is None or now - self._member_lost_since <= MEMBER_LOST_GRACE_S:
+            return False
+        # Workers between worlds (finishing the old world's save, or in the new one's arrival count)
+        # answer the call-off (member_gone -> ask_resize) once that save is done: killing them would
+        # throw their state away. Bounded by the save's own storage deadline.
+        return not (self._joining and now - self._joining_since < self.cfg.checkpoint.retry_deadline_s)
 
     def _peer_draining(self) -> bool:
         store = self.adapter.store
@@ -519,6 +532,8 @@ class Supervisor:
 
     def _send_worlds(self, world: World) -> None:
         n = self.cfg.workers.nproc_per_node
+        with self._lock:
+            self._joining, self._joining_since = set(range(n)), time.monotonic()
         for local_rank, rank in enumerate(world.global_ranks):
             msg = proto.Reform(rank=rank, world_size=world.world_size, local_rank=local_rank, local_world_size=n,
                                master_addr=world.master_addr, master_port=world.master_port, round=world.round,
@@ -540,6 +555,7 @@ class Supervisor:
         self._workers_gone()
         with self._lock:
             self._parked.clear()
+            self._joining.clear()
         self._standby_start = False
         if d.short_stop:
             self._stop_failed_world(d.reason)

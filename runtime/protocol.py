@@ -452,6 +452,23 @@ class Parked(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Joined(Message):
+    """worker -> agent: this worker is in the world of round ``round`` (its process group exists). From
+    its :class:`Parked` report until this one it is between worlds (finishing a save, waiting for or in
+    the arrival count), never inside a collective: a member lost meanwhile is no reason to kill it."""
+
+    OP: ClassVar[str] = "joined"
+    rank: int
+    local_rank: int
+    round: int
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Joined:
+        return cls(rank=_int("rank", d.get("rank"), minimum=0), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
+                   round=_int("round", d.get("round"), minimum=0))
+
+
+@dataclass(frozen=True, slots=True)
 class Reform(Message):
     """agent -> worker: the new world this live worker joins (in place, without a restart)."""
 
@@ -562,7 +579,7 @@ class Reply(Message):
         return cls(ok=ok, error=_str("error", d.get("error", ""), limit=2000), data=data)
 
 
-MESSAGES: dict[str, type[Message]] = {m.OP: m for m in (Hello, Stop, CheckpointNow, Parked, Reform, Committed, Restored,
+MESSAGES: dict[str, type[Message]] = {m.OP: m for m in (Hello, Stop, CheckpointNow, Parked, Joined, Reform, Committed, Restored,
                                                          DrainRequest, StatusRequest, Reply)}
 MAX_LINE = 64 * 1024
 """Longest accepted line (bytes); a longer one is a :class:`ProtocolError`."""
@@ -592,7 +609,7 @@ def decode(line: bytes | str) -> Message:
 
 __all__ = [
     "EXIT_RESIZE", "EXIT_SUCCESS", "MESSAGES", "AgentState", "CheckpointKind", "CheckpointNow", "Committed",
-    "DrainRequest", "ParkReason", "Parked", "Reform", "Restored",
+    "DrainRequest", "Joined", "ParkReason", "Parked", "Reform", "Restored",
     "ExitKind", "Hello", "Message", "NoticeSource", "ProtocolError", "Reply", "RuntimeEnv", "StatusRequest",
     "Stop", "StopReason", "WorkerStatus", "classify_exit", "control_socket_path", "decode", "encode",
 ]

@@ -810,6 +810,7 @@ class Runtime:
         self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
         self.local_world_size = msg.local_world_size
         self.round = msg.round
+        link.report(proto.Joined(rank=self.rank, local_rank=self.local_rank, round=self.round))
         self._group = self._new_gloo_group()
         self._log = log.bind(rank=self.rank, world_size=self.world_size, round=self.round)
         if self._metrics is not None:

@@ -66,6 +66,7 @@ def test_reform_decisions(name, obs, act, reason):
     proto.Reform(rank=1, world_size=3, local_rank=0, local_world_size=1, master_addr="10.0.0.2", master_port=29500,
                  round=7, group_rank=1, nodes=3),
     proto.CheckpointNow(why="aws_rebalance"),
+    proto.Joined(rank=2, local_rank=0, round=9),
     proto.Restored(step=5, rank=0, kind=proto.CheckpointKind.EMERGENCY),
 ])
 def test_messages_round_trip(msg):
@@ -271,6 +272,10 @@ def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monke
 
     class Link:
         request = proto.StopReason.RESIZE
+        joined: list[proto.Joined] = []
+
+        def report(self, msg):
+            self.joined.append(msg)
 
     rt._link = Link()
     msg = proto.Reform(rank=1, world_size=2, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
@@ -283,6 +288,7 @@ def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monke
     try:
         assert rt._join_world(msg) is True
         assert dist.is_initialized() and dist.get_world_size() == 1 and rt.round == 6
+        assert Link.joined == [proto.Joined(rank=0, local_rank=0, round=6)]  # only the world it joined
     finally:
         from trainguard.runtime.reform import teardown_world
 

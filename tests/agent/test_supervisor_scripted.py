@@ -282,3 +282,33 @@ def test_a_restart_whose_workers_may_be_blocked_stops_them_with_the_short_grace(
     assert fake.calls == (["terminate(3)", "restart"] if reason != "scale_up" else ["restart"])
     assert fake.remaining_restarts == 2
     sup.control.close()
+
+
+def test_workers_between_worlds_are_asked_back_not_killed_when_a_member_goes(tmp_path, monkeypatch):
+    """A member of the round is gone while this node's worker was sent its new world but has not joined
+    it (it still finishes the old world's save: chaos `drain @ restore`, rank 0's commit took 8 s). The
+    agent asks it back (member_gone) but does not restart it after the grace period; once the worker
+    says Joined, a member lost counts again (a worker inside a collective may be stuck for good)."""
+    from trainguard.agent import supervisor as sup_mod
+    from trainguard.runtime.protocol import Joined
+
+    monkeypatch.setattr(sup_mod, "MEMBER_LOST_GRACE_S", 0.05)
+    sup, fake, _ = make(tmp_path, [])
+    fake.peek = lambda: Peek(round=1, complete=True, participants=("a",), waiting=0, this_node_participates=True)
+    world = World(round=1, group_rank=0, nodes=2, world_size=2, global_ranks=(0,), master_addr="127.0.0.1",
+                  master_port=1, members=("a", "b"))
+    sup._current = world
+    sup._send_worlds(world)  # the worker is between worlds until it says Joined
+
+    def lost():
+        sup._member_check_at = 0.0
+        return sup._member_lost(True)
+
+    try:
+        assert lost() is False and sup._member_lost_since is not None  # gone: asked back at once
+        time.sleep(0.1)
+        assert lost() is False  # past the grace, but between worlds: not restarted
+        sup._on_control(Joined(rank=0, local_rank=0, round=1))
+        assert lost() is True  # in its world now: the usual grace applies
+    finally:
+        sup.control.close()
