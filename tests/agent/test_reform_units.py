@@ -162,53 +162,6 @@ def test_a_step_a_survivor_finished_counts_on_the_rank_whose_step_failed(reform_
 
 # ---- the arrival count before a world's process group (reform.arrive) ---------------------------
 
-def _arrive_all(world_size, port, **kw):
-    """Every rank of a world arriving from its own thread; returns (rank -> store or exception)."""
-    import threading
-
-    from trainguard.runtime.reform import arrive
-
-    out = {}
-
-    def one(rank):
-        try:
-            out[rank] = arrive(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, **kw)
-        except Exception as e:  # noqa: BLE001 - the test reads it
-            out[rank] = e
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return out
-
-
-def test_every_rank_arrives_before_any_goes_on():
-    from tests.harness import free_port
-    from trainguard.runtime.reform import ARRIVED_KEY
-
-    out = _arrive_all(3, free_port(), timeout_s=20)
-    assert all(not isinstance(v, Exception) for v in out.values()), out
-    assert out[0].add(ARRIVED_KEY, 0) == 3
-
-
-@pytest.mark.parametrize("rank", [0, 1], ids=["the store's host", "a rank whose host never came"])
-def test_a_join_called_off_returns_alive(rank):
-    """The world loses a member before it forms: the waiting worker is back within a poll (the
-    process group's own wait would last workers.pg_timeout_s)."""
-    import time
-
-    from tests.harness import free_port
-    from trainguard.runtime.reform import JoinAborted, arrive
-
-    t0 = time.monotonic()
-    with pytest.raises(JoinAborted, match="called the world off"):
-        arrive(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=600,
-               aborted=lambda: time.monotonic() - t0 > 0.3)
-    assert time.monotonic() - t0 < 5
-
-
 def _arrive_each(port, ranks):
     """``ranks``: rank -> (seconds before arriving, aborted callable); each from its own thread."""
     import threading
@@ -232,6 +185,31 @@ def _arrive_each(port, ranks):
     for t in threads:
         t.join(30)
     return out
+
+
+def test_every_rank_arrives_before_any_goes_on():
+    from tests.harness import free_port
+    from trainguard.runtime.reform import ARRIVED_KEY
+
+    out = _arrive_each(free_port(), {r: (0.0, lambda: False) for r in range(3)})
+    assert all(not isinstance(v, Exception) for v in out.values()), out
+    assert out[0].add(ARRIVED_KEY, 0) == 3
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["the store's host", "a rank whose host never came"])
+def test_a_join_called_off_returns_alive(rank):
+    """The world loses a member before it forms: the waiting worker is back within a poll (the
+    process group's own wait would last workers.pg_timeout_s)."""
+    import time
+
+    from tests.harness import free_port
+    from trainguard.runtime.reform import JoinAborted, arrive
+
+    t0 = time.monotonic()
+    with pytest.raises(JoinAborted, match="called the world off"):
+        arrive(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=600,
+               aborted=lambda: time.monotonic() - t0 > 0.3)
+    assert time.monotonic() - t0 < 5
 
 
 def test_a_rank_called_off_after_it_arrived_calls_the_world_off_for_every_rank():
