@@ -193,10 +193,8 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
         tiers = sorted({e.get("source") for e in back}) or ["none"]
         step = min((e["step"] for e in back), default=0)
         steps_before = sorted({r["step"] for r in before if r.get("world_size") == size})
-        step_s = statistics.median(
-            r2["t1"] - r1["t1"] for r1, r2 in zip(
-                sorted((r for r in before if r["rank"] == 0), key=lambda r: r["step"])[-21:-1],
-                sorted((r for r in before if r["rank"] == 0), key=lambda r: r["step"])[-20:]))
+        done0 = sorted((r for r in before if r["rank"] == 0 and "t1" in r), key=lambda r: r["step"])  # not rolled back
+        step_s = statistics.median(r2["t1"] - r1["t1"] for r1, r2 in zip(done0[-21:-1], done0[-20:]))
         return {"lost_steps": last - step, "resume_s": round(first[0][0] - t_kill, 3), "restored_step": step,
                 "last_step_before_kill": last, "restore_tier": tiers[0] if len(tiers) == 1 else tiers,
                 "ranks_restored": len(back), "step_s": round(step_s, 4), "steps_before_kill": len(steps_before),
