@@ -353,7 +353,7 @@ class Supervisor:
 
     def _member_lost(self, healthy: bool) -> bool:
         """A member of the current world is gone (checked every keep-alive interval) for longer than
-        :data:`MEMBER_LOST_GRACE_S` while our workers run on."""
+        :data:`MEMBER_LOST_GRACE_S` while our workers run on (not while they are between worlds)."""
         world = self._current
         now = time.monotonic()
         if world is None or not healthy or self._parked or len(world.members) < 2:

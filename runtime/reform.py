@@ -52,10 +52,10 @@ class JoinAborted(RuntimeError):
 
 
 ARRIVED_KEY = "trainguard/arrived"
+"""Key of the arrival count in a world's store (outside the ``default_pg`` prefix torch uses)."""
 FATE_KEY = "trainguard/fate"
 """Whether the world forms (:func:`arrive`): :data:`FATE_GO` or :data:`FATE_OFF`, set once."""
 FATE_GO, FATE_OFF = "go", "off"
-"""Key of the arrival count in a world's store (outside the ``default_pg`` prefix torch uses)."""
 CONNECT_S = 1.0
 """Bound of one attempt to reach the world's store: how often a waiting worker looks at ``aborted``."""
 POLL_S = 0.05
@@ -80,22 +80,21 @@ def arrive(*, rank: int, world_size: int, master_addr: str, master_port: int, ti
     deadline = time.monotonic() + (timeout_s if timeout_s > 0 else 1800.0)
     store: dist.Store | None = None
 
-    def fate(want: str) -> str:
-        """The world's agreed fate: ``want`` unless another rank decided first."""
+    def ask(call: Callable[[dist.Store], Any]) -> Any:
+        """One call to the world's store; its host gone means this world will not form."""
         assert store is not None
         try:
-            return store.compare_set(FATE_KEY, "", want).decode()
-        except (RuntimeError, OSError) as e:  # its host is gone: this world will not form
+            return call(store)
+        except (RuntimeError, OSError) as e:
             raise JoinAborted(f"the world's store stopped answering: {e}"[:300]) from e
 
+    def fate(want: str) -> str:
+        """The world's agreed fate: ``want`` unless another rank decided first."""
+        return ask(lambda st: st.compare_set(FATE_KEY, "", want)).decode()
+
     def check(what: str) -> None:
-        if store is not None:
-            try:
-                called_off = store.check([FATE_KEY]) and store.get(FATE_KEY) == FATE_OFF.encode()
-            except (RuntimeError, OSError) as e:
-                raise JoinAborted(f"the world's store stopped answering: {e}"[:300]) from e
-            if called_off:
-                raise JoinAborted(f"another rank called the world off while {what}")
+        if store is not None and ask(lambda st: st.check([FATE_KEY]) and st.get(FATE_KEY) == FATE_OFF.encode()):
+            raise JoinAborted(f"another rank called the world off while {what}")
         if aborted() and (store is None or fate(FATE_OFF) == FATE_OFF):
             raise JoinAborted(f"the agent called the world off while {what}")
         if time.monotonic() > deadline:
@@ -114,10 +113,7 @@ def arrive(*, rank: int, world_size: int, master_addr: str, master_port: int, ti
             time.sleep(POLL_S)
 
     def count(add: int) -> int:
-        try:
-            return store.add(ARRIVED_KEY, add)
-        except (RuntimeError, OSError) as e:  # its host is gone: this world will not form
-            raise JoinAborted(f"the world's store stopped answering: {e}"[:300]) from e
+        return ask(lambda st: st.add(ARRIVED_KEY, add))
 
     arrived = count(1)
     while arrived < world_size or fate(FATE_GO) != FATE_GO:
