@@ -551,7 +551,7 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
     rdzv = _events(raw, "rendezvous_complete")
     failed = _events(raw, "state_change", lambda e: e.get("new") == "restarting")
     resize_req = _events(raw, "resize_requested_from_workers")
-    resumed = sorted(_events(raw, "resumed") + _events(raw, "started"), key=lambda x: x[0])
+    formed = _events(raw, "world_formed")  # torchrun's rank 0 once its process group exists
     if torchrun:
         failed = _text_times(raw, "failed (exitcode")
         resize_req = _text_times(raw, "new nodes")
@@ -615,11 +615,12 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
                    overlapped=t_first > nxt)
         phases: dict[str, float] = {}
         if torchrun:  # text logs: detection when torchrun reports the failed worker; re-formation until
-            # the restarted worker says it resumed (torchrun's rendezvous waits out its last call there,
-            # and joiners arriving meanwhile join the same round); restore until the first step.
+            # the restarted rank 0 has its process group (torchrun's rendezvous waits out its last call
+            # there, and joiners arriving meanwhile join the same round); restore (model build,
+            # torch.load) until the first step.
             t_det = _first_after(failed, t0 + act.t, t_first) if kind == "kill" else None
             t_from = t_det or (t0 + act.t if kind == "kill" else t_last)
-            t_up = _last_in(resumed, t_from, t_first) or t_from
+            t_up = _last_in(formed, t_from, t_first) or t_from
             if t_det:
                 phases["detect_failure_s"] = t_det - (t0 + act.t)
             prefix = "failure_" if kind == "kill" else "join_"
@@ -642,8 +643,7 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
             t_act = t0 + act.t
             t_det = _first_after(resize_req if kind == "join" else failed, t_act, t_first)
             t_commit = _last_in(ckpt, t_last, t_first) if kind == "join" else None
-            t_up = (_last_in(resumed, t_det or t_act, t_first) if torchrun
-                    else _last_in(rdzv, t_commit or t_det or t_act, t_first))
+            t_up = _last_in(rdzv, t_commit or t_det or t_act, t_first)
             if t_det and kind == "kill":
                 phases["detect_failure_s"] = t_det - t_act
             if t_det and kind == "join":

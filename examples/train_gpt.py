@@ -126,6 +126,8 @@ def main() -> None:
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu")
+    if rank == 0 and distributed:  # the world exists: what follows (model build, torch.load) is the restore
+        print(json.dumps({"event": "world_formed", "world_size": world}), flush=True)
 
     corpus = load_corpus(args.max_bytes)
     n_samples = (len(corpus) - 1) // args.seq_len
