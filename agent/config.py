@@ -15,6 +15,7 @@ import ssl
 from dataclasses import dataclass, field
 
 from trainguard.runtime.configbase import FieldError, env_var_for, require, require_finite
+from trainguard.runtime.protocol import STEP_AGREEMENTS
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.metrics.config import CostConfig, MetricsConfig
@@ -289,6 +290,12 @@ class WorkersConfig:
     """How long a parked worker waits for its new world (and a joiner's workers for theirs) before it
     gives up and the agent restarts the world."""
 
+    step_agreement: str = "overlapped"
+    """How worker-API ranks agree at a step boundary on a stop, a re-formation or a checkpoint (a
+    4-integer all-reduce over a gloo side group): ``overlapped`` (the exchange of step N runs beside
+    step N+1 and is acted on at its end: nothing waits on the wire, decisions come one step later) or
+    ``blocking`` (exchanged and acted on at step N: one round trip per step)."""
+
     def __post_init__(self) -> None:
         require(self.nproc_per_node >= 1, "nproc_per_node", f"must be >= 1, got {self.nproc_per_node}",
                 "set it to the number of GPUs (or CPU workers) on this node")
@@ -315,6 +322,9 @@ class WorkersConfig:
                 "use 'in-process' (default) or 'restart'")
         require(0 < self.reform_timeout_s <= 3600, "reform_timeout_s",
                 f"must be within (0, 3600] seconds, got {self.reform_timeout_s}", "e.g. 120")
+        require(self.step_agreement in STEP_AGREEMENTS, "step_agreement",
+                f"must be one of {', '.join(STEP_AGREEMENTS)}, got {self.step_agreement!r}",
+                "use 'overlapped' (default) or 'blocking'")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -194,6 +194,10 @@ def classify_exit(exit_codes: list[int] | tuple[int, ...]) -> ExitKind:
 
 RT_PREFIX = "TRAINGUARD_RT_"
 
+STEP_AGREEMENTS = ("overlapped", "blocking")
+"""How the ranks agree at a step boundary (``workers.step_agreement``): ``overlapped`` exchanges the
+flags of step N beside step N+1 and acts on them at N+1; ``blocking`` exchanges and acts at N."""
+
 
 @dataclass(frozen=True, slots=True)
 class RuntimeEnv:
@@ -225,6 +229,8 @@ class RuntimeEnv:
     """Started before its world exists (a joiner warming up): wait for a :class:`Reform` in ``setup``."""
     memory_dir: str = ""
     """This node's tier-0 snapshot folder, created and removed by the agent (empty: no tier 0)."""
+    step_agreement: str = "overlapped"
+    """``workers.step_agreement`` (see :data:`STEP_AGREEMENTS`)."""
     inject_fault: str = ""
     """Fault injection for tests (``workers.env``): ``reform:<flag file>`` makes the next in-place
     re-formation fail in the worker once (the flag file records that it did), to exercise the fallback."""
@@ -239,7 +245,7 @@ class RuntimeEnv:
 
     _RT_FIELDS: ClassVar[tuple[str, ...]] = ("job_id", "node", "agent_pid", "control_path", "round",
                                              "checkpoint", "pg_timeout_s", "reform", "reform_timeout_s", "standby",
-                                             "memory_dir", "inject_fault")
+                                             "memory_dir", "step_agreement", "inject_fault")
 
     def to_env(self) -> dict[str, str]:
         """The ``TRAINGUARD_RT_*`` variables (torchelastic writes its own)."""
@@ -295,6 +301,7 @@ class RuntimeEnv:
             reform_timeout_s=num(RT_PREFIX + "REFORM_TIMEOUT_S", get("reform_timeout_s"), float, 120.0),
             standby=get("standby") == "1",
             memory_dir=get("memory_dir") or "",
+            step_agreement=_step_agreement(get("step_agreement")),
             inject_fault=get("inject_fault") or "",
             rank=num("RANK", env.get("RANK"), int, 0),
             local_rank=num("LOCAL_RANK", env.get("LOCAL_RANK"), int, 0),
@@ -321,6 +328,15 @@ def control_socket_path(state_dir: str, job_id: str) -> str:
 
 class ProtocolError(ValueError):
     """A malformed control message or environment variable; the text says which field and why."""
+
+
+def _step_agreement(raw: str | None) -> str:
+    if not raw:
+        return "overlapped"
+    if raw not in STEP_AGREEMENTS:
+        raise ProtocolError(f"environment variable {RT_PREFIX}STEP_AGREEMENT={raw!r} is not one of "
+                            f"{', '.join(STEP_AGREEMENTS)}; it is set by the trainguard agent from workers.step_agreement")
+    return raw
 
 
 def _finite(name: str, v: Any, *, positive: bool = False, optional: bool = False) -> float | None:

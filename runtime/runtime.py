@@ -26,14 +26,18 @@ global batch, and ``name`` goes into the manifest. With the
 32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
-**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) a 2-element flag over a side gloo
-group: ``[stop, save]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason` (2 for a
-drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM under
-plain torchrun) and ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
-for an out-of-cycle one (an early warning). Every rank therefore sees the same flags after the same
+**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) four integers over a side gloo
+group: ``[stop, save, deadline, busy]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason`
+(2 for a drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM
+under plain torchrun), ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
+for an out-of-cycle one (an early warning), ``deadline`` the earliest drain deadline and ``busy`` says
+a previous save still persists somewhere. Every rank therefore sees the same flags after the same
 step: all of them save the same step ``s``, rank 0 commits it, and on a stop all exit with
 :data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
-``s + 1``. Cost: one 8-byte all-reduce per step.
+``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
+step N, runs beside step N+1 and is acted on at the end of N+1: no rank waits on the wire per step,
+and a stop or an out-of-cycle save takes effect one step after it was asked for (a periodic save is
+asked for the step it is due at). ``blocking`` exchanges and acts at N: one round trip per step.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
 samples consumed) is part of the checkpoint; each global batch is split over the current
@@ -115,7 +119,7 @@ class Runtime:
                  control_path: str = "", strategy: str | Strategy = "ddp", rdzv_id: str = "", rdzv_round: int = -1,
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
                  standby: bool = False, local_world_size: int = 1, inject_fault: str = "",
-                 device: torch.device | None = None, memory_dir: str = "") -> None:
+                 device: torch.device | None = None, memory_dir: str = "", step_agreement: str = "overlapped") -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = dev.select_device(local_rank) if device is None else torch.device(device)
         """This worker's device: ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``. Move the
@@ -172,6 +176,13 @@ class Runtime:
         self._saved_step: int | None = None
         """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
+        if step_agreement not in proto.STEP_AGREEMENTS:
+            raise ValueError(f"step_agreement must be one of {', '.join(proto.STEP_AGREEMENTS)}, got {step_agreement!r}")
+        self.step_agreement = step_agreement
+        """``overlapped``: the step-boundary flags exchanged at step N are acted on at N+1 (no blocking
+        all-reduce per step); ``blocking``: at N (``workers.step_agreement``)."""
+        self._pending_flags: tuple[Any, torch.Tensor, proto.StopReason] | None = None
+        """The overlapped exchange in flight on ``_group``: (work, flags, this rank's stop request in them)."""
         self._interval: IntervalController | None = None
         self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
         self._save_deferred = False
@@ -224,7 +235,8 @@ class Runtime:
                    rdzv_round=rtenv.round, checkpoint=CheckpointConfig(**rtenv.checkpoint),
                    control_path=rtenv.control_path, reform=reform, reform_timeout_s=rtenv.reform_timeout_s,
                    pg_timeout_s=rtenv.pg_timeout_s, standby=rtenv.standby, local_world_size=rtenv.local_world_size,
-                   inject_fault=rtenv.inject_fault, device=device, memory_dir=rtenv.memory_dir)
+                   inject_fault=rtenv.inject_fault, device=device, memory_dir=rtenv.memory_dir,
+                   step_agreement=rtenv.step_agreement)
 
     @property
     def strategy_name(self) -> str:
@@ -450,8 +462,9 @@ class Runtime:
         done.add_done_callback(record)
         return seconds, (done.result() if committed_now and done.exception() is None else None)
 
-    def _interval_step(self, step_s: float, now: float) -> bool:
-        """Feed the interval controller one step; return whether this rank says a periodic save is due."""
+    def _interval_step(self, step_s: float, now: float, ahead: int = 0) -> bool:
+        """Feed the interval controller one step; return whether this rank says a periodic save is due
+        after the step ``ahead`` steps on (the one the agreement will be acted on at)."""
         ctl = self._interval
         assert ctl is not None
         ctl.observe_step(step_s, persisting=self._manager is not None and self._manager.in_flight is not None)
@@ -474,7 +487,7 @@ class Runtime:
                 "interval_s": ctl.interval_s if ctl.policy.mode is IntervalMode.AUTO else None, "optimum_s": opt,
                 "save_cost_s": ctl.save_cost_s, "persist_s": ctl.stats.persist_s, "restore_s": ctl.stats.restore_s,
                 "mtbf_s": ctl.mtbf_s, "unannounced_failures": ctl.stats.unannounced_failures})
-        return ctl.due(self.step, now)
+        return ctl.due(self.step + ahead, now)
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -607,26 +620,65 @@ class Runtime:
         else:
             self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s)
         self._metrics.sample_gpu_peak(now)
-        due = self._interval_step(step_s, now) if self._interval is not None and self._manager is not None else False
+        if not self._overlapped():
+            flags, mine = self._local_flags(step_s, now, ahead=0)
+            if self._group is not None:
+                try:
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+                except Exception as e:
+                    if not self._peer_failed(e):
+                        raise
+                    self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
+                    return True
+            if not self._act(flags, mine):
+                return True
+        else:
+            # The exchange issued at the previous boundary has run beside this step: read it, act on it
+            # here, then issue this boundary's for the next one. Nothing blocks on the wire per step.
+            pending, self._pending_flags = self._pending_flags, None
+            if pending is not None:
+                work, flags, mine = pending
+                try:
+                    work.wait()
+                except Exception as e:
+                    if not self._peer_failed(e):
+                        raise
+                    self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
+                    return True
+                if not self._act(flags, mine):
+                    return True
+            else:
+                self._snapshot()
+            flags, mine = self._local_flags(step_s, time.monotonic(), ahead=1)
+            self._pending_flags = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True),
+                                   flags, mine)
+        self._step_started = time.monotonic()
+        return True
+
+    def _overlapped(self) -> bool:
+        return self._group is not None and self.step_agreement == "overlapped"
+
+    def _local_flags(self, step_s: float, now: float, ahead: int) -> tuple[torch.Tensor, proto.StopReason]:
+        """This rank's side of the step-boundary agreement: ``[stop reason, save kind, deadline, busy]``
+        where kind 2 = out of cycle (an early warning on some node), 1 = periodic, 0 = none, and busy =
+        this rank's previous save is still persisting. ``ahead``: the agreement is acted on that many
+        boundaries later (a periodic save is asked for the step it will be taken at)."""
+        due = (self._interval_step(step_s, now, ahead) if self._interval is not None and self._manager is not None
+               else False)
         notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
         if notice is not None:
-            self._log.info("checkpoint_requested", step=self.step, reason=notice)
+            self._log.info("checkpoint_requested", step=self.step + ahead, reason=notice)
         due = due or self._save_deferred
-        # One all-reduce (MAX) agrees on everything at this step boundary: [stop reason, save kind,
-        # deadline, busy] where kind 2 = out of cycle (an early warning on some node), 1 = periodic,
-        # 0 = none, and busy = some rank's previous save is still persisting.
         mine = self._local_request()
         busy = int(self._manager is not None and self._manager.in_flight is not None)
         flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due)), _encode_deadline(self._deadline()),
                               busy], dtype=torch.int64)
-        if self._group is not None:
-            try:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-            except Exception as e:
-                if not self._peer_failed(e):
-                    raise
-                self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
-                return True
+        return flags, mine
+
+    def _act(self, flags: torch.Tensor, mine: proto.StopReason) -> bool:
+        """Carry out what every rank agreed (MAX of the flags) at this boundary: stop or re-form, then the
+        snapshot and the periodic save. ``mine``: this rank's own stop request in that agreement. False
+        when this worker parked (and re-formed) meanwhile: the step is over for the caller."""
         stop, save, deadline = proto.StopReason(int(flags[0])), int(flags[1]), _decode_deadline(int(flags[2]))
         if save == 1 and int(flags[3]) and self.checkpoint_config.when_busy == "defer":
             # A periodic save while the previous one still persists somewhere would stall every rank on
@@ -644,14 +696,13 @@ class Runtime:
                     # The re-formation itself saves nothing here (the state is handed over in memory):
                     # keep the periodic schedule, so that the step the new world continues from is durable.
                     if not self._periodic_save(save):
-                        return True  # a peer vanished during it: re-formed already
+                        return False  # a peer vanished during it: re-formed already
                 self._survive(stop, deadline)  # this node stays: park and re-form in place
-                return True
+                return False
             self._stop(stop, deadline)
         self._snapshot()
         if save:
-            self._periodic_save(save)
-        self._step_started = time.monotonic()
+            return self._periodic_save(save)
         return True
 
     def _snapshot(self) -> None:
@@ -743,7 +794,7 @@ class Runtime:
             if self._manager is not None:
                 self._manager.close()  # an in-flight save finishes (or fails) on the old groups first
                 base, self._manager = self._manager.base, None
-            self._group = None
+            self._group, self._pending_flags = None, None  # a pending exchange dies with its group
             rf.teardown_world(self.device)
             while True:
                 msg = self._link.wait_reform(self.reform_timeout_s)
@@ -966,6 +1017,13 @@ class Runtime:
         step; skipped when that step is already saved or was just restored), wait for it and any
         in-flight save, then close the agent link and the process group. A failed final save raises
         after logging ``checkpoint_failed`` (the agent restarts the workers from the last commit)."""
+        pending, self._pending_flags = self._pending_flags, None
+        if pending is not None:  # every rank issued it at its last boundary: complete it (what it says is moot now)
+            try:
+                pending[0].wait()
+            except Exception as e:
+                self._log.warning("step_agreement_failed", step=self.step, error=str(e)[:300],
+                                  effect="ignored at the end of training; the final save says whether the world is whole")
         if self._manager is not None and self.strategy is not None and self.step > 0 and self._saved_step != self.step:
             kind = proto.CheckpointKind.FINAL
             try:

@@ -75,7 +75,9 @@ def test_worker_then_node_sigkill_resume_from_memory(tmp_path):
         t_kill = time.monotonic()
         back = wait_until(lambda: _restores_after(nodes, 0, 3), 120, "three ranks restored")
         resumed_s = time.monotonic() - t_kill
-        assert {e["source"] for e in back} == {"memory"} and sorted(e["rank"] for e in back) == [0, 1, 2], back
+        # From memory: this node's tier 0, or (replicated DDP state) a survivor's newer snapshot when the
+        # survivors finished the step the victim died in (the overlapped step agreement does not hold them).
+        assert {e["source"] for e in back} <= {"memory", "peer"} and sorted(e["rank"] for e in back) == [0, 1, 2], back
         step1, last1 = _lost(folder, back)
         assert 0 <= last1 - step1 <= 1, (last1, step1)
         wait_until(lambda: any(e["step"] >= step1 + 3 for e in a.events("train_step")), 60, "training again")
@@ -87,7 +89,7 @@ def test_worker_then_node_sigkill_resume_from_memory(tmp_path):
         for p in kids:
             os.kill(p, signal.SIGKILL)
         back2 = wait_until(lambda: _restores_after([a, b], 1, 2), 120, "two ranks restored in a world of 2")
-        assert {e["source"] for e in back2} == {"memory"}, back2
+        assert {e["source"] for e in back2} <= {"memory", "peer"}, back2
         step2, last2 = _lost(folder, back2)
         assert 0 <= last2 - step2 <= 1, (last2, step2)
         wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= step2 + 3 for e in a.events("train_step")), 60,

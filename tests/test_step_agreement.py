@@ -1,0 +1,105 @@
+"""The step-boundary agreement over two real gloo ranks: ``overlapped`` (the default) acts at step N+1
+on what the ranks exchanged at step N, ``blocking`` at N; both stop every rank at the same step and
+take periodic saves at the steps they are due at."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.test_runtime_finish import committed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ASK_AT = 4  # rank 1's stop request arrives during this step
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.runtime import Runtime
+    from trainguard.runtime import protocol as proto
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rt = Runtime(rank=rank, world_size=2, local_rank=0, job_id="run", rdzv_round=0, step_agreement=mode,
+                 checkpoint=CheckpointConfig(url=ckpt, interval_steps=3, async_save=False))
+    stops: list[tuple[int, int]] = []
+
+    def stop(why, deadline=None):  # the real one saves and exits with the resize code
+        stops.append((rt.step, int(why)))
+        rt._signal_request = proto.StopReason.NONE
+
+    rt._stop = stop
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt, dataset_size=64, global_batch=4, micro_batch=2, seed=1)
+    x = torch.randn(64, 4)
+    while rt.step < 8:
+        for i, ids in enumerate(micro := rt.next_batches()):
+            with rt.accumulating(last=i == len(micro) - 1):
+                rt.backward(model(x[ids]).pow(2).mean() / len(micro))
+        rt.optimizer_step(opt)
+        opt.zero_grad()
+        if rank == 1 and rt.step + 1 == ASK_AT:
+            rt._signal_request = proto.StopReason.RESIZE
+        rt.end_step()
+        rt._manager.wait(60)  # these steps are faster than a save, which would defer the next periodic one
+    rt.finish()
+    with open(out, "w") as fh:
+        json.dump({"stops": stops, "pending_after_finish": rt._pending_flags is not None}, fh)
+
+
+@pytest.mark.parametrize("mode,stop_step", [("overlapped", ASK_AT + 1), ("blocking", ASK_AT)])
+def test_every_rank_stops_at_the_same_step_and_saves_when_due(tmp_path, mode, stop_step):
+    ckpt = tmp_path / "ck"
+    outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
+    port = _free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_step_agreement", str(r), str(port), mode, str(ckpt),
+                               outs[r]], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    res = [json.load(open(o)) for o in outs]
+    # A resize request on rank 1 alone: both ranks act on it, at the same step.
+    assert [r["stops"] for r in res] == [[[stop_step, 1]], [[stop_step, 1]]]
+    # Periodic saves at the steps they are due at (3, 6), the last one as final; nothing left in flight.
+    assert committed(ckpt) == {3: "periodic", 6: "periodic", 8: "final"}
+    assert not any(r["pending_after_finish"] for r in res)
+
+
+def test_a_bad_step_agreement_is_refused_by_name():
+    from trainguard.agent.config import WorkersConfig
+    from trainguard.runtime import protocol as proto
+    from trainguard.runtime.configbase import FieldError
+
+    with pytest.raises(FieldError, match="step_agreement"):
+        WorkersConfig(step_agreement="lazy")
+    with pytest.raises(proto.ProtocolError, match="TRAINGUARD_RT_STEP_AGREEMENT"):
+        proto.RuntimeEnv.from_env({"TRAINGUARD_RT_STEP_AGREEMENT": "lazy"})
+    assert proto.RuntimeEnv.from_env(proto.RuntimeEnv(step_agreement="blocking").to_env()).step_agreement == "blocking"
+    assert os.environ.get("TRAINGUARD_RT_STEP_AGREEMENT") is None
+
+
+if __name__ == "__main__":
+    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
