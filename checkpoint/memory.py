@@ -40,8 +40,13 @@ Where tier 0 applies, and where it does not
     storage, and a world re-formed in place, invalidate this rank's slots (:meth:`MemoryTier.invalidate`,
     :meth:`MemoryTier.rebind`), so a snapshot of an abandoned branch of history is never restored later.
 
-Threading: the training thread, except :meth:`MemoryTier.newest_blob` and :meth:`MemoryTier.write_replica`,
-which the replication thread calls while the training thread waits for it before the next snapshot.
+Threading: the training thread copies the tensors and the skeleton into the slot and returns; the
+checksum (CRC32 over the data, which releases the GIL), the header and the commit word are written by
+one background thread while the next step runs (:meth:`MemoryTier.settle` waits for it; every reader
+of the slots and the next snapshot call it first). A worker killed before that commit leaves the slot
+invalid and the previous snapshot in the other slot, as a kill during the copy does.
+:meth:`MemoryTier.newest_blob` and :meth:`MemoryTier.write_replica` run on the replication thread while
+the training thread waits for it before the next snapshot.
 GPU tensors are copied with a blocking ``copy_`` (not verified
 on a GPU yet, see ``docs/gpu.md``).
 """
@@ -49,6 +54,7 @@ on a GPU yet, see ``docs/gpu.md``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import mmap
 import os
 import pickle
@@ -56,6 +62,7 @@ import struct
 import time
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -237,8 +244,22 @@ def _is_sharded(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and callable(getattr(type(t), "local_shards", None))
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def skeleton(sd: Any, out: list[torch.Tensor]) -> Any:
-    """``sd`` with every tensor replaced by a :class:`_Leaf` (its local tensors appended to ``out``)."""
+    """``sd`` with every tensor replaced by a :class:`_Leaf` (its local tensors appended to ``out``).
+    Runs at every snapshot: plain tensors and dicts take a fast path."""
+    kind = type(sd)
+    if kind is dict:
+        return {k: skeleton(v, out) for k, v in sd.items()}
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        name = _DTYPE_NAMES.get(sd.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[sd.dtype] = str(sd.dtype)
+        leaf = _Leaf(len(out), tuple(sd.shape), name)
+        out.append(sd)
+        return leaf
     if isinstance(sd, dict):
         return {k: skeleton(v, out) for k, v in sd.items()}
     if isinstance(sd, torch.Tensor):
@@ -443,6 +464,10 @@ class MemoryTier:
         self._sig: Any = None
         self._tensor_bytes = 0
         self._replica_sizes: dict[str, int] = {}
+        self.background_commit = True
+        """Checksum and commit each snapshot in a background thread (the training thread only copies)."""
+        self._pool: ThreadPoolExecutor | None = None
+        self._committing: Future[None] | None = None
         self._attach(rank, world_size)
 
     @property
@@ -459,7 +484,7 @@ class MemoryTier:
         self.close()
         self.rank, self.world_size = rank, world_size
         self._slots = [_Slot(os.path.join(self.directory, f"rank-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
-        self._sig, self._newest = None, None
+        self._sig, self._newest, self._on_cpu = None, None, True
 
     def rebind(self, rank: int, world_size: int) -> None:
         """A new world formed in place: write and read as ``rank`` of ``world_size`` from now on. What
@@ -472,6 +497,7 @@ class MemoryTier:
     def invalidate(self) -> None:
         """Make this rank's slots read as empty (after a restore from storage: what they hold belongs to
         a branch of history the job left)."""
+        self.settle()
         for s in self._slots:
             s.invalidate()
         self._newest = None
@@ -493,6 +519,7 @@ class MemoryTier:
         worlds. ``extra``: small picklable values restored with it (e.g. the committed step the state
         descends from). Raises :class:`MemoryTierError` when it does not fit."""
         t0 = time.monotonic()
+        self.settle()
         tensors: list[torch.Tensor] = []
         skel = skeleton(materialise(state), tensors)
         meta = pickle.dumps({"skeleton": skel, "world": world, "replicated": self.replicated,
@@ -515,13 +542,29 @@ class MemoryTier:
             target.invalidate()
             target.ensure(per_slot)
             self._sig, self._tensor_bytes = sig, tensor_bytes
+            self._on_cpu = all(t.device.type == "cpu" for t in tensors)
         target.ensure(target.size)
-        _write(target.mm, target.views(sig), tensors, step=step, world_size=self.world_size, rank=self.rank,
-               tensor_bytes=tensor_bytes, meta=meta)
+        _write(target.mm, target.views(sig), tensors, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
         self._newest = idx
+        commit = functools.partial(_commit, target.mm, step=step, world_size=self.world_size, rank=self.rank,
+                                   tensor_bytes=tensor_bytes, meta_bytes=len(meta))
+        if self.background_commit:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tg-snapshot-commit")
+            self._committing = self._pool.submit(commit)
+        else:
+            commit()
         return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
 
+    def settle(self) -> None:
+        """Wait until the newest snapshot is committed (its checksum and commit word are written in the
+        background): every reader of the slots, and the next snapshot, call it first."""
+        pending, self._committing = self._committing, None
+        if pending is not None:
+            pending.result()
+
     def _valid(self) -> list[tuple[int, Header, bytes]]:
+        self.settle()
         out = []
         for i, s in enumerate(self._slots):
             got = s.read_valid(self.world_size, self.rank)
@@ -560,6 +603,7 @@ class MemoryTier:
         """A complete slot (header + data) of ``rank``'s snapshot of ``step`` by ``world``: this rank's
         own, a replica this node holds, or (``rank`` :data:`ANY_RANK`) a replicated snapshot of any rank
         and world size in this node's folder. Raises :class:`MemoryTierError` when there is none."""
+        self.settle()
         if rank == ANY_RANK:
             slots = self._own_files()
         else:
@@ -574,6 +618,7 @@ class MemoryTier:
 
     def newest_blob(self) -> bytes | None:
         """This rank's newest snapshot as a blob (what is sent to the buddy), or None."""
+        self.settle()
         if self._newest is None:
             return None
         got = self._slots[self._newest].read_valid(self.world_size, self.rank)
@@ -654,6 +699,7 @@ class MemoryTier:
 
     def close(self) -> None:
         """Unmap the slot files (they stay: the agent owns them)."""
+        self.settle()
         for s in self._slots:
             s.close()
 
@@ -689,22 +735,26 @@ def _load_data(h: Header, data: bytes, state: dict[str, Any]) -> dict[str, Any]:
     return dict(meta["extra"])
 
 
-def _write(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor], *, step: int, world_size: int,
-           rank: int, tensor_bytes: int, meta: bytes) -> None:
-    """Write one snapshot into a mapped slot: commit word zeroed, data, header, commit word last."""
+def _write(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor], *, tensor_bytes: int,
+           meta: bytes, on_cpu: bool) -> None:
+    """Write one snapshot's data into a mapped slot, its commit word zeroed first (:func:`_commit` ends it)."""
     mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
     with torch.no_grad():
-        if all(t.device.type == "cpu" for t in tensors):
+        if on_cpu:
             torch._foreach_copy_(views, tensors)
         else:  # GPU -> host: blocking copies (not verified on a GPU yet)
             for dst, src in zip(views, tensors, strict=True):
                 dst.copy_(src)
-    end = HEADER_BYTES + tensor_bytes + len(meta)
-    mm[HEADER_BYTES + tensor_bytes:end] = meta
+    mm[HEADER_BYTES + tensor_bytes:HEADER_BYTES + tensor_bytes + len(meta)] = meta
+
+
+def _commit(mm: mmap.mmap, *, step: int, world_size: int, rank: int, tensor_bytes: int, meta_bytes: int) -> None:
+    """Checksum the data :func:`_write` wrote, then the header, the commit word last."""
+    end = HEADER_BYTES + tensor_bytes + meta_bytes
     with memoryview(mm) as mv, mv[HEADER_BYTES:end] as data:
-        crc = zlib.crc32(data)
+        crc = zlib.crc32(data)  # releases the GIL: the training thread runs on meanwhile
     h = Header(commit=0, step=step, world_size=world_size, rank=rank, tensor_bytes=tensor_bytes,
-               meta_bytes=len(meta), capacity=len(mm) - HEADER_BYTES, crc32=crc)
+               meta_bytes=meta_bytes, capacity=len(mm) - HEADER_BYTES, crc32=crc)
     mm[0:_HEADER.size] = h.pack()
     mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = struct.pack("<Q", step + 1)  # the commit: written last
 

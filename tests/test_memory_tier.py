@@ -198,6 +198,41 @@ def test_round_trip_two_slots_torn_and_corrupt(tmp_path):
     tier.close()
 
 
+def test_a_snapshot_is_valid_only_once_its_background_commit_ran(tmp_path):
+    """The training thread copies and returns; the checksum and commit word come from a background
+    thread. A worker killed before that commit (another process reads the folder meanwhile, as a
+    restarted worker does) leaves the previous snapshot as the newest valid one."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    m, opt, trainer, state = _job()
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
+    _train(m, opt, trainer, 1)
+    tier.snapshot(1, state, world=W)
+    release, entered = threading.Event(), threading.Event()
+
+    class HeldPool(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            def held():
+                entered.set()
+                assert release.wait(30)
+                return fn(*args, **kwargs)
+            return super().submit(held)
+
+    tier._pool = HeldPool(1)
+    _train(m, opt, trainer, 2)
+    r = tier.snapshot(2, state, world=W)  # returns with the commit still to come
+    assert r.step == 2 and entered.wait(30)
+    other = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)  # a restarted worker's view
+    assert other.available(state) == [(1, W)]
+    release.set()
+    tier.settle()
+    assert other.available(state) == [(2, W), (1, W)]
+    assert tier.available(state) == [(2, W), (1, W)]
+    tier.close()
+    other.close()
+
+
 def test_other_world_size_rank_or_layout_is_not_a_candidate(tmp_path):
     m, opt, trainer, state = _job()
     _train(m, opt, trainer, 1)
