@@ -37,7 +37,8 @@ step: all of them save the same step ``s``, rank 0 commits it, and on a stop all
 ``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
 step N, runs beside step N+1 and is acted on at the end of N+1: no rank waits on the wire per step,
 and a stop or an out-of-cycle save takes effect one step after it was asked for (a periodic save is
-asked for the step it is due at). ``blocking`` exchanges and acts at N: one round trip per step.
+asked for the step it is due at). The first boundary of a world, with nothing issued yet, exchanges
+and waits. ``blocking`` exchanges and acts at N: one round trip per step.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
 samples consumed) is part of the checkpoint; each global batch is split over the current
@@ -462,12 +463,13 @@ class Runtime:
         done.add_done_callback(record)
         return seconds, (done.result() if committed_now and done.exception() is None else None)
 
-    def _interval_step(self, step_s: float, now: float, ahead: int = 0) -> bool:
+    def _interval_step(self, step_s: float, now: float, ahead: int = 0, observe: bool = True) -> bool:
         """Feed the interval controller one step; return whether this rank says a periodic save is due
         after the step ``ahead`` steps on (the one the agreement will be acted on at)."""
         ctl = self._interval
         assert ctl is not None
-        ctl.observe_step(step_s, persisting=self._manager is not None and self._manager.in_flight is not None)
+        if observe:
+            ctl.observe_step(step_s, persisting=self._manager is not None and self._manager.in_flight is not None)
         fresh = bool(self._persisted)
         while self._persisted:
             persist_s, ok = self._persisted.pop(0)
@@ -620,36 +622,29 @@ class Runtime:
         else:
             self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s)
         self._metrics.sample_gpu_peak(now)
-        if not self._overlapped():
-            flags, mine = self._local_flags(step_s, now, ahead=0)
-            if self._group is not None:
-                try:
-                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-                except Exception as e:
-                    if not self._peer_failed(e):
-                        raise
-                    self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
-                    return True
-            if not self._act(flags, mine):
-                return True
-        else:
-            # The exchange issued at the previous boundary has run beside this step: read it, act on it
-            # here, then issue this boundary's for the next one. Nothing blocks on the wire per step.
-            pending, self._pending_flags = self._pending_flags, None
-            if pending is not None:
-                work, flags, mine = pending
-                try:
-                    work.wait()
-                except Exception as e:
-                    if not self._peer_failed(e):
-                        raise
-                    self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
-                    return True
-                if not self._act(flags, mine):
-                    return True
+        # Overlapped: the exchange issued at the previous boundary has run beside this step; read it and
+        # act on it here, then issue this boundary's for the next one. Blocking, and the first boundary of
+        # a world (nothing issued yet): exchange now and wait.
+        pending, self._pending_flags = self._pending_flags, None
+        observed = pending is None
+        try:
+            if pending is None:
+                flags, mine = self._local_flags(step_s, now, ahead=0)
+                work = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+                        if self._group is not None else None)
             else:
-                self._snapshot()
-            flags, mine = self._local_flags(step_s, time.monotonic(), ahead=1)
+                work, flags, mine = pending
+            if work is not None:
+                work.wait()
+        except Exception as e:
+            if not self._peer_failed(e):
+                raise
+            self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
+            return True
+        if not self._act(flags, mine):
+            return True
+        if self._overlapped():
+            flags, mine = self._local_flags(step_s, time.monotonic(), ahead=1, observe=not observed)
             self._pending_flags = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True),
                                    flags, mine)
         self._step_started = time.monotonic()
@@ -658,12 +653,14 @@ class Runtime:
     def _overlapped(self) -> bool:
         return self._group is not None and self.step_agreement == "overlapped"
 
-    def _local_flags(self, step_s: float, now: float, ahead: int) -> tuple[torch.Tensor, proto.StopReason]:
+    def _local_flags(self, step_s: float, now: float, ahead: int,
+                     observe: bool = True) -> tuple[torch.Tensor, proto.StopReason]:
         """This rank's side of the step-boundary agreement: ``[stop reason, save kind, deadline, busy]``
         where kind 2 = out of cycle (an early warning on some node), 1 = periodic, 0 = none, and busy =
         this rank's previous save is still persisting. ``ahead``: the agreement is acted on that many
-        boundaries later (a periodic save is asked for the step it will be taken at)."""
-        due = (self._interval_step(step_s, now, ahead) if self._interval is not None and self._manager is not None
+        boundaries later (a periodic save is asked for the step it will be taken at). ``observe``: feed
+        this step to the interval controller (once per step)."""
+        due = (self._interval_step(step_s, now, ahead, observe) if self._interval is not None and self._manager is not None
                else False)
         notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
         if notice is not None:
