@@ -245,6 +245,7 @@ def _is_sharded(t: Any) -> bool:
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def skeleton(sd: Any, out: list[torch.Tensor]) -> Any:
@@ -252,7 +253,9 @@ def skeleton(sd: Any, out: list[torch.Tensor]) -> Any:
     Runs at every snapshot: plain tensors and dicts take a fast path."""
     kind = type(sd)
     if kind is dict:
-        return {k: skeleton(v, out) for k, v in sd.items()}
+        return {k: v if type(v) in _SCALARS else skeleton(v, out) for k, v in sd.items()}
+    if kind is list:
+        return [v if type(v) in _SCALARS else skeleton(v, out) for v in sd]
     if kind is torch.Tensor or kind is torch.nn.Parameter:
         name = _DTYPE_NAMES.get(sd.dtype)
         if name is None:

@@ -78,23 +78,33 @@ class ModelOptimizerState(Stateful):
                            optim_state_dict=state_dict["optim"], options=self.options)
 
 
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG states: python ``random``, numpy global, torch CPU, and CUDA if available."""
+def capture_rng(raw: bool = False) -> dict[str, Any]:
+    """This process's RNG states: python ``random``, numpy global, torch CPU, and CUDA if available.
+    ``raw``: the torch states as bytes (pickled ten times faster than a tensor: every in-memory snapshot
+    takes them); :func:`restore_rng` takes either."""
     out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                            "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state_all()
+    if raw:
+        out["torch"] = out["torch"].numpy().tobytes()
+        if "cuda" in out:
+            out["cuda"] = [t.numpy().tobytes() for t in out["cuda"]]
     return out
+
+
+def _rng_tensor(v: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(v), dtype=torch.uint8) if isinstance(v, bytes) else v
 
 
 def restore_rng(states: dict[str, Any]) -> None:
     """Inverse of :func:`capture_rng` (CUDA states only when this process has as many devices)."""
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
+    torch.set_rng_state(_rng_tensor(states["torch"]))
     cuda = states.get("cuda")
     if cuda is not None and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
-        torch.cuda.set_rng_state_all(cuda)
+        torch.cuda.set_rng_state_all([_rng_tensor(v) for v in cuda])
 
 
 def reseed_value(seed: int, step: int, rank: int) -> int:
@@ -167,7 +177,7 @@ class TrainerState(Stateful):
         rank, world = self._rank_world()
         return {"step": self.step, "seed": self.seed, "config_fingerprint": self.config_fingerprint,
                 "world_size": world, "cursor": pickle.dumps({_ENVELOPE: 1, "cursor": self.cursor, "extras": self.extras}),
-                "rng": pickle.dumps({rank: capture_rng()})}
+                "rng": pickle.dumps({rank: capture_rng(raw=True)})}
 
     def load_local_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Inverse of :meth:`local_state_dict` (the same format as :meth:`state_dict`)."""

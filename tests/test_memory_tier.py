@@ -161,6 +161,7 @@ def test_round_trip_two_slots_torn_and_corrupt(tmp_path):
     _train(m, opt, trainer, 1)
     tier.snapshot(1, state, world=W, extra={"base": StepRef(0, 2)})
     want_m, want_o = _copy(m, opt)
+    want_draw = torch.rand(3)  # the RNG state of step 1 (kept as bytes in the snapshot) draws this
     _train(m, opt, trainer, 2)
     r = tier.snapshot(2, state, world=W)
     assert r.nbytes > 0 and tier.nbytes == sum(os.path.getsize(p) for p in tmp_path.iterdir())
@@ -176,6 +177,7 @@ def test_round_trip_two_slots_torn_and_corrupt(tmp_path):
     got_o = opt.state_dict()["state"]
     assert all(torch.equal(got_o[i][k], want_o[i][k]) for i in want_o for k in want_o[i])
     assert trainer.step == 1 and trainer.cursor == {"epoch": 0, "consumed": 4}
+    assert torch.equal(torch.rand(3), want_draw)
 
     # a writer killed after zeroing the commit word of the slot it was writing (step 3 into 2's slot)
     slot2 = next(p for p in tmp_path.iterdir() if mem.Header.unpack(p.read_bytes()[:4096]).step == 2)
