@@ -45,8 +45,8 @@ checksum (CRC32 over the data, which releases the GIL), the header and the commi
 one background thread while the next step runs (:meth:`MemoryTier.settle` waits for it; every reader
 of the slots and the next snapshot call it first). A worker killed before that commit leaves the slot
 invalid and the previous snapshot in the other slot, as a kill during the copy does.
-:meth:`MemoryTier.newest_blob` and :meth:`MemoryTier.write_replica` run on the replication thread while
-the training thread waits for it before the next snapshot.
+:meth:`MemoryTier.newest_view`, :meth:`MemoryTier.receive_replica` and :meth:`MemoryTier.commit_replica`
+run on the replication thread while the training thread waits for it before the next snapshot.
 GPU tensors are copied with a blocking ``copy_`` (not verified
 on a GPU yet, see ``docs/gpu.md``).
 """
@@ -620,42 +620,81 @@ class MemoryTier:
         raise MemoryTierError(f"no valid in-memory snapshot of rank {rank}, step {step} in {self.directory}")
 
     def newest_blob(self) -> bytes | None:
-        """This rank's newest snapshot as a blob (what is sent to the buddy), or None."""
+        """This rank's newest snapshot as a blob (header + data, a copy), or None."""
+        got = self.newest_view()
+        if got is None:
+            return None
+        header, view = got
+        with view:
+            return header + bytes(view)
+
+    def newest_view(self) -> tuple[bytes, memoryview] | None:
+        """This rank's newest snapshot for the buddy without a copy: its header block
+        (:data:`HEADER_BYTES`) and a view of its checksum-verified data in the mapped slot (release it
+        before the next snapshot, which the runtime only takes once the transfer is over). None when
+        there is none."""
         self.settle()
         if self._newest is None:
             return None
-        got = self._slots[self._newest].read_valid(self.world_size, self.rank)
-        if got is None:
+        slot = self._slots[self._newest]
+        h = slot.header()
+        if h is None or not h.complete or h.world_size != self.world_size or h.rank != self.rank:
             return None
-        h, data = got
-        return h.pack() + bytes(HEADER_BYTES - _HEADER.size) + data
+        if slot._mm is None:  # restored, not written by this process: map it
+            slot.ensure(slot.size)
+        view = memoryview(slot.mm)[HEADER_BYTES:HEADER_BYTES + h.tensor_bytes + h.meta_bytes]
+        if zlib.crc32(view) != h.crc32:
+            view.release()
+            return None
+        return h.pack() + bytes(HEADER_BYTES - _HEADER.size), view
 
     def _replica_slots(self, rank: int) -> list[_Slot]:
         return [_Slot(os.path.join(self.directory, f"replica-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
+
+    def receive_replica(self, rank: int, nbytes: int) -> tuple[_Slot, memoryview]:
+        """Where the next replica of ``rank`` (``nbytes`` of data) is received: the replica slot that does
+        not hold its newest complete one (by commit word), commit word zeroed first, and a writable view
+        of its data area. End with :meth:`commit_replica` (releasing the view first)."""
+        slots = self._replica_slots(rank)
+        newest = max(((h.step, i) for i, h in enumerate(s.header() for s in slots)
+                      if h is not None and h.complete and h.rank == rank), default=None)
+        target = slots[0 if newest is None else (newest[1] + 1) % SLOTS]
+        target.ensure(max(HEADER_BYTES + nbytes, target.size))
+        target.mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
+        return target, memoryview(target.mm)[HEADER_BYTES:HEADER_BYTES + nbytes]
+
+    def commit_replica(self, target: _Slot, header: bytes, rank: int) -> Header:
+        """Check a replica received into ``target`` against its sender's ``header`` (complete, of ``rank``,
+        the length and the CRC32 of the data), then write the header, the commit word last. Raises
+        :class:`MemoryTierError` (the slot stays invalid; the other one, the newest good replica, stands)."""
+        h = Header.unpack(bytes(header[:_HEADER.size]))
+        try:
+            if h is None or not h.complete or h.rank != rank or HEADER_BYTES + h.tensor_bytes + h.meta_bytes > target.size:
+                raise MemoryTierError("a replica that is not a complete snapshot was refused")
+            with memoryview(target.mm)[HEADER_BYTES:HEADER_BYTES + h.tensor_bytes + h.meta_bytes] as data:
+                if zlib.crc32(data) != h.crc32:
+                    raise MemoryTierError("a replica that failed its checksum was refused")
+            mm = target.mm
+            mm[0:_HEADER.size] = dataclasses.replace(h, commit=0).pack()
+            mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = struct.pack("<Q", h.step + 1)
+        finally:
+            self._replica_sizes[target.path] = target.size
+            target.close()
+        return h
 
     def write_replica(self, blob: bytes) -> Header:
         """Keep a buddy's snapshot (a :meth:`newest_blob`): at most one replica per source rank, double
         buffered: written into the slot that does not hold the newest intact replica, commit word last,
         so a transfer cut short never replaces a good replica. Raises :class:`MemoryTierError` on a blob
-        that is not a complete snapshot."""
+        that is not a complete snapshot (checked before any slot is touched)."""
         h = Header.unpack(blob[:_HEADER.size])
-        data = blob[HEADER_BYTES:]
+        data = memoryview(blob)[HEADER_BYTES:]
         if h is None or not h.complete or len(data) != h.tensor_bytes + h.meta_bytes or zlib.crc32(data) != h.crc32:
             raise MemoryTierError("a replica that is not a complete snapshot was refused")
-        slots = self._replica_slots(h.rank)
-        held = [(s.read_valid(h.world_size, h.rank), i) for i, s in enumerate(slots)]
-        newest = max(((got[0].step, i) for got, i in held if got is not None), default=None)
-        target = slots[0 if newest is None else (newest[1] + 1) % SLOTS]
-        size = HEADER_BYTES + len(data)
-        target.ensure(max(size, target.size))
-        mm = target.mm
-        mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
-        mm[HEADER_BYTES:size] = data
-        mm[0:_HEADER.size] = dataclasses.replace(h, commit=0).pack()
-        mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = struct.pack("<Q", h.step + 1)
-        target.close()
-        self._replica_sizes[target.path] = target.size
-        return h
+        target, view = self.receive_replica(h.rank, len(data))
+        with view:
+            view[:] = data
+        return self.commit_replica(target, blob[:HEADER_BYTES], h.rank)
 
     def _own_files(self) -> list[_Slot]:
         return [_Slot(os.path.join(self.directory, n)) for n in sorted(os.listdir(self.directory))

@@ -1,11 +1,13 @@
 """Tier 1: each rank's newest in-memory snapshot, copied to a buddy rank on another node in the background.
 
 After every snapshot the worker runtime calls :meth:`Replicator.replicate`: a background thread sends
-this rank's newest snapshot (header + data, as :meth:`MemoryTier.newest_blob`) to its *buddy* — the
+this rank's newest snapshot (header + data, straight from its mapped slot: :meth:`MemoryTier.newest_view`) to its *buddy* — the
 same local rank on its node's buddy node (:func:`node_buddies`: a rotation of the nodes, so every node
-sends one copy and receives one) — and receives the snapshot of the rank whose buddy it is, which
-:meth:`MemoryTier.write_replica` keeps in its own agent's folder (``replica-<rank>-<k>.snap``: at most one replica per source rank, double-buffered, commit word
-last, so a transfer cut short never replaces a good replica). When a whole node is lost, the ranks that
+sends one copy and receives one) — and receives the snapshot of the rank whose buddy it is straight
+into its own agent's folder (``replica-<rank>-<k>.snap``: at most one replica per source
+rank, double-buffered, commit word last after the checksum, so a transfer cut short never replaces a good
+replica; :meth:`MemoryTier.receive_replica`, :meth:`MemoryTier.commit_replica`). Neither side copies a
+snapshot in memory: the transient memory of a transfer is one header block. When a whole node is lost, the ranks that
 replace its ranks in a world of the same size receive those replicas from the buddies at restore
 (:meth:`~trainguard.checkpoint.manager.CheckpointManager.restore`).
 
@@ -21,6 +23,7 @@ themselves go on. Buddies: :func:`node_buddies` (in another failure domain when 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.checkpoint.memory import MemoryTier
+from trainguard.checkpoint.memory import HEADER_BYTES, MemoryTier
 from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.checkpoint.replica")
@@ -141,34 +144,59 @@ class Replicator:
         Call on every rank after each snapshot (after :meth:`settle`)."""
         if not self.enabled or self._thread is not None:
             return
-        blob = self.tier.newest_blob()
-        if blob is None:
-            return
-        self._thread = threading.Thread(target=self._run, args=(blob,), name="trainguard-replica", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="trainguard-replica", daemon=True)
         self._thread.start()
 
-    def _run(self, blob: bytes) -> None:
+    def _run(self) -> None:
+        """One exchange, without a copy of either snapshot: sent from the mapped slot, received straight
+        into the replica slot that does not hold the newest good replica (commit word zeroed until the
+        data and its checksum check out: a transfer cut short leaves that slot invalid, the other stands)."""
         assert self.pair is not None
         dst, src = self.pair
         t0 = time.monotonic()
+        got = into = target = None
+        bufs: list[torch.Tensor] = []
         try:
-            n_out = torch.tensor([len(blob)], dtype=torch.int64)
+            got = self.tier.newest_view()
+            n_out = torch.tensor([len(got[1]) if got is not None else -1], dtype=torch.int64)
             n_in = torch.zeros(1, dtype=torch.int64)
             works = [dist.isend(n_out, dst=dst, group=self.group), dist.irecv(n_in, src=src, group=self.group)]
             for w in works:
                 w.wait()
-            out = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            inc = torch.empty(int(n_in.item()), dtype=torch.uint8)
-            works = [dist.isend(out, dst=dst, group=self.group), dist.irecv(inc, src=src, group=self.group)]
+            works = []
+            if got is not None:  # a rank with no snapshot to send says so (-1): its buddy skips the receive
+                bufs += [torch.frombuffer(bytearray(got[0]), dtype=torch.uint8), torch.frombuffer(got[1], dtype=torch.uint8)]
+                works += [dist.isend(bufs[-2], dst=dst, group=self.group), dist.isend(bufs[-1], dst=dst, group=self.group)]
+            header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+            if int(n_in.item()) >= 0:
+                target, into = self.tier.receive_replica(src, int(n_in.item()))
+                bufs.append(torch.frombuffer(into, dtype=torch.uint8))
+                works += [dist.irecv(header, src=src, group=self.group), dist.irecv(bufs[-1], src=src, group=self.group)]
             for w in works:
                 w.wait()
-            h = self.tier.write_replica(inc.numpy().tobytes())
-            self.last_step = h.step
+            works.clear()
+            w = None  # noqa: F841 - the last work's reference to its buffer goes too
+            bufs.clear()  # the views into the mapped slots go before the slots may be unmapped
+            if target is not None and into is not None:
+                into.release()
+                into = None
+                h = self.tier.commit_replica(target, header.numpy().tobytes(), src)
+                target = None
+                self.last_step = h.step
             self.last_seconds = time.monotonic() - t0
         except Exception as e:  # noqa: BLE001 - a failed transfer must not kill training
             self.failed = f"{type(e).__name__}: {e}"[:500]
             log.warning("memory_replica_failed", rank=self.rank, buddy=dst, source=src, error=self.failed,
                         effect="no more replicas in this world; the snapshots go on")
+        finally:
+            bufs.clear()
+            for view in (into, got[1] if got is not None else None):
+                if view is not None:
+                    with contextlib.suppress(BufferError):  # a transfer left behind may still hold it
+                        view.release()
+            if target is not None:
+                with contextlib.suppress(BufferError):
+                    target.close()
 
 
 __all__ = ["Replicator", "buddies"]

@@ -122,18 +122,17 @@ def test_a_replication_torn_by_a_kill_never_replaces_the_good_replica(tmp_path, 
     survivor = 1 - victim
     assert procs[victim].returncode == -signal.SIGKILL, logs[victim][-3000:]
     assert procs[survivor].returncode == 0, logs[survivor][-3000:]
-    # The receiving node's folder offers the sender's step 2 (complete, checksummed), never a torn step 3
-    # (receiver case: step 3 was being written over step 1; sender case: it never arrived, 1 and 2 stand).
-    assert _held(folders[1], 1, width) == ([(0, 2)] if mode == "receiver" else [(0, 2), (0, 1)])
-    if mode == "receiver":  # the torn write is there: step 3 went into step 1's slot, commit word zero
-        assert sorted(_commit_and_step(os.path.join(folders[1], n)) for n in os.listdir(folders[1])
-                      if n.startswith("replica-")) == [(0, 1), (3, 2)]
-    else:
+    # The receiving node's folder offers the sender's step 2 (complete, checksummed), never a torn step 3:
+    # step 3 was being received into step 1's slot (commit word zeroed first), step 2's stands.
+    assert _held(folders[1], 1, width) == [(0, 2)]
+    assert sorted(_commit_and_step(os.path.join(folders[1], n)) for n in os.listdir(folders[1])
+                  if n.startswith("replica-")) == [(0, 1), (3, 2)]
+    if mode == "sender":
         with open(outs[1]) as fh:
             got = json.load(fh)
         assert got["failed"] and got["last_step"] == 2, got
     # The other direction: rank 0 received rank 1's step 3 before rank 1 died (receiver case); rank 0 died
-    # before rank 1 sent it (sender case).
+    # before it began to receive it (sender case: its slots are as step 2 left them).
     assert _held(folders[0], 0, width) == ([(1, 3), (1, 2)] if mode == "receiver" else [(1, 2), (1, 1)])
 
 
