@@ -920,6 +920,10 @@ def full_trace(trace: sim.Trace, costs: dict[str, sim.ChangeCosts], runs: dict[s
     lead = a.real_lead_s
     out: dict[str, Any] = {"lead_s": lead, "nodes_per_agent_for_step_time": k,
                            "assumption": "the job of the replay: a step at n trace nodes takes what it took at n/k agents"}
+    if getattr(a, "sim_step_s", None):  # a what-if: the measured costs per change and per step, a longer step
+        job = dataclasses.replace(job, step_times=tuple((w, a.sim_step_s) for w, _ in job.step_times))
+        out.update(sim_step_s=a.sim_step_s, assumption=f"what-if: every step takes {a.sim_step_s:g} s (the measured "
+                   "costs per change and the measured time between steps unchanged)")
     tg_costs = costs["trainguard"]
     shares = [("x1", a.sim_unannounced), ("x10", min(1.0, a.sim_unannounced * 10)), ("x0.1", a.sim_unannounced / 10)]
     for share_name, share in shares[:1] if a.no_sweep else shares:
@@ -1012,6 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated indices of the replay's removals that come with no notice (instead of the share)")
     ap.add_argument("--baseline-costs", default=None, metavar="JSON",
                     help="without a baseline run here: take torchrun's measured costs from this earlier run's JSON")
+    ap.add_argument("--sim-step-s", type=float, default=None,
+                    help="full trace: a what-if with every step this long (the measured per-change costs and time "
+                         "between steps unchanged), e.g. 1.0 for a GPU-sized step; default: the replay's step times")
     ap.add_argument("--no-sweep", action="store_true",
                     help="full-trace simulation: skip the fixed-interval sweep and the x10 / x0.1 variants (CI)")
     ap.add_argument("--seed", type=int, default=1)

@@ -676,8 +676,9 @@ class Runtime:
         """Carry out what every rank agreed (MAX of the flags) at this boundary: stop or re-form, then the
         snapshot and the periodic save. ``mine``: this rank's own stop request in that agreement. False
         when this worker parked (and re-formed) meanwhile: the step is over for the caller."""
-        stop, save, deadline = proto.StopReason(int(flags[0])), int(flags[1]), _decode_deadline(int(flags[2]))
-        if save == 1 and int(flags[3]) and self.checkpoint_config.when_busy == "defer":
+        stop_v, save, deadline_v, busy = flags.tolist()  # one conversion: indexing a tensor costs a view each
+        stop, deadline = proto.StopReason(stop_v), _decode_deadline(deadline_v)
+        if save == 1 and busy and self.checkpoint_config.when_busy == "defer":
             # A periodic save while the previous one still persists somewhere would stall every rank on
             # it: defer it to the first step boundary at which none is (the same durability, no stall,
             # and no rank left waiting outside a collective when a peer dies).

@@ -65,3 +65,13 @@ def test_costs_from_an_earlier_run_simulate_the_whole_trace_again_with_training_
     auto, through = block["trainguard-auto"], block["trainguard-auto-through"]
     assert through["waste_node_s"]["notice_lead"] < 0.5 * auto["waste_node_s"]["notice_lead"]
     assert through["ettr"] > auto["ettr"]
+    # The same costs with every step 1 s long (a what-if, labelled so): the time between steps and the
+    # step lost to a failure weigh 10x less, and the result says which step time it assumed.
+    longer = tmp_path / "resim-1s.json"
+    assert spot.main(["--costs-from", src, "--trace", str(trace), "--no-sweep", "--sim-seeds", "2",
+                      "--drain-lead-s", "20", "--sim-step-s", "1.0", "--json", str(longer)]) == 0
+    ft = json.loads(longer.read_text())["full_trace"]
+    assert ft["sim_step_s"] == 1.0 and "what-if" in ft["assumption"] and "sim_step_s" not in res["full_trace"]
+    slow = ft["x1"]["trainguard-auto"]
+    assert slow["waste_node_s"]["between_steps"] < 0.2 * auto["waste_node_s"]["between_steps"]
+    assert slow["ettr"] > auto["ettr"]
