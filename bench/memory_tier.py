@@ -72,6 +72,7 @@ def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: i
     state = {"app": ModelOptimizerState(model, opt), "trainer": trainer}
     folder = tempfile.mkdtemp(prefix="trainguard-bench-", dir=shm_root)
     tier = MemoryTier(folder, rank=0, world_size=1)
+    tier.guard(opt)  # as the runtime does: parameters and Adam state copied beside the next forward/backward
     n = (len(corpus) - 1) // 64
     g = torch.Generator().manual_seed(0)
 

@@ -471,6 +471,9 @@ class MemoryTier:
         """Checksum and commit each snapshot in a background thread (the training thread only copies)."""
         self._pool: ThreadPoolExecutor | None = None
         self._committing: Future[None] | None = None
+        self._guarded: Any = None  # the optimizer whose parameters and state are copied in the background
+        self._guard_hook: Any = None
+        self._split: tuple[Any, tuple[int, ...], tuple[int, ...]] | None = None
         self._attach(rank, world_size)
 
     @property
@@ -546,11 +549,21 @@ class MemoryTier:
             target.ensure(per_slot)
             self._sig, self._tensor_bytes = sig, tensor_bytes
             self._on_cpu = all(t.device.type == "cpu" for t in tensors)
+            self._split = None
         target.ensure(target.size)
-        _write(target.mm, target.views(sig), tensors, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
+        views = target.views(sig)
+        now, later = self._deferred(sig, tensors) if self.background_commit else ((), ())
+        if later:
+            _write(target.mm, [views[i] for i in now], [tensors[i] for i in now], tensor_bytes=tensor_bytes,
+                   meta=meta, on_cpu=self._on_cpu)
+            late_views, late_tensors = [views[i] for i in later], [tensors[i] for i in later]
+        else:
+            _write(target.mm, views, tensors, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
+            late_views, late_tensors = [], []
         self._newest = idx
-        commit = functools.partial(_commit, target.mm, step=step, world_size=self.world_size, rank=self.rank,
-                                   tensor_bytes=tensor_bytes, meta_bytes=len(meta))
+        commit = functools.partial(_copy_and_commit, target.mm, late_views, late_tensors, step=step,
+                                   world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,
+                                   meta_bytes=len(meta))
         if self.background_commit:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="tg-snapshot-commit")
@@ -559,9 +572,37 @@ class MemoryTier:
             commit()
         return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
 
+    def guard(self, optimizer: Any) -> None:
+        """Copy ``optimizer``'s parameters and state in the background too, beside the next forward and
+        backward, which do not change them: a step pre-hook on ``optimizer`` waits for the copy (and the
+        commit) before its next step changes them. Buffers (e.g. BatchNorm statistics, changed by the
+        forward) and everything else are still copied before :meth:`snapshot` returns. Call again when
+        the optimizer object changes; whoever changes parameters or optimizer state other than through
+        ``optimizer.step()`` (a restore, a re-formation) calls :meth:`settle` first."""
+        if optimizer is self._guarded or not isinstance(optimizer, torch.optim.Optimizer):
+            return
+        if self._guard_hook is not None:
+            self._guard_hook.remove()
+        self._guard_hook = optimizer.register_step_pre_hook(lambda *_: self.settle())
+        self._guarded, self._split = optimizer, None
+
+    def _deferred(self, sig: Any, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Indices of ``tensors`` to copy now, and those the background thread may copy: CPU tensors that
+        are the guarded optimizer's parameters or state (by storage). Cached per layout."""
+        opt = self._guarded
+        if opt is None:
+            return (), ()
+        if self._split is None or self._split[0] != sig:
+            ptrs = {t.data_ptr() for g in opt.param_groups for p in g["params"] for t in (_local(p) or [])}
+            ptrs |= {t.data_ptr() for st in opt.state.values() for v in st.values() for t in (_local(v) or [])}
+            ptrs.discard(0)
+            later = tuple(i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.data_ptr() in ptrs)
+            self._split = (sig, tuple(i for i in range(len(tensors)) if i not in set(later)), later)
+        return self._split[1], self._split[2]
+
     def settle(self) -> None:
-        """Wait until the newest snapshot is committed (its checksum and commit word are written in the
-        background): every reader of the slots, and the next snapshot, call it first."""
+        """Wait until the newest snapshot is committed (its deferred copies, checksum and commit word are
+        written in the background): every reader of the slots, and the next snapshot, call it first."""
         pending, self._committing = self._committing, None
         if pending is not None:
             pending.result()
@@ -742,6 +783,9 @@ class MemoryTier:
     def close(self) -> None:
         """Unmap the slot files (they stay: the agent owns them)."""
         self.settle()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for s in self._slots:
             s.close()
 
@@ -783,11 +827,21 @@ def _write(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor]
     mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
     with torch.no_grad():
         if on_cpu:
-            torch._foreach_copy_(views, tensors)
+            if tensors:
+                torch._foreach_copy_(views, tensors)
         else:  # GPU -> host: blocking copies (not verified on a GPU yet)
             for dst, src in zip(views, tensors, strict=True):
                 dst.copy_(src)
     mm[HEADER_BYTES + tensor_bytes:HEADER_BYTES + tensor_bytes + len(meta)] = meta
+
+
+def _copy_and_commit(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor], **kw: Any) -> None:
+    """The background half of a snapshot: the deferred copies (CPU tensors: the copy releases the GIL),
+    then :func:`_commit`."""
+    if tensors:
+        with torch.no_grad():
+            torch._foreach_copy_(views, tensors)
+    _commit(mm, **kw)
 
 
 def _commit(mm: mmap.mmap, *, step: int, world_size: int, rank: int, tensor_bytes: int, meta_bytes: int) -> None:

@@ -384,6 +384,7 @@ class Runtime:
 
         When this worker joins a world re-formed in place, the state comes from a live peer instead
         (newer than any checkpoint, and no storage read)."""
+        self._settle_memory()
         if self.reform_enabled and step is None and self._group is not None:
             outcome, live = self._sync_live_state(None)
             if outcome != "none":
@@ -539,6 +540,7 @@ class Runtime:
         assert self.strategy is not None and self._optimizer is not None, "setup() first"
         if self._broken is not None:
             return
+        self._settle_memory()  # a snapshot may still be copying the parameters this step changes
         try:
             self.strategy.optimizer_step(optimizer or self._optimizer)
             self._stepped = True
@@ -712,6 +714,7 @@ class Runtime:
         rep = self._replicator
         if rep is not None:
             rep.settle()  # the slot about to be written may be the one the buddy transfer reads
+        mem.guard(self._optimizer)  # its parameters and state are copied beside the next forward/backward
         try:
             r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
                              extra={"base": self._manager.base})
@@ -769,10 +772,17 @@ class Runtime:
                                                   last_committed=committed))
         self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
+    def _settle_memory(self) -> None:
+        """Wait for the tier-0 snapshot still copying in the background (before anything but the
+        guarded ``optimizer.step()`` changes parameters or optimizer state)."""
+        if self._memory is not None:
+            self._memory.settle()
+
     def _park(self, reason: proto.ParkReason) -> None:
         """Tear the world down, tell the agent, wait for the new world and join it; on any failure,
         exit with the resize code so that the agent restarts the world (the fallback)."""
         t0 = time.monotonic()
+        self._settle_memory()
         old = (self.rank, self.world_size)
         base = None
         self._replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
@@ -1015,6 +1025,7 @@ class Runtime:
         step; skipped when that step is already saved or was just restored), wait for it and any
         in-flight save, then close the agent link and the process group. A failed final save raises
         after logging ``checkpoint_failed`` (the agent restarts the workers from the last commit)."""
+        self._settle_memory()
         pending, self._pending_flags = self._pending_flags, None
         if pending is not None:  # every rank issued it at its last boundary: complete it (what it says is moot now)
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -233,6 +234,62 @@ def test_a_snapshot_is_valid_only_once_its_background_commit_ran(tmp_path):
     assert tier.available(state) == [(2, W), (1, W)]
     tier.close()
     other.close()
+
+
+def test_guarded_parameters_are_copied_beside_the_next_forward_and_before_the_next_step(tmp_path):
+    """With the optimizer guarded, its parameters and state are copied in the background: the next
+    forward and backward run meanwhile, the next ``optimizer.step()`` waits for the copy, and the
+    snapshot holds the state of its own step. Buffers (BatchNorm's running statistics, which the next
+    forward changes) are copied before ``snapshot`` returns."""
+    import copy
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    trainer = TrainerState(seed=3, cursor={"epoch": 0, "consumed": 0})
+    state = {"app": ModelOptimizerState(m, opt), "trainer": trainer}
+    _train(m, opt, trainer, 1)
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
+    tier.guard(opt)
+    release, entered = threading.Event(), threading.Event()
+
+    class HeldPool(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            def held():
+                entered.set()
+                assert release.wait(30)
+                return fn(*args, **kwargs)
+            return super().submit(held)
+
+    tier._pool = HeldPool(1)
+    want_m, want_o = copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict()["state"])
+    tier.snapshot(1, state, world=W)
+    assert entered.wait(30)
+    assert len(tier._split[2]) == 6 + 18 and len(tier._split[1]) == 3  # 6 params + 3 Adam tensors each; BN buffers
+    stepped = threading.Event()
+
+    def step2():
+        _train(m, opt, trainer, 2)  # forward + backward run; opt.step() waits for the copy
+        stepped.set()
+
+    t = threading.Thread(target=step2)
+    t.start()
+    time.sleep(0.3)
+    assert not stepped.is_set() and all(torch.equal(v, want_m[k]) for k, v in m.state_dict().items()
+                                        if "running" not in k and "num_batches" not in k)
+    release.set()
+    t.join(30)
+    assert stepped.is_set() and not torch.equal(m[0].weight, want_m["0.weight"])
+    m2 = copy.deepcopy(m)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.01)
+    trainer2 = TrainerState(seed=3)
+    tier.load(1, {"app": ModelOptimizerState(m2, opt2), "trainer": trainer2}, world=W)
+    assert all(torch.equal(v, want_m[k]) for k, v in m2.state_dict().items())  # running stats of step 1 too
+    got_o = opt2.state_dict()["state"]
+    assert all(torch.equal(got_o[i][k], want_o[i][k]) for i in want_o for k in want_o[i])
+    tier.close()
 
 
 def test_other_world_size_rank_or_layout_is_not_a_candidate(tmp_path):
@@ -502,6 +559,7 @@ def test_replicated_snapshots_restore_any_rank_at_any_world_size(tmp_path):
     _train(m, opt, trainer, 4)
     old = mem.MemoryTier(str(tmp_path), rank=2, world_size=3, replicated=True)  # rank 2 of a world of 3 (DDP)
     old.snapshot(4, state, world=W)
+    old.settle()  # committed in the background: another process would read it once committed
     sharded = mem.MemoryTier(str(tmp_path), rank=0, world_size=2)  # the same files, not replicated (FSDP)
     assert sharded.provides(_job()[3]) == []
     new = mem.MemoryTier(str(tmp_path), rank=0, world_size=2, replicated=True)  # rank 0 of a world of 2
