@@ -55,6 +55,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(module: str, argv: list[list[str]], timeout: float) -> tuple[list[int], list[str]]:
+    """Run ``python -m <module> *argv[r]`` once per rank, side by side (in the repository, one thread
+    each, no ``TRAINGUARD_*`` variables); return their exit codes and outputs. What is still running at
+    ``timeout`` is killed."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for args in argv]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    return [p.returncode for p in procs], logs
+
+
 def parent_pids() -> dict[int, int]:
     """pid -> parent pid of every process, from one scan of /proc."""
     out = {}

@@ -201,17 +201,11 @@ def test_round_trip_two_slots_torn_and_corrupt(tmp_path):
     tier.close()
 
 
-def test_a_snapshot_is_valid_only_once_its_background_commit_ran(tmp_path):
-    """The training thread copies and returns; the checksum and commit word come from a background
-    thread. A worker killed before that commit (another process reads the folder meanwhile, as a
-    restarted worker does) leaves the previous snapshot as the newest valid one."""
+def _held_pool():  # noqa: ANN202 - (pool, release, entered)
+    """A tier's background pool whose jobs wait until ``release`` is set (``entered``: one is waiting)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    m, opt, trainer, state = _job()
-    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
-    _train(m, opt, trainer, 1)
-    tier.snapshot(1, state, world=W)
     release, entered = threading.Event(), threading.Event()
 
     class HeldPool(ThreadPoolExecutor):
@@ -222,7 +216,18 @@ def test_a_snapshot_is_valid_only_once_its_background_commit_ran(tmp_path):
                 return fn(*args, **kwargs)
             return super().submit(held)
 
-    tier._pool = HeldPool(1)
+    return HeldPool(1), release, entered
+
+
+def test_a_snapshot_is_valid_only_once_its_background_commit_ran(tmp_path):
+    """The training thread copies and returns; the checksum and commit word come from a background
+    thread. A worker killed before that commit (another process reads the folder meanwhile, as a
+    restarted worker does) leaves the previous snapshot as the newest valid one."""
+    m, opt, trainer, state = _job()
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
+    _train(m, opt, trainer, 1)
+    tier.snapshot(1, state, world=W)
+    tier._pool, release, entered = _held_pool()
     _train(m, opt, trainer, 2)
     r = tier.snapshot(2, state, world=W)  # returns with the commit still to come
     assert r.step == 2 and entered.wait(30)
@@ -243,7 +248,6 @@ def test_guarded_parameters_are_copied_beside_the_next_forward_and_before_the_ne
     forward changes) are copied before ``snapshot`` returns."""
     import copy
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
@@ -253,17 +257,7 @@ def test_guarded_parameters_are_copied_beside_the_next_forward_and_before_the_ne
     _train(m, opt, trainer, 1)
     tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
     tier.guard(opt)
-    release, entered = threading.Event(), threading.Event()
-
-    class HeldPool(ThreadPoolExecutor):
-        def submit(self, fn, /, *args, **kwargs):
-            def held():
-                entered.set()
-                assert release.wait(30)
-                return fn(*args, **kwargs)
-            return super().submit(held)
-
-    tier._pool = HeldPool(1)
+    tier._pool, release, entered = _held_pool()
     want_m, want_o = copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict()["state"])
     tier.snapshot(1, state, world=W)
     assert entered.wait(30)

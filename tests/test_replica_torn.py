@@ -15,15 +15,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 
 import pytest
 import torch._dynamo  # noqa: F401 - its lazy import (by get_state_dict) sets TORCHINDUCTOR_CACHE_DIR; do it first
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.harness import free_port, run_ranks
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -101,27 +100,16 @@ def _held(folder: str, rank: int, width: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("mode, victim, width", [("receiver", 1, 64), ("sender", 0, 1024)])
 def test_a_replication_torn_by_a_kill_never_replaces_the_good_replica(tmp_path, mode, victim, width):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     folders = [str(tmp_path / f"node{r}") for r in range(2)]
     outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
     for f in folders:
         os.makedirs(f)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_replica_torn", str(r), str(port), folders[r], mode,
-                               outs[r], str(width)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
+    codes, logs = run_ranks("tests.test_replica_torn",
+                            [[str(r), str(port), folders[r], mode, outs[r], str(width)] for r in range(2)], timeout=150)
     survivor = 1 - victim
-    assert procs[victim].returncode == -signal.SIGKILL, logs[victim][-3000:]
-    assert procs[survivor].returncode == 0, logs[survivor][-3000:]
+    assert codes[victim] == -signal.SIGKILL, logs[victim][-3000:]
+    assert codes[survivor] == 0, logs[survivor][-3000:]
     # The receiving node's folder offers the sender's step 2 (complete, checksummed), never a torn step 3:
     # step 3 was being received into step 1's slot (commit word zeroed first), step 2's stands.
     assert _held(folders[1], 1, width) == [(0, 2)]

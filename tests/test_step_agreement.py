@@ -6,24 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.harness import free_port, run_ranks
 from tests.test_runtime_finish import committed
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ASK_AT = 4  # rank 1's stop request arrives during this step
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
@@ -67,19 +59,10 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
 def test_every_rank_stops_at_the_same_step_and_saves_when_due(tmp_path, mode, stop_step):
     ckpt = tmp_path / "ck"
     outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
-    port = _free_port()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_step_agreement", str(r), str(port), mode, str(ckpt),
-                               outs[r]], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    port = free_port()
+    codes, logs = run_ranks("tests.test_step_agreement",
+                            [[str(r), str(port), mode, str(ckpt), outs[r]] for r in range(2)], timeout=120)
+    assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     res = [json.load(open(o)) for o in outs]
     # A resize request on rank 1 alone: both ranks act on it, at the same step.
     assert [r["stops"] for r in res] == [[[stop_step, 1]], [[stop_step, 1]]]
