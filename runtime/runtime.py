@@ -26,19 +26,21 @@ global batch, and ``name`` goes into the manifest. With the
 32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
-**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) four integers over a side gloo
-group: ``[stop, save, deadline, busy]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason`
+**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) six integers over a side gloo
+group: ``[stop, save, deadline, busy, overlapped, blocking]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason`
 (2 for a drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM
 under plain torchrun), ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
-for an out-of-cycle one (an early warning), ``deadline`` the earliest drain deadline and ``busy`` says
-a previous save still persists somewhere. Every rank therefore sees the same flags after the same
+for an out-of-cycle one (an early warning), ``deadline`` the earliest drain deadline, ``busy`` says
+a previous save still persists somewhere, and the last two say which agreement the ranks are
+configured with (``workers.step_agreement``). Every rank therefore sees the same flags after the same
 step: all of them save the same step ``s``, rank 0 commits it, and on a stop all exit with
 :data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
 ``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
 step N, runs beside step N+1 and is acted on at the end of N+1: no rank waits on the wire per step,
 and a stop or an out-of-cycle save takes effect one step after it was asked for (a periodic save is
 asked for the step it is due at). The first boundary of a world, with nothing issued yet, exchanges
-and waits. ``blocking`` exchanges and acts at N: one round trip per step.
+and waits; a world whose ranks are configured differently (the last two flags both set there) agrees
+blocking. ``blocking`` exchanges and acts at N: one round trip per step.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
 samples consumed) is part of the checkpoint; each global batch is split over the current
@@ -184,6 +186,9 @@ class Runtime:
         all-reduce per step); ``blocking``: at N (``workers.step_agreement``)."""
         self._pending_flags: tuple[Any, torch.Tensor, proto.StopReason] | None = None
         """The overlapped exchange in flight on ``_group``: (work, flags, this rank's stop request in them)."""
+        self._mixed_agreement = False
+        """Some rank of this world is configured ``blocking`` and some ``overlapped`` (seen at the world's
+        first boundary, which every rank exchanges and waits for): the world agrees blocking."""
         self._interval: IntervalController | None = None
         self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
         self._save_deferred = False
@@ -653,7 +658,7 @@ class Runtime:
         return True
 
     def _overlapped(self) -> bool:
-        return self._group is not None and self.step_agreement == "overlapped"
+        return self._group is not None and self.step_agreement == "overlapped" and not self._mixed_agreement
 
     def _local_flags(self, step_s: float, now: float, ahead: int,
                      observe: bool = True) -> tuple[torch.Tensor, proto.StopReason]:
@@ -670,16 +675,24 @@ class Runtime:
         due = due or self._save_deferred
         mine = self._local_request()
         busy = int(self._manager is not None and self._manager.in_flight is not None)
+        overlapped = self.step_agreement == "overlapped"
         flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due)), _encode_deadline(self._deadline()),
-                              busy], dtype=torch.int64)
+                              busy, int(overlapped), int(not overlapped)], dtype=torch.int64)
         return flags, mine
 
     def _act(self, flags: torch.Tensor, mine: proto.StopReason) -> bool:
         """Carry out what every rank agreed (MAX of the flags) at this boundary: stop or re-form, then the
         snapshot and the periodic save. ``mine``: this rank's own stop request in that agreement. False
         when this worker parked (and re-formed) meanwhile: the step is over for the caller."""
-        stop_v, save, deadline_v, busy = flags.tolist()  # one conversion: indexing a tensor costs a view each
+        stop_v, save, deadline_v, busy, any_overlapped, any_blocking = flags.tolist()  # one conversion
         stop, deadline = proto.StopReason(stop_v), _decode_deadline(deadline_v)
+        if any_overlapped and any_blocking and not self._mixed_agreement:
+            # Ranks configured differently would act on a stop or a save at different steps: every rank
+            # sees the same MAX here (the world's first boundary, exchanged and waited for), so all agree
+            # blocking for this world.
+            self._mixed_agreement = True
+            self._log.warning("step_agreement_mixed", step=self.step, configured=self.step_agreement,
+                              effect="this world agrees blocking; set workers.step_agreement alike on every node")
         if save == 1 and busy and self.checkpoint_config.when_busy == "defer":
             # A periodic save while the previous one still persists somewhere would stall every rank on
             # it: defer it to the first step boundary at which none is (the same durability, no stall,
@@ -870,7 +883,7 @@ class Runtime:
         self.local_world_size = msg.local_world_size
         self.round = msg.round
         link.report(proto.Joined(rank=self.rank, local_rank=self.local_rank, round=self.round))
-        self._group = self._new_gloo_group()
+        self._group, self._mixed_agreement = self._new_gloo_group(), False
         self._log = log.bind(rank=self.rank, world_size=self.world_size, round=self.round)
         if self._metrics is not None:
             self._metrics.rank = self.rank

@@ -1,6 +1,6 @@
 """The step-boundary agreement over two real gloo ranks: ``overlapped`` (the default) acts at step N+1
 on what the ranks exchanged at step N, ``blocking`` at N; both stop every rank at the same step and
-take periodic saves at the steps they are due at."""
+take periodic saves at the steps they are due at. Ranks configured apart agree blocking."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     from trainguard.runtime import protocol as proto
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    rt = Runtime(rank=rank, world_size=2, local_rank=0, job_id="run", rdzv_round=0, step_agreement=mode,
+    rt = Runtime(rank=rank, world_size=2, local_rank=0, job_id="run", rdzv_round=0,
+                 step_agreement=mode.split(",")[rank] if "," in mode else mode,
                  checkpoint=CheckpointConfig(url=ckpt, interval_steps=3, async_save=False))
     stops: list[tuple[int, int]] = []
 
@@ -52,10 +53,12 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
         rt._manager.wait(60)  # these steps are faster than a save, which would defer the next periodic one
     rt.finish()
     with open(out, "w") as fh:
-        json.dump({"stops": stops, "pending_after_finish": rt._pending_flags is not None}, fh)
+        json.dump({"stops": stops, "pending_after_finish": rt._pending_flags is not None,
+                   "mixed": rt._mixed_agreement}, fh)
 
 
-@pytest.mark.parametrize("mode,stop_step", [("overlapped", ASK_AT + 1), ("blocking", ASK_AT)])
+@pytest.mark.parametrize("mode,stop_step", [("overlapped", ASK_AT + 1), ("blocking", ASK_AT),
+                                            ("overlapped,blocking", ASK_AT)])  # configured apart: all blocking
 def test_every_rank_stops_at_the_same_step_and_saves_when_due(tmp_path, mode, stop_step):
     ckpt = tmp_path / "ck"
     outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
@@ -69,6 +72,7 @@ def test_every_rank_stops_at_the_same_step_and_saves_when_due(tmp_path, mode, st
     # Periodic saves at the steps they are due at (3, 6), the last one as final; nothing left in flight.
     assert committed(ckpt) == {3: "periodic", 6: "periodic", 8: "final"}
     assert not any(r["pending_after_finish"] for r in res)
+    assert [r["mixed"] for r in res] == [mode == "overlapped,blocking"] * 2
 
 
 def test_a_bad_step_agreement_is_refused_by_name():
