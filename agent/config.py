@@ -292,9 +292,10 @@ class WorkersConfig:
 
     step_agreement: str = "overlapped"
     """How worker-API ranks agree at a step boundary on a stop, a re-formation or a checkpoint (a
-    4-integer all-reduce over a gloo side group): ``overlapped`` (the exchange of step N runs beside
+    6-integer all-reduce over a gloo side group): ``overlapped`` (the exchange of step N runs beside
     step N+1 and is acted on at its end: nothing waits on the wire, decisions come one step later) or
-    ``blocking`` (exchanged and acted on at step N: one round trip per step)."""
+    ``blocking`` (exchanged and acted on at step N: one round trip per step). Set it alike on every
+    node: a world whose ranks differ agrees blocking (``step_agreement_mixed``)."""
 
     def __post_init__(self) -> None:
         require(self.nproc_per_node >= 1, "nproc_per_node", f"must be >= 1, got {self.nproc_per_node}",

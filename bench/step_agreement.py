@@ -1,7 +1,7 @@
 """Cost of the step-boundary agreement: ``workers.step_agreement: blocking`` vs ``overlapped``.
 
 Each step a trainguard worker agrees with every rank on a stop, a re-formation or a checkpoint: a
-4-integer all-reduce over a gloo side group (``Runtime.end_step``). ``blocking`` waits for it at every
+6-integer all-reduce over a gloo side group (``Runtime.end_step``). ``blocking`` waits for it at every
 step; ``overlapped`` issues it at step N and reads it at step N+1. This bench starts ``--ranks``
 processes on 127.0.0.1 (gloo, ``OMP_NUM_THREADS=1``), each training a small DDP model whose step ends
 with ``--step-sleep`` seconds of idle host time (what a GPU step looks like from the host: kernels
