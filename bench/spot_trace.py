@@ -920,7 +920,7 @@ def full_trace(trace: sim.Trace, costs: dict[str, sim.ChangeCosts], runs: dict[s
     lead = a.real_lead_s
     out: dict[str, Any] = {"lead_s": lead, "nodes_per_agent_for_step_time": k,
                            "assumption": "the job of the replay: a step at n trace nodes takes what it took at n/k agents"}
-    if getattr(a, "sim_step_s", None):  # a what-if: the measured costs per change and per step, a longer step
+    if a.sim_step_s:  # a what-if: the measured costs per change and per step, a longer step
         job = dataclasses.replace(job, step_times=tuple((w, a.sim_step_s) for w, _ in job.step_times))
         out.update(sim_step_s=a.sim_step_s, assumption=f"what-if: every step takes {a.sim_step_s:g} s (the measured "
                    "costs per change and the measured time between steps unchanged)")

@@ -250,12 +250,8 @@ _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 def skeleton(sd: Any, out: list[torch.Tensor]) -> Any:
     """``sd`` with every tensor replaced by a :class:`_Leaf` (its local tensors appended to ``out``).
-    Runs at every snapshot: plain tensors and dicts take a fast path."""
+    Runs at every snapshot: plain tensors take a fast path, scalars in dicts and lists no call at all."""
     kind = type(sd)
-    if kind is dict:
-        return {k: v if type(v) in _SCALARS else skeleton(v, out) for k, v in sd.items()}
-    if kind is list:
-        return [v if type(v) in _SCALARS else skeleton(v, out) for v in sd]
     if kind is torch.Tensor or kind is torch.nn.Parameter:
         name = _DTYPE_NAMES.get(sd.dtype)
         if name is None:
@@ -264,7 +260,7 @@ def skeleton(sd: Any, out: list[torch.Tensor]) -> Any:
         out.append(sd)
         return leaf
     if isinstance(sd, dict):
-        return {k: skeleton(v, out) for k, v in sd.items()}
+        return {k: v if type(v) in _SCALARS else skeleton(v, out) for k, v in sd.items()}
     if isinstance(sd, torch.Tensor):
         local = _local(sd)
         assert local is not None
@@ -274,7 +270,7 @@ def skeleton(sd: Any, out: list[torch.Tensor]) -> Any:
             out.append(t)
         return _Shards(tuple(leaves)) if len(local) != 1 or _is_sharded(sd) else leaves[0]
     if isinstance(sd, list):
-        return [skeleton(v, out) for v in sd]
+        return [v if type(v) in _SCALARS else skeleton(v, out) for v in sd]
     if isinstance(sd, tuple):
         return _Tuple([skeleton(v, out) for v in sd])
     return sd
@@ -403,11 +399,19 @@ class _Slot:
         except OSError:
             pass
 
+    def valid_header(self, world_size: int, rank: int | None) -> Header | None:
+        """The header when this slot is complete, of this world size and ``rank`` (None: any); else None.
+        (The data's CRC32 is the caller's to check.)"""
+        h = self.header()
+        if h is None or not h.complete or h.world_size != world_size or (rank is not None and h.rank != rank):
+            return None
+        return h
+
     def read_valid(self, world_size: int, rank: int | None) -> tuple[Header, bytes] | None:
         """The header and data of this slot when it is complete, of this world size and ``rank`` (None:
         any), and its CRC32 matches; else None."""
-        h = self.header()
-        if h is None or not h.complete or h.world_size != world_size or (rank is not None and h.rank != rank):
+        h = self.valid_header(world_size, rank)
+        if h is None:
             return None
         n = h.tensor_bytes + h.meta_bytes
         try:
@@ -553,13 +557,12 @@ class MemoryTier:
         target.ensure(target.size)
         views = target.views(sig)
         now, later = self._deferred(sig, tensors) if self.background_commit else ((), ())
-        if later:
-            _write(target.mm, [views[i] for i in now], [tensors[i] for i in now], tensor_bytes=tensor_bytes,
-                   meta=meta, on_cpu=self._on_cpu)
+        if later:  # the guarded optimizer's parameters and state: copied by the background thread
             late_views, late_tensors = [views[i] for i in later], [tensors[i] for i in later]
+            views, tensors = [views[i] for i in now], [tensors[i] for i in now]
         else:
-            _write(target.mm, views, tensors, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
             late_views, late_tensors = [], []
+        _write(target.mm, views, tensors, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
         self._newest = idx
         commit = functools.partial(_copy_and_commit, target.mm, late_views, late_tensors, step=step,
                                    world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,
@@ -678,8 +681,8 @@ class MemoryTier:
         if self._newest is None:
             return None
         slot = self._slots[self._newest]
-        h = slot.header()
-        if h is None or not h.complete or h.world_size != self.world_size or h.rank != self.rank:
+        h = slot.valid_header(self.world_size, self.rank)
+        if h is None:
             return None
         if slot._mm is None:  # restored, not written by this process: map it
             slot.ensure(slot.size)
@@ -715,9 +718,7 @@ class MemoryTier:
             with memoryview(target.mm)[HEADER_BYTES:HEADER_BYTES + h.tensor_bytes + h.meta_bytes] as data:
                 if zlib.crc32(data) != h.crc32:
                     raise MemoryTierError("a replica that failed its checksum was refused")
-            mm = target.mm
-            mm[0:_HEADER.size] = dataclasses.replace(h, commit=0).pack()
-            mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = struct.pack("<Q", h.step + 1)
+            _seal(target.mm, dataclasses.replace(h, commit=0))
         finally:
             self._replica_sizes[target.path] = target.size
             target.close()
@@ -849,10 +850,14 @@ def _commit(mm: mmap.mmap, *, step: int, world_size: int, rank: int, tensor_byte
     end = HEADER_BYTES + tensor_bytes + meta_bytes
     with memoryview(mm) as mv, mv[HEADER_BYTES:end] as data:
         crc = zlib.crc32(data)  # releases the GIL: the training thread runs on meanwhile
-    h = Header(commit=0, step=step, world_size=world_size, rank=rank, tensor_bytes=tensor_bytes,
-               meta_bytes=meta_bytes, capacity=len(mm) - HEADER_BYTES, crc32=crc)
+    _seal(mm, Header(commit=0, step=step, world_size=world_size, rank=rank, tensor_bytes=tensor_bytes,
+                     meta_bytes=meta_bytes, capacity=len(mm) - HEADER_BYTES, crc32=crc))
+
+
+def _seal(mm: mmap.mmap, h: Header) -> None:
+    """Write a slot's header ``h`` (its commit word zero), then the commit word ``step + 1``: last."""
     mm[0:_HEADER.size] = h.pack()
-    mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = struct.pack("<Q", step + 1)  # the commit: written last
+    mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = struct.pack("<Q", h.step + 1)
 
 
 def _leaves(skel: Any) -> list[_Leaf]:
