@@ -226,20 +226,25 @@ class WorkerMetrics:
             return
         if self.local_rank == 0:
             f.steps.inc()
-            f.train_s.inc(max(0.0, step_time_s))
         if samples:
             f.samples.inc(samples)
         if tokens:
             f.tokens.inc(tokens)
         if step_time_s is not None:
-            f.step_time.observe(step_time_s)
+            self._step_time(f, step_time_s)
         f.step.set(step)
         f.last_step_ts.set(time.time())
 
     def observe_step_time(self, step_time_s: float) -> None:
         """Record the time (s) of one step measured after the fact (CUDA events)."""
         if self._f is not None:
-            self._f.step_time.observe(step_time_s)
+            self._step_time(self._f, step_time_s)
+
+    def _step_time(self, f: _Families, seconds: float) -> None:
+        """The step-time histogram, and the node's productive training seconds (local rank 0)."""
+        f.step_time.observe(seconds)
+        if self.local_rank == 0:
+            f.train_s.inc(max(0.0, seconds))
 
     def _kind(self, kind: str) -> str:
         k = names.normalize_label(kind)

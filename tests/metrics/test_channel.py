@@ -168,3 +168,37 @@ def test_gpu_peak_only_from_a_process_that_uses_cuda(monkeypatch) -> None:
     for t in range(100):
         w2.sample_gpu_peak(float(t) * 10)
     assert peaks == [3 << 30]  # no GPU: never read
+
+
+class _Rec:
+    """A metric that records what would reach the multiprocess files."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def inc(self, v: float = 1.0) -> None:
+        self.calls.append(v)
+
+    set = observe = inc
+
+
+def test_step_time_from_gpu_events_counts_as_training_time() -> None:
+    # On CUDA the runtime reports each step without its time and the time later, when the GPU's events
+    # complete (StepTimer): the step must not fail, and the node's training seconds (goodput's productive
+    # time, local rank 0) come from the late time.
+    from types import SimpleNamespace
+
+    fams = []
+    for local_rank in (0, 1):
+        w = WorkerMetrics(local_rank, local_rank)
+        f = SimpleNamespace(**{k: _Rec() for k in ("steps", "samples", "tokens", "step_time", "step", "last_step_ts",
+                                                   "train_s")})
+        w._f = f  # type: ignore[assignment]
+        w.observe_step(7, 8, 1024, None)
+        assert f.step_time.calls == [] and f.train_s.calls == [] and f.step.calls == [7]
+        w.observe_step_time(0.25)
+        w.observe_step(8, 8, 1024, 0.5)  # the host-timed path
+        assert f.step_time.calls == [0.25, 0.5]
+        fams.append(f)
+    assert fams[0].train_s.calls == [0.25, 0.5] and fams[0].steps.calls == [1, 1]
+    assert fams[1].train_s.calls == [] and fams[1].steps.calls == []  # counted by local rank 0 only
