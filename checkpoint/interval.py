@@ -68,6 +68,8 @@ class IntervalMode(str, Enum):
 
 
 UNPLANNED_KINDS = frozenset({"periodic", "notice"})
+REEVALUATE_S = 1.0
+"""Seconds between re-evaluations of the optimum when nothing but the training exposure changed."""
 """Kinds of checkpoint a world takes while it goes on training: restoring one means it died unannounced."""
 
 
@@ -227,6 +229,8 @@ class IntervalController:
         self._pending_async = False
         self._interval_s: float | None = None
         self._at_change: dict[str, Any] = {}
+        self._dirty = True  # an input other than the exposure changed since the last evaluation
+        self._evaluated = -math.inf
         if policy.mode is IntervalMode.FIXED and policy.seconds:
             self._interval_s = policy.seconds
 
@@ -240,6 +244,7 @@ class IntervalController:
         if self.policy.mode is IntervalMode.AUTO and stats.interval_s:
             self._interval_s = float(stats.interval_s)
             self._at_change = self._inputs_key()
+        self._dirty = True
 
     def begin(self, now: float | None = None) -> None:
         """Training starts (or resumes from a restore) now: the interval and exposure clocks start here."""
@@ -257,6 +262,7 @@ class IntervalController:
     def set_world_size(self, world_size: int, now: float | None = None) -> None:
         self.tick(now)
         self._world = max(1, int(world_size))
+        self._dirty = True
 
     def observe_step(self, seconds: float, persisting: bool) -> None:
         """A step took ``seconds``; ``persisting``: an asynchronous save persisted meanwhile."""
@@ -271,6 +277,7 @@ class IntervalController:
         """A save blocked training ``blocked_s``; ``persist_s`` when it also persisted synchronously.
         An asynchronous save reports its persist time later through :meth:`observe_persist`."""
         a = self.settings.alpha
+        self._dirty = True
         self.stats.blocked_s = _ewma(self.stats.blocked_s, max(0.0, blocked_s), a)
         self.stats.saves += 1
         if persist_s is not None:
@@ -282,6 +289,7 @@ class IntervalController:
     def observe_persist(self, persist_s: float) -> None:
         """The asynchronous save started by the last :meth:`observe_save` committed after ``persist_s``."""
         a = self.settings.alpha
+        self._dirty = True
         self.stats.persist_s = _ewma(self.stats.persist_s, max(0.0, persist_s), a)
         if self._pending_async:
             self.stats.interference_s = _ewma(self.stats.interference_s, max(0.0, self._excess_s), a)
@@ -294,6 +302,7 @@ class IntervalController:
         unannounced failures this proves: the world that wrote a ``periodic`` checkpoint did not stop as
         planned (a drain or resize leaves an ``emergency`` / ``resize`` one), and every earlier world
         that started from the same point died without leaving anything newer."""
+        self._dirty = True
         if seconds is not None:
             self.stats.restore_s = _ewma(self.stats.restore_s, max(0.0, seconds), self.settings.alpha)
         failures = max(0, int(repeats)) + (1 if str(kind) in UNPLANNED_KINDS else 0)
@@ -350,10 +359,16 @@ class IntervalController:
         return self._interval_s
 
     def update(self, now: float | None = None) -> IntervalChange | None:
-        """Account exposure; auto: recompute the optimum and adopt it past the hysteresis band or a bound."""
-        self.tick(now)
+        """Account exposure; auto: recompute the optimum and adopt it past the hysteresis band or a bound.
+        Called every step: when only the exposure grew (the MTBF estimate drifts slowly), the optimum is
+        recomputed at most every :data:`REEVALUATE_S` seconds; any other input change is taken at once."""
+        t = self._now(now)
+        self.tick(t)
         if self.policy.mode is not IntervalMode.AUTO:
             return None
+        if not self._dirty and t - self._evaluated < REEVALUATE_S:
+            return None
+        self._dirty, self._evaluated = False, t
         opt, new, bound = self.optimum()
         old = self._interval_s
         if old is not None:

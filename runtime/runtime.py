@@ -110,6 +110,26 @@ def _decode_deadline(value: int) -> float | None:
     return None if value <= _NO_DEADLINE else -value / 1000.0
 
 
+_MAX = dist.AllreduceOptions()
+_MAX.reduceOp = dist.ReduceOp.MAX
+
+
+class _FlagBuffers:
+    """The six step-boundary integers in two preallocated int64 tensors, filled in turn through a
+    NumPy view (a new ``torch.tensor`` per boundary cost more than the rest of the fill). Two: the
+    overlapped agreement has one exchange in flight while the next boundary's flags are written."""
+
+    def __init__(self) -> None:
+        self._bufs = [torch.zeros(6, dtype=torch.int64) for _ in range(2)]
+        self._views = [b.numpy() for b in self._bufs]
+        self._next = 0
+
+    def fill(self, *values: int) -> torch.Tensor:
+        i, self._next = self._next, 1 - self._next
+        self._views[i][:] = values
+        return self._bufs[i]
+
+
 class SaveAbandoned(CheckpointError):
     """An emergency or resize checkpoint still running at the drain deadline was given up; the last
     committed step stands."""
@@ -186,6 +206,8 @@ class Runtime:
         all-reduce per step); ``blocking``: at N (``workers.step_agreement``)."""
         self._pending_flags: tuple[Any, torch.Tensor, proto.StopReason] | None = None
         """The overlapped exchange in flight on ``_group``: (work, flags, this rank's stop request in them)."""
+        self._flag_bufs = _FlagBuffers()
+        """The step-boundary flags, two buffers taken in turn: one may be in flight while the next is filled."""
         self._mixed_agreement = False
         """Some rank of this world is configured ``blocking`` and some ``overlapped`` (seen at the world's
         first boundary, which every rank exchanges and waits for): the world agrees blocking."""
@@ -637,8 +659,7 @@ class Runtime:
         try:
             if pending is None:
                 flags, mine = self._local_flags(step_s, now, ahead=0)
-                work = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-                        if self._group is not None else None)
+                work = self._exchange(flags) if self._group is not None else None
             else:
                 work, flags, mine = pending
             if work is not None:
@@ -652,10 +673,14 @@ class Runtime:
             return True
         if self._overlapped():
             flags, mine = self._local_flags(step_s, time.monotonic(), ahead=1, observe=not observed)
-            self._pending_flags = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True),
-                                   flags, mine)
+            self._pending_flags = (self._exchange(flags), flags, mine)
         self._step_started = time.monotonic()
         return True
+
+    def _exchange(self, flags: torch.Tensor) -> Any:
+        """Start the MAX all-reduce of the flags on the gloo side group (its work). Called on the group
+        itself: ``dist.all_reduce``'s checks and logging wrapper cost more than the exchange at every step."""
+        return self._group.allreduce([flags], _MAX)
 
     def _overlapped(self) -> bool:
         return self._group is not None and self.step_agreement == "overlapped" and not self._mixed_agreement
@@ -676,8 +701,8 @@ class Runtime:
         mine = self._local_request()
         busy = int(self._manager is not None and self._manager.in_flight is not None)
         overlapped = self.step_agreement == "overlapped"
-        flags = torch.tensor([int(mine), 2 if notice is not None else int(bool(due)), _encode_deadline(self._deadline()),
-                              busy, int(overlapped), int(not overlapped)], dtype=torch.int64)
+        flags = self._flag_bufs.fill(int(mine), 2 if notice is not None else int(bool(due)),
+                                     _encode_deadline(self._deadline()), busy, int(overlapped), int(not overlapped))
         return flags, mine
 
     def _act(self, flags: torch.Tensor, mine: proto.StopReason) -> bool:
@@ -815,7 +840,8 @@ class Runtime:
             if self._manager is not None:
                 self._manager.close()  # an in-flight save finishes (or fails) on the old groups first
                 base, self._manager = self._manager.base, None
-            self._group, self._pending_flags = None, None  # a pending exchange dies with its group
+            # A pending exchange dies with its group; its buffer is not reused (the dead work may still write it).
+            self._group, self._pending_flags, self._flag_bufs = None, None, _FlagBuffers()
             rf.teardown_world(self.device)
             while True:
                 msg = self._link.wait_reform(self.reform_timeout_s)

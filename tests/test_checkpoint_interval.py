@@ -14,6 +14,7 @@ from trainguard.checkpoint.interval import (
     IntervalMode,
     IntervalPolicy,
     IntervalStats,
+    REEVALUATE_S,
     daly_interval,
     parse_interval,
     policy_from_config,
@@ -173,6 +174,34 @@ def test_hysteresis_keeps_the_interval_until_the_optimum_moves_enough() -> None:
     assert ch is not None and ch.reason == "save_cost" and ch.old_s == t0
     assert ch.new_s == pytest.approx(daly_interval(c.save_cost_s, c.mtbf_s))
     assert ch.new_s > 1.9 * t0
+
+
+def test_exposure_alone_is_reevaluated_once_a_second_other_inputs_at_once() -> None:
+    # update() runs at every step: when only the exposure grew, the optimum is recomputed at most
+    # every REEVALUATE_S; a measured save, a restore or a world-size change is taken at the next call.
+    clock = Clock()
+    c = IntervalController(AUTO, AutoSettings(min_s=1, max_s=10_000, prior_mtbf_s=10, hysteresis=0.2),
+                           clock=clock, sync_saves=True)
+    c.observe_save(1.0, 0.0)
+    assert c.update() is not None
+    t0 = c.interval_s
+    clock.t = 0.5 * REEVALUATE_S  # the MTBF estimate (prior 10 s + exposure) grew 5 %: not re-evaluated
+    calls = []
+    real = c.optimum
+    c.optimum = lambda: calls.append(clock.t) or real()  # type: ignore[method-assign]
+    assert c.update() is None and not calls
+    assert c.stats.exposure_rank_s == pytest.approx(0.5 * REEVALUATE_S)  # exposure is still counted
+    clock.t = 10.0  # exposure doubled the MTBF: re-evaluated once the period passed, past the band
+    ch = c.update()
+    assert calls == [10.0] and ch is not None and ch.reason == "failure_rate" and ch.new_s > t0
+    clock.t = 10.1
+    c.observe_restore(2.0, "periodic")  # an input other than exposure: at once
+    ch = c.update()
+    assert calls == [10.0, 10.1] and ch is not None and ch.reason == "unannounced_failure"
+    clock.t = 10.2
+    c.set_world_size(4)
+    c.update()
+    assert calls[-1] == 10.2
 
 
 def test_bounds_floor_at_persist_time_and_cap_at_max() -> None:
