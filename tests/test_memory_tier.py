@@ -201,6 +201,46 @@ def test_round_trip_two_slots_torn_and_corrupt(tmp_path):
     tier.close()
 
 
+def test_a_snapshot_with_namedtuple_leaves_still_loads(tmp_path, monkeypatch):
+    # Leaves are plain (index, shape, dtype) tuples; snapshots written before held NamedTuples (a node
+    # folder that outlives an upgrade of the workers): they still load, into the same values.
+    import pickle
+
+    def as_before(x):  # noqa: ANN001, ANN202
+        if isinstance(x, tuple):
+            return mem._Leaf(*x)
+        if isinstance(x, dict):
+            return {k: as_before(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [as_before(v) for v in x]
+        if isinstance(x, mem._Tuple):
+            return mem._Tuple([as_before(v) for v in x.items])
+        return x
+
+    m, opt, trainer, state = _job()
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
+    _train(m, opt, trainer, 1)
+    real = mem.skeleton
+    monkeypatch.setattr(mem, "skeleton", lambda sd, out, sig=None: as_before(real(sd, out, sig)))
+    tier.snapshot(1, state, world=W)
+    monkeypatch.undo()
+    tier.settle()
+    raw = next(tmp_path.iterdir()).read_bytes()
+    h = mem.Header.unpack(raw[:mem.HEADER_BYTES])
+    start = mem.HEADER_BYTES + h.tensor_bytes
+    leaves = mem._leaves(pickle.loads(raw[start:start + h.meta_bytes])["skeleton"])
+    assert leaves and all(type(leaf) is mem._Leaf for leaf in leaves)  # written the old way
+    want_m, want_o = _copy(m, opt)
+    _train(m, opt, trainer, 2)
+    assert tier.available(state) == [(1, W)]  # the layout compares equal to plain-tuple leaves
+    tier.load(1, state, world=W)
+    assert all(torch.equal(v, want_m[k]) for k, v in m.state_dict().items())
+    got_o = opt.state_dict()["state"]
+    assert all(torch.equal(got_o[i][k], want_o[i][k]) for i in want_o for k in want_o[i])
+    assert trainer.step == 1
+    tier.close()
+
+
 def _held_pool():  # noqa: ANN202 - (pool, release, entered)
     """A tier's background pool whose jobs wait until ``release`` is set (``entered``: one is waiting)."""
     import threading
