@@ -221,6 +221,7 @@ def main() -> int:
     p.add_argument("--keep", action="store_true")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    t_start = time.time()
     out: dict[str, Any] = {"model": "TinyGPT d_model=64 layers=2 seq=64, global batch 24 (micro 4), AdamW"}
     print("overhead: alternating blocks with / without a snapshot per step ...", flush=True)
     out.update(overhead(args.overhead_steps, args.block, args.shm))
@@ -260,6 +261,7 @@ def main() -> int:
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
+    out["wall_s"] = round(time.time() - t_start, 1)
     out["tier0_ratio"] = out.pop("memory_ratio")  # one process, tier 0 only
     nk = out.get("node_kill")
     if nk:

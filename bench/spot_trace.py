@@ -1025,7 +1025,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--auto-min-s", type=float, default=1.0, help="checkpoint.interval_min_s of the auto run")
     ap.add_argument("--prior-mtbf-s", type=float, default=3600.0, help="real seconds; the replay divides by --speed")
-    ap.add_argument("--runs", default="trainguard-auto,trainguard-fixed50,baseline")
+    ap.add_argument("--runs", default="trainguard-auto,trainguard-fixed50,baseline",
+                    help="runs in order: trainguard-auto, trainguard-fixed50, baseline (torchrun); a suffix #k repeats "
+                         "one (e.g. baseline,baseline#2): the report adds the mean of the repeats against the mean prediction")
     ap.add_argument("--sim-seeds", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -1067,7 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     try:
         for name in [r for r in a.runs.split(",") if r]:
-            mode = "torchrun" if name == "baseline" else name
+            mode = "torchrun" if run_kind(name) == "baseline" else run_kind(name)
             acts = schedule(scaled, unannounced, a.lead_s, notices=mode != "torchrun")
             print(f"\n== {name}: {len(acts)} actions over {scaled.duration_s:.0f} s", flush=True)
             if a.reanalyse:  # the logs of an earlier --keep run of the same schedule
@@ -1083,7 +1085,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   ETTR {r['ettr']:.3f}, final step {r['final_step']}, lost steps {r['lost_steps']}, "
                   f"skipped/repeated samples {r['skipped_samples']}/{r['repeated_samples']}", flush=True)
     finally:
-        left = strays(work)
+        # A re-analysis started nothing (and its own command line, and a wrapper's such as timeout, name the folder).
+        left = [] if a.reanalyse else strays(work)
         for pid in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -1099,7 +1102,8 @@ def main(argv: list[str] | None = None) -> int:
     unmeasured: dict[str, list[str]] = {"trainguard": [], "torchrun": []}
     if tg_runs:
         costs["trainguard"] = measured_costs(tg_runs, unmeasured=unmeasured["trainguard"])
-    if "baseline" in runs:
+    baselines = [r for n, r in runs.items() if run_kind(n) == "baseline"]
+    if baselines:
         pooled_tg: dict[str, list[float]] = collections.defaultdict(list)
         for r in tg_runs:
             for k, v in r["measured_costs"].items():
@@ -1108,7 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
         # separate periodic cost.
         # Its first start is measured from the agents' start (startup_s); a joiner's warm-up is an
         # agent's start (trainguard's, the same Python and torch imports).
-        costs["torchrun"] = measured_costs([runs["baseline"]], fallback={
+        costs["torchrun"] = measured_costs(baselines, fallback={
             "warmup_s": pooled_tg.get("agent_start_s", []), "agent_start_s": [0.0], "start_reformation_s": [0.0],
             "periodic_overhead_s": [0.0], "periodic_persist_s": [0.0],
             "emergency_s": [0.0], "resize_checkpoint_s": [0.0], "detect_notice_s": [0.0]}, unmeasured=unmeasured["torchrun"])
@@ -1126,8 +1130,8 @@ def main(argv: list[str] | None = None) -> int:
     # them on a shared machine); a cost it did not measure comes from the pooled runs.
     settings = AutoSettings(min_s=a.auto_min_s, max_s=3600 / a.speed, prior_mtbf_s=a.prior_mtbf_s / a.speed)
     for name, r in runs.items():
-        torchrun = name == "baseline"
-        policy = (IntervalPolicy(IntervalMode.AUTO) if name == "trainguard-auto"
+        torchrun = run_kind(name) == "baseline"
+        policy = (IntervalPolicy(IntervalMode.AUTO) if run_kind(name) == "trainguard-auto"
                   else IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS))
         pooled = costs["torchrun" if torchrun else "trainguard"]
         c = measured_costs([r], fallback=pooled.as_dict())
@@ -1135,6 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
         r["predicted_from"] = "own costs"
         r["predicted"] = p
         r["prediction_error_points"] = round(100 * (p["ettr"] - r["ettr"]), 2)
+    res["repeats"] = repeats(runs)
     if tg_runs:
         res["full_trace"] = full_trace(trace, costs, runs, a)
     res["runs"] = {n: {k: v for k, v in r.items() if k != "world_timeline"} for n, r in runs.items()}
@@ -1167,6 +1172,30 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1, sort_keys=True, default=float)
     return 0 if runs else 1
+
+
+def run_kind(name: str) -> str:
+    """``baseline``, ``trainguard-auto`` or ``trainguard-fixed50``: a run's name less its repeat suffix
+    (``--runs baseline,baseline#2,baseline#3`` replays the same schedule three times)."""
+    return name.split("#", 1)[0]
+
+
+def repeats(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind of run replayed more than once: the mean measured ETTR against the mean of the
+    predictions (each run's from its own costs). One replay fixes the phase of every failure in the save
+    cycle and every removal's place in a restart; the mean over repeats is what the simulator's seeds
+    average."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in sorted({run_kind(n) for n in runs}):
+        rs = [r for n, r in runs.items() if run_kind(n) == kind]
+        if len(rs) < 2:
+            continue
+        measured = statistics.fmean(r["ettr"] for r in rs)
+        predicted = statistics.fmean(r["predicted"]["ettr"] for r in rs)
+        out[kind] = {"runs": len(rs), "ettr": [round(r["ettr"], 4) for r in rs], "ettr_mean": round(measured, 4),
+                     "predicted_mean": round(predicted, 4),
+                     "prediction_error_points": round(100 * (predicted - measured), 2)}
+    return out
 
 
 def resimulate(a: argparse.Namespace) -> int:
@@ -1202,6 +1231,9 @@ def report(res: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
                   if v.get("truth_goodput") is not None}
         if agents:
             print(f"  {n}: goodput metric vs truth per agent {agents}")
+    for kind, m in res.get("repeats", {}).items():
+        print(f"  {kind}: {m['runs']} replays of the schedule, ETTR {m['ettr']}, mean {m['ettr_mean']:.3f}, "
+              f"predicted mean {m['predicted_mean']:.3f} ({m['prediction_error_points']:+.2f} points)")
     ft = res.get("full_trace")
     if not ft:
         return

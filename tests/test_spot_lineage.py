@@ -75,3 +75,17 @@ def test_costs_from_an_earlier_run_simulate_the_whole_trace_again_with_training_
     slow = ft["x1"]["trainguard-auto"]
     assert slow["waste_node_s"]["between_steps"] < 0.2 * auto["waste_node_s"]["between_steps"]
     assert slow["ettr"] > auto["ettr"]
+
+
+def test_repeated_replays_are_compared_by_their_means(spot):
+    # --runs baseline,baseline#2: the same schedule twice; the report compares the mean measured ETTR
+    # with the mean prediction (a kind replayed once has no entry).
+    runs = {"trainguard-auto": {"ettr": 0.9, "predicted": {"ettr": 0.91}},
+            "baseline": {"ettr": 0.50, "predicted": {"ettr": 0.60}},
+            "baseline#2": {"ettr": 0.70, "predicted": {"ettr": 0.62}}}
+    assert [spot.run_kind(n) for n in runs] == ["trainguard-auto", "baseline", "baseline"]
+    out = spot.repeats(runs)
+    assert list(out) == ["baseline"]
+    b = out["baseline"]
+    assert b["runs"] == 2 and b["ettr"] == [0.5, 0.7] and b["ettr_mean"] == pytest.approx(0.6)
+    assert b["predicted_mean"] == pytest.approx(0.61) and b["prediction_error_points"] == pytest.approx(1.0)
