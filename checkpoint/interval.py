@@ -68,9 +68,10 @@ class IntervalMode(str, Enum):
 
 
 UNPLANNED_KINDS = frozenset({"periodic", "notice"})
+"""Kinds of checkpoint a world takes while it goes on training: restoring one means it died unannounced."""
+
 REEVALUATE_S = 1.0
 """Seconds between re-evaluations of the optimum when nothing but the training exposure changed."""
-"""Kinds of checkpoint a world takes while it goes on training: restoring one means it died unannounced."""
 
 
 @dataclass(frozen=True, slots=True)
