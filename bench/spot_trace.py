@@ -839,8 +839,12 @@ def _agent_truth(ag: AgentRun, kept: list[Exec], raw: ReplayRaw) -> dict[str, An
                               for r in ("startup", "drain", "resize", "restart", "recompute", "checkpoint", "other")}
     out["final_scrape"] = stop is not None and ag.scrape_at >= stop
     if start and stop and not ag.killed_at:
-        paid = stop - start
-        productive = sum(e.t1 - e.t0 for e in mine)
+        # The truth at the instant the metric was read: the stop, or the last scrape when it came before
+        # (the agent's last second or so then counts in neither).
+        at = stop if out["final_scrape"] else ag.scrape_at
+        out["truth_at"] = "stop" if out["final_scrape"] else "last_scrape"
+        paid = at - start
+        productive = sum(min(e.t1, at) - e.t0 for e in mine if e.t0 < at)
         out["truth_paid_s"] = round(paid, 3)
         out["truth_productive_s"] = round(productive, 3)
         out["truth_goodput"] = productive / paid if paid > 0 else None
