@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from trainguard.runtime import protocol as proto
 from trainguard.runtime.log import get_logger
@@ -80,13 +81,14 @@ class AgentLink:
             self.deadline = msg.deadline
         self.request = max(self.request, msg.reason)
 
-    def wait_reform(self, timeout_s: float) -> proto.Reform | None:
-        """Block until the agent sends the new world (None after ``timeout_s`` or if the agent went
-        away). The stop order that led here is consumed (when the Reform arrived): the new world starts
-        with only the orders that came after it pending."""
+    def wait_reform(self, timeout_s: float, abort: Callable[[], bool] | None = None) -> proto.Reform | None:
+        """Block until the agent sends the new world (None after ``timeout_s``, if the agent went away,
+        or once ``abort()`` is true: checked every 0.5 s at most). The stop order that led here is
+        consumed (when the Reform arrived): the new world starts with only the orders that came after
+        it pending."""
         deadline = time.monotonic() + timeout_s
         while not self._reformed.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline or not self._thread.is_alive():
+            if time.monotonic() >= deadline or not self._thread.is_alive() or (abort is not None and abort()):
                 return None
         self._reformed.clear()
         msg, self._reform = self._reform, None

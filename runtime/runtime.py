@@ -844,8 +844,9 @@ class Runtime:
             self._group, self._pending_flags, self._flag_bufs = None, None, _FlagBuffers()
             rf.teardown_world(self.device)
             while True:
-                msg = self._link.wait_reform(self.reform_timeout_s)
+                msg = self._link.wait_reform(self.reform_timeout_s, abort=self._signalled)
                 if msg is None:
+                    self._leave_if_signalled("parked")
                     raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
                                        f"{self.reform_timeout_s:.0f}s")
                 t_world = time.monotonic()
@@ -872,6 +873,19 @@ class Runtime:
                        accum_steps=self.accum_steps, state=outcome, live_step=live,
                        parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
                        seconds=round(time.monotonic() - t0, 3), pid=os.getpid())
+
+    def _signalled(self) -> bool:
+        """This process got SIGTERM (with the agent, whose orders come over the link, that is the agent
+        stopping its workers: e.g. its node drains while the world re-forms, and it left the rendezvous)."""
+        return self._signal_request is proto.StopReason.DRAIN
+
+    def _leave_if_signalled(self, where: str) -> None:
+        """Exit at once when SIGTERM ended a wait for a world: no world will come, and the agent would
+        otherwise wait out its stop timeout (30 s) before a SIGKILL. Nothing to save: no world to save with."""
+        if self._signalled():
+            self._log.info("worker_stopped_waiting", where=where, step=self.step,
+                           reason="SIGTERM while waiting for a world: the agent is stopping its workers")
+            self._exit(proto.EXIT_RESIZE)
 
     def _report_parked(self, reason: proto.ParkReason) -> None:
         assert self._link is not None
@@ -922,8 +936,9 @@ class Runtime:
         self._log.info("worker_warm", warmup_s=None)
         while True:  # again after a join the agent called off
             self._link.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
-            msg = self._link.wait_reform(self.reform_timeout_s)
+            msg = self._link.wait_reform(self.reform_timeout_s, abort=self._signalled)
             if msg is None:
+                self._leave_if_signalled("standby")
                 self._log.error("standby_timeout", timeout_s=self.reform_timeout_s)
                 self._exit(proto.EXIT_RESIZE)
             if self._join_world(msg):

@@ -321,7 +321,7 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
         def report(self, msg):
             reports.append((msg, release.is_set()))
 
-        def wait_reform(self, timeout_s):
+        def wait_reform(self, timeout_s, abort=None):
             raise SystemExit("parked")  # stop here: what follows (the new world) is not under test
 
     rt._link = Link()
@@ -366,5 +366,96 @@ def test_a_stop_order_after_the_new_world_stays_pending(short_tmp):  # noqa: F81
         assert link.wait_reform(5) == world
         assert link.request is proto.StopReason.DRAIN and link.deadline is not None
     finally:
+        conn.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("where", ["parked", "standby"])
+def test_sigterm_ends_a_wait_for_a_world_at_once(tmp_path, monkeypatch, where):
+    """A worker parked after a lost peer (or in standby before its first world) when its node drains:
+    the agent leaves the rendezvous and stops its workers with SIGTERM. No world will come, so the worker
+    exits at once; it used to sit in the wait until the agent's stop timeout SIGKILLed it 30 s later
+    (whole-trace replay: the last agent's drain took 30.2 s and its final scrape was lost)."""
+    import signal
+    import threading
+    import time
+
+    import torch
+    from structlog.testing import capture_logs
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.runtime.runtime import Runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0,
+                 checkpoint=CheckpointConfig(url=str(tmp_path / "ckpt"), interval_steps=1000), reform_timeout_s=3.0)
+    model = torch.nn.Linear(4, 1)
+    rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=32, global_batch=4, micro_batch=2, seed=1)
+    rt.reform_enabled = True
+    waits: list[float] = []
+
+    class Link:  # the agent never sends a world; the wait polls abort() as AgentLink.wait_reform does
+        request = proto.StopReason.NONE
+
+        def report(self, msg):
+            pass
+
+        def wait_reform(self, timeout_s, abort=None):
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < timeout_s:
+                if abort is not None and abort():
+                    break
+                time.sleep(0.01)
+            waits.append(time.monotonic() - t0)
+            return None
+
+        def close(self):
+            pass
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    rt._link = Link()
+    monkeypatch.setattr(rt, "_exit", exit_)
+    threading.Timer(0.2, rt._on_sigterm, args=(signal.SIGTERM, None)).start()  # the agent stops its workers
+    with capture_logs() as logs, pytest.raises(SystemExit) as ended:
+        if where == "parked":
+            rt._park(proto.ParkReason.PEER_LOST)
+        else:
+            rt._standby = True
+            rt._wait_for_first_world()
+    assert ended.value.code == proto.EXIT_RESIZE
+    events = [e["event"] for e in logs]
+    assert "worker_stopped_waiting" in events and "reform_failed" not in events and "standby_timeout" not in events
+    assert len(waits) == 1 and waits[0] < 2.0  # not the 3 s reform timeout
+
+
+def test_the_link_wait_for_a_world_ends_when_aborted(short_tmp):  # noqa: F811 - the fixture
+    import os
+    import socket
+    import time
+
+    from trainguard.runtime.link import AgentLink
+
+    path = os.path.join(short_tmp, "agent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    link = AgentLink(path, rank=0, local_rank=0, pid=os.getpid())
+    conn, _ = srv.accept()
+    try:
+        t0 = time.monotonic()
+        flag = {"stop": False}
+        import threading
+
+        threading.Timer(0.3, flag.__setitem__, args=("stop", True)).start()
+        assert link.wait_reform(30, abort=lambda: flag["stop"]) is None
+        assert time.monotonic() - t0 < 5  # within a poll slice of the abort, not the 30 s timeout
+        world = proto.Reform(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
+                             master_port=29500, round=1, group_rank=0, nodes=1)
+        conn.sendall(proto.encode(world))
+        assert link.wait_reform(5, abort=lambda: False) == world  # a world still arrives when not aborted
+    finally:
+        link.close()
         conn.close()
         srv.close()
