@@ -276,10 +276,11 @@ def skeleton(sd: Any, out: list[torch.Tensor], sig: list[tuple[tuple[int, ...], 
         assert local is not None
         leaves = []
         for t in local:
-            leaves.append((len(out), tuple(t.shape), str(t.dtype)))
+            shape = tuple(t.shape)
+            leaves.append((len(out), shape, str(t.dtype)))
             out.append(t)
             if sig is not None:
-                sig.append((tuple(t.shape), t.dtype))
+                sig.append((shape, t.dtype))
         return _Shards(tuple(leaves)) if len(local) != 1 or _is_sharded(sd) else leaves[0]
     if isinstance(sd, list):
         return [v if type(v) in _SCALARS else skeleton(v, out, sig) for v in sd]
@@ -292,7 +293,7 @@ def layout(skel: Any) -> Any:
     """The tensor layout of a skeleton (structure, shapes, dtypes; no values): two states load into each
     other only when their layouts are equal."""
     if isinstance(skel, tuple):  # a leaf
-        return ("T", tuple(skel[1]), skel[2])
+        return ("T", skel[1], skel[2])
     if isinstance(skel, _Shards):
         return ("S", tuple(layout(x) for x in skel.leaves))
     if isinstance(skel, dict):

@@ -1,6 +1,8 @@
 """In-place re-formation, the pure parts: the planned-membership rule, the decision table rows, the
 protocol messages, and what counts as a vanished peer."""
 
+import contextlib
+
 import pytest
 
 from trainguard.agent.decisions import Act, Observation, decide
@@ -336,24 +338,36 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
         assert committed() == ["step-000000000005"]  # and the planned park's save committed all the same
 
 
-def test_a_stop_order_after_the_new_world_stays_pending(short_tmp):  # noqa: F811 - the fixture
-    """The agent sends the new world (Reform) and, 18 ms later, a drain (its node got SIGTERM while
-    the world formed). The worker takes the world after both arrived: the drain must still be pending
-    for the new world's first step boundary (chaos `sigterm_agent @ rendezvous`: it was cleared with
-    the resize that led to the park, and the node sat out its whole 30 s drain deadline)."""
+@contextlib.contextmanager
+def _linked(folder):  # noqa: ANN001, ANN202 - yields (the worker's AgentLink, the agent's end of the socket)
+    """A worker's real :class:`AgentLink` connected to a bare socket standing in for the agent."""
     import os
     import socket
-    import time
 
     from trainguard.runtime.link import AgentLink
 
-    path = os.path.join(short_tmp, "agent.sock")
+    path = os.path.join(folder, "agent.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(1)
     link = AgentLink(path, rank=0, local_rank=0, pid=os.getpid())
     conn, _ = srv.accept()
     try:
+        yield link, conn
+    finally:
+        link.close()
+        conn.close()
+        srv.close()
+
+
+def test_a_stop_order_after_the_new_world_stays_pending(short_tmp):  # noqa: F811 - the fixture
+    """The agent sends the new world (Reform) and, 18 ms later, a drain (its node got SIGTERM while
+    the world formed). The worker takes the world after both arrived: the drain must still be pending
+    for the new world's first step boundary (chaos `sigterm_agent @ rendezvous`: it was cleared with
+    the resize that led to the park, and the node sat out its whole 30 s drain deadline)."""
+    import time
+
+    with _linked(short_tmp) as (link, conn):
         conn.sendall(proto.encode(proto.Stop(proto.StopReason.RESIZE, None, "scale_up")))
         deadline = time.monotonic() + 10
         while link.request is not proto.StopReason.RESIZE and time.monotonic() < deadline:
@@ -365,9 +379,6 @@ def test_a_stop_order_after_the_new_world_stays_pending(short_tmp):  # noqa: F81
             time.sleep(0.01)
         assert link.wait_reform(5) == world
         assert link.request is proto.StopReason.DRAIN and link.deadline is not None
-    finally:
-        conn.close()
-        srv.close()
 
 
 @pytest.mark.parametrize("where", ["parked", "standby"])
@@ -431,31 +442,16 @@ def test_sigterm_ends_a_wait_for_a_world_at_once(tmp_path, monkeypatch, where):
 
 
 def test_the_link_wait_for_a_world_ends_when_aborted(short_tmp):  # noqa: F811 - the fixture
-    import os
-    import socket
+    import threading
     import time
 
-    from trainguard.runtime.link import AgentLink
-
-    path = os.path.join(short_tmp, "agent.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(1)
-    link = AgentLink(path, rank=0, local_rank=0, pid=os.getpid())
-    conn, _ = srv.accept()
-    try:
+    with _linked(short_tmp) as (link, conn):
         t0 = time.monotonic()
-        flag = {"stop": False}
-        import threading
-
-        threading.Timer(0.3, flag.__setitem__, args=("stop", True)).start()
-        assert link.wait_reform(30, abort=lambda: flag["stop"]) is None
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        assert link.wait_reform(30, abort=stop.is_set) is None
         assert time.monotonic() - t0 < 5  # within a poll slice of the abort, not the 30 s timeout
         world = proto.Reform(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
                              master_port=29500, round=1, group_rank=0, nodes=1)
         conn.sendall(proto.encode(world))
         assert link.wait_reform(5, abort=lambda: False) == world  # a world still arrives when not aborted
-    finally:
-        link.close()
-        conn.close()
-        srv.close()
