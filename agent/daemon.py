@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainguard.agent.config import TrainguardConfig
-from trainguard.agent.drain import DrainCoordinator
+from trainguard.agent.drain import DrainCoordinator, LeadCosts, auto_drain_lead
 from trainguard.agent.supervisor import Supervisor
+from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.runtime.log import get_logger
 from trainguard.runtime.protocol import AgentState
 
@@ -47,7 +48,7 @@ def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list
 
     watchers = build_watchers(cfg.preemption)
     coordinator = DrainCoordinator(
-        sup, on_early_warning=cfg.preemption.on_early_warning, drain_lead_s=cfg.preemption.drain_lead_s,
+        sup, on_early_warning=cfg.preemption.on_early_warning, drain_lead_s=drain_lead(cfg.preemption, metrics),
         train_through=cfg.preemption.train_through_notice, observer=metrics,
         acknowledge=(lambda n: acknowledge(watchers, n)) if cfg.preemption.azure_acknowledge else None)
     sup.on_emergency_commit = coordinator.on_emergency_commit
@@ -55,6 +56,28 @@ def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list
     sup.on_manual_drain = lambda deadline_s, reason: manual.trigger(deadline_s, reason)
     start_all(watchers, coordinator.on_notice)
     return [_Stopper(lambda: _stop_watchers(watchers)), _Stopper(coordinator.close)]
+
+
+def drain_lead(pre: PreemptionConfig, metrics: Any) -> float | Callable[[], tuple[float, str]]:
+    """``preemption.drain_lead_s``: the number, or for ``auto`` a provider that sizes the lead from the
+    node's measured step and checkpoint times (:func:`~trainguard.agent.drain.auto_drain_lead`) at each
+    notice and exports it (``trainguard_drain_lead_seconds``)."""
+    fixed = pre.fixed_drain_lead_s
+    if fixed is not None:
+        if metrics is not None:
+            metrics.set_drain_lead(fixed)
+        return fixed
+
+    def lead() -> tuple[float, str]:
+        step_s, ckpt_s = metrics.drain_costs() if metrics is not None else (None, None)
+        out = auto_drain_lead(LeadCosts(step_s=step_s, checkpoint_s=ckpt_s), min_s=pre.drain_lead_min_s,
+                              factor=pre.drain_lead_factor, unmeasured_s=pre.drain_lead_unmeasured_s)
+        if metrics is not None:
+            metrics.set_drain_lead(out[0])
+        log.info("drain_lead", seconds=round(out[0], 2), basis=out[1], step_s=step_s, checkpoint_s=ckpt_s)
+        return out
+
+    return lead
 
 
 def _stop_watchers(watchers: list[Any]) -> None:

@@ -11,9 +11,9 @@ notice                                                 action
 spot interruption (AWS ``instance-action``), GCP       ``drain``: every rank checkpoints the same
 ``preempted``, GCP ``TERMINATE_ON_HOST_MAINTENANCE``,  step, this node leaves before the deadline
 Azure ``Preempt``/``Terminate``, SIGTERM/SIGINT,       (cloud notices with ``preemption.
-SLURM SIGUSR1, ``trainguard drain``                    train_through_notice``: a checkpoint now,
-                                                       the drain ``drain_lead_s`` before the
-                                                       deadline, at once when it is closer)
+SLURM SIGUSR1, ``trainguard drain``                    train_through_notice``, the default: a
+                                                       checkpoint now, the drain the lead before
+                                                       the deadline, at once when it is closer)
 AWS rebalance recommendation, GCP                      ``preemption.on_early_warning``:
 ``MIGRATE_ON_HOST_MAINTENANCE`` (live migration),      ``checkpoint`` (default: one out-of-cycle
 Azure ``Freeze`` (a pause; memory kept)                checkpoint, the node stays), ``drain`` or
@@ -27,6 +27,11 @@ processes are lost)                                    drain ``preemption.drain_
 The coordinator carries the decision out through a :class:`DrainTarget` (the supervisor), counts
 notices for the metrics, schedules delayed drains, and acknowledges notices at their source (Azure
 ``StartRequests``) once the emergency checkpoint is committed. It never blocks the watcher threads.
+
+The drain lead (``preemption.drain_lead_s``) is fixed, or ``auto``: :func:`auto_drain_lead` sizes it at
+each notice from what the node measured (its longest step and checkpoint), so a job whose emergency
+checkpoint takes a minute does not train through a 2-minute notice into a missed deadline, and one
+that checkpoints in a second does not idle out most of it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,29 @@ TERMINATE_KINDS = frozenset({"termination", "preempt", "stop", "drain"})
 EARLY_WARNING_POLICIES = ("checkpoint", "drain", "ignore")
 _RESTARTING_EVENTS = frozenset({"Reboot", "Redeploy"})
 """Azure maintenance events that restart the VM: its processes do not survive them."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeadCosts:
+    """What a drain costs on this node, as measured (seconds; None: nothing measured yet)."""
+
+    step_s: float | None = None
+    """The longest step (a drain stops the world at a step boundary first)."""
+    checkpoint_s: float | None = None
+    """The longest checkpoint stage + persist (any kind: periodic, resize, emergency)."""
+
+
+def auto_drain_lead(costs: LeadCosts, *, min_s: float, factor: float, unmeasured_s: float) -> tuple[float, str]:
+    """``(lead seconds, basis)`` for ``drain_lead_s: auto``. Pure.
+
+    The drain's cost is a step (the world stops at the next boundary) plus an emergency checkpoint;
+    the lead is ``factor`` times that, at least ``min_s``; ``unmeasured_s`` while neither was measured.
+    ``basis`` is ``measured``, ``floor`` (``min_s`` won) or ``unmeasured``."""
+    parts = [c for c in (costs.step_s, costs.checkpoint_s) if c is not None and c >= 0]
+    if not parts:
+        return unmeasured_s, "unmeasured"
+    lead = factor * sum(parts)
+    return (lead, "measured") if lead > min_s else (min_s, "floor")
 
 
 class NoticeAction(str, Enum):
@@ -110,7 +138,8 @@ class NoticeObserver(Protocol):
 class DrainCoordinator:
     """Owns the notices of one node. Thread-safe: watchers call :meth:`on_notice` on their threads."""
 
-    def __init__(self, target: DrainTarget, *, on_early_warning: str = "checkpoint", drain_lead_s: float = 20.0,
+    def __init__(self, target: DrainTarget, *, on_early_warning: str = "checkpoint",
+                 drain_lead_s: float | Callable[[], tuple[float, str]] = 20.0,
                  train_through: bool = False, observer: NoticeObserver | None = None,
                  acknowledge: Callable[[Notice], bool] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -131,7 +160,8 @@ class DrainCoordinator:
     def on_notice(self, notice: Notice) -> NoticeDecision:
         """Decide and act on one notice (any thread; returns at once)."""
         now = self._clock()
-        d = decide_notice(notice, on_early_warning=self.on_early_warning, drain_lead_s=self.drain_lead_s, now=now,
+        lead, basis = self.lead()
+        d = decide_notice(notice, on_early_warning=self.on_early_warning, drain_lead_s=lead, now=now,
                           train_through=self.train_through)
         with self._lock:
             self.decisions.append((notice, d))
@@ -139,7 +169,8 @@ class DrainCoordinator:
                 self._to_acknowledge.append(notice)
         log.warning("notice_decision", source=notice.source, kind=notice.kind, event_id=notice.event_id,
                     action=d.action.value, reason=d.reason, deadline_in_s=round(notice.deadline - now, 1),
-                    drain_in_s=None if d.drain_at is None else round(d.drain_at - now, 1))
+                    drain_in_s=None if d.drain_at is None else round(d.drain_at - now, 1),
+                    drain_lead_s=round(lead, 2), drain_lead_basis=basis)
         if self._observer is not None:
             try:
                 self._observer.notice(notice.source)
@@ -152,6 +183,17 @@ class DrainCoordinator:
             if d.drain_at is not None:
                 self._schedule_drain(notice, d)
         return d
+
+    def lead(self) -> tuple[float, str]:
+        """``(seconds, basis)`` of the drain lead now: ``fixed``, or what the ``auto`` provider says (a
+        provider that fails gives the unmeasured default's caution: 30 s, ``provider_failed``)."""
+        if not callable(self.drain_lead_s):
+            return float(self.drain_lead_s), "fixed"
+        try:
+            return self.drain_lead_s()
+        except Exception as e:  # sizing reads metric files: a bad one must not lose the notice
+            log.warning("drain_lead_failed", error=repr(e))
+            return 30.0, "provider_failed"
 
     def _schedule_drain(self, notice: Notice, d: NoticeDecision) -> None:
         assert d.drain_at is not None
@@ -192,9 +234,10 @@ class DrainCoordinator:
             t.cancel()
 
     def describe(self) -> dict[str, Any]:
-        return {"on_early_warning": self.on_early_warning, "drain_lead_s": self.drain_lead_s,
+        return {"on_early_warning": self.on_early_warning,
+                "drain_lead_s": "auto" if callable(self.drain_lead_s) else self.drain_lead_s,
                 "train_through_notice": self.train_through}
 
 
-__all__ = ["EARLY_WARNING_POLICIES", "TERMINATE_KINDS", "DrainCoordinator", "DrainTarget", "NoticeAction",
-           "NoticeDecision", "decide_notice", "CLOUD_SOURCES"]
+__all__ = ["EARLY_WARNING_POLICIES", "TERMINATE_KINDS", "DrainCoordinator", "DrainTarget", "LeadCosts", "NoticeAction",
+           "NoticeDecision", "auto_drain_lead", "decide_notice", "CLOUD_SOURCES"]

@@ -154,6 +154,8 @@ class Agent:
                "--set", "rendezvous.keep_alive_max_attempts=3",
                "--set", "preemption.sources=aws,signal", "--set", f"preemption.aws_endpoint={self.emu.url}",
                "--set", "preemption.poll_interval_s=0.5",
+               # a notice drains when it lands (in the phase the case targets), not the drain lead before its deadline
+               "--set", "preemption.train_through_notice=false",
                "--set", f"checkpoint.url={url}", "--set", f"checkpoint.interval_steps={CKPT_EVERY}",
                "--set", "checkpoint.keep_last=100000",
                # Every worker the bench SIGKILLs consumes a restart: a budget of 3 would end an agent after

@@ -363,7 +363,8 @@ def _run_trainguard(a: argparse.Namespace, d: str, procs: list[Proc], timeline: 
     common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval={a.baseline_ckpt_every}",
               "--set", f"workers.reform={reform}"]
     aws = ["--set", "preemption.sources=aws,signal", "--set", f"preemption.aws_endpoint={emu.url}",
-           "--set", "preemption.poll_interval_s=0.5"]
+           "--set", "preemption.poll_interval_s=0.5",
+           "--set", "preemption.train_through_notice=false"]  # measures the drain at the notice
     agent = _agent_factory(d, rdzv, common, args, procs, timeline)
 
     try:

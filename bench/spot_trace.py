@@ -61,6 +61,8 @@ if REPO not in sys.path:
 
 from bench.recovery import Proc, cursor_stream, dataset_size, kill_tree, parse_ts, plain_batch, strays  # noqa: E402
 from tests.emulators.aws import AwsImdsEmulator  # noqa: E402
+from trainguard.agent.drain import LeadCosts, auto_drain_lead  # noqa: E402
+from trainguard.agent.watchers.config import PreemptionConfig  # noqa: E402
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
 from trainguard.metrics import spotsim as sim  # noqa: E402
 
@@ -893,6 +895,19 @@ def job_model(run: dict[str, Any], *, torchrun: bool, scale_k: int = 1) -> sim.J
                         step_overhead_s=float(run.get("step_overhead_s") or 0.0))
 
 
+def sim_drain_lead(a: argparse.Namespace, job: sim.JobModel, costs: sim.ChangeCosts) -> tuple[float, str]:
+    """``preemption.drain_lead_s`` as the agents size it on this job (``auto``: the shipped factor and
+    floor over the longest measured step and the longest periodic save, blocked + persist), or the
+    number given."""
+    if str(a.drain_lead_s).strip().lower() != "auto":
+        return float(a.drain_lead_s), "fixed"
+    pre = PreemptionConfig()
+    step = max((st for _, st in job.step_times), default=None)
+    ckpt = max(costs.periodic_overhead_s.samples) + max(costs.periodic_persist_s.samples)
+    return auto_drain_lead(LeadCosts(step_s=step, checkpoint_s=ckpt), min_s=pre.drain_lead_min_s,
+                           factor=pre.drain_lead_factor, unmeasured_s=pre.drain_lead_unmeasured_s)
+
+
 def predict(scaled: sim.Trace, costs: sim.ChangeCosts, job: sim.JobModel, policy: IntervalPolicy, settings: AutoSettings,
             lead_s: float, unannounced: frozenset[int], seeds: int = 5) -> dict[str, Any]:
     rs = [sim.simulate(scaled, costs, job, policy, settings=settings, lead_s=lead_s, unannounced=unannounced, seed=s,
@@ -929,11 +944,16 @@ def full_trace(trace: sim.Trace, costs: dict[str, sim.ChangeCosts], runs: dict[s
         out.update(sim_step_s=a.sim_step_s, assumption=f"what-if: every step takes {a.sim_step_s:g} s (the measured "
                    "costs per change and the measured time between steps unchanged)")
     tg_costs = costs["trainguard"]
+    # preemption.train_through_notice (the default): a notice further than the drain lead from its reclaim
+    # takes a checkpoint at once and the world trains on until the lead before it.
+    lead_s, basis = sim_drain_lead(a, job, tg_costs)
+    through = dataclasses.replace(job, drain_lead_s=lead_s)
+    out.update(drain_lead_s=lead_s, drain_lead_basis=basis)
     shares = [("x1", a.sim_unannounced), ("x10", min(1.0, a.sim_unannounced * 10)), ("x0.1", a.sim_unannounced / 10)]
     for share_name, share in shares[:1] if a.no_sweep else shares:
         unann = [sim.pick_unannounced(trace, share, seed=s) for s in range(1, a.sim_seeds + 1)]
 
-        def run(policy: IntervalPolicy, c: sim.ChangeCosts = tg_costs, j: sim.JobModel = job) -> dict[str, Any]:
+        def run(policy: IntervalPolicy, c: sim.ChangeCosts = tg_costs, j: sim.JobModel = through) -> dict[str, Any]:
             rs = [sim.simulate(trace, c, j, policy, settings=settings, lead_s=lead, unannounced=u, seed=s,
                                prices=sim.Prices(spot_per_hour=SPOT_PRICE, on_demand_per_hour=ON_DEMAND_PRICE))
                   for s, u in enumerate(unann, 1)]
@@ -942,10 +962,8 @@ def full_trace(trace: sim.Trace, costs: dict[str, sim.ChangeCosts], runs: dict[s
         block: dict[str, Any] = {"unannounced_share": share}
         block["trainguard-auto"] = run(IntervalPolicy(IntervalMode.AUTO))
         block["trainguard-fixed50"] = run(IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS))
-        # preemption.train_through_notice (off by default; the replay's short notices never use it):
-        # the same measured costs, the world trains on until drain_lead_s before each reclaim.
-        block["trainguard-auto-through"] = run(IntervalPolicy(IntervalMode.AUTO),
-                                               j=dataclasses.replace(job, drain_lead_s=a.drain_lead_s))
+        # preemption.train_through_notice: false (the default until 2026-11-26): every notice drains at once.
+        block["trainguard-auto-drain-at-notice"] = run(IntervalPolicy(IntervalMode.AUTO), j=job)
         sweep = [(t, run(IntervalPolicy(IntervalMode.FIXED, seconds=t))["waste_total_node_s"])
                  for t in ([] if a.no_sweep else [2 * 1.5 ** i for i in range(14)])]  # 2 s .. 6.5 min
         if not sweep:
@@ -1013,8 +1031,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unannounced", type=float, default=0.25,
                     help="share of removals with no notice in the replay (more than the simulation's, so that the "
                          "replay measures failure detection a few times)")
-    ap.add_argument("--drain-lead-s", type=float, default=20.0,
-                    help="full trace: preemption.drain_lead_s of the simulated train_through_notice row")
+    ap.add_argument("--drain-lead-s", default="auto",
+                    help="full trace: preemption.drain_lead_s of the simulated agents (train_through_notice, the "
+                         "default): auto (sized as the agents do from the measured step and save times) or seconds")
     ap.add_argument("--sim-unannounced", type=float, default=0.1, help="share of removals with no notice, full trace")
     ap.add_argument("--unannounced-indices", default=None,
                     help="comma-separated indices of the replay's removals that come with no notice (instead of the share)")
@@ -1139,7 +1158,11 @@ def main(argv: list[str] | None = None) -> int:
                   else IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS))
         pooled = costs["torchrun" if torchrun else "trainguard"]
         c = measured_costs([r], fallback=pooled.as_dict())
-        p = predict(scaled, c, job_model(r, torchrun=torchrun), policy, settings, a.lead_s, unannounced, a.sim_seeds)
+        job = job_model(r, torchrun=torchrun)
+        if not torchrun:  # the agents' default: train through a notice until the drain lead (runs before
+            # 2026-11-26 drained at once; their 5 s notices were shorter than any lead, the same either way)
+            job = dataclasses.replace(job, drain_lead_s=sim_drain_lead(a, job, c)[0])
+        p = predict(scaled, c, job, policy, settings, a.lead_s, unannounced, a.sim_seeds)
         r["predicted_from"] = "own costs"
         r["predicted"] = p
         r["prediction_error_points"] = round(100 * (p["ettr"] - r["ettr"]), 2)
@@ -1241,16 +1264,17 @@ def report(res: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
     ft = res.get("full_trace")
     if not ft:
         return
-    print(f"\nfull trace at real scale (simulated, notice lead {ft['lead_s']:g} s, mean of seeds)")
-    print(f"{'unannounced':<12} {'run':<20} {'ETTR':>6} {'waste node-h':>12} {'$/1k samples':>12} {'on-demand':>10}")
+    print(f"\nfull trace at real scale (simulated, notice lead {ft['lead_s']:g} s, trainguard trains through a "
+          f"notice until {ft.get('drain_lead_s', 0):g} s before its end ({ft.get('drain_lead_basis', '')}), mean of seeds)")
+    print(f"{'unannounced':<12} {'run':<32} {'ETTR':>6} {'waste node-h':>12} {'$/1k samples':>12} {'on-demand':>10}")
     for key in ("x1", "x10", "x0.1"):
         if key not in ft:
             continue
         b = ft[key]
-        for n in ("trainguard-auto", "trainguard-fixed50", "trainguard-auto-through", "baseline"):
+        for n in ("trainguard-auto", "trainguard-fixed50", "trainguard-auto-drain-at-notice", "baseline"):
             if n in b:
                 x = b[n]
-                print(f"{b['unannounced_share']:<12.3f} {n:<20} {x['ettr']:6.4f} {x['waste_total_node_s'] / 3600:12.2f} "
+                print(f"{b['unannounced_share']:<12.3f} {n:<32} {x['ettr']:6.4f} {x['waste_total_node_s'] / 3600:12.2f} "
                       f"{x['cost_per_sample'] * 1000:12.4f} {x['on_demand_cost_per_sample'] * 1000:10.4f}")
         if "best_fixed" in b:
             print(f"{'':<12} best fixed in hindsight {b['best_fixed']['interval_s']} s: auto/best waste "

@@ -23,6 +23,7 @@ lock, prometheus_client metrics by their own.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -184,6 +185,9 @@ class AgentMetrics:
             self._m_notices.labels(source=src)
         self._m_drain = Histogram(P + "drain_duration_seconds", "Time from a preemption notice to the drain being done.",
                                   buckets=names.DRAIN_BUCKETS_S, registry=r)
+        self._m_drain_lead = Gauge(P + "drain_lead_seconds",
+                                   "Seconds before a notice's deadline at which its node drains (preemption.drain_lead_s, "
+                                   "as sized at the last notice).", registry=r)
         self._m_ckpt_interval = Gauge(P + "checkpoint_interval_seconds",
                                       "Configured (or estimated) time between periodic checkpoints.", registry=r)
         self._m_start = Gauge(P + "agent_start_time_seconds", "Unix time the agent started.", registry=r)
@@ -242,6 +246,19 @@ class AgentMetrics:
     def drain_done(self, seconds: float) -> None:
         """A drain finished ``seconds`` after its notice (checkpoint committed, workers out)."""
         self._m_drain.observe(seconds)
+
+    def drain_costs(self) -> tuple[float | None, float | None]:
+        """``(longest step, longest checkpoint stage + persist)`` this node's workers measured, any
+        checkpoint kind, as upper bounds (the bucket holding the largest observation); None where
+        nothing was measured. Reads the histogram files: for a notice, not for every sample."""
+        fams = self._worker_families("histogram_*.db")
+        step = _hist_max(fams, P + "step_duration_seconds")
+        stage = _hist_max(fams, P + "checkpoint_stage_duration_seconds")
+        persist = _hist_max(fams, P + "checkpoint_persist_duration_seconds")
+        return step, None if stage is None and persist is None else (stage or 0.0) + (persist or 0.0)
+
+    def set_drain_lead(self, seconds: float) -> None:
+        self._m_drain_lead.set(seconds)
 
     def lost_work(self, seconds: float, steps: int, reason: str = "recompute") -> float:
         """``seconds`` of recent training (``steps`` steps) were lost and will be recomputed.
@@ -519,6 +536,30 @@ def _values(families: Iterable[Metric]) -> dict[str, float]:
                 continue
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
+
+
+def _hist_max(families: Iterable[Metric], name: str) -> float | None:
+    """An upper bound of the largest observation of histogram ``name`` over all its label sets: the
+    smallest bucket bound that holds every observation (twice the largest finite bound when only
+    ``+Inf`` does). None when nothing was observed."""
+    series: dict[tuple[tuple[str, str], ...], list[tuple[float, float]]] = {}
+    for fam in families:
+        for s in fam.samples:
+            if s.name == name + "_bucket" and "le" in s.labels:
+                key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+                series.setdefault(key, []).append((float(s.labels["le"]), s.value))
+    best: float | None = None
+    for buckets in series.values():
+        buckets.sort()
+        total = buckets[-1][1]
+        if total <= 0:
+            continue
+        finite = [le for le, _ in buckets if math.isfinite(le)]
+        v = next(le for le, n in buckets if n >= total)
+        if not math.isfinite(v):
+            v = 2 * max(finite, default=1.0)
+        best = v if best is None else max(best, v)
+    return best
 
 
 class _NodeCollector:

@@ -45,7 +45,8 @@ def test_a_redone_step_keeps_its_last_attempt_only(spot):
 
 def test_costs_from_an_earlier_run_simulate_the_whole_trace_again_with_training_through_notices(spot, tmp_path):
     # The committed whole-trace run's measured costs, simulated again without agents: training through a
-    # 120 s notice (drain 20 s before the reclaim) turns most of the idle notice lead into training.
+    # 120 s notice (the default; drain the lead before the reclaim) turns most of the idle notice lead into
+    # training. The lead is sized as the agents size it: these sub-second steps and saves get the 10 s floor.
     # A synthetic 4-hour trace (8 nodes; every 10 min one leaves and comes back 5 min later).
     rows = ["time_ms,event,node"] + [f"0,add,n{i}" for i in range(8)]
     for k in range(1, 24):
@@ -55,26 +56,33 @@ def test_costs_from_an_earlier_run_simulate_the_whole_trace_again_with_training_
     out = tmp_path / "resim.json"
     src = os.path.join(REPO, "docs", "results", "spot", "whole-trace-final.json")
     assert spot.main(["--costs-from", src, "--trace", str(trace), "--no-sweep", "--sim-seeds", "2",
-                      "--drain-lead-s", "20", "--json", str(out)]) == 0
+                      "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     with open(src) as fh:
         before = json.load(fh)
     assert res["full_trace_costs_from"] == src
     assert res["ettr"] == before["ettr"] and res["runs"].keys() == before["runs"].keys()  # replay figures kept
+    assert (res["full_trace"]["drain_lead_s"], res["full_trace"]["drain_lead_basis"]) == (10.0, "floor")
     block = res["full_trace"]["x1"]
-    auto, through = block["trainguard-auto"], block["trainguard-auto-through"]
-    assert through["waste_node_s"]["notice_lead"] < 0.5 * auto["waste_node_s"]["notice_lead"]
+    through, auto = block["trainguard-auto"], block["trainguard-auto-drain-at-notice"]
+    assert through["waste_node_s"]["notice_lead"] < 0.2 * auto["waste_node_s"]["notice_lead"]
     assert through["ettr"] > auto["ettr"]
+    fixed = tmp_path / "resim-20.json"  # a fixed lead, as given: twice the floor's idle notice lead
+    assert spot.main(["--costs-from", src, "--trace", str(trace), "--no-sweep", "--sim-seeds", "2",
+                      "--drain-lead-s", "20", "--json", str(fixed)]) == 0
+    ft20 = json.loads(fixed.read_text())["full_trace"]
+    assert (ft20["drain_lead_s"], ft20["drain_lead_basis"]) == (20.0, "fixed")
+    assert ft20["x1"]["trainguard-auto"]["waste_node_s"]["notice_lead"] > through["waste_node_s"]["notice_lead"]
     # The same costs with every step 1 s long (a what-if, labelled so): the time between steps and the
     # step lost to a failure weigh 10x less, and the result says which step time it assumed.
     longer = tmp_path / "resim-1s.json"
     assert spot.main(["--costs-from", src, "--trace", str(trace), "--no-sweep", "--sim-seeds", "2",
-                      "--drain-lead-s", "20", "--sim-step-s", "1.0", "--json", str(longer)]) == 0
+                      "--sim-step-s", "1.0", "--json", str(longer)]) == 0
     ft = json.loads(longer.read_text())["full_trace"]
     assert ft["sim_step_s"] == 1.0 and "what-if" in ft["assumption"] and "sim_step_s" not in res["full_trace"]
     slow = ft["x1"]["trainguard-auto"]
-    assert slow["waste_node_s"]["between_steps"] < 0.2 * auto["waste_node_s"]["between_steps"]
-    assert slow["ettr"] > auto["ettr"]
+    assert slow["waste_node_s"]["between_steps"] < 0.2 * through["waste_node_s"]["between_steps"]
+    assert slow["ettr"] > through["ettr"]
 
 
 def test_repeated_replays_are_compared_by_their_means(spot):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trainguard.runtime.configbase import require
@@ -68,21 +69,39 @@ class PreemptionConfig:
     spot interruption) or ``ignore``. Azure Reboot/Redeploy restart the VM: with ``checkpoint`` the node
     checkpoints at once and drains ``drain_lead_s`` before the event."""
 
-    drain_lead_s: float = 20.0
+    drain_lead_s: str = "auto"
     """Seconds before a scheduled event's start at which a delayed drain begins (Azure Reboot/Redeploy
     with ``on_early_warning: checkpoint``, and cloud terminations with ``train_through_notice``); events
-    closer than this drain at once. Keep it above the emergency checkpoint's time plus the leave."""
+    closer than this drain at once. ``auto`` (the default) sizes it at each notice from what this node
+    measured: ``drain_lead_factor`` x (the longest step + the longest checkpoint stage + persist seen
+    here, any kind), at least ``drain_lead_min_s``; ``drain_lead_unmeasured_s`` before anything was
+    measured. A number fixes it: keep it above the emergency checkpoint's time plus the leave."""
 
-    train_through_notice: bool = False
+    drain_lead_min_s: float = 10.0
+    """``drain_lead_s: auto``: the shortest lead, seconds."""
+
+    drain_lead_factor: float = 3.0
+    """``drain_lead_s: auto``: the lead as a multiple of the measured drain cost."""
+
+    drain_lead_unmeasured_s: float = 30.0
+    """``drain_lead_s: auto``: the lead while this node has measured no step and no checkpoint yet."""
+
+    train_through_notice: bool = True
     """Keep training after a cloud termination notice (AWS ``instance-action``, GCP ``preempted``, Azure
-    ``Preempt``/``Terminate``) whose deadline is more than ``drain_lead_s`` away: one out-of-cycle
-    checkpoint at once (insurance against an early reclaim), then the drain ``drain_lead_s`` before the
+    ``Preempt``/``Terminate``) whose deadline is more than the drain lead away: one out-of-cycle
+    checkpoint at once (insurance against an early reclaim), then the drain the lead before the
     deadline. AWS's 2-minute notice then trains about 100 s longer per removed node instead of idling
     them out. Off: drain at once. Signals and ``trainguard drain`` always drain at once."""
 
     term_grace_s: float = 25.0
     """For scripts without the worker API: seconds between SIGTERM and SIGKILL to workers on a notice
     (torchrun's fixed gap is 30 s)."""
+
+    @property
+    def fixed_drain_lead_s(self) -> float | None:
+        """``drain_lead_s`` as seconds; None for ``auto``."""
+        lead = str(self.drain_lead_s).strip().lower()
+        return None if lead == "auto" else float(lead)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.sources if s not in SOURCES]
@@ -92,8 +111,20 @@ class PreemptionConfig:
         require(self.on_early_warning in ("checkpoint", "drain", "ignore"), "on_early_warning",
                 f"must be checkpoint, drain or ignore, got {self.on_early_warning!r}",
                 "use 'checkpoint' to keep the node in the job after an early warning")
-        require(self.drain_lead_s > 0 and self.drain_lead_s < 3600, "drain_lead_s",
-                f"must be within (0, 3600) seconds, got {self.drain_lead_s}", "e.g. 20")
+        lead = str(self.drain_lead_s).strip().lower()
+        if lead != "auto":
+            try:
+                fixed = float(lead)
+            except ValueError:
+                fixed = math.nan
+            require(0 < fixed < 3600, "drain_lead_s", f"must be auto or seconds within (0, 3600), got {self.drain_lead_s!r}",
+                    "e.g. auto, or 20")
+        require(0 < self.drain_lead_min_s < 3600, "drain_lead_min_s",
+                f"must be within (0, 3600) seconds, got {self.drain_lead_min_s}", "e.g. 10")
+        require(1 <= self.drain_lead_factor <= 100, "drain_lead_factor",
+                f"must be within [1, 100], got {self.drain_lead_factor}", "e.g. 3")
+        require(0 < self.drain_lead_unmeasured_s < 3600, "drain_lead_unmeasured_s",
+                f"must be within (0, 3600) seconds, got {self.drain_lead_unmeasured_s}", "e.g. 30")
         require(self.term_grace_s >= 0, "term_grace_s", f"must be >= 0, got {self.term_grace_s}", "e.g. 25")
         require(bool(self.sources), "sources", "is empty", "list at least one source, or [none]")
         require("none" not in self.sources or len(set(self.sources)) == 1, "sources",

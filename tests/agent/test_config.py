@@ -52,6 +52,10 @@ BAD = [
     ("agent:\n  job_id: '..'\n", {}, "agent.job_id", "starting with a letter or digit"),
     ("agent:\n  job_id: a/b\n", {}, "agent.job_id", "letters, digits"),
     ("preemption:\n  term_grace_s: .nan\n", {}, "preemption.term_grace_s", "finite"),
+    ("preemption:\n  drain_lead_s: soon\n", {}, "preemption.drain_lead_s", "must be auto or seconds"),
+    ("preemption:\n  drain_lead_s: 0\n", {}, "preemption.drain_lead_s", "must be auto or seconds"),
+    ("", {"TRAINGUARD_PREEMPTION_DRAIN_LEAD_S": "nan"}, "preemption.drain_lead_s", "must be auto or seconds"),
+    ("preemption:\n  drain_lead_factor: 0.5\n", {}, "preemption.drain_lead_factor", "within [1, 100]"),
 ]
 
 
@@ -126,6 +130,16 @@ def test_precedence_defaults_yaml_env_cli(tmp_path):
     assert args.script == "train.py" and args.script_args == ["--lr", "1"]
 
 
+def test_drain_lead_auto_by_default_or_seconds(tmp_path):
+    cfg = load_config(None, {})
+    assert cfg.preemption.train_through_notice is True
+    assert cfg.preemption.drain_lead_s == "auto" and cfg.preemption.fixed_drain_lead_s is None
+    cfg = load_config(write(tmp_path, "preemption:\n  drain_lead_s: 20\n"), {})  # YAML reads a number
+    assert cfg.preemption.fixed_drain_lead_s == 20.0
+    cfg = load_config(None, {"TRAINGUARD_PREEMPTION_DRAIN_LEAD_S": "7.5"})
+    assert cfg.preemption.fixed_drain_lead_s == 7.5
+
+
 def test_env_types_and_unrelated_vars_ignored():
     env = {"TRAINGUARD_WORKERS_TEE": "false", "TRAINGUARD_WORKERS_ARGS": "--steps 50 --name 'a b'",
            "TRAINGUARD_RENDEZVOUS_IS_HOST": "true", "TRAINGUARD_PREEMPTION_SOURCES": "aws, signal",
@@ -155,11 +169,11 @@ def test_secrets_redacted_by_shape():
           "client_kwargs": {"endpoint_url": "http://x", "aws_secret_access_key": "zz", "region_name": "eu-1"}}
     env = {"TRAINGUARD_CHECKPOINT_STORAGE_OPTIONS": json.dumps(so),
            "TRAINGUARD_WORKERS_ENV": json.dumps({"WANDB_API_KEY": "w4ndb", "DB_PASSWD": "pw", "MY_VAR": "mine",
-                                                 "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "4", "CUDA_TOKEN": "ct"}),
+                                                 "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "4", "CUDA_TOKEN": "cud4t0k"}),
            "TRAINGUARD_WORKERS_ARGS": "--api-key abc123 --lr=3e-4 -v positional"}
     out = redacted(load_config(None, env))
     text = json.dumps(out)
-    for secret in ("AKIA", "s3cr3t", "hidden1", "pk", "zz", "w4ndb", "pw", "mine", "ct", "abc123", "3e-4", "positional"):
+    for secret in ("AKIA", "s3cr3t", "hidden1", "pk", "zz", "w4ndb", "pw", "mine", "cud4t0k", "abc123", "3e-4", "positional"):
         assert secret not in text, secret
     assert out["checkpoint"]["storage_options"]["client_kwargs"] == {"endpoint_url": "http://x", "aws_secret_access_key": "***",
                                                                     "region_name": "eu-1"}

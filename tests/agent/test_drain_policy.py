@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainguard.agent.drain import DrainCoordinator, NoticeAction, decide_notice
+from trainguard.agent.drain import DrainCoordinator, LeadCosts, NoticeAction, auto_drain_lead, decide_notice
 from trainguard.agent.watchers.base import Notice
 
 NOW = 1_000_000.0
@@ -139,5 +139,44 @@ def test_coordinator_trains_through_a_cloud_notice_then_drains_before_its_deadli
         assert target.drains[0][2] == NOW + 20.3  # the provider's deadline stands
         c.on_notice(notice("signal", "stop", 30))
         assert [x[:2] for x in target.drains] == [("aws", "termination"), ("signal", "stop")]
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("costs, lead, basis", [
+    (LeadCosts(), 30.0, "unmeasured"),                                    # nothing measured: the cautious default
+    (LeadCosts(step_s=0.1, checkpoint_s=0.35), 10.0, "floor"),            # 3 x 0.45 s: the 10 s floor wins
+    (LeadCosts(step_s=1.0, checkpoint_s=None), 10.0, "floor"),
+    (LeadCosts(step_s=2.5, checkpoint_s=10.0), 37.5, "measured"),         # 3 x (a step + a checkpoint)
+    (LeadCosts(step_s=None, checkpoint_s=60.0), 180.0, "measured"),       # longer than AWS's 2 minutes
+])
+def test_auto_drain_lead(costs, lead, basis):
+    assert auto_drain_lead(costs, min_s=10.0, factor=3.0, unmeasured_s=30.0) == (pytest.approx(lead), basis)
+
+
+def test_coordinator_sizes_the_lead_at_each_notice():
+    """``drain_lead_s: auto``: the provider is asked at each notice. A fast job trains through most
+    of AWS's 2 minutes; one whose measured checkpoint needs 3 x 60 s drains at once (training on would
+    miss the deadline); a provider that fails falls back to 30 s and the notice is still acted on."""
+    costs = [LeadCosts(step_s=0.1, checkpoint_s=0.35)]
+
+    def lead():
+        return auto_drain_lead(costs[0], min_s=10.0, factor=3.0, unmeasured_s=30.0)
+
+    target = Target()
+    c = DrainCoordinator(target, drain_lead_s=lead, train_through=True, clock=lambda: NOW)
+    try:
+        d = c.on_notice(notice("aws", "termination", 120))
+        assert d.action is C and d.drain_at == pytest.approx(NOW + 110)
+        costs[0] = LeadCosts(step_s=1.0, checkpoint_s=60.0)
+        assert c.on_notice(notice("aws", "termination", 120)).action is D
+        assert c.describe()["drain_lead_s"] == "auto"
+
+        def broken():
+            raise OSError("metric file vanished")
+
+        c.drain_lead_s = broken
+        d = c.on_notice(notice("aws", "termination", 120))
+        assert d.action is C and d.drain_at == pytest.approx(NOW + 90)
     finally:
         c.close()

@@ -54,9 +54,25 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "world size 2")
         wait_until(lambda: any(e["step"] >= 20 for e in a.events("train_step")), 90, "20 steps at world 2")
 
+        # A spot interruption 25 s out, for node b only, with the defaults (train_through_notice,
+        # drain_lead_s: auto): b checkpoints at once, trains on, and drains the lead before the deadline;
+        # its steps and checkpoints are far under a second, so the lead is the 10 s floor.
         t_notice = time.time()
-        aws_imds.schedule_termination(in_s=120)  # the spot two-minute warning, for node b only
+        deadline = int(t_notice + 25)  # AWS times have whole seconds
+        aws_imds.schedule_termination(in_s=25)
+        (decided,) = wait_until(lambda: b.events("notice_decision"), 30, "b decides on its notice")
+        assert decided["action"] == "checkpoint" and decided["drain_lead_basis"] == "floor", decided
+        assert decided["drain_lead_s"] == 10.0 and 12 <= decided["drain_in_s"] <= 15, decided
+        insured = wait_until(lambda: [e for n in (a, b) for e in n.events("checkpoint_committed")
+                                      if e.get("kind") == "notice" and e.get("component") == "trainguard.checkpoint"],
+                             30, "the insurance checkpoint on both ranks")
+        time.sleep(max(0.0, deadline - 12 - time.time()))  # inside the notice, before the drain is due
+        assert b.proc.poll() is None and worlds(a)[-1:] == [2], "b left at its notice instead of training on"
+        assert any(e["world_size"] == 2 and e["step"] >= insured[0]["step"] + 20 for e in a.events("train_step")), \
+            "the world did not train on through the notice"
         assert b.wait(90) == 0, b.dump()
+        t_gone = time.time()
+        assert deadline - 12 <= t_gone <= deadline, (t_notice, deadline, t_gone)  # drained the lead before it
         committed = [e for n in (a, b) for e in n.events("checkpoint_committed")
                      if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
         assert committed, a.dump() + b.dump()

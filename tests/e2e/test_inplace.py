@@ -40,7 +40,7 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
     wait_listening(ep)
     b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args,
              extra=common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_imds.url}",
-                             "--set", "preemption.poll_interval_s=0.3"])
+                             "--set", "preemption.train_through_notice=false", "--set", "preemption.poll_interval_s=0.3"])
     nodes = [a, b]
     try:
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 120, "world size 2")

@@ -26,7 +26,8 @@ def emergency_steps(*nodes):
 
 def start_cluster(tmp, names, extra_for):
     ep = f"127.0.0.1:{free_port()}"
-    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}"]
+    # Drain at the notice (the default trains through a cloud notice until the drain lead: test_drain.py)
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "preemption.train_through_notice=false"]
     nodes = []
     for i, name in enumerate(names):
         nodes.append(Node(name, tmp, ep, nnodes=f"1:{len(names)}", script=ELASTIC, script_args=ARGS,
