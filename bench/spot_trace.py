@@ -302,8 +302,10 @@ def _start(agent: str, mode: str, endpoint: str, a: argparse.Namespace, d: str, 
     emu = AwsImdsEmulator()
     interval = ["--set", "checkpoint.interval=auto", "--set", f"checkpoint.interval_min_s={a.auto_min_s}",
                 "--set", f"checkpoint.interval_prior_mtbf_s={a.prior_mtbf_s / a.speed:g}",
-                "--set", f"checkpoint.interval_max_s={3600 / a.speed:g}"] if mode == "trainguard-auto" \
+                "--set", f"checkpoint.interval_max_s={3600 / a.speed:g}"] if mode.startswith("trainguard-auto") \
         else ["--set", f"checkpoint.interval={FIXED_STEPS}"]
+    if mode == "trainguard-auto-drain":  # the notice policy before 2026-11-26: drain at every notice at once
+        interval += ["--set", "preemption.train_through_notice=false"]
     cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "bench", "--node-name", agent,
            "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
@@ -702,6 +704,7 @@ class _TgEvents:
         self.commit = _events(raw, "checkpoint_committed", lambda e: e.get("component") == "trainguard.worker"
                               and e.get("kind") in ("emergency", "resize"))
         self.resize = _events(raw, "resize_requested_from_workers")
+        self.scheduled = _events(raw, "scheduled_drain")  # train_through_notice: the drain the lead before the end
         self.react = sorted(_events(raw, "decision", lambda e: e.get("act") in ("reform", "restart"))
                             + _events(raw, "state_change", lambda e: e.get("new") == "restarting"), key=lambda x: x[0])
 
@@ -740,7 +743,10 @@ def _tg_change(rec: dict[str, Any], t_act: float, t_ref: float, nxt: float, prev
     if kind == "notice":
         t_stop = t_last if t_last is not None else t_ref
         t_commit = _last_in(ev.commit, t_stop, t_r)
-        phases["detect_notice_s"] = max(0.0, t_stop - t_ref)
+        t_sched = _last_in(ev.scheduled, t_ref, t_stop)  # trained through the notice: the drain began here
+        phases["detect_notice_s"] = max(0.0, t_stop - (t_sched or t_ref))
+        if t_sched is not None:
+            rec["trained_through_s"] = round(t_sched - t_ref, 3)
         if t_commit:
             phases["emergency_s"] = t_commit - t_stop
         phases["reformation_s"] = t_r - (t_commit or t_stop)
@@ -1049,7 +1055,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auto-min-s", type=float, default=1.0, help="checkpoint.interval_min_s of the auto run")
     ap.add_argument("--prior-mtbf-s", type=float, default=3600.0, help="real seconds; the replay divides by --speed")
     ap.add_argument("--runs", default="trainguard-auto,trainguard-fixed50,baseline",
-                    help="runs in order: trainguard-auto, trainguard-fixed50, baseline (torchrun); a suffix #k repeats "
+                    help="runs in order: trainguard-auto, trainguard-fixed50, baseline (torchrun), trainguard-auto-drain "
+                         "(train_through_notice off: every notice drains at once); a suffix #k repeats "
                          "one (e.g. baseline,baseline#2): the report adds the mean of the repeats against the mean prediction")
     ap.add_argument("--sim-seeds", type=int, default=10)
     ap.add_argument("--json", default=None)
@@ -1154,13 +1161,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = AutoSettings(min_s=a.auto_min_s, max_s=3600 / a.speed, prior_mtbf_s=a.prior_mtbf_s / a.speed)
     for name, r in runs.items():
         torchrun = run_kind(name) == "baseline"
-        policy = (IntervalPolicy(IntervalMode.AUTO) if run_kind(name) == "trainguard-auto"
+        policy = (IntervalPolicy(IntervalMode.AUTO) if run_kind(name).startswith("trainguard-auto")
                   else IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS))
         pooled = costs["torchrun" if torchrun else "trainguard"]
         c = measured_costs([r], fallback=pooled.as_dict())
         job = job_model(r, torchrun=torchrun)
-        if not torchrun:  # the agents' default: train through a notice until the drain lead (runs before
-            # 2026-11-26 drained at once; their 5 s notices were shorter than any lead, the same either way)
+        if not torchrun and run_kind(name) != "trainguard-auto-drain":  # the agents' default: train through a
+            # notice until the drain lead (runs before 2026-11-26 drained at once; their 5 s notices were
+            # shorter than any lead, the same either way)
             job = dataclasses.replace(job, drain_lead_s=sim_drain_lead(a, job, c)[0])
         p = predict(scaled, c, job, policy, settings, a.lead_s, unannounced, a.sim_seeds)
         r["predicted_from"] = "own costs"
@@ -1202,7 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_kind(name: str) -> str:
-    """``baseline``, ``trainguard-auto`` or ``trainguard-fixed50``: a run's name less its repeat suffix
+    """``baseline``, ``trainguard-auto``, ``trainguard-auto-drain`` or ``trainguard-fixed50``: a run's name less its repeat suffix
     (``--runs baseline,baseline#2,baseline#3`` replays the same schedule three times)."""
     return name.split("#", 1)[0]
 
