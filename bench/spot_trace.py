@@ -63,12 +63,18 @@ from bench.recovery import Proc, cursor_stream, dataset_size, kill_tree, parse_t
 from tests.emulators.aws import AwsImdsEmulator  # noqa: E402
 from trainguard.agent.drain import LeadCosts, auto_drain_lead  # noqa: E402
 from trainguard.agent.watchers.config import PreemptionConfig  # noqa: E402
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout  # noqa: E402
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
 from trainguard.metrics import spotsim as sim  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 PLAIN = os.path.join(REPO, "examples", "train_gpt.py")
 GLOBAL_BATCH = 24
+
+
+TORCH_LAST_CALL_S = RendezvousTimeout().last_call.total_seconds()
+"""torch's c10d rendezvous waits this long after a round's first participant for more (30 s by default)
+before it completes a round below ``max_nodes`` (``dynamic_rendezvous._RendezvousJoinOp``)."""
 
 
 def micro_batch(max_agents: int) -> int:
@@ -401,7 +407,7 @@ def available_node_s(raw: ReplayRaw, scaled: sim.Trace) -> float:
     return scaled.available_node_s()
 
 
-def analyse(raw: ReplayRaw, scaled: sim.Trace) -> dict[str, Any]:
+def analyse(raw: ReplayRaw, scaled: sim.Trace, max_nodes: int | None = None) -> dict[str, Any]:
     execs = executions(raw)
     kept, final = lineage(execs)
     torchrun = raw.mode == "torchrun"
@@ -448,7 +454,7 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace) -> dict[str, Any]:
     res["skipped_samples"] = sum((want - seen).values())
     res["repeated_samples"] = sum((seen - want).values())
     res["world_timeline"] = _timeline(rank0, kept0, raw.t0)
-    res["changes"], res["measured_costs"] = _changes(raw, rank0, kept0)
+    res["changes"], res["measured_costs"] = _changes(raw, rank0, kept0, max_nodes)
     res["interval_changes"] = [{"t": round((parse_ts(ev) or t) - raw.t0, 3), **{k: ev.get(k) for k in
                                 ("old_s", "new_s", "optimum_s", "reason", "bound", "save_cost_s", "mtbf_s",
                                  "unannounced_failures")}}
@@ -532,7 +538,8 @@ def _text_times(raw: ReplayRaw, needle: str) -> list[tuple[float, str, dict[str,
     return sorted((t, ag.name, {}) for ag in raw.agents.values() for t, line in ag.proc.lines() if needle in line)
 
 
-def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec],
+             max_nodes: int | None = None) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Per membership change (the actions of one instant): the world's pause around it and its phases,
     from the agents' and workers' events. A change whose pause runs into the next change is reported as
     ``overlapped`` and left out of the cost distributions (the simulator models overlap itself)."""
@@ -629,6 +636,10 @@ def _changes(raw: ReplayRaw, rank0: list[Exec], kept0: list[Exec]) -> tuple[list
                 phases["detect_failure_s"] = t_det - (t0 + act.t)
             prefix = "failure_" if kind == "kill" else "join_"
             phases[f"{prefix}reformation_s"] = t_up - t_from
+            if max_nodes and first.world < max_nodes:  # its round waited out torch's last call (the simulator
+                # adds that wait itself to any round below max_nodes): the cost of the rest
+                rec["last_call_s"] = TORCH_LAST_CALL_S
+                phases[f"{prefix}reformation_s"] = max(0.0, t_up - t_from - TORCH_LAST_CALL_S)
             phases[f"{prefix}restore_s"] = t_first - t_up
             lost = [e for e in steps if prev_end <= e.t1 <= t_last and id(e) not in kept_ids]
             rec["recomputed_steps"] = len(lost)
@@ -799,6 +810,7 @@ def measured_waste(raw: ReplayRaw, res: dict[str, Any]) -> dict[str, float]:
             w["restore"] += c["startup_s"] * len(c["agents"])
         if "rendezvous_s" in c:
             w["reformation"] += c["rendezvous_s"] * len(c["agents"])
+        w["reformation"] += c.get("last_call_s", 0.0) * wa  # taken out of its phase for the simulator's costs
     w["warmup"] += sum(res["measured_costs"].get("warmup_s", [])) + sum(res["measured_costs"].get("agent_start_s", []))
     # The gaps between steps (periodic saves' blocking included: it is taken out below).
     w["between_steps"] = res.get("between_steps_node_s", 0.0)
@@ -891,14 +903,16 @@ def measured_costs(runs: list[dict[str, Any]], fallback: dict[str, list[float]] 
     return sim.ChangeCosts(**out)
 
 
-def job_model(run: dict[str, Any], *, torchrun: bool, scale_k: int = 1) -> sim.JobModel:
+def job_model(run: dict[str, Any], *, torchrun: bool, scale_k: int = 1, max_nodes: int | None = None) -> sim.JobModel:
     """The replayed job: its mean step time per world size, the gap between steps, and whether its worlds
-    re-formed in place."""
+    re-formed in place; torchrun's rounds below ``max_nodes`` (its ``--nnodes`` maximum) wait out torch's
+    last call."""
     per_size = run.get("step_s_mean_by_world_size") or run["step_s_by_world_size"]
     steps = tuple((int(w) * scale_k, float(s)) for w, s in per_size.items())
+    c10d = {"last_call_s": TORCH_LAST_CALL_S, "max_nodes": max_nodes} if torchrun and max_nodes else {}
     return sim.JobModel(step_times=steps or ((1, 0.2),), samples_per_step=GLOBAL_BATCH, notices=not torchrun,
                         resize_checkpoint=not torchrun, in_place=bool(run.get("in_place")),
-                        step_overhead_s=float(run.get("step_overhead_s") or 0.0))
+                        step_overhead_s=float(run.get("step_overhead_s") or 0.0), **c10d)
 
 
 def sim_drain_lead(a: argparse.Namespace, job: sim.JobModel, costs: sim.ChangeCosts) -> tuple[float, str]:
@@ -983,7 +997,8 @@ def full_trace(trace: sim.Trace, costs: dict[str, sim.ChangeCosts], runs: dict[s
                                           / block["trainguard-fixed50"]["waste_total_node_s"])
         if "torchrun" in costs:  # the same job (trainguard's step times), torchrun's behaviour and costs
             bjob = sim.JobModel(step_times=job.step_times, samples_per_step=GLOBAL_BATCH, notices=False,
-                                resize_checkpoint=False)
+                                resize_checkpoint=False, last_call_s=TORCH_LAST_CALL_S,
+                                max_nodes=max(n for _, n in trace.sizes()))  # torchrun --nnodes 1:<the trace's most>
             block["baseline"] = run(IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS), costs["torchrun"], bjob)
         out[share_name] = block
     return out
@@ -1110,7 +1125,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raw = replay(name, mode, acts, scaled.duration_s, a, work, a.max_agents)
             raws[name] = raw
-            runs[name] = analyse(raw, scaled)
+            runs[name] = analyse(raw, scaled, max_nodes=a.max_agents)
             r = runs[name]
             print(f"   ETTR {r['ettr']:.3f}, final step {r['final_step']}, lost steps {r['lost_steps']}, "
                   f"skipped/repeated samples {r['skipped_samples']}/{r['repeated_samples']}", flush=True)
@@ -1165,7 +1180,7 @@ def main(argv: list[str] | None = None) -> int:
                   else IntervalPolicy(IntervalMode.FIXED, steps=FIXED_STEPS))
         pooled = costs["torchrun" if torchrun else "trainguard"]
         c = measured_costs([r], fallback=pooled.as_dict())
-        job = job_model(r, torchrun=torchrun)
+        job = job_model(r, torchrun=torchrun, max_nodes=a.max_agents)
         if not torchrun and run_kind(name) != "trainguard-auto-drain":  # the agents' default: train through a
             # notice until the drain lead (runs before 2026-11-26 drained at once; their 5 s notices were
             # shorter than any lead, the same either way)

@@ -40,6 +40,8 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
 * Each kind of change may have costs of its own (``start_reformation_s``, ``join_*``, ``failure_*``; None:
   the general ``reformation_s`` / ``restore_s``): a first rendezvous waits out the last call, a join
   moves the state to the joiner, an unplanned re-formation waits until the lost node is given up.
+* Plain torchrun (``JobModel.last_call_s``): torch's c10d rendezvous completes a round below
+  ``max_nodes`` only when its last call expires; joiners that fill it end the wait.
 * Between two steps the runtime spends ``JobModel.step_overhead_s`` outside the step itself
   (``between_steps``): productive time is the steps' own time, as the replay measures it.
 * Changes while the world re-forms: a node lost re-starts the re-formation (a failure: detection
@@ -291,6 +293,12 @@ class JobModel:
     before the reclaim, then drains. None: drain at once (the default)."""
     min_nodes: int = 1
     max_nodes: int = 1 << 30
+    last_call_s: float = 0.0
+    """torch's c10d rendezvous (plain torchrun): a round that opens with fewer than ``max_nodes``
+    participants completes only when its last call expires (``last_call_timeout``, 30 s by default,
+    counted from its first participant), at once when it fills to ``max_nodes``. 0: the job's rounds do
+    not wait (trainguard re-forms in place on a planned membership). The measured re-formation costs
+    are those of rounds that did not wait it (the bench subtracts it from those that did)."""
 
     def cycle_s(self, w: int) -> float:
         """A step and the gap to the next one."""
@@ -382,6 +390,8 @@ class _Phase:
     world: frozenset[str]
     commit: str = ""
     """A checkpoint of this kind commits when the phase ends (emergency/resize saves)."""
+    filled_end: float | None = None
+    """A re-formation waiting out a rendezvous last call: when it ends if the round fills."""
 
 
 @dataclass(slots=True)
@@ -609,7 +619,10 @@ class _Sim:
         t = pre[-1].end if pre else self.now
         c = self.c
         t += (getattr(c, f"{kind}_reformation_s", None) or c.reformation_s).draw(self.rng)
-        phases = [*pre, _Phase("reformation", t, new_world)]
+        filled = None
+        if self.job.last_call_s and len(new_world) < self.job.max_nodes:  # the round waits out its last call
+            filled, t = t, t + self.job.last_call_s
+        phases = [*pre, _Phase("reformation", t, new_world, filled_end=filled)]
         restore = getattr(c, f"{kind}_restore_s", None) or c.restore_s
         self.restore_s = restore.draw(self.rng) if self.started else c.startup_s.draw(self.rng)
         phases.append(_Phase("restore", t + self.restore_s, new_world))
@@ -655,6 +668,7 @@ class _Sim:
             for ph in self.phases:
                 if ph.cause in ("reformation", "restore"):
                     ph.world = new_world
+            self._round_filled(len(new_world))
             return
         if phase == "restore":  # too late: the next re-formation
             self.waiting |= joiners
@@ -671,6 +685,20 @@ class _Sim:
         else:
             self._rollback()
             self._reform([], new_world, "join")
+
+    def _round_filled(self, size: int) -> None:
+        """Joiners brought a round waiting out its last call to ``max_nodes``: it completes now (or when it
+        would have without the wait), the phases after it move up."""
+        if size < self.job.max_nodes:
+            return
+        for i, ph in enumerate(self.phases):
+            if ph.cause == "reformation" and ph.filled_end is not None:
+                end = max(ph.filled_end, self.now)
+                shift = ph.end - end
+                ph.filled_end = None
+                for later in self.phases[i:]:
+                    later.end -= shift
+                return
 
     def _drain(self, leavers: set[str]) -> None:
         """A notice reached ``leavers`` (after detection): emergency checkpoint, then re-form without them."""

@@ -97,3 +97,13 @@ def test_repeated_replays_are_compared_by_their_means(spot):
     b = out["baseline"]
     assert b["runs"] == 2 and b["ettr"] == [0.5, 0.7] and b["ettr_mean"] == pytest.approx(0.6)
     assert b["predicted_mean"] == pytest.approx(0.61) and b["prediction_error_points"] == pytest.approx(1.0)
+
+
+def test_torchrun_job_waits_out_torchs_last_call(spot):
+    """The torchrun baseline is simulated with torch's own c10d last call (read from torch, 30 s by
+    default) below its --nnodes maximum; trainguard's planned rounds do not wait it."""
+    run = {"step_s_by_world_size": {"1": 0.1, "2": 0.1}, "step_overhead_s": 0.0}
+    tr = spot.job_model(run, torchrun=True, max_nodes=3)
+    assert (tr.last_call_s, tr.max_nodes) == (30.0, 3) and tr.notices is False
+    tg = spot.job_model(run, torchrun=False, max_nodes=3)
+    assert tg.last_call_s == 0.0 and tg.notices is True

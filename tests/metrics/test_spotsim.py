@@ -334,3 +334,23 @@ def test_auto_is_within_5_percent_of_the_best_fixed_interval_in_hindsight(every_
     best = min(waste(IntervalPolicy(IntervalMode.FIXED, seconds=s)) for s in grid)
     auto = waste(IntervalPolicy(IntervalMode.AUTO))
     assert auto <= 1.05 * best, (auto, best)
+
+
+def test_torchrun_rounds_below_max_nodes_wait_out_the_last_call() -> None:
+    """torch's c10d rendezvous (``JobModel.last_call_s``): 3 nodes of at most 3 start at once (a full
+    round: no wait); c dies at 50: detected at 51, the survivors' round opens 51..53 and, 2 < 3, waits
+    its 30 s last call until 83, restore 83..88. With a node d joining at 60 (ready at 61) the round
+    fills to 3 and completes at once: restore 61..66."""
+    job = JobModel(node_s_per_step=1, notices=False, resize_checkpoint=False, last_call_s=30, max_nodes=3)
+    c = costs(warmup_s=1, reformation_s=2, startup_s=3, restore_s=5, detect_failure_s=1)
+    base = [(0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (50, "remove", "c")]
+    r = simulate(trace(*base, duration=100), c, job, OFF)
+    check(r)
+    assert r.world_time_s == pytest.approx({3: 44, 2: 12})
+    assert r.waste_node_s["reformation"] == pytest.approx(3 * 2 + 2 * (2 + 30))
+    filled = simulate(trace(*base, (60, "add", "d"), duration=100), c, job, OFF)
+    check(filled)
+    assert filled.world_time_s == pytest.approx({3: 44 + 34})
+    # without the last call (trainguard's planned rounds): restore 53..58
+    plain = simulate(trace(*base, duration=100), c, JobModel(node_s_per_step=1, notices=False, resize_checkpoint=False), OFF)
+    assert plain.world_time_s == pytest.approx({3: 44, 2: 42})
