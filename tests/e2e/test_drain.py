@@ -111,3 +111,49 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_reclaimed_early_while_training_through_its_notice(tmp_path, aws_imds):  # noqa: F811
+    """Training through a notice (the default) bets that the provider keeps its deadline; the insurance
+    checkpoint and the in-memory world are what is left when it does not. b gets a 30 s notice: both
+    ranks checkpoint the same step at once and train on; a few seconds later the whole node vanishes
+    (agent and worker SIGKILLed), long before its drain was due. The survivor re-forms alone and trains
+    on; every sample is used exactly once (the interrupted step is redone, nothing else)."""
+    tmp = str(tmp_path)
+    os.makedirs(os.path.join(tmp, "samples"))
+    ep = f"127.0.0.1:{free_port()}"
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval_steps=15"]
+    args = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.03", "--global-batch", str(GLOBAL_BATCH),
+            "--sample-log", os.path.join(tmp, "samples")]
+    a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args,
+             extra=common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_imds.url}",
+                             "--set", "preemption.poll_interval_s=0.5"])
+    nodes = [a, b]
+    try:
+        wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "world size 2")
+        wait_until(lambda: any(e["step"] >= 10 for e in a.events("train_step")), 90, "10 steps at world 2")
+        aws_imds.schedule_termination(in_s=30)
+        insured = wait_until(lambda: [e for n in (a, b) for e in n.events("checkpoint_committed")
+                                      if e.get("kind") == "notice" and e.get("component") == "trainguard.checkpoint"],
+                             30, "the insurance checkpoint")
+        assert len({e["step"] for e in insured}) == 1, insured
+        time.sleep(3)
+        assert not [e for e in b.events("state_change") if e["new"] == "draining"], "b drained at its notice"
+        b.stop()  # the provider takes the node 25 s early
+        wait_until(lambda: worlds(a)[-1:] == [1], 60, "the survivor at world size 1")
+        again = wait_until(lambda: continued(a, 1), 60, "the survivor continues")
+        wait_until(lambda: any(e["world_size"] == 1 and e["step"] >= again[-1]["step"] + 10
+                               for e in a.events("train_step")), 90, "training at world size 1")
+        a.signal(15)
+        assert a.wait(60) == 0, a.dump()
+        seen = check_exactly_once(sample_log(tmp))
+        print(f"insured at step {insured[0]['step']}, continued at {again[-1]['step']} ({again[-1]['event']}), "
+              f"steps={len(seen) // GLOBAL_BATCH}")
+    except AssertionError:
+        print(a.dump(60), b.dump(60), sep="\n")
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
