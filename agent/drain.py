@@ -28,7 +28,8 @@ The coordinator carries the decision out through a :class:`DrainTarget` (the sup
 notices for the metrics, schedules delayed drains, and acknowledges notices at their source (Azure
 ``StartRequests``) once the emergency checkpoint is committed. It never blocks the watcher threads.
 
-The drain lead (``preemption.drain_lead_s``) is fixed, or ``auto``: :func:`auto_drain_lead` sizes it at
+The drain lead (``preemption.drain_lead_s``) is fixed, or ``auto``:
+:func:`~trainguard.checkpoint.lead.auto_drain_lead` sizes it at
 each notice from what the node measured (its longest step and checkpoint), so a job whose emergency
 checkpoint takes a minute does not train through a 2-minute notice into a missed deadline, and one
 that checkpoints in a second does not idle out most of it.
@@ -44,6 +45,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from trainguard.agent.watchers.base import Notice
+from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead
 from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.agent.drain")
@@ -53,29 +55,6 @@ TERMINATE_KINDS = frozenset({"termination", "preempt", "stop", "drain"})
 EARLY_WARNING_POLICIES = ("checkpoint", "drain", "ignore")
 _RESTARTING_EVENTS = frozenset({"Reboot", "Redeploy"})
 """Azure maintenance events that restart the VM: its processes do not survive them."""
-
-
-@dataclass(frozen=True, slots=True)
-class LeadCosts:
-    """What a drain costs on this node, as measured (seconds; None: nothing measured yet)."""
-
-    step_s: float | None = None
-    """The longest step (a drain stops the world at a step boundary first)."""
-    checkpoint_s: float | None = None
-    """The longest checkpoint stage + persist (any kind: periodic, resize, emergency)."""
-
-
-def auto_drain_lead(costs: LeadCosts, *, min_s: float, factor: float, unmeasured_s: float) -> tuple[float, str]:
-    """``(lead seconds, basis)`` for ``drain_lead_s: auto``. Pure.
-
-    The drain's cost is a step (the world stops at the next boundary) plus an emergency checkpoint;
-    the lead is ``factor`` times that, at least ``min_s``; ``unmeasured_s`` while neither was measured.
-    ``basis`` is ``measured``, ``floor`` (``min_s`` won) or ``unmeasured``."""
-    parts = [c for c in (costs.step_s, costs.checkpoint_s) if c is not None and c >= 0]
-    if not parts:
-        return unmeasured_s, "unmeasured"
-    lead = factor * sum(parts)
-    return (lead, "measured") if lead > min_s else (min_s, "floor")
 
 
 class NoticeAction(str, Enum):

@@ -61,10 +61,9 @@ if REPO not in sys.path:
 
 from bench.recovery import Proc, cursor_stream, dataset_size, kill_tree, parse_ts, plain_batch, strays  # noqa: E402
 from tests.emulators.aws import AwsImdsEmulator  # noqa: E402
-from trainguard.agent.drain import LeadCosts, auto_drain_lead  # noqa: E402
-from trainguard.agent.watchers.config import PreemptionConfig  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout  # noqa: E402
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
+from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead  # noqa: E402
 from trainguard.metrics import spotsim as sim  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -921,11 +920,9 @@ def sim_drain_lead(a: argparse.Namespace, job: sim.JobModel, costs: sim.ChangeCo
     number given."""
     if str(a.drain_lead_s).strip().lower() != "auto":
         return float(a.drain_lead_s), "fixed"
-    pre = PreemptionConfig()
     step = max((st for _, st in job.step_times), default=None)
     ckpt = max(costs.periodic_overhead_s.samples) + max(costs.periodic_persist_s.samples)
-    return auto_drain_lead(LeadCosts(step_s=step, checkpoint_s=ckpt), min_s=pre.drain_lead_min_s,
-                           factor=pre.drain_lead_factor, unmeasured_s=pre.drain_lead_unmeasured_s)
+    return auto_drain_lead(LeadCosts(step_s=step, checkpoint_s=ckpt))  # the shipped factor and floor
 
 
 def predict(scaled: sim.Trace, costs: sim.ChangeCosts, job: sim.JobModel, policy: IntervalPolicy, settings: AutoSettings,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trainguard.checkpoint.lead import FACTOR, MIN_S, UNMEASURED_S
 from trainguard.runtime.configbase import require
 
 SOURCES = ("auto", "aws", "gcp", "azure", "signal", "none")
@@ -77,13 +78,13 @@ class PreemptionConfig:
     here, any kind), at least ``drain_lead_min_s``; ``drain_lead_unmeasured_s`` before anything was
     measured. A number fixes it: keep it above the emergency checkpoint's time plus the leave."""
 
-    drain_lead_min_s: float = 10.0
+    drain_lead_min_s: float = MIN_S
     """``drain_lead_s: auto``: the shortest lead, seconds."""
 
-    drain_lead_factor: float = 3.0
+    drain_lead_factor: float = FACTOR
     """``drain_lead_s: auto``: the lead as a multiple of the measured drain cost."""
 
-    drain_lead_unmeasured_s: float = 30.0
+    drain_lead_unmeasured_s: float = UNMEASURED_S
     """``drain_lead_s: auto``: the lead while this node has measured no step and no checkpoint yet."""
 
     train_through_notice: bool = True
