@@ -120,6 +120,9 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         # The values are the job's, all read at one instant (the job keeps training meanwhile), once
         # Prometheus has seen the survivor train on at world size 1.
         prom.wait_for(f'trainguard_step{{node="a"}} >= {resumed[0]["step"] + 10}', timeout_s=20)
+        # The step gauge is read live from the workers at a scrape, the goodput ledger at its own samples:
+        # the survivor's re-formation (tens of ms in place) is attributed when a sample closes its window.
+        prom.wait_for('trainguard_wasted_seconds_total{node="a",reason="resize"} > 0', timeout_s=10)
         t = time.time()
         assert value(prom, "max_over_time(max(trainguard_world_size)[5m:1s])", t) == 2
         assert value(prom, 'trainguard_world_size{node="a"}', t) == 1
