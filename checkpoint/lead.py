@@ -24,7 +24,7 @@ class LeadCosts:
     """What a drain costs on this node, as measured (seconds; None: nothing measured yet)."""
 
     step_s: float | None = None
-    """The longest step (a drain stops the world at a step boundary first)."""
+    """A step (a drain stops the world at a step boundary first): the agent takes the 99th percentile."""
     checkpoint_s: float | None = None
     """The longest checkpoint stage + persist (any kind: periodic, resize, emergency)."""
 

@@ -248,11 +248,14 @@ class AgentMetrics:
         self._m_drain.observe(seconds)
 
     def drain_costs(self) -> tuple[float | None, float | None]:
-        """``(longest step, longest checkpoint stage + persist)`` this node's workers measured, any
-        checkpoint kind, as upper bounds (the bucket holding the largest observation); None where
-        nothing was measured. Reads the histogram files: for a notice, not for every sample."""
+        """``(step, longest checkpoint stage + persist)`` this node's workers measured, any checkpoint
+        kind, as upper bounds (the bucket holding the 99th percentile of the steps, the largest of the
+        checkpoints); None where nothing was measured. Reads the histogram files: for a notice, not for
+        every sample."""
         fams = self._worker_families("histogram_*.db")
-        step = _hist_max(fams, P + "step_duration_seconds")
+        # A step: the 99th percentile (a first step that compiled or autotuned for a minute is no
+        # drain's step); a checkpoint: the longest (the emergency one must fit).
+        step = _hist_max(fams, P + "step_duration_seconds", q=STEP_QUANTILE)
         stage = _hist_max(fams, P + "checkpoint_stage_duration_seconds")
         persist = _hist_max(fams, P + "checkpoint_persist_duration_seconds")
         return step, None if stage is None and persist is None else (stage or 0.0) + (persist or 0.0)
@@ -538,10 +541,15 @@ def _values(families: Iterable[Metric]) -> dict[str, float]:
     return out
 
 
-def _hist_max(families: Iterable[Metric], name: str) -> float | None:
-    """An upper bound of the largest observation of histogram ``name`` over all its label sets: the
-    smallest bucket bound that holds every observation (twice the largest finite bound when only
-    ``+Inf`` does). None when nothing was observed."""
+STEP_QUANTILE = 0.99
+"""The share of a node's steps the drain lead's step bound covers (:meth:`AgentMetrics.drain_costs`)."""
+
+
+def _hist_max(families: Iterable[Metric], name: str, q: float = 1.0) -> float | None:
+    """An upper bound of the ``q`` quantile (default: the largest observation) of histogram ``name``,
+    the largest over its label sets: the smallest bucket bound that holds that share of the
+    observations (twice the largest finite bound when only ``+Inf`` does). None when nothing was
+    observed."""
     series: dict[tuple[tuple[str, str], ...], list[tuple[float, float]]] = {}
     for fam in families:
         for s in fam.samples:
@@ -555,7 +563,7 @@ def _hist_max(families: Iterable[Metric], name: str) -> float | None:
         if total <= 0:
             continue
         finite = [le for le, _ in buckets if math.isfinite(le)]
-        v = next(le for le, n in buckets if n >= total)
+        v = next(le for le, n in buckets if n >= q * total)
         if not math.isfinite(v):
             v = 2 * max(finite, default=1.0)
         best = v if best is None else max(best, v)

@@ -74,9 +74,9 @@ class PreemptionConfig:
     """Seconds before a scheduled event's start at which a delayed drain begins (Azure Reboot/Redeploy
     with ``on_early_warning: checkpoint``, and cloud terminations with ``train_through_notice``); events
     closer than this drain at once. ``auto`` (the default) sizes it at each notice from what this node
-    measured: ``drain_lead_factor`` x (the longest step + the longest checkpoint stage + persist seen
-    here, any kind), at least ``drain_lead_min_s``; ``drain_lead_unmeasured_s`` before anything was
-    measured. A number fixes it: keep it above the emergency checkpoint's time plus the leave."""
+    measured: ``drain_lead_factor`` x (a step, the 99th percentile of its steps, + its longest checkpoint
+    stage + persist, any kind), at least ``drain_lead_min_s``; ``drain_lead_unmeasured_s`` before
+    anything was measured. A number fixes it: keep it above the emergency checkpoint's time plus the leave."""
 
     drain_lead_min_s: float = MIN_S
     """``drain_lead_s: auto``: the shortest lead, seconds."""

@@ -234,3 +234,7 @@ def test_hist_max_over_label_sets_and_past_the_last_bucket() -> None:
             fam.add_sample("x_bucket", {"kind": kind, "le": le}, n)
     assert _hist_max([fam], "x") == 20.0  # the emergency one is past 10 s: twice the last bound
     assert _hist_max([fam], "y") is None
+    steps = Metric("s", "", "histogram")  # 499 steps under 0.1 s and a first one that compiled for 50 s
+    for le, n in zip(("0.1", "1.0", "60.0", "+Inf"), (499, 499, 500, 500)):
+        steps.add_sample("s_bucket", {"le": le}, n)
+    assert _hist_max([steps], "s", q=0.99) == 0.1 and _hist_max([steps], "s") == 60.0
