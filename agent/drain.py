@@ -109,6 +109,11 @@ class DrainTarget(Protocol):
 
     def request_checkpoint(self, reason: str) -> bool: ...
 
+    def checkpoint_supported(self) -> bool:
+        """Whether the workers can take an out-of-cycle checkpoint now (they use the worker API): a
+        notice is trained through only then, with its insurance checkpoint."""
+        ...
+
 
 class NoticeObserver(Protocol):
     def notice(self, source: str) -> None: ...
@@ -140,8 +145,10 @@ class DrainCoordinator:
         """Decide and act on one notice (any thread; returns at once)."""
         now = self._clock()
         lead, basis = self.lead()
+        # Training through needs the insurance checkpoint: scripts without the worker API drain at once.
+        insured = self.train_through and notice.kind in TERMINATE_KINDS and self._checkpoint_supported()
         d = decide_notice(notice, on_early_warning=self.on_early_warning, drain_lead_s=lead, now=now,
-                          train_through=self.train_through)
+                          train_through=insured)
         with self._lock:
             self.decisions.append((notice, d))
             if d.action is not NoticeAction.IGNORE:
@@ -149,7 +156,8 @@ class DrainCoordinator:
         log.warning("notice_decision", source=notice.source, kind=notice.kind, event_id=notice.event_id,
                     action=d.action.value, reason=d.reason, deadline_in_s=round(notice.deadline - now, 1),
                     drain_in_s=None if d.drain_at is None else round(d.drain_at - now, 1),
-                    drain_lead_s=round(lead, 2), drain_lead_basis=basis)
+                    drain_lead_s=round(lead, 2), drain_lead_basis=basis,
+                    train_through=insured if notice.kind in TERMINATE_KINDS else None)
         if self._observer is not None:
             try:
                 self._observer.notice(notice.source)
@@ -162,6 +170,16 @@ class DrainCoordinator:
             if d.drain_at is not None:
                 self._schedule_drain(notice, d)
         return d
+
+    def _checkpoint_supported(self) -> bool:
+        probe = getattr(self._target, "checkpoint_supported", None)
+        if probe is None:
+            return True
+        try:
+            return bool(probe())
+        except Exception as e:  # cannot tell: do not bet the node's work on training through
+            log.warning("checkpoint_support_unknown", error=repr(e))
+            return False
 
     def lead(self) -> tuple[float, str]:
         """``(seconds, basis)`` of the drain lead now: ``fixed``, or what the ``auto`` provider says (a

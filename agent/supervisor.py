@@ -194,6 +194,10 @@ class Supervisor:
         self._wake.set()
         return first
 
+    def checkpoint_supported(self) -> bool:
+        """Whether a worker of this node uses the worker API (it can take an out-of-cycle checkpoint)."""
+        return bool(self.control.api_workers())
+
     def request_checkpoint(self, reason: str) -> bool:
         """An early warning: one out-of-cycle checkpoint, the node stays. False while draining."""
         with self._lock:

@@ -92,7 +92,8 @@ class PreemptionConfig:
     ``Preempt``/``Terminate``) whose deadline is more than the drain lead away: one out-of-cycle
     checkpoint at once (insurance against an early reclaim), then the drain the lead before the
     deadline. AWS's 2-minute notice then trains about 100 s longer per removed node instead of idling
-    them out. Off: drain at once. Signals and ``trainguard drain`` always drain at once."""
+    them out. Off: drain at once. Signals and ``trainguard drain`` always drain at once, and so does a node
+    whose workers do not use the worker API (no insurance checkpoint possible)."""
 
     term_grace_s: float = 25.0
     """For scripts without the worker API: seconds between SIGTERM and SIGKILL to workers on a notice

@@ -180,3 +180,32 @@ def test_coordinator_sizes_the_lead_at_each_notice():
         assert d.action is C and d.drain_at == pytest.approx(NOW + 90)
     finally:
         c.close()
+
+
+def test_scripts_without_the_worker_api_drain_at_the_notice():
+    """Training through bets on the insurance checkpoint: a node whose workers cannot take one (a plain
+    torchrun script, tier 1) drains at the notice, as before; so does one whose support cannot be told."""
+    class Tier1(Target):
+        def checkpoint_supported(self):
+            return False
+
+    class Unknown(Target):
+        def checkpoint_supported(self):
+            raise RuntimeError("control socket gone")
+
+    for target in (Tier1(), Unknown()):
+        c = DrainCoordinator(target, drain_lead_s=10.0, train_through=True, clock=lambda: NOW)
+        try:
+            assert c.on_notice(notice("aws", "termination", 120)).action is D
+            assert target.checkpoints == [] and [x[:2] for x in target.drains] == [("aws", "termination")]
+            # early warnings are unchanged: a checkpoint request (which the agent logs as unsupported)
+            assert c.on_notice(notice("aws", "rebalance", 120)).action is C
+        finally:
+            c.close()
+    api = Target()
+    api.checkpoint_supported = lambda: True
+    c = DrainCoordinator(api, drain_lead_s=10.0, train_through=True, clock=lambda: NOW)
+    try:
+        assert c.on_notice(notice("aws", "termination", 120)).action is C and api.drains == []
+    finally:
+        c.close()

@@ -193,10 +193,12 @@ def test_early_warning_asks_api_workers_for_one_checkpoint_and_stays(tmp_path):
     worker.connect(sup.control_path)
     from trainguard.runtime.protocol import decode, encode
 
+    assert not sup.checkpoint_supported()  # no worker has said Hello: a notice would drain at once
     worker.sendall(encode(Hello(rank=0, local_rank=0, pid=1234)))
     deadline = time.time() + 5
     while not sup.control.api_workers() and time.time() < deadline:
         time.sleep(0.01)
+    assert sup.checkpoint_supported()  # a worker-API worker: a cloud notice can be trained through
     assert sup.request_checkpoint("aws_rebalance")
     sup._loop()
     worker.settimeout(1)
