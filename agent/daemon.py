@@ -12,9 +12,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainguard.agent.config import TrainguardConfig
-from trainguard.agent.drain import DrainCoordinator, LeadCosts, auto_drain_lead
+from trainguard.agent.drain import DrainCoordinator
 from trainguard.agent.supervisor import Supervisor
 from trainguard.agent.watchers.config import PreemptionConfig
+from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead
 from trainguard.runtime.log import get_logger
 from trainguard.runtime.protocol import AgentState
 
@@ -60,7 +61,7 @@ def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list
 
 def drain_lead(pre: PreemptionConfig, metrics: Any) -> float | Callable[[], tuple[float, str]]:
     """``preemption.drain_lead_s``: the number, or for ``auto`` a provider that sizes the lead from the
-    node's measured step and checkpoint times (:func:`~trainguard.agent.drain.auto_drain_lead`) at each
+    node's measured step and checkpoint times (:func:`~trainguard.checkpoint.lead.auto_drain_lead`) at each
     notice and exports it (``trainguard_drain_lead_seconds``)."""
     fixed = pre.fixed_drain_lead_s
     if fixed is not None:

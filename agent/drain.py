@@ -30,7 +30,7 @@ notices for the metrics, schedules delayed drains, and acknowledges notices at t
 
 The drain lead (``preemption.drain_lead_s``) is fixed, or ``auto``:
 :func:`~trainguard.checkpoint.lead.auto_drain_lead` sizes it at
-each notice from what the node measured (its longest step and checkpoint), so a job whose emergency
+each notice from what the node measured (its steps and its longest checkpoint), so a job whose emergency
 checkpoint takes a minute does not train through a 2-minute notice into a missed deadline, and one
 that checkpoints in a second does not idle out most of it.
 """
