@@ -146,7 +146,8 @@ class DrainCoordinator:
         now = self._clock()
         lead, basis = self.lead()
         # Training through needs the insurance checkpoint: scripts without the worker API drain at once.
-        insured = self.train_through and notice.kind in TERMINATE_KINDS and self._checkpoint_supported()
+        cloud_end = notice.kind in TERMINATE_KINDS and notice.source in CLOUD_SOURCES
+        insured = self.train_through and cloud_end and self._checkpoint_supported()
         d = decide_notice(notice, on_early_warning=self.on_early_warning, drain_lead_s=lead, now=now,
                           train_through=insured)
         with self._lock:
@@ -157,7 +158,7 @@ class DrainCoordinator:
                     action=d.action.value, reason=d.reason, deadline_in_s=round(notice.deadline - now, 1),
                     drain_in_s=None if d.drain_at is None else round(d.drain_at - now, 1),
                     drain_lead_s=round(lead, 2), drain_lead_basis=basis,
-                    train_through=insured if notice.kind in TERMINATE_KINDS else None)
+                    train_through=insured if cloud_end else None)
         if self._observer is not None:
             try:
                 self._observer.notice(notice.source)
