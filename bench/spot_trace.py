@@ -916,8 +916,8 @@ def job_model(run: dict[str, Any], *, torchrun: bool, scale_k: int = 1, max_node
 
 def sim_drain_lead(a: argparse.Namespace, job: sim.JobModel, costs: sim.ChangeCosts) -> tuple[float, str]:
     """``preemption.drain_lead_s`` as the agents size it on this job (``auto``: the shipped factor and
-    floor over the longest measured step and the longest periodic save, blocked + persist), or the
-    number given."""
+    floor over the slowest world size's mean step and the longest periodic save, blocked + persist), or
+    the number given."""
     if str(a.drain_lead_s).strip().lower() != "auto":
         return float(a.drain_lead_s), "fixed"
     step = max((st for _, st in job.step_times), default=None)

@@ -224,3 +224,10 @@ def continued(node: Node, world: int) -> list[dict[str, Any]]:
     """The job's rank 0 on ``node`` continuing at ``world``: ``resumed`` after a restart from a
     checkpoint, or ``reformed`` after an in-place re-formation (both carry the step it continues from)."""
     return [e for e in node.events() if e.get("event") in ("resumed", "reformed") and e.get("world_size") == world]
+
+
+def notice_checkpoints(*nodes: Node) -> list[dict[str, Any]]:
+    """The out-of-cycle checkpoints (``kind: notice``: an early warning's, or the insurance a notice that is
+    trained through takes) the ranks of ``nodes`` committed."""
+    return [e for n in nodes for e in n.events("checkpoint_committed")
+            if e.get("kind") == "notice" and e.get("component") == "trainguard.checkpoint"]

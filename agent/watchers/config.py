@@ -113,14 +113,12 @@ class PreemptionConfig:
         require(self.on_early_warning in ("checkpoint", "drain", "ignore"), "on_early_warning",
                 f"must be checkpoint, drain or ignore, got {self.on_early_warning!r}",
                 "use 'checkpoint' to keep the node in the job after an early warning")
-        lead = str(self.drain_lead_s).strip().lower()
-        if lead != "auto":
-            try:
-                fixed = float(lead)
-            except ValueError:
-                fixed = math.nan
-            require(0 < fixed < 3600, "drain_lead_s", f"must be auto or seconds within (0, 3600), got {self.drain_lead_s!r}",
-                    "e.g. auto, or 20")
+        try:
+            fixed = self.fixed_drain_lead_s
+        except ValueError:
+            fixed = math.nan
+        require(fixed is None or 0 < fixed < 3600, "drain_lead_s",
+                f"must be auto or seconds within (0, 3600), got {self.drain_lead_s!r}", "e.g. auto, or 20")
         require(0 < self.drain_lead_min_s < 3600, "drain_lead_min_s",
                 f"must be within (0, 3600) seconds, got {self.drain_lead_min_s}", "e.g. 10")
         require(1 <= self.drain_lead_factor <= 100, "drain_lead_factor",

@@ -14,7 +14,7 @@ import pytest
 
 from tests.emulators.fixtures import aws_imds  # noqa: F401
 from tests import samples
-from tests.harness import REPO, Node, continued, free_port, wait_listening, wait_until
+from tests.harness import REPO, Node, continued, free_port, notice_checkpoints, running, wait_listening, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -34,21 +34,28 @@ def check_exactly_once(folder):
     return samples.check_exactly_once(folder, GLOBAL_BATCH)
 
 
-def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_imds):  # noqa: F811
-    tmp = str(tmp_path)
+def start_pair(tmp: str, aws_url: str, a_extra: list[str] = ()) -> tuple[str, list[str], list[str], Node, Node]:
+    """Nodes a (hosting the c10d store) and b (watching the AWS emulator: the node that leaves), training
+    the bundled job with a sample log. Returns the endpoint, the common flags, the job's arguments and
+    the two nodes."""
     os.makedirs(os.path.join(tmp, "samples"))
     ep = f"127.0.0.1:{free_port()}"
-    ckpt = os.path.join(tmp, "ckpt")
-    flag = os.path.join(tmp, "reform-fault-fired")
-    common = ["--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=15"]
-    fault = ["--set", "workers.env=" + json.dumps({"TRAINGUARD_RT_INJECT_FAULT": f"reform:{flag}"})]
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval_steps=15"]
     args = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.03", "--global-batch", str(GLOBAL_BATCH),
-            "--sample-log", os.path.join(tmp, "samples")]
-    a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common + fault)
-    wait_listening(ep)  # a hosts the c10d store; b is the node that leaves
-    b_extra = common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_imds.url}",
-                        "--set", "preemption.poll_interval_s=0.5"]
-    b = Node("b", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=b_extra)
+            "--sample-log", sample_log(tmp)]
+    a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common + list(a_extra))
+    wait_listening(ep)
+    b = Node("b", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args,
+             extra=common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_url}",
+                             "--set", "preemption.poll_interval_s=0.5"])
+    return ep, common, args, a, b
+
+
+def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_imds):  # noqa: F811
+    tmp = str(tmp_path)
+    flag = os.path.join(tmp, "reform-fault-fired")
+    fault = ["--set", "workers.env=" + json.dumps({"TRAINGUARD_RT_INJECT_FAULT": f"reform:{flag}"})]
+    ep, common, args, a, b = start_pair(tmp, aws_imds.url, fault)
     nodes = [a, b]
     try:
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "world size 2")
@@ -63,9 +70,7 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
         (decided,) = wait_until(lambda: b.events("notice_decision"), 30, "b decides on its notice")
         assert decided["action"] == "checkpoint" and decided["drain_lead_basis"] == "floor", decided
         assert decided["drain_lead_s"] == 10.0 and 12 <= decided["drain_in_s"] <= 15, decided
-        insured = wait_until(lambda: [e for n in (a, b) for e in n.events("checkpoint_committed")
-                                      if e.get("kind") == "notice" and e.get("component") == "trainguard.checkpoint"],
-                             30, "the insurance checkpoint on both ranks")
+        insured = wait_until(lambda: notice_checkpoints(a, b), 30, "the insurance checkpoint on both ranks")
         time.sleep(max(0.0, deadline - 12 - time.time()))  # inside the notice, before the drain is due
         assert b.proc.poll() is None and worlds(a)[-1:] == [2], "b left at its notice instead of training on"
         assert any(e["world_size"] == 2 and e["step"] >= insured[0]["step"] + 20 for e in a.events("train_step")), \
@@ -120,24 +125,12 @@ def test_reclaimed_early_while_training_through_its_notice(tmp_path, aws_imds): 
     (agent and worker SIGKILLed), long before its drain was due. The survivor re-forms alone and trains
     on; every sample is used exactly once (the interrupted step is redone, nothing else)."""
     tmp = str(tmp_path)
-    os.makedirs(os.path.join(tmp, "samples"))
-    ep = f"127.0.0.1:{free_port()}"
-    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval_steps=15"]
-    args = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.03", "--global-batch", str(GLOBAL_BATCH),
-            "--sample-log", os.path.join(tmp, "samples")]
-    a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common)
-    wait_listening(ep)
-    b = Node("b", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args,
-             extra=common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_imds.url}",
-                             "--set", "preemption.poll_interval_s=0.5"])
-    nodes = [a, b]
-    try:
+    *_, a, b = start_pair(tmp, aws_imds.url)
+    with running([a, b], tail=60):
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "world size 2")
         wait_until(lambda: any(e["step"] >= 10 for e in a.events("train_step")), 90, "10 steps at world 2")
         aws_imds.schedule_termination(in_s=30)
-        insured = wait_until(lambda: [e for n in (a, b) for e in n.events("checkpoint_committed")
-                                      if e.get("kind") == "notice" and e.get("component") == "trainguard.checkpoint"],
-                             30, "the insurance checkpoint")
+        insured = wait_until(lambda: notice_checkpoints(a, b), 30, "the insurance checkpoint")
         assert len({e["step"] for e in insured}) == 1, insured
         time.sleep(3)
         assert not [e for e in b.events("state_change") if e["new"] == "draining"], "b drained at its notice"
@@ -151,9 +144,3 @@ def test_reclaimed_early_while_training_through_its_notice(tmp_path, aws_imds): 
         seen = check_exactly_once(sample_log(tmp))
         print(f"insured at step {insured[0]['step']}, continued at {again[-1]['step']} ({again[-1]['event']}), "
               f"steps={len(seen) // GLOBAL_BATCH}")
-    except AssertionError:
-        print(a.dump(60), b.dump(60), sep="\n")
-        raise
-    finally:
-        for n in nodes:
-            n.stop()

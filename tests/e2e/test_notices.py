@@ -6,7 +6,7 @@ import time
 import pytest
 
 from tests.emulators.fixtures import aws_imds, azure_events, gcp_metadata  # noqa: F401
-from tests.harness import REPO, Node, continued, free_port, wait_listening, wait_until
+from tests.harness import REPO, Node, continued, free_port, notice_checkpoints, wait_listening, wait_until
 from trainguard.agent import control
 from trainguard.runtime.protocol import DrainRequest
 
@@ -134,8 +134,7 @@ def test_early_warnings_checkpoint_and_stay_a_spot_interruption_drains_a_rendezv
     nodes.append(lone)
 
     def notice_ckpts():
-        return [e for n in (a, b) for e in n.events("checkpoint_committed")
-                if e.get("kind") == "notice" and e.get("component") == "trainguard.checkpoint"]
+        return notice_checkpoints(a, b)
 
     try:
         aws_imds.rebalance()
