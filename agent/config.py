@@ -15,7 +15,7 @@ import ssl
 from dataclasses import dataclass, field
 
 from trainguard.runtime.configbase import FieldError, env_var_for, require, require_finite
-from trainguard.runtime.protocol import STEP_AGREEMENTS
+from trainguard.runtime.protocol import STEP_AGREEMENT_PERIOD_S, STEP_AGREEMENTS
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.metrics.config import CostConfig, MetricsConfig
@@ -292,10 +292,17 @@ class WorkersConfig:
 
     step_agreement: str = "overlapped"
     """How worker-API ranks agree at a step boundary on a stop, a re-formation or a checkpoint (a
-    6-integer all-reduce over a gloo side group): ``overlapped`` (the exchange of step N runs beside
+    7-integer all-reduce over a gloo side group): ``overlapped`` (the exchange of step N runs beside
     step N+1 and is acted on at its end: nothing waits on the wire, decisions come one step later) or
     ``blocking`` (exchanged and acted on at step N: one round trip per step). Set it alike on every
     node: a world whose ranks differ agrees blocking (``step_agreement_mixed``)."""
+
+    step_agreement_period_s: float = STEP_AGREEMENT_PERIOD_S
+    """Overlapped, how often (seconds of training) the ranks agree: every as many whole steps as fit
+    (by the mean step time; every step when a step is longer; a divisor of ``checkpoint.interval_steps``
+    when that is set; at most 64), the world taking the smallest of its ranks' proposals. Between two
+    agreements a step pays for no exchange, which a sub-second step would feel; a stop or an
+    out-of-cycle checkpoint then waits up to this long plus a step. 0: agree at every step."""
 
     def __post_init__(self) -> None:
         require(self.nproc_per_node >= 1, "nproc_per_node", f"must be >= 1, got {self.nproc_per_node}",
@@ -326,6 +333,9 @@ class WorkersConfig:
         require(self.step_agreement in STEP_AGREEMENTS, "step_agreement",
                 f"must be one of {', '.join(STEP_AGREEMENTS)}, got {self.step_agreement!r}",
                 "use 'overlapped' (default) or 'blocking'")
+        require(0 <= self.step_agreement_period_s <= 60, "step_agreement_period_s",
+                f"must be within 0..60 s, got {self.step_agreement_period_s}",
+                "e.g. 0.5; well under the drain lead and the SIGTERM grace period (0: every step)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -49,7 +49,8 @@ def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list
 
     watchers = build_watchers(cfg.preemption)
     coordinator = DrainCoordinator(
-        sup, on_early_warning=cfg.preemption.on_early_warning, drain_lead_s=drain_lead(cfg.preemption, metrics),
+        sup, on_early_warning=cfg.preemption.on_early_warning,
+        drain_lead_s=drain_lead(cfg.preemption, metrics, cfg.workers.step_agreement_period_s),
         train_through=cfg.preemption.train_through_notice, observer=metrics,
         acknowledge=(lambda n: acknowledge(watchers, n)) if cfg.preemption.azure_acknowledge else None)
     sup.on_emergency_commit = coordinator.on_emergency_commit
@@ -59,10 +60,11 @@ def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list
     return [_Stopper(lambda: _stop_watchers(watchers)), _Stopper(coordinator.close)]
 
 
-def drain_lead(pre: PreemptionConfig, metrics: Any) -> float | Callable[[], tuple[float, str]]:
+def drain_lead(pre: PreemptionConfig, metrics: Any, agreement_s: float = 0.0) -> float | Callable[[], tuple[float, str]]:
     """``preemption.drain_lead_s``: the number, or for ``auto`` a provider that sizes the lead from the
     node's measured step and checkpoint times (:func:`~trainguard.checkpoint.lead.auto_drain_lead`) at each
-    notice and exports it (``trainguard_drain_lead_seconds``)."""
+    notice and exports it (``trainguard_drain_lead_seconds``). ``agreement_s``: the workers'
+    ``step_agreement_period_s`` (a stop waits for their next agreement)."""
     fixed = pre.fixed_drain_lead_s
     if fixed is not None:
         if metrics is not None:
@@ -71,7 +73,8 @@ def drain_lead(pre: PreemptionConfig, metrics: Any) -> float | Callable[[], tupl
 
     def lead() -> tuple[float, str]:
         step_s, ckpt_s = metrics.drain_costs() if metrics is not None else (None, None)
-        out = auto_drain_lead(LeadCosts(step_s=step_s, checkpoint_s=ckpt_s), min_s=pre.drain_lead_min_s,
+        out = auto_drain_lead(LeadCosts(step_s=step_s, checkpoint_s=ckpt_s, agreement_s=agreement_s),
+                              min_s=pre.drain_lead_min_s,
                               factor=pre.drain_lead_factor, unmeasured_s=pre.drain_lead_unmeasured_s)
         if metrics is not None:
             metrics.set_drain_lead(out[0])

@@ -284,7 +284,7 @@ class Supervisor:
             checkpoint=dataclasses.asdict(cfg.checkpoint), reform=self.reform_enabled,
             reform_timeout_s=cfg.workers.reform_timeout_s, standby=self._standby_start,
             pg_timeout_s=cfg.workers.pg_timeout_s, memory_dir=self.memory_dir,
-            step_agreement=cfg.workers.step_agreement,
+            step_agreement=cfg.workers.step_agreement, step_agreement_period_s=cfg.workers.step_agreement_period_s,
         ).to_env()
         env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
         env.update(workerenv.gpu_defaults(cfg.workers, os.environ, reform_in_process=self.reform_enabled))

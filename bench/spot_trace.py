@@ -65,6 +65,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTi
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
 from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead  # noqa: E402
 from trainguard.metrics import spotsim as sim  # noqa: E402
+from trainguard.runtime.protocol import STEP_AGREEMENT_PERIOD_S  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 PLAIN = os.path.join(REPO, "examples", "train_gpt.py")
@@ -916,13 +917,13 @@ def job_model(run: dict[str, Any], *, torchrun: bool, scale_k: int = 1, max_node
 
 def sim_drain_lead(a: argparse.Namespace, job: sim.JobModel, costs: sim.ChangeCosts) -> tuple[float, str]:
     """``preemption.drain_lead_s`` as the agents size it on this job (``auto``: the shipped factor and
-    floor over the slowest world size's mean step and the longest periodic save, blocked + persist), or
-    the number given."""
+    floor over the slowest world size's mean step and the longest periodic save, blocked + persist,
+    plus the default step-agreement period the replayed agents run with), or the number given."""
     if str(a.drain_lead_s).strip().lower() != "auto":
         return float(a.drain_lead_s), "fixed"
     step = max((st for _, st in job.step_times), default=None)
     ckpt = max(costs.periodic_overhead_s.samples) + max(costs.periodic_persist_s.samples)
-    return auto_drain_lead(LeadCosts(step_s=step, checkpoint_s=ckpt))  # the shipped factor and floor
+    return auto_drain_lead(LeadCosts(step_s=step, checkpoint_s=ckpt, agreement_s=STEP_AGREEMENT_PERIOD_S))
 
 
 def predict(scaled: sim.Trace, costs: sim.ChangeCosts, job: sim.JobModel, policy: IntervalPolicy, settings: AutoSettings,

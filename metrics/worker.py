@@ -187,6 +187,10 @@ class WorkerMetrics:
         self._f: _Families | None = None
         self._kinds_warned: set[str] = set()
         self._next_gpu_peak = 0.0  # monotonic s; inf once CUDA turned out to be absent
+        # Kept by observe_step(defer=True) until flush(): step times (for the histogram), the last
+        # step's unix time (0: none pending).
+        self._step_ts = 0.0
+        self._times: list[float] = []
         if not multiprocess_active():
             reason = (f"{ENV_VAR} was not set when prometheus_client was first imported in this process, so "
                       "worker metrics would never reach the agent")
@@ -218,9 +222,17 @@ class WorkerMetrics:
         """False when the channel is not in effect and every method is a no-op."""
         return self._f is not None
 
-    def observe_step(self, step: int, samples: int, tokens: int, step_time_s: float | None) -> None:
+    def observe_step(self, step: int, samples: int, tokens: int, step_time_s: float | None, *,
+                     defer: bool = False) -> None:
         """Record one completed step: its number, this rank's samples and tokens, its time (s; None:
-        recorded separately by :meth:`observe_step_time`, e.g. once the GPU's events complete)."""
+        recorded separately by :meth:`observe_step_time`, e.g. once the GPU's events complete).
+
+        ``defer``: write the counters and the step gauge at once (what the agent's goodput ledger
+        samples, and what a scrape reads side by side: a ledger window that saw steps run but no
+        report would book their time as waste for good, and samples must stay 24 x steps at any
+        scrape) and keep the step-time histogram and the step's unix time in this process until the
+        next :meth:`flush` (or a step recorded without ``defer``). The worker runtime defers between
+        its step agreements (``workers.step_agreement_period_s``): five file writes a step, not eight."""
         f = self._f
         if f is None:
             return
@@ -230,21 +242,40 @@ class WorkerMetrics:
             f.samples.inc(samples)
         if tokens:
             f.tokens.inc(tokens)
+        f.step.set(step)
+        self._step_ts = time.time()
         if step_time_s is not None:
             self._step_time(f, step_time_s)
-        f.step.set(step)
-        f.last_step_ts.set(time.time())
+        if not defer:
+            self.flush()
 
-    def observe_step_time(self, step_time_s: float) -> None:
-        """Record the time (s) of one step measured after the fact (CUDA events)."""
+    def observe_step_time(self, step_time_s: float, *, defer: bool = False) -> None:
+        """Record the time (s) of one step measured after the fact (CUDA events); ``defer`` as in
+        :meth:`observe_step` (its training seconds are written at once, its histogram observation
+        waits for the next :meth:`flush`)."""
         if self._f is not None:
             self._step_time(self._f, step_time_s)
+            if not defer:
+                self.flush()
 
     def _step_time(self, f: _Families, seconds: float) -> None:
-        """The step-time histogram, and the node's productive training seconds (local rank 0)."""
-        f.step_time.observe(seconds)
+        """The node's productive training seconds (local rank 0), now; the step-time histogram at the flush."""
         if self.local_rank == 0:
             f.train_s.inc(max(0.0, seconds))
+        self._times.append(seconds)
+
+    def flush(self) -> None:
+        """Write what deferred :meth:`observe_step` calls kept: the step-time histogram, the last
+        step's unix time."""
+        f = self._f
+        if f is None:
+            return
+        for seconds in self._times:
+            f.step_time.observe(seconds)
+        self._times.clear()
+        if self._step_ts:
+            f.last_step_ts.set(self._step_ts)
+            self._step_ts = 0.0
 
     def _kind(self, kind: str) -> str:
         k = names.normalize_label(kind)

@@ -199,6 +199,10 @@ STEP_AGREEMENTS = ("overlapped", "blocking")
 flags of step N beside step N+1 and acts on them at N+1; ``blocking`` exchanges and acts at N."""
 
 
+STEP_AGREEMENT_PERIOD_S = 0.5
+"""The default of ``workers.step_agreement_period_s``: overlapped ranks agree about this often."""
+
+
 @dataclass(frozen=True, slots=True)
 class RuntimeEnv:
     """What a worker learns from its environment.
@@ -231,6 +235,8 @@ class RuntimeEnv:
     """This node's tier-0 snapshot folder, created and removed by the agent (empty: no tier 0)."""
     step_agreement: str = "overlapped"
     """``workers.step_agreement`` (see :data:`STEP_AGREEMENTS`)."""
+    step_agreement_period_s: float = 0.0
+    """``workers.step_agreement_period_s``: overlapped, the ranks agree about this often (0: every step)."""
     inject_fault: str = ""
     """Fault injection for tests (``workers.env``): ``reform:<flag file>`` makes the next in-place
     re-formation fail in the worker once (the flag file records that it did), to exercise the fallback."""
@@ -245,7 +251,8 @@ class RuntimeEnv:
 
     _RT_FIELDS: ClassVar[tuple[str, ...]] = ("job_id", "node", "agent_pid", "control_path", "round",
                                              "checkpoint", "pg_timeout_s", "reform", "reform_timeout_s", "standby",
-                                             "memory_dir", "step_agreement", "inject_fault")
+                                             "memory_dir", "step_agreement", "step_agreement_period_s",
+                                             "inject_fault")
 
     def to_env(self) -> dict[str, str]:
         """The ``TRAINGUARD_RT_*`` variables (torchelastic writes its own)."""
@@ -302,6 +309,7 @@ class RuntimeEnv:
             standby=get("standby") == "1",
             memory_dir=get("memory_dir") or "",
             step_agreement=_step_agreement(get("step_agreement")),
+            step_agreement_period_s=num(RT_PREFIX + "STEP_AGREEMENT_PERIOD_S", get("step_agreement_period_s"), float, 0.0),
             inject_fault=get("inject_fault") or "",
             rank=num("RANK", env.get("RANK"), int, 0),
             local_rank=num("LOCAL_RANK", env.get("LOCAL_RANK"), int, 0),

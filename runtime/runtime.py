@@ -26,13 +26,13 @@ global batch, and ``name`` goes into the manifest. With the
 32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
-**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) six integers over a side gloo
-group: ``[stop, save, deadline, busy, overlapped, blocking]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason`
+**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) seven integers over a side gloo
+group: ``[stop, save, deadline, busy, overlapped, blocking, -stride]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason`
 (2 for a drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM
 under plain torchrun), ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
 for an out-of-cycle one (an early warning), ``deadline`` the earliest drain deadline, ``busy`` says
 a previous save still persists somewhere, and the last two say which agreement the ranks are
-configured with (``workers.step_agreement``). Every rank therefore sees the same flags after the same
+configured with (``workers.step_agreement``), ``stride`` below. Every rank therefore sees the same flags after the same
 step: all of them save the same step ``s``, rank 0 commits it, and on a stop all exit with
 :data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
 ``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
@@ -41,6 +41,16 @@ and a stop or an out-of-cycle save takes effect one step after it was asked for 
 asked for the step it is due at). The first boundary of a world, with nothing issued yet, exchanges
 and waits; a world whose ranks are configured differently (the last two flags both set there) agrees
 blocking. ``blocking`` exchanges and acts at N: one round trip per step.
+
+**Agreement stride.** Overlapped, the ranks agree only every ``stride`` steps: at the steps that are
+multiples of it (and at a world's first boundary). A seventh flag carries each rank's proposal, the
+most whole steps that fit in ``workers.step_agreement_period_s`` by its mean step time (1 when a step
+is longer; a divisor of ``checkpoint.interval_steps`` when that is set, so that periodic saves keep
+their steps), and the world takes the smallest. Every rank reads the same agreed stride at the same
+boundary, so all compute the same next one. Between two boundaries a step only counts (its
+step-time histogram kept in the process until the next boundary) and snapshots: the exchange, the local flags and acting on
+them cost a fraction of a millisecond, which a 75 ms step felt. A stop or out-of-cycle save then waits
+up to one period plus a step; a periodic save is asked for the boundary it is due at.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
 samples consumed) is part of the checkpoint; each global batch is split over the current
@@ -110,17 +120,20 @@ def _decode_deadline(value: int) -> float | None:
     return None if value <= _NO_DEADLINE else -value / 1000.0
 
 
+MAX_STRIDE = 64
+"""The most steps between two step agreements (``workers.step_agreement_period_s``)."""
+
 _MAX = dist.AllreduceOptions()
 _MAX.reduceOp = dist.ReduceOp.MAX
 
 
 class _FlagBuffers:
-    """The six step-boundary integers in two preallocated int64 tensors, filled in turn through a
+    """The seven step-boundary integers in two preallocated int64 tensors, filled in turn through a
     NumPy view (a new ``torch.tensor`` per boundary cost more than the rest of the fill). Two: the
     overlapped agreement has one exchange in flight while the next boundary's flags are written."""
 
     def __init__(self) -> None:
-        self._bufs = [torch.zeros(6, dtype=torch.int64) for _ in range(2)]
+        self._bufs = [torch.zeros(7, dtype=torch.int64) for _ in range(2)]
         self._views = [b.numpy() for b in self._bufs]
         self._next = 0
 
@@ -142,7 +155,8 @@ class Runtime:
                  control_path: str = "", strategy: str | Strategy = "ddp", rdzv_id: str = "", rdzv_round: int = -1,
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
                  standby: bool = False, local_world_size: int = 1, inject_fault: str = "",
-                 device: torch.device | None = None, memory_dir: str = "", step_agreement: str = "overlapped") -> None:
+                 device: torch.device | None = None, memory_dir: str = "", step_agreement: str = "overlapped",
+                 step_agreement_period_s: float = 0.0) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = dev.select_device(local_rank) if device is None else torch.device(device)
         """This worker's device: ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``. Move the
@@ -208,6 +222,15 @@ class Runtime:
         """The overlapped exchange in flight on ``_group``: (work, flags, this rank's stop request in them)."""
         self._flag_bufs = _FlagBuffers()
         """The step-boundary flags, two buffers taken in turn: one may be in flight while the next is filled."""
+        self.step_agreement_period_s = max(0.0, float(step_agreement_period_s))
+        """``workers.step_agreement_period_s``: overlapped, the ranks agree about this often (in whole
+        steps, at least every step); 0: every step."""
+        self._stride = 1
+        """Steps between two agreements, as agreed by the world at its last boundary."""
+        self._next_boundary = 0
+        """The step whose end acts on the exchange in flight (``step + ahead`` when it was issued)."""
+        self._step_mean_s: float | None = None
+        """Moving average of this rank's step time: its stride proposal."""
         self._mixed_agreement = False
         """Some rank of this world is configured ``blocking`` and some ``overlapped`` (seen at the world's
         first boundary, which every rank exchanges and waits for): the world agrees blocking."""
@@ -264,7 +287,7 @@ class Runtime:
                    control_path=rtenv.control_path, reform=reform, reform_timeout_s=rtenv.reform_timeout_s,
                    pg_timeout_s=rtenv.pg_timeout_s, standby=rtenv.standby, local_world_size=rtenv.local_world_size,
                    inject_fault=rtenv.inject_fault, device=device, memory_dir=rtenv.memory_dir,
-                   step_agreement=rtenv.step_agreement)
+                   step_agreement=rtenv.step_agreement, step_agreement_period_s=rtenv.step_agreement_period_s)
 
     @property
     def strategy_name(self) -> str:
@@ -491,13 +514,12 @@ class Runtime:
         done.add_done_callback(record)
         return seconds, (done.result() if committed_now and done.exception() is None else None)
 
-    def _interval_step(self, step_s: float, now: float, ahead: int = 0, observe: bool = True) -> bool:
-        """Feed the interval controller one step; return whether this rank says a periodic save is due
-        after the step ``ahead`` steps on (the one the agreement will be acted on at)."""
+    def _interval_step(self, now: float, ahead: int = 0) -> bool:
+        """Update the interval controller (its steps are fed by :meth:`end_step`); return whether this
+        rank says a periodic save is due after the step ``ahead`` steps on (the one the agreement will
+        be acted on at)."""
         ctl = self._interval
         assert ctl is not None
-        if observe:
-            ctl.observe_step(step_s, persisting=self._manager is not None and self._manager.in_flight is not None)
         fresh = bool(self._persisted)
         while self._persisted:
             persist_s, ok = self._persisted.pop(0)
@@ -642,23 +664,33 @@ class Runtime:
             # the first save (perhaps an emergency one, against a deadline) does not pay for them.
             self._staging_ready = True
             self._manager.prepare_staging(self._state())
+        # Between two agreements nothing is exchanged or acted on; the step-time histogram waits in the process.
+        between = self._pending_flags is not None and self.step < self._next_boundary
         # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
         per_rank = self.cursor.global_batch_size // self.dp_size if self._counts_samples else 0
         if self._timer.cuda:  # host time says when work was queued: the GPU's events time the steps it finished
-            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, None)
+            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, None, defer=True)
             for seconds in self._timer.lap():
-                self._metrics.observe_step_time(seconds)
+                self._metrics.observe_step_time(seconds, defer=True)
         else:
-            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s)
+            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s, defer=True)
+        if not between:
+            self._metrics.flush()
         self._metrics.sample_gpu_peak(now)
-        # Overlapped: the exchange issued at the previous boundary has run beside this step; read it and
-        # act on it here, then issue this boundary's for the next one. Blocking, and the first boundary of
-        # a world (nothing issued yet): exchange now and wait.
+        self._step_mean_s = step_s if self._step_mean_s is None else 0.9 * self._step_mean_s + 0.1 * step_s
+        if self._interval is not None and self._manager is not None:
+            self._interval.observe_step(step_s, persisting=self._manager.in_flight is not None)
+        if between:
+            self._snapshot()
+            self._step_started = time.monotonic()
+            return True
+        # Overlapped: the exchange issued at the previous boundary has run beside the steps since; read
+        # it and act on it here, then issue this boundary's for the next one. Blocking, and the first
+        # boundary of a world (nothing issued yet): exchange now and wait.
         pending, self._pending_flags = self._pending_flags, None
-        observed = pending is None
         try:
             if pending is None:
-                flags, mine = self._local_flags(step_s, now, ahead=0)
+                flags, mine = self._local_flags(now, ahead=0)
                 work = self._exchange(flags) if self._group is not None else None
             else:
                 work, flags, mine = pending
@@ -672,8 +704,10 @@ class Runtime:
         if not self._act(flags, mine):
             return True
         if self._overlapped():
-            flags, mine = self._local_flags(step_s, time.monotonic(), ahead=1, observe=not observed)
+            ahead = self._stride - self.step % self._stride  # to the next multiple of the agreed stride
+            flags, mine = self._local_flags(time.monotonic(), ahead=ahead)
             self._pending_flags = (self._exchange(flags), flags, mine)
+            self._next_boundary = self.step + ahead
         self._step_started = time.monotonic()
         return True
 
@@ -685,32 +719,50 @@ class Runtime:
     def _overlapped(self) -> bool:
         return self._group is not None and self.step_agreement == "overlapped" and not self._mixed_agreement
 
-    def _local_flags(self, step_s: float, now: float, ahead: int,
-                     observe: bool = True) -> tuple[torch.Tensor, proto.StopReason]:
-        """This rank's side of the step-boundary agreement: ``[stop reason, save kind, deadline, busy]``
-        where kind 2 = out of cycle (an early warning on some node), 1 = periodic, 0 = none, and busy =
-        this rank's previous save is still persisting. ``ahead``: the agreement is acted on that many
-        boundaries later (a periodic save is asked for the step it will be taken at). ``observe``: feed
-        this step to the interval controller (once per step)."""
-        due = (self._interval_step(step_s, now, ahead, observe) if self._interval is not None and self._manager is not None
+    def _local_flags(self, now: float, ahead: int) -> tuple[torch.Tensor, proto.StopReason]:
+        """This rank's side of the step-boundary agreement: ``[stop reason, save kind, deadline, busy,
+        overlapped, blocking, -stride proposal]`` where kind 2 = out of cycle (an early warning on some
+        node), 1 = periodic, 0 = none, and busy = this rank's previous save is still persisting.
+        ``ahead``: the agreement is acted on that many steps later (a periodic save is asked for the
+        step it will be taken at)."""
+        due = (self._interval_step(now, ahead) if self._interval is not None and self._manager is not None
                else False)
         notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
         if notice is not None:
             self._log.info("checkpoint_requested", step=self.step + ahead, reason=notice)
         due = due or self._save_deferred
         mine = self._local_request()
-        busy = int(self._manager is not None and self._manager.in_flight is not None)
+        # A save started at this very boundary counts only when the flags are acted on at the next step;
+        # acted on ``ahead`` > 1 steps later (a stride), it has those steps to persist, and counting it
+        # would defer every other save of an interval as short as the stride.
+        inflight = self._manager.in_flight if self._manager is not None else None
+        busy = int(inflight is not None and (ahead <= 1 or inflight < self.step))
         overlapped = self.step_agreement == "overlapped"
         flags = self._flag_bufs.fill(int(mine), 2 if notice is not None else int(bool(due)),
-                                     _encode_deadline(self._deadline()), busy, int(overlapped), int(not overlapped))
+                                     _encode_deadline(self._deadline()), busy, int(overlapped), int(not overlapped),
+                                     -self._stride_proposal())
         return flags, mine
+
+    def _stride_proposal(self) -> int:
+        """This rank's agreement stride: the whole steps of its mean step time that fit in
+        ``step_agreement_period_s`` (1 to :data:`MAX_STRIDE`), reduced to a divisor of a fixed
+        ``checkpoint.interval_steps`` (the boundaries then fall on the steps periodic saves are due at)."""
+        mean = self._step_mean_s
+        if self.step_agreement != "overlapped" or self.step_agreement_period_s <= 0 or not mean or mean <= 0:
+            return 1
+        n = max(1, min(MAX_STRIDE, int(self.step_agreement_period_s / mean)))
+        every = self._interval.policy.steps if self._interval is not None and self._manager is not None else 0
+        if every:
+            n = max(d for d in range(1, n + 1) if every % d == 0)
+        return n
 
     def _act(self, flags: torch.Tensor, mine: proto.StopReason) -> bool:
         """Carry out what every rank agreed (MAX of the flags) at this boundary: stop or re-form, then the
         snapshot and the periodic save. ``mine``: this rank's own stop request in that agreement. False
         when this worker parked (and re-formed) meanwhile: the step is over for the caller."""
-        stop_v, save, deadline_v, busy, any_overlapped, any_blocking = flags.tolist()  # one conversion
+        stop_v, save, deadline_v, busy, any_overlapped, any_blocking, stride = flags.tolist()  # one conversion
         stop, deadline = proto.StopReason(stop_v), _decode_deadline(deadline_v)
+        self._stride = max(1, min(MAX_STRIDE, -stride))  # the smallest proposal: every rank reads the same
         if any_overlapped and any_blocking and not self._mixed_agreement:
             # Ranks configured differently would act on a stop or a save at different steps: every rank
             # sees the same MAX here (the world's first boundary, exchanged and waited for), so all agree
@@ -821,6 +873,8 @@ class Runtime:
         exit with the resize code so that the agent restarts the world (the fallback)."""
         t0 = time.monotonic()
         self._settle_memory()
+        if self._metrics is not None:
+            self._metrics.flush()  # the steps counted since the last agreement
         old = (self.rank, self.world_size)
         base = None
         self._replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
@@ -1066,6 +1120,8 @@ class Runtime:
         self._exit(proto.EXIT_RESIZE)
 
     def _exit(self, code: int) -> None:
+        if self._metrics is not None:
+            self._metrics.flush()
         if self._link is not None:
             self._link.close()
         # The checkpoint is committed on every rank: leave at once. A clean interpreter teardown with
@@ -1080,6 +1136,8 @@ class Runtime:
         in-flight save, then close the agent link and the process group. A failed final save raises
         after logging ``checkpoint_failed`` (the agent restarts the workers from the last commit)."""
         self._settle_memory()
+        if self._metrics is not None:
+            self._metrics.flush()
         pending, self._pending_flags = self._pending_flags, None
         if pending is not None:  # every rank issued it at its last boundary: complete it (what it says is moot now)
             try:

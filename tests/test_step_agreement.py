@@ -1,6 +1,8 @@
 """The step-boundary agreement over two real gloo ranks: ``overlapped`` (the default) acts at step N+1
 on what the ranks exchanged at step N, ``blocking`` at N; both stop every rank at the same step and
-take periodic saves at the steps they are due at. Ranks configured apart agree blocking."""
+take periodic saves at the steps they are due at. Ranks configured apart agree blocking. With an
+agreement period the ranks agree every ``stride`` steps (a divisor of the save interval) and nothing
+is exchanged between."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ from tests.test_runtime_finish import committed
 ASK_AT = 4  # rank 1's stop request arrives during this step
 
 
+STEPS = {"strided": 12, "strided-uneven": 12}  # else 8
+
+
 def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -26,10 +31,22 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     from trainguard.runtime import protocol as proto
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # strided: both ranks ask for a 60 s period (every stride that divides the interval fits in it);
+    # strided-uneven: rank 1 asks for every step (period 0), and the world takes the smaller stride.
+    period = {"strided": (60.0, 60.0), "strided-uneven": (60.0, 0.0)}.get(mode, (0.0, 0.0))[rank]
+    agreement = "overlapped" if mode.startswith("strided") else mode.split(",")[rank] if "," in mode else mode
     rt = Runtime(rank=rank, world_size=2, local_rank=0, job_id="run", rdzv_round=0,
-                 step_agreement=mode.split(",")[rank] if "," in mode else mode,
-                 checkpoint=CheckpointConfig(url=ckpt, interval_steps=3, async_save=False))
+                 step_agreement=agreement, step_agreement_period_s=period,
+                 checkpoint=CheckpointConfig(url=ckpt, interval_steps=3, async_save=False, keep_last=10))
     stops: list[tuple[int, int]] = []
+    exchanged: list[int] = []  # the step at the end of which each exchange was issued
+    exchange = rt._exchange
+
+    def counted(flags):
+        exchanged.append(rt.step)
+        return exchange(flags)
+
+    rt._exchange = counted
 
     def stop(why, deadline=None):  # the real one saves and exits with the resize code
         stops.append((rt.step, int(why)))
@@ -41,7 +58,7 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = rt.setup(model, opt, dataset_size=64, global_batch=4, micro_batch=2, seed=1)
     x = torch.randn(64, 4)
-    while rt.step < 8:
+    while rt.step < STEPS.get(mode, 8):
         for i, ids in enumerate(micro := rt.next_batches()):
             with rt.accumulating(last=i == len(micro) - 1):
                 rt.backward(model(x[ids]).pow(2).mean() / len(micro))
@@ -54,7 +71,7 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     rt.finish()
     with open(out, "w") as fh:
         json.dump({"stops": stops, "pending_after_finish": rt._pending_flags is not None,
-                   "mixed": rt._mixed_agreement}, fh)
+                   "mixed": rt._mixed_agreement, "exchanged": exchanged, "stride": rt._stride}, fh)
 
 
 @pytest.mark.parametrize("mode,stop_step", [("overlapped", ASK_AT + 1), ("blocking", ASK_AT),
@@ -73,6 +90,34 @@ def test_every_rank_stops_at_the_same_step_and_saves_when_due(tmp_path, mode, st
     assert committed(ckpt) == {3: "periodic", 6: "periodic", 8: "final"}
     assert not any(r["pending_after_finish"] for r in res)
     assert [r["mixed"] for r in res] == [mode == "overlapped,blocking"] * 2
+    assert res[0]["exchanged"] == res[1]["exchanged"]
+    assert res[0]["exchanged"] == ([1] + list(range(1, 9)) if mode == "overlapped" else list(range(1, 9)))
+
+
+@pytest.mark.parametrize("mode", ["strided", "strided-uneven"])
+def test_a_strided_agreement_exchanges_only_at_multiples_of_the_agreed_stride(tmp_path, mode):
+    ckpt = tmp_path / "ck"
+    outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
+    port = free_port()
+    codes, logs = run_ranks("tests.test_step_agreement",
+                            [[str(r), str(port), mode, str(ckpt), outs[r]] for r in range(2)], timeout=120)
+    assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    res = [json.load(open(o)) for o in outs]
+    assert res[0]["exchanged"] == res[1]["exchanged"]
+    if mode == "strided":
+        # The world's first boundary exchanges and waits (step 1), then issues for the next multiple of
+        # the agreed stride, 3 (the interval's largest divisor in the period); from then on every 3 steps.
+        assert res[0]["exchanged"] == [1, 1, 3, 6, 9, 12]
+        assert [r["stride"] for r in res] == [3, 3]
+        # Rank 1's request of step 4 goes out at the boundary of step 6 and is acted on at the next, 9.
+        assert [r["stops"] for r in res] == [[[9, 1]], [[9, 1]]]
+    else:  # one rank agrees every step: so does the world
+        assert res[0]["exchanged"] == [1] + list(range(1, 13))
+        assert [r["stride"] for r in res] == [1, 1]
+        assert [r["stops"] for r in res] == [[[ASK_AT + 1, 1]], [[ASK_AT + 1, 1]]]
+    # The periodic saves keep their steps: the boundaries fall on them.
+    assert committed(ckpt) == {3: "periodic", 6: "periodic", 9: "periodic", 12: "periodic"}
+    assert not any(r["pending_after_finish"] for r in res)
 
 
 def test_a_bad_step_agreement_is_refused_by_name():
@@ -82,6 +127,11 @@ def test_a_bad_step_agreement_is_refused_by_name():
 
     with pytest.raises(FieldError, match="step_agreement"):
         WorkersConfig(step_agreement="lazy")
+    for bad in (-1.0, 61.0, float("nan")):
+        with pytest.raises(FieldError, match="step_agreement_period_s"):
+            WorkersConfig(step_agreement_period_s=bad)
+    env = proto.RuntimeEnv(step_agreement_period_s=0.25).to_env()
+    assert proto.RuntimeEnv.from_env(env).step_agreement_period_s == 0.25
     with pytest.raises(proto.ProtocolError, match="TRAINGUARD_RT_STEP_AGREEMENT"):
         proto.RuntimeEnv.from_env({"TRAINGUARD_RT_STEP_AGREEMENT": "lazy"})
     assert proto.RuntimeEnv.from_env(proto.RuntimeEnv(step_agreement="blocking").to_env()).step_agreement == "blocking"

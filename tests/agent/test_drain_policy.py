@@ -149,6 +149,8 @@ def test_coordinator_trains_through_a_cloud_notice_then_drains_before_its_deadli
     (LeadCosts(step_s=1.0, checkpoint_s=None), 10.0, "floor"),
     (LeadCosts(step_s=2.5, checkpoint_s=10.0), 37.5, "measured"),         # 3 x (a step + a checkpoint)
     (LeadCosts(step_s=None, checkpoint_s=60.0), 180.0, "measured"),       # longer than AWS's 2 minutes
+    (LeadCosts(step_s=2.5, checkpoint_s=10.0, agreement_s=0.5), 38.0, "measured"),  # + the agreement wait, once
+    (LeadCosts(step_s=0.1, checkpoint_s=0.35, agreement_s=0.5), 10.0, "floor"),
 ])
 def test_auto_drain_lead(costs, lead, basis):
     assert auto_drain_lead(costs, min_s=10.0, factor=3.0, unmeasured_s=30.0) == (pytest.approx(lead), basis)

@@ -204,6 +204,30 @@ def test_step_time_from_gpu_events_counts_as_training_time() -> None:
     assert fams[1].train_s.calls == [] and fams[1].steps.calls == []  # counted by local rank 0 only
 
 
+def test_deferred_steps_write_what_the_ledger_reads_and_the_rest_at_the_flush() -> None:
+    # The runtime defers between its step agreements: the counters, the step gauge and the training
+    # seconds (what the goodput ledger samples, what a scrape compares) are written at every step; the
+    # step-time histogram and the last step's time at flush().
+    from types import SimpleNamespace
+
+    w = WorkerMetrics(0, 0)
+    f = SimpleNamespace(**{k: _Rec() for k in ("steps", "samples", "tokens", "step_time", "step", "last_step_ts",
+                                               "train_s")})
+    w._f = f  # type: ignore[assignment]
+    for step, t in ((1, 0.1), (2, 0.2), (3, 0.3)):
+        w.observe_step(step, 8, 1024, t, defer=True)
+    w.observe_step_time(0.4, defer=True)
+    assert f.steps.calls == [1, 1, 1] and f.step.calls == [1, 2, 3] and f.train_s.calls == [0.1, 0.2, 0.3, 0.4]
+    assert f.samples.calls == [8, 8, 8] and f.tokens.calls == [1024] * 3
+    assert f.step_time.calls == f.last_step_ts.calls == []
+    w.flush()
+    assert f.step_time.calls == [0.1, 0.2, 0.3, 0.4] and len(f.last_step_ts.calls) == 1
+    w.flush()  # nothing pending: nothing written again
+    assert len(f.last_step_ts.calls) == 1 and len(f.step_time.calls) == 4
+    w.observe_step(4, 8, 1024, 0.5)  # not deferred: written at once
+    assert f.step.calls[-1] == 4 and f.step_time.calls[-1] == 0.5 and len(f.last_step_ts.calls) == 2
+
+
 def test_drain_costs_are_upper_bounds_of_what_the_workers_measured(tmp_path, workers: Workers) -> None:
     """``drain_lead_s: auto`` reads the node's longest step and checkpoint from the workers' histograms:
     nothing before a worker measured anything; then the bucket bounds that hold the largest

@@ -232,7 +232,7 @@ def test_runtime_splits_the_batch_over_data_parallel_shares(monkeypatch):
         assert (rt.dp_rank, rt.dp_size, rt.accum_steps) == (rank // 2, 2, 2)
         ids = GlobalSampleCursor(64, 16, 3).next_global_batch()
         assert rt.next_batches() == split(ids, rank // 2, 2, 4)
-        monkeypatch.setattr(rt._metrics, "observe_step", lambda step, samples, tokens, s, r=rank: observed.update({r: samples}))
+        monkeypatch.setattr(rt._metrics, "observe_step", lambda step, samples, tokens, s, r=rank, **kw: observed.update({r: samples}))
         rt.end_step()
     assert observed == {0: 8, 1: 0, 2: 8, 3: 0}  # the job's sum is the global batch
     with pytest.raises(StrategyError, match="tp_size=2"):
