@@ -611,13 +611,21 @@ class Supervisor:
                 return result
 
     def _should_warm_up(self) -> bool:
-        """Whether this node joins a running world of worker-API workers (so they warm up first)."""
+        """Whether this node joins a world of worker-API workers that runs, or re-forms (so that its
+        workers warm up first). A round still forming (the running world lost a member and its
+        survivors wait out the lost node's keep-alive) replaces a world whose workers used the worker
+        API when the round before it says so: a node that joined that round cold would make the
+        survivors wait for its workers' start, imports and model build (2 s in the spot-trace replay);
+        warm, it joins the round if it is still open, else the world it formed, as a planned join."""
         if not self.reform_enabled or not hasattr(self.adapter, "peek"):
             return False
         try:
             peek = self.adapter.peek()
-            return (peek.complete and bool(peek.participants) and not peek.this_node_participates
-                    and self.adapter.round_store(peek.round).check([WORKER_API_KEY]))
+            if peek.this_node_participates:
+                return False
+            if peek.complete:
+                return bool(peek.participants) and self.adapter.round_store(peek.round).check([WORKER_API_KEY])
+            return peek.round > 0 and self.adapter.round_store(peek.round - 1).check([WORKER_API_KEY])
         except Exception as e:  # a static handler, an unreachable store: start the usual way
             log.info("warm_up_skipped", error=f"{type(e).__name__}: {e}"[:200])
             return False

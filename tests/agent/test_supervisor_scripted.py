@@ -314,3 +314,38 @@ def test_workers_between_worlds_are_asked_back_not_killed_when_a_member_goes(tmp
         assert lost() is True  # in its world now: the usual grace applies
     finally:
         sup.control.close()
+
+
+class _KeyStore:
+    def __init__(self, keys):
+        self.keys = set(keys)
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+
+@pytest.mark.parametrize("peek, api_rounds, warm", [
+    # A running worker-API world (its round complete): warm up, then join as a planned change.
+    (Peek(round=3, complete=True, participants=("a", "b"), waiting=0, this_node_participates=False), {3}, True),
+    # A world of plain scripts: start the usual way.
+    (Peek(round=3, complete=True, participants=("a", "b"), waiting=0, this_node_participates=False), set(), False),
+    # A round forming after the world of round 3 (worker API) lost a member: warm up first, so that
+    # the survivors do not wait for this node's cold start (the spot-trace replay's 2 s).
+    (Peek(round=4, complete=False, participants=("a",), waiting=0, this_node_participates=False), {3}, True),
+    # ... not when the world it replaces ran plain scripts, nor for the job's first round.
+    (Peek(round=4, complete=False, participants=("a",), waiting=0, this_node_participates=False), set(), False),
+    (Peek(round=0, complete=False, participants=(), waiting=0, this_node_participates=False), {0}, False),
+    # This node is in the round already.
+    (Peek(round=4, complete=False, participants=("n",), waiting=0, this_node_participates=True), {3, 4}, False),
+])
+def test_a_joiner_warms_up_for_a_running_or_re_forming_worker_api_world(tmp_path, peek, api_rounds, warm):
+    from trainguard.agent.supervisor import WORKER_API_KEY
+
+    sup, fake, _ = make(tmp_path, [])
+    try:
+        sup.reform_enabled = True
+        fake.peek = lambda: peek
+        fake.round_store = lambda r: _KeyStore({WORKER_API_KEY} if r in api_rounds else set())
+        assert sup._should_warm_up() is warm
+    finally:
+        sup.control.close()
