@@ -231,6 +231,8 @@ class Runtime:
         """The step whose end acts on the exchange in flight (``step + ahead`` when it was issued)."""
         self._step_mean_s: float | None = None
         """Moving average of this rank's step time: its stride proposal."""
+        self._join_phases: dict[str, float] = {}
+        """How long the last world join took: the default group (arrival, ``init_process_group``), the side group."""
         self._mixed_agreement = False
         """Some rank of this world is configured ``blocking`` and some ``overlapped`` (seen at the world's
         first boundary, which every rank exchanges and waits for): the world agrees blocking."""
@@ -909,11 +911,13 @@ class Runtime:
                     break
                 reason = proto.ParkReason.PEER_LOST  # nothing changed yet: park again, state intact
                 self._report_parked(reason)
+            t_joined = time.monotonic()
             assert self.strategy is not None and self._model is not None
             self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
             self._make_manager(base)
             self._data_parallel()
             self.accum_steps, _ = self.strategy.plan(self.global_batch, self.dp_size, self.micro_batch)
+            t_wrapped = time.monotonic()
             outcome, live = self._sync_live_state(self.step)
         except Exception as e:
             self._log.error("reform_failed", reason=reason.value, error=f"{type(e).__name__}: {e}"[:500],
@@ -926,7 +930,9 @@ class Runtime:
         self._log.info("worker_reformed", step=self.step, reason=reason.value, old_rank=old[0], old_world_size=old[1],
                        accum_steps=self.accum_steps, state=outcome, live_step=live,
                        parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
-                       seconds=round(time.monotonic() - t0, 3), pid=os.getpid())
+                       join_s=round(t_joined - t_world, 3), **self._join_phases, wrap_s=round(t_wrapped - t_joined, 3),
+                       sync_s=round(time.monotonic() - t_wrapped, 3), seconds=round(time.monotonic() - t0, 3),
+                       pid=os.getpid())
 
     def _signalled(self) -> bool:
         """This process got SIGTERM (with the agent, whose orders come over the link, that is the agent
@@ -964,6 +970,7 @@ class Runtime:
                                f"but its state lives on {self.device}")
         assert self._link is not None
         link = self._link
+        t0 = time.monotonic()
         try:
             rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
                           local_world_size=msg.local_world_size, master_addr=msg.master_addr,
@@ -977,7 +984,9 @@ class Runtime:
         self.local_world_size = msg.local_world_size
         self.round = msg.round
         link.report(proto.Joined(rank=self.rank, local_rank=self.local_rank, round=self.round))
+        t_world = time.monotonic()
         self._group, self._mixed_agreement = self._new_gloo_group(), False
+        self._join_phases = {"world_s": round(t_world - t0, 3), "side_group_s": round(time.monotonic() - t_world, 3)}
         self._log = log.bind(rank=self.rank, world_size=self.world_size, round=self.round)
         if self._metrics is not None:
             self._metrics.rank = self.rank
@@ -998,7 +1007,7 @@ class Runtime:
             if self._join_world(msg):
                 break
         self._standby = False
-        self._log.info("worker_joined", waited_s=round(time.monotonic() - t0, 3))
+        self._log.info("worker_joined", waited_s=round(time.monotonic() - t0, 3), **self._join_phases)
 
     def _sync_live_state(self, step: int | None) -> tuple[str, int | None]:
         """Hand the newest in-memory state to the ranks that lack it (see :func:`rf.sync_live_state`)."""

@@ -230,6 +230,28 @@ def test_a_rank_called_off_after_it_arrived_calls_the_world_off_for_every_rank()
     assert "another rank called the world off" in str(out[1])
 
 
+def test_a_rank_before_the_stores_host_makes_no_client_until_the_store_listens(monkeypatch):
+    """A rank that arrives before rank 0's store is up does not meet torch's connect backoff (its
+    first sleep is 0.25-0.75 s): it makes its TCPStore client only once the port accepts."""
+    import time
+
+    import torch.distributed as dist
+
+    from tests.harness import free_port
+
+    real, made = dist.TCPStore, []
+
+    def recording(*args, is_master=False, **kw):
+        made.append(("master" if is_master else "client", time.monotonic()))  # when each was started
+        return real(*args, is_master=is_master, **kw)
+
+    monkeypatch.setattr(dist, "TCPStore", recording)
+    out = _arrive_each(free_port(), {0: (0.4, lambda: False), 1: (0.0, lambda: False)})
+    assert all(not isinstance(v, Exception) for v in out.values()), out
+    (first, t_master), (second, t_client) = made  # one client, started once the store's host had started
+    assert (first, second) == ("master", "client") and t_client >= t_master, made
+
+
 def test_a_world_that_never_fills_runs_out_at_the_timeout():
     from tests.harness import free_port
     from trainguard.runtime.reform import arrive
