@@ -29,7 +29,10 @@ Two changes to how the dynamic rendezvous joins (see :func:`next_round`), instal
 * **Planned membership.** When the agents re-form a world for a planned change (:class:`Plan`: its
   members and the ones announced as leaving), the round completes as soon as every member that is
   not leaving and every newcomer has joined, instead of waiting out ``last_call_timeout`` for nodes
-  known not to come. Should a member fail to come, torch's own rule (``last_call_timeout`` after
+  known not to come. After an unplanned loss (``Plan.lost``) the members expected are those whose
+  keep-alive the rendezvous still holds: the round completes once the lost node's heartbeat expired
+  and every live member joined, not ``last_call_timeout`` later. Should a member fail to come,
+  torch's own rule (``last_call_timeout`` after
   ``min_nodes``) still closes the round. The state is polled every :data:`POLL_INTERVAL_S` instead of
   torch's fixed 1 s.
 """
@@ -98,6 +101,9 @@ class Plan:
 
     members: frozenset[str]
     leaving: frozenset[str] = frozenset()
+    lost: bool = False
+    """A member vanished (which one, nobody said): only the members the rendezvous still sees alive
+    (a keep-alive heartbeat in its state; the lost node's is dropped when it expires) are expected."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +132,13 @@ class Poll:
 
 # ---- the rendezvous join, interruptible and with a planned size ----------------------------------
 
-def planned_complete(plan: Plan, participants: set[str], waiting: set[str], min_nodes: int, max_nodes: int) -> bool:
+def planned_complete(plan: Plan, participants: set[str], waiting: set[str], min_nodes: int, max_nodes: int,
+                     alive: set[str] | None = None) -> bool:
     """Pure: whether a round being formed from ``plan`` has everyone it expects: the plan's members
-    that are not leaving, plus every newcomer (a participant or waiting node that was no member)."""
-    expected = (plan.members - plan.leaving) | ((participants | waiting) - plan.members)
+    that are not leaving (and, for a plan after a loss, that are ``alive``: a heartbeat in the
+    rendezvous state), plus every newcomer (a participant or waiting node that was no member)."""
+    members = plan.members & alive if plan.lost and alive is not None else plan.members
+    expected = (members - plan.leaving) | ((participants | waiting) - plan.members)
     return min_nodes <= len(participants) <= max_nodes and bool(expected) and expected <= participants
 
 
@@ -154,7 +163,8 @@ class _JoinOp(_RendezvousJoinOp):
                 raise RendezvousAborted("left the rendezvous before the round completed (draining)")
         if self.plan is not None and not state.complete and ctx.node in state.participants and planned_complete(
                 self.plan, {str(n) for n in state.participants}, {str(n) for n in state.wait_list},
-                ctx.settings.min_nodes, ctx.settings.max_nodes):
+                ctx.settings.min_nodes, ctx.settings.max_nodes,
+                alive={str(n) for n in state.last_heartbeats} if self.plan.lost else None):
             return _Action.MARK_RENDEZVOUS_COMPLETE
         return super().__call__(ctx, deadline)
 

@@ -501,11 +501,13 @@ class Supervisor:
         return None
 
     def _plan(self, reason: str) -> Plan | None:
-        """The membership a planned re-formation heads for (None: torch's last-call rule decides)."""
+        """The membership a re-formation heads for (None: torch's last-call rule decides). After a
+        peer was lost, the members the rendezvous still sees alive (:attr:`Plan.lost`)."""
         world = self._current
-        if world is None or reason == proto.ParkReason.PEER_LOST.value:
+        if world is None:
             return None
-        return Plan(members=frozenset(world.members), leaving=self._leaving_members(world.members))
+        return Plan(members=frozenset(world.members), leaving=self._leaving_members(world.members),
+                    lost=reason == proto.ParkReason.PEER_LOST.value)
 
     def _reform(self, reason: str) -> RunResult | None:
         """Every local worker is parked alive: re-form the rendezvous and hand them their new world."""

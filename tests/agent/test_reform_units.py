@@ -32,6 +32,24 @@ def test_planned_complete(name, members, leaving, parts, waiting, lo, hi, want):
     assert planned_complete(Plan(frozenset(members), frozenset(leaving)), parts, waiting, lo, hi) is want
 
 
+LOST_CASES = [
+    # (name, members, alive (heartbeats in the state), participants, waiting, complete)
+    ("the lost node's heartbeat expired, both survivors joined", {"a", "b", "c"}, {"a", "b"}, {"a", "b"}, set(), True),
+    ("not expired yet: wait for it (or the last call)", {"a", "b", "c"}, {"a", "b", "c"}, {"a", "b"}, set(), False),
+    ("a live survivor not joined yet", {"a", "b", "c"}, {"a", "b"}, {"a"}, set(), False),
+    ("a newcomer waiting joins this round", {"a", "b", "c"}, {"a", "b", "j"}, {"a", "b"}, {"j"}, False),
+    ("... and completes it once in", {"a", "b", "c"}, {"a", "b", "j"}, {"a", "b", "j"}, set(), True),
+]
+
+
+@pytest.mark.parametrize("name,members,alive,parts,waiting,want", LOST_CASES, ids=[c[0] for c in LOST_CASES])
+def test_planned_complete_after_a_loss_expects_the_live_members(name, members, alive, parts, waiting, want):
+    plan = Plan(frozenset(members), lost=True)
+    assert planned_complete(plan, parts, waiting, 1, 3, alive=alive) is want
+    # A plan for a planned change ignores the heartbeats: every member not leaving is expected.
+    assert planned_complete(Plan(frozenset(members)), parts, waiting, 1, 3, alive=alive) is (want and alive >= members)
+
+
 DECISIONS = [
     ("all local workers parked -> reform", Observation(W.HEALTHY, nproc=2, parked=2, park_reason="drain"),
      Act.REFORM, "drain"),
