@@ -94,8 +94,9 @@ class RendezvousConfig:
     """How long a node waits for the rendezvous to form before it fails."""
 
     last_call_timeout_s: float = 2.0
-    """Once ``min_nodes`` have joined, how long to wait for more before the round closes. Small values
-    make re-formation after a drain fast; a late node then joins through a scale-up."""
+    """Once ``min_nodes`` have joined, how long to wait for more before the round closes. A round that
+    re-forms a running world in place (a drain, a join, a lost node) closes as soon as every member
+    it expects has joined and does not wait this long; a late node then joins through a scale-up."""
 
     close_timeout_s: float = 30.0
     """Deadline of the close operation when the job ends."""
