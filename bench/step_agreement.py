@@ -5,7 +5,7 @@ A trainguard worker agrees with every rank on a stop, a re-formation or a checkp
 all-reduce over a gloo side group (``Runtime.end_step``). ``blocking`` waits for it at every step;
 ``overlapped`` (period 0) issues it at step N and reads it at step N+1; ``strided`` (period
 ``--period``, the default 0.5 s) agrees every as many steps as fit in the period and between two
-agreements only counts the step (metrics kept in the process). This bench starts ``--ranks``
+agreements only counts the step (its step-time histogram kept in the process until the next). This bench starts ``--ranks``
 processes on 127.0.0.1 (gloo, ``OMP_NUM_THREADS=1``), each training a small DDP model whose step ends
 with ``--step-sleep`` seconds of idle host time (what a GPU step looks like from the host: kernels
 queued, the CPU waiting), and alternates blocks of ``--block`` steps in each mode (ABCABC..., the same

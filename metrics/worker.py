@@ -229,8 +229,8 @@ class WorkerMetrics:
 
         ``defer``: write the counters and the step gauge at once (what the agent's goodput ledger
         samples, and what a scrape reads side by side: a ledger window that saw steps run but no
-        report would book their time as waste for good, and samples must stay 24 x steps at any
-        scrape) and keep the step-time histogram and the step's unix time in this process until the
+        report would book their time as waste for good, and a scrape must see one global batch of
+        samples per step) and keep the step-time histogram and the step's unix time in this process until the
         next :meth:`flush` (or a step recorded without ``defer``). The worker runtime defers between
         its step agreements (``workers.step_agreement_period_s``): five file writes a step, not eight."""
         f = self._f

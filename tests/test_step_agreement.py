@@ -74,16 +74,21 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
                    "mixed": rt._mixed_agreement, "exchanged": exchanged, "stride": rt._stride}, fh)
 
 
-@pytest.mark.parametrize("mode,stop_step", [("overlapped", ASK_AT + 1), ("blocking", ASK_AT),
-                                            ("overlapped,blocking", ASK_AT)])  # configured apart: all blocking
-def test_every_rank_stops_at_the_same_step_and_saves_when_due(tmp_path, mode, stop_step):
-    ckpt = tmp_path / "ck"
+def _run_two(tmp_path, mode: str, ckpt) -> list[dict]:
+    """Both ranks of ``mode`` (see :func:`_rank`) to the end; what each reported."""
     outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
     port = free_port()
     codes, logs = run_ranks("tests.test_step_agreement",
                             [[str(r), str(port), mode, str(ckpt), outs[r]] for r in range(2)], timeout=120)
     assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
-    res = [json.load(open(o)) for o in outs]
+    return [json.load(open(o)) for o in outs]
+
+
+@pytest.mark.parametrize("mode,stop_step", [("overlapped", ASK_AT + 1), ("blocking", ASK_AT),
+                                            ("overlapped,blocking", ASK_AT)])  # configured apart: all blocking
+def test_every_rank_stops_at_the_same_step_and_saves_when_due(tmp_path, mode, stop_step):
+    ckpt = tmp_path / "ck"
+    res = _run_two(tmp_path, mode, ckpt)
     # A resize request on rank 1 alone: both ranks act on it, at the same step.
     assert [r["stops"] for r in res] == [[[stop_step, 1]], [[stop_step, 1]]]
     # Periodic saves at the steps they are due at (3, 6), the last one as final; nothing left in flight.
@@ -97,12 +102,7 @@ def test_every_rank_stops_at_the_same_step_and_saves_when_due(tmp_path, mode, st
 @pytest.mark.parametrize("mode", ["strided", "strided-uneven"])
 def test_a_strided_agreement_exchanges_only_at_multiples_of_the_agreed_stride(tmp_path, mode):
     ckpt = tmp_path / "ck"
-    outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
-    port = free_port()
-    codes, logs = run_ranks("tests.test_step_agreement",
-                            [[str(r), str(port), mode, str(ckpt), outs[r]] for r in range(2)], timeout=120)
-    assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
-    res = [json.load(open(o)) for o in outs]
+    res = _run_two(tmp_path, mode, ckpt)
     assert res[0]["exchanged"] == res[1]["exchanged"]
     if mode == "strided":
         # The world's first boundary exchanges and waits (step 1), then issues for the next multiple of
