@@ -457,7 +457,7 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace, max_nodes: int | None = None) -> 
     res["changes"], res["measured_costs"] = _changes(raw, rank0, kept0, max_nodes)
     res["interval_changes"] = [{"t": round((parse_ts(ev) or t) - raw.t0, 3), **{k: ev.get(k) for k in
                                 ("old_s", "new_s", "optimum_s", "reason", "bound", "save_cost_s", "mtbf_s",
-                                 "unannounced_failures")}}
+                                 "rollback_probability", "unannounced_failures", "survived_losses")}}
                                for ag in raw.agents.values() for t, ev in ag.proc.events("checkpoint_interval_changed")]
     res["interval_changes"].sort(key=lambda x: x["t"])
     res["periodic_saves"] = len({ev.get("step") for ag in raw.agents.values() for _, ev in ag.proc.events("checkpoint_committed")

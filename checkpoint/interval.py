@@ -17,15 +17,28 @@ Auto (:class:`IntervalController`)
       that is the time training blocks (staging) plus the slowdown of the steps that ran while it
       persisted (their excess over the step time without a save in flight); for a synchronous one,
       blocked + persist. Measured, exponentially averaged.
-    * ``M``, the mean time between *unannounced* failures of the job at its current world size.
-      Only failures the interval protects against count: a notice with enough lead for an emergency
-      checkpoint costs nothing a periodic checkpoint could have saved. Evidence of one: the world
-      restored from a ``periodic`` checkpoint (a drain or resize would have left an ``emergency`` or
+    * ``M``, the mean time between failures that roll the job back to its newest durable checkpoint.
+      Only *unannounced* failures can: a notice with enough lead for an emergency checkpoint costs
+      nothing a periodic checkpoint could have saved. Evidence of one: the world restored from a
+      ``periodic`` checkpoint in storage (a drain or resize would have left an ``emergency`` or
       ``resize`` one); or a world restored an ``emergency``/``resize`` checkpoint that an earlier world
       had already restored (that one died before saving anything newer; the checkpoint store's fence
       records tell). Estimated as a rate per rank-second of training with a one-failure prior of
       ``checkpoint.interval_prior_mtbf_s``: ``M = (E / W + M0) / (n + 1)`` (``E`` rank-seconds
-      trained, ``W`` ranks now, ``n`` failures seen).
+      trained, ``W`` ranks now, ``n`` rollbacks seen).
+
+      A *survivable* world (:attr:`IntervalController.survivable`: two nodes or more whose state
+      outlives the loss of one, in the survivors' memory (DDP re-formed in place) or in a buddy's
+      replica (``checkpoint.memory_replica``)) is rolled back only by a loss that takes every holder
+      of some state. There ``M = M_f / p``: ``M_f = (E / W + M0) / (f + 1)`` the mean time between
+      unannounced failures (``f`` of them, rollbacks and the ones survived), and ``p`` the probability
+      that a loss takes the state with it, estimated from the membership losses seen:
+      ``p = (L + 1) / (L + S + 1)``, ``L`` the losses the state did not survive (a world restarted from
+      storage: its whole membership gone, announced or not), ``S`` those it did (the world re-formed in
+      place, or restored from memory). It starts at 1 (the estimate of a world that cannot survive a
+      loss: until one is seen survived, a loss is assumed to take the state) and only evidence lowers it
+      (the posterior mean of a Beta(1, 0) prior). A notice decides whether a loss is announced, not how
+      many nodes it takes, so announced losses inform ``p`` too (that is the assumption).
     * ``R``, the restore time, does not move the optimum (Daly's wall-time model carries it as a
       constant factor ``e^(R/M)``); it is measured and exported with the others.
 
@@ -35,7 +48,7 @@ Auto (:class:`IntervalController`)
     ``interval_hysteresis`` (relative), or when it crosses a bound. Until the first save has been
     measured the interval is ``interval_min_s`` (bootstrap).
 
-What the estimate is not: it counts the failures that made a world restore, so a failure while no
+What the estimate is not: it counts the rollbacks that made a world restore, so a failure while no
 world was training (during a re-formation) that merely delays the next one is not counted; failures
 of nodes that were never in the world (joiners) are not seen; a fence record overwritten by a
 rendezvous round number reused in a fresh store hides a repeat. Training time between the last save
@@ -164,6 +177,14 @@ class IntervalStats:
     """Average slowdown of the steps that ran while an asynchronous save persisted, seconds per save."""
     restore_s: float | None = None
     """Average time to restore a checkpoint, seconds."""
+    survived_losses: int = 0
+    """Membership losses (announced or not) the job's state survived: the world re-formed in place from
+    its survivors' memory or from the checkpoint taken at the stop, or restored from a snapshot in memory."""
+    survived_failures: int = 0
+    """Of :attr:`survived_losses`, the unannounced ones (failures that rolled back nothing durable)."""
+    lost_worlds: int = 0
+    """Losses the state did not survive: a world restarted from storage after an unannounced failure
+    (each counted in :attr:`unannounced_failures` too) or after every node of it drained."""
     saves: int = 0
     interval_s: float | None = None
     """The auto interval in effect when the stats were saved."""
@@ -214,12 +235,14 @@ class IntervalController:
     """
 
     def __init__(self, policy: IntervalPolicy, settings: AutoSettings | None = None, *, world_size: int = 1,
-                 stats: IntervalStats | None = None, sync_saves: bool = False,
+                 stats: IntervalStats | None = None, sync_saves: bool = False, survivable: bool = False,
                  clock: Callable[[], float] = time.monotonic, now: float | None = None) -> None:
         self.policy = policy
         self.settings = settings or AutoSettings()
         self.stats = stats if stats is not None else IntervalStats()
         self.sync_saves = sync_saves
+        self.survivable = survivable
+        """The state outlives the loss of one node (see the module docstring); set per world."""
         self._clock = clock
         self._world = max(1, int(world_size))
         t = clock() if now is None else now
@@ -260,9 +283,11 @@ class IntervalController:
             self.stats.exposure_rank_s += (t - self._last_tick) * self._world
         self._last_tick = t
 
-    def set_world_size(self, world_size: int, now: float | None = None) -> None:
+    def set_world_size(self, world_size: int, now: float | None = None, *, survivable: bool | None = None) -> None:
         self.tick(now)
         self._world = max(1, int(world_size))
+        if survivable is not None:
+            self.survivable = survivable
         self._dirty = True
 
     def observe_step(self, seconds: float, persisting: bool) -> None:
@@ -297,20 +322,41 @@ class IntervalController:
         self._pending_async = False
         self._excess_s = 0.0
 
-    def observe_restore(self, seconds: float | None, kind: str, repeats: int = 0) -> int:
+    def observe_restore(self, seconds: float | None, kind: str, repeats: int = 0, *, in_place: bool = False,
+                        from_memory: bool = False) -> int:
         """This world restored a checkpoint of ``kind`` in ``seconds`` (None: there was none to restore);
         ``repeats`` earlier worlds had started from the same checkpoint (or from none). Returns the
-        unannounced failures this proves: the world that wrote a ``periodic`` checkpoint did not stop as
+        rollbacks this proves: the world that wrote a ``periodic`` checkpoint did not stop as
         planned (a drain or resize leaves an ``emergency`` / ``resize`` one), and every earlier world
-        that started from the same point died without leaving anything newer."""
+        that started from the same point died without leaving anything newer.
+
+        ``from_memory``: the state came from a snapshot in memory (tier 0 or a buddy's replica): the
+        failure behind it is survived, not a rollback. ``in_place``: the world re-formed in place and
+        reloaded the checkpoint taken at its stop (sharded state): an announced loss, survived."""
         self._dirty = True
+        s = self.stats
         if seconds is not None:
-            self.stats.restore_s = _ewma(self.stats.restore_s, max(0.0, seconds), self.settings.alpha)
-        failures = max(0, int(repeats)) + (1 if str(kind) in UNPLANNED_KINDS else 0)
-        self.stats.unannounced_failures += failures
-        if not failures:
-            self.stats.announced_restores += 1
+            s.restore_s = _ewma(s.restore_s, max(0.0, seconds), self.settings.alpha)
+        unplanned = str(kind) in UNPLANNED_KINDS
+        failures = max(0, int(repeats)) + (1 if unplanned and not from_memory else 0)
+        s.unannounced_failures += failures
+        if from_memory:
+            s.survived_losses += 1
+            s.survived_failures += 1
+        elif in_place and str(kind) == "emergency":  # a drain's checkpoint (a join's is a resize one)
+            s.survived_losses += 1
+        s.lost_worlds += failures + (1 if str(kind) == "emergency" and not in_place else 0)  # every node drained
+        if not failures and not (from_memory and unplanned):
+            s.announced_restores += 1
         return failures
+
+    def observe_survived_loss(self, unannounced: bool) -> None:
+        """The world re-formed in place through the loss of a member (announced by a notice, or not),
+        its state in the survivors' memory: nothing was rolled back."""
+        self._dirty = True
+        self.stats.survived_losses += 1
+        if unannounced:
+            self.stats.survived_failures += 1
 
     # ---- estimates --------------------------------------------------------------------------------
     @property
@@ -323,10 +369,25 @@ class IntervalController:
         return s.blocked_s + extra
 
     @property
-    def mtbf_s(self) -> float:
-        """``M``: mean time between unannounced failures of the job at its current world size."""
+    def failure_mtbf_s(self) -> float:
+        """``M_f``: mean time between unannounced failures of the job at its current world size (those a
+        survivable world survived included)."""
         s = self.stats
-        return (s.exposure_rank_s / self._world + self.settings.prior_mtbf_s) / (s.unannounced_failures + 1)
+        seen = s.unannounced_failures + (s.survived_failures if self.survivable else 0)
+        return (s.exposure_rank_s / self._world + self.settings.prior_mtbf_s) / (seen + 1)
+
+    @property
+    def rollback_probability(self) -> float:
+        """``p``: the probability that a loss takes the state with it (1 when the world cannot survive one)."""
+        if not self.survivable:
+            return 1.0
+        s = self.stats
+        return (s.lost_worlds + 1) / (s.lost_worlds + s.survived_losses + 1)
+
+    @property
+    def mtbf_s(self) -> float:
+        """``M``: mean time between failures that roll the job back to its newest durable checkpoint."""
+        return self.failure_mtbf_s / self.rollback_probability
 
     def bounds(self) -> tuple[float, float]:
         lo = max(self.settings.min_s, self.stats.persist_s or 0.0)
@@ -350,8 +411,10 @@ class IntervalController:
         cost = self.save_cost_s
         return {"save_cost_s": None if cost is None else round(cost, 6), "blocked_s": _r(s.blocked_s),
                 "persist_s": _r(s.persist_s), "interference_s": _r(s.interference_s), "restore_s": _r(s.restore_s),
-                "mtbf_s": round(self.mtbf_s, 3), "unannounced_failures": s.unannounced_failures,
-                "exposure_rank_s": round(s.exposure_rank_s, 3), "world_size": self._world}
+                "mtbf_s": round(self.mtbf_s, 3), "failure_mtbf_s": round(self.failure_mtbf_s, 3),
+                "rollback_probability": round(self.rollback_probability, 6),
+                "unannounced_failures": s.unannounced_failures, "survived_losses": s.survived_losses,
+                "lost_worlds": s.lost_worlds, "exposure_rank_s": round(s.exposure_rank_s, 3), "world_size": self._world}
 
     # ---- decisions --------------------------------------------------------------------------------
     @property
@@ -384,7 +447,7 @@ class IntervalController:
 
     def _inputs_key(self) -> dict[str, Any]:
         return {"failures": self.stats.unannounced_failures, "world": self._world, "cost": self.save_cost_s,
-                "mtbf": self.mtbf_s}
+                "mtbf": self.mtbf_s, "survivable": self.survivable}
 
     def _reason(self, old: float | None) -> str:
         if self.save_cost_s is None:
@@ -394,7 +457,7 @@ class IntervalController:
             return "initial" if old is None else "save_cost_measured"
         if self.stats.unannounced_failures != was["failures"]:
             return "unannounced_failure"
-        if self._world != was["world"]:
+        if self._world != was["world"] or self.survivable != was.get("survivable", self.survivable):
             return "world_size"
         dc = abs(math.log(max(self.save_cost_s, 1e-9) / max(was["cost"], 1e-9)))
         dm = abs(math.log(self.mtbf_s / was["mtbf"]))

@@ -429,6 +429,7 @@ class _Sim:
         self.since_save = 0.0
         self.saves = 0
         self.new_failures = 0  # failures the next restore proves (see IntervalController.observe_restore)
+        self.drained_out = False  # in place: every node of the world drained, the next one restores the emergency save
         self.restore_s = 0.0
         self.changes: list[Change] = []
         self.current: Change | None = None
@@ -639,8 +640,17 @@ class _Sim:
             self.current.size_after = len(self.world)
         n = self.new_failures
         self.new_failures = 0
-        self.ctl.set_world_size(max(1, len(self.world)), self.now)
-        self.ctl.observe_restore(self.restore_s, "periodic" if n else "resize", max(0, n - 1))
+        # What the runtime tells the controller: a world restarted from storage restores (a rollback, a
+        # resize checkpoint, or the emergency one after every node drained); one re-formed in place does not.
+        first = self.current is not None and self.current.why.startswith("start")
+        self.ctl.set_world_size(max(1, len(self.world)), self.now, survivable=self.job.in_place and len(self.world) > 1)
+        if n or (not first and (not self.job.in_place or (self.drained_out and self.world))):
+            kind = "periodic" if n else "emergency" if self.job.in_place else "resize"
+            self.ctl.observe_restore(self.restore_s, kind, max(0, n - 1))
+        elif first:
+            self.ctl.observe_restore(self.restore_s, "none")
+        if self.world:
+            self.drained_out = False
         self.ctl.begin(self.now)
         self.since_save = 0.0
         self.pieces = []
@@ -716,7 +726,12 @@ class _Sim:
             self._reform([], rest)
             return
         end = self.now + self.c.emergency_s.draw(self.rng)
-        self._reform([_Phase("checkpoint", end, self.world, commit="emergency")], self.world - leavers)
+        rest = self.world - leavers
+        if self.job.in_place and rest:
+            self.ctl.observe_survived_loss(unannounced=False)  # the survivors keep the state in memory
+        elif self.job.in_place:
+            self.drained_out = True
+        self._reform([_Phase("checkpoint", end, self.world, commit="emergency")], rest)
 
     def _gone(self, nodes: set[str]) -> None:
         lost = {n for n in nodes if n in self.world or any(n in ph.world for ph in self.phases)}
@@ -734,6 +749,7 @@ class _Sim:
         self._begin_change("failure")
         if (phase is None or phase == "checkpoint") and self.job.in_place and rest:
             self._rollback(interrupted_only=True)  # the survivors continue from memory
+            self.ctl.observe_survived_loss(unannounced=True)
         elif phase is None or phase == "checkpoint":  # training, or saving: roll back to the newest commit
             self._rollback()
             self.new_failures += 1

@@ -86,9 +86,15 @@ AUTO_GAUGES: dict[str, tuple[str, str]] = {
     "persist_s": ("checkpoint_auto_persist_seconds", "Measured time to persist and commit a save (average)."),
     "restore_s": ("checkpoint_auto_restore_seconds", "Measured time to restore a checkpoint (average)."),
     "mtbf_s": ("checkpoint_auto_mtbf_seconds",
-               "Estimated mean time between unannounced failures of the job at its current world size."),
+               "Estimated mean time between failures that roll the job back to its newest durable checkpoint "
+               "(unannounced failures / rollback probability), at its current world size."),
+    "rollback_probability": ("checkpoint_auto_rollback_probability",
+                             "Estimated probability that a loss takes the job's state with it (1 when the world "
+                             "cannot survive the loss of a node; else from the losses seen, survived or not)."),
     "unannounced_failures": ("checkpoint_auto_unannounced_failures",
-                             "Unannounced failures of the job so far, as proven by its restores."),
+                             "Rollbacks of the job so far (unannounced failures that restored from storage)."),
+    "survived_losses": ("checkpoint_auto_survived_losses",
+                        "Membership losses (announced or not) the job's state survived in memory: no rollback."),
 }
 """Inputs and outputs of the checkpoint interval controller, by :meth:`WorkerMetrics.observe_interval` key."""
 

@@ -201,6 +201,8 @@ class Runtime:
         self._memory: MemoryTier | None = None
         """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
         self._replicator: Replicator | None = None
+        self._parked_for: proto.ParkReason | None = None
+        """Why the world is re-forming in place while it restores the checkpoint taken at its stop (or None)."""
         """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
         self._timer = dev.StepTimer(self.device)
         self._staging_ready = False
@@ -373,9 +375,8 @@ class Runtime:
                                               inflight_timeout_s=self.inflight_timeout_s)
             if self._interval is None:  # one schedule for the process: it survives in-place re-formations
                 self._interval = self._make_interval()
-            else:
-                self._interval.set_world_size(self.world_size)
             self._bind_memory(replica_group)
+            self._interval.set_world_size(self.world_size, survivable=self._survivable())
 
     def _bind_memory(self, replica_group: Any = None) -> None:
         """Tier 0 for this rank of the current world (a new world invalidates what its rank's files held),
@@ -409,6 +410,14 @@ class Runtime:
             self._memory.close()
         self._memory, self._memory_dir, self._replicator = None, "", None
         self._metrics.observe_memory(None, 0)
+
+    def _survivable(self) -> bool:
+        """Whether the state of this world outlives the loss of one node (the interval controller's
+        rollback model): two nodes or more, and the survivors hold it (DDP re-formed in place) or a
+        buddy on another node does (tier 1)."""
+        nodes = self.world_size // max(1, self.local_world_size)
+        in_memory = self.reform_enabled and self.strategy is not None and self.strategy.reform_state == "replicated"
+        return nodes >= 2 and (in_memory or self._replicator is not None)
 
     def _make_interval(self) -> IntervalController:
         """The periodic checkpoint schedule (``checkpoint.interval``). Global rank 0 decides; the step
@@ -467,7 +476,8 @@ class Runtime:
                     proto.CheckpointKind.PERIODIC.value if in_memory else "other")
             if ctl is not None:
                 ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
-                ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats)
+                ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats,
+                                    in_place=self._parked_for is not None, from_memory=in_memory)
             self._metrics.observe_restore(step, kind)
             self._log.info("worker_restored", step=step, kind=kind, source=tier.value, restore_s=round(seconds, 3),
                            saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
@@ -540,7 +550,8 @@ class Runtime:
             self._metrics.observe_interval({
                 "interval_s": ctl.interval_s if ctl.policy.mode is IntervalMode.AUTO else None, "optimum_s": opt,
                 "save_cost_s": ctl.save_cost_s, "persist_s": ctl.stats.persist_s, "restore_s": ctl.stats.restore_s,
-                "mtbf_s": ctl.mtbf_s, "unannounced_failures": ctl.stats.unannounced_failures})
+                "mtbf_s": ctl.mtbf_s, "rollback_probability": ctl.rollback_probability,
+                "unannounced_failures": ctl.stats.unannounced_failures, "survived_losses": ctl.stats.survived_losses})
         return ctl.due(self.step + ahead, now)
 
     # ---- the step -------------------------------------------------------------------------------
@@ -918,7 +929,13 @@ class Runtime:
             self._data_parallel()
             self.accum_steps, _ = self.strategy.plan(self.global_batch, self.dp_size, self.micro_batch)
             t_wrapped = time.monotonic()
+            self._parked_for = reason
             outcome, live = self._sync_live_state(self.step)
+            self._parked_for = None
+            if self._interval is not None and outcome in ("agreed", "broadcast") and reason in (
+                    proto.ParkReason.DRAIN, proto.ParkReason.PEER_LOST):
+                # A member is gone and the state lived on in the survivors' memory: no rollback.
+                self._interval.observe_survived_loss(unannounced=reason is proto.ParkReason.PEER_LOST)
         except Exception as e:
             self._log.error("reform_failed", reason=reason.value, error=f"{type(e).__name__}: {e}"[:500],
                             effect="exiting with the resize code: the agent restarts the world")
@@ -932,7 +949,8 @@ class Runtime:
                        parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
                        join_s=round(t_joined - t_world, 3), **self._join_phases, wrap_s=round(t_wrapped - t_joined, 3),
                        sync_s=round(time.monotonic() - t_wrapped, 3), seconds=round(time.monotonic() - t0, 3),
-                       pid=os.getpid())
+                       pid=os.getpid(),
+                       survived_losses=self._interval.stats.survived_losses if self._interval is not None else None)
 
     def _signalled(self) -> bool:
         """This process got SIGTERM (with the agent, whose orders come over the link, that is the agent
@@ -1018,9 +1036,12 @@ class Runtime:
             restored = self.restore()  # every rank reloads the step committed at the stop, resharded
             return "checkpoint", restored
         tensors = self.strategy.replicated_tensors(self._model)
+        if self._interval is not None:
+            self._interval.tick()
         extra = {"step": self.step, "cursor": self.cursor.state_dict(),
                  "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
-                 "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None}
+                 "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None,
+                 "interval": self._interval.stats.to_dict() if self._interval is not None else None}
 
         def load(d: dict[str, Any]) -> None:
             assert self.cursor is not None
@@ -1030,6 +1051,8 @@ class Runtime:
                 self._optimizer.load_state_dict(d["optimizer"])
             if d["scaler"] is not None and self.strategy is not None and self.strategy.scaler is not None:
                 self.strategy.scaler.load_state_dict(d["scaler"])
+            if d.get("interval") and self._interval is not None:  # a joiner takes the job's failure history too
+                self._interval.load_stats(IntervalStats.from_dict(d["interval"]))
 
         # Flags and small state over the gloo group; the tensors over the default group when they live on
         # the GPU (NCCL), over the same gloo group on the CPU.

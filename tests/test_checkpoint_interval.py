@@ -367,3 +367,67 @@ def test_a_world_that_died_before_any_checkpoint_leaves_no_record(tmp_path) -> N
     assert seen == [(None, 0), (None, 0)]
     c = IntervalController(AUTO, clock=Clock())
     assert c.observe_restore(None, "none", 1) == 1 and c.stats.restore_s is None
+
+
+def test_a_survivable_world_is_rolled_back_only_by_losses_that_take_the_state() -> None:
+    """M = M_f / p with p = (L + 1) / (L + S + 1) over the losses seen: with none seen a survivable world
+    is estimated like one that cannot survive a loss (p = 1); each loss it survives lowers p, each
+    restart from storage raises it. A world that cannot survive a loss keeps M = (E / W + M0) / (n + 1)."""
+    clock = Clock()
+    c = IntervalController(AUTO, AutoSettings(prior_mtbf_s=1000), world_size=2, survivable=True, clock=clock)
+    clock.t = 500.0
+    c.tick()
+    base = 500 + 1000                                              # E / W + M0
+    assert c.rollback_probability == 1.0
+    assert c.mtbf_s == pytest.approx(base)
+    c.observe_survived_loss(unannounced=False)                     # a drain the survivors re-formed through
+    c.observe_survived_loss(unannounced=False)
+    c.observe_survived_loss(unannounced=True)                      # a node lost without notice, survived
+    assert (c.stats.survived_losses, c.stats.survived_failures, c.stats.unannounced_failures) == (3, 1, 0)
+    assert c.rollback_probability == pytest.approx(1 / 4)
+    assert c.failure_mtbf_s == pytest.approx(base / 2)             # one unannounced failure seen
+    assert c.mtbf_s == pytest.approx(base / 2 * 4)
+    assert c.observe_restore(2.0, "periodic") == 1                 # the whole world died: a rollback
+    assert (c.stats.lost_worlds, c.stats.unannounced_failures) == (1, 1)
+    assert c.rollback_probability == pytest.approx(2 / 5)
+    assert c.mtbf_s == pytest.approx(base / 3 * 5 / 2)
+    c.set_world_size(2, survivable=False)                          # e.g. one node left: every loss takes it
+    assert c.rollback_probability == 1.0
+    assert c.mtbf_s == pytest.approx(base / 2)                     # survived losses do not count there
+
+
+def test_losses_survived_move_the_interval_only_in_a_survivable_world() -> None:
+    clock = Clock()
+    c = IntervalController(AUTO, AutoSettings(min_s=1, max_s=10_000, prior_mtbf_s=3600), world_size=4, clock=clock)
+    c.observe_save(0.1)
+    c.observe_persist(0.5)
+    c.update()
+    assert c.interval_s == pytest.approx(daly_interval(0.1, 3600))
+    for _ in range(3):
+        c.observe_survived_loss(unannounced=False)
+    assert c.update() is None                                       # not survivable: nothing changed
+    c.set_world_size(4, survivable=True)
+    ch = c.update()
+    assert ch is not None and ch.reason == "world_size"
+    assert ch.new_s == pytest.approx(daly_interval(0.1, 4 * 3600))  # p = 1 / 4
+    assert ch.inputs["rollback_probability"] == pytest.approx(0.25) and ch.inputs["failure_mtbf_s"] == pytest.approx(3600)
+
+
+@pytest.mark.parametrize("kind, in_place, from_memory, counts", [
+    # counts: rollbacks (unannounced_failures), survived_losses, survived_failures, lost_worlds, announced_restores
+    ("periodic", False, False, (1, 0, 0, 1, 0)),    # restarted from storage after a loss without notice
+    ("periodic", False, True, (0, 1, 1, 0, 0)),     # from a snapshot in memory (tier 0 or a buddy): survived
+    ("periodic", True, False, (1, 0, 0, 1, 0)),     # in place, sharded state, back to storage: a rollback
+    ("emergency", False, False, (0, 0, 0, 1, 1)),   # every node drained: the state did not survive in memory
+    ("emergency", True, False, (0, 1, 0, 0, 1)),    # in place, sharded: the checkpoint taken at the stop
+    ("resize", False, False, (0, 0, 0, 0, 1)),      # a scale-up by restart: no loss
+    ("resize", True, False, (0, 0, 0, 0, 1)),       # a scale-up in place (sharded state): no loss
+    ("none", False, False, (0, 0, 0, 0, 1)),        # a first start
+])
+def test_restores_count_as_rollbacks_or_as_survived_losses(kind, in_place, from_memory, counts) -> None:
+    c = IntervalController(AUTO, clock=Clock())
+    c.observe_restore(2.0, kind, in_place=in_place, from_memory=from_memory)
+    s = c.stats
+    assert (s.unannounced_failures, s.survived_losses, s.survived_failures, s.lost_worlds,
+            s.announced_restores) == counts
+    assert IntervalStats.from_dict(s.to_dict()) == s

@@ -92,6 +92,9 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
                    60, "training at world size 2 after the drain")
         assert a.worker_pids() == [pid], "the surviving node's worker process was restarted"
         assert not [e for n in (a, b2) for e in n.events("state_change") if e["new"] == "restarting"]
+        # The interval controller counts the two drains the state survived in place (joins are no loss).
+        survived = [(e["world_size"], e["survived_losses"]) for e in a.events("worker_reformed")]
+        assert survived == [(1, 1), (2, 1), (3, 1), (2, 2)], survived
         for n in (a, b2):
             n.signal(15)
         for n in (a, b2):

@@ -105,3 +105,6 @@ def test_in_place_a_member_lost_before_the_new_world_forms_costs_no_step(tmp_pat
         logged = [e["step"] for e in steps(a, b)]
         assert len(logged) == len(set(logged)), "a step was trained twice"
         assert not a.events("step_rolled_back") and not b.events("step_rolled_back")
+        # The interval controller saw a loss the state survived (no rollback to storage).
+        lost = [e["survived_losses"] for e in a.events("worker_reformed") if e["reason"] == "peer_lost"]
+        assert lost[:1] == [1], lost
