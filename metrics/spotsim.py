@@ -37,6 +37,9 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
   (the joiner takes the state from a live peer) and an unannounced loss rolls back only the interrupted
   step (the survivors continue from memory); only a world that loses every node restarts from its newest
   committed checkpoint. ``restore`` is then the survivors' process-group rebuild until the next step.
+  The auto controller is told what the runtime tells it: a loss the survivors held the state through
+  (drained or lost, training or re-forming) is survived; a restart from storage is a restore (a rollback,
+  or the emergency checkpoint after every node drained); a world of two nodes or more is survivable.
 * Each kind of change may have costs of its own (``start_reformation_s``, ``join_*``, ``failure_*``; None:
   the general ``reformation_s`` / ``restore_s``): a first rendezvous waits out the last call, a join
   moves the state to the joiner, an unplanned re-formation waits until the lost node is given up.
@@ -747,8 +750,12 @@ class _Sim:
         target = self.phases[-1].world if self.phases and not self.resuming else self.world
         rest = frozenset(n for n in target if n not in lost)
         self._begin_change("failure")
-        if (phase is None or phase == "checkpoint") and self.job.in_place and rest:
-            self._rollback(interrupted_only=True)  # the survivors continue from memory
+        # In place the survivors hold the state, training or re-forming, unless the world is restarting
+        # from storage (after a rollback, or after every node drained).
+        in_memory = self.job.in_place and bool(rest) and not (self.new_failures or self.drained_out)
+        if in_memory:
+            if phase is None or phase == "checkpoint":
+                self._rollback(interrupted_only=True)  # the step under way only
             self.ctl.observe_survived_loss(unannounced=True)
         elif phase is None or phase == "checkpoint":  # training, or saving: roll back to the newest commit
             self._rollback()

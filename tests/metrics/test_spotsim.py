@@ -195,6 +195,20 @@ def test_in_place_a_loss_without_notice_costs_the_interrupted_step() -> None:
     assert r.failures_seen == 0      # no restore from a checkpoint: the interval controller sees none
 
 
+def test_in_place_a_loss_while_re_forming_is_survived_not_a_rollback() -> None:
+    """In place, c is lost without notice while the world restores for d's join (21..23): the survivors
+    still hold the state, so the interval controller sees no rollback; a lone node lost is one."""
+    ev = [(0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (20, "add", "d"), (22, "remove", "c")]
+    r = simulate(trace(*ev, duration=60), costs(join_reformation_s=1, join_restore_s=2, detect_failure_s=1),
+                 JobModel(node_s_per_step=1, in_place=True), OFF, unannounced=[0])
+    check(r)
+    assert r.failures_seen == 0
+    assert r.recomputed_steps == 0
+    alone = simulate(trace((0, "add", "a"), (10, "remove", "a"), (11, "add", "b"), duration=30),
+                     costs(detect_failure_s=1), JobModel(node_s_per_step=1, in_place=True), OFF, unannounced=[0])
+    assert alone.failures_seen == 1
+
+
 def test_in_place_a_world_that_loses_every_node_restarts_from_its_last_commit() -> None:
     """a, alone, dies without notice at 10 as c arrives: nothing survives to continue from memory, so the
     10 node-s trained since the start (no commit) are lost; c waits out the detection (1 s) and trains."""
