@@ -345,7 +345,8 @@ class IntervalController:
             s.survived_failures += 1
         elif in_place and str(kind) == "emergency":  # a drain's checkpoint (a join's is a resize one)
             s.survived_losses += 1
-        s.lost_worlds += failures + (1 if str(kind) == "emergency" and not in_place else 0)  # every node drained
+        drained_out = str(kind) == "emergency" and not (in_place or from_memory)  # every node of the world drained
+        s.lost_worlds += failures + (1 if drained_out else 0)
         if not failures and not (from_memory and unplanned):
             s.announced_restores += 1
         return failures

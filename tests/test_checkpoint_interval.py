@@ -420,6 +420,7 @@ def test_losses_survived_move_the_interval_only_in_a_survivable_world() -> None:
     ("periodic", True, False, (1, 0, 0, 1, 0)),     # in place, sharded state, back to storage: a rollback
     ("emergency", False, False, (0, 0, 0, 1, 1)),   # every node drained: the state did not survive in memory
     ("emergency", True, False, (0, 1, 0, 0, 1)),    # in place, sharded: the checkpoint taken at the stop
+    ("emergency", False, True, (0, 1, 1, 0, 1)),    # a snapshot in memory whose base is an emergency one
     ("resize", False, False, (0, 0, 0, 0, 1)),      # a scale-up by restart: no loss
     ("resize", True, False, (0, 0, 0, 0, 1)),       # a scale-up in place (sharded state): no loss
     ("none", False, False, (0, 0, 0, 0, 1)),        # a first start
