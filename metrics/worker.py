@@ -88,9 +88,10 @@ AUTO_GAUGES: dict[str, tuple[str, str]] = {
     "mtbf_s": ("checkpoint_auto_mtbf_seconds",
                "Estimated mean time between failures that roll the job back to its newest durable checkpoint "
                "(unannounced failures / rollback probability), at its current world size."),
-    "rollback_probability": ("checkpoint_auto_rollback_probability",
-                             "Estimated probability that a loss takes the job's state with it (1 when the world "
-                             "cannot survive the loss of a node; else from the losses seen, survived or not)."),
+    "rollback_probability": ("checkpoint_auto_rollback_ratio",
+                             "Estimated probability (0..1) that a membership loss takes the job's state with it, a "
+                             "rollback to storage (1 when the world cannot survive the loss of a node; else from the "
+                             "losses seen, survived or not)."),
     "unannounced_failures": ("checkpoint_auto_unannounced_failures",
                              "Rollbacks of the job so far (unannounced failures that restored from storage)."),
     "survived_losses": ("checkpoint_auto_survived_losses",

@@ -45,6 +45,10 @@ def main() -> int:
             ok = step != a.fail_ckpt_at
             w.observe_checkpoint("periodic", stage_s=0.01, persist_s=0.05 if ok else None, blocked_s=0.01,
                                  nbytes=4096, step=step, ok=ok)
+            if a.rank == 0:  # the interval controller's inputs, as the runtime's rank 0 exports them
+                w.observe_interval({"interval_s": None, "optimum_s": 12.5, "save_cost_s": 0.01, "persist_s": 0.05,
+                                    "restore_s": None, "mtbf_s": 7200.0, "rollback_probability": 0.25,
+                                    "unannounced_failures": 0, "survived_losses": 3})
         print(f"step {step}", flush=True)
         if a.stop_file and os.path.exists(a.stop_file):
             break
