@@ -201,9 +201,9 @@ class Runtime:
         self._memory: MemoryTier | None = None
         """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
         self._replicator: Replicator | None = None
+        """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
         self._parked_for: proto.ParkReason | None = None
         """Why the world is re-forming in place while it restores the checkpoint taken at its stop (or None)."""
-        """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
         self._timer = dev.StepTimer(self.device)
         self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
