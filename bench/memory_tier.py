@@ -30,6 +30,9 @@ Scenarios, side by side in one invocation:
 * **node_kill_ddp** -- three DDP agents (tier 0 only, min nodes 2); node c is SIGKILLed whole and not
   replaced: the survivors form a world of 2 and restore from their own nodes' memory (replicated state
   restores at any world size). ``node_kill_ddp_lost_steps`` / ``node_kill_ddp_resume_s``.
+* **node_kill_shrink** -- as node_kill (FSDP2, tier 1) but min nodes 2 and no replacement: the survivors
+  form a world of 2 and reshard the three ranks' snapshots (their own, c's replica on its buddy) into
+  their new shards. ``node_kill_shrink_lost_steps`` / ``node_kill_shrink_resume_s``.
 
 Run: ``OMP_NUM_THREADS=1 python bench/memory_tier.py [--json out.json]`` (about two minutes).
 """
@@ -155,7 +158,7 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
     if node_kill:
         job += node_kill
         common += ["--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
-        if node_kill == "fsdp":
+        if node_kill in ("fsdp", "fsdp-shrink"):
             common += ["--set", "checkpoint.memory_replica=true"]
             args += ["--strategy", "fsdp"]
         nnodes, size = ("3:3" if node_kill == "fsdp" else "2:3"), 3
@@ -258,6 +261,12 @@ def main() -> int:
                         baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="ddp")
         out.update({"node_kill_ddp_lost_steps": n["lost_steps"], "node_kill_ddp_resume_s": n["resume_s"],
                     "node_kill_ddp": n})
+        print("node_kill_shrink: 3 FSDP2 nodes, tier 1 on, node c SIGKILLed, not replaced: the survivors "
+              "reshard from memory at 2 ...", flush=True)
+        n = worker_kill(os.path.join(tmp, "node-shrink"), memory=True, kill_at=args.kill_at,
+                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="fsdp-shrink")
+        out.update({"node_kill_shrink_lost_steps": n["lost_steps"], "node_kill_shrink_resume_s": n["resume_s"],
+                    "node_kill_shrink": n})
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -270,7 +279,9 @@ def main() -> int:
                            "worker_kill_inplace": out["worker_kill_inplace"]["restore_tier"],
                            "worker_kill_storage": out.get("worker_kill_storage", {}).get("restore_tier"),
                            "node_kill": nk["restore_tier"] if nk else None,
-                           "node_kill_ddp": out["node_kill_ddp"]["restore_tier"] if "node_kill_ddp" in out else None}
+                           "node_kill_ddp": out["node_kill_ddp"]["restore_tier"] if "node_kill_ddp" in out else None,
+                           "node_kill_shrink": (out["node_kill_shrink"]["restore_tier"] if "node_kill_shrink" in out
+                                                else None)}
     rows = [("snapshot_overhead_ratio (mean step with/without)", out["snapshot_overhead_ratio"]),
             ("  step s with / without snapshots", f"{out['step_s_with_snapshots']} / {out['step_s_without_snapshots']}"),
             ("  snapshot s mean / p95", f"{out['snapshot_s_mean']} / {out['snapshot_s_p95']}"),
@@ -297,6 +308,9 @@ def main() -> int:
                  ("node_kill_ddp lost steps / resume s / tier (3 -> 2, no replacement)",
                   f"{out['node_kill_ddp_lost_steps']} / {out['node_kill_ddp_resume_s']} / "
                   f"{out['restore_tier']['node_kill_ddp']}"),
+                 ("node_kill_shrink lost steps / resume s / tier (FSDP2 3 -> 2, resharded)",
+                  f"{out['node_kill_shrink_lost_steps']} / {out['node_kill_shrink_resume_s']} / "
+                  f"{out['restore_tier']['node_kill_shrink']}"),
                  ("memory_ratio (node a: tier0+tier1 / state)",
                   f"{out['memory_ratio']} ({nk['tier0_bytes']} + {nk['tier1_bytes']} / {nk['state_bytes']} B)")]
     width = max(len(r[0]) for r in rows)

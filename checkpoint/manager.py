@@ -763,6 +763,9 @@ class CheckpointManager:
         provided = self._group.all_gather(mine)
         pick, sources, why = choose_sources(provided, world_size=self.world_size, newest_durable=newest_durable)
         if pick is None:
+            got = self._restore_resharded(state, memory, newest_durable, t_start)
+            if got is not None:
+                return got
             if self.rank == 0:
                 self._log.info("checkpoint_memory_skipped", reason=why, newest_durable=newest_durable)
             return None
@@ -811,6 +814,72 @@ class CheckpointManager:
                        base_step=self._base.step if self._base else None, newest_durable=newest_durable,
                        load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
         return chosen
+
+    def _restore_resharded(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
+                           t_start: float) -> int | None:
+        """Tiers 0 and 1 at another world size (a collective): the newest step newer than storage's for which
+        the nodes' memory holds a snapshot of every rank of an earlier world of another size (own slots or
+        replicas), sharded along dimension 0 (FSDP2); every rank receives every old rank's snapshot and
+        takes the rows of its new shards (:meth:`MemoryTier.load_resharded`). None when there is no such
+        set (storage next) or loading it failed on some rank (its snapshots are invalidated)."""
+        try:
+            mine = memory.reshard_candidates(state)
+        except Exception as e:  # noqa: BLE001 - an unreadable tier is no reason to fail a restore
+            self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
+            mine = []
+        holders: dict[tuple[int, str, int], dict[int, int]] = {}
+        for provider, items in enumerate(self._group.all_gather(mine)):
+            for rank, step, world, old_world in items:
+                if 0 <= rank < old_world:
+                    holders.setdefault((step, world, old_world), {}).setdefault(rank, provider)
+        complete = [k for k, by in holders.items() if len(by) == k[2]
+                    and (newest_durable is None or k[0] > newest_durable)]
+        if not complete:
+            return None
+        step, world, old_world = max(complete)
+        by_rank = holders[(step, world, old_world)]
+        t0 = time.monotonic()
+        err: str | None = None
+        blobs: dict[int, bytes] = {}
+        for r in range(old_world):  # every rank gets every old rank's snapshot, from its lowest holder
+            box: list[Any] = [None]
+            if self.rank == by_rank[r]:
+                try:
+                    box = [memory.blob_of(r, step, world, old_world)]
+                except Exception as e:  # noqa: BLE001 - agreed below
+                    err = describe(e)[:500]
+            if self._pg is not None:
+                dist.broadcast_object_list(box, group=self._pg, group_src=by_rank[r])
+            if box[0] is not None:
+                blobs[r] = box[0]
+        extra: dict[str, Any] = {}
+        if err is None:
+            try:
+                extra = memory.load_resharded(blobs, state, old_world)
+            except Exception as e:  # noqa: BLE001 - agreed below
+                err = describe(e)[:500]
+        errors = [e for e in self._group.all_gather(err) if e]
+        if errors:
+            self._log.error("checkpoint_memory_load_failed", step=step, old_world_size=old_world, errors=errors[:4],
+                            effect="the snapshots of this set are invalidated on every rank")
+            memory.invalidate_all()
+            if newest_durable is None:
+                raise CheckpointError(f"resharding the in-memory snapshots of step {step} from {old_world} ranks failed "
+                                      f"on some ranks ({errors[0]}) after others may have loaded them, and storage "
+                                      f"holds no committed step to fall back to; the snapshots were invalidated, so "
+                                      f"the restarted workers start from step 0. Fix: none needed")
+            return None
+        bases = [b for b in self._group.all_gather(extra.get("base")) if b is not None]
+        self._base = max(bases) if bases else None
+        self.last_restored = None
+        self.last_restored_repeats = 0
+        self.last_restored_tier = CheckpointTier.PEER
+        self._claim()
+        self._log.info("checkpoint_restored", step=step, tier=self.last_restored_tier.value, world=world,
+                       epoch=self.epoch, resharded_from=old_world, from_ranks=by_rank,
+                       base_step=self._base.step if self._base else None, newest_durable=newest_durable,
+                       load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
+        return step
 
     def _hand_over(self, memory: MemoryTier, sources: dict[int, tuple[int, int]], moved: list[int], step: int,
                    world: str) -> bytes | None:

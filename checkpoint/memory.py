@@ -34,11 +34,17 @@ Where tier 0 applies, and where it does not
     A rank reads its own rank's files on its own node, or receives a replica of its rank: the world
     must have the same size (torch elastic keeps the ranks of a restarted world of the same nodes in the
     same order). Replicated state (DDP, ``replicated=True``) is the exception: any rank's snapshot
-    restores any rank at any world size (:data:`ANY_RANK`). Anything else (sharded state at another
-    world size, a rank moved to another node and not replicated there, a layout that changed) makes
-    the restore fall back to storage. A restore from
-    storage, and a world re-formed in place, invalidate this rank's slots (:meth:`MemoryTier.invalidate`,
-    :meth:`MemoryTier.rebind`), so a snapshot of an abandoned branch of history is never restored later.
+    restores any rank at any world size (:data:`ANY_RANK`). Sharded state at another world size is
+    resharded (:meth:`MemoryTier.reshard_candidates`, :meth:`MemoryTier.load_resharded`): when the
+    nodes' memory holds a snapshot of every rank of the earlier world (own slots of any rank, replicas),
+    every rank receives all of them and takes the rows of its new shards (DTensors sharded along
+    dimension 0 over a 1-D mesh, as FSDP2's are: ``torch.chunk``'s split at both sizes); the transient
+    memory is the whole state on every rank. Anything else (another placement, a rank moved to another
+    node and not replicated there, a layout that changed) makes the restore fall back to storage. A
+    restore from storage invalidates every slot and replica of the node (:meth:`MemoryTier.invalidate_all`);
+    a world re-formed in place invalidates this rank's slots (:meth:`MemoryTier.rebind`; the live state
+    is newer) unless it reloads its state (sharded state re-formed through a checkpoint), so a snapshot
+    of an abandoned branch of history is never restored later.
 
 Threading: the training thread copies the tensors and the skeleton into the slot and returns; the
 checksum (CRC32 over the data, which releases the GIL), the header and the commit word are written by
@@ -61,7 +67,7 @@ import pickle
 import struct
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -305,6 +311,73 @@ def layout(skel: Any) -> Any:
     return None
 
 
+def relaxed(lay: Any) -> Any:
+    """A :func:`layout` with each tensor's first dimension dropped: two states sharded along dimension 0
+    at different world sizes (FSDP2) have equal relaxed layouts."""
+    if isinstance(lay, tuple) and len(lay) == 3 and lay[0] == "T":
+        return ("T", tuple(lay[1][1:]), lay[2])
+    if isinstance(lay, tuple) and len(lay) == 2 and lay[0] in ("S", "U"):
+        return (lay[0], tuple(relaxed(x) for x in lay[1]))
+    if isinstance(lay, dict):
+        return {k: relaxed(v) for k, v in lay.items()}
+    if isinstance(lay, list):
+        return [relaxed(v) for v in lay]
+    return lay
+
+
+def _chunk(total: int, parts: int, index: int) -> tuple[int, int]:
+    """``(offset, length)`` of chunk ``index`` of ``total`` rows split in ``parts`` as ``torch.chunk`` does
+    (DTensor's ``Shard(0)``, FSDP2): chunks of ``ceil(total / parts)`` rows, the last ones shorter or empty."""
+    size = -(-total // parts) if parts else 0
+    off = min(total, index * size)
+    return off, max(0, min(size, total - off))
+
+
+def fill_resharded(cur: Any, skel: Any, views: dict[int, list[torch.Tensor]], old_world: int, base: int) -> Any:
+    """:func:`fill` from the snapshots of every rank of a world of ``old_world`` ranks (``views`` by old
+    rank) into this rank's state at another world size: a DTensor sharded along dimension 0 over a 1-D
+    mesh takes the rows of its new shard from the old shards that hold them (``torch.chunk``'s split at
+    both sizes); any other tensor is the same on every rank and comes from old rank ``base``, as do the
+    non-tensor values. Raises :class:`MemoryTierError` on a layout it cannot reshard."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(cur, DTensor):
+        if cur.device_mesh.ndim != 1 or tuple(cur.placements) != (Shard(0),) or not isinstance(skel, tuple):
+            raise MemoryTierError(f"cannot reshard a DTensor placed {tuple(cur.placements)} over a "
+                                  f"{cur.device_mesh.ndim}-D mesh from memory (only Shard(0) over one dimension)")
+        local = cur._local_tensor
+        total = cur.shape[0]
+        shape, offset = compute_local_shape_and_global_offset(cur.shape, cur.device_mesh, cur.placements)
+        lo_new, hi_new = offset[0], offset[0] + shape[0]
+        for r in range(old_world):
+            src = views[r][skel[0]]
+            off, n = _chunk(total, old_world, r)
+            if tuple(src.shape) != (n, *cur.shape[1:]):
+                raise MemoryTierError(f"old rank {r}'s shard has shape {tuple(src.shape)}, not torch.chunk's "
+                                      f"{(n, *cur.shape[1:])} of {tuple(cur.shape)} over {old_world} ranks")
+            lo, hi = max(lo_new, off), min(hi_new, off + n)
+            if lo < hi:
+                local[lo - lo_new:hi - lo_new].copy_(src[lo - off:hi - off])
+        return cur
+    local = _local(cur)
+    if local is not None:
+        leaves = skel.leaves if isinstance(skel, _Shards) else (skel,)
+        for dst, leaf in zip(local, leaves, strict=True):
+            src = views[base][leaf[0]]
+            if src.shape != dst.shape:
+                raise MemoryTierError(f"a tensor of shape {tuple(dst.shape)} is {tuple(src.shape)} in the snapshot")
+            dst.copy_(src)
+        return cur
+    if isinstance(cur, dict):
+        return {k: fill_resharded(cur[k], skel[k], views, old_world, base) for k in cur}
+    if isinstance(cur, list):
+        return [fill_resharded(c, sk, views, old_world, base) for c, sk in zip(cur, skel, strict=True)]
+    if isinstance(cur, tuple):
+        return tuple(fill_resharded(c, sk, views, old_world, base) for c, sk in zip(cur, skel.items, strict=True))
+    return skel
+
+
 def fill(cur: Any, skel: Any, views: list[torch.Tensor]) -> Any:
     """Copy the snapshot into the tensors of ``cur`` (in place, as ``dcp.load`` does) and return ``cur``'s
     structure with the snapshot's non-tensor values."""
@@ -509,13 +582,17 @@ class MemoryTier:
         self._slots = [_Slot(os.path.join(self.directory, f"rank-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
         self._sig, self._newest, self._on_cpu = None, None, True
 
-    def rebind(self, rank: int, world_size: int) -> None:
+    def rebind(self, rank: int, world_size: int, *, keep: bool = False) -> None:
         """A new world formed in place: write and read as ``rank`` of ``world_size`` from now on. What
         this rank's old files and the new rank's files hold is invalidated: snapshots of the old world
-        are older than the live state this process continues with."""
-        self.invalidate()
+        are older than the live state this process continues with. ``keep``: the new world reloads its
+        state (sharded state re-formed through a checkpoint): the old world's snapshots stay candidates
+        for that restore (a restore from storage invalidates them all)."""
+        if not keep:
+            self.invalidate()
         self._attach(rank, world_size)
-        self.invalidate()
+        if not keep:
+            self.invalidate()
 
     def invalidate(self) -> None:
         """Make this rank's slots read as empty (after a restore from storage: what they hold belongs to
@@ -795,6 +872,71 @@ class MemoryTier:
             raise MemoryTierError(f"the snapshot of rank {h.rank} received from a peer does not fit this rank's state")
         return _load_data(h, data, state)
 
+    # -- resharding: the snapshots of a world of another size ---------------------------------------
+
+    def reshard_candidates(self, state: dict[str, Any]) -> list[tuple[int, int, str, int]]:
+        """``(rank, step, world, world_size)`` of every intact sharded snapshot in this node's folder (the
+        own slots of any rank, the replicas) written by a world of another size, whose layout fits
+        ``state``'s up to the sharded first dimension (:func:`relaxed`)."""
+        self.settle()
+        want = relaxed(layout(skeleton(materialise(state), [])))
+        out: set[tuple[int, int, str, int]] = set()
+        for name in sorted(os.listdir(self.directory)):
+            if not name.endswith(".snap") or not name.startswith(("rank-", "replica-")):
+                continue
+            slot = _Slot(os.path.join(self.directory, name))
+            h = slot.header()
+            if h is None or not h.complete or h.world_size == self.world_size:
+                continue
+            got = slot.read_valid(h.world_size, None)
+            if got is None:
+                continue
+            try:
+                meta = pickle.loads(got[1][got[0].tensor_bytes:])
+            except Exception:  # noqa: BLE001 - unreadable: not a candidate
+                continue
+            if not meta.get("replicated") and relaxed(layout(meta["skeleton"])) == want:
+                out.add((h.rank, h.step, str(meta.get("world", "")), h.world_size))
+        return sorted(out, key=lambda x: (-x[1], x[0], x[2], x[3]))
+
+    def blob_of(self, rank: int, step: int, world: str, world_size: int) -> bytes:
+        """:meth:`blob` of a snapshot of a world of ``world_size`` ranks (any size), from this node's own
+        slots of any rank or its replicas. Raises :class:`MemoryTierError` when there is none."""
+        self.settle()
+        for name in sorted(os.listdir(self.directory)):
+            if not name.endswith(".snap") or not name.startswith(("rank-", "replica-")):
+                continue
+            got = _Slot(os.path.join(self.directory, name)).read_valid(world_size, rank)
+            if got is not None and got[0].step == step and _world_of(*got) == world:
+                h, data = got
+                return h.pack() + bytes(HEADER_BYTES - _HEADER.size) + data
+        raise MemoryTierError(f"no valid in-memory snapshot of rank {rank} of a world of {world_size}, step {step} "
+                              f"in {self.directory}")
+
+    def load_resharded(self, blobs: dict[int, bytes], state: dict[str, Any], old_world: int) -> dict[str, Any]:
+        """Load the snapshots of every rank of a world of ``old_world`` ranks (``blobs`` by rank, each a
+        :meth:`blob`) into this rank's ``state`` at the current world size (:func:`fill_resharded`); this
+        rank's RNG states and values come from the old rank of the same number when there was one, else
+        old rank 0's (the trainer state then reseeds). Returns the snapshot's ``extra``. Raises
+        :class:`MemoryTierError` when a blob is damaged or the state cannot be resharded."""
+        views: dict[int, list[torch.Tensor]] = {}
+        metas: dict[int, dict[str, Any]] = {}
+        steps: set[tuple[int, str]] = set()
+        for r in range(old_world):
+            blob = blobs.get(r)
+            h = Header.unpack(blob[:_HEADER.size]) if blob else None
+            data = blob[HEADER_BYTES:] if blob else b""
+            if (h is None or not h.complete or h.rank != r or h.world_size != old_world
+                    or len(data) != h.tensor_bytes + h.meta_bytes or zlib.crc32(data) != h.crc32):
+                raise MemoryTierError(f"the snapshot of old rank {r} is missing or failed its checksum")
+            metas[r], views[r] = _parse(h, data)
+            steps.add((h.step, str(metas[r].get("world", ""))))
+        if len(steps) != 1:  # never mix steps or worlds
+            raise MemoryTierError(f"the snapshots to reshard are of different steps or worlds: {sorted(steps)[:4]}")
+        base = self.rank if self.rank < old_world else 0
+        _load_into(state, metas[base]["skeleton"], lambda cur, skel: fill_resharded(cur, skel, views, old_world, base))
+        return dict(metas[base]["extra"])
+
     def close(self) -> None:
         """Unmap the slot files (they stay: the agent owns them)."""
         self.settle()
@@ -812,8 +954,8 @@ def _world_of(h: Header, data: bytes) -> str:
         return "\0unreadable"
 
 
-def _load_data(h: Header, data: bytes, state: dict[str, Any]) -> dict[str, Any]:
-    """Load one snapshot's data (tensors + skeleton) into ``state`` in place; return its ``extra``."""
+def _parse(h: Header, data: bytes) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """One snapshot's meta and a view of each of its tensors (over a private copy of ``data``)."""
     meta = pickle.loads(data[h.tensor_bytes:])
     raw = torch.frombuffer(bytearray(data[:h.tensor_bytes]), dtype=torch.uint8) if h.tensor_bytes else None
     views: list[torch.Tensor] = []
@@ -824,15 +966,25 @@ def _load_data(h: Header, data: bytes, state: dict[str, Any]) -> dict[str, Any]:
         chunk = raw[off:off + n] if raw is not None and n else torch.empty(0, dtype=torch.uint8)
         views.append(chunk.view(dtype).view(shape))
         off += _align(n)
-    skel = meta["skeleton"]
+    return meta, views
+
+
+def _load_into(state: dict[str, Any], skel: Any, fill_one: Callable[[Any, Any], Any]) -> None:
+    """Fill every entry of ``state`` in place from ``skel`` (``fill_one(current, skeleton)``), then load it."""
     with torch.no_grad():
         for k, v in state.items():
             if _has_local(v):
-                v.load_local_state_dict(fill(v.local_state_dict(), skel[k], views))
+                v.load_local_state_dict(fill_one(v.local_state_dict(), skel[k]))
             elif isinstance(v, Stateful):
-                v.load_state_dict(fill(v.state_dict(), skel[k], views))
+                v.load_state_dict(fill_one(v.state_dict(), skel[k]))
             elif isinstance(v, dict):
-                v.update(fill(v, skel[k], views))
+                v.update(fill_one(v, skel[k]))
+
+
+def _load_data(h: Header, data: bytes, state: dict[str, Any]) -> dict[str, Any]:
+    """Load one snapshot's data (tensors + skeleton) into ``state`` in place; return its ``extra``."""
+    meta, views = _parse(h, data)
+    _load_into(state, meta["skeleton"], lambda cur, skel: fill(cur, skel, views))
     return dict(meta["extra"])
 
 

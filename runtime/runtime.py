@@ -384,7 +384,8 @@ class Runtime:
         self._replicator = None
         if self._memory_dir:
             if self._memory is not None:
-                self._memory.rebind(self.rank, self.world_size)
+                assert self.strategy is not None
+                self._memory.rebind(self.rank, self.world_size, keep=self.strategy.reform_state == "checkpoint")
             else:
                 try:
                     assert self.strategy is not None

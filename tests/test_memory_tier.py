@@ -464,7 +464,8 @@ def test_runtime_restores_the_newest_snapshot_then_saves_it_durably(tmp_path, ke
     url, folder = str(tmp_path / "ckpt"), str(tmp_path / "node")
     os.makedirs(folder)
     _, ref = _train_rt(str(tmp_path / "ref"), str(tmp_path / "unused"), 6, every=0)  # the same run to step 6
-    _train_rt(url, folder, 7, every=2)  # snapshots of 2, 4, 6; "killed" after step 7 (no finish)
+    killed, _ = _train_rt(url, folder, 7, every=2)  # snapshots of 2, 4, 6; "killed" after step 7 (no finish)
+    killed._memory.close()  # its commit thread dies with the process (else it lingers until garbage collected)
     with capture_logs() as logs:
         rt, model = _train_rt(url, folder, 6, every=2, restore=True)
     restored = [e for e in logs if e["event"] == "worker_restored"]

@@ -9,6 +9,8 @@ trained exactly once in the committed lineage.
   The snapshot folders survive the workers and go with the agents.
 * tier 1, FSDP2: three agents replicate their snapshots to a buddy node; a whole node is SIGKILLed and a
   replacement joins (min nodes 3): the lost rank's state comes from its buddy's replica.
+* tier 1, FSDP2, no replacement (min nodes 2): the two survivors re-form a world of 2 and reshard the
+  three ranks' snapshots (their own and the lost node's replica) into their new shards.
 """
 
 import os
@@ -169,6 +171,60 @@ def test_node_sigkill_restores_the_lost_rank_from_its_buddy(tmp_path):
         redone = samples.check_lineage_exactly_once(folder, _world.E2E_BATCH)
         assert sorted(redone) == list(range(step + 1, last + 1)), (redone, step, last)
         print(f"restored step {step} from the buddy replica, lost {lost} step(s)")
+    except AssertionError:
+        for n in nodes:
+            print(n.dump(60))
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path):
+    """Tier 1 at another world size: three FSDP2 nodes replicate their snapshots to the next node; node c
+    (agent and worker) is SIGKILLed and not replaced (min nodes 2): the survivors form a world of 2 and
+    every rank takes the rows of its new shards from the three ranks' snapshots (a's and b's own, c's
+    replica on its buddy). Lost work <= memory interval + one replica lag; every sample once; there is
+    no periodic checkpoint in storage at all."""
+    tmp = str(tmp_path)
+    folder = os.path.join(tmp, "samples")
+    os.makedirs(folder)
+    shm = os.path.join(tmp, "shm")
+    ep = f"127.0.0.1:{free_port()}"
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval=off",
+              "--set", "checkpoint.memory_interval_steps=1", "--set", "checkpoint.memory_replica=true",
+              "--set", f"checkpoint.memory_dir={shm}", "--set", "workers.reform=restart",
+              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
+    args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", folder,
+            "--strategy", "fsdp", *_world.JOB[:-4], *_world.E2E_SIZE]
+    a = Node("a", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    c = Node("c", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    nodes = [a, b, c]
+    try:
+        wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
+                   "8 steps at world size 3")
+        n_before = len({e["round"] for n in nodes for e in restored(n)})
+        kids = c.worker_pids()
+        c.proc.kill()  # the whole node: agent and worker
+        for p in kids:
+            os.kill(p, signal.SIGKILL)
+        back = wait_until(lambda: _restores_after((a, b), n_before, 2), 120, "a world of 2 restored")
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= back[0]["step"] + 3
+                               for e in a.events("train_step")), 60, "training at world size 2")
+        assert {e["source"] for e in back} == {"peer"}, back
+        resharded = [e for n in (a, b) for e in n.events("checkpoint_restored") if e.get("resharded_from") == 3]
+        assert len(resharded) == 2, [e for n in (a, b) for e in n.events("checkpoint_restored")]
+        step, last = _lost(folder, back)
+        assert 0 <= last - step <= 2, (last, step)
+        for n in (a, b):
+            n.signal(signal.SIGTERM)
+        for n in (a, b):
+            n.wait(60)
+        redone = samples.check_lineage_exactly_once(folder, _world.E2E_BATCH)
+        assert sorted(redone) == list(range(step + 1, last + 1)), (redone, step, last)
+        print(f"resharded step {step} from 3 ranks to 2, lost {last - step} step(s)")
     except AssertionError:
         for n in nodes:
             print(n.dump(60))
