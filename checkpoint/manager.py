@@ -83,7 +83,7 @@ from trainguard.checkpoint.errors import (
 )
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.memory import ANY_RANK, MemoryTier, choose_sources
+from trainguard.checkpoint.memory import ANY_RANK, MemoryTier, choose_sources, shards_needed
 from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
@@ -819,9 +819,10 @@ class CheckpointManager:
                            t_start: float) -> int | None:
         """Tiers 0 and 1 at another world size (a collective): the newest step newer than storage's for which
         the nodes' memory holds a snapshot of every rank of an earlier world of another size (own slots or
-        replicas), sharded along dimension 0 (FSDP2); every rank receives every old rank's snapshot and
-        takes the rows of its new shards (:meth:`MemoryTier.load_resharded`). None when there is no such
-        set (storage next) or loading it failed on some rank (its snapshots are invalidated)."""
+        replicas), sharded along dimension 0 (FSDP2); every rank receives the old ranks' snapshots whose
+        shards overlap its new ones (point to point, from the lowest holder) and takes the rows of its new
+        shards (:meth:`MemoryTier.load_resharded`). None when there is no such set (storage next) or
+        loading it failed on some rank (its snapshots are invalidated)."""
         try:
             mine = memory.reshard_candidates(state)
         except Exception as e:  # noqa: BLE001 - an unreadable tier is no reason to fail a restore
@@ -840,18 +841,40 @@ class CheckpointManager:
         by_rank = holders[(step, world, old_world)]
         t0 = time.monotonic()
         err: str | None = None
+        try:
+            mine_needed = sorted(shards_needed(state, old_world, self.rank))
+        except Exception as e:  # noqa: BLE001 - agreed below
+            mine_needed, err = [], describe(e)[:500]
+        needed = self._group.all_gather(mine_needed)
         blobs: dict[int, bytes] = {}
-        for r in range(old_world):  # every rank gets every old rank's snapshot, from its lowest holder
-            box: list[Any] = [None]
-            if self.rank == by_rank[r]:
+        moved = 0
+        for r in range(old_world):  # each old shard to the ranks whose new shards overlap it, from its lowest holder
+            p = by_rank[r]
+            wanted = [q for q in range(self.world_size) if r in needed[q]]
+            blob: bytes | None = None
+            if self.rank == p and wanted:
                 try:
-                    box = [memory.blob_of(r, step, world, old_world)]
-                except Exception as e:  # noqa: BLE001 - agreed below
+                    blob = memory.blob_of(r, step, world, old_world)
+                except Exception as e:  # noqa: BLE001 - agreed below; the receivers get an empty blob
                     err = describe(e)[:500]
-            if self._pg is not None:
-                dist.broadcast_object_list(box, group=self._pg, group_src=by_rank[r])
-            if box[0] is not None:
-                blobs[r] = box[0]
+                if self.rank in wanted and blob is not None:
+                    blobs[r] = blob
+            for q in wanted:
+                if q == p:
+                    continue
+                if self.rank == p:
+                    payload = blob or b""
+                    dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=q, group=self._pg)
+                    if payload:
+                        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=q, group=self._pg)
+                elif self.rank == q:
+                    n = torch.zeros(1, dtype=torch.int64)
+                    dist.recv(n, src=p, group=self._pg)
+                    if int(n.item()):
+                        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+                        dist.recv(buf, src=p, group=self._pg)
+                        blobs[r] = buf.numpy().tobytes()
+                moved += 1
         extra: dict[str, Any] = {}
         if err is None:
             try:
@@ -876,7 +899,8 @@ class CheckpointManager:
         self.last_restored_tier = CheckpointTier.PEER
         self._claim()
         self._log.info("checkpoint_restored", step=step, tier=self.last_restored_tier.value, world=world,
-                       epoch=self.epoch, resharded_from=old_world, from_ranks=by_rank,
+                       epoch=self.epoch, resharded_from=old_world, from_ranks=by_rank, needed=mine_needed,
+                       transfers=moved,
                        base_step=self._base.step if self._base else None, newest_durable=newest_durable,
                        load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
         return step

@@ -37,9 +37,10 @@ Where tier 0 applies, and where it does not
     restores any rank at any world size (:data:`ANY_RANK`). Sharded state at another world size is
     resharded (:meth:`MemoryTier.reshard_candidates`, :meth:`MemoryTier.load_resharded`): when the
     nodes' memory holds a snapshot of every rank of the earlier world (own slots of any rank, replicas),
-    every rank receives all of them and takes the rows of its new shards (DTensors sharded along
-    dimension 0 over a 1-D mesh, as FSDP2's are: ``torch.chunk``'s split at both sizes); the transient
-    memory is the whole state on every rank. Anything else (another placement, a rank moved to another
+    every rank receives those whose shards overlap its new ones (:func:`shards_needed`) and takes the
+    rows of its new shards (DTensors sharded along dimension 0 over a 1-D mesh, as FSDP2's are:
+    ``torch.chunk``'s split at both sizes); the transient memory is those old shards (about
+    ``old / new + 1`` of them per rank). Anything else (another placement, a rank moved to another
     node and not replicated there, a layout that changed) makes the restore fall back to storage. A
     restore from storage invalidates every slot and replica of the node (:meth:`MemoryTier.invalidate_all`);
     a world re-formed in place invalidates this rank's slots (:meth:`MemoryTier.rebind`; the live state
@@ -333,6 +334,38 @@ def _chunk(total: int, parts: int, index: int) -> tuple[int, int]:
     return off, max(0, min(size, total - off))
 
 
+def _dtensors(sd: Any, out: list[Any]) -> list[Any]:
+    """The DTensors of a (materialised) state, in walk order."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(sd, DTensor):
+        out.append(sd)
+    elif isinstance(sd, dict):
+        for v in sd.values():
+            _dtensors(v, out)
+    elif isinstance(sd, (list, tuple)):
+        for v in sd:
+            _dtensors(v, out)
+    return out
+
+
+def shards_needed(state: dict[str, Any], old_world: int, rank: int) -> set[int]:
+    """The old ranks (of a world of ``old_world``) whose snapshots this rank needs to reshard ``state``: those
+    whose dimension-0 shards overlap this rank's new shards (:func:`fill_resharded`), and the old rank its
+    other values come from."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    need = {rank if rank < old_world else 0}
+    for t in _dtensors(materialise(state), []):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        a, b = offset[0], offset[0] + shape[0]
+        for r in range(old_world):
+            off, n = _chunk(t.shape[0], old_world, r)
+            if max(a, off) < min(b, off + n):
+                need.add(r)
+    return need
+
+
 def fill_resharded(cur: Any, skel: Any, views: dict[int, list[torch.Tensor]], old_world: int, base: int) -> Any:
     """:func:`fill` from the snapshots of every rank of a world of ``old_world`` ranks (``views`` by old
     rank) into this rank's state at another world size: a DTensor sharded along dimension 0 over a 1-D
@@ -351,8 +384,12 @@ def fill_resharded(cur: Any, skel: Any, views: dict[int, list[torch.Tensor]], ol
         shape, offset = compute_local_shape_and_global_offset(cur.shape, cur.device_mesh, cur.placements)
         lo_new, hi_new = offset[0], offset[0] + shape[0]
         for r in range(old_world):
-            src = views[r][skel[0]]
             off, n = _chunk(total, old_world, r)
+            if max(lo_new, off) >= min(hi_new, off + n):
+                continue  # no rows of this rank's shard (its snapshot may not even be here)
+            if r not in views:
+                raise MemoryTierError(f"the snapshot of old rank {r} is needed and missing")
+            src = views[r][skel[0]]
             if tuple(src.shape) != (n, *cur.shape[1:]):
                 raise MemoryTierError(f"old rank {r}'s shard has shape {tuple(src.shape)}, not torch.chunk's "
                                       f"{(n, *cur.shape[1:])} of {tuple(cur.shape)} over {old_world} ranks")
@@ -914,15 +951,16 @@ class MemoryTier:
                               f"in {self.directory}")
 
     def load_resharded(self, blobs: dict[int, bytes], state: dict[str, Any], old_world: int) -> dict[str, Any]:
-        """Load the snapshots of every rank of a world of ``old_world`` ranks (``blobs`` by rank, each a
-        :meth:`blob`) into this rank's ``state`` at the current world size (:func:`fill_resharded`); this
-        rank's RNG states and values come from the old rank of the same number when there was one, else
-        old rank 0's (the trainer state then reseeds). Returns the snapshot's ``extra``. Raises
-        :class:`MemoryTierError` when a blob is damaged or the state cannot be resharded."""
+        """Load the snapshots of the ranks of a world of ``old_world`` ranks that this rank needs
+        (:func:`shards_needed`; ``blobs`` by old rank, each a :meth:`blob`) into its ``state`` at the
+        current world size (:func:`fill_resharded`); this rank's RNG states and values come from the old
+        rank of the same number when there was one, else old rank 0's (the trainer state then reseeds).
+        Returns the snapshot's ``extra``. Raises :class:`MemoryTierError` when a needed blob is missing
+        or damaged, or the state cannot be resharded."""
         views: dict[int, list[torch.Tensor]] = {}
         metas: dict[int, dict[str, Any]] = {}
         steps: set[tuple[int, str]] = set()
-        for r in range(old_world):
+        for r in sorted(shards_needed(state, old_world, self.rank)):
             blob = blobs.get(r)
             h = Header.unpack(blob[:_HEADER.size]) if blob else None
             data = blob[HEADER_BYTES:] if blob else b""

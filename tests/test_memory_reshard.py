@@ -20,7 +20,7 @@ WORKER = r"""
 import json, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from trainguard.checkpoint.memory import MemoryTier
+from trainguard.checkpoint.memory import MemoryTier, shards_needed
 rank, world, init, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 mesh = init_device_mesh("cpu", (world,))
@@ -28,10 +28,11 @@ state = {"app": {"w": distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)]),
                  "b": distribute_tensor(torch.zeros(1, 2), mesh, [Shard(0)]), "step": torch.tensor(0.0), "lr": 0.0}}
 tier = MemoryTier(folder, rank=rank, world_size=world)
 cands = tier.reshard_candidates(state)
-blobs = {r: tier.blob_of(r, 9, "job/3", 3) for r in range(3)}
+needed = sorted(shards_needed(state, 3, rank))
+blobs = {r: tier.blob_of(r, 9, "job/3", 3) for r in needed}  # only the old shards this rank's new ones overlap
 extra = tier.load_resharded(blobs, state, 3)
 app = state["app"]
-print(json.dumps({"cands": cands, "w": app["w"].to_local().tolist(), "b": app["b"].to_local().tolist(),
+print(json.dumps({"cands": cands, "needed": needed, "w": app["w"].to_local().tolist(), "b": app["b"].to_local().tolist(),
                   "step": app["step"].item(), "lr": app["lr"], "extra": extra}), flush=True)
 dist.barrier()
 import os
@@ -72,6 +73,8 @@ def test_a_world_of_2_takes_its_rows_from_the_snapshots_of_a_world_of_3(tmp_path
     assert r0["b"] == B.tolist() and r1["b"] == []
     assert r0["step"] == r1["step"] == 7.0 and r0["lr"] == r1["lr"] == 0.1
     assert r0["extra"] == {"base": None}
+    # rows 0-2 of w live in old ranks 0 (0-1) and 1 (2); rows 3-4 in old ranks 1 (3) and 2 (4); b's one row in 0
+    assert r0["needed"] == [0, 1] and r1["needed"] == [1, 2]
 
 
 def test_shards_that_are_not_torch_chunks_or_a_missing_rank_are_refused(tmp_path):
@@ -86,11 +89,11 @@ def test_shards_that_are_not_torch_chunks_or_a_missing_rank_are_refused(tmp_path
         blobs[r] = t.blob(r, 4, "job/2")
         t.close()
     with pytest.raises(mem.MemoryTierError, match="missing or failed its checksum"):
-        tier.load_resharded({0: blobs[0]}, cur, 2)
-    damaged = bytearray(blobs[1])
+        tier.load_resharded({1: blobs[1]}, cur, 2)  # rank 0's values come from old rank 0: needed
+    damaged = bytearray(blobs[0])
     damaged[-1] ^= 0xFF
     with pytest.raises(mem.MemoryTierError, match="missing or failed its checksum"):
-        tier.load_resharded({0: blobs[0], 1: bytes(damaged)}, cur, 2)
+        tier.load_resharded({0: bytes(damaged), 1: blobs[1]}, cur, 2)
     # a plain tensor (not a DTensor) must be the same on every rank: here it is not, and is refused
     with pytest.raises(mem.MemoryTierError, match=r"a tensor of shape \(5, 3\) is \(1, 3\)"):
         tier.load_resharded(blobs, cur, 2)
