@@ -789,26 +789,11 @@ class CheckpointManager:
                     extra = memory.load_blob(blob, state)
             except Exception as e:  # noqa: BLE001 - agreed below; every rank then goes to storage
                 err = describe(e)[:500]
-        errors = [e for e in self._group.all_gather(err) if e]
-        if errors:
-            self._log.error("checkpoint_memory_load_failed", step=chosen, errors=errors[:4],
-                            effect="the snapshots of this set are invalidated on every rank")
-            memory.invalidate_all()  # never chosen again: the next restore (or restart) goes to storage
-            if newest_durable is None:
-                raise CheckpointError(f"loading the in-memory snapshot of step {chosen} failed on some ranks "
-                                      f"({errors[0]}) after others may have loaded it, and storage holds no committed "
-                                      f"step to fall back to; the snapshots were invalidated, so the restarted "
-                                      f"workers start from step 0. Fix: none needed; set "
-                                      f"checkpoint.memory_interval_steps=0 (TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS) "
-                                      f"if it happens again")
+        if not self._agreed_memory_load(memory, err, newest_durable, f"loading the in-memory snapshot of step {chosen}",
+                                        step=chosen):
             return None
-        bases = [b for b in self._group.all_gather(extra.get("base")) if b is not None]
-        self._base = max(bases) if bases else None
-        self.last_restored = None
-        self.last_restored_repeats = 0
-        self.last_restored_tier = CheckpointTier.PEER if moved else CheckpointTier.MEMORY
+        self._claim_from_memory(extra, CheckpointTier.PEER if moved else CheckpointTier.MEMORY)
         replicated = any(src == ANY_RANK for _, src in sources.values())
-        self._claim()
         self._log.info("checkpoint_restored", step=chosen, tier=self.last_restored_tier.value, world=world,
                        epoch=self.epoch, from_peers={r: sources[r][0] for r in moved}, replicated=replicated,
                        base_step=self._base.step if self._base else None, newest_durable=newest_durable,
@@ -854,7 +839,7 @@ class CheckpointManager:
             blob: bytes | None = None
             if self.rank == p and wanted:
                 try:
-                    blob = memory.blob_of(r, step, world, old_world)
+                    blob = memory.blob(r, step, world, world_size=old_world)
                 except Exception as e:  # noqa: BLE001 - agreed below; the receivers get an empty blob
                     err = describe(e)[:500]
                 if self.rank in wanted and blob is not None:
@@ -863,17 +848,9 @@ class CheckpointManager:
                 if q == p:
                     continue
                 if self.rank == p:
-                    payload = blob or b""
-                    dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=q, group=self._pg)
-                    if payload:
-                        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=q, group=self._pg)
-                elif self.rank == q:
-                    n = torch.zeros(1, dtype=torch.int64)
-                    dist.recv(n, src=p, group=self._pg)
-                    if int(n.item()):
-                        buf = torch.empty(int(n.item()), dtype=torch.uint8)
-                        dist.recv(buf, src=p, group=self._pg)
-                        blobs[r] = buf.numpy().tobytes()
+                    self._send_blob(blob or b"", q)  # empty when it could not be read: the receiver fails, agreed below
+                elif self.rank == q and (got := self._recv_blob(p)) is not None:
+                    blobs[r] = got
                 moved += 1
         extra: dict[str, Any] = {}
         if err is None:
@@ -881,23 +858,11 @@ class CheckpointManager:
                 extra = memory.load_resharded(blobs, state, old_world)
             except Exception as e:  # noqa: BLE001 - agreed below
                 err = describe(e)[:500]
-        errors = [e for e in self._group.all_gather(err) if e]
-        if errors:
-            self._log.error("checkpoint_memory_load_failed", step=step, old_world_size=old_world, errors=errors[:4],
-                            effect="the snapshots of this set are invalidated on every rank")
-            memory.invalidate_all()
-            if newest_durable is None:
-                raise CheckpointError(f"resharding the in-memory snapshots of step {step} from {old_world} ranks failed "
-                                      f"on some ranks ({errors[0]}) after others may have loaded them, and storage "
-                                      f"holds no committed step to fall back to; the snapshots were invalidated, so "
-                                      f"the restarted workers start from step 0. Fix: none needed")
+        if not self._agreed_memory_load(memory, err, newest_durable,
+                                        f"resharding the in-memory snapshots of step {step} from {old_world} ranks",
+                                        step=step, old_world_size=old_world):
             return None
-        bases = [b for b in self._group.all_gather(extra.get("base")) if b is not None]
-        self._base = max(bases) if bases else None
-        self.last_restored = None
-        self.last_restored_repeats = 0
-        self.last_restored_tier = CheckpointTier.PEER
-        self._claim()
+        self._claim_from_memory(extra, CheckpointTier.PEER)
         self._log.info("checkpoint_restored", step=step, tier=self.last_restored_tier.value, world=world,
                        epoch=self.epoch, resharded_from=old_world, from_ranks=by_rank, needed=mine_needed,
                        transfers=moved,
@@ -913,16 +878,56 @@ class CheckpointManager:
         for r in moved:
             p, src = sources[r]
             if self.rank == p:
-                blob = memory.blob(src, step, world)
-                dist.send(torch.tensor([len(blob)], dtype=torch.int64), dst=r, group=self._pg)
-                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=r, group=self._pg)
+                self._send_blob(memory.blob(src, step, world), r)
             elif self.rank == r:
-                n = torch.zeros(1, dtype=torch.int64)
-                dist.recv(n, src=p, group=self._pg)
-                buf = torch.empty(int(n.item()), dtype=torch.uint8)
-                dist.recv(buf, src=p, group=self._pg)
-                got = buf.numpy().tobytes()
+                got = self._recv_blob(p)
         return got
+
+    def _send_blob(self, payload: bytes, dst: int) -> None:
+        """Send ``payload`` to rank ``dst`` over the checkpoint group: its length, then (when not empty) it."""
+        dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=dst, group=self._pg)
+        if payload:
+            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=self._pg)
+
+    def _recv_blob(self, src: int) -> bytes | None:
+        """What :meth:`_send_blob` from rank ``src`` sent (None: an empty payload)."""
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.recv(n, src=src, group=self._pg)
+        if not int(n.item()):
+            return None
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.recv(buf, src=src, group=self._pg)
+        return buf.numpy().tobytes()
+
+    def _agreed_memory_load(self, memory: MemoryTier, err: str | None, newest_durable: int | None, what: str,
+                            **log: Any) -> bool:
+        """Whether every rank loaded the chosen in-memory set (``err``: this rank's failure). When some
+        rank did not: log it, invalidate the node's snapshots so that the set is never chosen again, and
+        return False (storage next), or raise :class:`CheckpointError` when storage has nothing to fall
+        back to (other ranks may have loaded it)."""
+        errors = [e for e in self._group.all_gather(err) if e]
+        if not errors:
+            return True
+        self._log.error("checkpoint_memory_load_failed", errors=errors[:4],
+                        effect="the snapshots of this set are invalidated on every rank", **log)
+        memory.invalidate_all()  # never chosen again: the next restore (or restart) goes to storage
+        if newest_durable is None:
+            raise CheckpointError(f"{what} failed on some ranks ({errors[0]}) after others may have loaded it, and "
+                                  f"storage holds no committed step to fall back to; the snapshots were invalidated, "
+                                  f"so the restarted workers start from step 0. Fix: none needed; set "
+                                  f"checkpoint.memory_interval_steps=0 (TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS) "
+                                  f"if it happens again")
+        return False
+
+    def _claim_from_memory(self, extra: dict[str, Any], tier: CheckpointTier) -> None:
+        """Every rank loaded an in-memory set: the world's base is the newest committed step it descends
+        from (its ``extra``), and the world claims its epoch."""
+        bases = [b for b in self._group.all_gather(extra.get("base")) if b is not None]
+        self._base = max(bases) if bases else None
+        self.last_restored = None
+        self.last_restored_repeats = 0
+        self.last_restored_tier = tier
+        self._claim()
 
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version

@@ -68,7 +68,7 @@ import pickle
 import struct
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -774,22 +774,32 @@ class MemoryTier:
 
     # -- tier 1: replicas of a buddy's snapshots ---------------------------------------------------
 
-    def blob(self, rank: int, step: int, world: str) -> bytes:
+    def blob(self, rank: int, step: int, world: str, world_size: int | None = None) -> bytes:
         """A complete slot (header + data) of ``rank``'s snapshot of ``step`` by ``world``: this rank's
         own, a replica this node holds, or (``rank`` :data:`ANY_RANK`) a replicated snapshot of any rank
-        and world size in this node's folder. Raises :class:`MemoryTierError` when there is none."""
+        and world size in this node's folder; with ``world_size`` (a world of another size, to reshard),
+        any slot or replica of the node folder of that rank and size. Raises :class:`MemoryTierError`
+        when there is none."""
         self.settle()
-        if rank == ANY_RANK:
+        if world_size is not None:
+            slots = self._node_files()
+        elif rank == ANY_RANK:
             slots = self._own_files()
         else:
             slots = self._slots if rank == self.rank else self._replica_slots(rank)
         for s in slots:
-            got = (s.read_valid(s.header().world_size if s.header() else -1, None) if rank == ANY_RANK
-                   else s.read_valid(self.world_size, rank))
+            if world_size is not None:
+                got = s.read_valid(world_size, rank)
+            elif rank == ANY_RANK:
+                got = s.read_valid(s.header().world_size if s.header() else -1, None)
+            else:
+                got = s.read_valid(self.world_size, rank)
             if got is not None and got[0].step == step and _world_of(*got) == world:
                 h, data = got
                 return h.pack() + bytes(HEADER_BYTES - _HEADER.size) + data
-        raise MemoryTierError(f"no valid in-memory snapshot of rank {rank}, step {step} in {self.directory}")
+        raise MemoryTierError(f"no valid in-memory snapshot of rank {rank}"
+                              f"{'' if world_size is None else f' of a world of {world_size}'}, step {step} "
+                              f"in {self.directory}")
 
     def newest_blob(self) -> bytes | None:
         """This rank's newest snapshot as a blob (header + data, a copy), or None."""
@@ -867,8 +877,12 @@ class MemoryTier:
         return self.commit_replica(target, blob[:HEADER_BYTES], h.rank)
 
     def _own_files(self) -> list[_Slot]:
+        return self._node_files(("rank-",))
+
+    def _node_files(self, prefixes: tuple[str, ...] = ("rank-", "replica-")) -> list[_Slot]:
+        """The node folder's slots (every rank's own, and the replicas), by name."""
         return [_Slot(os.path.join(self.directory, n)) for n in sorted(os.listdir(self.directory))
-                if n.startswith("rank-") and n.endswith(".snap")]
+                if n.startswith(prefixes) and n.endswith(".snap")]
 
     def provides(self, state: dict[str, Any]) -> list[tuple[int, int, str]]:
         """``(rank, step, world)`` of every intact snapshot this rank can hand out: of this world size,
@@ -878,17 +892,9 @@ class MemoryTier:
         out = [(self.rank, step, world) for step, world in self.available(state)]
         if self.replicated:
             want = layout(skeleton(materialise(state), []))
-            for slot in self._own_files():
-                h = slot.header()
-                got = slot.read_valid(h.world_size, None) if h is not None else None
-                if got is None:
-                    continue
-                try:
-                    meta = pickle.loads(got[1][got[0].tensor_bytes:])
-                except Exception:  # noqa: BLE001 - unreadable: not a candidate
-                    continue
+            for h, meta in _intact(self._own_files()):
                 if meta.get("replicated") and layout(meta["skeleton"]) == want:
-                    out.append((ANY_RANK, got[0].step, str(meta.get("world", ""))))
+                    out.append((ANY_RANK, h.step, str(meta.get("world", ""))))
         for name in sorted(os.listdir(self.directory)):
             if not name.startswith("replica-") or not name.endswith(".snap"):
                 continue
@@ -917,38 +923,10 @@ class MemoryTier:
         ``state``'s up to the sharded first dimension (:func:`relaxed`)."""
         self.settle()
         want = relaxed(layout(skeleton(materialise(state), [])))
-        out: set[tuple[int, int, str, int]] = set()
-        for name in sorted(os.listdir(self.directory)):
-            if not name.endswith(".snap") or not name.startswith(("rank-", "replica-")):
-                continue
-            slot = _Slot(os.path.join(self.directory, name))
-            h = slot.header()
-            if h is None or not h.complete or h.world_size == self.world_size:
-                continue
-            got = slot.read_valid(h.world_size, None)
-            if got is None:
-                continue
-            try:
-                meta = pickle.loads(got[1][got[0].tensor_bytes:])
-            except Exception:  # noqa: BLE001 - unreadable: not a candidate
-                continue
-            if not meta.get("replicated") and relaxed(layout(meta["skeleton"])) == want:
-                out.add((h.rank, h.step, str(meta.get("world", "")), h.world_size))
+        other_size = _intact(self._node_files(), keep=lambda h: h.world_size != self.world_size)
+        out = {(h.rank, h.step, str(meta.get("world", "")), h.world_size) for h, meta in other_size
+               if not meta.get("replicated") and relaxed(layout(meta["skeleton"])) == want}
         return sorted(out, key=lambda x: (-x[1], x[0], x[2], x[3]))
-
-    def blob_of(self, rank: int, step: int, world: str, world_size: int) -> bytes:
-        """:meth:`blob` of a snapshot of a world of ``world_size`` ranks (any size), from this node's own
-        slots of any rank or its replicas. Raises :class:`MemoryTierError` when there is none."""
-        self.settle()
-        for name in sorted(os.listdir(self.directory)):
-            if not name.endswith(".snap") or not name.startswith(("rank-", "replica-")):
-                continue
-            got = _Slot(os.path.join(self.directory, name)).read_valid(world_size, rank)
-            if got is not None and got[0].step == step and _world_of(*got) == world:
-                h, data = got
-                return h.pack() + bytes(HEADER_BYTES - _HEADER.size) + data
-        raise MemoryTierError(f"no valid in-memory snapshot of rank {rank} of a world of {world_size}, step {step} "
-                              f"in {self.directory}")
 
     def load_resharded(self, blobs: dict[int, bytes], state: dict[str, Any], old_world: int) -> dict[str, Any]:
         """Load the snapshots of the ranks of a world of ``old_world`` ranks that this rank needs
@@ -983,6 +961,22 @@ class MemoryTier:
             self._pool = None
         for s in self._slots:
             s.close()
+
+
+def _intact(slots: list[_Slot], keep: Callable[[Header], bool] = lambda h: True) -> Iterator[tuple[Header, dict[str, Any]]]:
+    """The header and meta of each slot that is complete and checksum-verified, of any rank and world
+    size, whose header ``keep`` accepts (checked before the data is read); a slot whose meta cannot be
+    read is skipped: not a candidate."""
+    for slot in slots:
+        h = slot.header()
+        got = slot.read_valid(h.world_size, None) if h is not None and keep(h) else None
+        if got is None:
+            continue
+        try:
+            meta = pickle.loads(got[1][got[0].tensor_bytes:])
+        except Exception:  # noqa: BLE001 - unreadable: not a candidate
+            continue
+        yield got[0], meta
 
 
 def _world_of(h: Header, data: bytes) -> str:

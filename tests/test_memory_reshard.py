@@ -29,7 +29,7 @@ state = {"app": {"w": distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)]),
 tier = MemoryTier(folder, rank=rank, world_size=world)
 cands = tier.reshard_candidates(state)
 needed = sorted(shards_needed(state, 3, rank))
-blobs = {r: tier.blob_of(r, 9, "job/3", 3) for r in needed}  # only the old shards this rank's new ones overlap
+blobs = {r: tier.blob(r, 9, "job/3", world_size=3) for r in needed}  # only the old shards this rank's new ones overlap
 extra = tier.load_resharded(blobs, state, 3)
 app = state["app"]
 print(json.dumps({"cands": cands, "needed": needed, "w": app["w"].to_local().tolist(), "b": app["b"].to_local().tolist(),
