@@ -3,12 +3,12 @@ DTensors are) restore a world of 2 over a real gloo world, each rank taking the 
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.harness import run_ranks
 from trainguard.checkpoint import memory as mem
 
 pytestmark = pytest.mark.timeout(120)
@@ -16,51 +16,46 @@ pytestmark = pytest.mark.timeout(120)
 W = torch.arange(15, dtype=torch.float32).view(5, 3)  # 5 rows: torch.chunk over 3 ranks 2+2+1, over 2 ranks 3+2
 B = torch.tensor([[7.0, 8.0]])                         # 1 row: over 3 ranks 1+0+0, over 2 ranks 1+0
 
-WORKER = r"""
-import json, sys, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
-from trainguard.checkpoint.memory import MemoryTier, shards_needed
-rank, world, init, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-mesh = init_device_mesh("cpu", (world,))
-state = {"app": {"w": distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)]),
-                 "b": distribute_tensor(torch.zeros(1, 2), mesh, [Shard(0)]), "step": torch.tensor(0.0), "lr": 0.0}}
-tier = MemoryTier(folder, rank=rank, world_size=world)
-cands = tier.reshard_candidates(state)
-needed = sorted(shards_needed(state, 3, rank))
-blobs = {r: tier.blob(r, 9, "job/3", world_size=3) for r in needed}  # only the old shards this rank's new ones overlap
-extra = tier.load_resharded(blobs, state, 3)
-app = state["app"]
-print(json.dumps({"cands": cands, "needed": needed, "w": app["w"].to_local().tolist(), "b": app["b"].to_local().tolist(),
-                  "step": app["step"].item(), "lr": app["lr"], "extra": extra}), flush=True)
-dist.barrier()
-import os
-os._exit(0)  # no C++ teardown of the mesh's gloo groups at exit (it can abort: a test of this code, not of that)
-"""
+def _rank(rank: int, world: int, init: str, folder: str, out: str) -> None:
+    """One rank of the new world (run by :func:`_run`): reshard the old world's snapshots into its state,
+    write what it got to ``out``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"app": {"w": distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)]),
+                     "b": distribute_tensor(torch.zeros(1, 2), mesh, [Shard(0)]), "step": torch.tensor(0.0), "lr": 0.0}}
+    tier = mem.MemoryTier(folder, rank=rank, world_size=world)
+    cands = tier.reshard_candidates(state)
+    needed = sorted(mem.shards_needed(state, 3, rank))
+    blobs = {r: tier.blob(r, 9, "job/3", world_size=3) for r in needed}  # only the old shards its new ones overlap
+    extra = tier.load_resharded(blobs, state, 3)
+    app = state["app"]
+    with open(out, "w") as fh:
+        json.dump({"cands": cands, "needed": needed, "w": app["w"].to_local().tolist(),
+                   "b": app["b"].to_local().tolist(), "step": app["step"].item(), "lr": app["lr"], "extra": extra}, fh)
+    dist.barrier()
+    os._exit(0)  # no C++ teardown of the mesh's gloo groups at exit (it can abort: a test of this code, not of that)
 
 
 def _old_world(folder: str, ranks=(0, 1, 2)) -> None:
     """Snapshots of step 9 by a world of 3 ranks, each holding its torch.chunk shards (as FSDP2 does)."""
     for r in ranks:
         tier = mem.MemoryTier(folder, rank=r, world_size=3)
-        tier.snapshot(9, {"app": {"w": torch.chunk(W, 3)[r].clone() if r < len(torch.chunk(W, 3)) else W[:0],
-                                  "b": B if r == 0 else B[:0], "step": torch.tensor(7.0), "lr": 0.1}},
-                      world="job/3", extra={"base": None})
+        tier.snapshot(9, {"app": {"w": torch.chunk(W, 3)[r].clone(), "b": B if r == 0 else B[:0],
+                                  "step": torch.tensor(7.0), "lr": 0.1}}, world="job/3", extra={"base": None})
         tier.close()
 
 
 def _run(tmp_path, folder: str, world: int = 2) -> list[dict]:
     init = f"file://{tmp_path}/store"
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), init, folder],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(world)]
-    out = []
-    for p in procs:
-        o, e = p.communicate(timeout=90)
-        assert p.returncode == 0, e[-3000:]
-        out.append(json.loads(o.strip().splitlines()[-1]))
-    return out
+    outs = [str(tmp_path / f"r{r}.json") for r in range(world)]
+    codes, logs = run_ranks("tests.test_memory_reshard", [[str(r), str(world), init, folder, outs[r]]
+                                                          for r in range(world)], timeout=90)
+    assert codes == [0] * world, "".join(log[-3000:] for log in logs)
+    return [json.load(open(o)) for o in outs]
 
 
 def test_a_world_of_2_takes_its_rows_from_the_snapshots_of_a_world_of_3(tmp_path):
@@ -98,3 +93,7 @@ def test_shards_that_are_not_torch_chunks_or_a_missing_rank_are_refused(tmp_path
     with pytest.raises(mem.MemoryTierError, match=r"a tensor of shape \(5, 3\) is \(1, 3\)"):
         tier.load_resharded(blobs, cur, 2)
     tier.close()
+
+
+if __name__ == "__main__":
+    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

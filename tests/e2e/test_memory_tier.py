@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests import samples
-from tests.harness import REPO, Node, free_port, wait_listening, wait_until
+from tests.harness import REPO, Node, free_port, running, wait_listening, wait_until
 from tests.strategies import _world
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -117,10 +117,9 @@ def test_worker_then_node_sigkill_resume_from_memory(tmp_path):
             n.stop()
 
 
-def test_node_sigkill_restores_the_lost_rank_from_its_buddy(tmp_path):
-    """Tier 1: three FSDP2 nodes replicate their snapshots to the next node; node c (agent and worker) is
-    SIGKILLed; a replacement node joins (min_nodes 3) and gets c's rank, whose state comes from the
-    replica its buddy (node a) holds. Lost work <= memory interval + one replica lag; every sample once."""
+def _fsdp_tier1(tmp_path) -> tuple[str, str, str, str, list[str], list[str]]:
+    """Three FSDP2 nodes' set-up with tiers 0 and 1, a snapshot every step and no periodic checkpoint in
+    storage: ``(tmp, samples folder, shm folder, endpoint, agent options, job arguments)``."""
     tmp = str(tmp_path)
     folder = os.path.join(tmp, "samples")
     os.makedirs(folder)
@@ -132,6 +131,14 @@ def test_node_sigkill_restores_the_lost_rank_from_its_buddy(tmp_path):
               "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
     args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", folder,
             "--strategy", "fsdp", *_world.JOB[:-4], *_world.E2E_SIZE]
+    return tmp, folder, shm, ep, common, args
+
+
+def test_node_sigkill_restores_the_lost_rank_from_its_buddy(tmp_path):
+    """Tier 1: three FSDP2 nodes replicate their snapshots to the next node; node c (agent and worker) is
+    SIGKILLed; a replacement node joins (min_nodes 3) and gets c's rank, whose state comes from the
+    replica its buddy (node a) holds. Lost work <= memory interval + one replica lag; every sample once."""
+    tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path)
 
     def node(name, zone):  # each node names its failure domain: buddies are chosen across them
         return Node(name, tmp, ep, nnodes="3:3", script=ELASTIC, script_args=args,
@@ -186,23 +193,12 @@ def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path):
     every rank takes the rows of its new shards from the three ranks' snapshots (a's and b's own, c's
     replica on its buddy). Lost work <= memory interval + one replica lag; every sample once; there is
     no periodic checkpoint in storage at all."""
-    tmp = str(tmp_path)
-    folder = os.path.join(tmp, "samples")
-    os.makedirs(folder)
-    shm = os.path.join(tmp, "shm")
-    ep = f"127.0.0.1:{free_port()}"
-    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval=off",
-              "--set", "checkpoint.memory_interval_steps=1", "--set", "checkpoint.memory_replica=true",
-              "--set", f"checkpoint.memory_dir={shm}", "--set", "workers.reform=restart",
-              "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
-    args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", folder,
-            "--strategy", "fsdp", *_world.JOB[:-4], *_world.E2E_SIZE]
+    tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path)
     a = Node("a", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
     wait_listening(ep)
     b = Node("b", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
     c = Node("c", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
-    nodes = [a, b, c]
-    try:
+    with running([a, b, c], 60) as nodes:
         wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
                    "8 steps at world size 3")
         n_before = len({e["round"] for n in nodes for e in restored(n)})
@@ -225,10 +221,3 @@ def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path):
         redone = samples.check_lineage_exactly_once(folder, _world.E2E_BATCH)
         assert sorted(redone) == list(range(step + 1, last + 1)), (redone, step, last)
         print(f"resharded step {step} from 3 ranks to 2, lost {last - step} step(s)")
-    except AssertionError:
-        for n in nodes:
-            print(n.dump(60))
-        raise
-    finally:
-        for n in nodes:
-            n.stop()
