@@ -12,7 +12,8 @@ agents on one host, as a user would start them):
 * None of the canary secrets appears in any log line, worker log file or ``/metrics`` scrape.
 * torch's child-thread signal-handler warning and its ``failed (exitcode: 75)`` line never show.
 * Re-running A's command resumes from A's emergency step, trains to the end, and saves a ``final``
-  checkpoint of the last step, in the same run folder; ``checkpoints show <run folder> STEP`` works.
+  checkpoint of the last step (or finds it saved by the periodic interval), in the same run folder;
+  ``checkpoints show <run folder> STEP`` works.
 """
 
 from __future__ import annotations
@@ -171,12 +172,16 @@ def test_first_hour(short_tmp):
         restored = {e["step"] for e in a2.events("worker_restored")}
         assert restored == {s}, restored
         assert [e["step"] for e in a2.events("resumed")] == [s]
-        final = [e for e in a2.events("checkpoint_committed") if e.get("kind") == "final"
-                 and e.get("component") == "trainguard.worker"]
-        assert final and {e["step"] for e in final} == {STEPS}
+        # the last step is saved: as ``final`` by finish(), or, when the auto interval's periodic save fell
+        # on it (the interval depends on measured save times, so it varies with the machine's load), by
+        # that save, which finish() then does not repeat
+        last = {e["kind"] for e in a2.events("checkpoint_committed") if e.get("step") == STEPS}
+        assert last in ({"final"}, {"periodic"}), [(e.get("step"), e.get("kind"), e.get("component"))
+                                                  for e in a2.events("checkpoint_committed")]
+        [kind] = last
         assert os.listdir(ckpt) == [job_a], os.listdir(ckpt)  # one run folder: the re-run found its own
         shown = cli("checkpoints", "show", os.path.join(ckpt, job_a), str(STEPS))
-        assert shown.returncode == 0 and "kind        final" in shown.stdout, shown.stdout + shown.stderr
+        assert shown.returncode == 0 and f"kind        {kind}" in shown.stdout, shown.stdout + shown.stderr
     except AssertionError:
         for r in runs:
             print(f"--- {r.name} ---\n" + "\n".join(r.text().splitlines()[-40:]))
