@@ -123,6 +123,64 @@ def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: i
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def durable_feed(saves: int, shm_root: str, d_model: int = 64, layers: int = 2) -> dict[str, Any]:
+    """Tier 2 fed from tier 0: the time a periodic save blocks the training thread, staged from the
+    training tensors (as without a memory tier) and from the snapshot just taken (the persist thread
+    copies out of its slot), alternating, on the same state. Each save is waited for before the next step
+    (so ``blocked`` is the staging alone, no in-flight save), to ``file://`` in a temporary folder."""
+    import torch
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.checkpoint.memory import MemoryTier
+    from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
+    from trainguard.examples.train_gpt import TinyGPT, batch_for, load_corpus
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)
+    corpus = load_corpus(200_000)
+    model = TinyGPT(64, d_model, layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    trainer = TrainerState(seed=1234, cursor={"epoch": 0, "consumed": 0})
+    state = {"app": ModelOptimizerState(model, opt), "trainer": trainer}
+    folder = tempfile.mkdtemp(prefix="trainguard-bench-", dir=shm_root)
+    store = tempfile.mkdtemp(prefix="trainguard-bench-durable-")
+    tier = MemoryTier(folder, rank=0, world_size=1)
+    tier.guard(opt)
+    n = (len(corpus) - 1) // 64
+    g = torch.Generator().manual_seed(0)
+    blocked: dict[bool, list[float]] = {True: [], False: []}
+    stage_bg: list[float] = []
+    try:
+        with CheckpointManager(CheckpointConfig(url=f"file://{store}", async_save=True, keep_last=2), "bench",
+                               rank=0, world_size=1) as mgr:
+            for i in range(1, 2 * saves + 3):
+                ids = torch.randint(0, n, (8,), generator=g).tolist()
+                x, y = batch_for(corpus, ids, 64)
+                torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                trainer.step = i
+                tier.snapshot(i, state)
+                fed = i % 2 == 0
+                r = mgr.save(i, state, source=tier.lend(i) if fed else None).result(120)
+                if i > 2:  # after the warm-up (staging buffers, optimizer state)
+                    blocked[fed].append(r.blocked_s)
+                    if fed:
+                        stage_bg.append(r.stage_s)
+        state_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                           if isinstance(v, torch.Tensor))
+        fed_s, own_s = statistics.median(blocked[True]), statistics.median(blocked[False])
+        return {"d_model": d_model, "layers": layers, "saves_each": len(blocked[True]), "state_bytes": state_bytes,
+                "blocked_s_from_training": round(own_s, 6), "blocked_s_from_snapshot": round(fed_s, 6),
+                "blocked_ratio": round(fed_s / own_s, 4), "stage_s_from_snapshot": round(statistics.median(stage_bg), 6)}
+    finally:
+        tier.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+
+
 def _folder_bytes(folder: str) -> dict[str, int]:
     """Bytes of own slots (tier 0) and replicas (tier 1) in a node folder, and the state's tensor bytes."""
     from trainguard.checkpoint.memory import HEADER_BYTES, Header
@@ -222,6 +280,8 @@ def main() -> int:
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--larger", default="256x4", help="also measure the overhead on TinyGPT d_model x layers ('' = skip)")
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--feed-saves", type=int, default=20, help="saves of each kind in the durable_feed scenario")
+    p.add_argument("--only-feed", action="store_true", help="run the overhead and durable_feed scenarios only")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t_start = time.time()
@@ -232,6 +292,14 @@ def main() -> int:
         d, n = (int(x) for x in args.larger.split("x"))
         print(f"overhead: the same on a larger TinyGPT (d_model {d}, {n} layers) ...", flush=True)
         out["larger_model"] = overhead(max(100, args.overhead_steps // 4), args.block, args.shm, d, n)
+    print("durable_feed: a periodic save's blocking time, staged from the training tensors / from the "
+          "snapshot ...", flush=True)
+    out["durable_feed"] = durable_feed(args.feed_saves, args.shm)
+    if args.larger:
+        out["durable_feed_larger"] = durable_feed(args.feed_saves, args.shm, d, n)
+    if args.only_feed:
+        print(json.dumps({k: out[k] for k in ("durable_feed", "durable_feed_larger") if k in out}, indent=1))
+        return 0
     tmp = tempfile.mkdtemp(prefix="trainguard-memtier-")
     try:
         print("worker_kill: tier 0 ...", flush=True)
@@ -288,6 +356,10 @@ def main() -> int:
             *([(f"  larger model ({out['larger_model']['d_model']}x{out['larger_model']['layers']}, "
                 f"{out['larger_model']['state_bytes']} B): ratio", out["larger_model"]["snapshot_overhead_ratio"])]
               if "larger_model" in out else []),
+            *[(f"durable save blocked s, from training / from snapshot ({f['d_model']}x{f['layers']})",
+               f"{f['blocked_s_from_training']} / {f['blocked_s_from_snapshot']} (x{f['blocked_ratio']}; "
+               f"background copy {f['stage_s_from_snapshot']} s)")
+              for f in (out.get("durable_feed"), out.get("durable_feed_larger")) if f],
             ("tier-0 ratio (one process: tier0 / state)",
              f"{out['tier0_ratio']} ({out['tier0_bytes']} / {out['state_bytes']} B)"),
             ("worker_kill_lost_steps (tier 0)", out["worker_kill_lost_steps"]),

@@ -83,7 +83,7 @@ from trainguard.checkpoint.errors import (
 )
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.memory import ANY_RANK, MemoryTier, choose_sources, shards_needed
+from trainguard.checkpoint.memory import ANY_RANK, MemoryTier, SnapshotSource, choose_sources, shards_needed
 from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
@@ -302,7 +302,7 @@ class CheckpointManager:
         return self._stager.staging_bytes
 
     def save(self, step: int, state: dict[str, Any], kind: str = "periodic", *,
-             block: bool | None = None) -> Future[SaveResult]:
+             block: bool | None = None, source: SnapshotSource | None = None) -> Future[SaveResult]:
         """Checkpoint ``state`` as ``step`` (a collective: call on every rank).
 
         Blocks while the previous save finishes (see the in-flight rule) and while ``state`` is copied
@@ -313,7 +313,20 @@ class CheckpointManager:
         Returns a future of the :class:`SaveResult`: already resolved when ``block`` (whose failure is
         raised here instead), else resolved by the background thread. A fenced world gets a future
         holding :class:`FencedError` (``block``: the error is raised) and nothing is written.
+
+        ``source``: the tier-0 snapshot of this very state (:meth:`MemoryTier.lend`, taken at this step
+        boundary): the tensors it holds are staged from it by the persist thread, so the caller blocks
+        only for the rest (:mod:`~trainguard.checkpoint.staging`). The manager releases it in any case.
         """
+        try:
+            return self._save(step, state, kind, block, source)
+        finally:
+            if source is not None and self._stager.deferred is None:
+                source.release()  # not used (or the save ended before staging); else the copy releases it
+
+    def _save(self, step: int, state: dict[str, Any], kind: str, block: bool | None,
+              source: SnapshotSource | None) -> Future[SaveResult]:
+        self._stager.deferred = None
         self._check_open()
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -340,21 +353,26 @@ class CheckpointManager:
                                     stage_s=0.0, persist_s=0.0, blocked_s=t_wait, skipped=True))
         self._bind(state)
         t1 = time.monotonic()
-        staged = self._stager.stage(state)
-        ready = self._stager.ready
+        staged = self._stager.stage(state, source)
+        ready, deferred = self._stager.ready, self._stager.deferred
         t2 = time.monotonic()
         stage_s, blocked = t2 - t1, t2 - t0
         self._log.info("checkpoint_staged", step=step, kind=kind, blocked_s=round(blocked, 6),
                        stage_s=round(stage_s, 6), waited_inflight_s=round(t_wait, 6),
-                       staging_bytes=self._stager.staging_bytes)
+                       staging_bytes=self._stager.staging_bytes, from_snapshot=self._stager.from_snapshot)
         self.last_blocked_s, self.last_stage_s = blocked, stage_s
         if sync:
-            return _done(self._persist(step, staged, kind, stage_s, blocked, ready))
+            return _done(self._persist(step, staged, kind, stage_s, blocked, ready, deferred))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._inflight_step = step
         self._cancel_why = None
-        self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready)
+        try:
+            self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready, deferred)
+        except BaseException:
+            if source is not None:
+                source.release()  # the copy out of it will never run
+            raise
         return self._inflight
 
     def cancel_inflight(self, why: str) -> bool:
@@ -619,14 +637,18 @@ class CheckpointManager:
         self._inflight_step = None
 
     def _persist(self, step: int, staged: dict[str, Any], kind: str, stage_s: float, blocked_s: float,
-                 ready: Any = None) -> SaveResult:
+                 ready: Any = None, deferred: Callable[[], None] | None = None) -> SaveResult:
         """Claim if needed, write, commit and clean up one staged state (background thread, or caller).
-        ``ready``: the event of the staging copies (GPU); the buffers are read only after it."""
+        ``ready``: the event of the staging copies (GPU); ``deferred``: the copies out of a snapshot
+        (:mod:`~trainguard.checkpoint.staging`), run here first; the buffers are read only after both."""
         t0 = time.monotonic()
         if ready is not None:
             ready.synchronize()  # this save's copies only: not a device-wide synchronize
         ref: StepRef | None = None
         try:
+            if deferred is not None:
+                deferred()  # releases the snapshot's slot, also when it fails (then the save fails)
+                stage_s += time.monotonic() - t0
             if self._record is None:
                 self._claim()
             assert self._record is not None

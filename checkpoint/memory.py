@@ -47,6 +47,13 @@ Where tier 0 applies, and where it does not
     is newer) unless it reloads its state (sharded state re-formed through a checkpoint), so a snapshot
     of an abandoned branch of history is never restored later.
 
+Feeding the durable save (tier 2)
+    :meth:`MemoryTier.lend` hands the snapshot this process just took to the durable save of the same
+    step (:class:`SnapshotSource`): the save's staging copy reads the slot, in the persist thread,
+    instead of the training tensors (:mod:`trainguard.checkpoint.staging`). The slot is held until that
+    copy is done; the snapshot that would overwrite it (two snapshots on) waits, and so does
+    :meth:`MemoryTier.close`.
+
 Threading: the training thread copies the tensors and the skeleton into the slot and returns; the
 checksum (CRC32 over the data, which releases the GIL), the header and the commit word are written by
 one background thread while the next step runs (:meth:`MemoryTier.settle` waits for it; every reader
@@ -66,6 +73,7 @@ import mmap
 import os
 import pickle
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -564,6 +572,54 @@ class SnapshotResult:
     """Bytes of state copied (tensors + skeleton)."""
 
 
+def _key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same data: device, address, shape, strides, dtype."""
+    return t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+class SnapshotSource:
+    """A committed (or committing) snapshot lent to the durable save of the same step
+    (:meth:`MemoryTier.lend`): which slot view holds each tensor the save stages, and the copy out of
+    the slot, run by the persist thread. The slot stays held until :meth:`release`."""
+
+    def __init__(self, step: int, tensors: list[torch.Tensor], views: list[torch.Tensor],
+                 pending: Future[None] | None) -> None:
+        self.step = step
+        self._tensors, self._views, self._pending = tensors, views, pending
+        self._released = threading.Event()
+
+    def match(self, wanted: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """For each of ``wanted`` (local tensors of the state being staged), the slot view holding its
+        snapshot (the same storage, shape, strides and dtype as a tensor the snapshot copied), else None."""
+        index: dict[tuple[Any, ...], torch.Tensor] = {}
+        for t, v in zip(self._tensors, self._views, strict=True):
+            index.setdefault(_key(t), v)
+        return [index.get(_key(t)) for t in wanted]
+
+    def copy(self, views: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
+        """Copy ``views`` (from :meth:`match`) into ``dsts`` once the snapshot's background half is done
+        (the guarded optimizer's tensors are copied there), then release the slot. Thread-safe."""
+        try:
+            if self._pending is not None:
+                self._pending.result()
+            if views:
+                with torch.no_grad():
+                    torch._foreach_copy_(dsts, views)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """The save no longer reads the slot (idempotent, thread-safe)."""
+        self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def wait(self) -> None:
+        self._released.wait()
+
+
 class MemoryTier:
     """This rank's tier-0 snapshots in ``directory`` (the node folder its agent created).
 
@@ -601,6 +657,9 @@ class MemoryTier:
         self._guarded: Any = None  # the optimizer whose parameters and state are copied in the background
         self._guard_hook: Any = None
         self._split: tuple[Any, tuple[int, ...], tuple[int, ...]] | None = None
+        self._last: tuple[int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
+        """The newest snapshot taken by this process: step, slot, the tensors it copied, their views."""
+        self._holds: dict[int, SnapshotSource] = {}  # slot -> the durable save reading it
         self._attach(rank, world_size)
 
     @property
@@ -615,6 +674,7 @@ class MemoryTier:
 
     def _attach(self, rank: int, world_size: int) -> None:
         self.close()
+        self._last = None
         self.rank, self.world_size = rank, world_size
         self._slots = [_Slot(os.path.join(self.directory, f"rank-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
         self._sig, self._newest, self._on_cpu = None, None, True
@@ -637,7 +697,7 @@ class MemoryTier:
         self.settle()
         for s in self._slots:
             s.invalidate()
-        self._newest = None
+        self._newest, self._last = None, None
 
     def invalidate_all(self) -> None:
         """:meth:`invalidate`, and every other snapshot and replica in the node folder too: after a restore
@@ -657,12 +717,14 @@ class MemoryTier:
         descends from). Raises :class:`MemoryTierError` when it does not fit."""
         t0 = time.monotonic()
         self.settle()
+        self._last = None
         tensors: list[torch.Tensor] = []
         shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
         skel = skeleton(materialise(state), tensors, shapes)
         meta = pickle.dumps({"skeleton": skel, "world": world, "replicated": self.replicated,
                              "extra": dict(extra or {})}, protocol=pickle.HIGHEST_PROTOCOL)
         idx = 0 if self._newest is None else (self._newest + 1) % SLOTS
+        self._wait_hold(idx)  # a durable save still copying from this slot (two snapshots ago)
         target = self._slots[idx]
         sig = tuple(shapes)
         if sig != self._sig:
@@ -684,6 +746,7 @@ class MemoryTier:
             self._split = None
         target.ensure(target.size)
         views = target.views(sig)
+        last = (step, idx, tensors, views)
         now, later = self._deferred(sig, tensors) if self.background_commit else ((), ())
         if later:  # the guarded optimizer's parameters and state: copied by the background thread
             late_views, late_tensors = [views[i] for i in later], [tensors[i] for i in later]
@@ -691,7 +754,7 @@ class MemoryTier:
         else:
             late_views, late_tensors = [], []
         _write(target.mm, views, tensors, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
-        self._newest = idx
+        self._newest, self._last = idx, last
         commit = functools.partial(_copy_and_commit, target.mm, late_views, late_tensors, step=step,
                                    world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,
                                    meta_bytes=len(meta))
@@ -731,6 +794,32 @@ class MemoryTier:
             self._split = (sig, tuple(i for i in range(len(tensors)) if i not in set(later)), later)
         return self._split[1], self._split[2]
 
+    def lend(self, step: int) -> SnapshotSource | None:
+        """The snapshot this process just took, as the source of the durable save of the same ``step``
+        (tier 2 fed from tier 0: the staging copy reads the slot, in the persist thread, instead of the
+        training tensors on the training thread). The slot is held until the save calls
+        :meth:`SnapshotSource.release` (it does, when its copy ends or the save ends without one): the
+        snapshot that would overwrite it, two snapshots on, waits for that. None when the newest
+        snapshot is not of ``step`` or was not taken by this process since its last restore, rebind
+        or invalidation. Call only while the training state still is that snapshot's (the same step
+        boundary): whether a tensor is the one snapshotted is judged by its storage, not its values."""
+        last = self._last
+        if last is None or last[0] != step:
+            return None
+        _, idx, tensors, views = last
+        held = self._holds.get(idx)
+        if held is not None and not held.released:
+            return None
+        self._holds[idx] = src = SnapshotSource(step, tensors, views, self._committing)
+        return src
+
+    def _wait_hold(self, idx: int | None = None) -> None:
+        """Wait until the durable save reading slot ``idx`` (None: any slot) has copied it."""
+        for i in list(self._holds) if idx is None else [idx]:
+            held = self._holds.pop(i, None)
+            if held is not None:
+                held.wait()
+
     def settle(self) -> None:
         """Wait until the newest snapshot is committed (its deferred copies, checksum and commit word are
         written in the background): every reader of the slots, and the next snapshot, call it first."""
@@ -768,7 +857,7 @@ class MemoryTier:
         for i, h, data in self._valid():
             if h.step == step and _world_of(h, data) == world:
                 extra = _load_data(h, data, state)
-                self._newest = i
+                self._newest, self._last = i, None
                 return extra
         raise MemoryTierError(f"rank {self.rank} holds no valid in-memory snapshot of step {step} in {self.directory}")
 
@@ -956,6 +1045,7 @@ class MemoryTier:
     def close(self) -> None:
         """Unmap the slot files (they stay: the agent owns them)."""
         self.settle()
+        self._wait_hold()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -1096,5 +1186,5 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["HEADER_BYTES", "SLOTS", "Header", "MemoryTier", "MemoryTierError", "SnapshotResult", "check_fits",
+__all__ = ["HEADER_BYTES", "SLOTS", "Header", "MemoryTier", "MemoryTierError", "SnapshotResult", "SnapshotSource", "check_fits",
            "choose_sources", "node_bytes", "slot_bytes"]

@@ -9,10 +9,22 @@ appears after the first step). :attr:`Stager.staging_bytes` is the arena's size:
 From a GPU the copies run on a side stream (:class:`~trainguard.checkpoint.pinned.CopyStream`) and
 :attr:`Stager.ready` is the event the persist thread waits on; on the CPU they are plain and
 :attr:`Stager.ready` is None. Called from the training thread only.
+
+Fed from a tier-0 snapshot: given a :class:`~trainguard.checkpoint.memory.SnapshotSource` (the snapshot
+this process took of the same step, :meth:`~trainguard.checkpoint.memory.MemoryTier.lend`),
+:meth:`Stager.stage` copies nothing from the training tensors that the snapshot holds: it returns the
+staged state at once and leaves :attr:`Stager.deferred`, the copy out of the snapshot's slot, to the
+persist thread (which runs it before it reads the buffers). Tensors the snapshot lacks (e.g. RNG
+states, made anew by every ``state_dict()``) are copied on the training thread as before; when one of
+those is on a GPU the whole stage takes the usual path.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +50,11 @@ class Stager:
         self.rebuilds = 0
         self.ready: Any = None
         """The event of the last :meth:`stage`'s GPU copies (None: they are complete)."""
+        self.deferred: Callable[[], None] | None = None
+        """The last :meth:`stage`'s copies out of a snapshot, for the persist thread to run before it reads
+        the buffers (None: every copy is done, or ``ready`` says when)."""
+        self.from_snapshot = 0
+        """Tensors the last :meth:`stage` left to :attr:`deferred` (0: none, staged from the training state)."""
 
     @staticmethod
     def _materialise(state: dict[str, Any]) -> dict[str, Any]:
@@ -65,15 +82,38 @@ class Stager:
             self._rebuild(sd)
 
     @torch.no_grad()
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state: dict[str, Any], source: Any = None) -> dict[str, Any]:
+        """Copy ``state`` into the buffers and return the staged state dict (the buffers, with the
+        state's other values). ``source``: a snapshot of the same state to copy from instead (see the
+        module docstring); the caller still releases it when :attr:`deferred` comes back None."""
+        self.deferred, self.from_snapshot = None, 0
         sd = self._materialise(state)
         if self._buffers is None or not _same_layout(sd, self._buffers):
             self._rebuild(sd)
+        if source is not None:
+            staged = self._from_snapshot(sd, source)
+            if staged is not None:
+                return staged
         try:
             return self._copy(sd)
         except CompanionMismatch:
             self._rebuild(sd)
             return self._copy(sd)
+
+    def _from_snapshot(self, sd: dict[str, Any], source: Any) -> dict[str, Any] | None:
+        assert self._buffers is not None
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = _pair(sd, self._buffers, pairs)
+        views = source.match([src for src, _ in pairs])
+        now = [(src, dst) for (src, dst), v in zip(pairs, views, strict=True) if v is None]
+        if any(src.device.type != "cpu" for src, _ in now):
+            return None
+        if now:
+            torch._foreach_copy_([dst for _, dst in now], [src for src, _ in now])
+        later = [(v, dst) for (_, dst), v in zip(pairs, views, strict=True) if v is not None]
+        self.ready, self.from_snapshot = None, len(later)
+        self.deferred = functools.partial(source.copy, [v for v, _ in later], [dst for _, dst in later])
+        return staged
 
     def _copy(self, sd: dict[str, Any]) -> dict[str, Any]:
         assert self._buffers is not None
@@ -84,6 +124,31 @@ class Stager:
         out, self.ready = self._copier.copy(_walk_tensors(sd), lambda: _copy_state_dict(
             sd, buffers, non_blocking=True, type_check=False))
         return out
+
+
+def _pair(sd: Any, buf: Any, out: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """The staged state ``_copy_state_dict(sd, buf)`` returns, without copying: the buffers in the
+    places of ``sd``'s tensors (their ``(source, buffer)`` local tensors appended to ``out``), and
+    ``sd``'s other values. ``buf`` has ``sd``'s layout (:func:`_same_layout`)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(sd, DTensor):
+        out.append((sd._local_tensor, buf._local_tensor))
+        return buf
+    if _is_sharded_tensor(sd):
+        out.extend((a.tensor, b.tensor) for a, b in zip(sd.local_shards(), buf.local_shards(), strict=True))
+        return buf
+    if isinstance(sd, torch.Tensor):
+        out.append((sd, buf))
+        return buf
+    if isinstance(sd, (int, float, str, bytes, io.BytesIO)) or sd is None:
+        return sd
+    if isinstance(sd, dict):
+        return {k: _pair(v, buf[k], out) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        items = [_pair(v, b, out) for v, b in zip(sd, buf, strict=True)]
+        return tuple(items) if isinstance(sd, tuple) else items
+    return copy.deepcopy(sd)
 
 
 def _same_layout(a: Any, b: Any) -> bool:
