@@ -9,6 +9,10 @@ Scenarios, side by side in one invocation:
   into ``/dev/shm``) and *without*, for ``--overhead-steps`` steps. ``snapshot_overhead_ratio`` = mean
   step time with / without (the snapshot included in the step). ``memory_ratio`` = host memory of this
   rank's tier 0 (both slot files) / its state's tensor bytes (tier 1 does not exist yet: nothing added).
+* **durable_feed** -- one process, a snapshot and a periodic save (``file://``, each waited for) after
+  every step, the save staged alternately from the training tensors and from the snapshot just taken
+  (tier 2 fed from tier 0): the medians of the time the save blocks the training thread, both ways, on
+  the bench model and the larger one (``--only-feed``: the overhead and this scenario only).
 * **worker_kill** -- two ``trainguard run`` agents on 127.0.0.1 (c10d, gloo, DDP, one worker each,
   ``workers.reform: restart``) train ``examples/train_gpt_elastic.py`` with a snapshot every step
   (``checkpoint.memory_interval_steps=1``) and no periodic checkpoint in storage; after ``--kill-at``
