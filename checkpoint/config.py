@@ -94,9 +94,7 @@ class CheckpointConfig:
     """Tier 1: also copy each rank's newest snapshot to a buddy rank on the next node, in the background
     (double-buffered; at most one replica per source rank). A world that lost a whole node then
     restores the lost ranks' state from the replicas (resharded when the world shrank: FSDP2's
-    dimension-0 shards). Each rank then writes one own slot instead of two (the buddy's double-buffered
-    replica backs it up) and holds two of a buddy's: 3x the state instead of 2x (4x again if
-    replication stops in a world)."""
+    dimension-0 shards). Doubles tier 0's memory."""
 
     memory_failure_domain: str = ""
     """Tier 1: this node's failure domain (a rack, a zone, a power feed: what fails together). When the

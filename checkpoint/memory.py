@@ -16,9 +16,7 @@ Slots and the header (torn writes)
     and the other header fields (step, world size, rank, lengths, CRC32 of the data): a slot whose
     writer died half-way has commit 0 (or a commit that does not match its step), and a slot is valid
     only when its CRC32 matches. So a kill during a snapshot loses that snapshot, never the previous
-    one in the other slot. With tier 1 a rank writes one slot (:meth:`MemoryTier.set_own_slots`): the
-    previous snapshot then survives in its buddy's replica, which the buddy acknowledged keeping before
-    the slot is rewritten (:mod:`trainguard.checkpoint.replica`).
+    one in the other slot.
 
 Completeness: agreement at restore time, no collective per snapshot
     A snapshot of step ``s`` is complete when *every* rank of the world holds a valid slot of ``s``
@@ -184,40 +182,31 @@ def slot_bytes(tensor_bytes: int, meta_bytes: int) -> int:
     return HEADER_BYTES + tensor_bytes + meta_bytes + _META_SLACK
 
 
-def _buffers(copies: int, own: int | None) -> int:
-    """Slot buffers per rank: its own (``own``; default two, one when a buddy's replica backs it up) and,
-    with tier 1 (``copies`` 2), the two of the replica it holds for a buddy."""
-    replica = SLOTS if copies > 1 else 0
-    return (own if own is not None else (1 if replica else SLOTS)) + replica
-
-
-def node_bytes(per_slot: int, local_world_size: int, copies: int = 1, own: int | None = None) -> int:
+def node_bytes(per_slot: int, local_world_size: int, copies: int = 1) -> int:
     """Host memory this node's snapshots take when every local rank holds a state like this one:
-    ``copies`` = 1 (tier 0: its own two slots) or 2 (tier 1 too: its own one slot, as the replica backs it
-    up, and two slots of a buddy's replica); ``own`` overrides the own slots (two after tier 1 failed)."""
-    return per_slot * max(1, local_world_size) * _buffers(copies, own)
+    ``copies`` = 1 (tier 0: its own two slots) or 2 (tier 1 too: two slots of a buddy's replica)."""
+    return per_slot * SLOTS * max(1, local_world_size) * max(1, copies)
 
 
 def check_fits(per_slot: int, *, local_world_size: int, max_bytes: int, free_bytes: int, directory: str,
-               copies: int = 1, own: int | None = None) -> None:
+               copies: int = 1) -> None:
     """Raise :class:`MemoryTierError` (naming the setting and the fix) when this node's snapshots (and
     replicas: ``copies`` 2) do not fit under ``checkpoint.memory_max_bytes`` (0: no cap) or in the free
     space of the folder (what is free plus what this rank already holds there)."""
-    need = node_bytes(per_slot, local_world_size, copies, own)
-    n = _buffers(copies, own)
-    what = f"{n} buffers x {per_slot} bytes x {max(1, local_world_size)} local workers" + (
-        f" (own + a buddy's replica)" if copies > 1 else "")
+    need = node_bytes(per_slot, local_world_size, copies)
+    what = f"{SLOTS} buffers x {per_slot} bytes x {max(1, local_world_size)} local workers" + (
+        f" x {copies} (own + a buddy's replica)" if copies > 1 else "")
     off = ("or turn tier 0 off with checkpoint.memory_interval_steps=0 "
            "(TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS)")
     if max_bytes and need > max_bytes:
         raise MemoryTierError(
             f"in-memory snapshots need {need} bytes on this node ({what}) but checkpoint.memory_max_bytes "
             f"(TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES) is {max_bytes}. Fix: raise it to at least {need}, {off}")
-    mine = per_slot * n
+    mine = per_slot * SLOTS * max(1, copies)
     if mine > free_bytes:
         raise MemoryTierError(
-            f"in-memory snapshots need {mine} bytes for this rank ({n} buffers x {per_slot} bytes"
-            f"{' with the replica' if copies > 1 else ''}) but "
+            f"in-memory snapshots need {mine} bytes for this rank ({SLOTS} buffers x {per_slot} bytes"
+            f"{' x 2 with the replica' if copies > 1 else ''}) but "
             f"{directory} has {free_bytes} bytes free. Fix: make the tmpfs larger (e.g. `mount -o remount,"
             f"size=...` for /dev/shm, or --shm-size for a container), point checkpoint.memory_dir "
             f"(TRAINGUARD_CHECKPOINT_MEMORY_DIR) at a larger tmpfs, {off}")
@@ -566,16 +555,6 @@ class _Slot:
             return None
         return h, data
 
-    def drop(self) -> None:
-        """Invalidate, unmap and empty the file (its memory goes back to the tmpfs)."""
-        self.invalidate()
-        self.close()
-        try:
-            os.truncate(self.path, 0)
-        except OSError:
-            pass
-        self.size = 0
-
     def close(self) -> None:
         self._views, self._views_sig = [], None  # release the exported buffer before unmapping
         if self._mm is not None:
@@ -667,8 +646,6 @@ class MemoryTier:
         any size (:data:`ANY_RANK`)."""
         self._slots: list[_Slot] = []
         self._newest: int | None = None  # index of the slot holding this rank's newest snapshot
-        self.own_slots = SLOTS
-        """Own slots written (:meth:`set_own_slots`): two, or one while tier 1 replicates every snapshot."""
         self._views: list[torch.Tensor] | None = None
         self._sig: Any = None
         self._tensor_bytes = 0
@@ -714,17 +691,6 @@ class MemoryTier:
         if not keep:
             self.invalidate()
 
-    def set_own_slots(self, n: int) -> None:
-        """Write ``n`` own slots (1 or 2) from the next snapshot on. One suffices while tier 1 replicates
-        every snapshot and the next snapshot waits for the previous transfer (the runtime does both): while
-        the one slot is being rewritten, the buddy's double-buffered replica holds the step before, complete
-        on every rank, so a kill mid-write loses that one snapshot, as with two slots (the restore takes the
-        replicas). Back to two when replication stops. The second slot's file is emptied at the next
-        snapshot (after any restore, which may still read it)."""
-        if n not in (1, SLOTS):
-            raise ValueError(f"own slots must be 1 or {SLOTS}, got {n}")
-        self.own_slots = n
-
     def invalidate(self) -> None:
         """Make this rank's slots read as empty (after a restore from storage: what they hold belongs to
         a branch of history the job left)."""
@@ -757,15 +723,7 @@ class MemoryTier:
         skel = skeleton(materialise(state), tensors, shapes)
         meta = pickle.dumps({"skeleton": skel, "world": world, "replicated": self.replicated,
                              "extra": dict(extra or {})}, protocol=pickle.HIGHEST_PROTOCOL)
-        if self.own_slots == 1:
-            for k in range(1, SLOTS):  # what a binding with two slots left there: its memory goes back
-                if self._slots[k].size:
-                    self._wait_hold(k)
-                    self._slots[k].drop()
-                    self._newest = None if self._newest == k else self._newest
-            idx = 0
-        else:
-            idx = 0 if self._newest is None else (self._newest + 1) % SLOTS
+        idx = 0 if self._newest is None else (self._newest + 1) % SLOTS
         self._wait_hold(idx)  # a durable save still copying from this slot (two snapshots ago)
         target = self._slots[idx]
         sig = tuple(shapes)
@@ -778,7 +736,7 @@ class MemoryTier:
             st = os.statvfs(self.directory)
             check_fits(per_slot, local_world_size=self.local_world_size, max_bytes=self.max_bytes,
                        free_bytes=st.f_bavail * st.f_frsize + self.nbytes + self.replica_bytes,
-                       directory=self.directory, copies=self.copies, own=self.own_slots)
+                       directory=self.directory, copies=self.copies)
             if self._sig is not None and sig != self._sig:
                 self.invalidate()  # the other slot holds another layout: never restored into this state
             target.invalidate()

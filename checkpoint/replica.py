@@ -6,10 +6,7 @@ same local rank on its node's buddy node (:func:`node_buddies`: a rotation of th
 sends one copy and receives one) — and receives the snapshot of the rank whose buddy it is straight
 into its own agent's folder (``replica-<rank>-<k>.snap``: at most one replica per source
 rank, double-buffered, commit word last after the checksum, so a transfer cut short never replaces a good
-replica; :meth:`MemoryTier.receive_replica`, :meth:`MemoryTier.commit_replica`), then acknowledges it to
-its sender (the step kept): a sender whose own snapshot has a single slot (the runtime's mode while it
-replicates) rewrites that slot only after its buddy acknowledged the previous snapshot, else replication
-stops and the sender goes back to two own slots. Neither side copies a
+replica; :meth:`MemoryTier.receive_replica`, :meth:`MemoryTier.commit_replica`). Neither side copies a
 snapshot in memory: the transient memory of a transfer is one header block. When a whole node is lost, the ranks that
 replace its ranks in a world of the same size receive those replicas from the buddies at restore
 (:meth:`~trainguard.checkpoint.manager.CheckpointManager.restore`).
@@ -34,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.checkpoint.memory import HEADER_BYTES, Header, MemoryTier, MemoryTierError
+from trainguard.checkpoint.memory import HEADER_BYTES, MemoryTier
 from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.checkpoint.replica")
@@ -92,8 +89,6 @@ class Replicator:
         self.last_seconds = 0.0
         self.last_step: int | None = None
         """The step of the newest replica this rank received (None before the first)."""
-        self.acked_step: int | None = None
-        """The step of this rank's newest snapshot its buddy acknowledged keeping (None before the first)."""
 
     @classmethod
     def create(cls, tier: MemoryTier | None, group: Any, *, rank: int, world_size: int, local_world_size: int,
@@ -182,29 +177,12 @@ class Replicator:
             works.clear()
             w = None  # noqa: F841 - the last work's reference to its buffer goes too
             bufs.clear()  # the views into the mapped slots go before the slots may be unmapped
-            kept, refused = -1, None
             if target is not None and into is not None:
                 into.release()
                 into = None
-                try:
-                    kept = self.tier.commit_replica(target, header.numpy().tobytes(), src).step
-                    self.last_step = kept
-                except MemoryTierError as e:
-                    refused = e
+                h = self.tier.commit_replica(target, header.numpy().tobytes(), src)
                 target = None
-            # The acknowledgement: the step of the replica kept (-1: none) goes back to its sender, so that a
-            # sender whose own snapshot has one slot rewrites it only once its buddy holds that step.
-            ack_out, ack_in = torch.tensor([kept], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-            for w in [dist.isend(ack_out, dst=src, group=self.group), dist.irecv(ack_in, src=dst, group=self.group)]:
-                w.wait()
-            sent = Header.unpack(got[0][:HEADER_BYTES]) if got is not None else None
-            kept_mine = sent is not None and int(ack_in.item()) == sent.step
-            if kept_mine:
-                self.acked_step = sent.step
-            if refused is not None:
-                raise refused
-            if sent is not None and not kept_mine:
-                raise MemoryTierError(f"buddy rank {dst} did not keep the replica of step {sent.step}")
+                self.last_step = h.step
             self.last_seconds = time.monotonic() - t0
         except Exception as e:  # noqa: BLE001 - a failed transfer must not kill training
             self.failed = f"{type(e).__name__}: {e}"[:500]

@@ -92,7 +92,7 @@ from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
 from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats
 from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
-from trainguard.checkpoint.memory import SLOTS, MemoryTier, MemoryTierError
+from trainguard.checkpoint.memory import MemoryTier, MemoryTierError
 from trainguard.checkpoint.replica import Replicator
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import device as dev
@@ -403,8 +403,6 @@ class Runtime:
             self._replicator = Replicator.create(self._memory, replica_group, rank=self.rank,
                                                  world_size=self.world_size, local_world_size=self.local_world_size,
                                                  domain=self.checkpoint_config.memory_failure_domain)
-        if self._memory is not None:  # the buddy's double-buffered replica backs up a single own slot
-            self._memory.set_own_slots(1 if self._replicator is not None else SLOTS)
 
     def _memory_refused(self, e: MemoryTierError) -> None:
         """Tier 0 cannot work as configured: say why and how to fix it, and go on without it (training and
@@ -829,9 +827,6 @@ class Runtime:
         rep = self._replicator
         if rep is not None:
             rep.settle()  # the slot about to be written may be the one the buddy transfer reads
-            if rep.failed is not None:  # no replica backs up the slot about to be rewritten: two again
-                self._replicator = rep = None
-                mem.set_own_slots(SLOTS)
         mem.guard(self._optimizer)  # its parameters and state are copied beside the next forward/backward
         try:
             r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
@@ -844,7 +839,6 @@ class Runtime:
             rep.replicate()
             if rep.failed is not None:
                 self._replicator = None
-                mem.set_own_slots(SLOTS)
         lag = self.step - rep.last_step if rep is not None and rep.last_step is not None else None
         self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag)
 

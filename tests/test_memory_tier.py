@@ -126,10 +126,9 @@ def test_cap_arithmetic_and_errors():
     msg = str(e.value)
     assert "checkpoint.memory_max_bytes" in msg and "TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES" in msg
     assert str(mem.node_bytes(per_slot, 4)) in msg and "memory_interval_steps=0" in msg
-    # with tier 1 every rank also holds one replica (two buffers) of a buddy's state, and one own slot
-    assert mem.node_bytes(per_slot, 4, copies=2) == 3 * per_slot * 4
-    assert mem.node_bytes(per_slot, 4, copies=2, own=2) == 2 * mem.node_bytes(per_slot, 4)  # replication failed
-    with pytest.raises(mem.MemoryTierError, match="3 buffers .* \\(own \\+ a buddy's replica\\)"):
+    # with tier 1 every rank also holds one replica (two buffers) of a buddy's state
+    assert mem.node_bytes(per_slot, 4, copies=2) == 2 * mem.node_bytes(per_slot, 4)
+    with pytest.raises(mem.MemoryTierError, match="own \\+ a buddy's replica"):
         mem.check_fits(per_slot, local_world_size=4, max_bytes=mem.node_bytes(per_slot, 4), free_bytes=10**12,
                        directory="/x", copies=2)
     with pytest.raises(mem.MemoryTierError, match=r"/x has 10 bytes free.*TRAINGUARD_CHECKPOINT_MEMORY_DIR"):
@@ -605,63 +604,3 @@ def test_replicated_snapshots_restore_any_rank_at_any_world_size(tmp_path):
     assert trainer2.step == 4 and all(torch.equal(x, y) for x, y in zip(m2.state_dict().values(), m.state_dict().values()))
     new.invalidate_all()  # after a restore from storage: nothing in the folder is a candidate any more
     assert new.provides(_job()[3]) == []
-
-
-def test_with_a_buddy_replica_one_own_slot_suffices_and_a_torn_write_restores_the_replicas(tmp_path):
-    """Tier 1 on: each rank writes one own slot (3x the state per node instead of 4x). Rank 0 dies while
-    rewriting its slot with step 3 (its commit never comes): its own slot is torn, and its buddy's replica
-    of step 2 stands in. Rank 1, which finished step 3, still has step 2 in the replica its buddy holds:
-    the restore takes step 2 from the replicas, never a mix of steps."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir()
-    b.mkdir()
-    jobs = [_job(seed=1), _job(seed=2)]
-    tiers = [mem.MemoryTier(str(a), rank=0, world_size=2, copies=2), mem.MemoryTier(str(b), rank=1, world_size=2, copies=2)]
-    for t in tiers:
-        t.set_own_slots(1)
-    want = {}
-    for s in (1, 2):
-        for (m, opt, trainer, state), t in zip(jobs, tiers, strict=True):
-            _train(m, opt, trainer, s)
-            t.snapshot(s, state, world=W)
-            t.settle()
-        want[s] = [_copy(m, opt) for m, opt, _, _ in jobs]
-        tiers[1].write_replica(tiers[0].newest_blob())  # node b holds rank 0's replica, node a rank 1's
-        tiers[0].write_replica(tiers[1].newest_blob())
-    assert sorted(os.listdir(a)) == ["rank-00000-0.snap", "replica-00001-0.snap", "replica-00001-1.snap"]
-    assert tiers[0].nbytes == os.path.getsize(a / "rank-00000-0.snap")  # one own slot, two of the buddy's replica
-    _train(*jobs[1][:3], 3)
-    tiers[1].snapshot(3, jobs[1][3], world=W)
-    tiers[1].settle()
-    tiers[0]._pool, release, entered = _held_pool()
-    _train(*jobs[0][:3], 3)
-    tiers[0].snapshot(3, jobs[0][3], world=W)  # rank 0 is killed before this commit
-    assert entered.wait(30)
-    restarted = mem.MemoryTier(str(a), rank=0, world_size=2, copies=2)  # the restarted worker's view
-    probe = _job(seed=9)[3]
-    provided = [restarted.provides(probe), tiers[1].provides(probe)]
-    assert [(r, s) for r, s, _ in provided[0]] == [(1, 2), (1, 1)]  # rank 0's own slot is torn: replicas only
-    assert [(r, s) for r, s, _ in provided[1]] == [(1, 3), (0, 2), (0, 1)]
-    pick, sources, why = mem.choose_sources(provided, world_size=2, newest_durable=None)
-    assert pick == (2, W) and sources == {0: (1, 0), 1: (0, 1)}, why  # (holder, source rank)
-    m0, opt0, _, state0 = _job(seed=9)
-    restarted.load_blob(tiers[1].blob(0, 2, W), state0)
-    m1, opt1, _, state1 = _job(seed=9)
-    tiers[1].load_blob(restarted.blob(1, 2, W), state1)
-    for (m, opt), (want_m, want_o) in zip([(m0, opt0), (m1, opt1)], want[2], strict=True):
-        assert all(torch.equal(v, want_m[k]) for k, v in m.state_dict().items())
-        got_o = opt.state_dict()["state"]
-        assert all(torch.equal(got_o[i][k], want_o[i][k]) for i in want_o for k in want_o[i])
-    release.set()
-    tiers[0].settle()
-    # replication stopped: two own slots again, the previous snapshot kept while the next one is written
-    tiers[1].set_own_slots(2)
-    _train(*jobs[1][:3], 4)
-    tiers[1].snapshot(4, jobs[1][3], world=W)
-    assert [s for s, _ in tiers[1].available(jobs[1][3])] == [4, 3]
-    tiers[1].set_own_slots(1)  # and back: the second slot's memory is given back at the next snapshot
-    _train(*jobs[1][:3], 5)
-    tiers[1].snapshot(5, jobs[1][3], world=W)
-    assert os.path.getsize(b / "rank-00001-1.snap") == 0 and [s for s, _ in tiers[1].available(jobs[1][3])] == [5]
-    for t in (*tiers, restarted):
-        t.close()
