@@ -652,6 +652,9 @@ class MemoryTier:
         self._replica_sizes: dict[str, int] = {}
         self.background_commit = True
         """Checksum and commit each snapshot in a background thread (the training thread only copies)."""
+        self.fault_hook: Callable[[int], None] | None = None
+        """Tests: called with the step once a snapshot's data is written, before its commit (a hook that
+        kills the process leaves the slot torn, as a SIGKILL mid-snapshot does)."""
         self._pool: ThreadPoolExecutor | None = None
         self._committing: Future[None] | None = None
         self._guarded: Any = None  # the optimizer whose parameters and state are copied in the background
@@ -754,6 +757,8 @@ class MemoryTier:
         else:
             late_views, late_tensors = [], []
         _write(target.mm, views, tensors, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
+        if self.fault_hook is not None:
+            self.fault_hook(step)
         self._newest, self._last = idx, last
         commit = functools.partial(_copy_and_commit, target.mm, late_views, late_tensors, step=step,
                                    world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,

@@ -828,6 +828,8 @@ class Runtime:
         if rep is not None:
             rep.settle()  # the slot about to be written may be the one the buddy transfer reads
         mem.guard(self._optimizer)  # its parameters and state are copied beside the next forward/backward
+        if self._inject_fault.startswith("snapshot_written:"):
+            mem.fault_hook = self._kill_after_snapshot_write
         try:
             r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
                              extra={"base": self._manager.base})
@@ -982,6 +984,17 @@ class Runtime:
         assert self._link is not None
         self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
         self._log.info("worker_parked", step=self.step, reason=reason.value)
+
+    def _kill_after_snapshot_write(self, step: int) -> None:
+        """Test fault hook (:attr:`RuntimeEnv.inject_fault` ``snapshot_written:<flag file>``): SIGKILL this
+        worker once a snapshot's data is written and before its commit (its slot torn), once; the flag
+        file (which the test may create first, to hold the fault back) records the step."""
+        flag = self._inject_fault.partition(":")[2]
+        if os.path.exists(flag):
+            return
+        with open(flag, "w") as fh:
+            fh.write(f"{step}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _maybe_inject(self, point: str) -> None:
         """Test fault hook (:attr:`RuntimeEnv.inject_fault`): fail once at ``point``."""

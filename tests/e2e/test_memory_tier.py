@@ -11,8 +11,11 @@ trained exactly once in the committed lineage.
   replacement joins (min nodes 3): the lost rank's state comes from its buddy's replica.
 * tier 1, FSDP2, no replacement (min nodes 2): the two survivors re-form a world of 2 and reshard the
   three ranks' snapshots (their own and the lost node's replica) into their new shards.
+* tier 1, FSDP2: a worker is killed between writing its snapshot and committing it (that slot torn):
+  every rank restores the step before, which every rank still holds in its other slot.
 """
 
+import json
 import os
 import signal
 import time
@@ -221,3 +224,39 @@ def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path):
         redone = samples.check_lineage_exactly_once(folder, _world.E2E_BATCH)
         assert sorted(redone) == list(range(step + 1, last + 1)), (redone, step, last)
         print(f"resharded step {step} from 3 ranks to 2, lost {last - step} step(s)")
+
+
+def test_worker_killed_mid_snapshot_restores_the_step_before(tmp_path):
+    """The torn-write guarantee end to end (FSDP2, tiers 0 and 1): node b's worker is SIGKILLed after it
+    wrote its snapshot of step s into a slot and before it committed it (a test fault hook), so that slot
+    is torn. The world restarts at the same size and restores step s - 1, which every rank still holds
+    in its other slot (the other ranks hold step s too: never chosen, b lacks it): never a mix of steps,
+    every sample once."""
+    tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path)
+    flag = os.path.join(tmp, "torn.flag")
+    open(flag, "w").close()  # the fault is held back until the world trains
+    fault = ["--set", "workers.env=" + json.dumps({"TRAINGUARD_RT_INJECT_FAULT": f"snapshot_written:{flag}"})]
+    a = Node("a", tmp, ep, nnodes="3:3", script=ELASTIC, script_args=args, extra=common)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, nnodes="3:3", script=ELASTIC, script_args=args, extra=[*common, *fault])
+    c = Node("c", tmp, ep, nnodes="3:3", script=ELASTIC, script_args=args, extra=common)
+    with running([a, b, c], 60) as nodes:
+        wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
+                   "8 steps at world size 3")
+        n_before = len({e["round"] for n in nodes for e in restored(n)})
+        os.remove(flag)  # b's worker dies at its next snapshot
+        back = wait_until(lambda: _restores_after(nodes, n_before, 3), 120, "the world of 3 restored")
+        with open(flag) as fh:
+            torn = int(fh.read())
+        wait_until(lambda: any(e["step"] >= torn + 3 for e in a.events("train_step")), 60, "training again")
+        assert {e["source"] for e in back} == {"memory"}, back  # every rank from its own node's memory
+        step, last = _lost(folder, back)
+        assert step == torn - 1, (step, torn)
+        assert 0 <= last - step <= 2, (last, step)
+        for n in nodes:
+            n.signal(signal.SIGTERM)
+        for n in nodes:
+            n.wait(60)
+        redone = samples.check_lineage_exactly_once(folder, _world.E2E_BATCH)
+        assert sorted(redone) == list(range(step + 1, last + 1)), (redone, step, last)
+        print(f"b's worker killed mid-snapshot of step {torn}; every rank restored step {step} from memory")
