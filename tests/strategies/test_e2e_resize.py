@@ -15,6 +15,7 @@ ranks with ``tp_size=2`` is refused with an error naming the setting."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -250,7 +251,12 @@ def test_model_parallel_refuses_a_world_of_3_ranks_with_tp_size_2(tmp_path):
              extra=["--nproc-per-node", "3", "--set", "workers.max_restarts=0"])
     try:
         assert n.wait(120) != 0, n.dump()
-        refused = n.events("setup_refused")
+        # Each rank's own log file (torch's redirect): the agent's merged output may miss a line of a rank
+        # whose world is being torn down (torch's log tailer read it half-written in a run here).
+        refused = []
+        for path in glob.glob(os.path.join(tmp, "logs-a", "**", "stdout.log"), recursive=True):
+            with open(path) as fh:
+                refused += [json.loads(line) for line in fh if line.startswith('{"event": "setup_refused"')]
         assert sorted(e["rank"] for e in refused) == [0, 1, 2], n.dump()
         msg = refused[0]["error"]
         assert "3 ranks" in msg and "`tp_size=2`" in msg and "Fix:" in msg and "--tp-size" in msg, msg
