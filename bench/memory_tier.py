@@ -62,40 +62,69 @@ from tests.harness import Node, free_port, wait_listening, wait_until  # noqa: E
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 
 
+class _Job:
+    """The bench model (the bundled TinyGPT), AdamW, the trainer state, and a tier-0 snapshot folder in
+    ``shm_root`` whose optimizer is guarded as the runtime guards it (parameters and Adam state copied
+    beside the next forward/backward). A context manager: leaving it closes the tier, removes the folder."""
+
+    def __init__(self, shm_root: str, d_model: int, layers: int, corpus_bytes: int) -> None:
+        import torch
+
+        from trainguard.checkpoint.memory import MemoryTier
+        from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
+        from trainguard.examples.train_gpt import TinyGPT, load_corpus
+
+        torch.set_num_threads(1)
+        torch.manual_seed(1234)
+        self.corpus = load_corpus(corpus_bytes)
+        self.model = TinyGPT(64, d_model, layers)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        self.trainer = TrainerState(seed=1234, cursor={"epoch": 0, "consumed": 0})
+        self.state = {"app": ModelOptimizerState(self.model, self.opt), "trainer": self.trainer}
+        self.folder = tempfile.mkdtemp(prefix="trainguard-bench-", dir=shm_root)
+        self.tier = MemoryTier(self.folder, rank=0, world_size=1)
+        self.tier.guard(self.opt)
+        self._n = (len(self.corpus) - 1) // 64
+        self._g = torch.Generator().manual_seed(0)
+
+    def step(self, i: int, batch: int, micro: int) -> None:
+        """Train step ``i`` on ``batch`` random sequences of 64 bytes, in micro-batches of ``micro``."""
+        import torch
+
+        from trainguard.examples.train_gpt import batch_for
+
+        ids = torch.randint(0, self._n, (batch,), generator=self._g).tolist()
+        parts = batch // micro
+        for k in range(parts):
+            x, y = batch_for(self.corpus, ids[micro * k:micro * k + micro], 64)
+            loss = torch.nn.functional.cross_entropy(self.model(x).reshape(-1, 256), y.reshape(-1)) / parts
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.trainer.step, self.trainer.cursor = i, {"epoch": 0, "consumed": batch * i}
+
+    def state_bytes(self) -> int:
+        """Tensor bytes of the parameters and the optimizer state."""
+        import torch
+
+        n = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        return n + sum(v.numel() * v.element_size() for s in self.opt.state.values() for v in s.values()
+                       if isinstance(v, torch.Tensor))
+
+    def __enter__(self) -> _Job:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tier.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: int = 2) -> dict[str, Any]:
     """Alternate blocks of steps with and without a snapshot after each step; return the figures."""
-    import torch
-
-    from trainguard.checkpoint.memory import MemoryTier
-    from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
-    from trainguard.examples.train_gpt import TinyGPT, batch_for, load_corpus
-
-    torch.set_num_threads(1)
-    torch.manual_seed(1234)
-    corpus = load_corpus(2_000_000)
-    model = TinyGPT(64, d_model, layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    trainer = TrainerState(seed=1234, cursor={"epoch": 0, "consumed": 0})
-    state = {"app": ModelOptimizerState(model, opt), "trainer": trainer}
-    folder = tempfile.mkdtemp(prefix="trainguard-bench-", dir=shm_root)
-    tier = MemoryTier(folder, rank=0, world_size=1)
-    tier.guard(opt)  # as the runtime does: parameters and Adam state copied beside the next forward/backward
-    n = (len(corpus) - 1) // 64
-    g = torch.Generator().manual_seed(0)
-
-    def step(i: int) -> None:
-        ids = torch.randint(0, n, (24,), generator=g).tolist()
-        for k in range(6):
-            x, y = batch_for(corpus, ids[4 * k:4 * k + 4], 64)
-            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)) / 6
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        trainer.step, trainer.cursor = i, {"epoch": 0, "consumed": 24 * i}
-
-    try:
+    with _Job(shm_root, d_model, layers, 2_000_000) as job:
+        tier, state = job.tier, job.state
         for i in range(1, 6):  # warm-up: allocator, optimizer state, the slot files
-            step(i)
+            job.step(i, 24, 4)
             tier.snapshot(i, state)
         times: dict[bool, list[float]] = {True: [], False: []}
         snap_s: list[float] = []
@@ -104,13 +133,11 @@ def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: i
             on = ((i - 5) // block) % 2 == 0
             i += 1
             t0 = time.perf_counter()
-            step(i)
+            job.step(i, 24, 4)
             if on:
                 snap_s.append(tier.snapshot(i, state).seconds)
             times[on].append(time.perf_counter() - t0)
-        state_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-        state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                           if isinstance(v, torch.Tensor))
+        state_bytes = job.state_bytes()
         with_s, without_s = statistics.mean(times[True]), statistics.mean(times[False])
         return {"d_model": d_model, "layers": layers, "overhead_steps": steps, "overhead_block": block,
                 "step_s_with_snapshots": round(with_s, 6), "step_s_without_snapshots": round(without_s, 6),
@@ -122,9 +149,6 @@ def overhead(steps: int, block: int, shm_root: str, d_model: int = 64, layers: i
                 "snapshot_s_p95": round(sorted(snap_s)[int(0.95 * len(snap_s))], 6),
                 "state_bytes": state_bytes, "tier0_bytes": tier.nbytes, "tier1_bytes": 0,
                 "memory_ratio": round(tier.nbytes / state_bytes, 4)}
-    finally:
-        tier.close()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def durable_feed(saves: int, shm_root: str, d_model: int = 64, layers: int = 2) -> dict[str, Any]:
@@ -132,56 +156,31 @@ def durable_feed(saves: int, shm_root: str, d_model: int = 64, layers: int = 2) 
     training tensors (as without a memory tier) and from the snapshot just taken (the persist thread
     copies out of its slot), alternating, on the same state. Each save is waited for before the next step
     (so ``blocked`` is the staging alone, no in-flight save), to ``file://`` in a temporary folder."""
-    import torch
-
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager
-    from trainguard.checkpoint.memory import MemoryTier
-    from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
-    from trainguard.examples.train_gpt import TinyGPT, batch_for, load_corpus
 
-    torch.set_num_threads(1)
-    torch.manual_seed(1234)
-    corpus = load_corpus(200_000)
-    model = TinyGPT(64, d_model, layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    trainer = TrainerState(seed=1234, cursor={"epoch": 0, "consumed": 0})
-    state = {"app": ModelOptimizerState(model, opt), "trainer": trainer}
-    folder = tempfile.mkdtemp(prefix="trainguard-bench-", dir=shm_root)
     store = tempfile.mkdtemp(prefix="trainguard-bench-durable-")
-    tier = MemoryTier(folder, rank=0, world_size=1)
-    tier.guard(opt)
-    n = (len(corpus) - 1) // 64
-    g = torch.Generator().manual_seed(0)
     blocked: dict[bool, list[float]] = {True: [], False: []}
     stage_bg: list[float] = []
     try:
-        with CheckpointManager(CheckpointConfig(url=f"file://{store}", async_save=True, keep_last=2), "bench",
-                               rank=0, world_size=1) as mgr:
+        with _Job(shm_root, d_model, layers, 200_000) as job, CheckpointManager(
+                CheckpointConfig(url=f"file://{store}", async_save=True, keep_last=2), "bench", rank=0,
+                world_size=1) as mgr:
             for i in range(1, 2 * saves + 3):
-                ids = torch.randint(0, n, (8,), generator=g).tolist()
-                x, y = batch_for(corpus, ids, 64)
-                torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                trainer.step = i
-                tier.snapshot(i, state)
+                job.step(i, 8, 8)
+                job.tier.snapshot(i, job.state)
                 fed = i % 2 == 0
-                r = mgr.save(i, state, source=tier.lend(i) if fed else None).result(120)
+                r = mgr.save(i, job.state, source=job.tier.lend(i) if fed else None).result(120)
                 if i > 2:  # after the warm-up (staging buffers, optimizer state)
                     blocked[fed].append(r.blocked_s)
                     if fed:
                         stage_bg.append(r.stage_s)
-        state_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-        state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                           if isinstance(v, torch.Tensor))
+            state_bytes = job.state_bytes()
         fed_s, own_s = statistics.median(blocked[True]), statistics.median(blocked[False])
         return {"d_model": d_model, "layers": layers, "saves_each": len(blocked[True]), "state_bytes": state_bytes,
                 "blocked_s_from_training": round(own_s, 6), "blocked_s_from_snapshot": round(fed_s, 6),
                 "blocked_ratio": round(fed_s / own_s, 4), "stage_s_from_snapshot": round(statistics.median(stage_bg), 6)}
     finally:
-        tier.close()
-        shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
 
 
