@@ -319,10 +319,14 @@ class CheckpointManager:
         only for the rest (:mod:`~trainguard.checkpoint.staging`). The manager releases it in any case.
         """
         try:
-            return self._save(step, state, kind, block, source)
-        finally:
-            if source is not None and self._stager.deferred is None:
-                source.release()  # not used (or the save ended before staging); else the copy releases it
+            done = self._save(step, state, kind, block, source)
+        except BaseException:
+            if source is not None:
+                source.release()  # no copy out of it runs (or it ran and released it already)
+            raise
+        if source is not None and self._stager.deferred is None:
+            source.release()  # not used; else the copy out of it releases it
+        return done
 
     def _save(self, step: int, state: dict[str, Any], kind: str, block: bool | None,
               source: SnapshotSource | None) -> Future[SaveResult]:
@@ -367,12 +371,7 @@ class CheckpointManager:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._inflight_step = step
         self._cancel_why = None
-        try:
-            self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready, deferred)
-        except BaseException:
-            if source is not None:
-                source.release()  # the copy out of it will never run
-            raise
+        self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready, deferred)
         return self._inflight
 
     def cancel_inflight(self, why: str) -> bool:

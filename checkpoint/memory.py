@@ -805,9 +805,10 @@ class MemoryTier:
         training tensors on the training thread). The slot is held until the save calls
         :meth:`SnapshotSource.release` (it does, when its copy ends or the save ends without one): the
         snapshot that would overwrite it, two snapshots on, waits for that. None when the newest
-        snapshot is not of ``step`` or was not taken by this process since its last restore, rebind
-        or invalidation. Call only while the training state still is that snapshot's (the same step
-        boundary): whether a tensor is the one snapshotted is judged by its storage, not its values."""
+        snapshot is not of ``step`` or was not taken by this process since it last loaded a snapshot
+        into the state, rebound or invalidated (every restore and re-formation does one of these). Call
+        only while the training state still is that snapshot's (the same step boundary): whether a
+        tensor is the one snapshotted is judged by its storage, not its values."""
         last = self._last
         if last is None or last[0] != step:
             return None
@@ -1007,6 +1008,7 @@ class MemoryTier:
         meta = pickle.loads(data[h.tensor_bytes:])
         if layout(meta["skeleton"]) != layout(skeleton(materialise(state), [])):
             raise MemoryTierError(f"the snapshot of rank {h.rank} received from a peer does not fit this rank's state")
+        self._last = None
         return _load_data(h, data, state)
 
     # -- resharding: the snapshots of a world of another size ---------------------------------------
@@ -1044,6 +1046,7 @@ class MemoryTier:
         if len(steps) != 1:  # never mix steps or worlds
             raise MemoryTierError(f"the snapshots to reshard are of different steps or worlds: {sorted(steps)[:4]}")
         base = self.rank if self.rank < old_world else 0
+        self._last = None
         _load_into(state, metas[base]["skeleton"], lambda cur, skel: fill_resharded(cur, skel, views, old_world, base))
         return dict(metas[base]["extra"])
 

@@ -214,9 +214,6 @@ class Runtime:
         failed or abandoned save falls back to. Local knowledge, no collective."""
         self._saved_step: int | None = None
         """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
-        self._snapped: int | None = None
-        """The step whose tier-0 snapshot this worker took at the current step boundary (None since any
-        change of its state that is not a step: restore, re-formation, roll-back)."""
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
         if step_agreement not in proto.STEP_AGREEMENTS:
             raise ValueError(f"step_agreement must be one of {', '.join(proto.STEP_AGREEMENTS)}, got {step_agreement!r}")
@@ -450,7 +447,6 @@ class Runtime:
         When this worker joins a world re-formed in place, the state comes from a live peer instead
         (newer than any checkpoint, and no storage read)."""
         self._settle_memory()
-        self._snapped = None
         if self.reform_enabled and step is None and self._group is not None:
             outcome, live = self._sync_live_state(None)
             if outcome != "none":
@@ -509,11 +505,11 @@ class Runtime:
         t0 = time.monotonic()
         self._saved_step = self.step
         background = kind in (proto.CheckpointKind.PERIODIC.value, proto.CheckpointKind.NOTICE.value)
-        # Tier 2 fed from tier 0: the snapshot taken at this very boundary holds this state already, so the
-        # persist thread stages from it and this thread copies nothing (only in the background: a blocking
-        # save waits for its copies either way).
-        source = (self._memory.lend(self.step) if background and self._memory is not None
-                  and self._snapped == self.step else None)
+        # Tier 2 fed from tier 0: a snapshot taken at this very boundary holds this state already (lend()
+        # hands out none taken before the state last changed otherwise than by a step), so the persist
+        # thread stages from it and this thread copies nothing (only in the background: a blocking save
+        # waits for its copies either way).
+        source = self._memory.lend(self.step) if background and self._memory is not None else None
         done = self._manager.save(self.step, self._state(), kind=kind, block=not background, source=source)
         seconds = time.monotonic() - t0
         stage, blocked, step = self._manager.last_stage_s, self._manager.last_blocked_s, self.step
@@ -836,7 +832,6 @@ class Runtime:
         except MemoryTierError as e:
             self._memory_refused(e)
             return
-        self._snapped = self.step
         if rep is not None and self._replicator is not None:  # all ranks alike: every rank reached this step
             rep.replicate()
             if rep.failed is not None:
@@ -860,7 +855,6 @@ class Runtime:
 
     def _roll_back_step(self) -> None:
         assert self.cursor is not None and self._optimizer is not None
-        self._snapped = None
         if self._cursor_at_step_start is not None:
             self.cursor.load_state_dict(self._cursor_at_step_start)
         self._optimizer.zero_grad(set_to_none=True)
@@ -900,7 +894,6 @@ class Runtime:
         exit with the resize code so that the agent restarts the world (the fallback)."""
         t0 = time.monotonic()
         self._settle_memory()
-        self._snapped = None  # the state may change at this step (handed over, reloaded)
         if self._metrics is not None:
             self._metrics.flush()  # the steps counted since the last agreement
         old = (self.rank, self.world_size)
