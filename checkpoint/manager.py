@@ -648,6 +648,7 @@ class CheckpointManager:
             if deferred is not None:
                 deferred()  # releases the snapshot's slot, also when it fails (then the save fails)
                 stage_s += time.monotonic() - t0
+                t0 = time.monotonic()  # persisting starts after the staging copy
             if self._record is None:
                 self._claim()
             assert self._record is not None

@@ -53,7 +53,9 @@ def test_the_save_stages_from_the_snapshot_in_the_persist_thread(tmp_path):
         time.sleep(0.2)
         assert not done.done() and not src.released  # the persist thread waits for the snapshot's commit
         release.set()
-        assert done.result(30).step == 1 and src.released
+        r = done.result(30)
+        assert r.step == 1 and src.released
+        assert r.stage_s >= 0.2 and r.persist_s < r.stage_s  # the copy waited >= 0.2 s: staging, not persisting
         m2, opt2, trainer2, state2 = _job(seed=9)
         assert mgr.restore(state2, 1) == 1
     assert all(torch.equal(v, want_m[k]) for k, v in m2.state_dict().items())
