@@ -396,6 +396,8 @@ class Runtime:
                                               replicated=self.strategy.reform_state == "replicated")
                 except MemoryTierError as e:
                     self._memory_refused(e)
+                if self._memory is not None and self._inject_fault.startswith("snapshot_written:"):
+                    self._memory.fault_hook = self._kill_after_snapshot_write
         if replica_group is not None:  # a collective: every rank, with or without tier 0
             self._replicator = Replicator.create(self._memory, replica_group, rank=self.rank,
                                                  world_size=self.world_size, local_world_size=self.local_world_size,
@@ -824,8 +826,6 @@ class Runtime:
         if rep is not None:
             rep.settle()  # the slot about to be written may be the one the buddy transfer reads
         mem.guard(self._optimizer)  # its parameters and state are copied beside the next forward/backward
-        if self._inject_fault.startswith("snapshot_written:"):
-            mem.fault_hook = self._kill_after_snapshot_write
         try:
             r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
                              extra={"base": self._manager.base})
