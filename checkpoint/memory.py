@@ -79,12 +79,13 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainguard.checkpoint.errors import CheckpointError
+from trainguard.checkpoint.localplan import LocalPlan
 
 SLOTS = 2
 """Slot files per rank (double buffering: a torn write never destroys the previous snapshot)."""
@@ -450,15 +451,15 @@ def materialise(state: dict[str, Any]) -> dict[str, Any]:
     ``load_local_state_dict()`` gives the former: this rank's own state in the objects' own format, no
     collective, no FQN conversion (model + optimizer: ``ModelOptimizerState``; the trainer state: this
     rank's RNG only). Other ``Stateful`` entries give ``state_dict()``."""
-    out: dict[str, Any] = {}
-    for k, v in state.items():
-        if _has_local(v):
-            out[k] = v.local_state_dict()
-        elif isinstance(v, Stateful):
-            out[k] = v.state_dict()
-        else:
-            out[k] = v
-    return out
+    return {k: _materialise_one(v) for k, v in state.items()}
+
+
+def _materialise_one(v: Any) -> Any:
+    if _has_local(v):
+        return v.local_state_dict()
+    if isinstance(v, Stateful):
+        return v.state_dict()
+    return v
 
 
 # ---- slot files -------------------------------------------------------------------------------------
@@ -663,6 +664,9 @@ class MemoryTier:
         self._last: tuple[int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
         """The newest snapshot taken by this process: step, slot, the tensors it copied, their views."""
         self._holds: dict[int, SnapshotSource] = {}  # slot -> the durable save reading it
+        self.replay_state = True
+        """Replay a plain model + optimizer entry's state dict from its objects (:mod:`.localplan`)."""
+        self._plans: dict[str, LocalPlan | Literal[False]] = {}  # entry -> its plan, False: none can be built
         self._attach(rank, world_size)
 
     @property
@@ -681,6 +685,7 @@ class MemoryTier:
         self.rank, self.world_size = rank, world_size
         self._slots = [_Slot(os.path.join(self.directory, f"rank-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
         self._sig, self._newest, self._on_cpu = None, None, True
+        self._plans = {}
 
     def rebind(self, rank: int, world_size: int, *, keep: bool = False) -> None:
         """A new world formed in place: write and read as ``rank`` of ``world_size`` from now on. What
@@ -723,7 +728,7 @@ class MemoryTier:
         self._last = None
         tensors: list[torch.Tensor] = []
         shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
-        skel = skeleton(materialise(state), tensors, shapes)
+        skel = self._skeleton(state, tensors, shapes)
         meta = pickle.dumps({"skeleton": skel, "world": world, "replicated": self.replicated,
                              "extra": dict(extra or {})}, protocol=pickle.HIGHEST_PROTOCOL)
         idx = 0 if self._newest is None else (self._newest + 1) % SLOTS
@@ -770,6 +775,23 @@ class MemoryTier:
         else:
             commit()
         return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
+
+    def _skeleton(self, state: dict[str, Any], tensors: list[torch.Tensor], shapes: list[Any]) -> dict[str, Any]:
+        """``skeleton(materialise(state), tensors, shapes)``, a model + optimizer entry replayed from its
+        :class:`~trainguard.checkpoint.localplan.LocalPlan` while the plan holds (built after its first
+        full pass; an entry no plan can describe is not tried again)."""
+        out: dict[str, Any] = {}
+        for k, v in state.items():
+            plan = self._plans.get(k)
+            part = plan.replay(v, tensors, shapes, skeleton) if plan else None
+            if part is None:
+                base = len(tensors)
+                sd = _materialise_one(v)
+                part = skeleton(sd, tensors, shapes)
+                if self.replay_state and _has_local(v) and plan is not False:
+                    self._plans[k] = LocalPlan.build(v, sd, part, tensors[base:], base) or False
+            out[k] = part
+        return out
 
     def guard(self, optimizer: Any) -> None:
         """Copy ``optimizer``'s parameters and state in the background too, beside the next forward and

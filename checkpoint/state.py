@@ -59,9 +59,15 @@ class ModelOptimizerState(Stateful):
         The optimizer state is created first if it does not exist yet (as ``get_state_dict`` does), so a
         fresh process has the layout of a snapshot taken after its first step."""
         if self.optimizer is None:
-            return {"model": self.model.state_dict()}
+            return {"model": self.model.state_dict(), **self.local_extras()}
         _init_optim_state(self.optimizer)
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), **self.local_extras()}
+
+    def local_extras(self) -> dict[str, Any]:
+        """Entries :meth:`local_state_dict` adds beside the model and the optimizer (none here; a
+        subclass's, e.g. a loss scaler's state). Read at every in-memory snapshot, also when the
+        snapshot replays the model and optimizer part (:mod:`trainguard.checkpoint.localplan`)."""
+        return {}
 
     def load_local_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Inverse of :meth:`local_state_dict`."""
@@ -80,14 +86,16 @@ class ModelOptimizerState(Stateful):
 
 def capture_rng(raw: bool = False) -> dict[str, Any]:
     """This process's RNG states: python ``random``, numpy global, torch CPU, and CUDA if available.
-    ``raw``: the torch states as bytes (pickled ten times faster than a tensor: every in-memory snapshot
-    takes them); :func:`restore_rng` takes either."""
+    ``raw``: the torch states and numpy's key as bytes (pickled ten times faster than a tensor, several
+    than an array: every in-memory snapshot takes them); :func:`restore_rng` takes either."""
     out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                            "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state_all()
     if raw:
         out["torch"] = out["torch"].numpy().tobytes()
+        kind, key, *rest = out["numpy"]
+        out["numpy"] = (kind, key.tobytes(), *rest)  # an array pickles several times slower
         if "cuda" in out:
             out["cuda"] = [t.numpy().tobytes() for t in out["cuda"]]
     return out
@@ -100,7 +108,8 @@ def _rng_tensor(v: Any) -> torch.Tensor:
 def restore_rng(states: dict[str, Any]) -> None:
     """Inverse of :func:`capture_rng` (CUDA states only when this process has as many devices)."""
     random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    kind, key, *rest = states["numpy"]
+    np.random.set_state((kind, np.frombuffer(key, dtype=np.uint32) if isinstance(key, bytes) else key, *rest))
     torch.set_rng_state(_rng_tensor(states["torch"]))
     cuda = states.get("cuda")
     if cuda is not None and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):

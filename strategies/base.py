@@ -109,11 +109,8 @@ class StrategyState(ModelOptimizerState):
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
 
-    def local_state_dict(self) -> dict[str, Any]:
-        sd = super().local_state_dict()
-        if self.scaler is not None:
-            sd["scaler"] = dict(self.scaler.state_dict())
-        return sd
+    def local_extras(self) -> dict[str, Any]:
+        return {"scaler": dict(self.scaler.state_dict())} if self.scaler is not None else {}
 
     def load_local_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_local_state_dict(state_dict)
