@@ -38,7 +38,7 @@ Scenarios, side by side in one invocation:
   form a world of 2 and reshard the three ranks' snapshots (their own, c's replica on its buddy) into
   their new shards. ``node_kill_shrink_lost_steps`` / ``node_kill_shrink_resume_s``.
 
-Run: ``OMP_NUM_THREADS=1 python bench/memory_tier.py [--json out.json]`` (about two minutes).
+Run: ``OMP_NUM_THREADS=1 python bench/memory_tier.py [--json out.json]`` (about four minutes).
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--json", default="")
-    p.add_argument("--overhead-steps", type=int, default=400)
+    p.add_argument("--overhead-steps", type=int, default=1000)
     p.add_argument("--block", type=int, default=10)
     p.add_argument("--kill-at", type=int, default=75,
                    help="kill after this many steps (75 with the baseline's interval 50: it loses half an interval)")
