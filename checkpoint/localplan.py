@@ -93,6 +93,20 @@ def _groups(opt: Any, ids: list[list[int]], out: list[torch.Tensor], sig: list[A
     return groups
 
 
+def _tree(mod: torch.nn.Module, refs: list[tuple[dict[Any, Any], Any, Any]]) -> bool:
+    """Append every submodule edge under ``mod`` as ``(parent._modules, name, child)``, as
+    ``state_dict()`` recurses (a shared submodule once per edge): ``del parent.child`` runs no
+    registration hook, the edge catches it. False when a container is not a plain dict."""
+    if type(mod._modules) is not dict:
+        return False
+    for name, child in mod._modules.items():
+        if child is not None:
+            refs.append((mod._modules, name, child))
+            if not _tree(child, refs):
+                return False
+    return True
+
+
 class _Pickled:
     """A constant part of a skeleton, pickled once; it unpickles as the object itself."""
 
@@ -125,6 +139,7 @@ class LocalPlan:
         self._ids = ids
         self._group_lens = [len(g["params"]) for g in opt.param_groups]
         self._state, self._param_groups = opt.state, opt.param_groups  # load_state_dict replaces both
+        self._model, self._opt = entry.model, opt
         self._epoch = _epoch
 
     @classmethod
@@ -146,6 +161,8 @@ class LocalPlan:
         if list(kept) != list(sd["model"]):
             return None
         refs: list[tuple[dict[Any, Any], Any, Any]] = []  # (container, key, the object it must still hold)
+        if not _tree(model, refs):
+            return None
         for key, obj in kept.items():
             prefix, _, attr = key.rpartition(".")
             mod = model.get_submodule(prefix)
@@ -186,6 +203,7 @@ class LocalPlan:
         tensors, returning the same skeleton), or None when anything they were recorded from changed."""
         opt = self.entry.optimizer
         if (entry is not self.entry or self._epoch != _epoch or len(out) != self.base
+                or entry.model is not self._model or opt is not self._opt
                 or opt.state is not self._state or opt.param_groups is not self._param_groups):
             return None
         if not all(map(is_, map(dict.get, self._containers, self._keys), self._objs)):

@@ -163,6 +163,10 @@ def _state_key_added(model, opt):
     opt.state[model.body[0].weight]["extra"] = torch.ones(2)
 
 
+def _delete_submodule(model, opt):  # Module.__delattr__ runs no registration hook
+    del model.body
+
+
 def _param_dict_entry(model, opt):  # what Module._apply and FSDP2 do: no registration hook runs
     model.body[0]._parameters["weight"] = torch.nn.Parameter(torch.full((6, 6), 2.0))
 
@@ -171,6 +175,7 @@ def _param_dict_entry(model, opt):  # what Module._apply and FSDP2 do: no regist
     (_replace_param, False), (_resize_data, False), (_retype, False), (_reload_optimizer, False),
     (_new_group, False), (_new_buffer, False), (_replace_buffer, False), (_drop_state, False),
     (_reassign_state_tensor, False), (_state_key_added, False), (_param_dict_entry, False),
+    (_delete_submodule, False),
     (_swap_same_shape, True),
 ])
 def test_any_change_to_what_the_plan_names_takes_the_full_path(job, tmp_path, change, replays):
@@ -189,6 +194,26 @@ def test_any_change_to_what_the_plan_names_takes_the_full_path(job, tmp_path, ch
     # and the plan rebuilt from the new objects replays from then on
     tier.snapshot(4, {"app": entry})
     assert Counting.full == 0 and isinstance(tier._plans["app"], LocalPlan)
+
+
+def test_another_model_or_optimizer_on_the_entry_takes_the_full_path(job):
+    model, opt, entry, tier = job
+    other = Net()  # made before the plan: constructing it registers parameters, which the plan counts
+    other.load_state_dict(model.state_dict())
+    tier.snapshot(1, {"app": entry})
+    entry.model = other
+    tier.snapshot(2, {"app": entry})
+    assert Counting.full == 2
+    entry.optimizer = torch.optim.AdamW(other.parameters())
+    train(other, entry.optimizer)
+    tier.snapshot(3, {"app": entry})
+    assert Counting.full == 3
+    with torch.no_grad():
+        other.emb.weight.fill_(5.0)
+    tier.snapshot(4, {"app": entry})  # replayed from the new objects
+    assert Counting.full == 3
+    _, got = _content(tier)
+    assert torch.equal(got[0], other.emb.weight.detach())
 
 
 class HookedOptimizer(torch.optim.SGD):
