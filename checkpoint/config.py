@@ -84,6 +84,15 @@ class CheckpointConfig:
     Needs the trainguard agent (it owns the memory: a worker's death leaves it intact); under plain
     torchrun nothing is snapshotted. Costs two copies of each rank's state in host memory."""
 
+    memory_max_overhead: float = 0.0
+    """Tier 0: the largest share of the step time snapshots may cost (e.g. ``0.03``: 3 %). Above it the
+    snapshots are taken less often than every ``memory_interval_steps`` (which stays the floor): each
+    rank measures what its snapshots block the training loop for and its step time, proposes the
+    smallest interval that keeps within the share, and at each step agreement the world takes the
+    largest proposal (every rank snapshots the same steps; each change is logged as
+    ``memory_interval_changed``). A worker killed without notice then loses at most that many steps.
+    0: every ``memory_interval_steps`` steps whatever it costs."""
+
     memory_max_bytes: int = 0
     """Tier 0 (+ tier 1): the most host memory this node's snapshots may take, in bytes (all local
     workers, both buffers of each, and the buddy replicas with ``memory_replica``). 0: only the free
@@ -111,6 +120,9 @@ class CheckpointConfig:
                 "use defer (the default) unless every interval step must have its own checkpoint")
         require(self.memory_interval_steps >= 0, "memory_interval_steps", f"must be >= 0, got {self.memory_interval_steps}",
                 "use 0 to turn in-memory snapshots off, 1 to snapshot every step")
+        require(0 <= self.memory_max_overhead < 1, "memory_max_overhead",
+                f"must be in [0, 1), got {self.memory_max_overhead}",
+                "use 0 to snapshot every memory_interval_steps steps whatever it costs, or a share such as 0.03")
         require(self.memory_max_bytes >= 0, "memory_max_bytes", f"must be >= 0, got {self.memory_max_bytes}",
                 "use 0 for no cap besides the free space of memory_dir, or a number of bytes")
         require(bool(self.memory_dir) and self.memory_dir.startswith("/"), "memory_dir",

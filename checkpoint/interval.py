@@ -223,6 +223,33 @@ class IntervalChange:
     inputs: dict[str, Any] = field(default_factory=dict)
 
 
+MEMORY_INTERVAL_MAX = 1 << 20
+"""The longest snapshot interval :func:`memory_interval` proposes (steps)."""
+
+
+def memory_interval(floor: int, max_overhead: float, snapshot_s: float | None, step_s: float | None,
+                    current: int, hysteresis: float = 0.8) -> int:
+    """The tier-0 snapshot interval (steps) one rank proposes: the smallest ``floor * 2**k`` whose
+    snapshots cost at most ``max_overhead`` of the step time (``snapshot_s / (n * step_s)``). Doublings
+    nest (every multiple of ``2n`` is one of ``n``), so a change of interval never leaves a gap longer
+    than the longer of the two, and a drifting cost changes it rarely. To shorten the ``current``
+    interval the cost must fit ``hysteresis`` times the share. ``floor`` when ``max_overhead`` is 0 or
+    nothing is measured yet."""
+    if max_overhead <= 0 or not snapshot_s or not step_s or snapshot_s <= 0 or step_s <= 0 or floor <= 0:
+        return floor
+
+    def fit(share: float) -> int:
+        n = floor
+        while snapshot_s > share * n * step_s and n < MEMORY_INTERVAL_MAX:
+            n *= 2
+        return min(n, MEMORY_INTERVAL_MAX)
+
+    need = fit(max_overhead)
+    if need >= current:
+        return need
+    return max(need, min(current, fit(hysteresis * max_overhead)))
+
+
 def _ewma(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else (1 - alpha) * old + alpha * new
 

@@ -26,13 +26,14 @@ global batch, and ``name`` goes into the manifest. With the
 32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
-**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) seven integers over a side gloo
-group: ``[stop, save, deadline, busy, overlapped, blocking, -stride]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason`
+**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) eight integers over a side gloo
+group: ``[stop, save, deadline, busy, overlapped, blocking, -stride, snapshot interval]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason`
 (2 for a drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM
 under plain torchrun), ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
 for an out-of-cycle one (an early warning), ``deadline`` the earliest drain deadline, ``busy`` says
 a previous save still persists somewhere, and the last two say which agreement the ranks are
-configured with (``workers.step_agreement``), ``stride`` below. Every rank therefore sees the same flags after the same
+configured with (``workers.step_agreement``), ``stride`` below, and the last each rank's tier-0
+snapshot interval proposal (``checkpoint.memory_max_overhead``; the world takes the largest). Every rank therefore sees the same flags after the same
 step: all of them save the same step ``s``, rank 0 commits it, and on a stop all exit with
 :data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
 ``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
@@ -90,7 +91,7 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats
+from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats, memory_interval
 from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
 from trainguard.checkpoint.memory import MemoryTier, MemoryTierError
 from trainguard.checkpoint.replica import Replicator
@@ -127,13 +128,17 @@ _MAX = dist.AllreduceOptions()
 _MAX.reduceOp = dist.ReduceOp.MAX
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
 class _FlagBuffers:
-    """The seven step-boundary integers in two preallocated int64 tensors, filled in turn through a
+    """The eight step-boundary integers in two preallocated int64 tensors, filled in turn through a
     NumPy view (a new ``torch.tensor`` per boundary cost more than the rest of the fill). Two: the
     overlapped agreement has one exchange in flight while the next boundary's flags are written."""
 
     def __init__(self) -> None:
-        self._bufs = [torch.zeros(7, dtype=torch.int64) for _ in range(2)]
+        self._bufs = [torch.zeros(8, dtype=torch.int64) for _ in range(2)]
         self._views = [b.numpy() for b in self._bufs]
         self._next = 0
 
@@ -233,6 +238,11 @@ class Runtime:
         """The step whose end acts on the exchange in flight (``step + ahead`` when it was issued)."""
         self._step_mean_s: float | None = None
         """Moving average of this rank's step time: its stride proposal."""
+        self._memory_every = checkpoint.memory_interval_steps
+        """Tier 0: steps between two snapshots, as agreed by the world at its last boundary (at least
+        ``checkpoint.memory_interval_steps``; longer when ``memory_max_overhead`` asks)."""
+        self._snapshot_mean_s: float | None = None
+        """Moving average of what this rank's snapshots block the training loop for."""
         self._join_phases: dict[str, float] = {}
         """How long the last world join took: the default group (arrival, ``init_process_group``), the side group."""
         self._mixed_agreement = False
@@ -742,7 +752,7 @@ class Runtime:
 
     def _local_flags(self, now: float, ahead: int) -> tuple[torch.Tensor, proto.StopReason]:
         """This rank's side of the step-boundary agreement: ``[stop reason, save kind, deadline, busy,
-        overlapped, blocking, -stride proposal]`` where kind 2 = out of cycle (an early warning on some
+        overlapped, blocking, -stride proposal, snapshot interval proposal]`` where kind 2 = out of cycle (an early warning on some
         node), 1 = periodic, 0 = none, and busy = this rank's previous save is still persisting.
         ``ahead``: the agreement is acted on that many steps later (a periodic save is asked for the
         step it will be taken at)."""
@@ -761,7 +771,7 @@ class Runtime:
         overlapped = self.step_agreement == "overlapped"
         flags = self._flag_bufs.fill(int(mine), 2 if notice is not None else int(bool(due)),
                                      _encode_deadline(self._deadline()), busy, int(overlapped), int(not overlapped),
-                                     -self._stride_proposal())
+                                     -self._stride_proposal(), self._memory_proposal())
         return flags, mine
 
     def _stride_proposal(self) -> int:
@@ -777,13 +787,24 @@ class Runtime:
             n = max(d for d in range(1, n + 1) if every % d == 0)
         return n
 
+    def _memory_proposal(self) -> int:
+        """This rank's tier-0 snapshot interval: see :func:`~trainguard.checkpoint.interval.memory_interval`."""
+        cfg = self.checkpoint_config
+        return memory_interval(cfg.memory_interval_steps, cfg.memory_max_overhead, self._snapshot_mean_s,
+                               self._step_mean_s, self._memory_every)
+
     def _act(self, flags: torch.Tensor, mine: proto.StopReason) -> bool:
         """Carry out what every rank agreed (MAX of the flags) at this boundary: stop or re-form, then the
         snapshot and the periodic save. ``mine``: this rank's own stop request in that agreement. False
         when this worker parked (and re-formed) meanwhile: the step is over for the caller."""
-        stop_v, save, deadline_v, busy, any_overlapped, any_blocking, stride = flags.tolist()  # one conversion
+        stop_v, save, deadline_v, busy, any_overlapped, any_blocking, stride, every = flags.tolist()  # one conversion
         stop, deadline = proto.StopReason(stop_v), _decode_deadline(deadline_v)
         self._stride = max(1, min(MAX_STRIDE, -stride))  # the smallest proposal: every rank reads the same
+        if every != self._memory_every and self._memory is not None:  # the largest proposal, alike everywhere
+            self._log.info("memory_interval_changed", step=self.step, interval_steps=every, before=self._memory_every,
+                           snapshot_ms=_ms(self._snapshot_mean_s), step_ms=_ms(self._step_mean_s),
+                           max_overhead=self.checkpoint_config.memory_max_overhead)
+        self._memory_every = max(1, every)
         if any_overlapped and any_blocking and not self._mixed_agreement:
             # Ranks configured differently would act on a stop or a save at different steps: every rank
             # sees the same MAX here (the world's first boundary, exchanged and waited for), so all agree
@@ -820,7 +841,7 @@ class Runtime:
         """Tier 0: copy this step's checkpoint state into the agent's shared memory, every
         ``checkpoint.memory_interval_steps`` steps. No collective: completeness is agreed at restore."""
         mem = self._memory
-        if mem is None or self._manager is None or self.step % self.checkpoint_config.memory_interval_steps:
+        if mem is None or self._manager is None or self.step % self._memory_every:
             return
         rep = self._replicator
         if rep is not None:
@@ -836,6 +857,8 @@ class Runtime:
             rep.replicate()
             if rep.failed is not None:
                 self._replicator = None
+        m = self._snapshot_mean_s
+        self._snapshot_mean_s = r.seconds if m is None else 0.9 * m + 0.1 * r.seconds
         lag = self.step - rep.last_step if rep is not None and rep.last_step is not None else None
         self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag)
 
