@@ -97,8 +97,10 @@ def test_in_place_a_member_lost_before_the_new_world_forms_costs_no_step(tmp_pat
         c.proc.kill()
         for p in kids:
             os.kill(p, signal.SIGKILL)
-        wait_until(lambda: worlds(a)[-1:] == [2] and any(e["world_size"] == 2 and e["step"] > last
-                                                         for e in steps(a, b)), 90, "training at 2 again")
+        # The re-formed world's own lines: a step line alone can be the parked step's, logged late (the
+        # agent tails the worker's output), which satisfied this wait before a's worker re-formed once.
+        wait_until(lambda: worlds(a)[-1:] == [2] and any(e["reason"] == "peer_lost" for e in a.events("worker_reformed"))
+                   and any(e["world_size"] == 2 and e["step"] > last for e in steps(a, b)), 90, "training at 2 again")
         assert a.events("join_aborted") and b.events("join_aborted")
         assert (a.worker_pids(), b.worker_pids()) == pids  # the same processes, never restarted
         assert not [e for n in (a, b) for e in n.events("state_change") if e["new"] == "restarting"]
