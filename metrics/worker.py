@@ -73,6 +73,7 @@ class _Families:
     memory_snapshot: Any
     memory_bytes: Any
     replica_lag: Any
+    memory_interval: Any
     auto: dict[str, Any]
 
 
@@ -167,6 +168,10 @@ def _make_families() -> _Families:
         replica_lag=Gauge(p + "checkpoint_memory_replica_lag_steps",
                           "Steps between this node's newest snapshot and the newest buddy replica it received (tier 1).",
                           multiprocess_mode="livemax", registry=None),
+        memory_interval=Gauge(p + "checkpoint_memory_interval_steps",
+                              "Steps between two in-memory snapshots (tier 0), as the world agreed it: "
+                              "checkpoint.memory_interval_steps, stretched under checkpoint.memory_max_overhead.",
+                              multiprocess_mode="livemax", registry=None),
         # Written by global rank 0 only (the rank whose controller decides); livemax: gone with it.
         auto={k: Gauge(p + name, doc, multiprocess_mode="livemax", registry=None) for k, (name, doc) in AUTO_GAUGES.items()},
     )
@@ -358,10 +363,11 @@ class WorkerMetrics:
             return
         f.tier_restores.labels(tier=tier if tier in names.CHECKPOINT_TIERS else "none").inc()
 
-    def observe_memory(self, seconds: float | None, nbytes: int, replica_lag: int | None = None) -> None:
+    def observe_memory(self, seconds: float | None, nbytes: int, replica_lag: int | None = None,
+                       interval: int | None = None) -> None:
         """One in-memory snapshot took ``seconds`` (None: none was taken); this rank's snapshots (and the
         replicas it holds) take ``nbytes`` of host memory; the newest replica it received is
-        ``replica_lag`` steps behind (None: no tier 1)."""
+        ``replica_lag`` steps behind (None: no tier 1); snapshots are ``interval`` steps apart."""
         f = self._f
         if f is None:
             return
@@ -370,6 +376,8 @@ class WorkerMetrics:
         f.memory_bytes.set(nbytes)
         if replica_lag is not None:
             f.replica_lag.set(replica_lag)
+        if interval is not None:
+            f.memory_interval.set(interval)
 
     def observe_interval(self, values: dict[str, float | None]) -> None:
         """The checkpoint interval controller's output and inputs (keys of :data:`AUTO_GAUGES`; None

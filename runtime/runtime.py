@@ -860,7 +860,7 @@ class Runtime:
         m = self._snapshot_mean_s
         self._snapshot_mean_s = r.seconds if m is None else 0.9 * m + 0.1 * r.seconds
         lag = self.step - rep.last_step if rep is not None and rep.last_step is not None else None
-        self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag)
+        self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag, self._memory_every)
 
     def _periodic_save(self, save: int) -> bool:
         """The periodic (``save == 1``) or out-of-cycle notice (``2``) checkpoint agreed at this step.

@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--fail-ckpt-at", type=int, default=-1)
     ap.add_argument("--gpu-peak", type=int, default=0)
     ap.add_argument("--stop-file", default="")
+    ap.add_argument("--memory-interval", type=int, default=0, help="report a tier-0 snapshot every step, this many apart")
     a = ap.parse_args()
 
     from trainguard.metrics.worker import WorkerMetrics
@@ -49,6 +50,8 @@ def main() -> int:
                 w.observe_interval({"interval_s": None, "optimum_s": 12.5, "save_cost_s": 0.01, "persist_s": 0.05,
                                     "restore_s": None, "mtbf_s": 7200.0, "rollback_probability": 0.25,
                                     "unannounced_failures": 0, "survived_losses": 3})
+        if a.memory_interval:
+            w.observe_memory(0.001, 4096, None, a.memory_interval)
         print(f"step {step}", flush=True)
         if a.stop_file and os.path.exists(a.stop_file):
             break

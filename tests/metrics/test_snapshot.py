@@ -66,3 +66,18 @@ def test_snapshot_is_sane_and_documented() -> None:
             if not sample.endswith(("_bucket", "_sum", "_count")):
                 assert f"`{sample}`" in docs, f"{sample} is not listed in docs/metrics.md"
     assert not [n for n in snap if re.search(r"_(milli|micro|nano|kilo|mega|giga)(seconds|bytes)|_(ms|us|kb|mb|gb)(_|$)", n)], "use base units"
+
+
+@pytest.mark.timeout(60)
+def test_the_agreed_snapshot_interval_is_exported(tmp_path, workers) -> None:
+    """The tier-0 interval the world agreed (stretched under ``checkpoint.memory_max_overhead``) is a gauge."""
+    m = AgentMetrics(MetricsConfig(port=0), CostConfig(spot_price_per_hour=1.0), "node-a", run_dir=str(tmp_path),
+                     nvml=FakeNvml([(1, 2, 3)]), start_sampler=False)
+    try:
+        p = workers.start(m.worker_env(), "--steps", "2", "--step-time", "0", "--memory-interval", "8")
+        assert p.wait(timeout=60) == 0
+        got = {s.name: s.value for fam in m.registry.collect() for s in fam.samples}
+        assert got["trainguard_checkpoint_memory_interval_steps"] == 8
+        assert got["trainguard_checkpoint_memory_bytes"] == 4096
+    finally:
+        m.close()
