@@ -30,8 +30,9 @@ from typing import Any, Callable
 
 import torch
 
+from trainguard.checkpoint.state import ModelOptimizerState
+
 _meta = attrgetter("shape", "dtype")
-_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 _epoch = 0
 _hooks: list[Any] = []
@@ -75,22 +76,9 @@ def _plain_optimizer(opt: Any) -> bool:
     return not any(isinstance(v, torch.Tensor) for g in opt.param_groups for k, v in g.items() if k != "params")
 
 
-def _groups(opt: Any, ids: list[list[int]], out: list[torch.Tensor], sig: list[Any],
-            skeleton: Callable[[Any, list[torch.Tensor], list[Any]], Any]) -> list[dict[str, Any]]:
-    """The skeleton of ``opt.state_dict()["param_groups"]``: each group's values, its parameters as
-    indices (``skeleton`` of it, with a fast path for scalars and tuples of scalars such as Adam's betas)."""
-    groups = []
-    for g, params in zip(opt.param_groups, ids, strict=True):
-        packed: dict[str, Any] = {}
-        for k, v in g.items():
-            if k == "params":
-                packed[k] = params
-            elif type(v) in _SCALARS:
-                packed[k] = v
-            else:
-                packed[k] = skeleton(v, out, sig)
-        groups.append(packed)
-    return groups
+def _pack(opt: Any, ids: list[list[int]]) -> list[dict[str, Any]]:
+    """``opt.state_dict()["param_groups"]``: each group's values, its parameters as indices ``ids``."""
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": i} for g, i in zip(opt.param_groups, ids)]
 
 
 def _tree(mod: torch.nn.Module, refs: list[tuple[dict[Any, Any], Any, Any]]) -> bool:
@@ -126,8 +114,7 @@ class LocalPlan:
     def __init__(self, entry: Any, base: int, sources: list[torch.Tensor], model_skel: Any, state_skel: Any,
                  refs: list[tuple[dict[Any, Any], Any, Any]], ids: list[list[int]]) -> None:
         self.entry, self.base, self.sources = entry, base, sources
-        self._meta = list(map(_meta, sources))
-        self._sig = [(tuple(t.shape), t.dtype) for t in sources]
+        self._sig = list(map(_meta, sources))  # (shape, dtype) of each: the slot signature, and the check
         # the constant parts of the skeleton, pickled once (a snapshot pickles its skeleton every time)
         self._model_skel, self._state_skel = _Pickled(model_skel), _Pickled(state_skel)
         self._containers = [c for c, _, _ in refs]
@@ -148,8 +135,6 @@ class LocalPlan:
         """A plan for ``entry`` from its full ``local_state_dict()`` ``sd``, whose skeleton ``part`` put its
         tensors ``appended`` at ``base`` onward; None where the full path is not plain (module docstring)
         or the objects do not account for every tensor."""
-        from trainguard.checkpoint.state import ModelOptimizerState
-
         if not isinstance(entry, ModelOptimizerState) or \
                 type(entry).local_state_dict is not ModelOptimizerState.local_state_dict:
             return None
@@ -172,21 +157,20 @@ class LocalPlan:
                     break
             else:
                 return None
-        index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+        optimized = {id(p) for g in opt.param_groups for p in g["params"]}
         ids, n = [], 0
         for g in opt.param_groups:
             ids.append(list(range(n, n + len(g["params"]))))
             n += len(g["params"])
         opt_tensors = []
         for p, st in opt.state.items():  # the order Optimizer.state_dict packs them in
-            if id(p) not in index or type(st) is not dict:
+            if id(p) not in optimized or type(st) is not dict:
                 return None
             refs.append((opt.state, p, st))
             for k, v in st.items():
                 refs.append((st, k, v))
                 opt_tensors.append(v)
-        if sd["optim"].get("param_groups") != [{**{k: v for k, v in g.items() if k != "params"}, "params": i}
-                                               for g, i in zip(opt.param_groups, ids)]:
+        if sd["optim"].get("param_groups") != _pack(opt, ids):
             return None
         sources = [*kept.values(), *opt_tensors]
         if len(sources) > len(appended) or any(
@@ -210,12 +194,12 @@ class LocalPlan:
             return None  # a parameter, buffer or optimizer state entry replaced
         if list(map(len, self._dicts)) != self._lens or [len(g["params"]) for g in opt.param_groups] != self._group_lens:
             return None  # an entry added
-        if list(map(_meta, self.sources)) != self._meta:
+        if list(map(_meta, self.sources)) != self._sig:
             return None  # ``.data`` swapped in place (e.g. ``model.half()``)
         out.extend(self.sources)
         sig.extend(self._sig)
         part = {"model": self._model_skel,
-                "optim": {"state": self._state_skel, "param_groups": _groups(opt, self._ids, out, sig, skeleton)}}
+                "optim": {"state": self._state_skel, "param_groups": skeleton(_pack(opt, self._ids), out, sig)}}
         for k, v in entry.local_extras().items():
             part[k] = skeleton(v, out, sig)
         return part
