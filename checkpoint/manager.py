@@ -83,7 +83,8 @@ from trainguard.checkpoint.errors import (
 )
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.memory import ANY_RANK, MemoryTier, SnapshotSource, choose_sources, shards_needed
+from trainguard.checkpoint.memory import (ANY_RANK, MemoryTier, SnapshotSource, blob_skeleton, choose_sources,
+                                          shards_needed)
 from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
@@ -826,9 +827,10 @@ class CheckpointManager:
                            t_start: float) -> int | None:
         """Tiers 0 and 1 at another world size (a collective): the newest step newer than storage's for which
         the nodes' memory holds a snapshot of every rank of an earlier world of another size (own slots or
-        replicas), sharded along dimension 0 (FSDP2); every rank receives the old ranks' snapshots whose
-        shards overlap its new ones (point to point, from the lowest holder) and takes the rows of its new
-        shards (:meth:`MemoryTier.load_resharded`). None when there is no such set (storage next) or
+        replicas), of DTensors (FSDP2, tensor parallelism); old rank 0's skeleton (its DTensors' global
+        shapes, meshes and placements) goes to every rank, which works out the old ranks whose shards
+        overlap its new ones; each receives those (point to point, from the lowest holder) and takes the
+        elements of its new shards (:meth:`MemoryTier.load_resharded`). None when there is no such set (storage next) or
         loading it failed on some rank (its snapshots are invalidated)."""
         try:
             mine = memory.reshard_candidates(state)
@@ -848,10 +850,23 @@ class CheckpointManager:
         by_rank = holders[(step, world, old_world)]
         t0 = time.monotonic()
         err: str | None = None
-        try:
-            mine_needed = sorted(shards_needed(state, old_world, self.rank))
-        except Exception as e:  # noqa: BLE001 - agreed below
-            mine_needed, err = [], describe(e)[:500]
+        held: dict[int, bytes] = {}  # old rank 0's snapshot, read once by its holder: the layout, then sent
+        skel: Any = None
+        if by_rank[0] == self.rank:
+            try:
+                held[0] = memory.blob(0, step, world, world_size=old_world)
+                skel = blob_skeleton(held[0])
+            except Exception as e:  # noqa: BLE001 - agreed below
+                err = describe(e)[:500]
+        skel = next((s for s in self._group.all_gather(skel) if s is not None), None)
+        mine_needed: list[int] = []
+        if skel is None:
+            err = err or f"old rank 0's snapshot of step {step} could not be read on rank {by_rank[0]}"
+        else:
+            try:
+                mine_needed = sorted(shards_needed(state, old_world, self.rank, skel))
+            except Exception as e:  # noqa: BLE001 - agreed below
+                err = describe(e)[:500]
         needed = self._group.all_gather(mine_needed)
         blobs: dict[int, bytes] = {}
         moved = 0
@@ -861,7 +876,7 @@ class CheckpointManager:
             blob: bytes | None = None
             if self.rank == p and wanted:
                 try:
-                    blob = memory.blob(r, step, world, world_size=old_world)
+                    blob = held.pop(r, None) or memory.blob(r, step, world, world_size=old_world)
                 except Exception as e:  # noqa: BLE001 - agreed below; the receivers get an empty blob
                     err = describe(e)[:500]
                 if self.rank in wanted and blob is not None:

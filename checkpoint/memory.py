@@ -37,11 +37,13 @@ Where tier 0 applies, and where it does not
     restores any rank at any world size (:data:`ANY_RANK`). Sharded state at another world size is
     resharded (:meth:`MemoryTier.reshard_candidates`, :meth:`MemoryTier.load_resharded`): when the
     nodes' memory holds a snapshot of every rank of the earlier world (own slots of any rank, replicas),
-    every rank receives those whose shards overlap its new ones (:func:`shards_needed`) and takes the
-    rows of its new shards (DTensors sharded along dimension 0 over a 1-D mesh, as FSDP2's are:
-    ``torch.chunk``'s split at both sizes); the transient memory is those old shards (about
-    ``old / new + 1`` of them per rank). Anything else (another placement, a rank moved to another
-    node and not replicated there, a layout that changed) makes the restore fall back to storage. A
+    every rank receives those whose shards overlap its new ones (:func:`shards_needed`) and takes each
+    element of its new shards from one of them: each DTensor's snapshot records its global shape, mesh
+    and placements, so any layout DTensor expresses reshards (FSDP2 over one mesh dimension, FSDP2 over
+    tensor parallelism on a 2-D mesh: :mod:`trainguard.checkpoint.reshard`); the transient memory is
+    those old shards (about ``old / new + 1`` of them per rank). Anything else (ZeRO's flat partitions,
+    a pending reduction, a rank moved to another node and not replicated there, a layout that changed)
+    makes the restore fall back to storage. A
     restore from storage invalidates every slot and replica of the node (:meth:`MemoryTier.invalidate_all`);
     a world re-formed in place invalidates this rank's slots (:meth:`MemoryTier.rebind`; the live state
     is newer) unless it reloads its state (sharded state re-formed through a checkpoint), so a snapshot
@@ -85,6 +87,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainguard.checkpoint.errors import CheckpointError
+from trainguard.checkpoint import reshard
 from trainguard.checkpoint.localplan import LocalPlan
 
 SLOTS = 2
@@ -220,8 +223,10 @@ def _align(n: int) -> int:
 # ---- state walking ----------------------------------------------------------------------------------
 
 
-Leaf = tuple  # (index in the slot, local shape, dtype name)
-"""A tensor's place in the skeleton: a plain ``(index, shape, dtype name)`` tuple. The skeleton holds no
+Leaf = tuple  # (index in the slot, local shape, dtype name[, DTensor record])
+"""A tensor's place in the skeleton: a plain ``(index, shape, dtype name)`` tuple, and for a DTensor a
+fourth item, its global shape, mesh and placements (:func:`trainguard.checkpoint.reshard.describe`: what
+resharding it from memory needs). The skeleton holds no
 other bare tuple (a state's own tuples become :class:`_Tuple`), and a plain tuple pickles ten times
 faster than a NamedTuple (one leaf per tensor per snapshot: the NamedTuple was a sixth of its cost)."""
 
@@ -261,6 +266,17 @@ def _local(t: Any) -> list[torch.Tensor] | None:
     return [t]
 
 
+@functools.cache
+def _dtensor_class() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _is_dtensor(t: Any) -> bool:
+    return isinstance(t, _dtensor_class())
+
+
 def _is_sharded(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and callable(getattr(type(t), "local_shards", None))
 
@@ -297,7 +313,9 @@ def skeleton(sd: Any, out: list[torch.Tensor], sig: list[tuple[tuple[int, ...], 
             out.append(t)
             if sig is not None:
                 sig.append((shape, t.dtype))
-        return _Shards(tuple(leaves)) if len(local) != 1 or _is_sharded(sd) else leaves[0]
+        if len(local) != 1 or _is_sharded(sd):
+            return _Shards(tuple(leaves))
+        return (*leaves[0], reshard.describe(sd)) if _is_dtensor(sd) else leaves[0]
     if isinstance(sd, list):
         return [v if type(v) in _SCALARS else skeleton(v, out, sig) for v in sd]
     if isinstance(sd, tuple):
@@ -308,8 +326,8 @@ def skeleton(sd: Any, out: list[torch.Tensor], sig: list[tuple[tuple[int, ...], 
 def layout(skel: Any) -> Any:
     """The tensor layout of a skeleton (structure, shapes, dtypes; no values): two states load into each
     other only when their layouts are equal."""
-    if isinstance(skel, tuple):  # a leaf
-        return ("T", skel[1], skel[2])
+    if isinstance(skel, tuple):  # a leaf; a DTensor's also names its global shape
+        return ("T", skel[1], skel[2], tuple(skel[3][0])) if len(skel) > 3 else ("T", skel[1], skel[2])
     if isinstance(skel, _Shards):
         return ("S", tuple(layout(x) for x in skel.leaves))
     if isinstance(skel, dict):
@@ -322,10 +340,11 @@ def layout(skel: Any) -> Any:
 
 
 def relaxed(lay: Any) -> Any:
-    """A :func:`layout` with each tensor's first dimension dropped: two states sharded along dimension 0
-    at different world sizes (FSDP2) have equal relaxed layouts."""
-    if isinstance(lay, tuple) and len(lay) == 3 and lay[0] == "T":
-        return ("T", tuple(lay[1][1:]), lay[2])
+    """A :func:`layout` with each tensor's first dimension dropped, and a DTensor's global shape in place
+    of its shard's: two states sharded at different world sizes (FSDP2, and tensor parallelism beside
+    it) have equal relaxed layouts."""
+    if isinstance(lay, tuple) and len(lay) in (3, 4) and lay[0] == "T":
+        return ("T", tuple(lay[-1 if len(lay) == 4 else 1][1:]), lay[2])
     if isinstance(lay, tuple) and len(lay) == 2 and lay[0] in ("S", "U"):
         return (lay[0], tuple(relaxed(x) for x in lay[1]))
     if isinstance(lay, dict):
@@ -335,76 +354,99 @@ def relaxed(lay: Any) -> Any:
     return lay
 
 
-def _chunk(total: int, parts: int, index: int) -> tuple[int, int]:
-    """``(offset, length)`` of chunk ``index`` of ``total`` rows split in ``parts`` as ``torch.chunk`` does
-    (DTensor's ``Shard(0)``, FSDP2): chunks of ``ceil(total / parts)`` rows, the last ones shorter or empty."""
-    size = -(-total // parts) if parts else 0
-    off = min(total, index * size)
-    return off, max(0, min(size, total - off))
+def _old_indices(leaf: Leaf, rank: int, old_world: int, shape: tuple[int, ...]) -> reshard.Indices | None:
+    """The global indices old ``rank`` held of the tensor at ``leaf`` of an old skeleton (global ``shape``):
+    from the DTensor record the snapshot keeps (:func:`trainguard.checkpoint.reshard.indices`), else
+    dimension 0 split as ``torch.chunk`` splits it over the old world (a plain tensor standing for an
+    FSDP2 shard). None: ``rank`` held none of it."""
+    if len(leaf) > 3:
+        if tuple(leaf[3][0]) != shape:
+            raise MemoryTierError(f"a tensor of global shape {shape} is {tuple(leaf[3][0])} in the snapshots")
+        return reshard.indices(leaf[3], rank)
+    return reshard.chunk_indices(shape, old_world, rank)
 
 
-def _dtensors(sd: Any, out: list[Any]) -> list[Any]:
-    """The DTensors of a (materialised) state, in walk order."""
-    from torch.distributed.tensor import DTensor
+def _dtensor_leaves(cur: Any, skel: Any) -> Iterator[tuple[Any, Leaf]]:
+    """Each DTensor of a (materialised) state with its leaf in an old skeleton of the same structure."""
+    if _is_dtensor(cur):
+        if not isinstance(skel, tuple):
+            raise MemoryTierError("a DTensor of this rank's state is no single tensor in the snapshot")
+        yield cur, skel
+    elif isinstance(cur, dict):
+        for k, v in cur.items():
+            yield from _dtensor_leaves(v, skel[k])
+    elif isinstance(cur, list):
+        for v, sk in zip(cur, skel, strict=True):
+            yield from _dtensor_leaves(v, sk)
+    elif isinstance(cur, tuple):
+        for v, sk in zip(cur, skel.items, strict=True):
+            yield from _dtensor_leaves(v, sk)
 
-    if isinstance(sd, DTensor):
-        out.append(sd)
-    elif isinstance(sd, dict):
-        for v in sd.values():
-            _dtensors(v, out)
-    elif isinstance(sd, (list, tuple)):
-        for v in sd:
-            _dtensors(v, out)
-    return out
 
-
-def shards_needed(state: dict[str, Any], old_world: int, rank: int) -> set[int]:
-    """The old ranks (of a world of ``old_world``) whose snapshots this rank needs to reshard ``state``: those
-    whose dimension-0 shards overlap this rank's new shards (:func:`fill_resharded`), and the old rank its
-    other values come from."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    need = {rank if rank < old_world else 0}
-    for t in _dtensors(materialise(state), []):
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        a, b = offset[0], offset[0] + shape[0]
-        for r in range(old_world):
-            off, n = _chunk(t.shape[0], old_world, r)
-            if max(a, off) < min(b, off + n):
-                need.add(r)
+def shards_needed(state: dict[str, Any], old_world: int, rank: int, skel: Any) -> set[int]:
+    """The old ranks (of a world of ``old_world``) whose snapshots this rank needs to reshard ``state`` from
+    snapshots of the skeleton ``skel`` (any old rank's: the DTensor records are the same on every rank): the
+    old rank its other values come from, and, layout by layout, old ranks whose shards hold elements of
+    its new shard until every element is covered. Layouts whose elements have a single holder go first,
+    and the ranks already chosen are tried first, so replicated tensors (a tensor-parallel bias, a layer
+    norm) add no transfer. Each distinct layout (new and old) is worked out once."""
+    base = rank if rank < old_world else 0
+    need = {base}
+    layouts: dict[Any, tuple[Any, Leaf]] = {}
+    for cur, leaf in _dtensor_leaves(materialise(state), skel):
+        layouts.setdefault((reshard.describe(cur), leaf[3] if len(leaf) > 3 else None), (cur, leaf))
+    for (_, old), (cur, leaf) in sorted(layouts.items(), key=lambda kv: reshard.replication(kv[0][1]) if kv[0][1] else 1):
+        mine = reshard.current_indices(cur)
+        covered = torch.zeros([len(i) for i in mine], dtype=torch.bool)
+        for r in sorted(need) + [r for r in range(old_world) if r not in need]:
+            theirs = _old_indices(leaf, r, old_world, tuple(cur.shape))
+            got = reshard.overlap(mine, theirs) if theirs is not None else None
+            if got is None or bool(reshard.select(covered, got[0]).all()):
+                continue
+            need.add(r)
+            reshard.assign(covered, got[0], True)
+            if bool(covered.all()):
+                break
     return need
 
 
 def fill_resharded(cur: Any, skel: Any, views: dict[int, list[torch.Tensor]], old_world: int, base: int) -> Any:
-    """:func:`fill` from the snapshots of every rank of a world of ``old_world`` ranks (``views`` by old
-    rank) into this rank's state at another world size: a DTensor sharded along dimension 0 over a 1-D
-    mesh takes the rows of its new shard from the old shards that hold them (``torch.chunk``'s split at
-    both sizes); any other tensor is the same on every rank and comes from old rank ``base``, as do the
-    non-tensor values. Raises :class:`MemoryTierError` on a layout it cannot reshard."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if isinstance(cur, DTensor):
-        if cur.device_mesh.ndim != 1 or tuple(cur.placements) != (Shard(0),) or not isinstance(skel, tuple):
-            raise MemoryTierError(f"cannot reshard a DTensor placed {tuple(cur.placements)} over a "
-                                  f"{cur.device_mesh.ndim}-D mesh from memory (only Shard(0) over one dimension)")
+    """:func:`fill` from the snapshots of ranks of a world of ``old_world`` ranks (``views`` by old rank,
+    those :func:`shards_needed` names) into this rank's state at another world size: a DTensor takes each
+    element of its new shard from an old shard that holds it (any placement over any mesh,
+    :mod:`trainguard.checkpoint.reshard`); any other tensor is the same on every rank and comes from old
+    rank ``base``, as do the non-tensor values. Raises :class:`MemoryTierError` on a layout it cannot
+    reshard, or when the snapshots in ``views`` leave an element of the new shard uncovered."""
+    if _is_dtensor(cur):
+        if not isinstance(skel, tuple):
+            raise MemoryTierError("a DTensor of this rank's state is no single tensor in the snapshot")
         local = cur._local_tensor
-        total = cur.shape[0]
-        shape, offset = compute_local_shape_and_global_offset(cur.shape, cur.device_mesh, cur.placements)
-        lo_new, hi_new = offset[0], offset[0] + shape[0]
-        for r in range(old_world):
-            off, n = _chunk(total, old_world, r)
-            if max(lo_new, off) >= min(hi_new, off + n):
-                continue  # no rows of this rank's shard (its snapshot may not even be here)
-            if r not in views:
-                raise MemoryTierError(f"the snapshot of old rank {r} is needed and missing")
+        shape = tuple(cur.shape)
+        try:
+            mine = reshard.current_indices(cur)
+        except reshard.ReshardError as e:
+            raise MemoryTierError(str(e)) from e
+        if [len(i) for i in mine] != list(local.shape):
+            raise MemoryTierError(f"this rank's shard of a {shape} tensor has shape {tuple(local.shape)}, not "
+                                  f"{tuple(len(i) for i in mine)} as its placements {tuple(cur.placements)} say")
+        covered = torch.zeros(local.shape, dtype=torch.bool)
+        for r in sorted(views):
+            try:
+                theirs = _old_indices(skel, r, old_world, shape)
+            except reshard.ReshardError as e:
+                raise MemoryTierError(str(e)) from e
+            got = reshard.overlap(mine, theirs) if theirs is not None else None
+            if got is None or bool(reshard.select(covered, got[0]).all()):
+                continue
             src = views[r][skel[0]]
-            if tuple(src.shape) != (n, *cur.shape[1:]):
-                raise MemoryTierError(f"old rank {r}'s shard has shape {tuple(src.shape)}, not torch.chunk's "
-                                      f"{(n, *cur.shape[1:])} of {tuple(cur.shape)} over {old_world} ranks")
-            lo, hi = max(lo_new, off), min(hi_new, off + n)
-            if lo < hi:
-                local[lo - lo_new:hi - lo_new].copy_(src[lo - off:hi - off])
+            if tuple(src.shape) != tuple(len(i) for i in theirs):
+                raise MemoryTierError(f"old rank {r}'s shard of a {shape} tensor has shape {tuple(src.shape)}, "
+                                      f"not the {tuple(len(i) for i in theirs)} its layout says")
+            reshard.assign(local, got[0], reshard.select(src, got[1]))
+            reshard.assign(covered, got[0], True)
+        if not bool(covered.all()):
+            raise MemoryTierError(f"{int((~covered).sum())} elements of this rank's shard of a {shape} tensor "
+                                  f"are in none of the snapshots of old ranks {sorted(views)}")
         return cur
     local = _local(cur)
     if local is not None:
@@ -1053,10 +1095,12 @@ class MemoryTier:
         rank of the same number when there was one, else old rank 0's (the trainer state then reseeds).
         Returns the snapshot's ``extra``. Raises :class:`MemoryTierError` when a needed blob is missing
         or damaged, or the state cannot be resharded."""
+        base = self.rank if self.rank < old_world else 0
         views: dict[int, list[torch.Tensor]] = {}
         metas: dict[int, dict[str, Any]] = {}
         steps: set[tuple[int, str]] = set()
-        for r in sorted(shards_needed(state, old_world, self.rank)):
+
+        def take(r: int) -> None:
             blob = blobs.get(r)
             h = Header.unpack(blob[:_HEADER.size]) if blob else None
             data = blob[HEADER_BYTES:] if blob else b""
@@ -1065,9 +1109,16 @@ class MemoryTier:
                 raise MemoryTierError(f"the snapshot of old rank {r} is missing or failed its checksum")
             metas[r], views[r] = _parse(h, data)
             steps.add((h.step, str(metas[r].get("world", ""))))
+
+        take(base)
+        try:
+            needed = shards_needed(state, old_world, self.rank, metas[base]["skeleton"])
+        except reshard.ReshardError as e:
+            raise MemoryTierError(str(e)) from e
+        for r in sorted(needed - {base}):
+            take(r)
         if len(steps) != 1:  # never mix steps or worlds
             raise MemoryTierError(f"the snapshots to reshard are of different steps or worlds: {sorted(steps)[:4]}")
-        base = self.rank if self.rank < old_world else 0
         self._last = None
         _load_into(state, metas[base]["skeleton"], lambda cur, skel: fill_resharded(cur, skel, views, old_world, base))
         return dict(metas[base]["extra"])
@@ -1112,13 +1163,23 @@ def _parse(h: Header, data: bytes) -> tuple[dict[str, Any], list[torch.Tensor]]:
     raw = torch.frombuffer(bytearray(data[:h.tensor_bytes]), dtype=torch.uint8) if h.tensor_bytes else None
     views: list[torch.Tensor] = []
     off = 0
-    for _, shape, dtype_name in _leaves(meta["skeleton"]):
+    for leaf in _leaves(meta["skeleton"]):
+        shape, dtype_name = leaf[1], leaf[2]
         dtype = _dtype(dtype_name)
         n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         chunk = raw[off:off + n] if raw is not None and n else torch.empty(0, dtype=torch.uint8)
         views.append(chunk.view(dtype).view(shape))
         off += _align(n)
     return meta, views
+
+
+def blob_skeleton(blob: bytes) -> Any:
+    """The skeleton of a snapshot handed out as a :meth:`MemoryTier.blob` (its layout and DTensor records:
+    what :func:`shards_needed` reads), without checking the data."""
+    h = Header.unpack(blob[:_HEADER.size])
+    if h is None:
+        raise MemoryTierError("not a snapshot")
+    return pickle.loads(blob[HEADER_BYTES + h.tensor_bytes:HEADER_BYTES + h.tensor_bytes + h.meta_bytes])["skeleton"]
 
 
 def _load_into(state: dict[str, Any], skel: Any, fill_one: Callable[[Any, Any], Any]) -> None:

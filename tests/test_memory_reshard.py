@@ -29,7 +29,8 @@ def _rank(rank: int, world: int, init: str, folder: str, out: str) -> None:
                      "b": distribute_tensor(torch.zeros(1, 2), mesh, [Shard(0)]), "step": torch.tensor(0.0), "lr": 0.0}}
     tier = mem.MemoryTier(folder, rank=rank, world_size=world)
     cands = tier.reshard_candidates(state)
-    needed = sorted(mem.shards_needed(state, 3, rank))
+    skel = mem.blob_skeleton(tier.blob(0, 9, "job/3", world_size=3))
+    needed = sorted(mem.shards_needed(state, 3, rank, skel))
     blobs = {r: tier.blob(r, 9, "job/3", world_size=3) for r in needed}  # only the old shards its new ones overlap
     extra = tier.load_resharded(blobs, state, 3)
     app = state["app"]

@@ -260,3 +260,41 @@ def test_worker_killed_mid_snapshot_restores_the_step_before(tmp_path):
         redone = samples.check_lineage_exactly_once(folder, _world.E2E_BATCH)
         assert sorted(redone) == list(range(step + 1, last + 1)), (redone, step, last)
         print(f"b's worker killed mid-snapshot of step {torn}; every rank restored step {step} from memory")
+
+
+def test_model_parallel_node_sigkill_reshards_from_memory(tmp_path):
+    """Tier 1 at another data-parallel size, tensor parallelism + FSDP2 on a 2-D mesh: two nodes of two
+    ranks ((dp, tp) = (2, 2)) replicate their snapshots to each other; node b is SIGKILLed whole and not
+    replaced: node a's two ranks form (1, 2) and take their new shards from the four ranks' snapshots
+    (their own, b's replicas), placements ``_StridedShard``/``Shard``/``Replicate`` over the old mesh.
+    Lost work <= memory interval + one replica lag; every sample once per data-parallel share."""
+    from tests.strategies.test_e2e_resize import MP_ARGS, MP_SIZE, check_model_parallel_samples
+
+    tmp, folder, shm, ep, common, _ = _fsdp_tier1(tmp_path)
+    args = ["--strategy", "model_parallel", *MP_ARGS, "--steps", "100000", *_world.JOB[:-4], *MP_SIZE,
+            "--step-sleep", "0.05", "--log-every", "1", "--sample-log", folder]
+    extra = ["--nproc-per-node", "2", *common]
+    a = Node("a", tmp, ep, nnodes="1:2", script=_world.MODEL_PARALLEL, script_args=args, extra=extra)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, nnodes="1:2", script=_world.MODEL_PARALLEL, script_args=args, extra=extra)
+    with running([a, b], 60) as nodes:
+        wait_until(lambda: any(e["world_size"] == 4 and e["step"] >= 6 for e in a.events("train_step")), 240,
+                   "6 steps at (dp, tp) = (2, 2)")
+        n_before = len({e["round"] for n in nodes for e in restored(n)})
+        kids = b.worker_pids()
+        b.proc.kill()
+        for p in kids:
+            os.kill(p, signal.SIGKILL)
+        back = wait_until(lambda: _restores_after([a], n_before, 2), 180, "(1, 2) restored")
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= back[0]["step"] + 3
+                               for e in a.events("train_step")), 90, "training at (1, 2)")
+        assert {e["source"] for e in back} == {"peer"}, back
+        resharded = [e for e in a.events("checkpoint_restored") if e.get("resharded_from") == 4]
+        assert len(resharded) == 2, a.events("checkpoint_restored")
+        assert sorted(tuple(e["needed"]) for e in resharded) == [(0, 2), (1, 3)], resharded
+        step, last = _lost(folder, back)
+        assert 0 <= last - step <= 2, (last, step)
+        a.signal(signal.SIGTERM)
+        a.wait(60)
+        check_model_parallel_samples(folder, 16)
+        print(f"(2, 2) -> (1, 2): resharded step {step} from 4 ranks' snapshots, lost {last - step} step(s)")
