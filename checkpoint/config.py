@@ -102,8 +102,8 @@ class CheckpointConfig:
     memory_replica: bool = False
     """Tier 1: also copy each rank's newest snapshot to a buddy rank on the next node, in the background
     (double-buffered; at most one replica per source rank). A world that lost a whole node then
-    restores the lost ranks' state from the replicas (resharded when the world shrank: FSDP2's
-    shards, also over tensor parallelism). Doubles tier 0's memory."""
+    restores the lost ranks' state from the replicas (resharded when the world shrank: FSDP2,
+    tensor-parallel and ZeRO shards). Doubles tier 0's memory."""
 
     memory_failure_domain: str = ""
     """Tier 1: this node's failure domain (a rack, a zone, a power feed: what fails together). When the

@@ -41,10 +41,10 @@ Where tier 0 applies, and where it does not
     element of its new shards from one of them: each DTensor's snapshot records its global shape, mesh
     and placements, so any layout DTensor expresses reshards (FSDP2 over one mesh dimension, FSDP2 over
     tensor parallelism on a 2-D mesh: :mod:`trainguard.checkpoint.reshard`); the transient memory is
-    those old shards (about ``old / new + 1`` of them per rank). Anything else (ZeRO's flat partitions,
-    a pending reduction, a rank moved to another node and not replicated there, a layout that changed)
-    makes the restore fall back to storage. A
-    restore from storage invalidates every slot and replica of the node (:meth:`MemoryTier.invalidate_all`);
+    those old shards (about ``old / new + 1`` of them per rank). ZeRO's ranges (ShardedTensors) record
+    every rank's offsets and reshard the same way. Anything else (a pending reduction, a rank moved to
+    another node and not replicated there, a layout that changed) makes the restore fall back to
+    storage. A restore from storage invalidates every slot and replica of the node (:meth:`MemoryTier.invalidate_all`);
     a world re-formed in place invalidates this rank's slots (:meth:`MemoryTier.rebind`; the live state
     is newer) unless it reloads its state (sharded state re-formed through a checkpoint), so a snapshot
     of an abandoned branch of history is never restored later.
@@ -241,9 +241,13 @@ class _Leaf(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class _Shards:
-    """A ShardedTensor's local shards (e.g. a DeepSpeed ZeRO range)."""
+    """A ShardedTensor's local shards (e.g. a DeepSpeed ZeRO range): their leaves, each one's offsets in the
+    global tensor, and the record of every rank's shards (``(global shape, ((rank, offsets, sizes),
+    ...))``, :func:`trainguard.checkpoint.reshard.sharded_record`: what resharding it from memory needs)."""
 
     leaves: tuple[Leaf, ...]
+    offsets: tuple[tuple[int, ...], ...] = ()
+    record: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +317,9 @@ def skeleton(sd: Any, out: list[torch.Tensor], sig: list[tuple[tuple[int, ...], 
             out.append(t)
             if sig is not None:
                 sig.append((shape, t.dtype))
-        if len(local) != 1 or _is_sharded(sd):
+        if _is_sharded(sd):
+            return _Shards(tuple(leaves), *reshard.sharded_record(sd))
+        if len(local) != 1:
             return _Shards(tuple(leaves))
         return (*leaves[0], reshard.describe(sd)) if _is_dtensor(sd) else leaves[0]
     if isinstance(sd, list):
@@ -328,8 +334,9 @@ def layout(skel: Any) -> Any:
     other only when their layouts are equal."""
     if isinstance(skel, tuple):  # a leaf; a DTensor's also names its global shape
         return ("T", skel[1], skel[2], tuple(skel[3][0])) if len(skel) > 3 else ("T", skel[1], skel[2])
-    if isinstance(skel, _Shards):
-        return ("S", tuple(layout(x) for x in skel.leaves))
+    if isinstance(skel, _Shards):  # a ShardedTensor's also names its global shape
+        leaves = tuple(layout(x) for x in skel.leaves)
+        return ("S", leaves, tuple(skel.record[0])) if skel.record is not None else ("S", leaves)
     if isinstance(skel, dict):
         return {k: layout(v) for k, v in skel.items()}
     if isinstance(skel, list):
@@ -341,10 +348,13 @@ def layout(skel: Any) -> Any:
 
 def relaxed(lay: Any) -> Any:
     """A :func:`layout` with each tensor's first dimension dropped, and a DTensor's global shape in place
-    of its shard's: two states sharded at different world sizes (FSDP2, and tensor parallelism beside
-    it) have equal relaxed layouts."""
+    of its shard's, and a ShardedTensor's global shape and dtype in place of its local shards: two states
+    sharded at different world sizes (FSDP2, tensor parallelism beside it, ZeRO's ranges) have equal
+    relaxed layouts."""
     if isinstance(lay, tuple) and len(lay) in (3, 4) and lay[0] == "T":
         return ("T", tuple(lay[-1 if len(lay) == 4 else 1][1:]), lay[2])
+    if isinstance(lay, tuple) and len(lay) == 3 and lay[0] == "S":  # a ShardedTensor: its global shape
+        return ("G", lay[2], tuple(sorted({x[2] for x in lay[1]})))
     if isinstance(lay, tuple) and len(lay) == 2 and lay[0] in ("S", "U"):
         return (lay[0], tuple(relaxed(x) for x in lay[1]))
     if isinstance(lay, dict):
@@ -366,57 +376,102 @@ def _old_indices(leaf: Leaf, rank: int, old_world: int, shape: tuple[int, ...]) 
     return reshard.chunk_indices(shape, old_world, rank)
 
 
-def _dtensor_leaves(cur: Any, skel: Any) -> Iterator[tuple[Any, Leaf]]:
-    """Each DTensor of a (materialised) state with its leaf in an old skeleton of the same structure."""
+def _sharded_leaves(cur: Any, skel: Any) -> Iterator[tuple[Any, Any]]:
+    """Each DTensor and ShardedTensor of a (materialised) state with its node in an old skeleton of the
+    same structure (a leaf, a :class:`_Shards`)."""
     if _is_dtensor(cur):
         if not isinstance(skel, tuple):
             raise MemoryTierError("a DTensor of this rank's state is no single tensor in the snapshot")
         yield cur, skel
+    elif _is_sharded(cur):
+        if not isinstance(skel, _Shards) or skel.record is None:
+            raise MemoryTierError("a ShardedTensor of this rank's state has no record of its shards in the snapshot")
+        yield cur, skel
     elif isinstance(cur, dict):
         for k, v in cur.items():
-            yield from _dtensor_leaves(v, skel[k])
+            yield from _sharded_leaves(v, skel[k])
     elif isinstance(cur, list):
         for v, sk in zip(cur, skel, strict=True):
-            yield from _dtensor_leaves(v, sk)
+            yield from _sharded_leaves(v, sk)
     elif isinstance(cur, tuple):
         for v, sk in zip(cur, skel.items, strict=True):
-            yield from _dtensor_leaves(v, sk)
+            yield from _sharded_leaves(v, sk)
+
+
+def _cover(mine: reshard.Indices, pieces: Iterator[tuple[int, reshard.Indices]], need: set[int]) -> None:
+    """Add to ``need`` old ranks whose ``pieces`` (``(rank, indices)``, in the order to try them) hold
+    elements of the shard ``mine`` until every element is covered."""
+    covered = torch.zeros([len(i) for i in mine], dtype=torch.bool)
+    if not covered.numel():
+        return
+    for r, theirs in pieces:
+        got = reshard.overlap(mine, theirs)
+        if got is None or bool(reshard.select(covered, got[0]).all()):
+            continue
+        need.add(r)
+        reshard.assign(covered, got[0], True)
+        if bool(covered.all()):
+            return
 
 
 def shards_needed(state: dict[str, Any], old_world: int, rank: int, skel: Any) -> set[int]:
     """The old ranks (of a world of ``old_world``) whose snapshots this rank needs to reshard ``state`` from
-    snapshots of the skeleton ``skel`` (any old rank's: the DTensor records are the same on every rank): the
-    old rank its other values come from, and, layout by layout, old ranks whose shards hold elements of
-    its new shard until every element is covered. Layouts whose elements have a single holder go first,
-    and the ranks already chosen are tried first, so replicated tensors (a tensor-parallel bias, a layer
-    norm) add no transfer. Each distinct layout (new and old) is worked out once."""
+    snapshots of the skeleton ``skel`` (any old rank's: its DTensor and ShardedTensor records stand for
+    every rank's): the old rank its other values come from, and, layout by layout, old ranks whose
+    shards hold elements of its new shards until every element is covered. Layouts whose elements have
+    a single holder go first, and the ranks already chosen are tried first, so replicated tensors (a
+    tensor-parallel bias, a layer norm) add no transfer. Each distinct DTensor layout is worked out once."""
     base = rank if rank < old_world else 0
     need = {base}
     layouts: dict[Any, tuple[Any, Leaf]] = {}
-    for cur, leaf in _dtensor_leaves(materialise(state), skel):
-        layouts.setdefault((reshard.describe(cur), leaf[3] if len(leaf) > 3 else None), (cur, leaf))
+    ranges: list[tuple[Any, _Shards]] = []
+    for cur, node in _sharded_leaves(materialise(state), skel):
+        if isinstance(node, _Shards):
+            ranges.append((cur, node))
+        else:
+            layouts.setdefault((reshard.describe(cur), node[3] if len(node) > 3 else None), (cur, node))
+
+    def first(ranks: list[int]) -> list[int]:
+        return sorted(r for r in ranks if r in need) + sorted(r for r in ranks if r not in need)
+
+    for cur, node in ranges:  # ZeRO's ranges: one holder each
+        pieces = [(r, reshard.box(off, size)) for r, off, size in node.record[1] if 0 <= r < old_world]
+        for shard in cur.local_shards():
+            mine = reshard.box(tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
+            order = {r: i for i, r in enumerate(first([r for r, _ in pieces]))}
+            _cover(mine, iter(sorted(pieces, key=lambda p: order[p[0]])), need)
     for (_, old), (cur, leaf) in sorted(layouts.items(), key=lambda kv: reshard.replication(kv[0][1]) if kv[0][1] else 1):
         mine = reshard.current_indices(cur)
-        covered = torch.zeros([len(i) for i in mine], dtype=torch.bool)
-        for r in sorted(need) + [r for r in range(old_world) if r not in need]:
-            theirs = _old_indices(leaf, r, old_world, tuple(cur.shape))
-            got = reshard.overlap(mine, theirs) if theirs is not None else None
-            if got is None or bool(reshard.select(covered, got[0]).all()):
-                continue
-            need.add(r)
-            reshard.assign(covered, got[0], True)
-            if bool(covered.all()):
-                break
+        shape = tuple(cur.shape)
+        _cover(mine, ((r, idx) for r in first(list(range(old_world)))
+                      if (idx := _old_indices(leaf, r, old_world, shape)) is not None), need)
     return need
 
 
-def fill_resharded(cur: Any, skel: Any, views: dict[int, list[torch.Tensor]], old_world: int, base: int) -> Any:
+def _take(dst: torch.Tensor, mine: reshard.Indices, covered: torch.Tensor, src: torch.Tensor,
+          theirs: reshard.Indices, rank: int) -> None:
+    """Copy into ``dst`` (global indices ``mine``) the elements of ``src`` (``theirs``, old ``rank``'s) it lacks."""
+    got = reshard.overlap(mine, theirs)
+    if got is None or bool(reshard.select(covered, got[0]).all()):
+        return
+    if tuple(src.shape) != tuple(len(i) for i in theirs):
+        raise MemoryTierError(f"old rank {rank}'s shard has shape {tuple(src.shape)}, not the "
+                              f"{tuple(len(i) for i in theirs)} its layout says")
+    reshard.assign(dst, got[0], reshard.select(src, got[1]))
+    reshard.assign(covered, got[0], True)
+
+
+def fill_resharded(cur: Any, skel: Any, views: dict[int, list[torch.Tensor]], old_world: int, base: int,
+                   others: dict[int, Any] | None = None) -> Any:
     """:func:`fill` from the snapshots of ranks of a world of ``old_world`` ranks (``views`` by old rank,
-    those :func:`shards_needed` names) into this rank's state at another world size: a DTensor takes each
-    element of its new shard from an old shard that holds it (any placement over any mesh,
-    :mod:`trainguard.checkpoint.reshard`); any other tensor is the same on every rank and comes from old
-    rank ``base``, as do the non-tensor values. Raises :class:`MemoryTierError` on a layout it cannot
-    reshard, or when the snapshots in ``views`` leave an element of the new shard uncovered."""
+    those :func:`shards_needed` names; ``others``: their skeletons at the same place, by old rank) into
+    this rank's state at another world size: a DTensor or ShardedTensor takes each element of its new
+    shards from an old shard that holds it (any DTensor placement over any mesh,
+    :mod:`trainguard.checkpoint.reshard`; ZeRO's ranges); any other tensor is the same on every rank and
+    comes from old rank ``base``, as do the non-tensor values. Raises :class:`MemoryTierError` on a
+    layout it cannot reshard, or when the snapshots in ``views`` leave an element of a new shard
+    uncovered."""
+    others = others or {}
     if _is_dtensor(cur):
         if not isinstance(skel, tuple):
             raise MemoryTierError("a DTensor of this rank's state is no single tensor in the snapshot")
@@ -435,18 +490,31 @@ def fill_resharded(cur: Any, skel: Any, views: dict[int, list[torch.Tensor]], ol
                 theirs = _old_indices(skel, r, old_world, shape)
             except reshard.ReshardError as e:
                 raise MemoryTierError(str(e)) from e
-            got = reshard.overlap(mine, theirs) if theirs is not None else None
-            if got is None or bool(reshard.select(covered, got[0]).all()):
-                continue
-            src = views[r][skel[0]]
-            if tuple(src.shape) != tuple(len(i) for i in theirs):
-                raise MemoryTierError(f"old rank {r}'s shard of a {shape} tensor has shape {tuple(src.shape)}, "
-                                      f"not the {tuple(len(i) for i in theirs)} its layout says")
-            reshard.assign(local, got[0], reshard.select(src, got[1]))
-            reshard.assign(covered, got[0], True)
+            if theirs is not None:
+                _take(local, mine, covered, views[r][skel[0]], theirs, r)
         if not bool(covered.all()):
             raise MemoryTierError(f"{int((~covered).sum())} elements of this rank's shard of a {shape} tensor "
                                   f"are in none of the snapshots of old ranks {sorted(views)}")
+        return cur
+    if _is_sharded(cur):
+        if not isinstance(skel, _Shards) or skel.record is None:
+            raise MemoryTierError("a ShardedTensor of this rank's state has no record of its shards in the snapshot")
+        size = tuple(cur.metadata().size)  # not cur.size(): a tensor method, which warns of ShardedTensor's deprecation
+        if size != tuple(skel.record[0]):
+            raise MemoryTierError(f"a tensor of global shape {size} is {tuple(skel.record[0])} in the snapshots")
+        for shard in cur.local_shards():
+            md = shard.metadata
+            mine = reshard.box(tuple(md.shard_offsets), tuple(md.shard_sizes))
+            covered = torch.zeros(shard.tensor.shape, dtype=torch.bool)
+            for r in sorted(views):
+                node = others.get(r)
+                if not isinstance(node, _Shards):
+                    raise MemoryTierError(f"old rank {r}'s snapshot has no shards where this rank has a ShardedTensor")
+                for leaf, off in zip(node.leaves, node.offsets, strict=True):
+                    _take(shard.tensor, mine, covered, views[r][leaf[0]], reshard.box(off, leaf[1]), r)
+            if not bool(covered.all()):
+                raise MemoryTierError(f"{int((~covered).sum())} elements of this rank's shard at {tuple(md.shard_offsets)} "
+                                      f"of a {size} tensor are in none of the snapshots of old ranks {sorted(views)}")
         return cur
     local = _local(cur)
     if local is not None:
@@ -457,12 +525,17 @@ def fill_resharded(cur: Any, skel: Any, views: dict[int, list[torch.Tensor]], ol
                 raise MemoryTierError(f"a tensor of shape {tuple(dst.shape)} is {tuple(src.shape)} in the snapshot")
             dst.copy_(src)
         return cur
+
+    def sub(key: Any) -> dict[int, Any]:
+        return {r: (o.items if isinstance(o, _Tuple) else o)[key] for r, o in others.items()}
+
     if isinstance(cur, dict):
-        return {k: fill_resharded(cur[k], skel[k], views, old_world, base) for k in cur}
+        return {k: fill_resharded(cur[k], skel[k], views, old_world, base, sub(k)) for k in cur}
     if isinstance(cur, list):
-        return [fill_resharded(c, sk, views, old_world, base) for c, sk in zip(cur, skel, strict=True)]
+        return [fill_resharded(c, sk, views, old_world, base, sub(i)) for i, (c, sk) in enumerate(zip(cur, skel, strict=True))]
     if isinstance(cur, tuple):
-        return tuple(fill_resharded(c, sk, views, old_world, base) for c, sk in zip(cur, skel.items, strict=True))
+        return tuple(fill_resharded(c, sk, views, old_world, base, sub(i))
+                     for i, (c, sk) in enumerate(zip(cur, skel.items, strict=True)))
     return skel
 
 
@@ -1120,7 +1193,8 @@ class MemoryTier:
         if len(steps) != 1:  # never mix steps or worlds
             raise MemoryTierError(f"the snapshots to reshard are of different steps or worlds: {sorted(steps)[:4]}")
         self._last = None
-        _load_into(state, metas[base]["skeleton"], lambda cur, skel: fill_resharded(cur, skel, views, old_world, base))
+        _load_into(state, metas[base]["skeleton"], lambda cur, skel, k: fill_resharded(
+            cur, skel, views, old_world, base, {r: m["skeleton"][k] for r, m in metas.items()}))
         return dict(metas[base]["extra"])
 
     def close(self) -> None:
@@ -1182,22 +1256,23 @@ def blob_skeleton(blob: bytes) -> Any:
     return pickle.loads(blob[HEADER_BYTES + h.tensor_bytes:HEADER_BYTES + h.tensor_bytes + h.meta_bytes])["skeleton"]
 
 
-def _load_into(state: dict[str, Any], skel: Any, fill_one: Callable[[Any, Any], Any]) -> None:
-    """Fill every entry of ``state`` in place from ``skel`` (``fill_one(current, skeleton)``), then load it."""
+def _load_into(state: dict[str, Any], skel: Any, fill_one: Callable[[Any, Any, str], Any]) -> None:
+    """Fill every entry of ``state`` in place from ``skel`` (``fill_one(current, skeleton, entry name)``),
+    then load it."""
     with torch.no_grad():
         for k, v in state.items():
             if _has_local(v):
-                v.load_local_state_dict(fill_one(v.local_state_dict(), skel[k]))
+                v.load_local_state_dict(fill_one(v.local_state_dict(), skel[k], k))
             elif isinstance(v, Stateful):
-                v.load_state_dict(fill_one(v.state_dict(), skel[k]))
+                v.load_state_dict(fill_one(v.state_dict(), skel[k], k))
             elif isinstance(v, dict):
-                v.update(fill_one(v, skel[k]))
+                v.update(fill_one(v, skel[k], k))
 
 
 def _load_data(h: Header, data: bytes, state: dict[str, Any]) -> dict[str, Any]:
     """Load one snapshot's data (tensors + skeleton) into ``state`` in place; return its ``extra``."""
     meta, views = _parse(h, data)
-    _load_into(state, meta["skeleton"], lambda cur, skel: fill(cur, skel, views))
+    _load_into(state, meta["skeleton"], lambda cur, skel, _: fill(cur, skel, views))
     return dict(meta["extra"])
 
 

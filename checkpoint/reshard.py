@@ -3,8 +3,7 @@ and copying the elements two shards share.
 
 An in-memory snapshot records, for each DTensor, its global shape, its mesh (the global ranks, as a
 nested tuple; for a submesh, also its root mesh's: the other ranks' submeshes are its translations) and
-its placements (:func:`describe`, cached per mesh, placements and shape: it runs at
-every snapshot). From that record alone, without the old world's process group, :func:`indices` gives
+its placements (:func:`describe`, cached per DTensor spec: it runs at every snapshot). From that record alone, without the old world's process group, :func:`indices` gives
 the global index along each dimension of every element an old rank's local tensor holds, by torch's own
 shard arithmetic (``Shard`` splits as ``torch.chunk`` does; ``_StridedShard``, which FSDP2 over tensor
 parallelism makes, interleaves; ``Replicate`` keeps the whole dimension). The current rank computes the
@@ -13,6 +12,8 @@ local tensors hold the same global elements. ``Partial`` (a pending reduction) c
 
 So any layout torch's DTensor can express over any mesh reshards from memory, as DCP reshards it from
 storage: FSDP2 over one mesh dimension, FSDP2 over tensor parallelism on a 2-D mesh, uneven shards.
+A ``ShardedTensor`` (DeepSpeed ZeRO's ranges) carries every rank's blocks in its global metadata
+(:func:`sharded_record`); its blocks are boxes (:func:`box`) and reshard the same way.
 """
 
 from __future__ import annotations
@@ -211,6 +212,22 @@ def replication(info: Info) -> int:
         n *= size if c[0] == "R" else 1
     root = info[3] if len(info) > 3 else None
     return n * (len(_coordinates(root)[1]) // len(coords) if root is not None else 1)
+
+
+def sharded_record(t: Any) -> tuple[tuple[tuple[int, ...], ...], tuple]:
+    """For a ``ShardedTensor`` (DeepSpeed ZeRO's ranges, :mod:`trainguard.strategies.flat_shards`): the
+    global offsets of each of its local shards, and the record of every rank's shards from its global
+    metadata, ``(global shape, ((rank, offsets, sizes), ...))``."""
+    md = t.metadata()
+    local = tuple(tuple(int(x) for x in s.metadata.shard_offsets) for s in t.local_shards())
+    shards = tuple((int(s.placement.rank()), tuple(int(x) for x in s.shard_offsets), tuple(int(x) for x in s.shard_sizes))
+                   for s in md.shards_metadata)
+    return local, (tuple(int(x) for x in md.size), shards)
+
+
+def box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Indices:
+    """The global indices of a block at ``offsets`` of ``sizes`` (a ShardedTensor's shard)."""
+    return [torch.arange(o, o + n) for o, n in zip(offsets, sizes, strict=True)]
 
 
 def chunk_indices(global_shape: tuple[int, ...], parts: int, index: int) -> Indices:

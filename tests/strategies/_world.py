@@ -24,15 +24,17 @@ E2E_SIZE = ["--global-batch", str(E2E_BATCH), "--micro-batch", "4"]
 
 def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interval: int, fence: int, loss_log: str,
                 extra: list[str] | None = None, timeout: float = 120.0, script: str = ELASTIC,
-                expect_ok: bool = True, job_id: str = "run") -> list[tuple[int, str]]:
+                expect_ok: bool = True, job_id: str = "run", memory_dir: str = "") -> list[tuple[int, str]]:
     """Train ranks ``0..world-1`` of ``script`` from the newest committed checkpoint (or ``--resume-step``
     in ``extra``) to ``steps``; periodic checkpoints every ``interval`` steps; fence = rendezvous round;
-    ``job_id``: the checkpoint run id (the agents' ``agent.job_id`` when it continues their checkpoints).
+    ``job_id``: the checkpoint run id (the agents' ``agent.job_id`` when it continues their checkpoints);
+    ``memory_dir``: a tier-0 folder (as an agent would hand it over; a snapshot every step), kept afterwards.
     Returns each rank's ``(exit code, output)``; asserts they all succeeded unless ``expect_ok`` is False."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     # The worker contract is written by its one owner (the fence is only the round the epoch record names).
-    rt_env = RuntimeEnv(job_id=job_id, round=fence, checkpoint={"url": ckpt_url, "interval_steps": interval, "when_busy": "wait"}).to_env()
+    ckpt = {"url": ckpt_url, "interval_steps": interval, "when_busy": "wait", **({"memory_interval_steps": 1} if memory_dir else {})}
+    rt_env = RuntimeEnv(job_id=job_id, round=fence, checkpoint=ckpt, memory_dir=memory_dir).to_env()
     procs = []
     for r in range(world):
         env = {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r), "LOCAL_RANK": str(r),
