@@ -37,6 +37,9 @@ Scenarios, side by side in one invocation:
 * **node_kill_shrink** -- as node_kill (FSDP2, tier 1) but min nodes 2 and no replacement: the survivors
   form a world of 2 and reshard the three ranks' snapshots (their own, c's replica on its buddy) into
   their new shards. ``node_kill_shrink_lost_steps`` / ``node_kill_shrink_resume_s``.
+* **node_kill_shrink_inplace** -- the same with ``workers.reform: in-process``: the survivors' worker
+  processes re-form the world of 2 in place and reshard from memory without a restart.
+  ``node_kill_shrink_inplace_lost_steps`` / ``node_kill_shrink_inplace_resume_s``.
 
 Run: ``OMP_NUM_THREADS=1 python bench/memory_tier.py [--json out.json]`` (about four minutes).
 """
@@ -338,6 +341,13 @@ def main() -> int:
                         baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="fsdp-shrink")
         out.update({"node_kill_shrink_lost_steps": n["lost_steps"], "node_kill_shrink_resume_s": n["resume_s"],
                     "node_kill_shrink": n})
+        print("node_kill_shrink_inplace: the same, workers.reform in-process: the survivors re-form in place ...",
+              flush=True)
+        n = worker_kill(os.path.join(tmp, "node-shrink-inplace"), memory=True, kill_at=args.kill_at,
+                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="fsdp-shrink",
+                        reform="in-process")
+        out.update({"node_kill_shrink_inplace_lost_steps": n["lost_steps"],
+                    "node_kill_shrink_inplace_resume_s": n["resume_s"], "node_kill_shrink_inplace": n})
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -352,7 +362,9 @@ def main() -> int:
                            "node_kill": nk["restore_tier"] if nk else None,
                            "node_kill_ddp": out["node_kill_ddp"]["restore_tier"] if "node_kill_ddp" in out else None,
                            "node_kill_shrink": (out["node_kill_shrink"]["restore_tier"] if "node_kill_shrink" in out
-                                                else None)}
+                                                else None),
+                           "node_kill_shrink_inplace": (out["node_kill_shrink_inplace"]["restore_tier"]
+                                                        if "node_kill_shrink_inplace" in out else None)}
     rows = [("snapshot_overhead_ratio (mean step with/without)", out["snapshot_overhead_ratio"]),
             ("  step s with / without snapshots", f"{out['step_s_with_snapshots']} / {out['step_s_without_snapshots']}"),
             ("  snapshot s mean / p95", f"{out['snapshot_s_mean']} / {out['snapshot_s_p95']}"),
@@ -386,6 +398,9 @@ def main() -> int:
                  ("node_kill_shrink lost steps / resume s / tier (FSDP2 3 -> 2, resharded)",
                   f"{out['node_kill_shrink_lost_steps']} / {out['node_kill_shrink_resume_s']} / "
                   f"{out['restore_tier']['node_kill_shrink']}"),
+                 ("  the same in place (workers.reform in-process)",
+                  f"{out['node_kill_shrink_inplace_lost_steps']} / {out['node_kill_shrink_inplace_resume_s']} / "
+                  f"{out['restore_tier']['node_kill_shrink_inplace']}"),
                  ("memory_ratio (node a: tier0+tier1 / state)",
                   f"{out['memory_ratio']} ({nk['tier0_bytes']} + {nk['tier1_bytes']} / {nk['state_bytes']} B)")]
     width = max(len(r[0]) for r in rows)

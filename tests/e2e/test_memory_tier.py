@@ -298,3 +298,40 @@ def test_model_parallel_node_sigkill_reshards_from_memory(tmp_path):
         a.wait(60)
         check_model_parallel_samples(folder, 16)
         print(f"(2, 2) -> (1, 2): resharded step {step} from 4 ranks' snapshots, lost {last - step} step(s)")
+
+
+def test_in_place_node_sigkill_reshards_from_memory_without_restarting_the_survivors(tmp_path):
+    """Tier 1 with in-place re-formation (``workers.reform: in-process``): three FSDP2 nodes; node c is
+    SIGKILLed whole and not replaced: the survivors' worker processes re-form a world of 2 in place (the
+    same pids) and reshard the newest snapshots (their own, c's replica) into their new shards instead
+    of reading storage (there is none). Lost work <= memory interval + one replica lag; every sample once."""
+    tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path)
+    common = [c if c != "workers.reform=restart" else "workers.reform=in-process" for c in common]
+    a = Node("a", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    wait_listening(ep)
+    b = Node("b", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    c = Node("c", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    with running([a, b, c], 60) as nodes:
+        wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
+                   "8 steps at world size 3")
+        pids = {n.name: n.worker_pids() for n in (a, b)}
+        kids = c.worker_pids()
+        c.proc.kill()
+        for p in kids:
+            os.kill(p, signal.SIGKILL)
+        resharded = wait_until(lambda: [e for n in (a, b) for e in n.events("checkpoint_restored")
+                                        if e.get("resharded_from") == 3] or None, 120, "a world of 2 resharded")
+        wait_until(lambda: len([e for n in (a, b) for e in n.events("checkpoint_restored")
+                                if e.get("resharded_from") == 3]) == 2, 60, "both ranks resharded")
+        step = resharded[0]["step"]
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= step + 3 for e in a.events("train_step")), 60,
+                   "training at world size 2")
+        assert {n.name: n.worker_pids() for n in (a, b)} == pids  # re-formed in place: no worker restarted
+        assert {e["tier"] for n in (a, b) for e in n.events("checkpoint_restored")} == {"peer"}
+        for n in (a, b):
+            n.signal(signal.SIGTERM)
+        for n in (a, b):
+            n.wait(60)
+        redone = samples.check_lineage_exactly_once(folder, _world.E2E_BATCH)  # steps trained again after it
+        assert sorted(redone) == list(range(step + 1, step + 1 + len(redone))) and len(redone) <= 2, (redone, step)
+        print(f"in place: resharded step {step} from 3 ranks to 2, lost {len(redone)} step(s)")
