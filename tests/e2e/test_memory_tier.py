@@ -296,7 +296,9 @@ def test_model_parallel_node_sigkill_reshards_from_memory(tmp_path):
         assert 0 <= last - step <= 2, (last, step)
         a.signal(signal.SIGTERM)
         a.wait(60)
-        check_model_parallel_samples(folder, 16)
+        check_model_parallel_samples(folder, 16, lineage=True)
+        redone = samples.check_lineage_exactly_once(folder, 16)
+        assert sorted(redone) == list(range(step + 1, last + 1)), (redone, step, last)
         print(f"(2, 2) -> (1, 2): resharded step {step} from 4 ranks' snapshots, lost {last - step} step(s)")
 
 

@@ -141,12 +141,18 @@ MP_ARGS = ["--tp-size", "2"]
 MP_SIZE = ["--global-batch", "16", "--micro-batch", "4"]
 
 
-def check_model_parallel_samples(folder: str, global_batch: int) -> list[int]:
-    """Every sample once (``tests/samples.py``: one valid attempt per step, the whole global batch), and
-    in each step's valid attempt: the ranks of one data-parallel share (a TP group) trained the same
-    samples, and the shares in order are the global batch."""
-    seen = samples.check_exactly_once(folder, global_batch)
-    committed = samples.committed_batches(folder)
+def check_model_parallel_samples(folder: str, global_batch: int, lineage: bool = False) -> list[int]:
+    """Every sample once (``tests/samples.py``: one valid attempt per step, the whole global batch; with
+    ``lineage``, in the committed lineage: a step redone after a restore from a snapshot counts once, its
+    newest attempt), and in each step's counted attempt: the ranks of one data-parallel share (a TP group)
+    trained the same samples, and the shares in order are the global batch."""
+    if lineage:
+        samples.check_lineage_exactly_once(folder, global_batch)
+        committed, _ = samples.lineage_batches(folder)
+        seen = [i for s in sorted(committed) for i in committed[s]["ids"]]
+    else:
+        seen = samples.check_exactly_once(folder, global_batch)
+        committed = samples.committed_batches(folder)
     recs = [r for r in samples.read(folder) if not r.get("rolled_back")
             and committed.get(r["step"], {}).get("round") == r["round"]]
     by_step: dict[int, list[dict]] = {}
