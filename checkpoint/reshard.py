@@ -65,9 +65,9 @@ def _describe(t: Any) -> Info:
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is mesh:
         return hit[1]
-    root = mesh._get_root_mesh()
+    root = _root_of(mesh)
     info = (shape, _nested(mesh.mesh.tolist()), tuple(code(p) for p in placements),
-            None if root is mesh else _root_ranks(root))
+            None if root is None or root is mesh else _root_ranks(root))
     if len(_CACHE) > 4096:
         _CACHE.clear()
     _CACHE[key] = (mesh, info)  # holds the mesh, so its id is not reused while the entry lives
@@ -75,6 +75,20 @@ def _describe(t: Any) -> Info:
 
 
 _ROOTS: dict[int, tuple[Any, tuple]] = {}
+
+
+def _root_of(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced from (itself when it is a root; None where this torch cannot say:
+    the record then names the mesh alone, and only its own ranks' shards reshard from it)."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    try:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        return _mesh_resources.get_root_mesh(mesh)
+    except (ImportError, AttributeError):
+        return None
 
 
 def _root_ranks(root: Any) -> tuple:
@@ -122,9 +136,13 @@ def local_indices(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], co
     ``mesh_shape`` holding a DTensor of ``global_shape`` placed ``placements`` (torch's arithmetic:
     the one ``compute_local_shape_and_global_offset`` runs, keeping every offset, not only the first)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    except ImportError as e:  # torch's shard arithmetic moved: storage reshards instead
+        raise ReshardError(f"this torch ({torch.__version__}) lacks the shard arithmetic resharding from memory "
+                           f"uses; the restore reads storage") from e
     sizes = list(global_shape)
     offsets: dict[int, torch.Tensor] = {}
     for mesh_dim, p in enumerate(placements):
