@@ -158,6 +158,7 @@ def main() -> None:
                           "strategy": rt.strategy_name}), flush=True)
     samples = open(os.path.join(args.sample_log, f"samples-{os.getpid()}.jsonl"), "a") if args.sample_log else None
     losses = open(args.loss_log, "a") if args.loss_log else None  # rank 0 of each step writes
+    reformations = rt.reformations
     while rt.step < args.steps:
         t0 = time.perf_counter()
         micro = rt.next_batches()
@@ -200,6 +201,12 @@ def main() -> None:
             print(json.dumps({"event": "train_step", "step": done, "loss": round(lv, 6), "ppl": round(math.exp(lv), 2),
                               "world_size": world, "dp_size": rt.dp_size,
                               "step_s": round(time.perf_counter() - t0, 4)}), flush=True)
+        if rt.reformations != reformations:  # this process re-formed in place (same pid, new world and mesh)
+            reformations = rt.reformations
+            if rt.rank == 0:
+                print(json.dumps({"event": "reformed", "step": rt.step, "world_size": rt.world_size,
+                                  "dp_size": rt.dp_size, "tp_size": args.tp_size, "accum_steps": rt.accum_steps,
+                                  "pid": os.getpid()}), flush=True)
     rt.finish()
 
 

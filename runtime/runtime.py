@@ -265,6 +265,13 @@ class Runtime:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
     # ---- construction -------------------------------------------------------------------------
+    def _group_connections(self) -> contextlib.AbstractContextManager[None]:
+        """Record the gloo connections of the groups made inside (a strategy's device-mesh sub-groups), so
+        that a rank that parks after a peer failure ends them too (:func:`rf.end_world_connections`): a
+        survivor blocked in a collective of such a group with this rank (model_parallel's tensor-parallel
+        all-reduce) fails it at once instead of waiting out the process-group timeout."""
+        return rf.world_connections() if dev.backend_for(self.device) == "gloo" else contextlib.nullcontext()
+
     def _new_gloo_group(self) -> Any:
         """A gloo side group with ``workers.pg_timeout_s`` (torch's default when unset)."""
         kw: dict[str, Any] = {"timeout": timedelta(seconds=self.pg_timeout_s)} if self.pg_timeout_s > 0 else {}
@@ -342,7 +349,8 @@ class Runtime:
 
         # A no-op (one warning) when the agent set up no metrics channel, e.g. under plain torchrun.
         self._metrics = WorkerMetrics(self.rank, self.local_rank, device=self.device, gpu=dev.gpu_label(self.device))
-        self._model, self._optimizer = self.strategy.setup(model, optimizer)
+        with self._group_connections():  # a strategy's device-mesh sub-groups (model_parallel's dp and tp)
+            self._model, self._optimizer = self.strategy.setup(model, optimizer)
         self._step_started = time.monotonic()
         self._timer.start()
         self._trainer = TrainerState(seed=seed,
@@ -955,7 +963,8 @@ class Runtime:
                 self._report_parked(reason)
             t_joined = time.monotonic()
             assert self.strategy is not None and self._model is not None
-            self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
+            with self._group_connections():
+                self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
             self._make_manager(base)
             self._data_parallel()
             self.accum_steps, _ = self.strategy.plan(self.global_batch, self.dp_size, self.micro_batch)

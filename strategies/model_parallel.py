@@ -28,6 +28,13 @@ Checkpoint and resize
     parallelises again, and DCP reads into the new shards whatever overlaps them
     (``reshard_native = True``).
 
+In-place re-formation (``reform_state = "checkpoint"``, when the runtime sets ``keep_wrapped``): as
+``fsdp`` does, :meth:`ModelParallelStrategy.setup` keeps a meta-device template of the model and returns
+an :class:`~trainguard.strategies.fsdp.ElasticModule`; :meth:`ModelParallelStrategy.reform` hands a fresh
+copy of the template to the function with the new world's mesh, materialises it, swaps it in and
+re-points the same optimizer; the runtime then reloads the state committed at the stop (or the newest
+in-memory snapshots), resharded. The function runs once per world (``torch.compile`` compiles again).
+
 CPU (torch 2.13, gloo): TP, FSDP2 and ``torch.compile`` (inductor, C++ codegen) run with gloo; verified
 with ``(dp, tp) = (2, 2) -> (1, 2) -> (2, 2)`` through real agents (tests/strategies). fp8 (torchao
 ``Float8Linear``) needs Hopper-class GPUs and is not verified here.
@@ -36,6 +43,7 @@ with ``(dp, tp) = (2, 2) -> (1, 2) -> (2, 2)`` through real agents (tests/strate
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +59,7 @@ from trainguard.strategies.base import (
     rebuild_optimizer,
     register_strategy,
 )
+from trainguard.strategies.fsdp import ElasticModule, _inner, meta_copy
 
 DP, TP = "data_parallel", "tensor_parallel"
 ParallelizeFn = Callable[[nn.Module, Any], nn.Module | None]
@@ -86,6 +95,7 @@ class ModelParallelStrategy(Strategy):
 
     name = "model_parallel"
     reshard_native = True
+    reform_state = "checkpoint"
 
     def __init__(self, *, parallelize_fn: ParallelizeFn | None = None, tp_size: int = 1,
                  precision: Any = "32") -> None:
@@ -103,6 +113,8 @@ class ModelParallelStrategy(Strategy):
         self.tp_size = tp_size
         self.mesh: Any = None
         self.owns_process_group = False
+        self._template: nn.Module | None = None
+        self._opt_names: list[list[str]] = []
 
     # -- ranks and batch -------------------------------------------------------------------------
     def data_parallel(self, rank: int, world: int) -> tuple[int, int]:
@@ -137,11 +149,31 @@ class ModelParallelStrategy(Strategy):
         return init_device_mesh(device_type, shape, mesh_dim_names=(DP, TP))
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """See base class. Returns the parallelised model and a rebuilt optimizer over its parameters."""
+        """See base class. Returns the parallelised model and a rebuilt optimizer over its parameters; with
+        :attr:`keep_wrapped` (in-place re-formation), an :class:`~trainguard.strategies.fsdp.ElasticModule`
+        around the model, and a meta-device template of it is kept for :meth:`reform`."""
         if self.mesh is not None:
             raise StrategyError("ModelParallelStrategy.setup() was called twice. Fix: build one strategy per model")
         old = param_names(model)
         self._prepare_precision()
+        if self.keep_wrapped:
+            self._template = meta_copy(model)
+        model = self._parallelize(model)
+        new = {_strip(n): p for n, p in model.named_parameters()}
+        missing = sorted(set(old.values()) - set(new))
+        if missing:
+            raise StrategyError(f"model_parallel: after parallelize_fn the model lacks parameters {missing[:5]}. Fix: "
+                                f"parallelise the modules in place (torch.compile with module.compile(), not by "
+                                f"replacing them with torch.compile(module)); do not drop parameters")
+        opt = rebuild_optimizer(optimizer, old, new)
+        if not self.keep_wrapped:
+            return model, opt
+        by_id = {id(p): n for n, p in new.items()}
+        self._opt_names = [[by_id[id(p)] for p in g["params"]] for g in opt.param_groups]
+        return ElasticModule(model), opt
+
+    def _parallelize(self, model: nn.Module) -> nn.Module:
+        """Build the mesh of the current world and hand ``model`` to the function; checked."""
         self.mesh = self._build_mesh(self.target_device().type)  # rt.device, never where the model sits
         out = self.parallelize_fn(model, self.mesh)
         model = model if out is None else out
@@ -149,13 +181,39 @@ class ModelParallelStrategy(Strategy):
             raise StrategyError(f"model_parallel: parallelize_fn returned {type(model).__name__}, not the model. Fix: "
                                 f"return the (parallelised) model, or None")
         self._check(model)
-        new = {_strip(n): p for n, p in model.named_parameters()}
-        missing = sorted(set(old.values()) - set(new))
-        if missing:
-            raise StrategyError(f"model_parallel: after parallelize_fn the model lacks parameters {missing[:5]}. Fix: "
-                                f"parallelise the modules in place (torch.compile with module.compile(), not by "
-                                f"replacing them with torch.compile(module)); do not drop parameters")
-        return model, rebuild_optimizer(optimizer, old, new)
+        return model
+
+    def reform(self, model: nn.Module,
+               optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """See base class; as ``fsdp`` re-forms: a fresh copy of the meta-device template, parallelised by the
+        function over the new world's mesh (the new data-parallel size), materialised and swapped into the
+        same :class:`~trainguard.strategies.fsdp.ElasticModule`; the same optimizer re-pointed at its
+        parameters (its state cleared). Parameter values are undefined until the runtime reloads the
+        state committed at the stop (or the newest in-memory snapshots), resharded."""
+        if self._template is None or not isinstance(model, ElasticModule):
+            raise StrategyError("model_parallel reform() needs the ElasticModule setup() returned with keep_wrapped set")
+        fresh = copy.deepcopy(self._template)
+        buffers = {_strip(n): b for n, b in fresh.named_buffers()}
+        fresh = self._parallelize(fresh)
+        fresh.to_empty(device=self.target_device())
+        with torch.no_grad():
+            for n, b in fresh.named_buffers():  # to_empty dropped their values; persistent ones reload too
+                src = buffers.get(_strip(n))
+                if src is not None and src.device.type != "meta":
+                    b.copy_(src)
+        training = model.training
+        model.module = fresh
+        model.train(training)
+        if optimizer is not None:
+            new = {_strip(n): p for n, p in fresh.named_parameters()}
+            for g, names in zip(optimizer.param_groups, self._opt_names, strict=True):
+                g["params"] = [new[n] for n in names]
+            optimizer.state.clear()
+        return model, optimizer
+
+    def state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+        """See base class (the parallelised module inside an :class:`ElasticModule`)."""
+        return super().state(_inner(model), optimizer)
 
     def _check(self, model: nn.Module) -> None:
         """With more than one data-parallel rank, every parameter must be sharded over ``data_parallel``
@@ -182,7 +240,7 @@ class ModelParallelStrategy(Strategy):
     # -- step ------------------------------------------------------------------------------------
     def no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         """See base class: FSDP2's ``set_requires_gradient_sync`` on the root (nothing to skip without it)."""
-        setter = getattr(model, "set_requires_gradient_sync", None)
+        setter = getattr(_inner(model), "set_requires_gradient_sync", None)
         if setter is None:
             return contextlib.nullcontext()
         return _gradient_sync(setter, last)

@@ -171,14 +171,19 @@ def check_model_parallel_samples(folder: str, global_batch: int, lineage: bool =
     return seen
 
 
-def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path):
+@pytest.mark.parametrize("reform", ["restart", "in-process"])
+def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path, reform):
+    """``restart``: every change restarts the workers, which resume from the checkpoint committed at it;
+    ``in-process``: node a's workers re-form each world in place (the same processes: the strategy
+    parallelises a fresh meta-device copy of the model over the new mesh and reloads that checkpoint)."""
     tmp = str(tmp_path)
     os.makedirs(os.path.join(tmp, "samples"))
     ep = f"127.0.0.1:{free_port()}"
     ckpt = os.path.join(tmp, "ckpt")
     loss_log = os.path.join(tmp, "loss.jsonl")
     common = ["--nproc-per-node", "2", "--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=10",
-              "--set", "checkpoint.keep_last=1000"]
+              "--set", "checkpoint.keep_last=1000", "--set", f"workers.reform={reform}"]
+    event = "resumed" if reform == "restart" else "reformed"  # what the example prints after a change
     args = ["--strategy", "model_parallel", *MP_ARGS, "--steps", "100000", *JOB, *MP_SIZE, "--step-sleep", "0.03",
             "--log-every", "2", "--sample-log", os.path.join(tmp, "samples"), "--loss-log", loss_log]
 
@@ -198,6 +203,7 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path):
         wait_until(lambda: steps_at(a, 4, 6), 240, "6 steps at (dp, tp) = (2, 2)")
         started = [e for e in a.events("started")]
         assert started and started[0]["dp_size"] == 2 and started[0]["tp_size"] == 2
+        pids = sorted(a.worker_pids())
         reply = control.request(b.socket, DrainRequest(deadline_s=60))
         assert reply.ok, reply
         assert b.wait(90) == 0, b.dump()
@@ -207,7 +213,7 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path):
         s = committed[0]["step"]
         assert all(e["step"] == s for e in committed)
 
-        resumed = wait_until(lambda: [e for e in a.events("resumed") if e["world_size"] == 2], 180, "resume at 2")
+        resumed = wait_until(lambda: [e for e in a.events(event) if e["world_size"] == 2], 180, f"{event} at 2")
         assert resumed[0]["step"] == s and resumed[0]["dp_size"] == 1 and resumed[0]["tp_size"] == 2
         wait_until(lambda: steps_at(a, 2, s + 4), 120, "training at (1, 2)")
 
@@ -215,14 +221,16 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path):
         nodes.append(b2)
         wait_until(lambda: worlds(a)[-1:] == [4] and worlds(b2) == [4], 120, "world size 4 again")
         # The restarted world's rank 0 may be on either node (torch orders the rendezvous' members).
-        r2 = wait_until(lambda: [e for n in (a, b2) for e in n.events("resumed") if e["world_size"] == 4], 180,
-                        "resume at 4")
+        r2 = wait_until(lambda: [e for n in (a, b2) for e in n.events(event) if e["world_size"] == 4], 180,
+                        f"{event} at 4")
         r = r2[-1]["step"]
         assert r2[-1]["dp_size"] == 2
         resize = [e for e in a.events("checkpoint_committed")
                   if e.get("kind") == "resize" and e.get("component") == "trainguard.worker"]
         assert resize and resize[-1]["step"] == r
         wait_until(lambda: steps_at(a, 4, r + 3) or steps_at(b2, 4, r + 3), 180, "training at (2, 2) again")
+        # in place, node a's two workers lived through both changes; restarted, they are new processes
+        assert (sorted(a.worker_pids()) == pids) == (reform == "in-process"), (pids, a.worker_pids())
         for n in (a, b2):
             n.signal(15)
         for n in (a, b2):
@@ -237,7 +245,7 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path):
         assert dp[s] == 2 and dp[s + 1] == 1 and dp[r] == 1 and dp[r + 1] == 2
         d1 = continuity(tmp, ckpt, "model_parallel", s, 4, loss, MP_ARGS, script=MODEL_PARALLEL, size=MP_SIZE)
         d2 = continuity(tmp, ckpt, "model_parallel", r, 2, loss, MP_ARGS, script=MODEL_PARALLEL, size=MP_SIZE)
-        print(f"model_parallel (2,2)->(1,2)->(2,2): emergency_step={s} resize_step={r} steps={len(seen) // 16} "
+        print(f"model_parallel (2,2)->(1,2)->(2,2), {reform}: emergency_step={s} resize_step={r} steps={len(seen) // 16} "
               f"loss_delta_after_drain={d1:.3g} loss_delta_after_rejoin={d2:.3g}")
         assert d1 <= 1e-6 and d2 <= 1e-6, (d1, d2)
     except AssertionError:
