@@ -827,8 +827,9 @@ class CheckpointManager:
                            t_start: float) -> int | None:
         """Tiers 0 and 1 at another world size (a collective): the newest step newer than storage's for which
         the nodes' memory holds a snapshot of every rank of an earlier world of another size (own slots or
-        replicas), of DTensors (FSDP2, tensor parallelism); old rank 0's skeleton (its DTensors' global
-        shapes, meshes and placements) goes to every rank, which works out the old ranks whose shards
+        replicas), of DTensors (FSDP2, tensor parallelism) or ShardedTensors (ZeRO's ranges); old rank 0's
+        skeleton (the records of every rank's shards: global shapes, meshes, placements, offsets) goes to
+        every rank, which works out the old ranks whose shards
         overlap its new ones; each receives those (point to point, from the lowest holder) and takes the
         elements of its new shards (:meth:`MemoryTier.load_resharded`). None when there is no such set (storage next) or
         loading it failed on some rank (its snapshots are invalidated)."""
