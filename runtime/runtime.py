@@ -266,11 +266,14 @@ class Runtime:
 
     # ---- construction -------------------------------------------------------------------------
     def _group_connections(self) -> contextlib.AbstractContextManager[None]:
-        """Record the gloo connections of the groups made inside (a strategy's device-mesh sub-groups), so
+        """With a strategy that makes groups of its own (:attr:`Strategy.makes_groups`), record the gloo
+        connections of the groups made inside (its device-mesh sub-groups), so
         that a rank that parks after a peer failure ends them too (:func:`rf.end_world_connections`): a
         survivor blocked in a collective of such a group with this rank (model_parallel's tensor-parallel
         all-reduce) fails it at once instead of waiting out the process-group timeout."""
-        return rf.world_connections() if dev.backend_for(self.device) == "gloo" else contextlib.nullcontext()
+        if self.strategy is None or not self.strategy.makes_groups or dev.backend_for(self.device) != "gloo":
+            return contextlib.nullcontext()  # only a strategy's own groups: nothing else opened meanwhile is recorded
+        return rf.world_connections()
 
     def _new_gloo_group(self) -> Any:
         """A gloo side group with ``workers.pg_timeout_s`` (torch's default when unset)."""

@@ -156,6 +156,9 @@ class Strategy(ABC):
     ``"replicated"`` — every rank holds all of it; a live rank broadcasts it to ranks that lack it
     (:meth:`replicated_tensors`); ``"checkpoint"`` — every rank reloads the checkpoint committed at
     the stop, resharded; ``None`` — the strategy cannot re-form in place: its workers restart."""
+    makes_groups: ClassVar[bool] = False
+    """True when :meth:`setup` and :meth:`reform` create process groups of their own (device-mesh
+    sub-groups): the runtime records their connections with the world's, to end them when a peer fails."""
 
     def __init__(self, *, precision: str | int | Precision | None = "32") -> None:
         self.precision = Precision.parse(precision)

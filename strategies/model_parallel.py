@@ -96,6 +96,7 @@ class ModelParallelStrategy(Strategy):
     name = "model_parallel"
     reshard_native = True
     reform_state = "checkpoint"
+    makes_groups = True  # the (data_parallel, tensor_parallel) mesh's sub-groups
 
     def __init__(self, *, parallelize_fn: ParallelizeFn | None = None, tp_size: int = 1,
                  precision: Any = "32") -> None:
