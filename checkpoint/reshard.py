@@ -38,43 +38,47 @@ class ReshardError(CheckpointError):
     """A layout that cannot be resharded from memory (the restore then reads storage)."""
 
 
-_CACHE: dict[tuple[int, Any, tuple[int, ...]], tuple[Any, Info]] = {}
+def _kept(cache: dict[Any, tuple[Any, Any]], anchor: Any, key: Any, make: Any, most: int) -> Any:
+    """``make()``, kept in ``cache`` under ``key`` (which holds ``id(anchor)``) while ``anchor`` is that
+    object: the entry holds ``anchor``, so its id is not reused while the entry lives. Cleared past
+    ``most`` entries."""
+    hit = cache.get(key)
+    if hit is not None and hit[0] is anchor:
+        return hit[1]
+    if len(cache) > most:
+        cache.clear()
+    value = make()
+    cache[key] = (anchor, value)
+    return value
 
 
 _BY_SPEC: dict[int, tuple[Any, Info]] = {}
+_BY_LAYOUT: dict[tuple[int, Any, tuple[int, ...]], tuple[Any, Info]] = {}
+_ROOTS: dict[int, tuple[Any, tuple]] = {}
 
 
 def describe(t: Any) -> Info:
     """The record of DTensor ``t`` (global shape, mesh, placements) a snapshot keeps beside its shard.
     Runs per DTensor at every snapshot: a parameter's or an optimizer state's spec object lives as long
-    as the tensor, so the lookup is one dict access and an identity check."""
+    as the tensor, so the lookup is one dict access and an identity check. DTensors of one layout share
+    one record (and one root mesh tuple), which a snapshot's pickle then holds once."""
     spec = t._spec
-    hit = _BY_SPEC.get(id(spec))
+    hit = _BY_SPEC.get(id(spec))  # the hit inline: this runs per DTensor at every snapshot
     if hit is not None and hit[0] is spec:
         return hit[1]
-    info = _describe(t)
-    if len(_BY_SPEC) > 65536:
-        _BY_SPEC.clear()
-    _BY_SPEC[id(spec)] = (spec, info)  # holds the spec, so its id is not reused while the entry lives
-    return info
+    return _kept(_BY_SPEC, spec, id(spec), lambda: _describe(t), 65536)
 
 
 def _describe(t: Any) -> Info:
     mesh, placements, shape = t.device_mesh, t.placements, tuple(t.shape)
-    key = (id(mesh), placements, shape)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is mesh:
-        return hit[1]
-    root = _root_of(mesh)
-    info = (shape, _nested(mesh.mesh.tolist()), tuple(code(p) for p in placements),
-            None if root is None or root is mesh else _root_ranks(root))
-    if len(_CACHE) > 4096:
-        _CACHE.clear()
-    _CACHE[key] = (mesh, info)  # holds the mesh, so its id is not reused while the entry lives
-    return info
 
+    def make() -> Info:
+        root = _root_of(mesh)
+        return (shape, _nested(mesh.mesh.tolist()), tuple(code(p) for p in placements),
+                None if root is None or root is mesh else
+                _kept(_ROOTS, root, id(root), lambda: _nested(root.mesh.tolist()), 4096))
 
-_ROOTS: dict[int, tuple[Any, tuple]] = {}
+    return _kept(_BY_LAYOUT, mesh, (id(mesh), placements, shape), make, 4096)
 
 
 def _root_of(mesh: Any) -> Any:
@@ -89,14 +93,6 @@ def _root_of(mesh: Any) -> Any:
         return _mesh_resources.get_root_mesh(mesh)
     except (ImportError, AttributeError):
         return None
-
-
-def _root_ranks(root: Any) -> tuple:
-    """A root mesh's ranks as a nested tuple, one object per mesh (a snapshot's pickle then holds it once)."""
-    hit = _ROOTS.get(id(root))
-    if hit is None or hit[0] is not root:
-        hit = _ROOTS[id(root)] = (root, _nested(root.mesh.tolist()))
-    return hit[1]
 
 
 def _nested(x: Any) -> Any:

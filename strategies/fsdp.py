@@ -142,6 +142,37 @@ def _inner(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, ElasticModule) else model
 
 
+def group_names(optimizer: torch.optim.Optimizer, named: dict[str, nn.Parameter]) -> list[list[str]]:
+    """The names (keys of ``named``) of each of ``optimizer``'s param groups' parameters, in order: what
+    :func:`swap_in` re-points the groups by after an in-place re-formation."""
+    by_id = {id(p): n for n, p in named.items()}
+    return [[by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def swap_in(model: ElasticModule, fresh: nn.Module, buffers: dict[str, torch.Tensor],
+            optimizer: torch.optim.Optimizer | None, names: list[list[str]],
+            strip: Callable[[str], str]) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """The end of an in-place re-formation (``fsdp``, ``model_parallel``): copy ``buffers`` (the template's,
+    by stripped name) into ``fresh`` (materialised by ``to_empty``, which dropped their values;
+    persistent ones reload too), make ``fresh`` the module ``model`` forwards to, in the same train/eval
+    mode, and re-point ``optimizer``'s param groups (:func:`group_names`) at ``fresh``'s parameters, its
+    state cleared (the runtime reloads it)."""
+    with torch.no_grad():
+        for n, b in fresh.named_buffers():
+            src = buffers.get(strip(n))
+            if src is not None and src.device.type != "meta":
+                b.copy_(src)
+    training = model.training
+    model.module = fresh
+    model.train(training)
+    if optimizer is not None:
+        new = {strip(n): p for n, p in fresh.named_parameters()}
+        for g, group in zip(optimizer.param_groups, names, strict=True):
+            g["params"] = [new[n] for n in group]
+        optimizer.state.clear()
+    return model, optimizer
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose parameters live on the ``meta`` device (no memory) and whose
     buffers are real copies (non-persistent ones are not in any checkpoint)."""
@@ -226,8 +257,7 @@ class FSDPStrategy(Strategy):
         opt = rebuild_optimizer(optimizer, old, new)
         if not self.keep_wrapped:
             return model, opt
-        by_id = {id(p): n for n, p in new.items()}
-        self._opt_names = [[by_id[id(p)] for p in g["params"]] for g in opt.param_groups]
+        self._opt_names = group_names(opt, new)
         return ElasticModule(model), opt
 
     def _materialise(self, model: nn.Module, device: torch.device) -> None:
@@ -284,20 +314,7 @@ class FSDPStrategy(Strategy):
         fresh.to_empty(device=self.target_device())
         if self._meta_init:  # the template's buffers are on meta too: recompute them
             self._initialise(fresh)
-        with torch.no_grad():
-            for n, b in fresh.named_buffers():  # to_empty dropped their values; persistent ones reload too
-                src = buffers.get(_strip_ckpt(n))
-                if src is not None and src.device.type != "meta":
-                    b.copy_(src)
-        training = model.training
-        model.module = fresh
-        model.train(training)
-        if optimizer is not None:
-            new = {_strip_ckpt(n): p for n, p in fresh.named_parameters()}
-            for g, names in zip(optimizer.param_groups, self._opt_names):
-                g["params"] = [new[n] for n in names]
-            optimizer.state.clear()
-        return model, optimizer
+        return swap_in(model, fresh, buffers, optimizer, self._opt_names, _strip_ckpt)
 
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
         """See base class (the sharded module inside an :class:`ElasticModule`)."""

@@ -59,7 +59,7 @@ from trainguard.strategies.base import (
     rebuild_optimizer,
     register_strategy,
 )
-from trainguard.strategies.fsdp import ElasticModule, _inner, meta_copy
+from trainguard.strategies.fsdp import ElasticModule, _inner, group_names, meta_copy, swap_in
 
 DP, TP = "data_parallel", "tensor_parallel"
 ParallelizeFn = Callable[[nn.Module, Any], nn.Module | None]
@@ -169,8 +169,7 @@ class ModelParallelStrategy(Strategy):
         opt = rebuild_optimizer(optimizer, old, new)
         if not self.keep_wrapped:
             return model, opt
-        by_id = {id(p): n for n, p in new.items()}
-        self._opt_names = [[by_id[id(p)] for p in g["params"]] for g in opt.param_groups]
+        self._opt_names = group_names(opt, new)
         return ElasticModule(model), opt
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
@@ -197,20 +196,7 @@ class ModelParallelStrategy(Strategy):
         buffers = {_strip(n): b for n, b in fresh.named_buffers()}
         fresh = self._parallelize(fresh)
         fresh.to_empty(device=self.target_device())
-        with torch.no_grad():
-            for n, b in fresh.named_buffers():  # to_empty dropped their values; persistent ones reload too
-                src = buffers.get(_strip(n))
-                if src is not None and src.device.type != "meta":
-                    b.copy_(src)
-        training = model.training
-        model.module = fresh
-        model.train(training)
-        if optimizer is not None:
-            new = {_strip(n): p for n, p in fresh.named_parameters()}
-            for g, names in zip(optimizer.param_groups, self._opt_names, strict=True):
-                g["params"] = [new[n] for n in names]
-            optimizer.state.clear()
-        return model, optimizer
+        return swap_in(model, fresh, buffers, optimizer, self._opt_names, _strip)
 
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
         """See base class (the parallelised module inside an :class:`ElasticModule`)."""

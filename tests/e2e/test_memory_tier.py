@@ -1,4 +1,4 @@
-"""The in-memory checkpoint tiers end to end (gloo, ``workers.reform: restart``, no periodic checkpoint
+"""The in-memory checkpoint tiers end to end (gloo, ``workers.reform: restart`` unless said, no periodic checkpoint
 in storage): every restore must come from memory, lose at most the step in flight, and keep every sample
 trained exactly once in the committed lineage.
 
@@ -13,6 +13,8 @@ trained exactly once in the committed lineage.
   three ranks' snapshots (their own and the lost node's replica) into their new shards.
 * tier 1, FSDP2: a worker is killed between writing its snapshot and committing it (that slot torn):
   every rank restores the step before, which every rank still holds in its other slot.
+* tier 1, TP + FSDP2 on a (2, 2) mesh, a node killed: (1, 2) reshards from memory, restarted or in place.
+* tier 1, FSDP2, ``workers.reform: in-process``: the survivors of a node kill reshard in place.
 """
 
 import json
@@ -89,10 +91,7 @@ def test_worker_then_node_sigkill_resume_from_memory(tmp_path):
 
         # 2. node c SIGKILLed whole (agent and worker): the survivors form a world of 2 and restore from
         # their own nodes' memory (replicated DDP state), not from storage
-        kids = c.worker_pids()
-        c.proc.kill()
-        for p in kids:
-            os.kill(p, signal.SIGKILL)
+        _kill_node(c)
         back2 = wait_until(lambda: _restores_after([a, b], 1, 2), 120, "two ranks restored in a world of 2")
         assert {e["source"] for e in back2} <= {"memory", "peer"}, back2
         step2, last2 = _lost(folder, back2)
@@ -120,9 +119,18 @@ def test_worker_then_node_sigkill_resume_from_memory(tmp_path):
             n.stop()
 
 
-def _fsdp_tier1(tmp_path) -> tuple[str, str, str, str, list[str], list[str]]:
-    """Three FSDP2 nodes' set-up with tiers 0 and 1, a snapshot every step and no periodic checkpoint in
-    storage: ``(tmp, samples folder, shm folder, endpoint, agent options, job arguments)``."""
+def _kill_node(node) -> None:
+    """SIGKILL a whole node: its agent and its workers."""
+    kids = node.worker_pids()
+    node.proc.kill()
+    for p in kids:
+        os.kill(p, signal.SIGKILL)
+
+
+def _fsdp_tier1(tmp_path, reform: str = "restart") -> tuple[str, str, str, str, list[str], list[str]]:
+    """Three FSDP2 nodes' set-up with tiers 0 and 1, a snapshot every step, no periodic checkpoint in
+    storage and ``workers.reform`` = ``reform``: ``(tmp, samples folder, shm folder, endpoint, agent
+    options, job arguments)``."""
     tmp = str(tmp_path)
     folder = os.path.join(tmp, "samples")
     os.makedirs(folder)
@@ -130,11 +138,18 @@ def _fsdp_tier1(tmp_path) -> tuple[str, str, str, str, list[str], list[str]]:
     ep = f"127.0.0.1:{free_port()}"
     common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval=off",
               "--set", "checkpoint.memory_interval_steps=1", "--set", "checkpoint.memory_replica=true",
-              "--set", f"checkpoint.memory_dir={shm}", "--set", "workers.reform=restart",
+              "--set", f"checkpoint.memory_dir={shm}", "--set", f"workers.reform={reform}",
               "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
     args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", folder,
             "--strategy", "fsdp", *_world.JOB[:-4], *_world.E2E_SIZE]
     return tmp, folder, shm, ep, common, args
+
+
+def _three_nodes(tmp: str, ep: str, common: list[str], args: list[str]) -> list[Node]:
+    """Agents a, b and c of a job of 2 to 3 nodes (a first: it hosts the rendezvous)."""
+    a = Node("a", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    wait_listening(ep)
+    return [a, *(Node(n, tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common) for n in "bc")]
 
 
 def test_node_sigkill_restores_the_lost_rank_from_its_buddy(tmp_path):
@@ -157,10 +172,7 @@ def test_node_sigkill_restores_the_lost_rank_from_its_buddy(tmp_path):
         assert "replica-00002-0.snap" in os.listdir(os.path.join(shm, "trainguard-job-a"))  # a holds c's rank 2
         plan = a.events("memory_replica_buddies")
         assert plan and plan[0]["separated"] and plan[0]["domains"] == ["zone-a", "zone-b", "zone-c"], plan
-        kids = c.worker_pids()
-        c.proc.kill()  # the whole node: agent and worker
-        for p in kids:
-            os.kill(p, signal.SIGKILL)
+        _kill_node(c)
         d = node("d", "zone-c")  # the replacement, in the lost node's zone
         nodes.append(d)
         back = wait_until(lambda: [e for n in (a, b, d) for e in restored(n)] if len(
@@ -197,18 +209,12 @@ def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path):
     replica on its buddy). Lost work <= memory interval + one replica lag; every sample once; there is
     no periodic checkpoint in storage at all."""
     tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path)
-    a = Node("a", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
-    wait_listening(ep)
-    b = Node("b", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
-    c = Node("c", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    a, b, c = _three_nodes(tmp, ep, common, args)
     with running([a, b, c], 60) as nodes:
         wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
                    "8 steps at world size 3")
         n_before = len({e["round"] for n in nodes for e in restored(n)})
-        kids = c.worker_pids()
-        c.proc.kill()  # the whole node: agent and worker
-        for p in kids:
-            os.kill(p, signal.SIGKILL)
+        _kill_node(c)
         back = wait_until(lambda: _restores_after((a, b), n_before, 2), 120, "a world of 2 restored")
         wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= back[0]["step"] + 3
                                for e in a.events("train_step")), 60, "training at world size 2")
@@ -272,8 +278,7 @@ def test_model_parallel_node_sigkill_reshards_from_memory(tmp_path, reform):
     replica lag; every sample once per data-parallel share in the committed lineage."""
     from tests.strategies.test_e2e_resize import MP_ARGS, MP_SIZE, check_model_parallel_samples
 
-    tmp, folder, shm, ep, common, _ = _fsdp_tier1(tmp_path)
-    common = [c if c != "workers.reform=restart" else f"workers.reform={reform}" for c in common]
+    tmp, folder, shm, ep, common, _ = _fsdp_tier1(tmp_path, reform)
     args = ["--strategy", "model_parallel", *MP_ARGS, "--steps", "100000", *_world.JOB[:-4], *MP_SIZE,
             "--step-sleep", "0.05", "--log-every", "1", "--sample-log", folder]
     extra = ["--nproc-per-node", "2", *common]
@@ -285,10 +290,7 @@ def test_model_parallel_node_sigkill_reshards_from_memory(tmp_path, reform):
                    "6 steps at (dp, tp) = (2, 2)")
         n_before = len({e["round"] for n in nodes for e in restored(n)})
         survivors = sorted(a.worker_pids())
-        kids = b.worker_pids()
-        b.proc.kill()
-        for p in kids:
-            os.kill(p, signal.SIGKILL)
+        _kill_node(b)
         back = wait_until(lambda: _restores_after([a], n_before, 2), 180, "(1, 2) restored")
         wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= back[0]["step"] + 3
                                for e in a.events("train_step")), 90, "training at (1, 2)")
@@ -314,20 +316,13 @@ def test_in_place_node_sigkill_reshards_from_memory_without_restarting_the_survi
     SIGKILLed whole and not replaced: the survivors' worker processes re-form a world of 2 in place (the
     same pids) and reshard the newest snapshots (their own, c's replica) into their new shards instead
     of reading storage (there is none). Lost work <= memory interval + one replica lag; every sample once."""
-    tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path)
-    common = [c if c != "workers.reform=restart" else "workers.reform=in-process" for c in common]
-    a = Node("a", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
-    wait_listening(ep)
-    b = Node("b", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
-    c = Node("c", tmp, ep, nnodes="2:3", script=ELASTIC, script_args=args, extra=common)
+    tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path, "in-process")
+    a, b, c = _three_nodes(tmp, ep, common, args)
     with running([a, b, c], 60) as nodes:
         wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
                    "8 steps at world size 3")
         pids = {n.name: n.worker_pids() for n in (a, b)}
-        kids = c.worker_pids()
-        c.proc.kill()
-        for p in kids:
-            os.kill(p, signal.SIGKILL)
+        _kill_node(c)
         resharded = wait_until(lambda: [e for n in (a, b) for e in n.events("checkpoint_restored")
                                         if e.get("resharded_from") == 3] or None, 120, "a world of 2 resharded")
         wait_until(lambda: len([e for n in (a, b) for e in n.events("checkpoint_restored")
