@@ -26,7 +26,8 @@ How time is split: the caller reports, at each sample and on each state change, 
 step wall time ``S`` (:meth:`GoodputLedger.progress`). The time between two reports (a *window*) is
 ``ΔS`` of steps plus non-step time, which goes to the cause in effect during the window. A step that
 straddles the end of a window is reported in the next one; the overshoot is carried into the next
-window's non-step time, so no bucket ever decreases and the totals stay exact. The open window
+steady window's non-step time (the ``checkpoint`` cause, whose windows the late steps ran in; a
+downtime's window never pays it), so no bucket ever decreases and the totals stay exact. The open window
 (since the last report) counts as productive until it is closed.
 
 Scripts that report no step time (unmodified torchrun scripts, "tier 1") keep the state-only view:
@@ -166,14 +167,19 @@ class GoodputLedger:
             return
         elapsed = t - self._t
         ds = max(0.0, self._s - self._s_window)
-        nonstep = elapsed - ds + self._carry
         cause = self._open_cause or self._cause_now()
         self._open_cause = None
+        # Step time that arrives late (workers flush their step seconds at agreement boundaries) was
+        # non-step time of the steady windows it ran in: only steady windows pay that carry back, so a
+        # short downtime (an in-place re-formation's tens of ms) is never swallowed by it.
+        steady = cause == STEADY_CAUSE and self._running and self._stepped
+        nonstep = elapsed - ds + (self._carry if steady else 0.0)
         if nonstep < 0:
-            self._carry = nonstep
+            self._carry = nonstep if steady else self._carry + nonstep
         else:
             self._wasted[cause] += nonstep
-            self._carry = 0.0
+            if steady:
+                self._carry = 0.0
         self._kept += ds
         if ds > 0 and self._running:
             self._stepped = True

@@ -114,6 +114,46 @@ def test_drain_then_resize_is_drain_downtime_until_steps_flow_again() -> None:
     assert g.wasted_s["restart"] == 0 and g.wasted_s["recompute"] == 0 and g.wasted_s["resize"] == 0
 
 
+def test_a_short_in_place_resize_is_resize_waste_though_step_reports_come_late() -> None:
+    """Workers flush their step seconds every 8 steps (at agreement boundaries), so samples in
+    between see no step and the flush overshoots its window. A peer's drain re-forms this node in
+    place in 40 ms: that downtime is ``resize`` waste, not swallowed by the overshoot owed to the
+    steady windows the late steps ran in; the steady windows pay it back and the totals stay exact."""
+    c = Clock(0)
+    led = GoodputLedger(c)
+    led.set_state("running")
+    led.progress(None, train_s=0.0)
+    train, step, prev = 0.0, 0, {}
+    for k in range(1, 41):  # 0.1 s steps, a sample every 0.25 s: a flush of 0.8 s of steps every 0.8 s
+        c.t = k * 0.25
+        while (step + 1) * 0.1 <= c.t + 1e-9:
+            step += 1
+        if step % 8 == 0 and step * 0.1 > train:
+            train = step * 0.1
+        led.progress(step, train_s=train)
+        g = led.snapshot()
+        assert all(g.wasted_s[r] >= prev.get(r, 0.0) - 1e-9 for r in g.wasted_s), (k, g.wasted_s, prev)
+        prev = dict(g.wasted_s)
+    # Steps 81..83 ran (0.3 s) and sit unflushed when the workers park: the carry is owed now.
+    c.tick(0.3)
+    led.progress(step, train_s=train)
+    led.set_state("resizing")
+    c.tick(0.01)
+    led.set_state("rendezvous")
+    c.tick(0.03)
+    led.set_state("running")
+    c.tick(0.05)  # the first step at the new size ends; the parked steps' seconds flush with it
+    led.progress(step + 1, train_s=train + 0.3)
+    g = led.snapshot()
+    check_partition(g)
+    assert g.wasted_s["resize"] >= 0.04 - 1e-9, g.wasted_s
+    assert g.wasted_s["checkpoint"] >= prev["checkpoint"] - 1e-9
+    led.stop()
+    g = led.snapshot()
+    check_partition(g)
+    assert g.productive_s <= train + 0.3 + 1e-9
+
+
 def test_crash_restart_and_recompute() -> None:
     c = Clock(0)
     led = GoodputLedger(c)
