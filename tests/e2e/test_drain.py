@@ -95,14 +95,19 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
         wait_until(lambda: any(e["step"] >= s + 10 and e["world_size"] == 1 for e in a.events("train_step")), 90,
                    "training at world size 1")
 
+        pids = a.worker_pids()
         aws_imds.clear()
         b2 = Node("b2", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=args, extra=common)
         nodes.append(b2)
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b2) == [2], 90, "world size 2 again")
-        r2 = wait_until(lambda: continued(a, 2), 60, "continue at 2")  # in place this time
-        assert r2[-1]["event"] == "reformed" and b2.events("joiner_warm")
-        wait_until(lambda: any(e["world_size"] == 2 and e["step"] > r2[-1]["step"] + 5 for e in a.events("train_step")),
-                   90, "training at world size 2 again")
+        # The example's rank 0 prints, and the rendezvous orders the agents by pid: b2 is rank 0 when pids
+        # wrapped (pid_max 32768 here; a suite starts thousands of processes). So read a's own worker:
+        # in place this time, it re-forms (as rank 0 or 1) and the warmed-up joiner takes its state.
+        r2 = wait_until(lambda: [e for e in a.events("worker_reformed") if e["world_size"] == 2], 60, "continue at 2")
+        assert r2[-1]["reason"] == "resize" and b2.events("joiner_warm")
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] > r2[-1]["step"] + 5
+                               for n in (a, b2) for e in n.events("train_step")), 90, "training at world size 2 again")
+        assert a.worker_pids() == pids, "a's worker was restarted by b2's join"
         for n in (a, b2):
             n.signal(15)
         for n in (a, b2):
@@ -111,7 +116,7 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
         seen = check_exactly_once(sample_log(tmp))
         print(f"notice_to_resume_s={t_resume - t_notice:.1f} steps={len(seen) // GLOBAL_BATCH} emergency_step={s}")
     except AssertionError:
-        print(a.dump(60), b.dump(60), sep="\n")
+        print(*(n.dump(60) for n in nodes), sep="\n")
         raise
     finally:
         for n in nodes:
