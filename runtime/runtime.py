@@ -476,6 +476,7 @@ class Runtime:
                 self._log.info("worker_restored", step=self.step, source="peer", live_step=live)
                 return self.step
         if self._manager is None:
+            self._agree_initial_state()
             return self.step
         state = self._state()
         t0 = time.monotonic()
@@ -515,6 +516,7 @@ class Runtime:
             if ctl is not None and self._manager.last_restored_repeats:
                 ctl.observe_restore(None, "none", self._manager.last_restored_repeats)
             self._metrics.observe_restore(0, "other")
+            self._agree_initial_state()
         if self._interval is not None:
             self._interval.begin()
         self._step_started = time.monotonic()
@@ -1080,6 +1082,18 @@ class Runtime:
                 break
         self._standby = False
         self._log.info("worker_joined", waited_s=round(time.monotonic() - t0, 3), **self._join_phases)
+
+    def _agree_initial_state(self) -> None:
+        """Nothing was restored and no rank holds live state (a fresh job): where the strategy skipped its
+        own broadcast at construction (``init_synced`` False: ddp in a job that re-forms in place), every
+        rank takes rank 0's parameters and buffers, as DDP's construction would have given them."""
+        assert self.strategy is not None and self._model is not None
+        if self.strategy.init_synced or self.world_size <= 1:
+            return
+        group = None if self.device.type == "cuda" else self._group
+        with torch.no_grad():
+            for t in self.strategy.replicated_tensors(self._model).values():
+                dist.broadcast(t, group=group, group_src=0)
 
     def _sync_live_state(self, step: int | None) -> tuple[str, int | None]:
         """Hand the newest in-memory state to the ranks that lack it (see :func:`rf.sync_live_state`)."""

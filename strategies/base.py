@@ -169,6 +169,10 @@ class Strategy(ABC):
         self.keep_wrapped = False
         """Set by the runtime when worlds re-form in place: wrap even at world size 1, so that the
         object the script holds stays the same when the world grows."""
+        self.init_synced = True
+        """False when :meth:`setup` left the ranks' replicated state unsynchronised (``ddp`` in a job that
+        re-forms in place skips DDP's broadcast from rank 0: see :mod:`~trainguard.strategies.ddp`); the
+        runtime's ``restore`` then makes the ranks agree, from a live peer, a checkpoint or rank 0."""
 
     # -- wrapping --------------------------------------------------------------------------------
     @abstractmethod

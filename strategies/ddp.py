@@ -10,6 +10,14 @@ In-place re-formation (``reform_state = "replicated"``): :meth:`DDPStrategy.refo
 group, so the model and optimizer the script holds stay valid (DDP keeps the parameter objects; the
 old reducer and its autograd hooks go with the old state). About 30 ms for the bundled model on CPU.
 
+Where worlds re-form in place, DDP's own sync at construction is skipped (``init_sync=False``; the
+parameter shapes are still compared across ranks): it broadcasts from rank 0, and the rendezvous
+orders nodes by host name and pid, so rank 0 of a re-formed world can be a fresh process (a node that
+joined, a restarted worker) whose initial weights would overwrite the survivors' trained ones before
+the runtime hands the survivors' state over. Instead the runtime's ``restore`` / re-formation
+broadcasts from a rank that holds the newest state (:func:`~trainguard.runtime.reform.sync_live_state`),
+or from rank 0 when no rank does and nothing was restored (a fresh job: what DDP's sync would do).
+
 Precision: ``bf16-mixed`` / ``16-mixed`` by ``torch.autocast`` around the forward pass, ``16-mixed``
 with a ``GradScaler`` (gradients are all-reduced before the inf check, so every rank agrees).
 """
@@ -57,11 +65,25 @@ class DDPStrategy(Strategy):
         _, size = world()
         if size == 1 and not self.keep_wrapped:
             return model, optimizer
-        return DistributedDataParallel(model, **self._ddp_args()), optimizer
+        return self._wrap(model), optimizer
 
-    def _ddp_args(self) -> dict[str, Any]:
+    def _wrap(self, inner: torch.nn.Module, into: DistributedDataParallel | None = None) -> DistributedDataParallel:
+        """``inner`` wrapped in a new ``DistributedDataParallel`` (or ``into``, constructed again); where
+        worlds re-form in place, without DDP's broadcast from rank 0 (see the module docstring), the
+        parameter shapes compared across ranks as DDP does."""
         device = self.target_device()
-        return {"device_ids": [device.index] if device.type == "cuda" else None, **self.ddp_kwargs}
+        args: dict[str, Any] = {"device_ids": [device.index] if device.type == "cuda" else None, **self.ddp_kwargs}
+        if self.keep_wrapped:
+            args["init_sync"] = False
+        if into is None:
+            ddp = DistributedDataParallel(inner, **args)
+        else:
+            ddp = into
+            DistributedDataParallel.__init__(ddp, inner, **args)
+        if self.keep_wrapped:
+            _verify_shapes(ddp.process_group, [p for p in inner.parameters() if p.requires_grad])
+            self.init_synced = False
+        return ddp
 
     def reform(self, model: torch.nn.Module,
                optimizer: torch.optim.Optimizer | None) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
@@ -70,8 +92,7 @@ class DDPStrategy(Strategy):
             raise StrategyError("ddp reform() needs the DistributedDataParallel the strategy returned (set "
                                 "keep_wrapped before setup)")
         training = model.training
-        inner = model.module
-        DistributedDataParallel.__init__(model, inner, **self._ddp_args())
+        self._wrap(model.module, into=model)
         model.train(training)
         return model, optimizer
 
@@ -88,6 +109,13 @@ class DDPStrategy(Strategy):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), **self.ddp_kwargs}
+
+
+def _verify_shapes(group: Any, params: list[torch.Tensor]) -> None:
+    """Every rank's parameter shapes are the same (DDP's check at construction; a collective)."""
+    from torch.distributed.utils import _verify_param_shape_across_processes
+
+    _verify_param_shape_across_processes(group, params)
 
 
 register_strategy("ddp", DDPStrategy)

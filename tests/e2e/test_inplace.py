@@ -26,6 +26,14 @@ def reformed(nodes, world):
     return [e for n in nodes for e in n.events("reformed") if e["world_size"] == world]
 
 
+def rejoined(nodes, world):
+    """The runtime's ``worker_reformed`` lines of a world of ``world`` ranks, from every node's workers that
+    re-formed in place: when a joiner is rank 0 (the rendezvous orders agents by pid, and pids wrap), the
+    example's ``reformed`` line is not printed (the joiner prints ``resumed``)."""
+    return [e for n in nodes for e in n.events("worker_reformed")
+            if e["world_size"] == world and e.get("component") == "trainguard.worker"]
+
+
 def stepped(nodes):
     """The example's ``train_step`` lines (rank 0's), from whichever node printed them."""
     return [e for n in nodes for e in n.events("train_step")]
@@ -44,7 +52,12 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
               "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
     args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", os.path.join(tmp, "samples"),
             "--loss-log", loss_log, "--strategy", strategy, *JOB]
-    a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common)
+    # The rendezvous orders nodes by address, then pid. With ddp the nodes that join sort before a, so
+    # rank 0 of each grown world is a fresh process: its initial weights must not reach the survivors
+    # (DDP's construction broadcasts from rank 0; the loss checks below catch it). fsdp keeps a first.
+    addr = (lambda first: ["--set", f"rendezvous.local_addr=127.0.0.{1 if first else 2}"]) if strategy == "ddp" \
+        else (lambda first: [])
+    a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common + addr(False))
     wait_listening(ep)
     b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args,
              extra=common + ["--set", "preemption.sources=aws", "--set", f"preemption.aws_endpoint={aws_imds.url}",
@@ -68,15 +81,17 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
                    "training at world size 1")
 
         # 1 -> 2 -> 3: two nodes join, each warmed up before the world pauses for it
-        b2 = Node("b2", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common)
+        b2 = Node("b2", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common + addr(True))
         nodes.append(b2)
-        r2 = wait_until(lambda: reformed(nodes, 2), 120, "a and b2 re-formed at world size 2")
+        r2 = wait_until(lambda: rejoined(nodes, 2), 120, "a and b2 re-formed at world size 2")
         assert b2.events("joiner_warm") and b2.events("joined_running_world"), b2.dump()
+        if strategy == "ddp":  # the joiner is rank 0 of the grown world
+            assert b2.events("rendezvous_complete")[-1]["group_rank"] == 0, b2.dump()
         wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= r2[0]["step"] + 3 for e in stepped(nodes)),
                    60, "training at world size 2")
-        c = Node("c", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common)
+        c = Node("c", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common + addr(True))
         nodes.append(c)
-        r3 = wait_until(lambda: reformed(nodes, 3), 120, "a, b2 and c re-formed at world size 3")
+        r3 = wait_until(lambda: rejoined(nodes, 3), 120, "a, b2 and c re-formed at world size 3")
         wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= r3[0]["step"] + 3 for e in stepped(nodes)),
                    60, "training at world size 3")
 
@@ -91,7 +106,7 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
 
         assert control.request(c.socket, DrainRequest(deadline_s=30)).ok
         assert c.wait(60) == 0, c.dump()
-        r4 = wait_until(lambda: [e for e in reformed(nodes, 2) if e["step"] >= r3[0]["step"]],
+        r4 = wait_until(lambda: [e for e in rejoined(nodes, 2) if e["step"] >= r3[0]["step"]],
                         60, "a and b2 re-formed at world size 2")
         drain_to_world = time.monotonic() - t_drain
         assert drain_to_world < 15, drain_to_world
