@@ -245,6 +245,28 @@ def teardown_world(device: torch.device) -> None:
                 log.warning("nccl_abort_failed", error=str(e))
     dist.destroy_process_group()
     _WORLD_SOCKETS.clear()  # the next world records its own
+    clear_dtensor_caches()
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's sharding-propagation and redistribution caches. A ``DeviceMesh`` compares and
+    hashes without its rank, so a mesh of the next world with the shape of an earlier one hits entries
+    made for the earlier one, and tensors created through them (FSDP2's ``to_empty`` of a re-sharded
+    module) carried the old mesh: a survivor that became rank 1 of a world of 2 it had been rank 0 of
+    described its shards at rank 0's offsets (every DCP save then failed its global-plan check)."""
+    try:
+        from torch.distributed.tensor import debug
+    except ImportError:  # torch without DTensor: nothing cached
+        return
+    clear = getattr(debug, "_clear_sharding_prop_cache", None) or getattr(debug, "_clear_python_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
+    try:
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+    except ImportError:
+        return
+    if hasattr(_gen_transform_infos, "cache_clear"):
+        _gen_transform_infos.cache_clear()
 
 
 def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra: dict[str, Any],
@@ -280,5 +302,5 @@ def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra
     return "broadcast", newest
 
 
-__all__ = ["end_world_connections", "init_world", "is_peer_failure", "sync_live_state", "teardown_world",
+__all__ = ["clear_dtensor_caches", "end_world_connections", "init_world", "is_peer_failure", "sync_live_state", "teardown_world",
            "world_connections"]

@@ -52,11 +52,13 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
               "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
     args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", os.path.join(tmp, "samples"),
             "--loss-log", loss_log, "--strategy", strategy, *JOB]
-    # The rendezvous orders nodes by address, then pid. With ddp the nodes that join sort before a, so
-    # rank 0 of each grown world is a fresh process: its initial weights must not reach the survivors
-    # (DDP's construction broadcasts from rank 0; the loss checks below catch it). fsdp keeps a first.
-    addr = (lambda first: ["--set", f"rendezvous.local_addr=127.0.0.{1 if first else 2}"]) if strategy == "ddp" \
-        else (lambda first: [])
+    # The rendezvous orders nodes by address, then pid: the nodes that join sort before a, so rank 0 of
+    # each grown world is a fresh process and a's rank changes. Its initial weights must not reach the
+    # survivors (DDP's construction broadcasts from rank 0), and a's re-sharded FSDP2 module must shard at
+    # a's new rank (DTensor's caches kept the old mesh: every save failed); the loss checks catch both.
+    def addr(first):
+        return ["--set", f"rendezvous.local_addr=127.0.0.{1 if first else 2}"]
+
     a = Node("a", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common + addr(False))
     wait_listening(ep)
     b = Node("b", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args,
@@ -85,8 +87,7 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
         nodes.append(b2)
         r2 = wait_until(lambda: rejoined(nodes, 2), 120, "a and b2 re-formed at world size 2")
         assert b2.events("joiner_warm") and b2.events("joined_running_world"), b2.dump()
-        if strategy == "ddp":  # the joiner is rank 0 of the grown world
-            assert b2.events("rendezvous_complete")[-1]["group_rank"] == 0, b2.dump()
+        assert b2.events("rendezvous_complete")[-1]["group_rank"] == 0, b2.dump()  # the joiner is rank 0
         wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= r2[0]["step"] + 3 for e in stepped(nodes)),
                    60, "training at world size 2")
         c = Node("c", tmp, ep, nnodes="1:3", script=ELASTIC, script_args=args, extra=common + addr(True))
