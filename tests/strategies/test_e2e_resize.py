@@ -188,7 +188,12 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path, reform):
             "--log-every", "2", "--sample-log", os.path.join(tmp, "samples"), "--loss-log", loss_log]
 
     def node(name: str) -> Node:
-        return Node(name, tmp, ep, nnodes="1:2", job="run", script=MODEL_PARALLEL, script_args=args, extra=common)
+        # The rendezvous orders nodes by address, then pid: a sorts before b and after b2, so a's workers
+        # are ranks 0, 1 of the first (2, 2) world and 2, 3 of the second: in place, the re-sharded model
+        # must not take the first world's mesh of the same shape (DTensor's caches compare meshes without
+        # their rank: runtime.reform.clear_dtensor_caches).
+        addr = ["--set", f"rendezvous.local_addr=127.0.0.{ {'a': 2, 'b': 3}.get(name, 1) }"]
+        return Node(name, tmp, ep, nnodes="1:2", job="run", script=MODEL_PARALLEL, script_args=args, extra=common + addr)
 
     def steps_at(n: Node, world: int, at_least: int) -> bool:
         return any(e["world_size"] == world and e["step"] >= at_least for e in n.events("train_step"))
@@ -200,9 +205,10 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path, reform):
         b = node("b")
         nodes.append(b)
         wait_until(lambda: worlds(a)[-1:] == [4] and worlds(b)[-1:] == [4], 90, "world size 4")
-        wait_until(lambda: steps_at(a, 4, 6), 240, "6 steps at (dp, tp) = (2, 2)")
-        started = [e for e in a.events("started")]
+        wait_until(lambda: steps_at(a, 4, 6) or steps_at(b, 4, 6), 240, "6 steps at (dp, tp) = (2, 2)")
+        started = [e for n in (a, b) for e in n.events("started")]
         assert started and started[0]["dp_size"] == 2 and started[0]["tp_size"] == 2
+        assert [e["group_rank"] for e in a.events("rendezvous_complete")] == [0], a.dump()
         pids = sorted(a.worker_pids())
         reply = control.request(b.socket, DrainRequest(deadline_s=60))
         assert reply.ok, reply
@@ -220,9 +226,12 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path, reform):
         b2 = node("b2")
         nodes.append(b2)
         wait_until(lambda: worlds(a)[-1:] == [4] and worlds(b2) == [4], 120, "world size 4 again")
-        # The restarted world's rank 0 may be on either node (torch orders the rendezvous' members).
-        r2 = wait_until(lambda: [e for n in (a, b2) for e in n.events(event) if e["world_size"] == 4], 180,
-                        f"{event} at 4")
+        assert a.events("rendezvous_complete")[-1]["group_rank"] == 1, a.dump()  # b2 sorts first now
+        # The new world's rank 0 may be on either node (torch orders the rendezvous' members by address and
+        # pid); in place, when it is b2's (a joiner), it prints "resumed" and a's workers change rank.
+        names = {event} if reform == "restart" else {"reformed", "resumed"}
+        r2 = wait_until(lambda: [e for n in (a, b2) for e in n.events() if e.get("event") in names
+                                 and e.get("world_size") == 4], 180, f"{event} at 4")
         r = r2[-1]["step"]
         assert r2[-1]["dp_size"] == 2
         resize = [e for e in a.events("checkpoint_committed")
