@@ -1090,10 +1090,15 @@ class Runtime:
         assert self.strategy is not None and self._model is not None
         if self.strategy.init_synced or self.world_size <= 1:
             return
-        group = None if self.device.type == "cuda" else self._group
         with torch.no_grad():
             for t in self.strategy.replicated_tensors(self._model).values():
-                dist.broadcast(t, group=group, group_src=0)
+                dist.broadcast(t, group=self._tensor_group, group_src=0)
+
+    @property
+    def _tensor_group(self) -> Any:
+        """The group replicated tensors are broadcast over: the default one on the GPU (NCCL), the gloo
+        side group on the CPU."""
+        return None if self.device.type == "cuda" else self._group
 
     def _sync_live_state(self, step: int | None) -> tuple[str, int | None]:
         """Hand the newest in-memory state to the ranks that lack it (see :func:`rf.sync_live_state`)."""
@@ -1125,7 +1130,7 @@ class Runtime:
         # Flags and small state over the gloo group; the tensors over the default group when they live on
         # the GPU (NCCL), over the same gloo group on the CPU.
         return rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group,
-                                  tensor_group=None if self.device.type == "cuda" else self._group)
+                                  tensor_group=self._tensor_group)
 
     def _deadline(self) -> float | None:
         """This node's drain deadline (epoch seconds), when its agent asked it to drain."""
