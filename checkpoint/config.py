@@ -103,7 +103,8 @@ class CheckpointConfig:
     """Tier 1: also copy each rank's newest snapshot to a buddy rank on the next node, in the background
     (double-buffered; at most one replica per source rank). A world that lost a whole node then
     restores the lost ranks' state from the replicas (resharded when the world shrank: FSDP2,
-    tensor-parallel and ZeRO shards). Doubles tier 0's memory."""
+    tensor-parallel and ZeRO shards). Doubles tier 0's memory. Replicated state (DDP) keeps no replicas
+    (logged as ``memory_replica_redundant``): every node's own snapshots restore any rank."""
 
     memory_failure_domain: str = ""
     """Tier 1: this node's failure domain (a rack, a zone, a power feed: what fails together). When the

@@ -206,6 +206,7 @@ class Runtime:
         self._memory: MemoryTier | None = None
         """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
         self._replicator: Replicator | None = None
+        self._replica_redundant_said = False
         """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
         self._parked_for: proto.ParkReason | None = None
         """Why the world is re-forming in place while it restores the checkpoint taken at its stop (or None)."""
@@ -386,9 +387,10 @@ class Runtime:
             # Built here (not by the manager) so that it gets workers.pg_timeout_s; the same one collective.
             group = self._new_gloo_group() if self.world_size > 1 else None
             cfg = self.checkpoint_config
-            # Tier 1's transfers get their own group; made on every rank alike (by config, not by state).
+            # Tier 1's transfers get their own group; made on every rank alike (by config and strategy,
+            # not by state).
             replica_group = (self._new_gloo_group() if self.world_size > 1 and cfg.memory_interval_steps > 0
-                             and cfg.memory_replica else None)
+                             and self._replicas_wanted() else None)
             self._staging_ready = False
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
                                               strategy=self.strategy_name, process_group=group,
@@ -413,7 +415,7 @@ class Runtime:
                     self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
                                               local_world_size=self.local_world_size,
                                               max_bytes=self.checkpoint_config.memory_max_bytes,
-                                              copies=2 if self.checkpoint_config.memory_replica else 1,
+                                              copies=2 if self._replicas_wanted() else 1,
                                               replicated=self.strategy.reform_state == "replicated")
                 except MemoryTierError as e:
                     self._memory_refused(e)
@@ -423,6 +425,21 @@ class Runtime:
             self._replicator = Replicator.create(self._memory, replica_group, rank=self.rank,
                                                  world_size=self.world_size, local_world_size=self.local_world_size,
                                                  domain=self.checkpoint_config.memory_failure_domain)
+
+    def _replicas_wanted(self) -> bool:
+        """Whether tier 1 runs: ``checkpoint.memory_replica``, except where the state is replicated (DDP):
+        every rank's snapshot then restores any rank, so the survivors' own snapshots already outlive a
+        lost node, and buddy replicas would only double the memory (logged once, at the first world)."""
+        if not self.checkpoint_config.memory_replica:
+            return False
+        if self.strategy is None or self.strategy.reform_state != "replicated":
+            return True
+        if not self._replica_redundant_said and self.rank == 0 and self.checkpoint_config.memory_interval_steps > 0:
+            self._log.info("memory_replica_redundant", strategy=self.strategy.name,
+                           effect="no buddy replicas: the state is replicated, every node's own snapshots restore "
+                                  "any rank (tier 0 alone outlives a lost node)")
+        self._replica_redundant_said = True
+        return False
 
     def _memory_refused(self, e: MemoryTierError) -> None:
         """Tier 0 cannot work as configured: say why and how to fix it, and go on without it (training and
@@ -437,10 +454,11 @@ class Runtime:
 
     def _survivable(self) -> bool:
         """Whether the state of this world outlives the loss of one node (the interval controller's
-        rollback model): two nodes or more, and the survivors hold it (DDP re-formed in place) or a
-        buddy on another node does (tier 1)."""
+        rollback model): two nodes or more, and the survivors hold it (DDP re-formed in place, or DDP
+        with tier 0: every rank's snapshot restores any rank) or a buddy on another node does (tier 1)."""
         nodes = self.world_size // max(1, self.local_world_size)
-        in_memory = self.reform_enabled and self.strategy is not None and self.strategy.reform_state == "replicated"
+        replicated = self.strategy is not None and self.strategy.reform_state == "replicated"
+        in_memory = replicated and (self.reform_enabled or self._memory is not None)
         return nodes >= 2 and (in_memory or self._replicator is not None)
 
     def _make_interval(self) -> IntervalController:
