@@ -55,11 +55,17 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
     tmp = str(tmp_path)
     flag = os.path.join(tmp, "reform-fault-fired")
     fault = ["--set", "workers.env=" + json.dumps({"TRAINGUARD_RT_INJECT_FAULT": f"reform:{flag}"})]
+    with open(flag, "w") as fh:  # held back (the worker checks the file at each re-formation) until armed below
+        fh.write("held back\n")
     ep, common, args, a, b = start_pair(tmp, aws_imds.url, fault)
     nodes = [a, b]
     try:
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "world size 2")
-        wait_until(lambda: any(e["step"] >= 20 for e in a.events("train_step")), 90, "20 steps at world 2")
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= 20 for e in a.events("train_step")), 90,
+                   "20 steps at world 2")
+        # Armed now: a may have formed a world alone before b's agent came up (nnodes 1:2 on a loaded
+        # machine), and that growth must not take the fault meant for the drain's re-formation.
+        os.remove(flag)
 
         # A spot interruption 25 s out, for node b only, with the defaults (train_through_notice,
         # drain_lead_s: auto): b checkpoints at once, trains on, and drains the lead before the deadline;
@@ -103,7 +109,8 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
         # The example's rank 0 prints, and the rendezvous orders the agents by pid: b2 is rank 0 when pids
         # wrapped (pid_max 32768 here; a suite starts thousands of processes). So read a's own worker:
         # in place this time, it re-forms (as rank 0 or 1) and the warmed-up joiner takes its state.
-        r2 = wait_until(lambda: [e for e in a.events("worker_reformed") if e["world_size"] == 2], 60, "continue at 2")
+        r2 = wait_until(lambda: [e for e in a.events("worker_reformed") if e["world_size"] == 2 and e["step"] > s], 60,
+                        "continue at 2")
         assert r2[-1]["reason"] == "resize" and b2.events("joiner_warm")
         wait_until(lambda: any(e["world_size"] == 2 and e["step"] > r2[-1]["step"] + 5
                                for n in (a, b2) for e in n.events("train_step")), 90, "training at world size 2 again")
@@ -133,7 +140,8 @@ def test_reclaimed_early_while_training_through_its_notice(tmp_path, aws_imds): 
     *_, a, b = start_pair(tmp, aws_imds.url)
     with running([a, b], tail=60):
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "world size 2")
-        wait_until(lambda: any(e["step"] >= 10 for e in a.events("train_step")), 90, "10 steps at world 2")
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= 10 for e in a.events("train_step")), 90,
+                   "10 steps at world 2")
         aws_imds.schedule_termination(in_s=30)
         insured = wait_until(lambda: notice_checkpoints(a, b), 30, "the insurance checkpoint")
         assert len({e["step"] for e in insured}) == 1, insured

@@ -74,7 +74,8 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         prom.wait_for('count(up{job="trainguard"} == 1) == 2', timeout_s=20)
 
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "world size 2")
-        wait_until(lambda: any(e["step"] >= 25 for e in a.events("train_step")), 90, "25 steps at world size 2")
+        wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= 25 for e in a.events("train_step")), 90,
+                   "25 steps at world size 2")
         # Seen by Prometheus at world size 2, with a periodic checkpoint committed.
         prom.wait_for("min(trainguard_world_size) == 2 and count(trainguard_world_size) == 2", timeout_s=10)
         prom.wait_for("max(trainguard_checkpoint_last_committed_step) >= 10", timeout_s=10)

@@ -16,7 +16,7 @@ ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 MODEL_PARALLEL = os.path.join(REPO, "examples", "train_gpt_mp.py")
 # Small and fast on 2 shared cores; global batch 8 = 2 ranks x 2 micro-batches x 2 = 1 rank x 4 x 2.
 JOB = ["--global-batch", "8", "--micro-batch", "2", "--seq-len", "32", "--d-model", "32", "--layers", "2",
-       "--max-bytes", "200000", "--log-every", "4", "--lr", "3e-3"]
+       "--max-bytes", "1000000", "--log-every", "4", "--lr", "3e-3"]
 # The same job with the end-to-end tests' global batch (24 = 2 ranks x 3 x 4 = 1 rank x 6 x 4).
 E2E_BATCH = 24
 E2E_SIZE = ["--global-batch", str(E2E_BATCH), "--micro-batch", "4"]
