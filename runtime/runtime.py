@@ -206,8 +206,9 @@ class Runtime:
         self._memory: MemoryTier | None = None
         """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
         self._replicator: Replicator | None = None
-        self._replica_redundant_said = False
         """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
+        self._replica_redundant_said = False
+        """Whether ``memory_replica_redundant`` was logged (once per process)."""
         self._parked_for: proto.ParkReason | None = None
         """Why the world is re-forming in place while it restores the checkpoint taken at its stop (or None)."""
         self._timer = dev.StepTimer(self.device)
