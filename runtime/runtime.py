@@ -207,8 +207,6 @@ class Runtime:
         """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
         self._replicator: Replicator | None = None
         """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
-        self._replica_redundant_said = False
-        """Whether ``memory_replica_redundant`` was logged (once per process)."""
         self._parked_for: proto.ParkReason | None = None
         """Why the world is re-forming in place while it restores the checkpoint taken at its stop (or None)."""
         self._timer = dev.StepTimer(self.device)
@@ -361,6 +359,12 @@ class Runtime:
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
         self._make_manager()
+        cfg = self.checkpoint_config
+        if (self._manager is not None and self.rank <= 0 and cfg.memory_interval_steps > 0 and cfg.memory_replica
+                and not self._replicas_wanted):
+            self._log.info("memory_replica_redundant", strategy=self.strategy.name,
+                           effect="no buddy replicas: the state is replicated, every node's own snapshots restore "
+                                  "any rank (tier 0 alone outlives a lost node)")
         if self._manager is None and self.rank <= 0:
             self._log.warning("checkpoint_url_unset", effect="no checkpoint is saved: a drain, resize or crash loses "
                               "the work since the start, and finish() saves nothing",
@@ -391,7 +395,7 @@ class Runtime:
             # Tier 1's transfers get their own group; made on every rank alike (by config and strategy,
             # not by state).
             replica_group = (self._new_gloo_group() if self.world_size > 1 and cfg.memory_interval_steps > 0
-                             and self._replicas_wanted() else None)
+                             and self._replicas_wanted else None)
             self._staging_ready = False
             self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
                                               strategy=self.strategy_name, process_group=group,
@@ -416,7 +420,7 @@ class Runtime:
                     self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
                                               local_world_size=self.local_world_size,
                                               max_bytes=self.checkpoint_config.memory_max_bytes,
-                                              copies=2 if self._replicas_wanted() else 1,
+                                              copies=2 if self._replicas_wanted else 1,
                                               replicated=self.strategy.reform_state == "replicated")
                 except MemoryTierError as e:
                     self._memory_refused(e)
@@ -427,20 +431,13 @@ class Runtime:
                                                  world_size=self.world_size, local_world_size=self.local_world_size,
                                                  domain=self.checkpoint_config.memory_failure_domain)
 
+    @property
     def _replicas_wanted(self) -> bool:
         """Whether tier 1 runs: ``checkpoint.memory_replica``, except where the state is replicated (DDP):
         every rank's snapshot then restores any rank, so the survivors' own snapshots already outlive a
-        lost node, and buddy replicas would only double the memory (logged once, at the first world)."""
-        if not self.checkpoint_config.memory_replica:
-            return False
-        if self.strategy is None or self.strategy.reform_state != "replicated":
-            return True
-        if not self._replica_redundant_said and self.rank == 0 and self.checkpoint_config.memory_interval_steps > 0:
-            self._log.info("memory_replica_redundant", strategy=self.strategy.name,
-                           effect="no buddy replicas: the state is replicated, every node's own snapshots restore "
-                                  "any rank (tier 0 alone outlives a lost node)")
-        self._replica_redundant_said = True
-        return False
+        lost node, and buddy replicas would only double the memory (:meth:`setup` says so once)."""
+        replicated = self.strategy is not None and self.strategy.reform_state == "replicated"
+        return self.checkpoint_config.memory_replica and not replicated
 
     def _memory_refused(self, e: MemoryTierError) -> None:
         """Tier 0 cannot work as configured: say why and how to fix it, and go on without it (training and

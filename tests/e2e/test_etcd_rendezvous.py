@@ -96,7 +96,9 @@ def test_three_agents_on_secure_etcd_survive_sigkill_drain_and_scale_up(tmp_path
         wait_until(lambda: all(worlds(n)[-1:] == [2] for n in survivors), 120, "survivors re-form at world size 2")
         leader = next(n for n in survivors if last_world(n).get("group_rank") == 0)
         wait_until(lambda: len(steps_at(leader, 2)) >= 2, 90, "training at world size 2")
-        first_w2 = first_step_at(tmp, 2, after=first_step_at(tmp, 3))
+        # the nodes may have formed smaller worlds while the others came up: count from the first step at 3
+        first_w3 = first_step_at(tmp, 3)
+        first_w2 = first_step_at(tmp, 2, after=first_w3)
         print(f"re-formed at 2 after SIGKILL of {victim.name} in {time.monotonic() - t_kill:.1f} s, "
               f"going on from step {first_w2}")
 
@@ -112,8 +114,7 @@ def test_three_agents_on_secure_etcd_survive_sigkill_drain_and_scale_up(tmp_path
         assert all(e["step"] == s for e in committed)
         wait_until(lambda: worlds(last)[-1:] == [1], 60, "the last node at world size 1")
         wait_until(lambda: len(steps_at(last, 1)) >= 2, 90, "training at world size 1")
-        # after the first step at 3 (the nodes may have formed smaller worlds while the others came up)
-        assert first_step_at(tmp, 1, after=first_step_at(tmp, 3)) == s + 1  # nothing lost, nothing redone
+        assert first_step_at(tmp, 1, after=first_w3) == s + 1  # nothing lost, nothing redone
         draining = [k for k in etcd_keys(secure_etcd, secure_etcd.job_prefix) if k.endswith("trainguard/draining")]
         assert draining, "the drain record is not under the job's prefix in etcd"
 

@@ -220,7 +220,7 @@ def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path):
     with running([a, b, c], 60) as nodes:
         wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
                    "8 steps at world size 3")
-        n_before = len({e["round"] for n in nodes for e in restored(n)})
+        n_before = _restoring_worlds(nodes)
         _kill_node(c)
         back = wait_until(lambda: _restores_after((a, b), n_before, 2), 120, "a world of 2 restored")
         wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= back[0]["step"] + 3
@@ -256,7 +256,7 @@ def test_worker_killed_mid_snapshot_restores_the_step_before(tmp_path):
     with running([a, b, c], 60) as nodes:
         wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
                    "8 steps at world size 3")
-        n_before = len({e["round"] for n in nodes for e in restored(n)})
+        n_before = _restoring_worlds(nodes)
         os.remove(flag)  # b's worker dies at its next snapshot
         back = wait_until(lambda: _restores_after(nodes, n_before, 3), 120, "the world of 3 restored")
         with open(flag) as fh:
@@ -295,7 +295,7 @@ def test_model_parallel_node_sigkill_reshards_from_memory(tmp_path, reform):
     with running([a, b], 60) as nodes:
         wait_until(lambda: any(e["world_size"] == 4 and e["step"] >= 6 for e in a.events("train_step")), 240,
                    "6 steps at (dp, tp) = (2, 2)")
-        n_before = len({e["round"] for n in nodes for e in restored(n)})
+        n_before = _restoring_worlds(nodes)
         survivors = sorted(a.worker_pids())
         _kill_node(b)
         back = wait_until(lambda: _restores_after([a], n_before, 2), 180, "(1, 2) restored")
