@@ -192,11 +192,43 @@ def node_bytes(per_slot: int, local_world_size: int, copies: int = 1) -> int:
     return per_slot * SLOTS * max(1, local_world_size) * max(1, copies)
 
 
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` of ``meminfo`` in bytes: what the host can give without swapping; None when it
+    cannot be read (not Linux)."""
+    try:
+        with open(meminfo) as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def folder_bytes(directory: str) -> int:
+    """Bytes the snapshot and replica files in ``directory`` take (0 when it cannot be listed)."""
+    total = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if name.endswith(".snap"):
+            try:
+                total += os.path.getsize(os.path.join(directory, name))
+            except OSError:
+                pass
+    return total
+
+
 def check_fits(per_slot: int, *, local_world_size: int, max_bytes: int, free_bytes: int, directory: str,
-               copies: int = 1) -> None:
+               copies: int = 1, available_bytes: int | None = None) -> None:
     """Raise :class:`MemoryTierError` (naming the setting and the fix) when this node's snapshots (and
-    replicas: ``copies`` 2) do not fit under ``checkpoint.memory_max_bytes`` (0: no cap) or in the free
-    space of the folder (what is free plus what this rank already holds there)."""
+    replicas: ``copies`` 2) do not fit under ``checkpoint.memory_max_bytes``, or in the free space of
+    the folder (what is free plus what this rank already holds there). With ``memory_max_bytes`` 0 the
+    cap is half of ``available_bytes`` (the host's available memory plus what the node's snapshots
+    already hold; None: no such cap): tier 0 is on by default and must not take the memory training
+    needs."""
     need = node_bytes(per_slot, local_world_size, copies)
     what = f"{SLOTS} buffers x {per_slot} bytes x {max(1, local_world_size)} local workers" + (
         f" x {copies} (own + a buddy's replica)" if copies > 1 else "")
@@ -206,6 +238,12 @@ def check_fits(per_slot: int, *, local_world_size: int, max_bytes: int, free_byt
         raise MemoryTierError(
             f"in-memory snapshots need {need} bytes on this node ({what}) but checkpoint.memory_max_bytes "
             f"(TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES) is {max_bytes}. Fix: raise it to at least {need}, {off}")
+    if not max_bytes and available_bytes is not None and need > available_bytes // 2:
+        raise MemoryTierError(
+            f"in-memory snapshots need {need} bytes on this node ({what}), more than half of the "
+            f"{available_bytes} bytes of memory the host has available (MemAvailable plus the snapshots "
+            f"already held), the cap while checkpoint.memory_max_bytes (TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES) "
+            f"is 0. Fix: set checkpoint.memory_max_bytes to at least {need} if the host can spare it, {off}")
     mine = per_slot * SLOTS * max(1, copies)
     if mine > free_bytes:
         raise MemoryTierError(
@@ -857,7 +895,11 @@ class MemoryTier:
         if sig != self._sig or target.size < HEADER_BYTES + tensor_bytes + len(meta):
             per_slot = max(slot_bytes(tensor_bytes, len(meta)), target.size if sig == self._sig else 0)
             st = os.statvfs(self.directory)
+            avail = None if self.max_bytes else host_available_bytes()
+            if avail is not None:
+                avail += folder_bytes(self.directory)
             check_fits(per_slot, local_world_size=self.local_world_size, max_bytes=self.max_bytes,
+                       available_bytes=avail,
                        free_bytes=st.f_bavail * st.f_frsize + self.nbytes + self.replica_bytes,
                        directory=self.directory, copies=self.copies)
             if self._sig is not None and sig != self._sig:
@@ -1353,4 +1395,5 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 __all__ = ["HEADER_BYTES", "SLOTS", "Header", "MemoryTier", "MemoryTierError", "SnapshotResult", "SnapshotSource", "check_fits",
+           "folder_bytes", "host_available_bytes",
            "choose_sources", "node_bytes", "slot_bytes"]
