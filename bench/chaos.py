@@ -60,7 +60,7 @@ from tests import samples as sample_log  # noqa: E402
 from tests.emulators import AwsImdsEmulator  # noqa: E402
 from tests.fixtures.http_faults import HttpFaultProxy  # noqa: E402
 from tests.fixtures.storage import make_bucket, s3_options, start_moto_server  # noqa: E402
-from tests.harness import alive, descendants, free_port, wait_listening  # noqa: E402
+from tests.harness import alive, descendants, free_port, memory_root, wait_listening  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 GLOBAL_BATCH = 24
@@ -158,6 +158,8 @@ class Agent:
                "--set", "preemption.train_through_notice=false",
                "--set", f"checkpoint.url={url}", "--set", f"checkpoint.interval_steps={CKPT_EVERY}",
                "--set", "checkpoint.keep_last=100000",
+               # tier 0 (on by default) in a folder of this run's own, removed with the work folder
+               "--set", f"checkpoint.memory_dir={memory_root(work)}",
                # Every worker the bench SIGKILLs consumes a restart: a budget of 3 would end an agent after
                # its third (the budget working as designed, not a failed recovery).
                "--set", "workers.max_restarts=1000",
@@ -731,6 +733,7 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"summary": summary, "cases": [asdict(r) for r in results]}, fh, indent=1)
+    shutil.rmtree(memory_root(work), ignore_errors=True)  # SIGKILLed agents leave their tier-0 folders
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:

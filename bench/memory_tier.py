@@ -215,7 +215,8 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
     job = f"bench{os.getpid()}{'m' if memory else 's'}{'i' if reform != 'restart' else ''}"
     common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", f"workers.reform={reform}",
               "--set", f"checkpoint.memory_dir={shm_root}"]
-    common += (["--set", "checkpoint.interval=off", "--set", "checkpoint.memory_interval_steps=1"] if memory else
+    common += (["--set", "checkpoint.interval=off", "--set", "checkpoint.memory_interval_steps=1",
+                "--set", "checkpoint.memory_max_overhead=0"] if memory else
                ["--set", f"checkpoint.interval={baseline_interval}", "--set", "checkpoint.memory_interval_steps=0"])
     args = ["--steps", "100000", "--log-every", "1", "--sample-log", folder]
     nnodes, size = "1:2", 2

@@ -63,7 +63,7 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tests.harness import alive, descendants, free_port  # noqa: E402  (process helpers shared with the tests)
+from tests.harness import alive, descendants, free_port, memory_root  # noqa: E402  (process helpers shared with the tests)
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 PLAIN = os.path.join(REPO, "examples", "train_gpt.py")
 GLOBAL_BATCH = 24
@@ -330,7 +330,9 @@ def _agent_factory(d: str, rdzv: list[str], common: list[str], args: list[str], 
                *rdzv, "--node-name", name,
                "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
                "--state-dir", os.path.join(d, f"state-{name}"), "--log-dir", os.path.join(d, f"logs-{name}"),
-               "--set", "agent.log_format=json", "--set", "metrics.port=0", *common, *extra, ELASTIC, *args]
+               "--set", "agent.log_format=json", "--set", "metrics.port=0",
+               "--set", f"checkpoint.memory_dir={memory_root(d)}",  # tier 0 (on by default): this run's own folder
+               *common, *extra, ELASTIC, *args]
         p = Proc(f"tg-{name}", cmd, os.path.join(d, f"{name}.log"))
         procs.append(p)
         timeline.append((p.started, p.name, "agent started"))
@@ -746,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         res["leftover_processes"] = len(left)
+        for name in os.listdir(work):  # SIGKILLed agents leave their tier-0 folders
+            shutil.rmtree(memory_root(os.path.join(work, name)), ignore_errors=True)
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
 

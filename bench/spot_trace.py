@@ -61,6 +61,7 @@ if REPO not in sys.path:
 
 from bench.recovery import Proc, cursor_stream, dataset_size, kill_tree, parse_ts, plain_batch, strays  # noqa: E402
 from tests.emulators.aws import AwsImdsEmulator  # noqa: E402
+from tests.harness import memory_root  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout  # noqa: E402
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
 from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead  # noqa: E402
@@ -321,6 +322,7 @@ def _start(agent: str, mode: str, endpoint: str, a: argparse.Namespace, d: str, 
            "--set", f"preemption.aws_endpoint={emu.url}", "--set", "preemption.poll_interval_s=0.5",
            "--set", "workers.max_restarts=1000", "--set", f"cost.spot_price_per_hour={SPOT_PRICE}",
            "--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", *interval,
+           "--set", f"checkpoint.memory_dir={memory_root(d)}",  # tier 0 (on by default): this run's own folder
            ELASTIC, "--steps", "1000000000", "--log-every", "1000000", "--step-sleep", str(a.step_sleep),
            "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch(max_agents)), "--sample-log", samples]
     return AgentRun(agent, Proc(agent, cmd, os.path.join(d, f"{agent}.log")), emu, samples, time.time())
@@ -1134,6 +1136,9 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         res["leftover_processes"] = len(left)
+        if not a.reanalyse:  # SIGKILLed agents leave their tier-0 folders
+            for name in os.listdir(work):
+                shutil.rmtree(memory_root(os.path.join(work, name)), ignore_errors=True)
         if not a.keep and not a.reanalyse:
             shutil.rmtree(work, ignore_errors=True)
         else:

@@ -77,27 +77,31 @@ class CheckpointConfig:
     or at once on a permission error): ``fail`` (raise a clear error; nothing in storage changes) or
     ``fallback`` (restore the next older step; nothing is marked stale or deleted)."""
 
-    memory_interval_steps: int = 0
+    memory_interval_steps: int = 1
     """Tier 0: snapshot every worker's checkpoint state into shared memory owned by the node's agent
-    every N steps (0 = off). A worker killed without notice is then restarted from the newest step
-    every rank snapshotted, losing at most N steps, instead of from the last checkpoint in storage.
-    Needs the trainguard agent (it owns the memory: a worker's death leaves it intact); under plain
-    torchrun nothing is snapshotted. Costs two copies of each rank's state in host memory."""
+    every N steps (0 = off; the default 1 is every step, stretched under ``memory_max_overhead``). A
+    worker killed without notice is then restarted from the newest step every rank snapshotted, losing
+    at most N steps, instead of from the last checkpoint in storage. Needs the trainguard agent (it owns
+    the memory: a worker's death leaves it intact) and a ``url``; under plain torchrun nothing is
+    snapshotted. Costs two copies of each rank's state in host memory (capped: ``memory_max_bytes``)."""
 
-    memory_max_overhead: float = 0.0
+    memory_max_overhead: float = 0.03
     """Tier 0: the largest share of the step time snapshots may cost (e.g. ``0.03``: 3 %). Above it the
     snapshots are taken less often than every ``memory_interval_steps`` (which stays the floor): each
     rank measures what its snapshots block the training loop for and its step time, proposes the
     smallest interval that keeps within the share, and at each step agreement the world takes the
     largest proposal (every rank snapshots the same steps; each change is logged as
     ``memory_interval_changed``). A worker killed without notice then loses at most that many steps.
-    0: every ``memory_interval_steps`` steps whatever it costs."""
+    The default, 3 %, takes a snapshot every step where that costs at most 3 % of the step. 0: every
+    ``memory_interval_steps`` steps whatever it costs."""
 
     memory_max_bytes: int = 0
     """Tier 0 (+ tier 1): the most host memory this node's snapshots may take, in bytes (all local
-    workers, both buffers of each, and the buddy replicas with ``memory_replica``). 0: only the free
-    space of ``memory_dir`` limits it. A state that does not fit is refused with an error naming this
-    key (``memory_tier_refused``): that worker takes no snapshots, training goes on."""
+    workers, both buffers of each, and the buddy replicas with ``memory_replica``). 0: at most half of
+    the memory the host has available (``MemAvailable`` in ``/proc/meminfo``, plus what the node's
+    snapshots already hold), and the free space of ``memory_dir``. A state that does not fit is refused
+    with an error naming this key (``memory_tier_refused``): that worker takes no snapshots, training
+    goes on."""
 
     memory_replica: bool = False
     """Tier 1: also copy each rank's newest snapshot to a buddy rank on the next node, in the background

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -141,6 +144,11 @@ but ``a`` starts this much later, as on a loaded machine where the first agent f
 the others' are up (``nnodes 1:N``). The tests must hold either way. 0 (the default): no delay."""
 
 
+def memory_root(tmp: str) -> str:
+    """The ``checkpoint.memory_dir`` of the test whose temporary folder is ``tmp`` (a tmpfs folder of its own)."""
+    return os.path.join("/dev/shm", "tg-test-" + hashlib.sha1(os.path.abspath(tmp).encode()).hexdigest()[:12])
+
+
 class Node:
     """One agent (``trainguard run``) standing in for one node."""
 
@@ -158,7 +166,12 @@ class Node:
                "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "preemption.sources=signal", "--set", "metrics.port=0",
                *(extra or []), script, *(script_args or [])]
         penv = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-        penv.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+        # Tier 0 is on by default: each test's nodes keep their snapshots under a folder of that test's
+        # own (two test processes run tests with the same job id and node names side by side).
+        self.memory_root = memory_root(tmp)
+        self._job = job
+        penv.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                     "TRAINGUARD_CHECKPOINT_MEMORY_DIR": self.memory_root, **(env or {})})
         self._fh = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=penv, cwd=REPO)
         self.socket = os.path.join(self.state_dir, f"{job}.sock")
@@ -208,6 +221,12 @@ class Node:
                 except ProcessLookupError:
                     pass
         self._fh.close()
+        # A killed agent leaves its tier-0 folder (by design: a restarted agent restores from it).
+        from trainguard.agent.memtier import node_dir
+
+        shutil.rmtree(node_dir(self.memory_root, self._job, self.name), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.memory_root)  # the test's last node removes it
 
     def dump(self, n: int = 40) -> str:
         return f"--- {self.name} (last {n} lines) ---\n" + "\n".join(self.lines()[-n:])

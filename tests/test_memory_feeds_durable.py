@@ -118,7 +118,8 @@ def _train_rt(url: str, folder: str, steps: int):
 
     os.makedirs(folder, exist_ok=True)
     rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_id="r", rdzv_round=0, memory_dir=folder,
-                 checkpoint=CheckpointConfig(url=url, interval="3", memory_interval_steps=1, async_save=True))
+                 checkpoint=CheckpointConfig(url=url, interval="3", memory_interval_steps=1, memory_max_overhead=0,
+                                             async_save=True))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -135,6 +135,44 @@ def test_cap_arithmetic_and_errors():
         mem.check_fits(per_slot, local_world_size=1, max_bytes=0, free_bytes=10, directory="/x")
 
 
+def test_default_cap_is_half_the_available_host_memory(tmp_path):
+    """Tier 0 is on by default: without ``memory_max_bytes`` a node's snapshots take at most half of the
+    memory the host has available (plus what they already hold); an explicit cap replaces that rule."""
+    per_slot = mem.slot_bytes(1000, 100)
+    need = mem.node_bytes(per_slot, 4)
+    mem.check_fits(per_slot, local_world_size=4, max_bytes=0, free_bytes=10**12, directory="/x", available_bytes=2 * need)
+    with pytest.raises(mem.MemoryTierError) as e:
+        mem.check_fits(per_slot, local_world_size=4, max_bytes=0, free_bytes=10**12, directory="/x",
+                       available_bytes=2 * need - 2)
+    msg = str(e.value)
+    assert f"need {need} bytes" in msg and "MemAvailable" in msg and "TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES" in msg
+    mem.check_fits(per_slot, local_world_size=4, max_bytes=need, free_bytes=10**12, directory="/x",
+                   available_bytes=10)  # an explicit cap: the host's figure is the operator's call
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       16000000 kB\nMemFree:         1000 kB\nMemAvailable:    8000000 kB\n")
+    assert mem.host_available_bytes(str(info)) == 8000000 * 1024
+    info.write_text("MemTotal: 5 kB\n")
+    assert mem.host_available_bytes(str(info)) is None and mem.host_available_bytes(str(tmp_path / "none")) is None
+    (tmp_path / "rank-00000-0.snap").write_bytes(b"x" * 100)
+    (tmp_path / "replica-00001-1.snap").write_bytes(b"x" * 20)
+    assert mem.folder_bytes(str(tmp_path)) == 120 and mem.folder_bytes(str(tmp_path / "none")) == 0
+
+
+def test_snapshot_refused_beyond_half_the_available_memory(tmp_path, monkeypatch):
+    """The worker side: a snapshot that would take more than half of what the host has available is
+    refused (nothing written); the same state fits once the operator sets a cap that allows it."""
+    monkeypatch.setattr(mem, "host_available_bytes", lambda meminfo="/proc/meminfo": 100_000)
+    state = {"t": torch.arange(100_000, dtype=torch.float32)}  # 400 KB, two slots
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=1)
+    with pytest.raises(mem.MemoryTierError, match="MemAvailable"):
+        tier.snapshot(1, state)
+    assert not any(f.endswith(".snap") and os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path))
+    tier.close()
+    capped = mem.MemoryTier(str(tmp_path), rank=0, world_size=1, max_bytes=10**7)
+    assert capped.snapshot(1, state).step == 1
+    capped.close()
+
+
 def _job(seed: int = 0, width: int = 16) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainerState, dict]:
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
@@ -413,9 +451,10 @@ def test_config_checks_name_the_key():
 def test_agent_owns_the_node_folder(tmp_path):
     root = str(tmp_path / "shm")
     assert node_dir(root, "job/1", "node a") == os.path.join(root, "trainguard-job_1-node_a")
-    off = NodeSnapshots(CheckpointConfig(url="/c", memory_dir=root), "j", "n")
+    off = NodeSnapshots(CheckpointConfig(url="/c", memory_dir=root, memory_interval_steps=0), "j", "n")
     assert off.open() == "" and not os.path.exists(root)
-    on = NodeSnapshots(CheckpointConfig(url="/c", memory_dir=root, memory_interval_steps=1), "j", "n")
+    assert not NodeSnapshots(CheckpointConfig(memory_dir=root), "j", "n").enabled  # no checkpoint url
+    on = NodeSnapshots(CheckpointConfig(url="/c", memory_dir=root), "j", "n")  # on by default
     path = on.open()
     assert os.path.isdir(path) and oct(os.stat(path).st_mode & 0o777) == "0o700"
     with open(os.path.join(path, "rank-00000-0.snap"), "wb") as fh:
@@ -447,7 +486,7 @@ def _train_rt(url: str, folder: str, steps: int, *, every: int, max_bytes: int =
 
     rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_id="r", rdzv_round=0, memory_dir=folder,
                  checkpoint=CheckpointConfig(url=url, interval="off", memory_interval_steps=every,
-                                             memory_max_bytes=max_bytes, async_save=False))
+                                             memory_max_overhead=0, memory_max_bytes=max_bytes, async_save=False))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -27,7 +27,7 @@ def _rank(rank: int, init: str, strategy: str, tmp: str, out_path: str) -> None:
     folder = os.path.join(tmp, f"node-{rank}")
     os.makedirs(folder, exist_ok=True)
     cfg = CheckpointConfig(url=os.path.join(tmp, "ckpt"), interval="off", memory_interval_steps=1,
-                           memory_replica=True, async_save=False)
+                           memory_max_overhead=0, memory_replica=True, async_save=False)
     rt = Runtime(rank=rank, world_size=2, local_rank=0, local_world_size=1, job_id="run", rdzv_id="r",
                  rdzv_round=0, memory_dir=folder, checkpoint=cfg, device="cpu")
     torch.manual_seed(0)

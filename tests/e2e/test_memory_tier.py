@@ -67,7 +67,7 @@ def test_worker_then_node_sigkill_resume_from_memory(tmp_path):
     shm = os.path.join(tmp, "shm")
     ep = f"127.0.0.1:{free_port()}"
     common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval=off",
-              "--set", "checkpoint.memory_interval_steps=1", "--set", f"checkpoint.memory_dir={shm}",
+              "--set", "checkpoint.memory_interval_steps=1", "--set", "checkpoint.memory_max_overhead=0", "--set", f"checkpoint.memory_dir={shm}",
               "--set", "workers.reform=restart",
               "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
     args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", folder,
@@ -144,7 +144,7 @@ def _fsdp_tier1(tmp_path, reform: str = "restart") -> tuple[str, str, str, str, 
     shm = os.path.join(tmp, "shm")
     ep = f"127.0.0.1:{free_port()}"
     common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "checkpoint.interval=off",
-              "--set", "checkpoint.memory_interval_steps=1", "--set", "checkpoint.memory_replica=true",
+              "--set", "checkpoint.memory_interval_steps=1", "--set", "checkpoint.memory_max_overhead=0", "--set", "checkpoint.memory_replica=true",
               "--set", f"checkpoint.memory_dir={shm}", "--set", f"workers.reform={reform}",
               "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
     args = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--sample-log", folder,

@@ -33,7 +33,8 @@ def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interva
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     # The worker contract is written by its one owner (the fence is only the round the epoch record names).
-    ckpt = {"url": ckpt_url, "interval_steps": interval, "when_busy": "wait", **({"memory_interval_steps": 1} if memory_dir else {})}
+    ckpt = {"url": ckpt_url, "interval_steps": interval, "when_busy": "wait",
+            "memory_interval_steps": 1 if memory_dir else 0, "memory_max_overhead": 0}
     rt_env = RuntimeEnv(job_id=job_id, round=fence, checkpoint=ckpt, memory_dir=memory_dir).to_env()
     procs = []
     for r in range(world):
