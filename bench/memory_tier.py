@@ -216,7 +216,9 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
     common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", f"workers.reform={reform}",
               "--set", f"checkpoint.memory_dir={shm_root}"]
     common += (["--set", "checkpoint.interval=off", "--set", "checkpoint.memory_interval_steps=1",
-                "--set", "checkpoint.memory_max_overhead=0"] if memory else
+                "--set", "checkpoint.memory_max_overhead=0",
+                # tier 0 also where DDP re-forms in place (worker_kill_inplace: snapshots on, as measured since run 6)
+                "--set", "checkpoint.memory_replicated_in_place=true"] if memory else
                ["--set", f"checkpoint.interval={baseline_interval}", "--set", "checkpoint.memory_interval_steps=0"])
     args = ["--steps", "100000", "--log-every", "1", "--sample-log", folder]
     nnodes, size = "1:2", 2

@@ -313,6 +313,8 @@ def _start(agent: str, mode: str, endpoint: str, a: argparse.Namespace, d: str, 
         else ["--set", f"checkpoint.interval={FIXED_STEPS}"]
     if mode == "trainguard-auto-drain":  # the notice policy before 2026-11-26: drain at every notice at once
         interval += ["--set", "preemption.train_through_notice=false"]
+    if mode == "trainguard-auto-notier0":  # the default before 2026-11-27: no in-memory snapshots (tier 0 off)
+        interval += ["--set", "checkpoint.memory_interval_steps=0"]
     cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "bench", "--node-name", agent,
            "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
@@ -1071,7 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prior-mtbf-s", type=float, default=3600.0, help="real seconds; the replay divides by --speed")
     ap.add_argument("--runs", default="trainguard-auto,trainguard-fixed50,baseline",
                     help="runs in order: trainguard-auto, trainguard-fixed50, baseline (torchrun), trainguard-auto-drain "
-                         "(train_through_notice off: every notice drains at once); a suffix #k repeats "
+                         "(train_through_notice off: every notice drains at once), trainguard-auto-notier0 (in-memory "
+                         "snapshots off, the default before 2026-11-27); a suffix #k repeats "
                          "one (e.g. baseline,baseline#2): the report adds the mean of the repeats against the mean prediction")
     ap.add_argument("--sim-seeds", type=int, default=10)
     ap.add_argument("--json", default=None)
@@ -1228,7 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_kind(name: str) -> str:
-    """``baseline``, ``trainguard-auto``, ``trainguard-auto-drain`` or ``trainguard-fixed50``: a run's name less its repeat suffix
+    """``baseline``, ``trainguard-auto``, ``trainguard-auto-drain``, ``trainguard-auto-notier0`` or ``trainguard-fixed50``: a run's name less its repeat suffix
     (``--runs baseline,baseline#2,baseline#3`` replays the same schedule three times)."""
     return name.split("#", 1)[0]
 

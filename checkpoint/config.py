@@ -83,7 +83,8 @@ class CheckpointConfig:
     worker killed without notice is then restarted from the newest step every rank snapshotted, losing
     at most N steps, instead of from the last checkpoint in storage. Needs the trainguard agent (it owns
     the memory: a worker's death leaves it intact) and a ``url``; under plain torchrun nothing is
-    snapshotted. Costs two copies of each rank's state in host memory (capped: ``memory_max_bytes``)."""
+    snapshotted, nor where DDP re-forms in place (``memory_replicated_in_place``). Costs two copies of
+    each rank's state in host memory (capped: ``memory_max_bytes``)."""
 
     memory_max_overhead: float = 0.03
     """Tier 0: the largest share of the step time snapshots may cost (e.g. ``0.03``: 3 %). Above it the
@@ -94,6 +95,14 @@ class CheckpointConfig:
     ``memory_interval_changed``). A worker killed without notice then loses at most that many steps.
     The default, 3 %, takes a snapshot every step where that costs at most 3 % of the step. 0: every
     ``memory_interval_steps`` steps whatever it costs."""
+
+    memory_replicated_in_place: bool = False
+    """Tier 0 also where it is redundant with the live state: replicated state (DDP) re-forming in place
+    (``workers.reform: in-process``). Off: such a job takes no snapshots (rank 0 logs
+    ``memory_tier_redundant``): a lost worker or node is restored from a live peer, which holds every
+    rank's state, so snapshots would only cost step time; they would help only where every worker dies at
+    once or an in-place re-formation falls back to a restart (then the restore is from storage). On:
+    snapshots every ``memory_interval_steps`` as for any other job."""
 
     memory_max_bytes: int = 0
     """Tier 0 (+ tier 1): the most host memory this node's snapshots may take, in bytes (all local

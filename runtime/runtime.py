@@ -153,6 +153,15 @@ class SaveAbandoned(CheckpointError):
     committed step stands."""
 
 
+
+def tier0_wanted(cfg: CheckpointConfig, *, replicated: bool, in_place: bool) -> bool:
+    """Whether a worker takes in-memory snapshots: ``checkpoint.memory_interval_steps`` > 0, except for
+    replicated state (DDP) re-forming in place, where every live peer holds any rank's state and the
+    snapshots would only cost step time (unless ``checkpoint.memory_replicated_in_place``)."""
+    if cfg.memory_interval_steps <= 0:
+        return False
+    return cfg.memory_replicated_in_place or not (replicated and in_place)
+
 class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
 
@@ -365,6 +374,11 @@ class Runtime:
             self._log.info("memory_replica_redundant", strategy=self.strategy.name,
                            effect="no buddy replicas: the state is replicated, every node's own snapshots restore "
                                   "any rank (tier 0 alone outlives a lost node)")
+        if self._manager is not None and self.rank <= 0 and self._memory_dir and not self._tier0_wanted:
+            self._log.info("memory_tier_redundant", strategy=self.strategy.name,
+                           effect="no in-memory snapshots: the state is replicated and re-forms in place, a lost "
+                                  "worker or node is restored from a live peer (checkpoint.memory_replicated_in_place: "
+                                  "true takes them anyway)")
         if self._manager is None and self.rank <= 0:
             self._log.warning("checkpoint_url_unset", effect="no checkpoint is saved: a drain, resize or crash loses "
                               "the work since the start, and finish() saves nothing",
@@ -410,7 +424,7 @@ class Runtime:
         """Tier 0 for this rank of the current world (a new world invalidates what its rank's files held),
         and tier 1 when a replica group was made."""
         self._replicator = None
-        if self._memory_dir:
+        if self._memory_dir and self._tier0_wanted:
             if self._memory is not None:
                 assert self.strategy is not None
                 self._memory.rebind(self.rank, self.world_size, keep=self.strategy.reform_state == "checkpoint")
@@ -430,6 +444,13 @@ class Runtime:
             self._replicator = Replicator.create(self._memory, replica_group, rank=self.rank,
                                                  world_size=self.world_size, local_world_size=self.local_world_size,
                                                  domain=self.checkpoint_config.memory_failure_domain)
+
+    @property
+    def _tier0_wanted(self) -> bool:
+        """Whether tier 0 runs (given ``checkpoint.memory_interval_steps`` and an agent's folder): see
+        :func:`tier0_wanted` (:meth:`setup` logs ``memory_tier_redundant`` once where it does not)."""
+        replicated = self.strategy is not None and self.strategy.reform_state == "replicated"
+        return tier0_wanted(self.checkpoint_config, replicated=replicated, in_place=self.reform_enabled)
 
     @property
     def _replicas_wanted(self) -> bool:

@@ -135,6 +135,21 @@ def test_cap_arithmetic_and_errors():
         mem.check_fits(per_slot, local_world_size=1, max_bytes=0, free_bytes=10, directory="/x")
 
 
+def test_tier0_where_it_adds_a_copy():
+    """Tier 0 is on by default, except for replicated state (DDP) re-forming in place: every live peer
+    holds any rank's state there. The operator can take the snapshots anyway, or turn tier 0 off."""
+    from trainguard.runtime.runtime import tier0_wanted
+
+    on = CheckpointConfig(url="/c")
+    assert on.memory_interval_steps == 1 and on.memory_max_overhead == 0.03 and not on.memory_replicated_in_place
+    assert tier0_wanted(on, replicated=False, in_place=True)      # FSDP2 / TP / ZeRO in place: shards live nowhere else
+    assert tier0_wanted(on, replicated=True, in_place=False)      # DDP restarting: the restart loses the live state
+    assert not tier0_wanted(on, replicated=True, in_place=True)   # DDP in place: a live peer restores any rank
+    assert tier0_wanted(CheckpointConfig(url="/c", memory_replicated_in_place=True), replicated=True, in_place=True)
+    off = CheckpointConfig(url="/c", memory_interval_steps=0, memory_replicated_in_place=True)
+    assert not any(tier0_wanted(off, replicated=r, in_place=i) for r in (False, True) for i in (False, True))
+
+
 def test_default_cap_is_half_the_available_host_memory(tmp_path):
     """Tier 0 is on by default: without ``memory_max_bytes`` a node's snapshots take at most half of the
     memory the host has available (plus what they already hold); an explicit cap replaces that rule."""

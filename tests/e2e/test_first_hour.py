@@ -145,6 +145,13 @@ def test_first_hour(short_tmp):
         assert emergency and len(set(emergency)) == 1, emergency
         s = emergency[0]
         assert 0 < s < STEPS
+        # tier 0 is on by default where a checkpoint url is set: A's agent made its node's snapshot folder
+        # (its DDP workers re-form in place: they take no snapshots) and removed it when it drained; B (no
+        # checkpoint url) made none
+        ready = a.events("memory_tier_ready")
+        assert ready and a.events("memory_tier_removed"), "A: tier 0 on by default"
+        assert not any(os.path.exists(e["path"]) for e in ready)
+        assert not b.events("memory_tier_ready")
 
         # no secret anywhere: agent/worker output, per-rank log files, /metrics
         texts = {"b.log": b.text(), "a.log": a.text(), "metrics": scrape_b}

@@ -121,6 +121,14 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
         survived = [(e["world_size"], e["survived_losses"]) for e in a.events("worker_reformed")]
         # (before them, a growth 1 -> 2 when a formed its first world alone: (2, 0))
         assert survived[-4:] == [(1, 1), (2, 1), (3, 1), (2, 2)] and set(survived[:-4]) <= {(2, 0)}, survived
+        # Tier 0 (on by default) takes no snapshots where the state is replicated and re-forms in place
+        # (every live peer holds any rank's state); sharded state keeps them.
+        snaps = [f for _, _, names in os.walk(a.memory_root) for f in names if f.endswith(".snap")]
+        redundant = [e for n in nodes for e in n.events("memory_tier_redundant")]
+        if strategy == "ddp":
+            assert redundant and not snaps, (redundant, snaps)
+        else:
+            assert not redundant and snaps, (redundant, snaps)
         for n in (a, b2):
             n.signal(15)
         for n in (a, b2):
