@@ -153,7 +153,6 @@ class SaveAbandoned(CheckpointError):
     committed step stands."""
 
 
-
 def tier0_wanted(cfg: CheckpointConfig, *, replicated: bool, in_place: bool) -> bool:
     """Whether a worker takes in-memory snapshots: ``checkpoint.memory_interval_steps`` > 0, except for
     replicated state (DDP) re-forming in place, where every live peer holds any rank's state and the
@@ -161,6 +160,7 @@ def tier0_wanted(cfg: CheckpointConfig, *, replicated: bool, in_place: bool) -> 
     if cfg.memory_interval_steps <= 0:
         return False
     return cfg.memory_replicated_in_place or not (replicated and in_place)
+
 
 class Runtime:
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
