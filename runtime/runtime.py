@@ -435,7 +435,7 @@ class Runtime:
                                               local_world_size=self.local_world_size,
                                               max_bytes=self.checkpoint_config.memory_max_bytes,
                                               copies=2 if self._replicas_wanted else 1,
-                                              replicated=self.strategy.reform_state == "replicated")
+                                              replicated=self._replicated)
                 except MemoryTierError as e:
                     self._memory_refused(e)
                 if self._memory is not None and self._inject_fault.startswith("snapshot_written:"):
@@ -446,19 +446,22 @@ class Runtime:
                                                  domain=self.checkpoint_config.memory_failure_domain)
 
     @property
+    def _replicated(self) -> bool:
+        """Every rank holds the whole state (DDP: the strategy's ``reform_state`` is ``replicated``)."""
+        return self.strategy is not None and self.strategy.reform_state == "replicated"
+
+    @property
     def _tier0_wanted(self) -> bool:
         """Whether tier 0 runs (given ``checkpoint.memory_interval_steps`` and an agent's folder): see
         :func:`tier0_wanted` (:meth:`setup` logs ``memory_tier_redundant`` once where it does not)."""
-        replicated = self.strategy is not None and self.strategy.reform_state == "replicated"
-        return tier0_wanted(self.checkpoint_config, replicated=replicated, in_place=self.reform_enabled)
+        return tier0_wanted(self.checkpoint_config, replicated=self._replicated, in_place=self.reform_enabled)
 
     @property
     def _replicas_wanted(self) -> bool:
         """Whether tier 1 runs: ``checkpoint.memory_replica``, except where the state is replicated (DDP):
         every rank's snapshot then restores any rank, so the survivors' own snapshots already outlive a
         lost node, and buddy replicas would only double the memory (:meth:`setup` says so once)."""
-        replicated = self.strategy is not None and self.strategy.reform_state == "replicated"
-        return self.checkpoint_config.memory_replica and not replicated
+        return self.checkpoint_config.memory_replica and not self._replicated
 
     def _memory_refused(self, e: MemoryTierError) -> None:
         """Tier 0 cannot work as configured: say why and how to fix it, and go on without it (training and
@@ -476,8 +479,7 @@ class Runtime:
         rollback model): two nodes or more, and the survivors hold it (DDP re-formed in place, or DDP
         with tier 0: every rank's snapshot restores any rank) or a buddy on another node does (tier 1)."""
         nodes = self.world_size // max(1, self.local_world_size)
-        replicated = self.strategy is not None and self.strategy.reform_state == "replicated"
-        in_memory = replicated and (self.reform_enabled or self._memory is not None)
+        in_memory = self._replicated and (self.reform_enabled or self._memory is not None)
         return nodes >= 2 and (in_memory or self._replicator is not None)
 
     def _make_interval(self) -> IntervalController:
