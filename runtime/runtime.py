@@ -368,17 +368,16 @@ class Runtime:
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
         self._make_manager()
-        cfg = self.checkpoint_config
-        if (self._manager is not None and self.rank <= 0 and cfg.memory_interval_steps > 0 and cfg.memory_replica
-                and not self._replicas_wanted):
-            self._log.info("memory_replica_redundant", strategy=self.strategy.name,
-                           effect="no buddy replicas: the state is replicated, every node's own snapshots restore "
-                                  "any rank (tier 0 alone outlives a lost node)")
-        if self._manager is not None and self.rank <= 0 and self._memory_dir and not self._tier0_wanted:
-            self._log.info("memory_tier_redundant", strategy=self.strategy.name,
-                           effect="no in-memory snapshots: the state is replicated and re-forms in place, a lost "
-                                  "worker or node is restored from a live peer (checkpoint.memory_replicated_in_place: "
-                                  "true takes them anyway)")
+        if self._manager is not None and self.rank <= 0 and self._memory_dir:  # what tier 0/1 leave out, once
+            if not self._tier0_wanted:
+                self._log.info("memory_tier_redundant", strategy=self.strategy.name,
+                               effect="no in-memory snapshots: the state is replicated and re-forms in place, a lost "
+                                      "worker or node is restored from a live peer "
+                                      "(checkpoint.memory_replicated_in_place: true takes them anyway)")
+            elif self.checkpoint_config.memory_replica and not self._replicas_wanted:
+                self._log.info("memory_replica_redundant", strategy=self.strategy.name,
+                               effect="no buddy replicas: the state is replicated, every node's own snapshots "
+                                      "restore any rank (tier 0 alone outlives a lost node)")
         if self._manager is None and self.rank <= 0:
             self._log.warning("checkpoint_url_unset", effect="no checkpoint is saved: a drain, resize or crash loses "
                               "the work since the start, and finish() saves nothing",
