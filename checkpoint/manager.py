@@ -559,6 +559,14 @@ class CheckpointManager:
                 ex.shutdown(wait=not stuck)
             self._closed = True
 
+    def release_group(self) -> None:
+        """After :meth:`close`, once the process groups are destroyed: drop this manager's reference
+        to its checkpoint group, so that the group is freed now rather than at interpreter exit."""
+        if not self._closed:
+            raise CheckpointError(f"checkpoint manager for {self.url} is open: close it before releasing its group")
+        self._pg = None
+        self._group = Group(None, self.rank, self.world_size)
+
     def __enter__(self) -> CheckpointManager:
         return self
 

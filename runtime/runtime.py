@@ -1279,6 +1279,8 @@ class Runtime:
         in-flight save, then close the agent link and the process group. A failed final save raises
         after logging ``checkpoint_failed`` (the agent restarts the workers from the last commit)."""
         self._settle_memory()
+        if self._replicator is not None:  # its transfer runs on a group destroyed below
+            self._replicator.settle()
         if self._metrics is not None:
             self._metrics.flush()
         pending, self._pending_flags = self._pending_flags, None
@@ -1316,3 +1318,15 @@ class Runtime:
             if barrier:
                 dist.barrier(**dev.barrier_kwargs(self.device))
             dist.destroy_process_group()
+        self._release_groups()
+
+    def _release_groups(self) -> None:
+        """Drop this runtime's references to its process groups once they are destroyed, so that each
+        gloo group is freed here, its worker threads joined. Held until the interpreter exits, a gloo
+        worker that still held a finished exchange (its tensor came from Python) released it during
+        finalization and aborted the process (\"terminate called without an active exception\", exit
+        -6) after a clean finish."""
+        self._group, self._pending_flags, self._replicator = None, None, None
+        self._trainer.bind_checkpoint_group(None)
+        if self._manager is not None:
+            self._manager.release_group()

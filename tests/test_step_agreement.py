@@ -6,9 +6,11 @@ is exchanged between."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -31,6 +33,7 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     from trainguard.runtime import protocol as proto
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    default_group_threads = _gloo_threads()
     # strided: both ranks ask for a 60 s period (every stride that divides the interval fits in it);
     # strided-uneven: rank 1 asks for every step (period 0), and the world takes the smaller stride.
     period = {"strided": (60.0, 60.0), "strided-uneven": (60.0, 0.0)}.get(mode, (0.0, 0.0))[rank]
@@ -68,10 +71,27 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
             rt._signal_request = proto.StopReason.RESIZE
         rt.end_step()
         rt._manager.wait(60)  # these steps are faster than a save, which would defer the next periodic one
-    rt.finish()
+    running_threads = _gloo_threads()
+    rt.finish()  # rt stays alive (rt._exchange -> counted -> rt): its groups must not
     with open(out, "w") as fh:
         json.dump({"stops": stops, "pending_after_finish": rt._pending_flags is not None,
-                   "mixed": rt._mixed_agreement, "exchanged": exchanged, "stride": rt._stride}, fh)
+                   "mixed": rt._mixed_agreement, "exchanged": exchanged, "stride": rt._stride,
+                   "gloo_threads": [default_group_threads, running_threads, _gloo_threads()]}, fh)
+
+
+def _gloo_threads() -> int:
+    """This process's gloo process-group worker threads, once their count holds for 0.1 s (a group's
+    threads name themselves when they start)."""
+    seen: list[int] = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (len(seen) < 5 or len(set(seen[-5:])) > 1):
+        names = []
+        for t in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        seen.append(names.count("pt_gloo_runloop"))
+        time.sleep(0.02)
+    return seen[-1]
 
 
 def _run_two(tmp_path, mode: str, ckpt) -> list[dict]:
@@ -94,6 +114,7 @@ def test_every_rank_stops_at_the_same_step_and_saves_when_due(tmp_path, mode, st
     # Periodic saves at the steps they are due at (3, 6), the last one as final; nothing left in flight.
     assert committed(ckpt) == {3: "periodic", 6: "periodic", 8: "final"}
     assert not any(r["pending_after_finish"] for r in res)
+    _groups_freed_at_finish(res)
     assert [r["mixed"] for r in res] == [mode == "overlapped,blocking"] * 2
     assert res[0]["exchanged"] == res[1]["exchanged"]
     assert res[0]["exchanged"] == ([1] + list(range(1, 9)) if mode == "overlapped" else list(range(1, 9)))
@@ -118,6 +139,18 @@ def test_a_strided_agreement_exchanges_only_at_multiples_of_the_agreed_stride(tm
     # The periodic saves keep their steps: the boundaries fall on them.
     assert committed(ckpt) == {3: "periodic", 6: "periodic", 9: "periodic", 12: "periodic"}
     assert not any(r["pending_after_finish"] for r in res)
+    _groups_freed_at_finish(res)
+
+
+def _groups_freed_at_finish(res: list[dict]) -> None:
+    """The runtime's own gloo groups (the agreement's, the checkpoint manager's) are freed by ``finish``,
+    their worker threads joined, though the runtime object lives on: only the default group's threads
+    remain (the caller's DDP model holds it). A gloo worker left until interpreter exit once aborted a
+    rank after a clean finish (exit -6, "terminate called without an active exception")."""
+    for r in res:
+        default, running, after = r["gloo_threads"]
+        assert default > 0 and running > default  # the runtime made groups of its own
+        assert after == default
 
 
 def test_a_bad_step_agreement_is_refused_by_name():
