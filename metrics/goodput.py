@@ -24,11 +24,14 @@ is why it is exported as a gauge while paid and wasted time are counters.
 
 How time is split: the caller reports, at each sample and on each state change, the node's cumulative
 step wall time ``S`` (:meth:`GoodputLedger.progress`). The time between two reports (a *window*) is
-``ΔS`` of steps plus non-step time, which goes to the cause in effect during the window. A step that
-straddles the end of a window is reported in the next one; the overshoot is carried into the next
-steady window's non-step time (the ``checkpoint`` cause, whose windows the late steps ran in; a
-downtime's window never pays it), so no bucket ever decreases and the totals stay exact. The open window
-(since the last report) counts as productive until it is closed.
+``ΔS`` of steps plus non-step time, which goes to the cause in effect during the window. Step time
+comes late (workers flush it at agreement boundaries, and a step that straddles the end of a window is
+reported in the next one), so the non-step time of a window in which the workers run is held back for
+:data:`LATE_S` before it is booked: step time reported beyond its own window's length takes it back,
+the newest first. What is left over is carried into the next steady window's non-step time (the
+``checkpoint`` cause; a downtime's window never pays it). So no bucket ever decreases and the totals stay
+exact, also when a run ends (a drain, a re-formation) right after steps that were not yet reported. The
+open window (since the last report) and the held-back time count as productive until they are booked.
 
 Scripts that report no step time (unmodified torchrun scripts, "tier 1") keep the state-only view:
 time ``running`` is productive. Until a node's workers report (they declare the series at set-up,
@@ -51,6 +54,7 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 from trainguard.metrics.names import WASTE_REASONS
@@ -65,6 +69,12 @@ _INFERRED_CAUSE = {"draining": "drain", "resizing": "resize", "rendezvous": "res
 
 STEADY_CAUSE = "checkpoint"
 """Non-step time of a run once its steps flow: checkpoint saves and the per-step agreement."""
+
+LATE_S = 2.0
+"""How long the non-step time of a window in which steps flow is held back before it is booked as
+waste: step time reported up to that late (workers flush it at agreement boundaries, every
+``workers.step_agreement_period_s``; the agent reads it every ``metrics.sample_interval_s``) takes
+it back. Step time later than that is carried (see :class:`GoodputLedger`)."""
 
 MAX_MARKS = 100_000
 
@@ -117,6 +127,7 @@ class GoodputLedger:
         self._s = 0.0  # step seconds reported so far (cumulative)
         self._s_window = 0.0  # ... at the start of the open window
         self._carry = 0.0  # step time reported beyond a window's length (<= 0), owed by the next windows
+        self._held: deque[list[Any]] = deque()  # [end, seconds, cause]: running non-step time not booked yet
         self._open_cause: str | None = None  # set_cause while running: the open window's non-step time
         self._pending: dict[str, float] = {}  # running time before any report, by cause (see module doc)
         self._tier1 = False
@@ -174,12 +185,21 @@ class GoodputLedger:
         # short downtime (an in-place re-formation's tens of ms) is never swallowed by it.
         steady = cause == STEADY_CAUSE and self._running and self._stepped
         nonstep = elapsed - ds + (self._carry if steady else 0.0)
+        while nonstep < 0 and self._held:  # late step time ran in the steady windows held back: the newest first
+            back = min(self._held[-1][1], -nonstep)
+            self._held[-1][1] -= back
+            nonstep += back
+            if self._held[-1][1] <= 0:
+                self._held.pop()
         if nonstep < 0:
             self._carry = nonstep if steady else self._carry + nonstep
-        else:
-            self._wasted[cause] += nonstep
+        elif self._running:  # some of it may be step time reported later
+            self._held.append([t, nonstep, cause])
             if steady:
                 self._carry = 0.0
+        else:
+            self._wasted[cause] += nonstep
+        self._book_held(t - LATE_S)
         self._kept += ds
         if ds > 0 and self._running:
             self._stepped = True
@@ -279,12 +299,19 @@ class GoodputLedger:
         self._recomputed_steps += max(0, steps)
         return moved
 
+    def _book_held(self, until: float) -> None:
+        """Book the held non-step time of the windows that ended by ``until`` as waste of their causes."""
+        while self._held and self._held[0][0] <= until:
+            _, seconds, cause = self._held.popleft()
+            self._wasted[cause] += seconds
+
     def stop(self, now: float | None = None) -> None:
         """End the paid clock (agent stopping). Idempotent."""
         if self._stopped_at is not None:
             return
         t = self._now(now)
         self._close(t, force=True)
+        self._book_held(t)
         self._resolve_pending()  # workers that never reported trained nothing
         self._stopped_at = t
 
@@ -297,7 +324,8 @@ class GoodputLedger:
     # -- reading --------------------------------------------------------------------------------
     def snapshot(self, now: float | None = None) -> GoodputSnapshot:
         """The partition at ``now`` (or at the stop time, once stopped). Productive time is what is
-        not wasted: kept step time, the open window, and a tier-1 node's running time."""
+        not wasted: kept step time, the open window, the held-back non-step time (see :data:`LATE_S`),
+        and a tier-1 node's running time."""
         t = self._now(now) if self._stopped_at is None else self._stopped_at
         paid = max(0.0, t - self._start)
         wasted = dict(self._wasted)

@@ -154,6 +154,62 @@ def test_a_short_in_place_resize_is_resize_waste_though_step_reports_come_late()
     assert g.productive_s <= train + 0.3 + 1e-9
 
 
+def test_step_time_that_reaches_a_draining_agent_late_is_productive() -> None:
+    """Workers flush their step seconds every 5 steps (agreement boundaries); the agent samples every
+    0.25 s. A notice comes mid-stride: the agent drains, the workers train to the agreed stop step (the
+    stride's end), flush every step second as they exit, and the agent stops. The steps that ran before
+    the notice reach the agent only in the drain, late; no steady window follows to pay them back, so
+    the steady non-step time they were first taken for is held back (``LATE_S``) and reclaimed: at the
+    end every reported step second is productive, exactly, and no waste counter ever went down."""
+    c = Clock(0)
+    led = GoodputLedger(c)
+    led.set_state("running")
+    c.tick(2.0)  # start-up: imports, model build
+    led.progress(None, train_s=0.0)
+    events: list[tuple[float, str, int]] = []  # (time, what, step)
+    t = 2.0
+    for step in range(1, 26):  # 0.1 s steps, 0.02 s of agreement between them
+        t += 0.1
+        events.append((t, "step", step))
+        t += 0.02
+    events += [(2.0 + 0.25 * k, "sample", 0) for k in range(1, 13)]
+    notice = 2.0 + 23 * 0.12 + 0.05  # during step 24: steps 21..23 ran and sit unflushed
+    events.append((notice, "notice", 0))
+    events.sort()
+    done = flushed = 0
+    prev: dict[str, float] = {}
+    for when, what, step in events:
+        c.t = when
+        if what == "step":
+            done = step
+            if step % 5 == 0:
+                flushed = step
+                if step == 25:  # the stop step: the workers flush and exit
+                    break
+        elif what == "sample":
+            led.progress(done, train_s=flushed * 0.1)
+        else:
+            led.set_cause("drain")
+            led.set_state("draining")
+        g = led.snapshot()
+        check_partition(g)
+        assert all(g.wasted_s[r] >= prev.get(r, 0.0) - 1e-9 for r in g.wasted_s), (when, g.wasted_s, prev)
+        prev = dict(g.wasted_s)
+    assert done == 25 and c.t < 2.0 + 0.25 * 12
+    led.progress(25, train_s=2.5)  # the exited workers' last flush (mark_worker_dead samples first)
+    c.tick(0.05)
+    led.set_state("stopped")
+    g = led.snapshot()
+    check_partition(g)
+    assert all(g.wasted_s[r] >= prev.get(r, 0.0) - 1e-9 for r in g.wasted_s), (g.wasted_s, prev)
+    assert g.productive_s == pytest.approx(2.5, abs=1e-9)
+    # Waste is the rest: start-up (at least the 2 s before the workers declared; which window a late
+    # step second is taken back from is the newest, so the split between causes is approximate), the
+    # 0.02 s between steps and the 0.05 s from the workers' exit to the stop.
+    assert g.wasted_total_s == pytest.approx(2.0 + 24 * 0.02 + 0.05, abs=1e-9)
+    assert g.wasted_s["startup"] >= 2.0 - 1e-9 and g.wasted_s["drain"] >= 0.05 - 1e-9
+
+
 def test_crash_restart_and_recompute() -> None:
     c = Clock(0)
     led = GoodputLedger(c)
