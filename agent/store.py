@@ -267,9 +267,9 @@ def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
             pass
         signame = signal.Signals(received[0]).name if received else "unknown"
         log.info("store_stopping", signal=signame, keys=server.num_keys())
-        notifier.stopping(status=f"stopping on {signame}")
-        if watchdog is not None:
+        if watchdog is not None:  # first: a ping in flight (its health check is a round trip) came after STOPPING
             watchdog.stop()
+        notifier.stopping(status=f"stopping on {signame}")
         server.close()
         log.info("store_stopped", port=server.port, uptime_s=round(time.monotonic() - started, 3))
         return 0
