@@ -54,8 +54,8 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainguard.metrics.names import WASTE_REASONS
 from trainguard.runtime.protocol import AgentState
@@ -185,7 +185,7 @@ class GoodputLedger:
         # short downtime (an in-place re-formation's tens of ms) is never swallowed by it.
         steady = cause == STEADY_CAUSE and self._running and self._stepped
         nonstep = elapsed - ds + (self._carry if steady else 0.0)
-        while nonstep < 0 and self._held:  # late step time ran in the steady windows held back: the newest first
+        while nonstep < 0 and self._held:  # late step time ran in the running windows held back: the newest first
             back = min(self._held[-1][1], -nonstep)
             self._held[-1][1] -= back
             nonstep += back

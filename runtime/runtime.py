@@ -1322,10 +1322,11 @@ class Runtime:
 
     def _release_groups(self) -> None:
         """Drop this runtime's references to its process groups once they are destroyed, so that each
-        gloo group is freed here, its worker threads joined. Held until the interpreter exits, a gloo
-        worker that still held a finished exchange (its tensor came from Python) released it during
-        finalization and aborted the process (\"terminate called without an active exception\", exit
-        -6) after a clean finish."""
+        gloo group is freed here, its worker threads joined, while the interpreter is whole. Kept
+        until interpreter exit (a runtime object that outlives ``finish``), those threads were torn
+        down during finalization: a rank once aborted there after a clean finish ("terminate called
+        without an active exception", exit -6), most likely a worker releasing a finished exchange
+        whose tensor came from Python."""
         self._group, self._pending_flags, self._replicator = None, None, None
         self._trainer.bind_checkpoint_group(None)
         if self._manager is not None:
