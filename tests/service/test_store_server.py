@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,6 +90,41 @@ def notify_socket() -> Iterator[FakeSystemd]:
     yield fake
     fake.close()
     shutil.rmtree(d, ignore_errors=True)
+
+
+def test_no_watchdog_ping_follows_stopping_while_a_health_check_is_slow(monkeypatch, notify_socket) -> None:
+    """SIGTERM while a watchdog tick sits in a slow health check (a round trip to the server under
+    load): that tick's ping goes out before STOPPING, not after it. In process, to hold the check."""
+    from trainguard.agent import store
+
+    real = store.StoreServer.healthy
+    slow = threading.Event()
+
+    def healthy(self: store.StoreServer) -> bool:
+        ok = real(self)
+        if slow.is_set():
+            time.sleep(0.5)
+        return ok
+
+    monkeypatch.setattr(store.StoreServer, "healthy", healthy)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["store", "--host", "127.0.0.1", "--port", "0"])
+
+    def terminate_mid_check() -> None:
+        assert notify_socket.recv(timeout=30)["READY"] == "1"
+        time.sleep(0.3)  # watchdog pings every 0.1 s
+        slow.set()
+        time.sleep(0.15)  # the next tick is in its health check now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=terminate_mid_check, daemon=True)
+    t.start()
+    assert store.main(args, {"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "200000"}) == 0
+    t.join(5)
+    msgs = notify_socket.drain()
+    assert sum(1 for m in msgs if m.get("WATCHDOG") == "1") >= 2, msgs
+    assert msgs[-1].get("STOPPING") == "1", msgs
 
 
 def _client(port: int) -> object:
