@@ -1327,7 +1327,7 @@ class Runtime:
         down during finalization: a rank once aborted there after a clean finish ("terminate called
         without an active exception", exit -6), most likely a worker releasing a finished exchange
         whose tensor came from Python."""
-        self._group, self._pending_flags, self._replicator = None, None, None
+        self._group, self._replicator = None, None  # the pending exchange went at the start of finish
         self._trainer.bind_checkpoint_group(None)
         if self._manager is not None:
             self._manager.release_group()
