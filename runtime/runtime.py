@@ -128,6 +128,11 @@ _MAX = dist.AllreduceOptions()
 _MAX.reduceOp = dist.ReduceOp.MAX
 
 
+def _is_loss(reason: proto.ParkReason) -> bool:
+    """A re-formation for a member that is gone (drained after a notice, or lost unannounced)."""
+    return reason in (proto.ParkReason.DRAIN, proto.ParkReason.PEER_LOST)
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
@@ -218,6 +223,7 @@ class Runtime:
         """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
         self._parked_for: proto.ParkReason | None = None
         """Why the world is re-forming in place while it restores the checkpoint taken at its stop (or None)."""
+        self._took_peer_stats = False  # the last live-state sync loaded a peer's interval stats
         self._timer = dev.StepTimer(self.device)
         self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
@@ -1012,13 +1018,7 @@ class Runtime:
             self._data_parallel()
             self.accum_steps, _ = self.strategy.plan(self.global_batch, self.dp_size, self.micro_batch)
             t_wrapped = time.monotonic()
-            self._parked_for = reason
-            outcome, live = self._sync_live_state(self.step)
-            self._parked_for = None
-            if self._interval is not None and outcome in ("agreed", "broadcast") and reason in (
-                    proto.ParkReason.DRAIN, proto.ParkReason.PEER_LOST):
-                # A member is gone and the state lived on in the survivors' memory: no rollback.
-                self._interval.observe_survived_loss(unannounced=reason is proto.ParkReason.PEER_LOST)
+            outcome, live = self._resume_state(reason)
         except Exception as e:
             self._log.error("reform_failed", reason=reason.value, error=f"{type(e).__name__}: {e}"[:500],
                             effect="exiting with the resize code: the agent restarts the world")
@@ -1034,6 +1034,20 @@ class Runtime:
                        sync_s=round(time.monotonic() - t_wrapped, 3), seconds=round(time.monotonic() - t0, 3),
                        pid=os.getpid(),
                        survived_losses=self._interval.stats.survived_losses if self._interval is not None else None)
+
+    def _resume_state(self, reason: proto.ParkReason) -> tuple[str, int | None]:
+        """The re-formed world's state (:meth:`_sync_live_state`), and the loss it survived counted once."""
+        self._parked_for = reason
+        try:
+            outcome, live = self._sync_live_state(self.step)
+        finally:
+            self._parked_for = None
+        if (self._interval is not None and outcome in ("agreed", "broadcast") and _is_loss(reason)
+                and not self._took_peer_stats):
+            # A member is gone and the state lived on in the survivors' memory: no rollback. A rank that
+            # took its state from a peer took that peer's count of this loss with it.
+            self._interval.observe_survived_loss(unannounced=reason is proto.ParkReason.PEER_LOST)
+        return outcome, live
 
     def _signalled(self) -> bool:
         """This process got SIGTERM (with the agent, whose orders come over the link, that is the agent
@@ -1147,12 +1161,20 @@ class Runtime:
             restored = self.restore()  # every rank reloads the step committed at the stop, resharded
             return "checkpoint", restored
         tensors = self.strategy.replicated_tensors(self._model)
+        stats = None
         if self._interval is not None:
             self._interval.tick()
+            stats = self._interval.stats.to_dict()
+            if self._parked_for is not None and _is_loss(self._parked_for):
+                # Sent as it will be once this rank counts the loss it parked for (after the sync): a
+                # receiver takes that count and does not count the loss again (see _park).
+                stats["survived_losses"] += 1
+                stats["survived_failures"] += self._parked_for is proto.ParkReason.PEER_LOST
         extra = {"step": self.step, "cursor": self.cursor.state_dict(),
                  "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
                  "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None,
-                 "interval": self._interval.stats.to_dict() if self._interval is not None else None}
+                 "interval": stats}
+        self._took_peer_stats = False
 
         def load(d: dict[str, Any]) -> None:
             assert self.cursor is not None
@@ -1164,6 +1186,7 @@ class Runtime:
                 self.strategy.scaler.load_state_dict(d["scaler"])
             if d.get("interval") and self._interval is not None:  # a joiner takes the job's failure history too
                 self._interval.load_stats(IntervalStats.from_dict(d["interval"]))
+                self._took_peer_stats = True
 
         # Flags and small state over the gloo group; the tensors over the default group when they live on
         # the GPU (NCCL), over the same gloo group on the CPU.

@@ -495,3 +495,39 @@ def test_the_link_wait_for_a_world_ends_when_aborted(short_tmp):  # noqa: F811 -
                              master_port=29500, round=1, group_rank=0, nodes=1)
         conn.sendall(proto.encode(world))
         assert link.wait_reform(5, abort=lambda: False) == world  # a world still arrives when not aborted
+
+
+@pytest.mark.parametrize("role", ["source", "receiver", "agreed"])
+def test_a_loss_the_world_survived_is_counted_once_whichever_rank_sent_the_state(reform_rt, monkeypatch, role):
+    """Node c vanished: b re-formed alone first (it counted the loss), then a joined it and took b's
+    newer state by broadcast, b's interval stats with it. a must not count c's loss again (it did
+    before: a said 2 losses, b 1). A source parked for the loss sends its stats with the loss counted,
+    so a receiver parked for the same loss ends with the source's count; a world that agreed counts
+    the loss on each rank."""
+    from trainguard.runtime import reform as rf
+
+    rt = reform_rt
+    if rt._interval is None:
+        rt._interval = rt._make_interval()
+    rt._interval.stats.survived_losses = 3  # losses this rank had counted before
+    sent: list[dict] = []
+
+    def sync(step, tensors, *, extra, load_extra, group=None, tensor_group=None):
+        sent.append(extra)
+        if role == "receiver":  # b's state: c's loss already counted there (4 in all)
+            load_extra({**extra, "interval": {**extra["interval"], "survived_losses": 4, "survived_failures": 1}})
+            return "broadcast", step + 10
+        return ("broadcast" if role == "source" else "agreed"), step
+
+    monkeypatch.setattr(rf, "sync_live_state", sync)
+    outcome, _ = rt._resume_state(proto.ParkReason.PEER_LOST)
+    assert outcome == ("agreed" if role == "agreed" else "broadcast")
+    assert rt._interval.stats.survived_losses == 4, role
+    assert rt._interval.stats.survived_failures == 1, role
+    if role == "source":  # what the receivers take is what the source holds after the sync
+        assert sent[0]["interval"]["survived_losses"] == 4 and sent[0]["interval"]["survived_failures"] == 1
+    # A re-formation to grow counts no loss, and sends none.
+    sent.clear()
+    role = "source"
+    rt._resume_state(proto.ParkReason.RESIZE)
+    assert rt._interval.stats.survived_losses == 4 and sent[0]["interval"]["survived_losses"] == 4
