@@ -83,8 +83,9 @@ from trainguard.checkpoint.errors import (
 )
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.memory import (ANY_RANK, MemoryTier, SnapshotSource, blob_skeleton, choose_sources,
-                                          shards_needed)
+from trainguard.checkpoint import parity
+from trainguard.checkpoint.memory import (ANY_RANK, HEADER_BYTES, MemoryTier, SnapshotSource, blob_skeleton,
+                                          choose_sources, shards_needed)
 from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
@@ -786,6 +787,8 @@ class CheckpointManager:
         in some node's memory (its own, or a buddy's replica), hand the replicas to the ranks that lack
         their own, load on every rank, claim the epoch. None when there is no such step newer than
         storage's (or a load or transfer failed: storage next)."""
+        if memory.parity_restore:
+            self._rebuild_from_parity(memory)
         try:
             mine = memory.provides(state)
         except Exception as e:  # noqa: BLE001 - an unreadable tier 0 is no reason to fail a restore
@@ -915,6 +918,69 @@ class CheckpointManager:
                        base_step=self._base.step if self._base else None, newest_durable=newest_durable,
                        load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
         return step
+
+    def _rebuild_from_parity(self, memory: MemoryTier) -> None:
+        """Tier 1 with parity (a collective): rebuild the snapshots of the ranks of a lost node from the
+        survivors' parity blocks and snapshots (:func:`~trainguard.checkpoint.parity.plan_rebuilds`), each
+        into a replica file on its rebuilder's node; the restore then finds them as buddy replicas. A
+        rebuild that fails is logged and left out (the restore then takes what is complete, or storage)."""
+        try:
+            mine = memory.parity_inventory()
+        except Exception as e:  # noqa: BLE001 - an unreadable tier 0 is no reason to fail a restore
+            self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
+            mine = {}
+        plan = parity.plan_rebuilds(self._group.all_gather(mine))
+        for rb in plan:
+            t0 = time.monotonic()
+            err: str | None = None
+            acc: torch.Tensor | None = None
+            out: list[bytes] = []
+            for k, (pieces, want_crc) in enumerate(rb.segments):
+                acc = torch.zeros(rb.seg, dtype=torch.uint8) if self.rank == rb.rebuilder else None
+                for piece in pieces:
+                    buf = None
+                    if self.rank == piece.provider:
+                        try:
+                            buf = self._parity_piece(memory, rb, piece)
+                        except Exception as e:  # noqa: BLE001 - sent empty: the rebuild fails, nothing hangs
+                            err = describe(e)[:500]
+                            buf = b""
+                        if piece.provider != rb.rebuilder:
+                            self._send_blob(buf, rb.rebuilder)
+                    elif self.rank == rb.rebuilder:
+                        buf = self._recv_blob(piece.provider) or b""
+                    if acc is not None and buf is not None:
+                        if len(buf) != rb.seg:
+                            err = err or f"a piece of old rank {piece.source} ({piece.kind}) could not be read"
+                        else:
+                            parity.xor_(acc, torch.frombuffer(bytearray(buf), dtype=torch.uint8))
+                if acc is not None and err is None:
+                    if parity.crc(acc) != want_crc:
+                        err = f"segment {k} of old rank {rb.rank} failed its checksum after the rebuild"
+                    out.append(acc.numpy().tobytes())
+            if self.rank != rb.rebuilder:
+                continue
+            if err is None:
+                data = b"".join(out)[:rb.tensor_bytes + rb.meta_bytes]
+                try:
+                    memory.write_rebuilt(rb.rank, rb.step, rb.world_size, rb.tensor_bytes, data)
+                except Exception as e:  # noqa: BLE001
+                    err = describe(e)[:500]
+            if err is None:
+                self._log.info("memory_parity_rebuilt", rank=rb.rank, step=rb.step, world=rb.world,
+                               nbytes=len(data), seconds=round(time.monotonic() - t0, 3))
+            else:
+                self._log.warning("memory_parity_rebuild_failed", rank=rb.rank, step=rb.step, error=err,
+                                  effect="the restore takes what is complete in memory, or storage")
+
+    def _parity_piece(self, memory: MemoryTier, rb: parity.Rebuild, piece: parity.Piece) -> bytes:
+        """This rank's input to a rebuilt segment, :attr:`~.Rebuild.seg` bytes (zero-padded)."""
+        if piece.kind == "block":
+            raw = memory.parity_block(piece.source, rb.step, rb.world)
+        else:
+            blob = memory.blob(piece.source, rb.step, rb.world, world_size=rb.world_size)
+            raw = blob[HEADER_BYTES + piece.segment * rb.seg:HEADER_BYTES + (piece.segment + 1) * rb.seg]
+        return bytes(raw[:rb.seg]).ljust(rb.seg, b"\0")
 
     def _hand_over(self, memory: MemoryTier, sources: dict[int, tuple[int, int]], moved: list[int], step: int,
                    world: str) -> bytes | None:

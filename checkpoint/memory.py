@@ -69,6 +69,7 @@ on a GPU yet, see ``docs/gpu.md``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import mmap
@@ -84,10 +85,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint import reshard
+from trainguard.checkpoint import parity, reshard
 from trainguard.checkpoint.localplan import LocalPlan
 
 SLOTS = 2
@@ -106,6 +108,8 @@ data capacity, CRC32 of the data (tensors + skeleton)."""
 _COMMIT_OFFSET = 8
 _META_SLACK = 64 * 1024
 """Room for the skeleton to grow between snapshots (the cursor and RNG blobs change size a little)."""
+_PARITY_META = 4096
+"""Room after a parity block for its record (world, members, each contributor's lengths and CRC32)."""
 
 
 class MemoryTierError(CheckpointError):
@@ -186,10 +190,19 @@ def slot_bytes(tensor_bytes: int, meta_bytes: int) -> int:
     return HEADER_BYTES + tensor_bytes + meta_bytes + _META_SLACK
 
 
-def node_bytes(per_slot: int, local_world_size: int, copies: int = 1) -> int:
+def node_bytes(per_slot: int, local_world_size: int, copies: int = 1, buffers: float | None = None) -> int:
     """Host memory this node's snapshots take when every local rank holds a state like this one:
-    ``copies`` = 1 (tier 0: its own two slots) or 2 (tier 1 too: two slots of a buddy's replica)."""
-    return per_slot * SLOTS * max(1, local_world_size) * max(1, copies)
+    ``copies`` = 1 (tier 0: its own two slots) or 2 (tier 1 too: two slots of a buddy's replica);
+    ``buffers``, when given, is the number of slot-sized buffers per rank instead (parity: one own slot
+    and two parity blocks, :func:`parity_buffers`)."""
+    per_rank = SLOTS * max(1, copies) if buffers is None else buffers
+    return int(per_slot * per_rank * max(1, local_world_size))
+
+
+def parity_buffers(g: int) -> float:
+    """Slot-sized buffers per rank with XOR parity over ``g`` nodes: one own slot and two parity blocks
+    of ``1 / (g - 1)`` of a slot each (:mod:`trainguard.checkpoint.parity`)."""
+    return 1 + 2 / max(1, g - 1)
 
 
 def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
@@ -222,16 +235,17 @@ def folder_bytes(directory: str) -> int:
 
 
 def check_fits(per_slot: int, *, local_world_size: int, max_bytes: int, free_bytes: int, directory: str,
-               copies: int = 1, available_bytes: int | None = None) -> None:
+               copies: int = 1, available_bytes: int | None = None, buffers: float | None = None) -> None:
     """Raise :class:`MemoryTierError` (naming the setting and the fix) when this node's snapshots (and
     replicas: ``copies`` 2) do not fit under ``checkpoint.memory_max_bytes``, or in the free space of
     the folder (what is free plus what this rank already holds there). With ``memory_max_bytes`` 0 the
     cap is half of ``available_bytes`` (the host's available memory plus what the node's snapshots
     already hold; None: no such cap): tier 0 is on by default and must not take the memory training
     needs."""
-    need = node_bytes(per_slot, local_world_size, copies)
-    what = f"{SLOTS} buffers x {per_slot} bytes x {max(1, local_world_size)} local workers" + (
-        f" x {copies} (own + a buddy's replica)" if copies > 1 else "")
+    need = node_bytes(per_slot, local_world_size, copies, buffers)
+    what = (f"{SLOTS} buffers x {per_slot} bytes x {max(1, local_world_size)} local workers" + (
+        f" x {copies} (own + a buddy's replica)" if copies > 1 else "") if buffers is None else
+        f"{buffers:.2f} buffers (own + parity) x {per_slot} bytes x {max(1, local_world_size)} local workers")
     off = ("or turn tier 0 off with checkpoint.memory_interval_steps=0 "
            "(TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS)")
     if max_bytes and need > max_bytes:
@@ -244,11 +258,11 @@ def check_fits(per_slot: int, *, local_world_size: int, max_bytes: int, free_byt
             f"{available_bytes} bytes of memory the host has available (MemAvailable plus the snapshots "
             f"already held), the cap while checkpoint.memory_max_bytes (TRAINGUARD_CHECKPOINT_MEMORY_MAX_BYTES) "
             f"is 0. Fix: set checkpoint.memory_max_bytes to at least {need} if the host can spare it, {off}")
-    mine = per_slot * SLOTS * max(1, copies)
+    mine = node_bytes(per_slot, 1, copies, buffers)
     if mine > free_bytes:
         raise MemoryTierError(
-            f"in-memory snapshots need {mine} bytes for this rank ({SLOTS} buffers x {per_slot} bytes"
-            f"{' x 2 with the replica' if copies > 1 else ''}) but "
+            f"in-memory snapshots need {mine} bytes for this rank ({what.split(' x ')[0]} x {per_slot} bytes"
+            f"{' x 2 with the replica' if copies > 1 and buffers is None else ''}) but "
             f"{directory} has {free_bytes} bytes free. Fix: make the tmpfs larger (e.g. `mount -o remount,"
             f"size=...` for /dev/shm, or --shm-size for a container), point checkpoint.memory_dir "
             f"(TRAINGUARD_CHECKPOINT_MEMORY_DIR) at a larger tmpfs, {off}")
@@ -820,6 +834,20 @@ class MemoryTier:
         self.replay_state = True
         """Replay a plain model + optimizer entry's state dict from its objects (:mod:`.localplan`)."""
         self._plans: dict[str, LocalPlan | Literal[False]] = {}  # entry -> its plan, False: none can be built
+        self._parity: tuple[Any, list[int], int] | None = None
+        """Tier 1 as XOR parity (:meth:`set_parity`): the exchange's group, its members' global ranks, this
+        rank's index among them. With it this rank keeps one own slot, not two."""
+        self._parity_lock = threading.Lock()
+        self._parity_abandoned: Future[bool] | None = None
+        self.parity_failed: str | None = None
+        """Why the parity exchange stopped for this world (no snapshot is taken after it), or None."""
+        self.parity_step: int | None = None
+        """The step of the newest parity block this rank committed."""
+        self.parity_seconds = 0.0
+        """How long the newest exchange took (the optimizer waits for it)."""
+        self.parity_restore = False
+        """The job keeps parity (``checkpoint.memory_replica_parity``): a restore first rebuilds what a lost
+        node held (:meth:`~trainguard.checkpoint.manager.CheckpointManager.restore`). The same on every rank."""
         self._attach(rank, world_size)
 
     @property
@@ -829,14 +857,29 @@ class MemoryTier:
 
     @property
     def replica_bytes(self) -> int:
-        """Host memory of the replica files this rank wrote for its buddy's source rank (bytes)."""
+        """Host memory of the replica files this rank wrote for its buddy's source rank, or of its parity
+        blocks (bytes)."""
         return sum(self._replica_sizes.values())
 
-    def _attach(self, rank: int, world_size: int) -> None:
+    @property
+    def parity(self) -> bool:
+        """Tier 1 is XOR parity for this world (:meth:`set_parity`)."""
+        return self._parity is not None
+
+    def set_parity(self, group: Any, members: list[int], index: int) -> None:
+        """Tier 1 as XOR parity in this world (:mod:`trainguard.checkpoint.parity`): every snapshot's
+        parity is exchanged with ``members`` (global ranks of ``group``, this rank at ``index``) before
+        the snapshot is written into this rank's one own slot. Call on every rank of the world after
+        :meth:`rebind` (which ends it), before the first snapshot."""
+        self._attach(self.rank, self.world_size, parity=(group, members, index))
+
+    def _attach(self, rank: int, world_size: int, parity: tuple[Any, list[int], int] | None = None) -> None:
         self.close()
         self._last = None
         self.rank, self.world_size = rank, world_size
-        self._slots = [_Slot(os.path.join(self.directory, f"rank-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
+        self._parity, self.parity_failed, self.parity_step = parity, None, None
+        own = 1 if parity is not None else SLOTS
+        self._slots = [_Slot(os.path.join(self.directory, f"rank-{rank:05d}-{k}.snap")) for k in range(own)]
         self._sig, self._newest, self._on_cpu = None, None, True
         self._plans = {}
 
@@ -884,7 +927,9 @@ class MemoryTier:
         skel = self._skeleton(state, tensors, shapes)
         meta = pickle.dumps({"skeleton": skel, "world": world, "replicated": self.replicated,
                              "extra": dict(extra or {})}, protocol=pickle.HIGHEST_PROTOCOL)
-        idx = 0 if self._newest is None else (self._newest + 1) % SLOTS
+        if self.parity_failed is not None:
+            raise MemoryTierError(f"no more snapshots in this world: the parity exchange failed ({self.parity_failed})")
+        idx = 0 if self._newest is None else (self._newest + 1) % len(self._slots)
         self._wait_hold(idx)  # a durable save still copying from this slot (two snapshots ago)
         target = self._slots[idx]
         sig = tuple(shapes)
@@ -901,7 +946,8 @@ class MemoryTier:
             check_fits(per_slot, local_world_size=self.local_world_size, max_bytes=self.max_bytes,
                        available_bytes=avail,
                        free_bytes=st.f_bavail * st.f_frsize + self.nbytes + self.replica_bytes,
-                       directory=self.directory, copies=self.copies)
+                       directory=self.directory, copies=self.copies,
+                       buffers=parity_buffers(len(self._parity[1])) if self._parity is not None else None)
             if self._sig is not None and sig != self._sig:
                 self.invalidate()  # the other slot holds another layout: never restored into this state
             target.invalidate()
@@ -913,6 +959,8 @@ class MemoryTier:
         views = target.views(sig)
         last = (step, idx, tensors, views)
         now, later = self._deferred(sig, tensors) if self.background_commit else ((), ())
+        if self._parity is not None:
+            return self._snapshot_parity(t0, step, target, views, tensors, set(later), meta, tensor_bytes, world)
         if later:  # the guarded optimizer's parameters and state: copied by the background thread
             late_views, late_tensors = [views[i] for i in later], [tensors[i] for i in later]
             views, tensors = [views[i] for i in now], [tensors[i] for i in now]
@@ -932,6 +980,153 @@ class MemoryTier:
         else:
             commit()
         return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
+
+    def _snapshot_parity(self, t0: float, step: int, target: _Slot, views: list[torch.Tensor],
+                         tensors: list[torch.Tensor], later: set[int], meta: bytes, tensor_bytes: int,
+                         world: str) -> SnapshotResult:
+        """:meth:`snapshot` with parity: the tensors the guarded optimizer does not own are cloned now
+        (they may change in the next forward); the exchange, then the write into the one own slot, run in
+        the background (:meth:`_parity_job`) while the optimizer waits (:meth:`guard`)."""
+        srcs = [t if i in later and t.is_contiguous() else t.detach().clone(memory_format=torch.contiguous_format)
+                for i, t in enumerate(tensors)]
+        job = functools.partial(self._parity_job, step, target, views, srcs, meta, tensor_bytes, world)
+        self._newest, self._last = 0, None
+        if self.background_commit:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tg-snapshot-commit")
+            self._committing = self._pool.submit(job)
+        else:
+            job()
+        return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
+
+    def _parity_job(self, step: int, target: _Slot, views: list[torch.Tensor], srcs: list[torch.Tensor],
+                    meta: bytes, tensor_bytes: int, world: str) -> bool:
+        """Exchange the parity of step ``step``, agree that every rank committed its block, then write and
+        commit the own slot (see :mod:`trainguard.checkpoint.parity` for why this order). False when the
+        own slot was not written (the exchange failed: the previous snapshot stands)."""
+        assert self._parity is not None
+        group, members, index = self._parity
+        t0 = time.monotonic()
+        me = threading.current_thread()
+        ok = 0
+        try:
+            flat = parity.Flat.of(srcs, meta, ALIGN)
+            n = torch.tensor([flat.length], dtype=torch.int64)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+            seg = parity.seg_bytes(int(n), len(members))
+            self._write_parity(step, world, flat, seg, group, members, index, tensor_bytes, len(meta))
+            ok = 1
+        except Exception as e:  # noqa: BLE001 - a failed exchange must not kill training
+            self.parity_failed = f"{type(e).__name__}: {e}"[:500]
+        if ok:  # every rank committed its block before any own slot is overwritten
+            flag = torch.tensor([ok], dtype=torch.int64)
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            except Exception as e:  # noqa: BLE001
+                self.parity_failed = f"{type(e).__name__}: {e}"[:500]
+                flag[0] = 0
+            if not int(flag[0]) and self.parity_failed is None:
+                self.parity_failed = "another rank's parity exchange failed"
+            ok = int(flag[0])
+        with self._parity_lock:
+            if not ok or getattr(me, "tg_abandoned", False):
+                return False
+            self.parity_step = step
+            _write(target.mm, views, srcs, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
+            if self.fault_hook is not None:
+                self.fault_hook(step)
+            _commit(target.mm, step=step, world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,
+                    meta_bytes=len(meta))
+        self.parity_seconds = time.monotonic() - t0
+        return True
+
+    def _write_parity(self, step: int, world: str, flat: parity.Flat, seg: int, group: Any, members: list[int],
+                      index: int, tensor_bytes: int, meta_bytes: int) -> None:
+        """The exchange itself, into the parity slot that does not hold the newest complete block
+        (commit word zeroed first, written last: a cut exchange never replaces a good block)."""
+        slots = self._parity_slots(self.rank)
+        newest = max(((h.step, i) for i, h in enumerate(s.header() for s in slots) if h is not None and h.complete),
+                     default=None)
+        target = slots[0 if newest is None else (newest[1] + 1) % SLOTS]
+        target.ensure(max(HEADER_BYTES + seg + _PARITY_META, target.size))
+        block = None
+        try:
+            target.mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
+            block = torch.frombuffer(target.mm, dtype=torch.uint8, offset=HEADER_BYTES, count=seg)
+            contrib = parity.exchange(flat, block, group=group, members=members, index=index, step=step,
+                                      tensor_bytes=tensor_bytes, meta_bytes=meta_bytes)
+            block = None
+            pmeta = pickle.dumps({"world": world, "members": members, "index": index, "seg": seg,
+                                  "contrib": [dataclasses.asdict(c) for c in contrib]}, protocol=pickle.HIGHEST_PROTOCOL)
+            if HEADER_BYTES + seg + len(pmeta) > target.size:
+                raise MemoryTierError(f"the parity block's record ({len(pmeta)} bytes) does not fit its slot")
+            target.mm[HEADER_BYTES + seg:HEADER_BYTES + seg + len(pmeta)] = pmeta
+            with memoryview(target.mm) as mv, mv[HEADER_BYTES:HEADER_BYTES + seg + len(pmeta)] as data:
+                crc = zlib.crc32(data)
+            _seal(target.mm, Header(commit=0, step=step, world_size=self.world_size, rank=self.rank, tensor_bytes=seg,
+                                    meta_bytes=len(pmeta), capacity=target.size - HEADER_BYTES, crc32=crc))
+        finally:
+            block = None  # the view into the mapping goes before the mapping
+            self._replica_sizes[target.path] = target.size
+            with contextlib.suppress(BufferError):  # a failed gloo work may still hold a view
+                target.close()
+
+    def _parity_slots(self, rank: int) -> list[_Slot]:
+        return [_Slot(os.path.join(self.directory, f"parity-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
+
+    def parity_inventory(self) -> dict[str, Any]:
+        """What this node's folder holds for a parity rebuild (:func:`~trainguard.checkpoint.parity.plan_rebuilds`):
+        every intact snapshot (own or replica, any rank and world size) and every intact parity block."""
+        self.settle()
+        data = [(h.rank, h.step, str(meta.get("world", "")), h.world_size) for h, meta in _intact(self._node_files())]
+        blocks = []
+        for name in sorted(os.listdir(self.directory)):
+            if not (name.startswith("parity-") and name.endswith(".snap")):
+                continue
+            slot = _Slot(os.path.join(self.directory, name))
+            h = slot.header()
+            got = slot.read_valid(h.world_size, None) if h is not None else None
+            if got is None:
+                continue
+            try:
+                record = pickle.loads(got[1][h.tensor_bytes:])
+            except Exception:  # noqa: BLE001 - a block we cannot read is not a candidate
+                continue
+            blocks.append((h.rank, h.step, str(record["world"]), h.world_size, record))
+        return {"node": self.directory, "data": data, "blocks": blocks}
+
+    def parity_block(self, rank: int, step: int, world: str) -> bytes:
+        """The parity block old rank ``rank`` held for ``(step, world)`` in this node's folder (checksum
+        verified). Raises :class:`MemoryTierError` when there is none."""
+        for slot in self._parity_slots(rank):
+            h = slot.header()
+            got = slot.read_valid(h.world_size, rank) if h is not None else None
+            if got is not None and h.step == step and pickle.loads(got[1][h.tensor_bytes:])["world"] == world:
+                return got[1][:h.tensor_bytes]
+        raise MemoryTierError(f"no valid parity block of rank {rank}, step {step} in {self.directory}")
+
+    def abandon(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the snapshot in the background; when it is still running
+        (a parity exchange stuck with a vanished peer), leave it behind: it will not write the own slot,
+        the previous snapshot stands. True when nothing was left behind."""
+        pending = self._committing
+        if pending is None:
+            return True
+        try:
+            pending.result(timeout)
+            self._committing = None
+            return True
+        except TimeoutError:
+            pass
+        with self._parity_lock:
+            if self._pool is not None:
+                for t in getattr(self._pool, "_threads", ()):
+                    t.tg_abandoned = True  # type: ignore[attr-defined]
+                self._pool.shutdown(wait=False)
+                self._pool = None
+            self._committing = None
+            self.parity_failed = self.parity_failed or "the parity exchange was left behind (a peer is gone)"
+        return False
 
     def _skeleton(self, state: dict[str, Any], tensors: list[torch.Tensor], shapes: list[Any]) -> dict[str, Any]:
         """``skeleton(materialise(state), tensors, shapes)``, a model + optimizer entry replayed from its
@@ -989,7 +1184,7 @@ class MemoryTier:
         only while the training state still is that snapshot's (the same step boundary): whether a
         tensor is the one snapshotted is judged by its storage, not its values."""
         last = self._last
-        if last is None or last[0] != step:
+        if last is None or last[0] != step or self._parity is not None:  # parity: the slot may stay unwritten
             return None
         _, idx, tensors, views = last
         held = self._holds.get(idx)
@@ -1149,6 +1344,13 @@ class MemoryTier:
         with view:
             view[:] = data
         return self.commit_replica(target, blob[:HEADER_BYTES], h.rank)
+
+    def write_rebuilt(self, rank: int, step: int, world_size: int, tensor_bytes: int, data: bytes) -> Header:
+        """Keep the snapshot of old ``rank`` rebuilt from parity (its data, checked segment by segment) as
+        a replica in this node's folder (:meth:`write_replica`)."""
+        h = Header(commit=step + 1, step=step, world_size=world_size, rank=rank, tensor_bytes=tensor_bytes,
+                   meta_bytes=len(data) - tensor_bytes, capacity=len(data), crc32=zlib.crc32(data))
+        return self.write_replica(h.pack() + bytes(HEADER_BYTES - _HEADER.size) + data)
 
     def _own_files(self) -> list[_Slot]:
         return self._node_files(("rank-",))
