@@ -194,7 +194,7 @@ def _folder_bytes(folder: str) -> dict[str, int]:
     out = {"tier0_bytes": 0, "tier1_bytes": 0, "state_bytes": 0}
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        out["tier1_bytes" if name.startswith("replica-") else "tier0_bytes"] += os.path.getsize(path)
+        out["tier1_bytes" if name.startswith(("replica-", "parity-")) else "tier0_bytes"] += os.path.getsize(path)
         if name.startswith("rank-"):
             with open(path, "rb") as fh:
                 h = Header.unpack(fh.read(HEADER_BYTES))
@@ -225,10 +225,12 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
     if node_kill:
         job += node_kill
         common += ["--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=3"]
-        if node_kill in ("fsdp", "fsdp-shrink"):
+        if node_kill.startswith("fsdp"):
             common += ["--set", "checkpoint.memory_replica=true"]
             args += ["--strategy", "fsdp"]
-        nnodes, size = ("3:3" if node_kill == "fsdp" else "2:3"), 3
+        if node_kill.endswith("-parity"):
+            common += ["--set", "checkpoint.memory_replica_parity=true"]
+        nnodes, size = ("3:3" if node_kill.startswith("fsdp") and "shrink" not in node_kill else "2:3"), 3
     a = Node("a", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args, extra=common)
     wait_listening(ep)
     b = Node("b", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args, extra=common)
@@ -246,7 +248,7 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
             for v in victims:
                 os.kill(v, signal.SIGKILL)
             t_kill = time.time()
-            if node_kill == "fsdp":
+            if node_kill.startswith("fsdp") and "shrink" not in node_kill:
                 nodes.append(Node("d", tmp, ep, job=job, nnodes=nnodes, script=ELASTIC, script_args=args,
                                   extra=common))
         else:
@@ -291,10 +293,16 @@ def main() -> int:
     p.add_argument("--keep", action="store_true")
     p.add_argument("--feed-saves", type=int, default=20, help="saves of each kind in the durable_feed scenario")
     p.add_argument("--only-feed", action="store_true", help="run the overhead and durable_feed scenarios only")
+    p.add_argument("--parity", action="store_true",
+                   help="also run the FSDP2 node kills with tier 1 as XOR parity (checkpoint.memory_replica_parity)")
+    p.add_argument("--only-node-kill", action="store_true",
+                   help="run the FSDP2 node kills only (copies, and with --parity parity too)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t_start = time.time()
     out: dict[str, Any] = {"model": "TinyGPT d_model=64 layers=2 seq=64, global batch 24 (micro 4), AdamW"}
+    if args.only_node_kill:
+        return node_kills_only(args, out, t_start)
     print("overhead: alternating blocks with / without a snapshot per step ...", flush=True)
     out.update(overhead(args.overhead_steps, args.block, args.shm))
     if args.larger:
@@ -351,6 +359,8 @@ def main() -> int:
                         reform="in-process")
         out.update({"node_kill_shrink_inplace_lost_steps": n["lost_steps"],
                     "node_kill_shrink_inplace_resume_s": n["resume_s"], "node_kill_shrink_inplace": n})
+        if args.parity:
+            out.update(parity_kills(tmp, args))
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -406,6 +416,11 @@ def main() -> int:
                   f"{out['restore_tier']['node_kill_shrink_inplace']}"),
                  ("memory_ratio (node a: tier0+tier1 / state)",
                   f"{out['memory_ratio']} ({nk['tier0_bytes']} + {nk['tier1_bytes']} / {nk['state_bytes']} B)")]
+    rows += parity_rows(out)
+    return report(rows, out, args)
+
+
+def report(rows: list[tuple[str, Any]], out: dict[str, Any], args: argparse.Namespace) -> int:
     width = max(len(r[0]) for r in rows)
     print()
     for name, v in rows:
@@ -415,6 +430,60 @@ def main() -> int:
             json.dump(out, fh, indent=1)
         print(f"\nwrote {args.json}")
     return 0
+
+
+PARITY_KILLS = [("node_kill_parity", "fsdp-parity", "restart", "node c SIGKILLed, node d replaces it"),
+                # the copies' shrink scenarios with parity
+                ("node_kill_shrink_parity", "fsdp-shrink-parity", "restart", "node c SIGKILLed, not replaced (3 -> 2)"),
+                ("node_kill_shrink_inplace_parity", "fsdp-shrink-parity", "in-process", "the same, re-formed in place")]
+
+
+def parity_kills(tmp: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The FSDP2 node kills with tier 1 as XOR parity: what the copies' scenarios measure, and memory."""
+    out: dict[str, Any] = {}
+    for key, kind, reform, what in PARITY_KILLS:
+        print(f"{key}: 3 FSDP2 nodes, tier 1 as parity, {what} ...", flush=True)
+        n = worker_kill(os.path.join(tmp, key), memory=True, kill_at=args.kill_at,
+                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill=kind, reform=reform)
+        print(f"  {json.dumps(n)}", flush=True)
+        out.update({f"{key}_lost_steps": n["lost_steps"], f"{key}_resume_s": n["resume_s"], key: n})
+    nk = out["node_kill_parity"]
+    out["memory_ratio_parity"] = round((nk["tier0_bytes"] + nk["tier1_bytes"]) / nk["state_bytes"], 4)
+    return out
+
+
+def parity_rows(out: dict[str, Any]) -> list[tuple[str, Any]]:
+    if "node_kill_parity" not in out:
+        return []
+    rows: list[tuple[str, Any]] = [(f"{key} lost steps / resume s / tier / step s",
+                                    f"{out[key]['lost_steps']} / {out[key]['resume_s']} / {out[key]['restore_tier']} / "
+                                    f"{out[key]['step_s']}") for key, *_ in PARITY_KILLS]
+    nk = out["node_kill_parity"]
+    rows.append(("memory_ratio_parity (node a: tier0+tier1 / state)",
+                 f"{out['memory_ratio_parity']} ({nk['tier0_bytes']} + {nk['tier1_bytes']} / {nk['state_bytes']} B)"))
+    return rows
+
+
+def node_kills_only(args: argparse.Namespace, out: dict[str, Any], t_start: float) -> int:
+    """``--only-node-kill``: the FSDP2 node kill with copies, and with ``--parity`` the parity ones."""
+    tmp = tempfile.mkdtemp(prefix="trainguard-memtier-")
+    try:
+        print("node_kill: 3 FSDP2 nodes, tier 1 on (copies), node c SIGKILLed, node d replaces it ...", flush=True)
+        n = worker_kill(os.path.join(tmp, "node"), memory=True, kill_at=args.kill_at,
+                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="fsdp")
+        out.update({"node_kill_lost_steps": n["lost_steps"], "node_kill_resume_s": n["resume_s"], "node_kill": n,
+                    "memory_ratio": round((n["tier0_bytes"] + n["tier1_bytes"]) / n["state_bytes"], 4)})
+        if args.parity:
+            out.update(parity_kills(tmp, args))
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out["wall_s"] = round(time.time() - t_start, 1)
+    rows: list[tuple[str, Any]] = [("node_kill lost steps / resume s / tier / step s (copies)",
+                                    f"{n['lost_steps']} / {n['resume_s']} / {n['restore_tier']} / {n['step_s']}"),
+                                   ("memory_ratio (node a: tier0+tier1 / state, copies)",
+                                    f"{out['memory_ratio']} ({n['tier0_bytes']} + {n['tier1_bytes']} / {n['state_bytes']} B)")]
+    return report(rows + parity_rows(out), out, args)
 
 
 if __name__ == "__main__":

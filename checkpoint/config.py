@@ -119,6 +119,15 @@ class CheckpointConfig:
     tensor-parallel and ZeRO shards). Doubles tier 0's memory. Replicated state (DDP) keeps no replicas
     (logged as ``memory_replica_redundant``): every node's own snapshots restore any rank."""
 
+    memory_replica_parity: bool = False
+    """Tier 1 as XOR parity instead of copies (with ``memory_replica``): the nodes form groups of up to 8;
+    each rank keeps one own snapshot (not two) and two parity blocks of ``1 / (nodes - 1)`` of a snapshot,
+    so tier 0 + tier 1 take ``1 + 2 / (nodes - 1)`` of the state (2.0 with 3 nodes; copies take 4). One
+    lost node per group is rebuilt at restore from the survivors (``memory_parity_rebuilt``). Each
+    snapshot's exchange runs before the next ``optimizer.step()``, which waits for it; the durable save
+    stages from the training tensors, not from the snapshot. Ignored where ``memory_replica`` keeps no
+    replicas (DDP)."""
+
     memory_failure_domain: str = ""
     """Tier 1: this node's failure domain (a rack, a zone, a power feed: what fails together). When the
     nodes name theirs, each node's buddy is chosen in another domain (possible while no domain holds
@@ -130,6 +139,9 @@ class CheckpointConfig:
     (``<memory_dir>/trainguard-<job_id>-<node>/``, removed when the job ends or the node leaves)."""
 
     def __post_init__(self) -> None:
+        require(self.memory_replica or not self.memory_replica_parity, "memory_replica_parity",
+                "needs memory_replica: true (parity is how tier 1 keeps its redundancy)",
+                "set checkpoint.memory_replica: true (TRAINGUARD_CHECKPOINT_MEMORY_REPLICA=1), or drop memory_replica_parity")
         require(self.when_busy in ("defer", "wait"), "when_busy", f"must be defer or wait, got {self.when_busy!r}",
                 "use defer (the default) unless every interval step must have its own checkpoint")
         require(self.memory_interval_steps >= 0, "memory_interval_steps", f"must be >= 0, got {self.memory_interval_steps}",

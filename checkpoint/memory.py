@@ -186,8 +186,10 @@ def choose_sources(provided: Sequence[Sequence[tuple[int, int, str]]], *, world_
 
 
 def slot_bytes(tensor_bytes: int, meta_bytes: int) -> int:
-    """Size of one slot file for a state of ``tensor_bytes`` (aligned) and a skeleton of ``meta_bytes``."""
-    return HEADER_BYTES + tensor_bytes + meta_bytes + _META_SLACK
+    """Size of one slot file for a state of ``tensor_bytes`` (aligned) and a skeleton of ``meta_bytes``:
+    room for the skeleton to grow by as much again (4 KiB at least, :data:`_META_SLACK` at most; a
+    skeleton that outgrows it resizes the slot)."""
+    return HEADER_BYTES + tensor_bytes + meta_bytes + min(_META_SLACK, max(4096, meta_bytes))
 
 
 def node_bytes(per_slot: int, local_world_size: int, copies: int = 1, buffers: float | None = None) -> int:
@@ -950,7 +952,8 @@ class MemoryTier:
                        buffers=parity_buffers(len(self._parity[1])) if self._parity is not None else None)
             if self._sig is not None and sig != self._sig:
                 self.invalidate()  # the other slot holds another layout: never restored into this state
-            target.invalidate()
+            if self._parity is None or sig != self._sig:
+                target.invalidate()  # (parity: the one own slot grows in place, its snapshot still good)
             target.ensure(per_slot)
             self._sig, self._tensor_bytes = sig, tensor_bytes
             self._on_cpu = all(t.device.type == "cpu" for t in tensors)

@@ -89,11 +89,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainguard.checkpoint import parity
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError
 from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats, memory_interval
 from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
 from trainguard.checkpoint.memory import MemoryTier, MemoryTierError
+from trainguard.checkpoint.memory import parity_buffers as memory_parity_buffers
 from trainguard.checkpoint.replica import Replicator
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import device as dev
@@ -126,6 +128,11 @@ MAX_STRIDE = 64
 
 _MAX = dist.AllreduceOptions()
 _MAX.reduceOp = dist.ReduceOp.MAX
+
+
+PARITY_ABANDON_S = 2.0
+"""How long a worker that parks or exits waits for a parity snapshot in the background (its local write
+takes milliseconds; an exchange stuck with a vanished peer is left behind after this)."""
 
 
 def _is_loss(reason: proto.ParkReason) -> bool:
@@ -441,14 +448,37 @@ class Runtime:
                                               max_bytes=self.checkpoint_config.memory_max_bytes,
                                               copies=2 if self._replicas_wanted else 1,
                                               replicated=self._replicated)
+                    self._memory.parity_restore = self._parity_wanted
                 except MemoryTierError as e:
                     self._memory_refused(e)
                 if self._memory is not None and self._inject_fault.startswith("snapshot_written:"):
                     self._memory.fault_hook = self._kill_after_snapshot_write
-        if replica_group is not None:  # a collective: every rank, with or without tier 0
+        if replica_group is not None and self._parity_wanted:  # a collective: every rank, with or without tier 0
+            self._bind_parity(replica_group)
+        elif replica_group is not None:
             self._replicator = Replicator.create(self._memory, replica_group, rank=self.rank,
                                                  world_size=self.world_size, local_world_size=self.local_world_size,
                                                  domain=self.checkpoint_config.memory_failure_domain)
+
+    def _bind_parity(self, group: Any) -> None:
+        """Tier 1 as XOR parity in this world (a collective): every rank's tier 0 exchanges its snapshots'
+        parity with its group (:func:`~trainguard.checkpoint.parity.group_of`), when every rank has tier 0
+        and the world has two nodes or more."""
+        table: list[Any] = [None] * self.world_size
+        dist.all_gather_object(table, self._memory is not None, group=group)
+        got = parity.group_of(self.rank, self.world_size, self.local_world_size)
+        if not all(table) or got is None:
+            if self.rank == 0:
+                self._log.warning("memory_parity_off", ranks_without_tier0=[i for i, has in enumerate(table) if not has],
+                                  nodes=self.world_size // max(1, self.local_world_size),
+                                  effect="no parity in this world: two own slots per rank, a lost node restores from storage")
+            return
+        assert self._memory is not None
+        members, index = got
+        self._memory.set_parity(group, members, index)
+        if self.rank == 0:
+            self._log.info("memory_parity_groups", groups=len(parity.parity_groups(self.world_size // max(1, self.local_world_size))),
+                           members=members, buffers_per_rank=round(memory_parity_buffers(len(members)), 3))
 
     @property
     def _replicated(self) -> bool:
@@ -460,6 +490,11 @@ class Runtime:
         """Whether tier 0 runs (given ``checkpoint.memory_interval_steps`` and an agent's folder): see
         :func:`tier0_wanted` (:meth:`setup` logs ``memory_tier_redundant`` once where it does not)."""
         return tier0_wanted(self.checkpoint_config, replicated=self._replicated, in_place=self.reform_enabled)
+
+    @property
+    def _parity_wanted(self) -> bool:
+        """Tier 1 as XOR parity (``checkpoint.memory_replica_parity``) where tier 1 runs."""
+        return self._replicas_wanted and self.checkpoint_config.memory_replica_parity
 
     @property
     def _replicas_wanted(self) -> bool:
@@ -485,7 +520,8 @@ class Runtime:
         with tier 0: every rank's snapshot restores any rank) or a buddy on another node does (tier 1)."""
         nodes = self.world_size // max(1, self.local_world_size)
         in_memory = self._replicated and (self.reform_enabled or self._memory is not None)
-        return nodes >= 2 and (in_memory or self._replicator is not None)
+        parity_on = self._memory is not None and self._memory.parity
+        return nodes >= 2 and (in_memory or self._replicator is not None or parity_on)
 
     def _make_interval(self) -> IntervalController:
         """The periodic checkpoint schedule (``checkpoint.interval``). Global rank 0 decides; the step
@@ -903,6 +939,8 @@ class Runtime:
         rep = self._replicator
         if rep is not None:
             rep.settle()  # the slot about to be written may be the one the buddy transfer reads
+        if mem.parity and mem.parity_failed is not None:
+            return  # the exchange failed in this world (a peer is gone): the next world binds parity again
         mem.guard(self._optimizer)  # its parameters and state are copied beside the next forward/backward
         try:
             r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
@@ -916,7 +954,8 @@ class Runtime:
                 self._replicator = None
         m = self._snapshot_mean_s
         self._snapshot_mean_s = r.seconds if m is None else 0.9 * m + 0.1 * r.seconds
-        lag = self.step - rep.last_step if rep is not None and rep.last_step is not None else None
+        done = rep.last_step if rep is not None else mem.parity_step if mem.parity else None
+        lag = self.step - done if done is not None else None
         self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag, self._memory_every)
 
     def _periodic_save(self, save: int) -> bool:
@@ -963,17 +1002,24 @@ class Runtime:
                                                   last_committed=committed))
         self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
-    def _settle_memory(self) -> None:
+    def _settle_memory(self, abandon_after: float | None = None) -> None:
         """Wait for the tier-0 snapshot still copying in the background (before anything but the
-        guarded ``optimizer.step()`` changes parameters or optimizer state)."""
+        guarded ``optimizer.step()`` changes parameters or optimizer state). ``abandon_after`` (parity: an
+        exchange may be stuck with a vanished peer): wait at most that long, then leave it behind (it
+        writes nothing after that; the previous snapshot stands)."""
         if self._memory is not None:
+            if abandon_after is not None and self._memory.parity:
+                if not self._memory.abandon(abandon_after):
+                    self._log.warning("memory_parity_abandoned", step=self.step, waited_s=abandon_after,
+                                      effect="this snapshot is not written; the previous one stands")
+                return
             self._memory.settle()
 
     def _park(self, reason: proto.ParkReason) -> None:
         """Tear the world down, tell the agent, wait for the new world and join it; on any failure,
         exit with the resize code so that the agent restarts the world (the fallback)."""
         t0 = time.monotonic()
-        self._settle_memory()
+        self._settle_memory(abandon_after=PARITY_ABANDON_S)
         if self._metrics is not None:
             self._metrics.flush()  # the steps counted since the last agreement
         old = (self.rank, self.world_size)
@@ -1286,6 +1332,8 @@ class Runtime:
         self._exit(proto.EXIT_RESIZE)
 
     def _exit(self, code: int) -> None:
+        if self._memory is not None and self._memory.parity:
+            self._memory.abandon(PARITY_ABANDON_S)  # a snapshot past its parity agreement finishes its local write
         if self._metrics is not None:
             self._metrics.flush()
         if self._link is not None:

@@ -117,7 +117,9 @@ def test_buddies():
 
 def test_cap_arithmetic_and_errors():
     per_slot = mem.slot_bytes(1000, 100)
-    assert per_slot == mem.HEADER_BYTES + 1100 + 64 * 1024
+    assert per_slot == mem.HEADER_BYTES + 1100 + 4096  # room for the skeleton to grow: at least 4 KiB
+    assert mem.slot_bytes(1000, 10_000) == mem.HEADER_BYTES + 11_000 + 10_000  # as much again
+    assert mem.slot_bytes(1000, 10**6) == mem.HEADER_BYTES + 1000 + 10**6 + 64 * 1024  # at most 64 KiB
     assert mem.node_bytes(per_slot, 4) == per_slot * mem.SLOTS * 4
     mem.check_fits(per_slot, local_world_size=4, max_bytes=mem.node_bytes(per_slot, 4), free_bytes=10**12, directory="/x")
     with pytest.raises(mem.MemoryTierError) as e:
@@ -133,6 +135,12 @@ def test_cap_arithmetic_and_errors():
                        directory="/x", copies=2)
     with pytest.raises(mem.MemoryTierError, match=r"/x has 10 bytes free.*TRAINGUARD_CHECKPOINT_MEMORY_DIR"):
         mem.check_fits(per_slot, local_world_size=1, max_bytes=0, free_bytes=10, directory="/x")
+    # with parity over 3 nodes: one own slot and two blocks of half a slot
+    assert mem.parity_buffers(3) == 2.0 and mem.parity_buffers(2) == 3.0 and mem.parity_buffers(5) == 1.5
+    assert mem.node_bytes(per_slot, 4, buffers=2.0) == per_slot * 2 * 4
+    with pytest.raises(mem.MemoryTierError, match=r"2.00 buffers \(own \+ parity\)"):
+        mem.check_fits(per_slot, local_world_size=4, max_bytes=per_slot * 8 - 1, free_bytes=10**12, directory="/x",
+                       buffers=2.0)
 
 
 def test_tier0_where_it_adds_a_copy():
@@ -461,6 +469,9 @@ def test_config_checks_name_the_key():
         CheckpointConfig(memory_max_bytes=-5)
     with pytest.raises(FieldError, match="memory_dir.*absolute"):
         CheckpointConfig(memory_dir="shm")
+    with pytest.raises(FieldError, match="memory_replica_parity.*needs memory_replica"):
+        CheckpointConfig(memory_replica_parity=True)
+    assert CheckpointConfig(memory_replica=True, memory_replica_parity=True).memory_replica_parity
 
 
 def test_agent_owns_the_node_folder(tmp_path):

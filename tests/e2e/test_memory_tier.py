@@ -209,17 +209,25 @@ def test_node_sigkill_restores_the_lost_rank_from_its_buddy(tmp_path):
             n.stop()
 
 
-def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path):
+@pytest.mark.parametrize("tier1", ["copies", "parity"])
+def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path, tier1):
     """Tier 1 at another world size: three FSDP2 nodes replicate their snapshots to the next node; node c
     (agent and worker) is SIGKILLed and not replaced (min nodes 2): the survivors form a world of 2 and
     every rank takes the rows of its new shards from the three ranks' snapshots (a's and b's own, c's
     replica on its buddy). Lost work <= memory interval + one replica lag; every sample once; there is
-    no periodic checkpoint in storage at all."""
+    no periodic checkpoint in storage at all. ``parity`` (``checkpoint.memory_replica_parity``): no
+    replica is kept; c's snapshot is rebuilt from a's and b's parity blocks and snapshots at restore."""
     tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path)
+    if tier1 == "parity":
+        common += ["--set", "checkpoint.memory_replica_parity=true"]
     a, b, c = _three_nodes(tmp, ep, common, args)
     with running([a, b, c], 60) as nodes:
         wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
                    "8 steps at world size 3")
+        held = os.listdir(os.path.join(shm, "trainguard-job-a"))
+        if tier1 == "parity":  # one own slot and parity blocks, no copy of anyone's snapshot
+            assert sorted(n for n in held if not n.startswith("parity-")) == ["rank-00000-0.snap"], held
+            assert any(n.startswith("parity-00000-") for n in held), held
         n_before = _restoring_worlds(nodes)
         _kill_node(c)
         back = wait_until(lambda: _restores_after((a, b), n_before, 2), 120, "a world of 2 restored")
@@ -230,6 +238,9 @@ def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path):
         assert len(resharded) == 2, [e for n in (a, b) for e in n.events("checkpoint_restored")]
         step, last = _lost(folder, back)
         assert 0 <= last - step <= 2, (last, step)
+        if tier1 == "parity":
+            rebuilt = [e for n in (a, b) for e in n.events("memory_parity_rebuilt")]
+            assert [(e["rank"], e["step"]) for e in rebuilt] == [(2, step)], rebuilt
         for n in (a, b):
             n.signal(signal.SIGTERM)
         for n in (a, b):
