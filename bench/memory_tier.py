@@ -443,8 +443,13 @@ def parity_kills(tmp: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, kind, reform, what in PARITY_KILLS:
         print(f"{key}: 3 FSDP2 nodes, tier 1 as parity, {what} ...", flush=True)
-        n = worker_kill(os.path.join(tmp, key), memory=True, kill_at=args.kill_at,
-                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill=kind, reform=reform)
+        try:
+            n = worker_kill(os.path.join(tmp, key), memory=True, kill_at=args.kill_at,
+                            baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill=kind, reform=reform)
+        except AssertionError as e:  # seen: the third scenario's first agent never listened (not understood yet)
+            print(f"  failed: {e}", flush=True)
+            out[key] = {"error": str(e)[:300], "lost_steps": None, "resume_s": None, "restore_tier": None, "step_s": None}
+            continue
         print(f"  {json.dumps(n)}", flush=True)
         out.update({f"{key}_lost_steps": n["lost_steps"], f"{key}_resume_s": n["resume_s"], key: n})
     nk = out["node_kill_parity"]
