@@ -52,6 +52,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -187,6 +188,115 @@ def durable_feed(saves: int, shm_root: str, d_model: int = 64, layers: int = 2) 
         shutil.rmtree(store, ignore_errors=True)
 
 
+MODES = ("none", "copies", "parity")
+
+
+def _overhead_rank(rank: int, port: int, out: str, steps: int, block: int, shm_root: str) -> None:
+    """One of 3 ranks (3 "nodes") of an FSDP2 TinyGPT job over gloo that cycles blocks of ``block``
+    steps through :data:`MODES`: no snapshot, a snapshot per step with tier 1 as copies (a buddy's
+    replica), and with tier 1 as parity; rank 0 writes each step's time (a step's time includes its
+    ``optimizer.step()``'s wait for the previous snapshot's background work)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from trainguard.checkpoint import parity
+    from trainguard.checkpoint.memory import MemoryTier
+    from trainguard.checkpoint.replica import Replicator
+    from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
+    from trainguard.examples.train_gpt import TinyGPT, batch_for, load_corpus
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    g_copies, g_parity = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    torch.manual_seed(1234)
+    model = TinyGPT(64, 64, 2)
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    trainer = TrainerState(seed=1234, cursor={"epoch": 0, "consumed": 0})
+    state = {"app": ModelOptimizerState(model, opt), "trainer": trainer}
+    folders = {m: tempfile.mkdtemp(prefix=f"trainguard-bench-{m}{rank}-", dir=shm_root) for m in MODES[1:]}
+    tiers = {"copies": MemoryTier(folders["copies"], rank=rank, world_size=3, copies=2),
+             "parity": MemoryTier(folders["parity"], rank=rank, world_size=3)}
+    rep = Replicator(tiers["copies"], g_copies, rank=rank, world_size=3, local_world_size=1)
+    members, index = parity.group_of(rank, 3, 1) or ([], 0)
+    tiers["parity"].set_parity(g_parity, members, index)
+    for t in tiers.values():
+        t.guard(opt)
+    corpus = load_corpus(2_000_000)
+    n = (len(corpus) - 1) // 64
+    gen = torch.Generator().manual_seed(rank)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    snap: dict[str, list[float]] = {m: [] for m in MODES[1:]}
+    total = 15 + steps
+    for i in range(1, total + 1):
+        mode = MODES[(i - 1) // 5 % 3] if i <= 15 else MODES[(i - 16) // block % 3]
+        t0 = time.perf_counter()
+        for _ in range(2):  # global batch 24 = 3 ranks x 2 micro-batches x 4
+            x, y = batch_for(corpus, torch.randint(0, n, (4,), generator=gen).tolist(), 64)
+            (torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)) / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        trainer.step = i
+        if mode == "copies":
+            rep.settle()
+            snap[mode].append(tiers[mode].snapshot(i, state, world="bench/0").seconds)
+            rep.replicate()
+        elif mode == "parity":
+            snap[mode].append(tiers[mode].snapshot(i, state, world="bench/0").seconds)
+        dt = time.perf_counter() - t0
+        if i > 15 and (i - 16) % block:  # the first step of a block pays the previous block's last snapshot
+            times[mode].append(dt)
+    rep.wait(60)
+    for t in tiers.values():
+        t.settle()
+    nbytes = {m: [t.nbytes, t.replica_bytes] for m, t in tiers.items()}
+    state_bytes = sum(t.numel() * t.element_size() for t in (p.to_local() for p in model.parameters()))
+    state_bytes += sum(v.to_local().numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                       if hasattr(v, "to_local") and v.dim() > 0)
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump({"times": times, "snapshot_s": snap, "bytes": nbytes, "state_bytes": state_bytes,
+                       "parity_failed": tiers["parity"].parity_failed, "replica_failed": rep.failed}, fh)
+    for t in tiers.values():
+        t.close()
+    for f in folders.values():
+        shutil.rmtree(f, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def overhead_3_nodes(steps: int, block: int, shm_root: str) -> dict[str, Any]:
+    """Tier 1's cost on the step, 3 FSDP2 ranks (3 "nodes", gloo, on this machine's cores): blocks of
+    steps with no snapshot, with snapshots + copies, with snapshots + parity, alternating in one run."""
+    port = free_port()
+    out = os.path.join(tempfile.mkdtemp(prefix="trainguard-bench-"), "rank0.json")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--overhead-rank", str(r), str(port), out,
+                               str(steps), str(block), shm_root], env=env, cwd=REPO) for r in range(3)]
+    codes = [p.wait(900) for p in procs]
+    if codes != [0, 0, 0]:
+        raise RuntimeError(f"the 3-rank overhead run failed: exit codes {codes}")
+    with open(out) as fh:
+        got = json.load(fh)
+    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+    t = got["times"]
+    res: dict[str, Any] = {"steps_each": {m: len(t[m]) for m in MODES}, "state_bytes": got["state_bytes"]}
+    for m in MODES:
+        res[f"step_s_{m}"] = round(statistics.mean(t[m]), 5)
+        res[f"step_s_{m}_median"] = round(statistics.median(t[m]), 5)
+    for m in MODES[1:]:
+        res[f"overhead_ratio_{m}"] = round(statistics.mean(t[m]) / statistics.mean(t["none"]), 4)
+        res[f"overhead_ratio_{m}_median"] = round(statistics.median(t[m]) / statistics.median(t["none"]), 4)
+        res[f"snapshot_s_{m}"] = round(statistics.mean(got["snapshot_s"][m]), 6)
+        own, tier1 = got["bytes"][m]
+        res[f"memory_ratio_{m}"] = round((own + tier1) / got["state_bytes"], 4)
+    res["parity_failed"], res["replica_failed"] = got["parity_failed"], got["replica_failed"]
+    return res
+
+
 def _folder_bytes(folder: str) -> dict[str, int]:
     """Bytes of own slots (tier 0) and replicas (tier 1) in a node folder, and the state's tensor bytes."""
     from trainguard.checkpoint.memory import HEADER_BYTES, Header
@@ -295,6 +405,8 @@ def main() -> int:
     p.add_argument("--only-feed", action="store_true", help="run the overhead and durable_feed scenarios only")
     p.add_argument("--parity", action="store_true",
                    help="also run the FSDP2 node kills with tier 1 as XOR parity (checkpoint.memory_replica_parity)")
+    p.add_argument("--three-node-steps", type=int, default=600,
+                   help="with --parity: steps of the 3-rank overhead scenario (none / copies / parity blocks)")
     p.add_argument("--only-node-kill", action="store_true",
                    help="run the FSDP2 node kills only (copies, and with --parity parity too)")
     args = p.parse_args()
@@ -309,6 +421,10 @@ def main() -> int:
         d, n = (int(x) for x in args.larger.split("x"))
         print(f"overhead: the same on a larger TinyGPT (d_model {d}, {n} layers) ...", flush=True)
         out["larger_model"] = overhead(max(100, args.overhead_steps // 4), args.block, args.shm, d, n)
+    if args.parity:
+        print("overhead_3_nodes: 3 FSDP2 ranks, blocks with no snapshot / snapshots + copies / snapshots + "
+              "parity ...", flush=True)
+        out["overhead_3_nodes"] = overhead_3_nodes(args.three_node_steps, args.block, args.shm)
     print("durable_feed: a periodic save's blocking time, staged from the training tensors / from the "
           "snapshot ...", flush=True)
     out["durable_feed"] = durable_feed(args.feed_saves, args.shm)
@@ -458,9 +574,19 @@ def parity_kills(tmp: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parity_rows(out: dict[str, Any]) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    o = out.get("overhead_3_nodes")
+    if o:
+        rows += [("3 FSDP2 ranks: step s none / copies / parity (mean)",
+                  f"{o['step_s_none']} / {o['step_s_copies']} / {o['step_s_parity']}"),
+                 ("3 FSDP2 ranks: overhead ratio copies / parity (mean; median)",
+                  f"{o['overhead_ratio_copies']} / {o['overhead_ratio_parity']} "
+                  f"({o['overhead_ratio_copies_median']} / {o['overhead_ratio_parity_median']})"),
+                 ("3 FSDP2 ranks: memory ratio copies / parity (rank 0: tier0+tier1 / state)",
+                  f"{o['memory_ratio_copies']} / {o['memory_ratio_parity']} ({o['state_bytes']} B state)")]
     if "node_kill_parity" not in out:
-        return []
-    rows: list[tuple[str, Any]] = [(f"{key} lost steps / resume s / tier / step s",
+        return rows
+    rows += [(f"{key} lost steps / resume s / tier / step s",
                                     f"{out[key]['lost_steps']} / {out[key]['resume_s']} / {out[key]['restore_tier']} / "
                                     f"{out[key]['step_s']}") for key, *_ in PARITY_KILLS]
     nk = out["node_kill_parity"]
@@ -491,5 +617,9 @@ def node_kills_only(args: argparse.Namespace, out: dict[str, Any], t_start: floa
     return report(rows + parity_rows(out), out, args)
 
 
+if __name__ == "__main__" and sys.argv[1:2] == ["--overhead-rank"]:
+    a = sys.argv[2:]
+    _overhead_rank(int(a[0]), int(a[1]), a[2], int(a[3]), int(a[4]), a[5])
+    sys.exit(0)
 if __name__ == "__main__":
     sys.exit(main())

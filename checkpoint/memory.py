@@ -1014,23 +1014,21 @@ class MemoryTier:
         ok = 0
         try:
             flat = parity.Flat.of(srcs, meta, ALIGN)
-            n = torch.tensor([flat.length], dtype=torch.int64)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-            seg = parity.seg_bytes(int(n), len(members))
-            self._write_parity(step, world, flat, seg, group, members, index, tensor_bytes, len(meta))
+            self._write_parity(step, world, flat, group, members, index, tensor_bytes, len(meta))
             ok = 1
         except Exception as e:  # noqa: BLE001 - a failed exchange must not kill training
             self.parity_failed = f"{type(e).__name__}: {e}"[:500]
-        if ok:  # every rank committed its block before any own slot is overwritten
-            flag = torch.tensor([ok], dtype=torch.int64)
-            try:
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-            except Exception as e:  # noqa: BLE001
-                self.parity_failed = f"{type(e).__name__}: {e}"[:500]
-                flag[0] = 0
-            if not int(flag[0]) and self.parity_failed is None:
-                self.parity_failed = "another rank's parity exchange failed"
-            ok = int(flag[0])
+        # Every rank committed its block before any own slot is overwritten (a rank whose exchange failed
+        # says so here too; with a peer gone this fails, or hangs until the worker parks and leaves it).
+        flag = torch.tensor([ok], dtype=torch.int64)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        except Exception as e:  # noqa: BLE001
+            self.parity_failed = self.parity_failed or f"{type(e).__name__}: {e}"[:500]
+            flag[0] = 0
+        if not int(flag[0]) and self.parity_failed is None:
+            self.parity_failed = "another rank's parity exchange failed"
+        ok = int(flag[0])
         with self._parity_lock:
             if not ok or getattr(me, "tg_abandoned", False):
                 return False
@@ -1043,7 +1041,7 @@ class MemoryTier:
         self.parity_seconds = time.monotonic() - t0
         return True
 
-    def _write_parity(self, step: int, world: str, flat: parity.Flat, seg: int, group: Any, members: list[int],
+    def _write_parity(self, step: int, world: str, flat: parity.Flat, group: Any, members: list[int],
                       index: int, tensor_bytes: int, meta_bytes: int) -> None:
         """The exchange itself, into the parity slot that does not hold the newest complete block
         (commit word zeroed first, written last: a cut exchange never replaces a good block)."""
@@ -1051,14 +1049,19 @@ class MemoryTier:
         newest = max(((h.step, i) for i, h in enumerate(s.header() for s in slots) if h is not None and h.complete),
                      default=None)
         target = slots[0 if newest is None else (newest[1] + 1) % SLOTS]
-        target.ensure(max(HEADER_BYTES + seg + _PARITY_META, target.size))
-        block = None
-        try:
+        views: list[torch.Tensor] = []
+
+        def block(n: int) -> torch.Tensor:
+            target.ensure(max(HEADER_BYTES + n + _PARITY_META, target.size))
             target.mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
-            block = torch.frombuffer(target.mm, dtype=torch.uint8, offset=HEADER_BYTES, count=seg)
+            views.append(torch.frombuffer(target.mm, dtype=torch.uint8, offset=HEADER_BYTES, count=n))
+            return views[-1]
+
+        try:
             contrib = parity.exchange(flat, block, group=group, members=members, index=index, step=step,
                                       tensor_bytes=tensor_bytes, meta_bytes=meta_bytes)
-            block = None
+            seg = views[0].numel()
+            views.clear()
             pmeta = pickle.dumps({"world": world, "members": members, "index": index, "seg": seg,
                                   "contrib": [dataclasses.asdict(c) for c in contrib]}, protocol=pickle.HIGHEST_PROTOCOL)
             if HEADER_BYTES + seg + len(pmeta) > target.size:
@@ -1069,7 +1072,7 @@ class MemoryTier:
             _seal(target.mm, Header(commit=0, step=step, world_size=self.world_size, rank=self.rank, tensor_bytes=seg,
                                     meta_bytes=len(pmeta), capacity=target.size - HEADER_BYTES, crc32=crc))
         finally:
-            block = None  # the view into the mapping goes before the mapping
+            views.clear()  # the view into the mapping goes before the mapping
             self._replica_sizes[target.path] = target.size
             with contextlib.suppress(BufferError):  # a failed gloo work may still hold a view
                 target.close()

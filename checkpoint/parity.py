@@ -32,7 +32,7 @@ every tensor on a GPU) are cloned before the exchange (on the GPU, in device mem
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,40 +161,47 @@ class Contribution:
     """CRC32 of the segment (padded) this member sent to the holder."""
 
 
-def exchange(flat: Flat, block: torch.Tensor, *, group: Any, members: list[int], index: int,
+def exchange(flat: Flat, block: Callable[[int], torch.Tensor], *, group: Any, members: list[int], index: int,
              step: int, tensor_bytes: int, meta_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[Contribution]:
     """One snapshot's parity exchange among ``members`` (global ranks, this one at ``index``) over
-    ``group``: send each segment of ``flat`` to its holder, receive the segments this member holds and
-    XOR them into ``block`` (uint8, :func:`seg_bytes` long: the same on every member). Returns what each
+    ``group``, in two rounds of messages: every member's step and lengths (the segment length follows:
+    :func:`seg_bytes` of the group's longest data), then the data: each segment of ``flat`` to its
+    holder, in chunks, the segment's CRC32 riding on its last chunk. ``block(seg)`` returns where this
+    member's block goes (uint8, ``seg`` long); the segments it holds are XORed into it. Returns what each
     contributor declared (its lengths, its segment's CRC32). Raises what the process group raises (a
     peer gone) or :class:`ValueError` when a contributor is at another step."""
     g = len(members)
-    seg = block.numel()
     others = [m for m in range(g) if m != index]
-    head = torch.tensor([step, tensor_bytes, meta_bytes], dtype=torch.int64)
-    heads = {i: torch.empty(3, dtype=torch.int64) for i in others}
+    head = torch.tensor([step, tensor_bytes, meta_bytes, flat.length], dtype=torch.int64)
+    heads = {i: torch.empty(4, dtype=torch.int64) for i in others}
     _pairwise({members[j]: head for j in others}, {members[i]: heads[i] for i in others}, group)
     for i in others:
         if int(heads[i][0]) != step:
             raise ValueError(f"parity member rank {members[i]} sent step {int(heads[i][0])}, this rank is at {step}")
+    seg = seg_bytes(max([flat.length, *(int(h[3]) for h in heads.values())]), g)
+    out = block(seg)
     chunk = max(WORD, min(chunk_bytes, seg) // WORD * WORD)
-    send = {j: torch.empty(chunk, dtype=torch.uint8) for j in others}
-    recv = {i: torch.empty(chunk, dtype=torch.uint8) for i in others}
+    send = {j: torch.empty(chunk + WORD, dtype=torch.uint8) for j in others}  # + the CRC32 on the last chunk
+    recv = {i: torch.empty(chunk + WORD, dtype=torch.uint8) for i in others}
     crcs = {j: 0 for j in others}
-    block.zero_()
+    theirs: dict[int, int] = {}
+    out.zero_()
     for lo in range(0, seg, chunk):
         n = min(chunk, seg - lo)
+        last = lo + n >= seg
+        m = n + WORD if last else n
         for j in others:
             flat.read(segment_to(index, j, g) * seg + lo, send[j][:n])
             crcs[j] = crc(send[j][:n], crcs[j])
-        _pairwise({members[j]: send[j][:n] for j in others}, {members[i]: recv[i][:n] for i in others}, group)
+            if last:
+                send[j][n:m].view(torch.int64)[0] = crcs[j]
+        _pairwise({members[j]: send[j][:m] for j in others}, {members[i]: recv[i][:m] for i in others}, group)
         for i in others:
-            xor_(block[lo:lo + n], recv[i][:n])
-    mine = {j: torch.tensor([crcs[j]], dtype=torch.int64) for j in others}
-    theirs = {i: torch.empty(1, dtype=torch.int64) for i in others}
-    _pairwise({members[j]: mine[j] for j in others}, {members[i]: theirs[i] for i in others}, group)
+            xor_(out[lo:lo + n], recv[i][:n])
+            if last:
+                theirs[i] = int(recv[i][n:m].view(torch.int64)[0])
     return [Contribution(rank=members[i], tensor_bytes=int(heads[i][1]), meta_bytes=int(heads[i][2]),
-                         seg_crc=int(theirs[i][0])) for i in others]
+                         seg_crc=theirs[i]) for i in others]
 
 
 def _pairwise(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group: Any) -> None:
