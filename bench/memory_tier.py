@@ -557,12 +557,12 @@ PARITY_KILLS = [("node_kill_parity", "fsdp-parity", "restart", "node c SIGKILLed
 def parity_kills(tmp: str, args: argparse.Namespace) -> dict[str, Any]:
     """The FSDP2 node kills with tier 1 as XOR parity: what the copies' scenarios measure, and memory."""
     out: dict[str, Any] = {}
-    for key, kind, reform, what in PARITY_KILLS:
+    for idx, (key, kind, reform, what) in enumerate(PARITY_KILLS):
         print(f"{key}: 3 FSDP2 nodes, tier 1 as parity, {what} ...", flush=True)
-        try:
-            n = worker_kill(os.path.join(tmp, key), memory=True, kill_at=args.kill_at,
+        try:  # a short folder: the agents' control sockets live under it (a Unix socket path is <= 107 bytes)
+            n = worker_kill(os.path.join(tmp, f"parity{idx}"), memory=True, kill_at=args.kill_at,
                             baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill=kind, reform=reform)
-        except AssertionError as e:  # seen: the third scenario's first agent never listened (not understood yet)
+        except AssertionError as e:  # the scenario's agents did not come up, or the job did not reach its kill
             print(f"  failed: {e}", flush=True)
             out[key] = {"error": str(e)[:300], "lost_steps": None, "resume_s": None, "restore_tier": None, "step_s": None}
             continue

@@ -1080,6 +1080,11 @@ class MemoryTier:
     def _parity_slots(self, rank: int) -> list[_Slot]:
         return [_Slot(os.path.join(self.directory, f"parity-{rank:05d}-{k}.snap")) for k in range(SLOTS)]
 
+    def release_parity(self) -> None:
+        """Drop the parity exchange's group (after :meth:`close`, the world's groups destroyed)."""
+        if self._parity is not None:
+            self._parity = (None, self._parity[1], self._parity[2])
+
     def parity_inventory(self) -> dict[str, Any]:
         """What this node's folder holds for a parity rebuild (:func:`~trainguard.checkpoint.parity.plan_rebuilds`):
         every intact snapshot (own or replica, any rank and world size) and every intact parity block."""

@@ -1402,3 +1402,5 @@ class Runtime:
         self._trainer.bind_checkpoint_group(None)
         if self._manager is not None:
             self._manager.release_group()
+        if self._memory is not None:
+            self._memory.release_parity()  # its exchange group (closed above: no exchange is running)
