@@ -250,13 +250,17 @@ def test_node_sigkill_without_replacement_reshards_from_memory(tmp_path, tier1):
         print(f"resharded step {step} from 3 ranks to 2, lost {last - step} step(s)")
 
 
-def test_worker_killed_mid_snapshot_restores_the_step_before(tmp_path):
+@pytest.mark.parametrize("tier1", ["copies", "parity"])
+def test_worker_killed_mid_snapshot_restores_the_step_before(tmp_path, tier1):
     """The torn-write guarantee end to end (FSDP2, tiers 0 and 1): node b's worker is SIGKILLed after it
     wrote its snapshot of step s into a slot and before it committed it (a test fault hook), so that slot
     is torn. The world restarts at the same size and restores step s - 1, which every rank still holds
     in its other slot (the other ranks hold step s too: never chosen, b lacks it): never a mix of steps,
-    every sample once."""
+    every sample once. ``parity``: there is no other slot; the parity of step s was committed by every
+    rank before any own slot was written, so b's step s is rebuilt from it and step s itself restored."""
     tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path)
+    if tier1 == "parity":
+        common += ["--set", "checkpoint.memory_replica_parity=true"]
     flag = os.path.join(tmp, "torn.flag")
     open(flag, "w").close()  # the fault is held back until the world trains
     fault = ["--set", "workers.env=" + json.dumps({"TRAINGUARD_RT_INJECT_FAULT": f"snapshot_written:{flag}"})]
@@ -273,9 +277,15 @@ def test_worker_killed_mid_snapshot_restores_the_step_before(tmp_path):
         with open(flag) as fh:
             torn = int(fh.read())
         wait_until(lambda: any(e["step"] >= torn + 3 for e in a.events("train_step")), 60, "training again")
-        assert {e["source"] for e in back} == {"memory"}, back  # every rank from its own node's memory
         step, last = _lost(folder, back)
-        assert step == torn - 1, (step, torn)
+        if tier1 == "parity":
+            assert {e["source"] for e in back} == {"peer"}, back  # b's rank handed over from its rebuilder
+            assert step == torn, (step, torn)
+            rebuilt = [e for n in nodes for e in n.events("memory_parity_rebuilt")]
+            assert [e["step"] for e in rebuilt] == [torn], rebuilt  # b's rank, the one whose own slot is torn
+        else:
+            assert {e["source"] for e in back} == {"memory"}, back  # every rank from its own node's memory
+            assert step == torn - 1, (step, torn)
         assert 0 <= last - step <= 2, (last, step)
         for n in nodes:
             n.signal(signal.SIGTERM)
