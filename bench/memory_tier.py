@@ -230,6 +230,8 @@ def _overhead_rank(rank: int, port: int, out: str, steps: int, block: int, shm_r
     gen = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     snap: dict[str, list[float]] = {m: [] for m in MODES[1:]}
+    opt_s: dict[str, list[float]] = {m: [] for m in MODES}
+    exchange_s: list[float] = []
     total = 15 + steps
     for i in range(1, total + 1):
         mode = MODES[(i - 1) // 5 % 3] if i <= 15 else MODES[(i - 16) // block % 3]
@@ -237,7 +239,9 @@ def _overhead_rank(rank: int, port: int, out: str, steps: int, block: int, shm_r
         for _ in range(2):  # global batch 24 = 3 ranks x 2 micro-batches x 4
             x, y = batch_for(corpus, torch.randint(0, n, (4,), generator=gen).tolist(), 64)
             (torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)) / 2).backward()
-        opt.step()
+        t_opt = time.perf_counter()
+        opt.step()  # waits for the previous snapshot's background half (parity: its exchange too)
+        t_opt = time.perf_counter() - t_opt
         opt.zero_grad(set_to_none=True)
         trainer.step = i
         if mode == "copies":
@@ -249,6 +253,9 @@ def _overhead_rank(rank: int, port: int, out: str, steps: int, block: int, shm_r
         dt = time.perf_counter() - t0
         if i > 15 and (i - 16) % block:  # the first step of a block pays the previous block's last snapshot
             times[mode].append(dt)
+            opt_s[mode].append(t_opt)
+            if mode == "parity":
+                exchange_s.append(tiers[mode].parity_seconds)
     rep.wait(60)
     for t in tiers.values():
         t.settle()
@@ -258,7 +265,8 @@ def _overhead_rank(rank: int, port: int, out: str, steps: int, block: int, shm_r
                        if hasattr(v, "to_local") and v.dim() > 0)
     if rank == 0:
         with open(out, "w") as fh:
-            json.dump({"times": times, "snapshot_s": snap, "bytes": nbytes, "state_bytes": state_bytes,
+            json.dump({"times": times, "snapshot_s": snap, "opt_s": opt_s, "exchange_s": exchange_s,
+                       "bytes": nbytes, "state_bytes": state_bytes,
                        "parity_failed": tiers["parity"].parity_failed, "replica_failed": rep.failed}, fh)
     for t in tiers.values():
         t.close()
@@ -293,6 +301,9 @@ def overhead_3_nodes(steps: int, block: int, shm_root: str) -> dict[str, Any]:
         res[f"snapshot_s_{m}"] = round(statistics.mean(got["snapshot_s"][m]), 6)
         own, tier1 = got["bytes"][m]
         res[f"memory_ratio_{m}"] = round((own + tier1) / got["state_bytes"], 4)
+    for m in MODES:  # how long optimizer.step() took, incl. its wait for the previous snapshot
+        res[f"optimizer_step_s_{m}"] = round(statistics.mean(got["opt_s"][m]), 5)
+    res["parity_exchange_s"] = round(statistics.mean(got["exchange_s"]), 5)  # exchange + agreement + own write
     res["parity_failed"], res["replica_failed"] = got["parity_failed"], got["replica_failed"]
     return res
 
@@ -582,6 +593,9 @@ def parity_rows(out: dict[str, Any]) -> list[tuple[str, Any]]:
                  ("3 FSDP2 ranks: overhead ratio copies / parity (mean; median)",
                   f"{o['overhead_ratio_copies']} / {o['overhead_ratio_parity']} "
                   f"({o['overhead_ratio_copies_median']} / {o['overhead_ratio_parity_median']})"),
+                 ("3 FSDP2 ranks: optimizer.step() s none / copies / parity; parity's exchange + write s",
+                  f"{o['optimizer_step_s_none']} / {o['optimizer_step_s_copies']} / {o['optimizer_step_s_parity']}; "
+                  f"{o['parity_exchange_s']}"),
                  ("3 FSDP2 ranks: memory ratio copies / parity (rank 0: tier0+tier1 / state)",
                   f"{o['memory_ratio_copies']} / {o['memory_ratio_parity']} ({o['state_bytes']} B state)")]
     if "node_kill_parity" not in out:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 import sys
 
 import pytest
@@ -248,3 +249,50 @@ def _run(phase: str, folders: list[str], outs: list[str], arg: str) -> tuple[lis
 if __name__ == "__main__":
     phase, rank, port, folder, arg, out = sys.argv[1:7]
     (_train if phase == "train" else _restore)(int(rank), int(port), folder, arg, out)
+
+
+def test_an_exchange_left_behind_never_writes_the_own_slot(tmp_path, monkeypatch):
+    """A worker that parks while its parity exchange is stuck with a vanished peer leaves it behind
+    (``abandon``): when the exchange comes back later it writes nothing, so the own slot keeps the
+    previous snapshot, whole. (In process: the exchange and the agreement are stand-ins.)"""
+    import threading
+
+    import torch.distributed as dist
+
+    from trainguard.checkpoint import memory as mem
+
+    gate = threading.Event()
+    calls: list[int] = []
+
+    def exchange(flat, block, *, step, **kw):
+        block(parity.seg_bytes(flat.length, 3))
+        calls.append(step)
+        if step == 2:
+            gate.wait(30)  # stuck until the test lets it go
+        return []
+
+    monkeypatch.setattr(parity, "exchange", exchange)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: None)  # the agreement: every rank says ok
+    m, opt, trainer, state = _state(seed=0)
+    tier = mem.MemoryTier(str(tmp_path), rank=0, world_size=3)
+    tier.set_parity(object(), [0, 1, 2], 0)
+    trainer.step = 1
+    tier.snapshot(1, state, world="w")
+    tier.settle()
+    assert tier.available(state) == [(1, "w")] and tier.parity_step == 1
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)  # step 2's state differs
+    trainer.step = 2
+    tier.snapshot(2, state, world="w")
+    assert not tier.abandon(0.2)  # still in the exchange: left behind
+    assert tier.parity_failed and "left behind" in tier.parity_failed
+    gate.set()
+    for _ in range(100):
+        if len(calls) == 2 and not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("tg-snapshot")):
+            break
+        time.sleep(0.05)
+    assert tier.available(state) == [(1, "w")] and tier.parity_step == 1  # step 1 whole, step 2 never written
+    with pytest.raises(mem.MemoryTierError, match="parity exchange"):
+        tier.snapshot(3, state, world="w")  # no more snapshots in this world
+    tier.close()
