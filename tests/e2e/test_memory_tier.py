@@ -339,12 +339,17 @@ def test_model_parallel_node_sigkill_reshards_from_memory(tmp_path, reform):
         print(f"(2, 2) -> (1, 2), {reform}: resharded step {step} from 4 ranks' snapshots, lost {last - step} step(s)")
 
 
-def test_in_place_node_sigkill_reshards_from_memory_without_restarting_the_survivors(tmp_path):
+@pytest.mark.parametrize("tier1", ["copies", "parity"])
+def test_in_place_node_sigkill_reshards_from_memory_without_restarting_the_survivors(tmp_path, tier1):
     """Tier 1 with in-place re-formation (``workers.reform: in-process``): three FSDP2 nodes; node c is
     SIGKILLed whole and not replaced: the survivors' worker processes re-form a world of 2 in place (the
     same pids) and reshard the newest snapshots (their own, c's replica) into their new shards instead
-    of reading storage (there is none). Lost work <= memory interval + one replica lag; every sample once."""
+    of reading storage (there is none). Lost work <= memory interval + one replica lag; every sample once.
+    ``parity``: c's snapshot is rebuilt from the survivors' parity blocks (an exchange that was running
+    when c died is left behind by the parked survivors: the previous step stands)."""
     tmp, folder, shm, ep, common, args = _fsdp_tier1(tmp_path, "in-process")
+    if tier1 == "parity":
+        common += ["--set", "checkpoint.memory_replica_parity=true"]
     a, b, c = _three_nodes(tmp, ep, common, args)
     with running([a, b, c], 60) as nodes:
         wait_until(lambda: any(e["world_size"] == 3 and e["step"] >= 8 for e in a.events("train_step")), 150,
@@ -362,6 +367,8 @@ def test_in_place_node_sigkill_reshards_from_memory_without_restarting_the_survi
                    "training at world size 2")
         assert {n.name: n.worker_pids() for n in (a, b)} == pids  # re-formed in place: no worker restarted
         assert {e["tier"] for n in (a, b) for e in n.events("checkpoint_restored")[grown[n.name]:]} == {"peer"}
+        if tier1 == "parity":
+            assert [e["step"] for n in (a, b) for e in n.events("memory_parity_rebuilt")] == [step]
         for n in (a, b):
             n.signal(signal.SIGTERM)
         for n in (a, b):
