@@ -839,14 +839,14 @@ class MemoryTier:
         self._parity: tuple[Any, list[int], int] | None = None
         """Tier 1 as XOR parity (:meth:`set_parity`): the exchange's group, its members' global ranks, this
         rank's index among them. With it this rank keeps one own slot, not two."""
-        self._parity_lock = threading.Lock()
-        self._parity_abandoned: Future[bool] | None = None
+        self._parity_lock = threading.Lock()  # the own slot's write vs. :meth:`abandon`
         self.parity_failed: str | None = None
         """Why the parity exchange stopped for this world (no snapshot is taken after it), or None."""
         self.parity_step: int | None = None
         """The step of the newest parity block this rank committed."""
         self.parity_seconds = 0.0
-        """How long the newest exchange took (the optimizer waits for it)."""
+        """How long the newest exchange, agreement and own write took (in the background; the next
+        ``optimizer.step()`` waits for what is left of it)."""
         self.parity_restore = False
         """The job keeps parity (``checkpoint.memory_replica_parity``): a restore first rebuilds what a lost
         node held (:meth:`~trainguard.checkpoint.manager.CheckpointManager.restore`). The same on every rank."""

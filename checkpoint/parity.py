@@ -23,7 +23,9 @@ Why one own buffer suffices (the order of a snapshot, :meth:`~trainguard.checkpo
     local copy; the one rank whose copy was cut short, or the lost node, is rebuilt from the blocks of
     ``s``). An exchange that fails (a peer gone) writes no own snapshot: the previous one stands.
 
-Limits: one lost node per group (two lost at once, in one group, fall back to storage); the own
+Limits: one lost node per group (two lost at once, in one group, fall back to storage; so does a peer
+that dies inside the agreement itself, if that lets some ranks write their own snapshot and not others:
+a narrow window, the same as two losses); the own
 snapshot's local copy must finish on the survivors (a SIGKILL of two ranks of one group during that
 copy, a few milliseconds, loses the step to storage); tensors the optimizer does not own (buffers, and
 every tensor on a GPU) are cloned before the exchange (on the GPU, in device memory).
