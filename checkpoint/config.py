@@ -124,9 +124,9 @@ class CheckpointConfig:
     each rank keeps one own snapshot (not two) and two parity blocks of ``1 / (nodes - 1)`` of a snapshot,
     so tier 0 + tier 1 take ``1 + 2 / (nodes - 1)`` of the state (2.0 with 3 nodes; copies take 4). One
     lost node per group is rebuilt at restore from the survivors (``memory_parity_rebuilt``). Each
-    snapshot's exchange runs before the next ``optimizer.step()``, which waits for it; the durable save
-    stages from the training tensors, not from the snapshot. Ignored where ``memory_replica`` keeps no
-    replicas (DDP)."""
+    snapshot's exchange runs beside the next forward and backward, and the next ``optimizer.step()``
+    waits for what is left of it; the durable save stages from the training tensors, not from the
+    snapshot. Ignored where ``memory_replica`` keeps no replicas (DDP)."""
 
     memory_failure_domain: str = ""
     """Tier 1: this node's failure domain (a rack, a zone, a power feed: what fails together). When the
