@@ -308,6 +308,11 @@ def overhead_3_nodes(steps: int, block: int, shm_root: str) -> dict[str, Any]:
     return res
 
 
+def _memory_ratio(kill: dict[str, Any]) -> float:
+    """Node a's tier 0 + tier 1 bytes over its state's tensor bytes, in a node kill's figures."""
+    return round((kill["tier0_bytes"] + kill["tier1_bytes"]) / kill["state_bytes"], 4)
+
+
 def _folder_bytes(folder: str) -> dict[str, int]:
     """Bytes of own slots (tier 0) and replicas (tier 1) in a node folder, and the state's tensor bytes."""
     from trainguard.checkpoint.memory import HEADER_BYTES, Header
@@ -463,10 +468,7 @@ def main() -> int:
                             baseline_interval=args.baseline_interval, shm_root=args.shm)
             out.update({"worker_kill_storage_lost_steps": s["lost_steps"], "worker_kill_storage_resume_s": s["resume_s"],
                         "worker_kill_storage": s})
-        print("node_kill: 3 FSDP2 nodes, tier 1 on, node c SIGKILLed, node d replaces it ...", flush=True)
-        n = worker_kill(os.path.join(tmp, "node"), memory=True, kill_at=args.kill_at,
-                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="fsdp")
-        out.update({"node_kill_lost_steps": n["lost_steps"], "node_kill_resume_s": n["resume_s"], "node_kill": n})
+        node_kill_copies(tmp, args, out)
         print("node_kill_ddp: 3 DDP nodes, tier 0 only, node c SIGKILLed, the survivors form a world of 2 ...",
               flush=True)
         n = worker_kill(os.path.join(tmp, "node-ddp"), memory=True, kill_at=args.kill_at,
@@ -495,7 +497,7 @@ def main() -> int:
     out["tier0_ratio"] = out.pop("memory_ratio")  # one process, tier 0 only
     nk = out.get("node_kill")
     if nk:
-        out["memory_ratio"] = round((nk["tier0_bytes"] + nk["tier1_bytes"]) / nk["state_bytes"], 4)
+        out["memory_ratio"] = _memory_ratio(nk)
     out["restore_tier"] = {"worker_kill": out["worker_kill"]["restore_tier"],
                            "worker_kill_inplace": out["worker_kill_inplace"]["restore_tier"],
                            "worker_kill_storage": out.get("worker_kill_storage", {}).get("restore_tier"),
@@ -580,7 +582,7 @@ def parity_kills(tmp: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"  {json.dumps(n)}", flush=True)
         out.update({f"{key}_lost_steps": n["lost_steps"], f"{key}_resume_s": n["resume_s"], key: n})
     nk = out["node_kill_parity"]
-    out["memory_ratio_parity"] = round((nk["tier0_bytes"] + nk["tier1_bytes"]) / nk["state_bytes"], 4)
+    out["memory_ratio_parity"] = _memory_ratio(nk)
     return out
 
 
@@ -609,15 +611,21 @@ def parity_rows(out: dict[str, Any]) -> list[tuple[str, Any]]:
     return rows
 
 
+def node_kill_copies(tmp: str, args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
+    """The FSDP2 node kill with tier 1 as copies (node d replaces c), into ``out``; returns its figures."""
+    print("node_kill: 3 FSDP2 nodes, tier 1 on (copies), node c SIGKILLed, node d replaces it ...", flush=True)
+    n = worker_kill(os.path.join(tmp, "node"), memory=True, kill_at=args.kill_at,
+                    baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="fsdp")
+    out.update({"node_kill_lost_steps": n["lost_steps"], "node_kill_resume_s": n["resume_s"], "node_kill": n})
+    return n
+
+
 def node_kills_only(args: argparse.Namespace, out: dict[str, Any], t_start: float) -> int:
     """``--only-node-kill``: the FSDP2 node kill with copies, and with ``--parity`` the parity ones."""
     tmp = tempfile.mkdtemp(prefix="trainguard-memtier-")
     try:
-        print("node_kill: 3 FSDP2 nodes, tier 1 on (copies), node c SIGKILLed, node d replaces it ...", flush=True)
-        n = worker_kill(os.path.join(tmp, "node"), memory=True, kill_at=args.kill_at,
-                        baseline_interval=args.baseline_interval, shm_root=args.shm, node_kill="fsdp")
-        out.update({"node_kill_lost_steps": n["lost_steps"], "node_kill_resume_s": n["resume_s"], "node_kill": n,
-                    "memory_ratio": round((n["tier0_bytes"] + n["tier1_bytes"]) / n["state_bytes"], 4)})
+        n = node_kill_copies(tmp, args, out)
+        out["memory_ratio"] = _memory_ratio(n)
         if args.parity:
             out.update(parity_kills(tmp, args))
     finally:

@@ -931,6 +931,7 @@ class CheckpointManager:
             mine = {}
         plan = parity.plan_rebuilds(self._group.all_gather(mine))
         for rb in plan:
+            blobs: dict[int, bytes] = {}  # the snapshots this rank reads pieces of: each read (and checked) once
             t0 = time.monotonic()
             err: str | None = None
             acc: torch.Tensor | None = None
@@ -941,7 +942,7 @@ class CheckpointManager:
                     buf = None
                     if self.rank == piece.provider:
                         try:
-                            buf = self._parity_piece(memory, rb, piece)
+                            buf = self._parity_piece(memory, rb, piece, blobs)
                         except Exception as e:  # noqa: BLE001 - sent empty: the rebuild fails, nothing hangs
                             err = describe(e)[:500]
                             buf = b""
@@ -973,12 +974,15 @@ class CheckpointManager:
                 self._log.warning("memory_parity_rebuild_failed", rank=rb.rank, step=rb.step, error=err,
                                   effect="the restore takes what is complete in memory, or storage")
 
-    def _parity_piece(self, memory: MemoryTier, rb: parity.Rebuild, piece: parity.Piece) -> bytes:
-        """This rank's input to a rebuilt segment, :attr:`~.Rebuild.seg` bytes (zero-padded)."""
+    def _parity_piece(self, memory: MemoryTier, rb: parity.Rebuild, piece: parity.Piece, blobs: dict[int, bytes]) -> bytes:
+        """This rank's input to a rebuilt segment, :attr:`~.Rebuild.seg` bytes (zero-padded); ``blobs``
+        keeps the snapshots read for the rebuild (several segments come from one)."""
         if piece.kind == "block":
             raw = memory.parity_block(piece.source, rb.step, rb.world)
         else:
-            blob = memory.blob(piece.source, rb.step, rb.world, world_size=rb.world_size)
+            if piece.source not in blobs:
+                blobs[piece.source] = memory.blob(piece.source, rb.step, rb.world, world_size=rb.world_size)
+            blob = blobs[piece.source]
             raw = blob[HEADER_BYTES + piece.segment * rb.seg:HEADER_BYTES + (piece.segment + 1) * rb.seg]
         return bytes(raw[:rb.seg]).ljust(rb.seg, b"\0")
 

@@ -976,13 +976,18 @@ class MemoryTier:
         commit = functools.partial(_copy_and_commit, target.mm, late_views, late_tensors, step=step,
                                    world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,
                                    meta_bytes=len(meta))
+        self._background(commit)
+        return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
+
+    def _background(self, job: Callable[[], Any]) -> None:
+        """Run a snapshot's background half on the commit thread (:meth:`settle` waits for it), or now
+        when :attr:`background_commit` is off."""
         if self.background_commit:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="tg-snapshot-commit")
-            self._committing = self._pool.submit(commit)
+            self._committing = self._pool.submit(job)
         else:
-            commit()
-        return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
+            job()
 
     def _snapshot_parity(self, t0: float, step: int, target: _Slot, views: list[torch.Tensor],
                          tensors: list[torch.Tensor], later: set[int], meta: bytes, tensor_bytes: int,
@@ -994,12 +999,7 @@ class MemoryTier:
                 for i, t in enumerate(tensors)]
         job = functools.partial(self._parity_job, step, target, views, srcs, meta, tensor_bytes, world)
         self._newest, self._last = 0, None
-        if self.background_commit:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tg-snapshot-commit")
-            self._committing = self._pool.submit(job)
-        else:
-            job()
+        self._background(job)
         return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
 
     def _parity_job(self, step: int, target: _Slot, views: list[torch.Tensor], srcs: list[torch.Tensor],

@@ -34,7 +34,7 @@ every tensor on a GPU) are cloned before the exchange (on the GPU, in device mem
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,12 +212,6 @@ def _pairwise(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], gr
     works += [dist.isend(t, dst=r, group=group) for r, t in sends.items()]
     for w in works:
         w.wait()
-
-
-def segments(data_len: int, g: int, seg: int) -> Iterator[tuple[int, int, int]]:
-    """``(k, start, end)`` of each segment of data ``data_len`` long (end clipped to the data)."""
-    for k in range(g - 1):
-        yield k, k * seg, min(data_len, (k + 1) * seg)
 
 
 @dataclass(frozen=True)
