@@ -161,7 +161,11 @@ class CopyStream:
         self.stream.wait_stream(compute)  # the values as of now, after every queued update
         with cuda.stream(self.stream):
             for src in sources:
-                src.record_stream(self.stream)  # a temporary source is not reused before the copy ran
+                # A temporary source is not reused before the copy ran. CUDA tensors only: aten's
+                # record_stream has no CPU kernel, and a state dict mixes both (Adam/AdamW keep
+                # state["step"] on the CPU unless fused or capturable).
+                if src.is_cuda:
+                    src.record_stream(self.stream)
             out = do_copy()
             done = cuda.Event()
             done.record(self.stream)

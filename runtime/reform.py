@@ -24,6 +24,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 import torch
@@ -230,22 +231,48 @@ def end_world_connections() -> int:
     return ended
 
 
-def teardown_world(device: torch.device) -> None:
-    """Destroy every process group of this process (the default one and all sub-groups). After a
-    peer failure gloo groups destroy at once; NCCL communicators are aborted first (unverified on
-    GPUs: docs/gpu.md)."""
-    if not dist.is_initialized():
-        return
-    if dev.backend_for(device) == "nccl":  # pragma: no cover - no GPU here; see docs/gpu.md
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None:
-            try:
-                abort()
-            except Exception as e:
-                log.warning("nccl_abort_failed", error=str(e))
-    dist.destroy_process_group()
+class Teardown(str, Enum):
+    """How a world's process groups are ended (:func:`teardown_plan`)."""
+
+    ABORT = "abort"
+    """A peer is lost on NCCL: abort every communicator (preempts kernels that wait for the lost peer);
+    the abort tears every group down and clears the default one, so nothing is destroyed after it."""
+    SYNCHRONIZE_DESTROY = "synchronize_destroy"
+    """A planned resize on NCCL: the device's queued kernels finish, then a graceful destroy (an abort
+    would preempt healthy kernels, e.g. a D2H copy of a checkpoint)."""
+    DESTROY = "destroy"
+    """gloo: destroy (after a peer loss its connections were ended first, :func:`end_world_connections`)."""
+    NONE = "none"
+    """No world (already aborted earlier in the same park, or never formed)."""
+
+
+def teardown_plan(*, backend: str, initialized: bool, peer_lost: bool) -> Teardown:
+    """Pure: how to end the current world (see :class:`Teardown`)."""
+    if not initialized:
+        return Teardown.NONE
+    if backend == "nccl":
+        return Teardown.ABORT if peer_lost else Teardown.SYNCHRONIZE_DESTROY
+    return Teardown.DESTROY
+
+
+def teardown_world(device: torch.device, *, peer_lost: bool,
+                   synchronize: Callable[[torch.device], None] = dev.synchronize) -> Teardown:
+    """End every process group of this process (the default one and all sub-groups) as
+    :func:`teardown_plan` says, then forget the world's sockets and DTensor's caches; returns what was
+    done. Idempotent: a second call finds no world and only clears the caches again."""
+    plan = teardown_plan(backend=dev.backend_for(device), initialized=dist.is_initialized(), peer_lost=peer_lost)
+    if plan is Teardown.ABORT:
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as e:  # an abort that failed leaves the groups: destroy what is left
+            log.warning("nccl_abort_failed", error=str(e)[:300])
+    elif plan is Teardown.SYNCHRONIZE_DESTROY:
+        synchronize(device)
+    if plan is not Teardown.NONE and dist.is_initialized():
+        dist.destroy_process_group()
     _WORLD_SOCKETS.clear()  # the next world records its own
     clear_dtensor_caches()
+    return plan
 
 
 def clear_dtensor_caches() -> None:
@@ -302,5 +329,5 @@ def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra
     return "broadcast", newest
 
 
-__all__ = ["clear_dtensor_caches", "end_world_connections", "init_world", "is_peer_failure", "sync_live_state", "teardown_world",
+__all__ = ["Teardown", "clear_dtensor_caches", "end_world_connections", "init_world", "is_peer_failure", "sync_live_state", "teardown_plan", "teardown_world",
            "world_connections"]

@@ -1019,6 +1019,11 @@ class Runtime:
         """Tear the world down, tell the agent, wait for the new world and join it; on any failure,
         exit with the resize code so that the agent restarts the world (the fallback)."""
         t0 = time.monotonic()
+        lost = reason is proto.ParkReason.PEER_LOST
+        if lost and dev.backend_for(self.device) == "nccl":
+            # Abort before anything waits on the GPU: a snapshot's or a save's copy queued behind a
+            # kernel that waits for the lost peer would keep this rank here for pg_timeout_s.
+            self._log.info("world_aborted", teardown=rf.teardown_world(self.device, peer_lost=True).value)
         self._settle_memory(abandon_after=PARITY_ABANDON_S)
         if self._metrics is not None:
             self._metrics.flush()  # the steps counted since the last agreement
@@ -1026,7 +1031,7 @@ class Runtime:
         base = None
         self._replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
         try:
-            if reason is proto.ParkReason.PEER_LOST:
+            if lost:
                 # The world is broken: its in-flight save can never commit (do not wait for its upload),
                 # and peers blocked in a collective step on this rank must fail it now, not at the
                 # process-group timeout (see rf.end_world_connections).
@@ -1043,7 +1048,7 @@ class Runtime:
                 base, self._manager = self._manager.base, None
             # A pending exchange dies with its group; its buffer is not reused (the dead work may still write it).
             self._group, self._pending_flags, self._flag_bufs = None, None, _FlagBuffers()
-            rf.teardown_world(self.device)
+            rf.teardown_world(self.device, peer_lost=lost)
             while True:
                 msg = self._link.wait_reform(self.reform_timeout_s, abort=self._signalled)
                 if msg is None:

@@ -35,7 +35,7 @@ def main() -> None:
     time.sleep(0.5)  # rank 1 is inside the all-reduce
     if mode == "end":
         mark("ended", str(rf.end_world_connections()))
-    rf.teardown_world(torch.device("cpu"))  # destroys the groups; DDP's reference keeps the default one
+    rf.teardown_world(torch.device("cpu"), peer_lost=True)  # destroys the groups; DDP's reference keeps the default one
     deadline = time.monotonic() + (60 if mode == "end" else 3)
     while not seen("rank1_done") and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,13 +1,14 @@
 """Checkpoint staging memory (issue 19): one exact-size host allocation per save plan, so the
 staging-bytes figure is what was allocated; pinned in place (``cudaHostRegister``) and released;
 GPU copies on a side stream ordered after the compute stream, the persist thread waiting on that
-copy's event only. No GPU here: the CUDA entry points are fakes that record what is called."""
+copy's event only. No GPU here: the CUDA entry points are strict fakes (tests/fixtures/strict_cuda.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch._dynamo  # noqa: F401 - its lazy import sets TORCHINDUCTOR_CACHE_DIR; do it before the env-leak guard
 
+from tests.fixtures.strict_cuda import StrictCuda, on_fake_gpu
 from trainguard.checkpoint import pinned
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
@@ -74,77 +75,21 @@ def test_arena_pins_once_exact_size_and_unpins():
     assert calls[1:] == [("unregister", ptr)] and not arena.pinned
 
 
-class _FakeCuda:
-    """Records the stream/event calls a staging copy makes (torch.cuda's surface, on CPU tensors)."""
-
-    def __init__(self) -> None:
-        self.log: list[str] = []
-        fake = self
-
-        class Stream:
-            def __init__(self, device=None, name="side"):
-                self.name = name
-
-            def wait_stream(self, other):
-                fake.log.append(f"{self.name}.wait_stream({other.name})")
-
-            def wait_event(self, ev):
-                fake.log.append(f"{self.name}.wait_event")
-
-        class Event:
-            def record(self, stream):
-                fake.log.append(f"event.record({stream.name})")
-
-            def synchronize(self):
-                fake.log.append("event.synchronize")
-
-        self.Stream, self.Event = Stream, Event
-        self.compute = Stream(name="compute")
-        self.current = self.compute
-
-    def current_stream(self, device):
-        self.log.append(f"current_stream({device})")
-        return self.compute
-
-    def stream(self, s):
-        fake = self
-
-        class Ctx:
-            def __enter__(self):
-                fake.current = s
-
-            def __exit__(self, *a):
-                fake.current = fake.compute
-
-        return Ctx()
-
-    def synchronize(self, *a):  # a device-wide synchronize: must never be called
-        self.log.append("DEVICE_SYNCHRONIZE")
-
-
 def test_copies_run_on_a_side_stream_after_the_compute_stream():
-    cuda = _FakeCuda()
+    cuda = StrictCuda()
     copier = pinned.CopyStream(torch.device("cuda", 3), cuda)
-    src = torch.arange(4.0)
+    src = on_fake_gpu(torch.arange(4.0))
     recorded: list[str] = []
-    src_record = []
-
-    class Tracked:
-        def __init__(self, t):
-            self.t = t
-
-        def record_stream(self, s):
-            src_record.append(s.name)
-
     dst = torch.zeros(4)
 
     def do_copy():
-        recorded.append(cuda.current.name)  # the copies are issued on the side stream
+        recorded.append(cuda.current.label)  # the copies are issued on the side stream
         dst.copy_(src)
         return {"x": dst}
 
-    out, event = copier.copy([Tracked(src)], do_copy)
-    assert torch.equal(out["x"], src) and recorded == ["side"] and src_record == ["side"]
+    out, event = copier.copy([src], do_copy)
+    assert torch.equal(out["x"], torch.arange(4.0)) and recorded == ["side"]
+    assert [s.label for s in src.recorded] == ["side"]
     assert cuda.log == ["current_stream(cuda:3)", "side.wait_stream(compute)", "event.record(side)",
                         "compute.wait_event"]
     event.synchronize()

@@ -312,7 +312,7 @@ def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monke
     finally:
         from trainguard.runtime.reform import teardown_world
 
-        teardown_world(rt.device)
+        teardown_world(rt.device, peer_lost=False)
 
 
 @pytest.mark.parametrize("reason", [proto.ParkReason.PEER_LOST, proto.ParkReason.RESIZE])

@@ -45,11 +45,11 @@ def _role(role: str, base: str, out_path: str) -> None:
         world("w1", 0, 2)
         m, o = s.setup(model, opt)
         step(m, o)
-        rf.teardown_world(torch.device("cpu"))
+        rf.teardown_world(torch.device("cpu"), peer_lost=False)
         world("w2", 0, 1)
         m, o = s.reform(m, o)
         step(m, o)
-        rf.teardown_world(torch.device("cpu"))
+        rf.teardown_world(torch.device("cpu"), peer_lost=False)
         world("w3", 1, 2)
         report(s.reform(m, o)[0])
     elif role == "peer":

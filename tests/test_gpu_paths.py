@@ -1,0 +1,103 @@
+"""The GPU paths on a CPU-only machine (issue 35): each test stands for a defect the torch source
+predicts on the first GPU, with a strict fake (tests/fixtures/strict_cuda.py) or the same call
+sequence on gloo, and fails on the code before its fix."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.fixtures.strict_cuda import StrictCuda, on_fake_gpu
+from trainguard.checkpoint import pinned, staging
+from trainguard.checkpoint.staging import Stager
+from trainguard.runtime import reform as rf
+
+
+def _adamw_state_on_fake_gpu() -> tuple[dict, list]:
+    """A real AdamW state after one step, its parameters and moments "on the GPU" and ``step`` on the
+    CPU, as torch keeps it (not fused, not capturable)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(6, 3)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    m(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    osd = opt.state_dict()
+    gpu = []
+    for st in osd["state"].values():
+        assert st["step"].device.type == "cpu"  # what the predicted failure rests on
+        for k in ("exp_avg", "exp_avg_sq"):
+            st[k] = on_fake_gpu(st[k])
+            gpu.append(st[k])
+    model = {k: on_fake_gpu(v) for k, v in m.state_dict().items()}
+    gpu.extend(model.values())
+    return {"model": model, "optim": osd}, gpu
+
+
+def test_staging_a_real_adamw_state_records_streams_on_gpu_tensors_only(monkeypatch):
+    cuda = StrictCuda()
+    monkeypatch.setattr(staging, "HostArena", functools.partial(
+        pinned.HostArena, register=lambda p, n: None, unregister=lambda p: None))
+    state, gpu = _adamw_state_on_fake_gpu()
+    stager = Stager(cuda=cuda)
+    staged = stager.stage(state)  # aten::record_stream on the CPU step raised NotImplementedError here
+    assert all(len(t.recorded) == 1 and t.recorded[0].label == "side" for t in gpu)
+    assert stager.ready is not None and "DEVICE_SYNCHRONIZE" not in cuda.log
+    for k, st in state["optim"]["state"].items():
+        assert torch.equal(staged["optim"]["state"][k]["step"], st["step"])
+        assert torch.equal(staged["optim"]["state"][k]["exp_avg"], st["exp_avg"].as_subclass(torch.Tensor))
+
+
+def test_strict_fake_rejects_record_stream_on_a_cpu_tensor():
+    cuda = StrictCuda()
+    with pytest.raises(NotImplementedError, match="record_stream"):
+        torch.ones(2).record_stream(cuda.Stream())
+
+
+# ---- fix 2: tearing an NCCL world down ----------------------------------------------------------
+
+@pytest.fixture
+def gloo_world(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.new_group(backend="gloo")  # a side group, as the runtime's flag and checkpoint groups
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("backend", "initialized", "peer_lost", "plan"), [
+    ("nccl", True, True, rf.Teardown.ABORT),                 # preempt the hung kernels; the abort clears every group
+    ("nccl", True, False, rf.Teardown.SYNCHRONIZE_DESTROY),  # healthy kernels finish first
+    ("gloo", True, True, rf.Teardown.DESTROY),               # its connections were ended before (end_world_connections)
+    ("gloo", True, False, rf.Teardown.DESTROY),
+    ("nccl", False, True, rf.Teardown.NONE),                 # aborted earlier in the park: nothing left
+    ("gloo", False, False, rf.Teardown.NONE),
+])
+def test_teardown_plan(backend, initialized, peer_lost, plan):
+    assert rf.teardown_plan(backend=backend, initialized=initialized, peer_lost=peer_lost) is plan
+
+
+def test_teardown_of_a_lost_nccl_world_aborts_and_does_not_destroy_after(gloo_world, monkeypatch):
+    """The sequence an NCCL survivor runs, on gloo (``_abort_process_group`` works there too): the
+    abort already tears every group down and clears the default one; destroying after it raised
+    ``AssertionError: Process group cannot be None`` and the re-formation became a restart."""
+    cleared = []
+    monkeypatch.setattr(rf, "clear_dtensor_caches", lambda: cleared.append(True))
+    rf._WORLD_SOCKETS[999] = 1
+    done = rf.teardown_world(torch.device("cuda", 0), peer_lost=True)
+    assert done is rf.Teardown.ABORT and not dist.is_initialized()
+    assert cleared == [True] and rf._WORLD_SOCKETS == {}  # the rest of the teardown ran
+    assert rf.teardown_world(torch.device("cuda", 0), peer_lost=True) is rf.Teardown.NONE  # idempotent
+
+
+def test_planned_teardown_of_an_nccl_world_synchronizes_the_device_then_destroys(gloo_world):
+    seen = []
+
+    def synchronize(device):
+        seen.append((str(device), dist.is_initialized()))
+
+    done = rf.teardown_world(torch.device("cuda", 3), peer_lost=False, synchronize=synchronize)
+    assert done is rf.Teardown.SYNCHRONIZE_DESTROY and seen == [("cuda:3", True)] and not dist.is_initialized()
