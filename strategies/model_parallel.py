@@ -60,6 +60,7 @@ from trainguard.strategies.base import (
     register_strategy,
 )
 from trainguard.strategies.fsdp import ElasticModule, _inner, group_names, meta_copy, swap_in
+from trainguard.strategies.mesh import build_mesh
 
 DP, TP = "data_parallel", "tensor_parallel"
 ParallelizeFn = Callable[[nn.Module, Any], nn.Module | None]
@@ -140,14 +141,12 @@ class ModelParallelStrategy(Strategy):
 
     # -- setup -----------------------------------------------------------------------------------
     def _build_mesh(self, device_type: str) -> Any:
-        from torch.distributed.device_mesh import init_device_mesh
-
         if not dist.is_initialized():
             # A mesh needs a process group even alone; an in-process store needs no port and no env.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             self.owns_process_group = True
         shape = mesh_shape(dist.get_world_size(), self.tp_size)
-        return init_device_mesh(device_type, shape, mesh_dim_names=(DP, TP))
+        return build_mesh(device_type, shape, (DP, TP))  # no split_group: see strategies/mesh.py
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """See base class. Returns the parallelised model and a rebuilt optimizer over its parameters; with

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+import torch._dynamo  # noqa: F401 - its lazy import sets TORCHINDUCTOR_CACHE_DIR; do it before the env-leak guard
 
 from tests.fixtures.strict_cuda import StrictCuda, on_fake_gpu
 from trainguard.checkpoint import pinned, staging
@@ -101,3 +102,38 @@ def test_planned_teardown_of_an_nccl_world_synchronizes_the_device_then_destroys
 
     done = rf.teardown_world(torch.device("cuda", 3), peer_lost=False, synchronize=synchronize)
     assert done is rf.Teardown.SYNCHRONIZE_DESTROY and seen == [("cuda:3", True)] and not dist.is_initialized()
+
+
+# ---- item 5: a mesh in the second world of a process ----------------------------------------------
+
+@pytest.mark.parametrize(("shape", "dim", "groups"), [
+    ((4,), 0, [[0, 1, 2, 3]]),
+    ((2, 3), 1, [[0, 1, 2], [3, 4, 5]]),          # tp: consecutive ranks
+    ((2, 3), 0, [[0, 3], [1, 4], [2, 5]]),        # dp: strided
+    ((1, 1), 0, [[0]]),
+])
+def test_mesh_dim_ranks(shape, dim, groups):
+    from trainguard.strategies.mesh import dim_ranks
+
+    assert dim_ranks(shape, dim) == groups
+
+
+def test_mesh_of_a_second_world_is_built_without_split_group(tmp_path, monkeypatch):
+    """``init_device_mesh`` splits the default group when it is bound to a device (NCCL), which reads
+    out of bounds in a re-created default group; the runtime's meshes come from ``new_group`` groups."""
+    import torch.distributed.device_mesh as dm
+
+    from trainguard.strategies.mesh import build_mesh
+
+    def no_split(*a, **k):
+        raise AssertionError("split_group called")
+
+    monkeypatch.setattr(dm, "split_group", no_split, raising=False)
+    monkeypatch.setattr(dist.distributed_c10d, "split_group", no_split)
+    for world in range(2):  # the first world of the process, then a re-created one
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / f"s{world}"), 1), rank=0, world_size=1)
+        mesh = build_mesh("cpu", (1, 1), ("dp", "tp"))
+        x = torch.ones(3)
+        dist.all_reduce(x, group=mesh.get_group("tp"))
+        assert mesh.mesh_dim_names == ("dp", "tp") and list(mesh.get_coordinate()) == [0, 0] and torch.equal(x, torch.ones(3))
+        rf.teardown_world(torch.device("cpu"), peer_lost=False)

@@ -1,0 +1,117 @@
+"""The single-GPU tier (issue 35): what one GPU - the only kind of GPU machine this project gets - can
+verify. Run by ``bench/gpu_check.py`` (part ``pytest_1gpu``) or ``pytest -m gpu tests/gpu``; skipped with
+the reason without a GPU."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.gpu.cycles import reform_cycles
+from tests.strategies._world import E2E_SIZE, losses, run_segment
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.memory import MemoryTier
+from trainguard.checkpoint.state import ModelOptimizerState
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
+DEVICE = torch.device("cuda", 0)
+
+
+@pytest.fixture(autouse=True)
+def keep_sigterm_handler():
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _trained(device: torch.device, width: int = 512) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width)).to(device)
+    opt = torch.optim.AdamW(model.parameters())  # neither fused nor capturable: state["step"] stays on the CPU
+    model(torch.randn(8, width, device=device)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_save_of_a_real_adamw_state_from_the_gpu_reloads_equal(tmp_path):
+    model, opt = _trained(DEVICE)
+    assert any(st["step"].device.type == "cpu" for st in opt.state.values())  # the mixed state of fix 1
+    url = str(tmp_path / "ckpt")
+    with CheckpointManager(CheckpointConfig(url=url, async_save=True), "run", rank=0, world_size=1) as mgr:
+        mgr.save(1, {"model": ModelOptimizerState(model, opt)})
+        with torch.no_grad():  # changed right after save() returns: must not reach the checkpoint
+            for p in model.parameters():
+                p.add_(1.0)
+        assert mgr.wait(120) == 1
+        assert mgr._stager._arena is not None and mgr._stager._arena.pinned
+    expected = {k: v.detach().cpu() - 1.0 for k, v in model.state_dict().items()}
+    cpu_model, cpu_opt = _trained(torch.device("cpu"))
+    with CheckpointManager(CheckpointConfig(url=url, verify=True), "run", rank=0, world_size=1) as mgr:
+        assert mgr.restore({"model": ModelOptimizerState(cpu_model, cpu_opt)}) == 1
+    for k, v in cpu_model.state_dict().items():
+        torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6)
+
+
+def test_three_in_place_nccl_reformations_leak_nothing_and_build_a_mesh_each_time():
+    res = reform_cycles(DEVICE, cycles=3)
+    assert all(w["ok"] for w in res["worlds"]), res
+    assert res["growth"] == {k: 0 for k in res["growth"]}, res
+
+
+def test_tier0_snapshot_of_gpu_state_loads_back_equal_without_gpu_memory_growth(tmp_path):
+    model, opt = _trained(DEVICE, width=1024)
+    folder = tmp_path / "node"
+    folder.mkdir()
+    tier = MemoryTier(str(folder), rank=0, world_size=1, replicated=True)
+    tier.guard(opt)
+    state = {"model": ModelOptimizerState(model, opt)}
+    torch.cuda.synchronize(DEVICE)
+    before = torch.cuda.memory_allocated(DEVICE)
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    tier.snapshot(7, state, world="w")
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    model(torch.randn(8, 1024, device=DEVICE)).sum().backward()
+    opt.step()  # waits for the snapshot's copy (the guard), then changes the parameters
+    tier.settle()
+    assert torch.cuda.max_memory_allocated(DEVICE) - before <= 16 * 1024 * 1024  # grads only: no clone of the state
+    fresh, fresh_opt = _trained(DEVICE, width=1024)
+    tier.load(7, {"model": ModelOptimizerState(fresh, fresh_opt)}, world="w")
+    for k, v in fresh.state_dict().items():
+        torch.testing.assert_close(v.cpu(), expected[k], rtol=0, atol=0)
+    tier.close()
+
+
+@pytest.mark.parametrize(("strategy", "extra", "tier0"), [
+    ("ddp", [], False), ("fsdp", [], False), ("fsdp", [], True), ("fsdp", ["--precision", "bf16-mixed"], False),
+], ids=["ddp", "fsdp", "fsdp-tier0", "fsdp-bf16"])
+def test_bundled_example_on_cuda_saves_and_resumes_exactly(tmp_path, strategy, extra, tier0):
+    """The bundled worker-API job on NCCL, world of 1: 6 steps committing every 2; then the same job
+    restored from step 4 recomputes steps 5-6 with the losses of the uninterrupted run (bf16: within
+    its rounding), and the checkpoint holds fp32 parameters whatever the compute precision."""
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
+    memory = str(tmp_path / "node") if tier0 else ""
+    if memory:
+        os.makedirs(memory)
+    run_segment(1, strategy, ckpt, steps=6, interval=2, fence=1, loss_log=log, extra=[*E2E_SIZE, *extra],
+                timeout=240, memory_dir=memory)
+    first = losses(log)
+    assert sorted(first) == list(range(1, 7)) and all(math.isfinite(v) for v in first.values())
+    log2 = str(tmp_path / "resumed.jsonl")
+    run_segment(1, strategy, ckpt, steps=6, interval=0, fence=2, loss_log=log2,
+                extra=[*E2E_SIZE, *extra, "--resume-step", "4"], timeout=240)
+    again = losses(log2)
+    tol = 2e-2 if extra else 1e-4
+    for s in (5, 6):
+        assert abs(again[s] - first[s]) <= tol * max(1.0, abs(first[s])), (s, again[s], first[s])
+    from torch.distributed.checkpoint import FileSystemReader
+
+    step_dir = next(os.path.join(r, d) for r, ds, _ in os.walk(ckpt) for d in ds if d == "step-4")
+    meta = FileSystemReader(step_dir).read_metadata()
+    dtypes = {m.properties.dtype for k, m in meta.state_dict_metadata.items()
+              if hasattr(m, "properties") and "weight" in k and "optim" not in k}
+    assert dtypes == {torch.float32}, dtypes
