@@ -17,7 +17,7 @@
    time lost to detection, checkpoint, re-formation, restore and recompute, steps recomputed, samples
    skipped or repeated in the final lineage (must be 0 for trainguard), and each agent's exported
    ``trainguard_goodput_ratio`` against the ground truth.
-3. **Simulate** (``trainguard.metrics.spotsim``) with the measured per-change cost distributions:
+3. **Simulate** (``bench/spotsim.py``) with the measured per-change cost distributions:
    first the replayed schedule itself (the prediction must be within 2 points of the measured ETTR),
    then the full trace at its real scale (real times, 120 s notices), with the auto interval, fixed
    50 steps, the torchrun baseline, a sweep of fixed intervals (the best one in hindsight), and the
@@ -65,7 +65,7 @@ from tests.harness import memory_root  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout  # noqa: E402
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
 from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead  # noqa: E402
-from trainguard.metrics import spotsim as sim  # noqa: E402
+from bench import spotsim as sim  # noqa: E402
 from trainguard.runtime.protocol import STEP_AGREEMENT_PERIOD_S  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -302,7 +302,8 @@ def _start(agent: str, mode: str, endpoint: str, a: argparse.Namespace, d: str, 
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "bench", "--rdzv-conf", "is_host=0",
                "--max-restarts", "1000", "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
                PLAIN, "--steps", "1000000000", "--ckpt-dir", os.path.join(d, "ckpt"), "--ckpt-every", str(FIXED_STEPS),
-               "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(a.step_sleep), "--log-every", "1"]
+               "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(a.step_sleep), "--log-every", "1",
+               *model_args(a)]
         # torch 2.13 needs this for a scale-up to work at all (see bench/recovery.py, agent/supervisor.py).
         proc = Proc(agent, cmd, os.path.join(d, f"{agent}.log"), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         return AgentRun(agent, proc, None, samples, time.time())
@@ -323,11 +324,36 @@ def _start(agent: str, mode: str, endpoint: str, a: argparse.Namespace, d: str, 
            "--set", "rendezvous.is_host=false", "--set", "preemption.sources=aws,signal",
            "--set", f"preemption.aws_endpoint={emu.url}", "--set", "preemption.poll_interval_s=0.5",
            "--set", "workers.max_restarts=1000", "--set", f"cost.spot_price_per_hour={SPOT_PRICE}",
-           "--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", *interval,
+           "--set", f"checkpoint.url={store_url(d, a)}", *interval,
            "--set", f"checkpoint.memory_dir={memory_root(d)}",  # tier 0 (on by default): this run's own folder
            ELASTIC, "--steps", "1000000000", "--log-every", "1000000", "--step-sleep", str(a.step_sleep),
-           "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch(max_agents)), "--sample-log", samples]
-    return AgentRun(agent, Proc(agent, cmd, os.path.join(d, f"{agent}.log")), emu, samples, time.time())
+           "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch(max_agents)), "--sample-log", samples,
+           *model_args(a)]
+    return AgentRun(agent, Proc(agent, cmd, os.path.join(d, f"{agent}.log"), store_env(a)), emu, samples, time.time())
+
+
+THROTTLED_STORE = os.path.join(REPO, "bench", "throttled_store")
+
+
+def model_args(a: argparse.Namespace) -> list[str]:
+    """The bundled model's size options (``--d-model``, ``--layers``), when the bench sets them."""
+    return [*(["--d-model", str(a.d_model)] if a.d_model else []), *(["--layers", str(a.layers)] if a.layers else [])]
+
+
+def store_url(d: str, a: argparse.Namespace) -> str:
+    """The run's checkpoint store: a local folder, bandwidth-limited (``throttled://``) with
+    ``--store-bytes-per-s``."""
+    path = os.path.join(d, "ckpt")
+    return f"throttled://{path}" if a.store_bytes_per_s else path
+
+
+def store_env(a: argparse.Namespace) -> dict[str, str]:
+    """With ``--store-bytes-per-s``: the environment that registers ``throttled://`` in the agents and
+    their workers (``bench/throttled_store/sitecustomize.py``), each process at that many bytes/s."""
+    if not a.store_bytes_per_s:
+        return {}
+    path = os.pathsep.join(p for p in (THROTTLED_STORE, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "TG_BENCH_STORE_BYTES_PER_S": f"{a.store_bytes_per_s:g}"}
 
 
 # ---------------------------------------------------------------------------------------- analysis
@@ -467,8 +493,21 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace, max_nodes: int | None = None) -> 
     res["periodic_saves"] = len({ev.get("step") for ag in raw.agents.values() for _, ev in ag.proc.events("checkpoint_committed")
                                  if ev.get("kind") == "periodic" and ev.get("component") == "trainguard.checkpoint"})
     res["agents"] = {ag.name: _agent_truth(ag, kept, raw) for ag in raw.agents.values()}
+    res["checkpoint_bytes"] = checkpoint_bytes(raw)
     res["waste_by_cause"] = measured_waste(raw, res)
     return res
+
+
+def checkpoint_bytes(raw: ReplayRaw) -> int | None:
+    """Bytes of the largest committed checkpoint step the run left in its store (the whole job's
+    state, every shard; None when the store is gone)."""
+    folders = {os.path.dirname(os.path.dirname(ag.samples_dir)) for ag in raw.agents.values()}
+    sizes = []
+    for d in folders:
+        for root, dirs, files in os.walk(os.path.join(d, "ckpt")):
+            if os.path.basename(root).startswith("step-") and "manifest.json" in files:
+                sizes.append(sum(os.path.getsize(os.path.join(root, f)) for f in files))
+    return max(sizes) if sizes else None
 
 
 def _between_steps(raw: ReplayRaw, rank0: list[Exec]) -> tuple[float, float]:
@@ -1067,6 +1106,11 @@ def main(argv: list[str] | None = None) -> int:
                          "between steps unchanged), e.g. 1.0 for a GPU-sized step; default: the replay's step times")
     ap.add_argument("--no-sweep", action="store_true",
                     help="full-trace simulation: skip the fixed-interval sweep and the x10 / x0.1 variants (CI)")
+    ap.add_argument("--d-model", type=int, default=None, help="the bundled model's width (default: the example's, 64)")
+    ap.add_argument("--layers", type=int, default=None, help="the bundled model's depth (default: the example's, 2)")
+    ap.add_argument("--store-bytes-per-s", type=float, default=None,
+                    help="bandwidth-limit the checkpoint store: each node's process reads and writes it at most this "
+                         "many bytes per second (bench/throttled_store)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--auto-min-s", type=float, default=1.0, help="checkpoint.interval_min_s of the auto run")

@@ -9,9 +9,9 @@ in the loop, fed what the simulated job measures). :func:`simulate` returns the 
 time ratio (ETTR: node-time spent on steps that end up in the final model / node-time available),
 the waste by cause in node-seconds, and the cost per committed sample next to on-demand.
 
-Why here (``trainguard.metrics``) and not in ``bench/``: it is arithmetic over the same notion of
-waste as the goodput ledger, unit-tested like it, and importable by the bench
-(``bench/spot_trace.py``), the tests and anyone sizing a cluster, without the bench's processes.
+Why in ``bench/`` and not in the wheel: it sizes clusters and checks the goodput claims of the
+benchmarks; nothing the agent or the runtime runs needs it. The bench (``bench/spot_trace.py``), its
+tests and anyone sizing a cluster import it from a checkout (``from bench import spotsim``).
 
 The model (fluid, event-driven; times in seconds, node-time in node-seconds):
 

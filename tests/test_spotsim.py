@@ -7,7 +7,7 @@ import random
 import pytest
 
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy
-from trainguard.metrics.spotsim import (
+from bench.spotsim import (
     ChangeCosts,
     Dist,
     JobModel,
