@@ -65,6 +65,7 @@ from tests.harness import memory_root  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout  # noqa: E402
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
 from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead  # noqa: E402
+from bench import spotcost  # noqa: E402
 from bench import spotsim as sim  # noqa: E402
 from trainguard.runtime.protocol import STEP_AGREEMENT_PERIOD_S  # noqa: E402
 
@@ -1121,6 +1122,11 @@ def main(argv: list[str] | None = None) -> int:
                          "snapshots off, the default before 2026-11-27); a suffix #k repeats "
                          "one (e.g. baseline,baseline#2): the report adds the mean of the repeats against the mean prediction")
     ap.add_argument("--sim-seeds", type=int, default=10)
+    ap.add_argument("--profiles", action="store_true",
+                    help="no replay: the whole trace for this machine's measured costs and the GPU profiles of "
+                         "bench/spotcost.py, at 1/10/100 %% unannounced x AWS 120 s / GCP 30 s notices")
+    ap.add_argument("--profile-costs", default=os.path.join(REPO, "docs", "results", "spot", "tier0-ab-2026-11-27.json"),
+                    help="--profiles: the replay JSON whose measured costs are this machine's profile")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, samples, replay.json)")
@@ -1132,6 +1138,8 @@ def main(argv: list[str] | None = None) -> int:
                          "with this run's simulation options (--real-lead-s, --drain-lead-s, --sim-unannounced, "
                          "--sim-seeds, --no-sweep): no replay, no agents")
     a = ap.parse_args(argv)
+    if a.profiles:
+        return profiles(a)
     if a.costs_from:
         return resimulate(a)
     if a.quick:
@@ -1272,6 +1280,84 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1, sort_keys=True, default=float)
     return 0 if runs else 1
+
+
+SHARES = (0.01, 0.1, 1.0)
+NEXT_MECHANISM = {
+    "warmup": "joiners' warm-up (images and weights prefetched on the AMI, a warm standby pool)",
+    "notice_lead": "the drain-lead floor (preemption.drain_lead_s: drain closer to the reclaim)",
+    "between_steps": "the per-step agreement (a longer stride or an agreement fused into the step's all-reduce)",
+    "recompute": "the work lost to rollbacks (tier 1 for every loss, a shorter interval)",
+    "restore": "restore after each re-formation (its communicator set-up, comm_init_s: keep or shrink communicators instead of a new init; then the state hand-over)",
+    "detection": "failure detection (evict on evidence instead of the keep-alive)",
+    "reformation": "re-formation (the rendezvous round and communicator set-up)",
+    "checkpoint": "the emergency checkpoint (to tier 1 / peers before storage)",
+    "periodic_checkpoint": "periodic saves (staging cost, interval)",
+    "idle": "idle nodes (max nodes, or a second job)",
+}
+
+
+def mean_world(trace: sim.Trace) -> int:
+    """The trace's time-weighted mean node count (the world size the derived costs are taken at)."""
+    sizes = trace.sizes()
+    total = sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(sizes, sizes[1:] + [(trace.duration_s, 0)]))
+    return max(1, round(total / trace.duration_s))
+
+
+def profiles(a: argparse.Namespace) -> int:
+    """``--profiles``: the whole trace for this machine's measured costs (``--profile-costs``, a replay's
+    JSON) and the GPU profiles of :mod:`bench.spotcost`, x ``SHARES`` unannounced x AWS/GCP notices."""
+    trace = sim.load_trace(a.trace)
+    n = mean_world(trace)
+    with open(a.profile_costs) as fh:
+        base = json.load(fh)
+    ref = base["runs"].get("trainguard-auto") or next(iter(base["runs"].values()))
+    here_job = job_model(ref, torchrun=False, scale_k=base["nodes_per_agent"])
+    here = ("this-machine", sim.ChangeCosts.from_dict(base["measured_costs"]["trainguard"]), here_job,
+            sim.Prices(spot_per_hour=SPOT_PRICE, on_demand_per_hour=ON_DEMAND_PRICE),
+            {"costs": f"bench/spot_trace.py: measured by the replay in {os.path.basename(a.profile_costs)}",
+             "failures": "kill (as replayed: sockets reset)"})
+    setups = [here]
+    for phys in (spotcost.GPU_7B_FSDP, spotcost.without_tier1(spotcost.GPU_7B_FSDP), spotcost.GPU_70B):
+        setups.append((phys.name, phys.costs(n), phys.job(), sim.Prices(spot_per_hour=phys.spot_per_hour.value,
+                       on_demand_per_hour=phys.on_demand_per_hour.value),
+                       {"params": phys.params(), "failures": "frozen (a reclaimed VM: no reset)", "costs_at_nodes": n,
+                        "tier1": phys.tier1.value, "parity_group": phys.parity_group, "state": phys.state.value,
+                        "derived_costs": phys.costs(n).as_dict()}))
+    settings = AutoSettings(prior_mtbf_s=a.prior_mtbf_s)
+    out: dict[str, Any] = {"trace": trace.name, "mean_nodes": n, "seeds": a.sim_seeds, "policy": "auto",
+                           "notice_s": {c.value: s for c, s in spotcost.NOTICE_S.items()}, "profiles": {}, "rows": []}
+    print(f"{trace.name}: costs derived at {n} nodes (time-weighted mean); auto interval; mean of {a.sim_seeds} seeds")
+    print(f"{'profile':<18} {'cloud':<5} {'unann':>5} {'ETTR':>7} {'waste node-h by cause (largest first)':<60} {'$/1k samples':>12} {'on-demand':>10}")
+    for name, costs, job, prices, info in setups:
+        lead, basis = auto_drain_lead(LeadCosts(step_s=job.step_time_s(n), checkpoint_s=max(costs.periodic_overhead_s.samples)
+                                                + max(costs.periodic_persist_s.samples), agreement_s=STEP_AGREEMENT_PERIOD_S))
+        job = dataclasses.replace(job, drain_lead_s=lead)
+        out["profiles"][name] = {**info, "drain_lead_s": lead, "drain_lead_basis": basis}
+        for cloud in (spotcost.Cloud.AWS, spotcost.Cloud.GCP):
+            for share in SHARES:
+                rs = [sim.simulate(trace, costs, job, IntervalPolicy(IntervalMode.AUTO), settings=settings,
+                                   lead_s=spotcost.NOTICE_S[cloud], unannounced=sim.pick_unannounced(trace, share, seed=s),
+                                   seed=s, prices=prices) for s in range(1, a.sim_seeds + 1)]
+                m = _mean(rs)
+                waste = sorted(((c, v / 3600) for c, v in m["waste_node_s"].items() if v > 0), key=lambda x: -x[1])
+                row = {"profile": name, "cloud": cloud.value, "notice_s": spotcost.NOTICE_S[cloud], "unannounced": share,
+                       "ettr": m["ettr"], "ettr_min": m["ettr_min"], "ettr_max": m["ettr_max"],
+                       "waste_node_h": {c: round(v, 3) for c, v in waste},
+                       "cost_per_1k_samples": m["cost_per_sample"] * 1000,
+                       "on_demand_cost_per_1k_samples": m["on_demand_cost_per_sample"] * 1000,
+                       "next_mechanism": NEXT_MECHANISM[waste[0][0]] if m["ettr"] < 0.99 and waste else None}
+                out["rows"].append(row)
+                top = ", ".join(f"{c} {v:.2f}" for c, v in waste[:4])
+                print(f"{name:<18} {cloud.value:<5} {share:>5.2f} {m['ettr']:7.4f} {top:<60} "
+                      f"{row['cost_per_1k_samples']:12.4f} {row['on_demand_cost_per_1k_samples']:10.4f}", flush=True)
+    for name, p in out["profiles"].items():
+        for k, v in p.get("params", {}).items():
+            print(f"  {name} {k} = {v['value']:g}  [{v['source']}]")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1, sort_keys=True, default=float)
+    return 0
 
 
 def run_kind(name: str) -> str:
