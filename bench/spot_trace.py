@@ -342,14 +342,13 @@ def model_args(a: argparse.Namespace) -> list[str]:
 
 
 def store_url(d: str, a: argparse.Namespace) -> str:
-    """The run's checkpoint store: a local folder, bandwidth-limited (``throttled://``) with
-    ``--store-bytes-per-s``."""
-    path = os.path.join(d, "ckpt")
-    return f"throttled://{path}" if a.store_bytes_per_s else path
+    """The run's checkpoint store: a local folder (bandwidth-limited with ``--store-bytes-per-s``: see
+    :func:`store_env`)."""
+    return os.path.join(d, "ckpt")
 
 
 def store_env(a: argparse.Namespace) -> dict[str, str]:
-    """With ``--store-bytes-per-s``: the environment that registers ``throttled://`` in the agents and
+    """With ``--store-bytes-per-s``: the environment that throttles fsspec's local files in the agents and
     their workers (``bench/throttled_store/sitecustomize.py``), each process at that many bytes/s."""
     if not a.store_bytes_per_s:
         return {}

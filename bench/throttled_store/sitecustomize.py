@@ -1,8 +1,9 @@
-"""A bandwidth-limited local store for the benches: the fsspec protocol ``throttled://<path>``.
+"""A bandwidth-limited local store for the benches: fsspec's local filesystem, throttled.
 
 Python imports this module at start-up in every process whose ``PYTHONPATH`` holds this folder
 (``bench/spot_trace.py --store-bytes-per-s`` puts it there for its agents, and their workers inherit
-it), so the checkpoint URL ``throttled:///tmp/x`` works in processes the bench does not control.
+it): in those processes fsspec's ``file`` protocol (a checkpoint URL that is a path) is replaced by a
+throttled one, so the product runs unchanged (its configuration accepts only the schemes it knows).
 Each process (one worker per agent in the bench: one node) reads and writes checkpoint files at most
 ``TG_BENCH_STORE_BYTES_PER_S`` bytes per second, shared by all its threads (a token bucket); the files
 are ordinary local files. Unset or 0: nothing is registered.
@@ -76,21 +77,13 @@ def _register(rate: float) -> None:
     bucket = _Bucket(rate)
 
     class ThrottledFileSystem(LocalFileSystem):
-        """Local files at a limited bandwidth (``file`` among its protocols: renames and fsync stay local)."""
-
-        protocol = ("throttled", "file", "local")
-
-        @classmethod
-        def _strip_protocol(cls, path: Any) -> Any:
-            path = os.fspath(path) if not isinstance(path, str) else path
-            if path.startswith("throttled://"):
-                path = path[len("throttled://"):]
-            return super()._strip_protocol(path)
+        """Local files at a limited bandwidth (renames and fsync stay local)."""
 
         def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
             return _ThrottledFile(super()._open(path, mode, *args, **kwargs), bucket)
 
-    fsspec.register_implementation("throttled", ThrottledFileSystem, clobber=True)
+    fsspec.register_implementation("file", ThrottledFileSystem, clobber=True)
+    fsspec.register_implementation("local", ThrottledFileSystem, clobber=True)
 
 
 _rate = float(os.environ.get(ENV) or 0)
