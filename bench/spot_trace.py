@@ -1121,6 +1121,10 @@ def main(argv: list[str] | None = None) -> int:
                          "snapshots off, the default before 2026-11-27); a suffix #k repeats "
                          "one (e.g. baseline,baseline#2): the report adds the mean of the repeats against the mean prediction")
     ap.add_argument("--sim-seeds", type=int, default=10)
+    ap.add_argument("--validate", default=None, metavar="JSON,...",
+                    help="no replay: earlier replays' measured ETTR against the prediction from physics-derived save "
+                         "costs (the fixed parts from --physics-base), same schedule options as those runs")
+    ap.add_argument("--physics-base", default=None, metavar="JSON", help="--validate: the bundled model's replay")
     ap.add_argument("--profiles", action="store_true",
                     help="no replay: the whole trace for this machine's measured costs and the GPU profiles of "
                          "bench/spotcost.py, at 1/10/100 %% unannounced x AWS 120 s / GCP 30 s notices")
@@ -1139,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.profiles:
         return profiles(a)
+    if a.validate:
+        return validate(a)
     if a.costs_from:
         return resimulate(a)
     if a.quick:
@@ -1160,6 +1166,7 @@ def main(argv: list[str] | None = None) -> int:
     work = a.reanalyse or tempfile.mkdtemp(prefix="tg-bench-spot-")
     res: dict[str, Any] = {"trace": trace.name, "window": win.name, "nodes_per_agent": a.nodes_per_agent,
                            "max_agents": a.max_agents, "speed": a.speed, "lead_s": a.lead_s,
+                           "store_bytes_per_s": a.store_bytes_per_s, "model": {"d_model": a.d_model, "layers": a.layers},
                            "unannounced_share": a.unannounced, "replay_s": scaled.duration_s,
                            "scaled_changes": len(scaled.instants()), "cpus": os.cpu_count(), "prices": {
                                "spot_per_hour": SPOT_PRICE, "on_demand_per_hour": ON_DEMAND_PRICE}}
@@ -1353,6 +1360,88 @@ def profiles(a: argparse.Namespace) -> int:
     for name, p in out["profiles"].items():
         for k, v in p.get("params", {}).items():
             print(f"  {name} {k} = {v['value']:g}  [{v['source']}]")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1, sort_keys=True, default=float)
+    return 0
+
+
+def copy_and_store_bw(folder: str, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """This machine's host copy bandwidth (a tensor clone: what staging does on CPU) and the local store's
+    write bandwidth as a checkpoint writes (CRC32 of every byte, fsync), in bytes/s."""
+    import zlib
+
+    import torch
+
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    t.clone()
+    copy = nbytes / (time.perf_counter() - t0)
+    data = bytes(nbytes)
+    path = os.path.join(folder, ".bw-probe")
+    t0 = time.perf_counter()
+    with open(path, "wb") as fh:
+        for i in range(0, nbytes, 4 << 20):
+            zlib.crc32(data[i:i + (4 << 20)])
+            fh.write(data[i:i + (4 << 20)])
+        fh.flush()
+        os.fsync(fh.fileno())
+    store = nbytes / (time.perf_counter() - t0)
+    os.remove(path)
+    return copy, store
+
+
+def physics_costs(measured: sim.ChangeCosts, base: dict[str, Any], state_bytes: float, nodes: float,
+                  copy_bw: float, store_bw: float) -> sim.ChangeCosts:
+    """The replay's costs with the state-dependent ones derived as :mod:`bench.spotcost` does (a node's
+    share ``state / nodes``; the fixed parts measured on ``base``, the bundled model's replay) instead of
+    measured: periodic save blocking and persist, emergency and resize checkpoints."""
+    bc = base["measured_costs"]["trainguard"]
+    share = state_bytes / max(1.0, nodes)
+    stage = statistics.median(bc["periodic_overhead_s"]) + share / copy_bw
+    persist = statistics.median(bc["periodic_persist_s"]) + share / store_bw
+    return dataclasses.replace(measured, periodic_overhead_s=sim.Dist.of(stage), periodic_persist_s=sim.Dist.of(persist),
+                               emergency_s=sim.Dist.of(stage + persist), resize_checkpoint_s=sim.Dist.of(stage + persist))
+
+
+def validate(a: argparse.Namespace) -> int:
+    """``--validate RUN_JSON,...``: each replay's measured ETTR against the simulator's prediction from
+    physics-derived save costs (:func:`physics_costs`; the fixed parts from ``--physics-base``), same
+    schedule options as those runs."""
+    with open(a.physics_base) as fh:
+        base = json.load(fh)
+    trace = sim.load_trace(a.trace)
+    win = sim.window(trace, a.start_h * 3600, (a.hours or 2.0) * 3600)
+    scaled = sim.scale(win, nodes_per_agent=a.nodes_per_agent, max_agents=a.max_agents, speed=a.speed, rounding=a.rounding)
+    unannounced = sim.pick_unannounced(scaled, a.unannounced, seed=a.seed)
+    copy_bw, local_bw = copy_and_store_bw(tempfile.gettempdir())
+    settings = AutoSettings(min_s=a.auto_min_s, max_s=3600 / a.speed, prior_mtbf_s=a.prior_mtbf_s / a.speed)
+    out: dict[str, Any] = {"physics_base": os.path.basename(a.physics_base), "copy_bw": copy_bw, "local_store_bw": local_bw,
+                           "runs": []}
+    print(f"host copy {copy_bw / 1e9:.2f} GB/s, local store {local_bw / 1e6:.0f} MB/s (measured now)")
+    for path in a.validate.split(","):
+        with open(path) as fh:
+            res = json.load(fh)
+        r = res["runs"]["trainguard-auto"]
+        bw = float(res.get("store_bytes_per_s") or local_bw)
+        sizes = r["training_s_by_world_size"]
+        nodes = sum(int(w) * t for w, t in sizes.items()) / max(1e-9, sum(sizes.values()))
+        measured = sim.ChangeCosts.from_dict(res["measured_costs"]["trainguard"])
+        job = dataclasses.replace(job_model(r, torchrun=False, max_nodes=a.max_agents),
+                                  drain_lead_s=sim_drain_lead(a, job_model(r, torchrun=False), measured)[0])
+        c = physics_costs(measured, base, float(r["checkpoint_bytes"]), nodes, copy_bw, bw)
+        p = predict(scaled, c, job, IntervalPolicy(IntervalMode.AUTO), settings, a.lead_s, unannounced, a.sim_seeds)
+        row = {"run": os.path.basename(path), "checkpoint_bytes": r["checkpoint_bytes"], "store_bytes_per_s": bw,
+               "ettr": r["ettr"], "predicted_measured_costs": r["predicted"]["ettr"], "predicted_physics": p["ettr"],
+               "error_points_physics": round(100 * (p["ettr"] - r["ettr"]), 2),
+               "error_points_measured_costs": r["prediction_error_points"],
+               "persist_s_measured": statistics.median(res["measured_costs"]["trainguard"]["periodic_persist_s"]),
+               "persist_s_physics": c.periodic_persist_s.mean}
+        out["runs"].append(row)
+        print(f"{row['run']}: {row['checkpoint_bytes'] / 1e6:.1f} MB at {bw / 1e6:.0f} MB/s; ETTR {r['ettr']:.4f}, "
+              f"predicted {p['ettr']:.4f} from physics ({row['error_points_physics']:+.2f} points), "
+              f"{r['predicted']['ettr']:.4f} from measured costs ({r['prediction_error_points']:+.2f}); persist "
+              f"measured {row['persist_s_measured']:.3f} s, physics {row['persist_s_physics']:.3f} s", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1, sort_keys=True, default=float)
