@@ -17,7 +17,7 @@
    time lost to detection, checkpoint, re-formation, restore and recompute, steps recomputed, samples
    skipped or repeated in the final lineage (must be 0 for trainguard), and each agent's exported
    ``trainguard_goodput_ratio`` against the ground truth.
-3. **Simulate** (``trainguard.metrics.spotsim``) with the measured per-change cost distributions:
+3. **Simulate** (``bench/spotsim.py``) with the measured per-change cost distributions:
    first the replayed schedule itself (the prediction must be within 2 points of the measured ETTR),
    then the full trace at its real scale (real times, 120 s notices), with the auto interval, fixed
    50 steps, the torchrun baseline, a sweep of fixed intervals (the best one in hindsight), and the
@@ -65,7 +65,8 @@ from tests.harness import memory_root  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout  # noqa: E402
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
 from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead  # noqa: E402
-from trainguard.metrics import spotsim as sim  # noqa: E402
+from bench import spotcost  # noqa: E402
+from bench import spotsim as sim  # noqa: E402
 from trainguard.runtime.protocol import STEP_AGREEMENT_PERIOD_S  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -302,7 +303,8 @@ def _start(agent: str, mode: str, endpoint: str, a: argparse.Namespace, d: str, 
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "bench", "--rdzv-conf", "is_host=0",
                "--max-restarts", "1000", "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
                PLAIN, "--steps", "1000000000", "--ckpt-dir", os.path.join(d, "ckpt"), "--ckpt-every", str(FIXED_STEPS),
-               "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(a.step_sleep), "--log-every", "1"]
+               "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(a.step_sleep), "--log-every", "1",
+               *model_args(a)]
         # torch 2.13 needs this for a scale-up to work at all (see bench/recovery.py, agent/supervisor.py).
         proc = Proc(agent, cmd, os.path.join(d, f"{agent}.log"), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         return AgentRun(agent, proc, None, samples, time.time())
@@ -323,11 +325,35 @@ def _start(agent: str, mode: str, endpoint: str, a: argparse.Namespace, d: str, 
            "--set", "rendezvous.is_host=false", "--set", "preemption.sources=aws,signal",
            "--set", f"preemption.aws_endpoint={emu.url}", "--set", "preemption.poll_interval_s=0.5",
            "--set", "workers.max_restarts=1000", "--set", f"cost.spot_price_per_hour={SPOT_PRICE}",
-           "--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", *interval,
+           "--set", f"checkpoint.url={store_url(d, a)}", *interval,
            "--set", f"checkpoint.memory_dir={memory_root(d)}",  # tier 0 (on by default): this run's own folder
            ELASTIC, "--steps", "1000000000", "--log-every", "1000000", "--step-sleep", str(a.step_sleep),
-           "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch(max_agents)), "--sample-log", samples]
-    return AgentRun(agent, Proc(agent, cmd, os.path.join(d, f"{agent}.log")), emu, samples, time.time())
+           "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch(max_agents)), "--sample-log", samples,
+           *model_args(a)]
+    return AgentRun(agent, Proc(agent, cmd, os.path.join(d, f"{agent}.log"), store_env(a)), emu, samples, time.time())
+
+
+THROTTLED_STORE = os.path.join(REPO, "bench", "throttled_store")
+
+
+def model_args(a: argparse.Namespace) -> list[str]:
+    """The bundled model's size options (``--d-model``, ``--layers``), when the bench sets them."""
+    return [*(["--d-model", str(a.d_model)] if a.d_model else []), *(["--layers", str(a.layers)] if a.layers else [])]
+
+
+def store_url(d: str, a: argparse.Namespace) -> str:
+    """The run's checkpoint store: a local folder (bandwidth-limited with ``--store-bytes-per-s``: see
+    :func:`store_env`)."""
+    return os.path.join(d, "ckpt")
+
+
+def store_env(a: argparse.Namespace) -> dict[str, str]:
+    """With ``--store-bytes-per-s``: the environment that throttles fsspec's local files in the agents and
+    their workers (``bench/throttled_store/sitecustomize.py``), each process at that many bytes/s."""
+    if not a.store_bytes_per_s:
+        return {}
+    path = os.pathsep.join(p for p in (THROTTLED_STORE, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "TG_BENCH_STORE_BYTES_PER_S": f"{a.store_bytes_per_s:g}"}
 
 
 # ---------------------------------------------------------------------------------------- analysis
@@ -467,8 +493,21 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace, max_nodes: int | None = None) -> 
     res["periodic_saves"] = len({ev.get("step") for ag in raw.agents.values() for _, ev in ag.proc.events("checkpoint_committed")
                                  if ev.get("kind") == "periodic" and ev.get("component") == "trainguard.checkpoint"})
     res["agents"] = {ag.name: _agent_truth(ag, kept, raw) for ag in raw.agents.values()}
+    res["checkpoint_bytes"] = checkpoint_bytes(raw)
     res["waste_by_cause"] = measured_waste(raw, res)
     return res
+
+
+def checkpoint_bytes(raw: ReplayRaw) -> int | None:
+    """Bytes of the largest committed checkpoint step the run left in its store (the whole job's
+    state, every shard; None when the store is gone)."""
+    folders = {os.path.dirname(os.path.dirname(ag.samples_dir)) for ag in raw.agents.values()}
+    sizes = []
+    for d in folders:
+        for root, dirs, files in os.walk(os.path.join(d, "ckpt")):
+            if os.path.basename(root).startswith("step-") and "manifest.json" in files:
+                sizes.append(sum(os.path.getsize(os.path.join(root, f)) for f in files))
+    return max(sizes) if sizes else None
 
 
 def _between_steps(raw: ReplayRaw, rank0: list[Exec]) -> tuple[float, float]:
@@ -1067,6 +1106,11 @@ def main(argv: list[str] | None = None) -> int:
                          "between steps unchanged), e.g. 1.0 for a GPU-sized step; default: the replay's step times")
     ap.add_argument("--no-sweep", action="store_true",
                     help="full-trace simulation: skip the fixed-interval sweep and the x10 / x0.1 variants (CI)")
+    ap.add_argument("--d-model", type=int, default=None, help="the bundled model's width (default: the example's, 64)")
+    ap.add_argument("--layers", type=int, default=None, help="the bundled model's depth (default: the example's, 2)")
+    ap.add_argument("--store-bytes-per-s", type=float, default=None,
+                    help="bandwidth-limit the checkpoint store: each node's process reads and writes it at most this "
+                         "many bytes per second (bench/throttled_store)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--auto-min-s", type=float, default=1.0, help="checkpoint.interval_min_s of the auto run")
@@ -1077,6 +1121,15 @@ def main(argv: list[str] | None = None) -> int:
                          "snapshots off, the default before 2026-11-27); a suffix #k repeats "
                          "one (e.g. baseline,baseline#2): the report adds the mean of the repeats against the mean prediction")
     ap.add_argument("--sim-seeds", type=int, default=10)
+    ap.add_argument("--validate", default=None, metavar="JSON,...",
+                    help="no replay: earlier replays' measured ETTR against the prediction from physics-derived save "
+                         "costs (the fixed parts from --physics-base), same schedule options as those runs")
+    ap.add_argument("--physics-base", default=None, metavar="JSON", help="--validate: the bundled model's replay")
+    ap.add_argument("--profiles", action="store_true",
+                    help="no replay: the whole trace for this machine's measured costs and the GPU profiles of "
+                         "bench/spotcost.py, at 1/10/100 %% unannounced x AWS 120 s / GCP 30 s notices")
+    ap.add_argument("--profile-costs", default=os.path.join(REPO, "docs", "results", "spot", "tier0-ab-2026-11-27.json"),
+                    help="--profiles: the replay JSON whose measured costs are this machine's profile")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, samples, replay.json)")
@@ -1088,6 +1141,10 @@ def main(argv: list[str] | None = None) -> int:
                          "with this run's simulation options (--real-lead-s, --drain-lead-s, --sim-unannounced, "
                          "--sim-seeds, --no-sweep): no replay, no agents")
     a = ap.parse_args(argv)
+    if a.profiles:
+        return profiles(a)
+    if a.validate:
+        return validate(a)
     if a.costs_from:
         return resimulate(a)
     if a.quick:
@@ -1109,6 +1166,7 @@ def main(argv: list[str] | None = None) -> int:
     work = a.reanalyse or tempfile.mkdtemp(prefix="tg-bench-spot-")
     res: dict[str, Any] = {"trace": trace.name, "window": win.name, "nodes_per_agent": a.nodes_per_agent,
                            "max_agents": a.max_agents, "speed": a.speed, "lead_s": a.lead_s,
+                           "store_bytes_per_s": a.store_bytes_per_s, "model": {"d_model": a.d_model, "layers": a.layers},
                            "unannounced_share": a.unannounced, "replay_s": scaled.duration_s,
                            "scaled_changes": len(scaled.instants()), "cpus": os.cpu_count(), "prices": {
                                "spot_per_hour": SPOT_PRICE, "on_demand_per_hour": ON_DEMAND_PRICE}}
@@ -1228,6 +1286,166 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1, sort_keys=True, default=float)
     return 0 if runs else 1
+
+
+SHARES = (0.01, 0.1, 1.0)
+NEXT_MECHANISM = {
+    "warmup": "joiners' warm-up (images and weights prefetched on the AMI, a warm standby pool)",
+    "notice_lead": "the drain-lead floor (preemption.drain_lead_s: drain closer to the reclaim)",
+    "between_steps": "the per-step agreement (a longer stride or an agreement fused into the step's all-reduce)",
+    "recompute": "the work lost to rollbacks (tier 1 for every loss, a shorter interval)",
+    "restore": "restore after each re-formation (its communicator set-up, comm_init_s: keep or shrink communicators instead of a new init; then the state hand-over)",
+    "detection": "failure detection (evict on evidence instead of the keep-alive)",
+    "reformation": "re-formation (the rendezvous round and communicator set-up)",
+    "checkpoint": "the emergency checkpoint (to tier 1 / peers before storage)",
+    "periodic_checkpoint": "periodic saves (staging cost, interval)",
+    "idle": "idle nodes (max nodes, or a second job)",
+}
+
+
+def mean_world(trace: sim.Trace) -> int:
+    """The trace's time-weighted mean node count (the world size the derived costs are taken at)."""
+    sizes = trace.sizes()
+    total = sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(sizes, sizes[1:] + [(trace.duration_s, 0)]))
+    return max(1, round(total / trace.duration_s))
+
+
+def profiles(a: argparse.Namespace) -> int:
+    """``--profiles``: the whole trace for this machine's measured costs (``--profile-costs``, a replay's
+    JSON) and the GPU profiles of :mod:`bench.spotcost`, x ``SHARES`` unannounced x AWS/GCP notices."""
+    trace = sim.load_trace(a.trace)
+    n = mean_world(trace)
+    with open(a.profile_costs) as fh:
+        base = json.load(fh)
+    ref = base["runs"].get("trainguard-auto") or next(iter(base["runs"].values()))
+    here_job = job_model(ref, torchrun=False, scale_k=base["nodes_per_agent"])
+    here = ("this-machine", sim.ChangeCosts.from_dict(base["measured_costs"]["trainguard"]), here_job,
+            sim.Prices(spot_per_hour=SPOT_PRICE, on_demand_per_hour=ON_DEMAND_PRICE),
+            {"costs": f"bench/spot_trace.py: measured by the replay in {os.path.basename(a.profile_costs)}",
+             "failures": "kill (as replayed: sockets reset)"})
+    setups = [here]
+    for phys in (spotcost.GPU_7B_FSDP, spotcost.without_tier1(spotcost.GPU_7B_FSDP), spotcost.GPU_70B):
+        setups.append((phys.name, phys.costs(n), phys.job(), sim.Prices(spot_per_hour=phys.spot_per_hour.value,
+                       on_demand_per_hour=phys.on_demand_per_hour.value),
+                       {"params": phys.params(), "failures": "frozen (a reclaimed VM: no reset)", "costs_at_nodes": n,
+                        "tier1": phys.tier1.value, "parity_group": phys.parity_group, "state": phys.state.value,
+                        "derived_costs": phys.costs(n).as_dict()}))
+    settings = AutoSettings(prior_mtbf_s=a.prior_mtbf_s)
+    out: dict[str, Any] = {"trace": trace.name, "mean_nodes": n, "seeds": a.sim_seeds, "policy": "auto",
+                           "notice_s": {c.value: s for c, s in spotcost.NOTICE_S.items()}, "profiles": {}, "rows": []}
+    print(f"{trace.name}: costs derived at {n} nodes (time-weighted mean); auto interval; mean of {a.sim_seeds} seeds")
+    print(f"{'profile':<18} {'cloud':<5} {'unann':>5} {'ETTR':>7} {'waste node-h by cause (largest first)':<60} {'$/1k samples':>12} {'on-demand':>10}")
+    for name, costs, job, prices, info in setups:
+        lead, basis = auto_drain_lead(LeadCosts(step_s=job.step_time_s(n), checkpoint_s=max(costs.periodic_overhead_s.samples)
+                                                + max(costs.periodic_persist_s.samples), agreement_s=STEP_AGREEMENT_PERIOD_S))
+        job = dataclasses.replace(job, drain_lead_s=lead)
+        out["profiles"][name] = {**info, "drain_lead_s": lead, "drain_lead_basis": basis}
+        for cloud in (spotcost.Cloud.AWS, spotcost.Cloud.GCP):
+            for share in SHARES:
+                rs = [sim.simulate(trace, costs, job, IntervalPolicy(IntervalMode.AUTO), settings=settings,
+                                   lead_s=spotcost.NOTICE_S[cloud], unannounced=sim.pick_unannounced(trace, share, seed=s),
+                                   seed=s, prices=prices) for s in range(1, a.sim_seeds + 1)]
+                m = _mean(rs)
+                waste = sorted(((c, v / 3600) for c, v in m["waste_node_s"].items() if v > 0), key=lambda x: -x[1])
+                row = {"profile": name, "cloud": cloud.value, "notice_s": spotcost.NOTICE_S[cloud], "unannounced": share,
+                       "ettr": m["ettr"], "ettr_min": m["ettr_min"], "ettr_max": m["ettr_max"],
+                       "waste_node_h": {c: round(v, 3) for c, v in waste},
+                       "cost_per_1k_samples": m["cost_per_sample"] * 1000,
+                       "on_demand_cost_per_1k_samples": m["on_demand_cost_per_sample"] * 1000,
+                       "next_mechanism": NEXT_MECHANISM[waste[0][0]] if m["ettr"] < 0.99 and waste else None}
+                out["rows"].append(row)
+                top = ", ".join(f"{c} {v:.2f}" for c, v in waste[:4])
+                print(f"{name:<18} {cloud.value:<5} {share:>5.2f} {m['ettr']:7.4f} {top:<60} "
+                      f"{row['cost_per_1k_samples']:12.4f} {row['on_demand_cost_per_1k_samples']:10.4f}", flush=True)
+    for name, p in out["profiles"].items():
+        for k, v in p.get("params", {}).items():
+            print(f"  {name} {k} = {v['value']:g}  [{v['source']}]")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1, sort_keys=True, default=float)
+    return 0
+
+
+def copy_and_store_bw(folder: str, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """This machine's host copy bandwidth (a tensor clone: what staging does on CPU) and the local store's
+    write bandwidth as a checkpoint writes (CRC32 of every byte, fsync), in bytes/s."""
+    import zlib
+
+    import torch
+
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    t.clone()
+    copy = nbytes / (time.perf_counter() - t0)
+    data = bytes(nbytes)
+    path = os.path.join(folder, ".bw-probe")
+    t0 = time.perf_counter()
+    with open(path, "wb") as fh:
+        for i in range(0, nbytes, 4 << 20):
+            zlib.crc32(data[i:i + (4 << 20)])
+            fh.write(data[i:i + (4 << 20)])
+        fh.flush()
+        os.fsync(fh.fileno())
+    store = nbytes / (time.perf_counter() - t0)
+    os.remove(path)
+    return copy, store
+
+
+def physics_costs(measured: sim.ChangeCosts, base: dict[str, Any], state_bytes: float, nodes: float,
+                  copy_bw: float, store_bw: float) -> sim.ChangeCosts:
+    """The replay's costs with the state-dependent ones derived as :mod:`bench.spotcost` does (a node's
+    share ``state / nodes``; the fixed parts measured on ``base``, the bundled model's replay) instead of
+    measured: periodic save blocking and persist, emergency and resize checkpoints."""
+    bc = base["measured_costs"]["trainguard"]
+    share = state_bytes / max(1.0, nodes)
+    stage = statistics.median(bc["periodic_overhead_s"]) + share / copy_bw
+    persist = statistics.median(bc["periodic_persist_s"]) + share / store_bw
+    return dataclasses.replace(measured, periodic_overhead_s=sim.Dist.of(stage), periodic_persist_s=sim.Dist.of(persist),
+                               emergency_s=sim.Dist.of(stage + persist), resize_checkpoint_s=sim.Dist.of(stage + persist))
+
+
+def validate(a: argparse.Namespace) -> int:
+    """``--validate RUN_JSON,...``: each replay's measured ETTR against the simulator's prediction from
+    physics-derived save costs (:func:`physics_costs`; the fixed parts from ``--physics-base``), same
+    schedule options as those runs."""
+    with open(a.physics_base) as fh:
+        base = json.load(fh)
+    trace = sim.load_trace(a.trace)
+    win = sim.window(trace, a.start_h * 3600, (a.hours or 2.0) * 3600)
+    scaled = sim.scale(win, nodes_per_agent=a.nodes_per_agent, max_agents=a.max_agents, speed=a.speed, rounding=a.rounding)
+    unannounced = sim.pick_unannounced(scaled, a.unannounced, seed=a.seed)
+    copy_bw, local_bw = copy_and_store_bw(tempfile.gettempdir())
+    settings = AutoSettings(min_s=a.auto_min_s, max_s=3600 / a.speed, prior_mtbf_s=a.prior_mtbf_s / a.speed)
+    out: dict[str, Any] = {"physics_base": os.path.basename(a.physics_base), "copy_bw": copy_bw, "local_store_bw": local_bw,
+                           "runs": []}
+    print(f"host copy {copy_bw / 1e9:.2f} GB/s, local store {local_bw / 1e6:.0f} MB/s (measured now)")
+    for path in a.validate.split(","):
+        with open(path) as fh:
+            res = json.load(fh)
+        r = res["runs"]["trainguard-auto"]
+        bw = float(res.get("store_bytes_per_s") or local_bw)
+        sizes = r["training_s_by_world_size"]
+        nodes = sum(int(w) * t for w, t in sizes.items()) / max(1e-9, sum(sizes.values()))
+        measured = sim.ChangeCosts.from_dict(res["measured_costs"]["trainguard"])
+        job = dataclasses.replace(job_model(r, torchrun=False, max_nodes=a.max_agents),
+                                  drain_lead_s=sim_drain_lead(a, job_model(r, torchrun=False), measured)[0])
+        c = physics_costs(measured, base, float(r["checkpoint_bytes"]), nodes, copy_bw, bw)
+        p = predict(scaled, c, job, IntervalPolicy(IntervalMode.AUTO), settings, a.lead_s, unannounced, a.sim_seeds)
+        row = {"run": os.path.basename(path), "checkpoint_bytes": r["checkpoint_bytes"], "store_bytes_per_s": bw,
+               "ettr": r["ettr"], "predicted_measured_costs": r["predicted"]["ettr"], "predicted_physics": p["ettr"],
+               "error_points_physics": round(100 * (p["ettr"] - r["ettr"]), 2),
+               "error_points_measured_costs": r["prediction_error_points"],
+               "persist_s_measured": statistics.median(res["measured_costs"]["trainguard"]["periodic_persist_s"]),
+               "persist_s_physics": c.periodic_persist_s.mean}
+        out["runs"].append(row)
+        print(f"{row['run']}: {row['checkpoint_bytes'] / 1e6:.1f} MB at {bw / 1e6:.0f} MB/s; ETTR {r['ettr']:.4f}, "
+              f"predicted {p['ettr']:.4f} from physics ({row['error_points_physics']:+.2f} points), "
+              f"{r['predicted']['ettr']:.4f} from measured costs ({r['prediction_error_points']:+.2f}); persist "
+              f"measured {row['persist_s_measured']:.3f} s, physics {row['persist_s_physics']:.3f} s", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1, sort_keys=True, default=float)
+    return 0
 
 
 def run_kind(name: str) -> str:

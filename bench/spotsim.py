@@ -9,9 +9,9 @@ in the loop, fed what the simulated job measures). :func:`simulate` returns the 
 time ratio (ETTR: node-time spent on steps that end up in the final model / node-time available),
 the waste by cause in node-seconds, and the cost per committed sample next to on-demand.
 
-Why here (``trainguard.metrics``) and not in ``bench/``: it is arithmetic over the same notion of
-waste as the goodput ledger, unit-tested like it, and importable by the bench
-(``bench/spot_trace.py``), the tests and anyone sizing a cluster, without the bench's processes.
+Why in ``bench/`` and not in the wheel: it sizes clusters and checks the goodput claims of the
+benchmarks; nothing the agent or the runtime runs needs it. The bench (``bench/spot_trace.py``), its
+tests and anyone sizing a cluster import it from a checkout (``from bench import spotsim``).
 
 The model (fluid, event-driven; times in seconds, node-time in node-seconds):
 
@@ -33,6 +33,12 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
   joining a running world: agent start, and with in-place re-formation its workers' start in standby);
   then the world takes a resize checkpoint (``checkpoint``) and re-forms larger; without it
   (``resize_checkpoint=False``) the world restarts from its last committed checkpoint (``recompute``).
+* An unannounced removal is detected by its kind (``JobModel.unannounced_kind``, :class:`FailureKind`):
+  a killed process resets its sockets (``detect_failure_s``), a vanished or frozen machine only misses
+  heartbeats (``detect_frozen_s``), a hung one is caught by the progress timeout (``detect_hang_s``).
+* A world that lost every node restarts *cold* when nodes come back: no peer holds the state, so its
+  first rendezvous (``cold_reformation_s``) and a restore of every node from durable storage
+  (``cold_restore_s``), after the rollback to the newest committed checkpoint.
 * In-place re-formation (``JobModel.in_place``, trainguard's worker-API path): a join takes no checkpoint
   (the joiner takes the state from a live peer) and an unannounced loss rolls back only the interrupted
   step (the survivors continue from memory); only a world that loses every node restarts from its newest
@@ -40,6 +46,10 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
   The auto controller is told what the runtime tells it: a loss the survivors held the state through
   (drained or lost, training or re-forming) is survived; a restart from storage is a restore (a rollback,
   or the emergency checkpoint after every node drained); a world of two nodes or more is survivable.
+  Only replicated state (DDP) survives every unannounced loss that leaves a node; sharded state (FSDP,
+  ZeRO) survives what tier 1 covers (:meth:`JobModel.survives`: no node lost with its buddy's copy, at
+  most one loss per parity group); other losses roll back to the newest commit and restore from storage
+  (``storage_restore_s``).
 * Each kind of change may have costs of its own (``start_reformation_s``, ``join_*``, ``failure_*``; None:
   the general ``reformation_s`` / ``restore_s``): a first rendezvous waits out the last call, a join
   moves the state to the joiner, an unplanned re-formation waits until the lost node is given up.
@@ -67,6 +77,7 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 from trainguard.checkpoint.interval import AutoSettings, IntervalController, IntervalMode, IntervalPolicy
@@ -74,6 +85,38 @@ from trainguard.checkpoint.interval import AutoSettings, IntervalController, Int
 CAUSES: tuple[str, ...] = ("detection", "checkpoint", "periodic_checkpoint", "reformation", "restore", "recompute",
                            "warmup", "notice_lead", "idle", "between_steps")
 """Waste causes, in node-seconds (see the module docstring)."""
+
+
+class FailureKind(str, Enum):
+    """How an unannounced removal looks to the survivors, which decides how soon they notice it.
+
+    ``KILL``: the node's processes died and its sockets reset (the replay's SIGKILL on one host):
+    ``detect_failure_s``. ``FROZEN``: the machine vanished or froze (a spot VM reclaimed without notice):
+    no reset, only the missed heartbeats tell (``detect_frozen_s``). ``HANG``: the node is there but
+    makes no progress (a hung collective, a stuck GPU): the progress timeout (``detect_hang_s``)."""
+
+    KILL = "kill"
+    FROZEN = "frozen"
+    HANG = "hang"
+
+
+class StateLayout(str, Enum):
+    """Where the training state lives: on every node (DDP) or split among the nodes (FSDP, ZeRO)."""
+
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+
+
+class Tier1(str, Enum):
+    """The in-memory copy of each node's state on other nodes (``checkpoint`` tier 1).
+
+    ``NONE``: none; ``COPIES``: each node's snapshot also on its buddy (the next node of the world, in
+    name order); ``PARITY``: parity over groups of ``JobModel.parity_group`` nodes (consecutive in name
+    order), one loss per group recoverable."""
+
+    NONE = "none"
+    COPIES = "copies"
+    PARITY = "parity"
 
 
 class TraceError(ValueError):
@@ -259,7 +302,22 @@ class ChangeCosts:
     """The re-formation after an unannounced loss, from its detection (None: ``reformation_s``): the
     rendezvous waits until the lost node is given up, and a survivor blocked in a collective is restarted."""
     failure_restore_s: Dist | None = None
-    """The restore after an unannounced loss (None: ``restore_s``)."""
+    """The restore after an unannounced loss the survivors held the state through (None: ``restore_s``)."""
+    detect_frozen_s: Dist | None = None
+    """Detection of a node that vanished or froze (:class:`FailureKind` ``FROZEN``: no socket reset, only
+    missed heartbeats; None: ``detect_failure_s``)."""
+    detect_hang_s: Dist | None = None
+    """Detection of a node that hangs (``HANG``: the progress timeout; None: ``detect_failure_s``)."""
+    storage_restore_s: Dist | None = None
+    """A world with survivors that restores from durable storage: a loss in place that neither replicated
+    state nor tier 1 covers (None: ``restore_s``)."""
+    cold_reformation_s: Dist | None = None
+    """A world restarting after it lost every node: its first rendezvous (None: ``start_reformation_s``,
+    else ``reformation_s``)."""
+    cold_restore_s: Dist | None = None
+    """A world restarting after it lost every node: no peer holds the state, every node restores from
+    durable storage, until the first step (None: ``startup_s``). The nodes' own start (boot, imports,
+    model build) is their warm-up before it."""
     startup_s: Dist = Dist.of(5.0)
     warmup_s: Dist = Dist.of(3.0)
     periodic_overhead_s: Dist = Dist.of(0.05)
@@ -290,6 +348,14 @@ class JobModel:
     notice costs the interrupted step, not the work since the newest commit."""
     step_overhead_s: float = 0.0
     """Seconds between two steps outside the steps themselves (``between_steps`` waste)."""
+    state: StateLayout = StateLayout.REPLICATED
+    """With ``in_place``: replicated state survives any loss that leaves a node; sharded state only
+    what ``tier1`` covers (else the world restores from durable storage: ``storage_restore_s``)."""
+    tier1: Tier1 = Tier1.NONE
+    parity_group: int = 4
+    """Nodes per parity group (``tier1`` ``PARITY``)."""
+    unannounced_kind: FailureKind = FailureKind.KILL
+    """What an unannounced removal is to the survivors (its detection cost)."""
     drain_lead_s: float | None = None
     """``preemption.train_through_notice``: a notice further than this from its reclaim takes one
     out-of-cycle checkpoint (a periodic save's cost) and the world trains on until ``drain_lead_s``
@@ -302,6 +368,31 @@ class JobModel:
     counted from its first participant), at once when it fills to ``max_nodes``. 0: the job's rounds do
     not wait (trainguard re-forms in place on a planned membership). The measured re-formation costs
     are those of rounds that did not wait it (the bench subtracts it from those that did)."""
+
+    def __post_init__(self) -> None:
+        if self.parity_group < 2:
+            raise ValueError(f"JobModel.parity_group must be >= 2 (a group of one holds no parity), got {self.parity_group}")
+
+    def survives(self, world: Iterable[str], lost: Iterable[str]) -> bool:
+        """Whether the nodes of ``world`` left after losing ``lost`` (at once, without notice) hold the
+        whole state in memory: a pure function of the layout, tier 1 and the world's names."""
+        order = sorted(world)
+        gone = set(lost) & set(order)
+        if not self.in_place or not gone or len(gone) == len(order):
+            return bool(self.in_place and len(gone) < len(order))
+        if self.state is StateLayout.REPLICATED:
+            return True
+        if self.tier1 is Tier1.COPIES:  # node i's snapshot also lives on node i+1: both gone, it is gone
+            return not any(order[i] in gone and order[(i + 1) % len(order)] in gone for i in range(len(order)))
+        if self.tier1 is Tier1.PARITY:  # one loss per group is rebuilt from the others' blocks
+            g = self.parity_group
+            return all(len(gone & set(order[i:i + g])) <= 1 for i in range(0, len(order), g))
+        return False
+
+    def survivable(self, world_size: int) -> bool:
+        """Whether some loss of one node in a world this size is survived in place (the runtime's claim to
+        the interval controller)."""
+        return self.in_place and world_size > 1 and (self.state is StateLayout.REPLICATED or self.tier1 is not Tier1.NONE)
 
     def cycle_s(self, w: int) -> float:
         """A step and the gap to the next one."""
@@ -622,12 +713,14 @@ class _Sim:
         """Re-form after ``pre``; ``kind`` (``join``, ``failure``) picks that kind's measured costs."""
         t = pre[-1].end if pre else self.now
         c = self.c
-        t += (getattr(c, f"{kind}_reformation_s", None) or c.reformation_s).draw(self.rng)
+        reform = {"cold": c.cold_reformation_s or c.start_reformation_s, "storage": c.failure_reformation_s}.get(kind) or getattr(c, f"{kind}_reformation_s", None)
+        t += (reform or c.reformation_s).draw(self.rng)
         filled = None
         if self.job.last_call_s and len(new_world) < self.job.max_nodes:  # the round waits out its last call
             filled, t = t, t + self.job.last_call_s
         phases = [*pre, _Phase("reformation", t, new_world, filled_end=filled)]
-        restore = getattr(c, f"{kind}_restore_s", None) or c.restore_s
+        restore = ({"cold": c.cold_restore_s or c.startup_s}.get(kind) or getattr(c, f"{kind}_restore_s", None)
+                   or c.restore_s)
         self.restore_s = restore.draw(self.rng) if self.started else c.startup_s.draw(self.rng)
         phases.append(_Phase("restore", t + self.restore_s, new_world))
         self.phases = phases
@@ -646,7 +739,7 @@ class _Sim:
         # What the runtime tells the controller: a world restarted from storage restores (a rollback, a
         # resize checkpoint, or the emergency one after every node drained); one re-formed in place does not.
         first = self.current is not None and self.current.why.startswith("start")
-        self.ctl.set_world_size(max(1, len(self.world)), self.now, survivable=self.job.in_place and len(self.world) > 1)
+        self.ctl.set_world_size(max(1, len(self.world)), self.now, survivable=self.job.survivable(len(self.world)))
         if n or (not first and (not self.job.in_place or (self.drained_out and self.world))):
             kind = "periodic" if n else "emergency" if self.job.in_place else "resize"
             self.ctl.observe_restore(self.restore_s, kind, max(0, n - 1))
@@ -690,6 +783,8 @@ class _Sim:
         new_world = self.world | joiners
         if not self.started:
             self._reform([], new_world, "start")
+        elif not self.world:  # every node was gone: no peer holds the state, a cold start from storage
+            self._reform([], new_world, "cold")
         elif self.job.in_place:  # the joiner takes the state from a live peer: no checkpoint
             self._reform([], new_world, "join")
         elif self.job.resize_checkpoint and len(self.world) >= self.job.min_nodes:
@@ -751,8 +846,11 @@ class _Sim:
         rest = frozenset(n for n in target if n not in lost)
         self._begin_change("failure")
         # In place the survivors hold the state, training or re-forming, unless the world is restarting
-        # from storage (after a rollback, or after every node drained).
+        # from storage (after a rollback, or after every node drained) or the loss took a part of sharded
+        # state that tier 1 does not cover.
         in_memory = self.job.in_place and bool(rest) and not (self.new_failures or self.drained_out)
+        from_storage = in_memory and not self.job.survives(self.world, lost)
+        in_memory = in_memory and not from_storage
         if in_memory:
             if phase is None or phase == "checkpoint":
                 self._rollback(interrupted_only=True)  # the step under way only
@@ -763,8 +861,10 @@ class _Sim:
         elif phase == "restore":  # the new world had restored: it dies without a new checkpoint
             self.new_failures += 1
         survivors = frozenset(n for n in self.world if n not in lost)
-        end = self.now + self.c.detect_failure_s.draw(self.rng)
-        self._reform([_Phase("detection", end, survivors)], rest, "failure")
+        c = self.c
+        detect = {FailureKind.FROZEN: c.detect_frozen_s, FailureKind.HANG: c.detect_hang_s}.get(self.job.unannounced_kind)
+        end = self.now + (detect or c.detect_failure_s).draw(self.rng)
+        self._reform([_Phase("detection", end, survivors)], rest, "storage" if from_storage else "failure")
 
     def run(self, end: float) -> None:
         q: list[tuple[float, int, str, Any]] = []
@@ -847,5 +947,5 @@ def simulate(trace: Trace, costs: ChangeCosts, job: JobModel, policy: IntervalPo
     return sim.result()
 
 
-__all__ = ["CAUSES", "Change", "ChangeCosts", "Dist", "JobModel", "Prices", "SimResult", "Trace", "TraceError",
-           "TraceEvent", "load_trace", "pick_unannounced", "scale", "simulate", "window"]
+__all__ = ["CAUSES", "Change", "ChangeCosts", "Dist", "FailureKind", "JobModel", "Prices", "SimResult", "StateLayout",
+           "Tier1", "Trace", "TraceError", "TraceEvent", "load_trace", "pick_unannounced", "scale", "simulate", "window"]

@@ -7,11 +7,14 @@ import random
 import pytest
 
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy
-from trainguard.metrics.spotsim import (
+from bench.spotsim import (
     ChangeCosts,
     Dist,
+    FailureKind,
     JobModel,
     Prices,
+    StateLayout,
+    Tier1,
     Trace,
     TraceError,
     TraceEvent,
@@ -368,8 +371,9 @@ def test_in_place_auto_is_within_5_percent_of_the_best_fixed_interval_in_hindsig
     from the losses survived (churn: one node of 8 at a time; 1.057 with the estimate that ignored them)
     and from those that took the state (pairs: both nodes of the world go at once, every loss a rollback)."""
     t = _churn(12, 600.0) if kind == "churn" else _pairs(12, 1200.0)
+    # pairs: the world restarts cold after every loss (cold_restore_s); the restore costs what the others do.
     c = ChangeCosts(detect_failure_s=Dist.of([6, 10, 14]), reformation_s=Dist.of([1, 3]), restore_s=Dist.of([4, 6]),
-                    periodic_overhead_s=Dist.of([0.4, 0.6]), periodic_persist_s=Dist.of(2.0))
+                    cold_restore_s=Dist.of([4, 6]), periodic_overhead_s=Dist.of([0.4, 0.6]), periodic_persist_s=Dist.of(2.0))
     job = JobModel(node_s_per_step=8 * 0.5, in_place=True)
 
     def waste(policy: IntervalPolicy) -> float:
@@ -401,3 +405,71 @@ def test_torchrun_rounds_below_max_nodes_wait_out_the_last_call() -> None:
     # without the last call (trainguard's planned rounds): restore 53..58
     plain = simulate(trace(*base, duration=100), c, JobModel(node_s_per_step=1, notices=False, resize_checkpoint=False), OFF)
     assert plain.world_time_s == pytest.approx({3: 44, 2: 42})
+
+
+def test_a_world_back_from_zero_nodes_starts_cold_not_as_a_join() -> None:
+    """a, alone, dies without notice at 10; b arrives at 20 (warm at 21). No peer holds the state: b's
+    world is a cold start (its first rendezvous 2 s, a restore from storage 30 s), not a join (0.5 + 0.5)."""
+    c = costs(warmup_s=1, detect_failure_s=1, start_reformation_s=2, cold_restore_s=30, join_reformation_s=0.5,
+              join_restore_s=0.5)
+    r = simulate(trace((0, "add", "a"), (10, "remove", "a"), (20, "add", "b"), duration=100), c,
+                 JobModel(node_s_per_step=1, in_place=True), OFF, unannounced=[0])
+    check(r)
+    assert [ch.why for ch in r.changes] == ["start", "failure", "join"]
+    assert r.waste_node_s["reformation"] == pytest.approx(2 + 2)       # the first world's, then the cold one's
+    assert r.waste_node_s["restore"] == pytest.approx(30)               # the start-up costs 0 here
+    assert r.productive_node_s == pytest.approx(100 - 53)              # b trains from 53 (21 + 2 + 30)
+    assert r.waste_node_s["recompute"] == pytest.approx(7)             # a trained 3..10: no commit
+
+
+@pytest.mark.parametrize("kind, detection", [(FailureKind.KILL, 1), (FailureKind.FROZEN, 6), (FailureKind.HANG, 20)])
+def test_detection_is_per_failure_kind(kind, detection) -> None:
+    """b is lost without notice at 10: a killed process is seen at once (its sockets reset), a vanished
+    machine after the missed heartbeats, a hung one after the progress timeout; a waits that long."""
+    c = costs(detect_failure_s=1, detect_frozen_s=6, detect_hang_s=20)
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (10, "remove", "b"), duration=60), c,
+                 JobModel(node_s_per_step=1, in_place=True, unannounced_kind=kind), OFF, unannounced=[0])
+    check(r)
+    assert r.waste_node_s["detection"] == pytest.approx(detection)
+
+
+W4 = ("n1", "n2", "n3", "n4")
+
+
+@pytest.mark.parametrize("state, tier1, group, lost, survives", [
+    (StateLayout.REPLICATED, Tier1.NONE, 4, {"n1", "n2", "n3"}, True),     # one copy left is enough
+    (StateLayout.REPLICATED, Tier1.NONE, 4, set(W4), False),               # nothing left
+    (StateLayout.SHARDED, Tier1.NONE, 4, {"n2"}, False),                   # n2's shard only in storage
+    (StateLayout.SHARDED, Tier1.NONE, 4, {"x9"}, True),                    # not in the world: nothing lost
+    (StateLayout.SHARDED, Tier1.COPIES, 4, {"n2"}, True),                  # its copy is on n3
+    (StateLayout.SHARDED, Tier1.COPIES, 4, {"n1", "n3"}, True),            # copies on n2 and n4
+    (StateLayout.SHARDED, Tier1.COPIES, 4, {"n2", "n3"}, False),           # n2 with its buddy n3
+    (StateLayout.SHARDED, Tier1.COPIES, 4, {"n4", "n1"}, False),           # the ring closes: n4's copy is on n1
+    (StateLayout.SHARDED, Tier1.PARITY, 2, {"n1", "n3"}, True),            # one per group {n1,n2} {n3,n4}
+    (StateLayout.SHARDED, Tier1.PARITY, 2, {"n3", "n4"}, False),           # two in one group
+    (StateLayout.SHARDED, Tier1.PARITY, 4, {"n1", "n4"}, False),
+])
+def test_what_a_loss_in_place_survives(state, tier1, group, lost, survives) -> None:
+    job = JobModel(in_place=True, state=state, tier1=tier1, parity_group=group)
+    assert job.survives(W4, lost) is survives
+    assert JobModel(in_place=False, state=state, tier1=tier1).survives(W4, lost) is False
+
+
+def test_a_parity_group_needs_two_nodes() -> None:
+    with pytest.raises(ValueError, match="parity_group"):
+        JobModel(parity_group=1)
+
+
+@pytest.mark.parametrize("tier1, recompute, restore", [(Tier1.COPIES, 1, 1), (Tier1.NONE, 20 + 1, 9)])
+def test_sharded_state_without_tier1_restores_from_storage(tier1, recompute, restore) -> None:
+    """FSDP in place, b lost without notice at 10.5 (no commit since the start): with tier-1 copies the
+    survivor rebuilds b's shard and loses the half step (1 node-s, restore 1 s on a); without them the
+    world rolls back to the start (2 nodes x 10.5 s) and a restores from storage (9 s)."""
+    c = costs(detect_failure_s=0, failure_restore_s=1, storage_restore_s=9)
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (10.5, "remove", "b"), duration=60), c,
+                 JobModel(node_s_per_step=2, in_place=True, state=StateLayout.SHARDED, tier1=tier1), OFF,
+                 unannounced=[0])
+    check(r)
+    assert r.waste_node_s["recompute"] == pytest.approx(recompute)
+    assert r.waste_node_s["restore"] == pytest.approx(restore)
+    assert r.failures_seen == (0 if tier1 is Tier1.COPIES else 1)
