@@ -137,3 +137,64 @@ def test_mesh_of_a_second_world_is_built_without_split_group(tmp_path, monkeypat
         dist.all_reduce(x, group=mesh.get_group("tp"))
         assert mesh.mesh_dim_names == ("dp", "tp") and list(mesh.get_coordinate()) == [0, 0] and torch.equal(x, torch.ones(3))
         rf.teardown_world(torch.device("cpu"), peer_lost=False)
+
+
+# ---- item 3: a survivor on NCCL aborts before it waits on anything -------------------------------
+
+@pytest.mark.parametrize(("device", "reason", "order"), [
+    ("cuda", "peer_lost", ["teardown(peer_lost=True)", "settle", "parked", "close", "teardown(peer_lost=True)"]),
+    ("cuda", "resize", ["settle", "parked", "close", "teardown(peer_lost=False)"]),
+    ("cpu", "peer_lost", ["settle", "parked", "close", "teardown(peer_lost=True)"]),  # gloo: connections ended instead
+])
+def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_path, monkeypatch, device, reason, order):
+    """The persist thread and a tier-0 copy wait on events queued behind a kernel that waits for the
+    lost peer: settling them before the abort kept the survivor for ``pg_timeout_s``."""
+    import signal
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.runtime import protocol as proto
+    from trainguard.runtime import runtime as runtime_mod
+    from trainguard.runtime.runtime import Runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    previous = signal.getsignal(signal.SIGTERM)
+    seen: list[str] = []
+    try:
+        rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0,
+                     checkpoint=CheckpointConfig(url=str(tmp_path / "ckpt"), interval_steps=1000))
+        model = torch.nn.Linear(4, 1)
+        rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=32, global_batch=4, micro_batch=2,
+                 seed=1)
+        rt.reform_enabled = True
+        rt.device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+        real_teardown, real_close = rf.teardown_world, rt._manager.close
+
+        def teardown(dev_, *, peer_lost, **kw):
+            seen.append(f"teardown(peer_lost={peer_lost})")
+            return real_teardown(dev_, peer_lost=peer_lost, synchronize=lambda d: None)
+
+        def close():
+            seen.append("close")
+            real_close()
+
+        monkeypatch.setattr(runtime_mod.rf, "teardown_world", teardown)
+        monkeypatch.setattr(rt, "_settle_memory", lambda abandon_after=None: seen.append("settle"))
+        monkeypatch.setattr(rt._manager, "close", close)
+
+        class Link:
+            request = proto.StopReason.NONE
+
+            def report(self, msg):
+                seen.append("parked")
+
+            def wait_reform(self, timeout_s, abort=None):
+                raise SystemExit("parked")  # what follows (the new world) is not under test
+
+        rt._link = Link()
+        with pytest.raises(SystemExit, match="parked"):
+            rt._park(proto.ParkReason(reason))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert seen == order
