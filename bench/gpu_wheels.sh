@@ -11,4 +11,5 @@ rm -rf .whl && mkdir -p .whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     -d .whl 'structlog>=24.1'
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl . 2>&1 | grep -v "^WARNING" || true
+rm -rf build  # pip wheel's staging folder
 ls -l .whl

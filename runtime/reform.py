@@ -296,14 +296,29 @@ def clear_dtensor_caches() -> None:
         _gen_transform_infos.cache_clear()
 
 
-def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra: dict[str, Any],
-                    load_extra: Any, group: Any = None, tensor_group: Any = None) -> tuple[str, int | None]:
+def to_host(obj: Any) -> Any:
+    """``obj`` with every tensor copied to the CPU (CPU tensors as they are), for pickling: a pickled CUDA
+    tensor is restored on the *sender's* ``cuda:<i>`` in every receiver (a DDP joiner got its optimizer
+    state on another rank's GPU). ``Optimizer.load_state_dict`` moves the state to its parameters' device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu") if obj.is_cuda else obj
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [to_host(v) for v in obj]
+        return tuple(out) if isinstance(obj, tuple) else out
+    return obj
+
+
+def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *,
+                    extra: dict[str, Any] | Callable[[], dict[str, Any]], load_extra: Any, group: Any = None,
+                    tensor_group: Any = None) -> tuple[str, int | None]:
     """Agree on the newest live state and hand it to every rank that lacks it.
 
     ``step`` is the step this rank's in-memory state is at (None: a fresh process, nothing live).
     ``tensors`` are the replicated tensors (parameters, buffers, optimizer state), broadcast in place
-    from the source; ``extra`` is small picklable state (step, data cursor, optimizer state layout)
-    given to ``load_extra`` on the receivers. Flags and ``extra`` go over ``group`` (gloo, CPU); the
+    from the source; ``extra`` is small picklable state (step, data cursor, optimizer state layout),
+    or a function that makes it (called on the source rank only), given to ``load_extra`` on the receivers. Flags and ``extra`` go over ``group`` (gloo, CPU); the
     tensors over ``tensor_group`` (None: the default group — NCCL for tensors on the GPU). Returns ``(outcome, source step)``: ``none`` (no rank
     holds live state: restore from storage), ``agreed`` (every rank is at the same step: nothing
     moved) or ``broadcast``.
@@ -320,7 +335,7 @@ def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra
     pick = torch.tensor([rank if mine == newest else dist.get_world_size(group)], dtype=torch.int64)
     dist.all_reduce(pick, op=dist.ReduceOp.MIN, group=group)
     src = int(pick[0])
-    box = [extra if rank == src else None]
+    box = [(extra() if callable(extra) else extra) if rank == src else None]
     dist.broadcast_object_list(box, group=group, group_src=src)
     if rank != src:
         load_extra(box[0])
@@ -329,5 +344,5 @@ def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *, extra
     return "broadcast", newest
 
 
-__all__ = ["Teardown", "clear_dtensor_caches", "end_world_connections", "init_world", "is_peer_failure", "sync_live_state", "teardown_plan", "teardown_world",
+__all__ = ["Teardown", "clear_dtensor_caches", "end_world_connections", "init_world", "is_peer_failure", "sync_live_state", "teardown_plan", "teardown_world", "to_host",
            "world_connections"]

@@ -1221,10 +1221,13 @@ class Runtime:
                 # receiver takes that count and does not count the loss again (see _park).
                 stats["survived_losses"] += 1
                 stats["survived_failures"] += self._parked_for is proto.ParkReason.PEER_LOST
-        extra = {"step": self.step, "cursor": self.cursor.state_dict(),
-                 "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
-                 "scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None,
-                 "interval": stats}
+        scaler = self.strategy.scaler
+
+        def extra() -> dict[str, Any]:  # made on the source rank only; tensors on the host (rf.to_host)
+            assert self.cursor is not None
+            return rf.to_host({"step": self.step, "cursor": self.cursor.state_dict(),
+                               "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+                               "scaler": scaler.state_dict() if scaler is not None else None, "interval": stats})
         self._took_peer_stats = False
 
         def load(d: dict[str, Any]) -> None:

@@ -198,3 +198,52 @@ def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_p
         if dist.is_initialized():
             dist.destroy_process_group()
     assert seen == order
+
+
+# ---- item 6: a joiner's optimizer state is sent from the host --------------------------------------
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def test_live_state_pickles_no_gpu_tensor(tmp_path, monkeypatch):
+    """A pickled CUDA tensor is restored on the sender's ``cuda:<i>`` in every receiver: the small state a
+    DDP joiner receives over gloo (optimizer state included) must hold host tensors only, and be made on
+    the sending rank only."""
+    import signal
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.runtime import runtime as runtime_mod
+    from trainguard.runtime.runtime import Runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0, checkpoint=CheckpointConfig())
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters())
+        rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        for st in opt.state.values():  # the moments "on the GPU", as on a CUDA rank
+            st["exp_avg"], st["exp_avg_sq"] = on_fake_gpu(st["exp_avg"]), on_fake_gpu(st["exp_avg_sq"])
+        sent = {}
+
+        def fake_sync(step, tensors, *, extra, load_extra, group=None, tensor_group=None):
+            sent["extra"] = extra() if callable(extra) else extra
+            return "broadcast", step
+
+        monkeypatch.setattr(runtime_mod.rf, "sync_live_state", fake_sync)
+        rt._sync_live_state(rt.step)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    leaves = _tensors(sent["extra"]["optimizer"])
+    assert len(leaves) >= 6 and not any(t.is_cuda for t in leaves)
