@@ -26,6 +26,9 @@ NCCL_ABORT_COMMUNICATOR_ONLY = "2"
 """``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: on a failed or timed-out collective the watchdog aborts the
 communicator and the error surfaces in the worker, which stays alive to re-form in place."""
 
+FLIGHT_RECORDER_ENTRIES = "2000"
+"""``TORCH_FR_BUFFER_SIZE`` for workers (unless set): collectives the flight recorder keeps."""
+
 NCCL_TEAR_DOWN = "3"
 """``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` (torch's default): the watchdog ends the worker process; the
 agent sees the exit and restarts the world."""
@@ -39,9 +42,11 @@ def gpu_defaults(w: WorkersConfig, inherited: Mapping[str, str], *, reform_in_pr
     with in-place re-formation the communicator is aborted and the worker survives to re-form,
     otherwise the worker exits and the world restarts. ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: CUDA numbers
     the GPUs as NVML does (CUDA's default orders fastest first), so ``LOCAL_RANK`` k, the agent's
-    NVML device k and ``nvidia-smi`` name the same GPU. Harmless without GPUs."""
+    NVML device k and ``nvidia-smi`` name the same GPU. Harmless without GPUs. ``TORCH_FR_BUFFER_SIZE``:
+    the flight recorder keeps the last 2000 collectives (torch's default 0 keeps none), which a worker
+    dumps when it parks for a lost peer (:mod:`trainguard.runtime.flight`)."""
     wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": NCCL_ABORT_COMMUNICATOR_ONLY if reform_in_process else NCCL_TEAR_DOWN,
-              "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+              "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TORCH_FR_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES}
     return {k: v for k, v in wanted.items() if k not in inherited and k not in w.env}
 
 

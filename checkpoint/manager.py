@@ -83,7 +83,7 @@ from trainguard.checkpoint.errors import (
 )
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
-from trainguard.checkpoint import parity
+from trainguard.checkpoint import parity, pinned
 from trainguard.checkpoint.memory import (ANY_RANK, HEADER_BYTES, MemoryTier, SnapshotSource, blob_skeleton,
                                           choose_sources, shards_needed)
 from trainguard.checkpoint.restore import StepLoader
@@ -360,7 +360,7 @@ class CheckpointManager:
         self._bind(state)
         t1 = time.monotonic()
         staged = self._stager.stage(state, source)
-        ready, deferred = self._stager.ready, self._stager.deferred
+        ready, deferred, device = self._stager.ready, self._stager.deferred, self._stager.device
         t2 = time.monotonic()
         stage_s, blocked = t2 - t1, t2 - t0
         self._log.info("checkpoint_staged", step=step, kind=kind, blocked_s=round(blocked, 6),
@@ -368,12 +368,13 @@ class CheckpointManager:
                        staging_bytes=self._stager.staging_bytes, from_snapshot=self._stager.from_snapshot)
         self.last_blocked_s, self.last_stage_s = blocked, stage_s
         if sync:
-            return _done(self._persist(step, staged, kind, stage_s, blocked, ready, deferred))
+            return _done(self._persist(step, staged, kind, stage_s, blocked, ready, deferred, device))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._inflight_step = step
         self._cancel_why = None
-        self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready, deferred)
+        self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready, deferred,
+                                               device)
         return self._inflight
 
     def cancel_inflight(self, why: str) -> bool:
@@ -646,11 +647,14 @@ class CheckpointManager:
         self._inflight_step = None
 
     def _persist(self, step: int, staged: dict[str, Any], kind: str, stage_s: float, blocked_s: float,
-                 ready: Any = None, deferred: Callable[[], None] | None = None) -> SaveResult:
+                 ready: Any = None, deferred: Callable[[], None] | None = None,
+                 device: Any = None) -> SaveResult:
         """Claim if needed, write, commit and clean up one staged state (background thread, or caller).
-        ``ready``: the event of the staging copies (GPU); ``deferred``: the copies out of a snapshot
-        (:mod:`~trainguard.checkpoint.staging`), run here first; the buffers are read only after both."""
+        ``ready``: the event of the staging copies (GPU) on ``device`` (made this thread's current
+        device first); ``deferred``: the copies out of a snapshot (:mod:`~trainguard.checkpoint.staging`),
+        run here first; the buffers are read only after both."""
         t0 = time.monotonic()
+        pinned.bind_thread(device)
         if ready is not None:
             ready.synchronize()  # this save's copies only: not a device-wide synchronize
         ref: StepRef | None = None

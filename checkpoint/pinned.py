@@ -143,6 +143,15 @@ def cuda_device_of(state: Any) -> torch.device | None:
     return next(iter(devices), None)
 
 
+def bind_thread(device: torch.device | None, cuda: Any = None) -> None:
+    """Make ``device`` the calling thread's current CUDA device (a no-op for None or the CPU). Every
+    background thread that touches CUDA (the persist thread waiting on a staging event, a snapshot's
+    commit thread) calls it first: the current device is per thread and defaults to GPU 0, so an
+    unbound thread made a CUDA context on GPU 0 in every rank of a node."""
+    if device is not None and device.type == "cuda":
+        (cuda if cuda is not None else torch.cuda).set_device(device)
+
+
 class CopyStream:
     """GPU -> arena copies on a side stream of one device, ordered after the compute stream's queued
     work; :meth:`copy` returns the event the persist thread waits on. ``cuda`` is ``torch.cuda`` (tests
@@ -173,4 +182,4 @@ class CopyStream:
         return out, done
 
 
-__all__ = ["ALIGN", "CopyStream", "HostArena", "build", "cuda_device_of", "layout_bytes"]
+__all__ = ["ALIGN", "CopyStream", "HostArena", "bind_thread", "build", "cuda_device_of", "layout_bytes"]

@@ -301,11 +301,13 @@ def select(t: torch.Tensor, pos: list[Pos]) -> torch.Tensor:
 
 
 def assign(t: torch.Tensor, pos: list[Pos], block: torch.Tensor | bool) -> None:
-    """Write ``block`` into ``t`` at ``pos``."""
+    """Write ``block`` into ``t`` at ``pos``. ``block`` may live elsewhere (a host block read from a
+    snapshot into a GPU tensor): ``index_put_`` needs its values and indices on ``t``'s device."""
     if all(isinstance(p, slice) for p in pos):
         t[tuple(pos)] = block
         return
     n = len(pos)
-    ix = tuple((torch.arange(p.start, p.stop) if isinstance(p, slice) else p).view([-1 if i == d else 1 for i in range(n)])
-               for d, p in enumerate(pos))
-    t.index_put_(ix, torch.as_tensor(block, dtype=t.dtype) if isinstance(block, bool) else block)
+    ix = tuple((torch.arange(p.start, p.stop) if isinstance(p, slice) else p).to(t.device)
+               .view([-1 if i == d else 1 for i in range(n)]) for d, p in enumerate(pos))
+    values = torch.as_tensor(block, dtype=t.dtype) if isinstance(block, bool) else block
+    t.index_put_(ix, values.to(device=t.device, dtype=t.dtype))

@@ -56,6 +56,11 @@ class Stager:
         self.from_snapshot = 0
         """Tensors the last :meth:`stage` left to :attr:`deferred` (0: none, staged from the training state)."""
 
+    @property
+    def device(self) -> torch.device | None:
+        """The GPU the staged state comes from (the copies' device), or None on the CPU."""
+        return self._copier.device if self._copier is not None else None
+
     @staticmethod
     def _materialise(state: dict[str, Any]) -> dict[str, Any]:
         return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}

@@ -99,6 +99,7 @@ from trainguard.checkpoint.memory import parity_buffers as memory_parity_buffers
 from trainguard.checkpoint.replica import Replicator
 from trainguard.checkpoint.state import TrainerState
 from trainguard.runtime import device as dev
+from trainguard.runtime import flight
 from trainguard.runtime import protocol as proto
 from trainguard.runtime import reform as rf
 from trainguard.runtime.cursor import GlobalSampleCursor
@@ -1020,6 +1021,10 @@ class Runtime:
         exit with the resize code so that the agent restarts the world (the fallback)."""
         t0 = time.monotonic()
         lost = reason is proto.ParkReason.PEER_LOST
+        if lost:  # the evidence of what each group was doing, before the abort clears the groups
+            dumped = flight.dump(self.rank, self.reformations)
+            if dumped is not None:
+                self._log.info("flight_recorder_dumped", path=dumped[0], nbytes=dumped[1], step=self.step)
         if lost and dev.backend_for(self.device) == "nccl":
             # Abort before anything waits on the GPU: a snapshot's or a save's copy queued behind a
             # kernel that waits for the lost peer would keep this rank here for pg_timeout_s.

@@ -120,3 +120,32 @@ def test_persist_waits_on_the_staging_event_before_writing(tmp_path, monkeypatch
         mgr.save(1, {"w": {"t": torch.ones(3)}})
         assert mgr.wait(30) == 1
     assert order == ["event.synchronize", "write"]
+
+
+def test_the_persist_thread_binds_the_staging_device_before_it_waits(tmp_path, monkeypatch):
+    """The current CUDA device is per thread (default 0): the persist thread sets the state's GPU before
+    it waits on the staging event, or every rank of a node made a context on GPU 0."""
+    import threading
+    import types
+
+    bound: list[tuple[str, str]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append((threading.current_thread().name, str(d))))
+
+    class Event:
+        def synchronize(self):
+            bound.append((threading.current_thread().name, "event.synchronize"))
+
+    with CheckpointManager(CheckpointConfig(url=str(tmp_path / "c"), async_save=True), "run", rank=0, world_size=1) as mgr:
+        real_copy = mgr._stager._copy
+
+        def copy(sd):
+            out = real_copy(sd)
+            mgr._stager.ready = Event()  # what a GPU staging copy on cuda:3 leaves behind
+            mgr._stager._copier = types.SimpleNamespace(device=torch.device("cuda", 3))
+            return out
+
+        monkeypatch.setattr(mgr._stager, "_copy", copy)
+        mgr.save(1, {"w": {"t": torch.ones(3)}})
+        assert mgr.wait(30) == 1
+    assert [b for b in bound if b[0].startswith("trainguard-ckpt")][:2] == [
+        (bound[0][0], "cuda:3"), (bound[0][0], "event.synchronize")]

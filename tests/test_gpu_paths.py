@@ -247,3 +247,34 @@ def test_live_state_pickles_no_gpu_tensor(tmp_path, monkeypatch):
             dist.destroy_process_group()
     leaves = _tensors(sent["extra"]["optimizer"])
     assert len(leaves) >= 6 and not any(t.is_cuda for t in leaves)
+
+
+# ---- item 10: the flight recorder after an in-place re-formation ---------------------------------
+
+def test_flight_recorder_is_dumped_by_the_worker_in_a_re_formed_world(tmp_path, monkeypatch):
+    """torch's own dump runs from the first NCCL group's monitor only; the worker dumps itself, and the
+    trace of the process holds the collectives of the re-formed world too."""
+    import pickle
+
+    from trainguard.runtime import flight
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(tmp_path / "trace_rank_"))
+    for world in range(2):
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / f"s{world}"), 1), rank=0, world_size=1)
+        for _ in range(world + 1):
+            dist.all_reduce(torch.ones(2))
+        if world == 1:
+            path, nbytes = flight.dump(rank=0, world=world)
+        rf.teardown_world(torch.device("cpu"), peer_lost=world == 0)
+    assert path == str(tmp_path / "trace_rank_0.world-1") and nbytes > 0
+    with open(path, "rb") as f:
+        entries = pickle.load(f)["entries"]
+    assert [e["profiling_name"] for e in entries][-3:] == ["gloo:all_reduce"] * 3  # 1 of world 0, 2 of world 1
+
+
+def test_flight_trace_path():
+    from trainguard.runtime.flight import trace_path
+
+    assert trace_path({}, 3, 2) == "/tmp/nccl_trace_rank_3.world-2"
+    assert trace_path({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/var/log/fr_"}, 0, 0) == "/var/log/fr_0.world-0"

@@ -251,10 +251,10 @@ def test_checkpoints_show_accepts_the_run_folder(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("reform,inherited,env,expected", [
-    (True, {}, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
-    (False, {}, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
-    (True, {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
-    (False, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
+    (True, {}, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TORCH_FR_BUFFER_SIZE": "2000"}),
+    (False, {}, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TORCH_FR_BUFFER_SIZE": "2000"}),
+    (True, {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_FR_BUFFER_SIZE": "2000"}),
+    (False, {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_FR_BUFFER_SIZE": "64"}, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
 ])
 def test_gpu_worker_env_defaults(reform, inherited, env, expected):
     """NCCL failures surface (abort the communicator and survive to re-form, or tear the worker

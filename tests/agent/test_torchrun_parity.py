@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 SCRIPT = os.path.join(os.path.dirname(__file__), "_dump_env.py")
 PER_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 # CUDA_DEVICE_ORDER=PCI_BUS_ID: LOCAL_RANK k, NVML device k and nvidia-smi name the same GPU (workerenv.gpu_defaults)
-TRAINGUARD_ONLY = {"PROMETHEUS_MULTIPROC_DIR", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "CUDA_DEVICE_ORDER"}
+TRAINGUARD_ONLY = {"PROMETHEUS_MULTIPROC_DIR", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "CUDA_DEVICE_ORDER",
+                   "TORCH_FR_BUFFER_SIZE"}
 DELIBERATE = {"TORCHELASTIC_USE_AGENT_STORE",  # trainguard turns store sharing off (see the supervisor's docstring)
               "TORCH_NCCL_ASYNC_ERROR_HANDLING"}  # 2 in place (abort the communicator, survive), 3 on restarts
 

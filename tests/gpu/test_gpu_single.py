@@ -115,3 +115,16 @@ def test_bundled_example_on_cuda_saves_and_resumes_exactly(tmp_path, strategy, e
     dtypes = {m.properties.dtype for k, m in meta.state_dict_metadata.items()
               if hasattr(m, "properties") and "weight" in k and "optim" not in k}
     assert dtypes == {torch.float32}, dtypes
+
+
+def test_reshard_assign_writes_a_host_block_into_a_gpu_tensor_at_strided_positions():
+    """A tier-0 reshard fills GPU shards from host blocks; index positions (non-contiguous, as a TP
+    layout's) go through ``index_put_``, which needs the values on the tensor's device."""
+    from trainguard.checkpoint.reshard import assign
+
+    t = torch.zeros(4, 6, device=DEVICE)
+    block = torch.arange(6.0).view(2, 3)  # on the host
+    assign(t, [slice(1, 3), torch.tensor([0, 2, 4])], block)
+    want = torch.zeros(4, 6)
+    want[1:3, 0::2] = block
+    assert torch.equal(t.cpu(), want)
