@@ -377,6 +377,18 @@ class CheckpointManager:
                                                device)
         return self._inflight
 
+    def guard(self, optimizer: Any) -> None:
+        """Let the next forward and backward run beside a save's GPU -> host copy of ``optimizer``'s
+        parameters and state: only ``optimizer.step()`` waits for it (GPU-side, a step pre-hook). Call
+        again when the optimizer object changes. Without it, the whole next step waits for the copy."""
+        self._stager.guard.attach(optimizer)
+
+    def order_after_copies(self) -> None:
+        """Make the compute stream wait (GPU-side) for a guarded save's copies now: before anything but
+        the guarded ``optimizer.step()`` changes the parameters or optimizer state (a restore, a
+        re-formation). A no-op on the CPU and when no copy is pending."""
+        self._stager.guard.release()
+
     def cancel_inflight(self, why: str) -> bool:
         """Give up the background save if its shards are still being written (thread-safe): it stops at
         the next write slice, and :meth:`close` / :meth:`wait` return without waiting for the rest of

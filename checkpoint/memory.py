@@ -89,7 +89,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint import parity, reshard
+from trainguard.checkpoint import parity, pinned, reshard
+from trainguard.checkpoint.gpusnap import GpuCopies
 from trainguard.checkpoint.localplan import LocalPlan
 
 SLOTS = 2
@@ -643,6 +644,7 @@ class _Slot:
         self._mm: mmap.mmap | None = None
         self._views: list[torch.Tensor] = []
         self._views_sig: Any = None
+        self._pin: pinned.PinnedRegion | None = None
 
     def header(self) -> Header | None:
         try:
@@ -671,6 +673,13 @@ class _Slot:
     def mm(self) -> mmap.mmap:
         assert self._mm is not None
         return self._mm
+
+    def pin(self) -> str | None:
+        """Page-lock the mapping in place (once per mapping), for asynchronous copies from a GPU; returns
+        why it could not be (the copies then go through pageable memory), else None."""
+        if self._pin is None:
+            self._pin = pinned.PinnedRegion(self.mm)
+        return self._pin.error
 
     def views(self, sig: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> list[torch.Tensor]:
         """Tensors over the mapped data area, one per ``(shape, dtype)`` of ``sig`` (built once per layout)."""
@@ -727,6 +736,9 @@ class _Slot:
 
     def close(self) -> None:
         self._views, self._views_sig = [], None  # release the exported buffer before unmapping
+        if self._pin is not None:
+            self._pin.release()
+            self._pin = None
         if self._mm is not None:
             self._mm.close()
             self._mm = None
@@ -801,7 +813,7 @@ class MemoryTier:
     """
 
     def __init__(self, directory: str, *, rank: int, world_size: int, local_world_size: int = 1,
-                 max_bytes: int = 0, copies: int = 1, replicated: bool = False) -> None:
+                 max_bytes: int = 0, copies: int = 1, replicated: bool = False, cuda: Any = None) -> None:
         if not os.path.isdir(directory):
             raise MemoryTierError(f"the tier-0 snapshot folder {directory} does not exist (its agent creates it). "
                                   f"Fix: start the workers through the trainguard agent, or set "
@@ -828,8 +840,14 @@ class MemoryTier:
         self._pool: ThreadPoolExecutor | None = None
         self._committing: Future[None] | None = None
         self._guarded: Any = None  # the optimizer whose parameters and state are copied in the background
+        self._gpu = GpuCopies(cuda)  # GPU tensors: asynchronous copies into pinned memory (gpusnap)
+        self._copied: threading.Event | None = None
+        """Set once the newest snapshot has read every tensor (its checksum and commit may still run):
+        what the guarded optimizer's next step waits for."""
+        self.pin_error: str | None = None
+        """Why a slot could not be page-locked for GPU copies (they are then slower), or None."""
         self._guard_hook: Any = None
-        self._split: tuple[Any, tuple[int, ...], tuple[int, ...]] | None = None
+        self._split: tuple[Any, set[int]] | None = None
         self._last: tuple[int, int, list[torch.Tensor], list[torch.Tensor]] | None = None
         """The newest snapshot taken by this process: step, slot, the tensors it copied, their views."""
         self._holds: dict[int, SnapshotSource] = {}  # slot -> the durable save reading it
@@ -956,7 +974,7 @@ class MemoryTier:
                 target.invalidate()  # (parity: the one own slot grows in place, its snapshot still good)
             target.ensure(per_slot)
             self._sig, self._tensor_bytes = sig, tensor_bytes
-            self._on_cpu = all(t.device.type == "cpu" for t in tensors)
+            self._on_cpu = not any(t.is_cuda for t in tensors)
             self._split = None
         target.ensure(target.size)
         views = target.views(sig)
@@ -969,13 +987,21 @@ class MemoryTier:
             views, tensors = [views[i] for i in now], [tensors[i] for i in now]
         else:
             late_views, late_tensors = [], []
-        _write(target.mm, views, tensors, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
-        if self.fault_hook is not None:
+        gpu_done = None
+        if not self._on_cpu:  # GPU tensors: asynchronous copies into the pinned slot (gpusnap)
+            self.pin_error = target.pin()
+            _zero_commit(target.mm)
+            gpu_done = self._gpu.start(tensors, views, self._guarded_ptrs(sig) if self._guarded is not None else set())
+            views, tensors = [v for v, t in zip(views, tensors) if not t.is_cuda], [t for t in tensors if not t.is_cuda]
+        _write(target.mm, views, tensors, tensor_bytes=tensor_bytes, meta=meta)
+        if self.fault_hook is not None and gpu_done is None:
             self.fault_hook(step)
         self._newest, self._last = idx, last
+        self._copied = threading.Event()
         commit = functools.partial(_copy_and_commit, target.mm, late_views, late_tensors, step=step,
                                    world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,
-                                   meta_bytes=len(meta))
+                                   meta_bytes=len(meta), copied=self._copied, gpu_done=gpu_done,
+                                   device=self._gpu.device, fault_hook=self.fault_hook if gpu_done is not None else None)
         self._background(commit)
         return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
 
@@ -995,15 +1021,17 @@ class MemoryTier:
         """:meth:`snapshot` with parity: the tensors the guarded optimizer does not own are cloned now
         (they may change in the next forward); the exchange, then the write into the one own slot, run in
         the background (:meth:`_parity_job`) while the optimizer waits (:meth:`guard`)."""
-        srcs = [t if i in later and t.is_contiguous() else t.detach().clone(memory_format=torch.contiguous_format)
-                for i, t in enumerate(tensors)]
-        job = functools.partial(self._parity_job, step, target, views, srcs, meta, tensor_bytes, world)
+        srcs = [t if (i in later and t.is_contiguous()) or t.is_cuda
+                else t.detach().clone(memory_format=torch.contiguous_format) for i, t in enumerate(tensors)]
+        srcs, gpu_done = self._gpu.to_host(srcs, self._guarded_ptrs(self._sig) if self._guarded is not None else set())  # GPU tensors: host copies, never device clones
+        self._copied = None  # the exchange reads host tensors of the optimizer: its step waits for all of it
+        job = functools.partial(self._parity_job, step, target, views, srcs, meta, tensor_bytes, world, gpu_done)
         self._newest, self._last = 0, None
         self._background(job)
         return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
 
     def _parity_job(self, step: int, target: _Slot, views: list[torch.Tensor], srcs: list[torch.Tensor],
-                    meta: bytes, tensor_bytes: int, world: str) -> bool:
+                    meta: bytes, tensor_bytes: int, world: str, gpu_done: Any = None) -> bool:
         """Exchange the parity of step ``step``, agree that every rank committed its block, then write and
         commit the own slot (see :mod:`trainguard.checkpoint.parity` for why this order). False when the
         own slot was not written (the exchange failed: the previous snapshot stands)."""
@@ -1013,6 +1041,9 @@ class MemoryTier:
         me = threading.current_thread()
         ok = 0
         try:
+            if gpu_done is not None:
+                pinned.bind_thread(self._gpu.device)
+                gpu_done.synchronize()  # the host copies of the GPU tensors are complete
             flat = parity.Flat.of(srcs, meta, ALIGN)
             self._write_parity(step, world, flat, group, members, index, tensor_bytes, len(meta))
             ok = 1
@@ -1033,7 +1064,7 @@ class MemoryTier:
             if not ok or getattr(me, "tg_abandoned", False):
                 return False
             self.parity_step = step
-            _write(target.mm, views, srcs, tensor_bytes=tensor_bytes, meta=meta, on_cpu=self._on_cpu)
+            _write(target.mm, views, srcs, tensor_bytes=tensor_bytes, meta=meta)
             if self.fault_hook is not None:
                 self.fault_hook(step)
             _commit(target.mm, step=step, world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,
@@ -1167,22 +1198,37 @@ class MemoryTier:
             return
         if self._guard_hook is not None:
             self._guard_hook.remove()
-        self._guard_hook = optimizer.register_step_pre_hook(lambda *_: self.settle())
+        self._guard_hook = optimizer.register_step_pre_hook(lambda *_: self._wait_copied())
         self._guarded, self._split = optimizer, None
+
+    def _wait_copied(self) -> None:
+        """The guarded optimizer's step pre-hook: wait until the newest snapshot has read every tensor
+        (not for its checksum and commit, which read only the slot); :meth:`settle` where it cannot tell."""
+        copied = self._copied
+        if copied is None:
+            self.settle()
+            return
+        while not copied.wait(0.05):
+            pending = self._committing
+            if pending is None or pending.done():  # the job ended without setting it: its error, if any
+                self.settle()
+                return
 
     def _deferred(self, sig: Any, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Indices of ``tensors`` to copy now, and those the background thread may copy: CPU tensors that
         are the guarded optimizer's parameters or state (by storage). Cached per layout."""
-        opt = self._guarded
-        if opt is None:
+        if self._guarded is None:
             return (), ()
+        ptrs = self._guarded_ptrs(sig)
+        later = tuple(i for i, t in enumerate(tensors) if not t.is_cuda and t.data_ptr() in ptrs)
+        return tuple(i for i in range(len(tensors)) if i not in set(later)), later
+
+    def _guarded_ptrs(self, sig: Any) -> set[int]:
+        """The guarded optimizer's parameter and state storages (:func:`pinned.optimizer_storages`),
+        cached per layout."""
         if self._split is None or self._split[0] != sig:
-            ptrs = {t.data_ptr() for g in opt.param_groups for p in g["params"] for t in (_local(p) or [])}
-            ptrs |= {t.data_ptr() for st in opt.state.values() for v in st.values() for t in (_local(v) or [])}
-            ptrs.discard(0)
-            later = tuple(i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.data_ptr() in ptrs)
-            self._split = (sig, tuple(i for i in range(len(tensors)) if i not in set(later)), later)
-        return self._split[1], self._split[2]
+            self._split = (sig, pinned.optimizer_storages(self._guarded))
+        return self._split[1]
 
     def lend(self, step: int) -> SnapshotSource | None:
         """The snapshot this process just took, as the source of the durable save of the same ``step``
@@ -1461,6 +1507,7 @@ class MemoryTier:
             self._pool = None
         for s in self._slots:
             s.close()
+        self._gpu.close()
 
 
 def _intact(slots: list[_Slot], keep: Callable[[Header], bool] = lambda h: True) -> Iterator[tuple[Header, dict[str, Any]]]:
@@ -1531,26 +1578,40 @@ def _load_data(h: Header, data: bytes, state: dict[str, Any]) -> dict[str, Any]:
     return dict(meta["extra"])
 
 
-def _write(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor], *, tensor_bytes: int,
-           meta: bytes, on_cpu: bool) -> None:
-    """Write one snapshot's data into a mapped slot, its commit word zeroed first (:func:`_commit` ends it)."""
+def _zero_commit(mm: mmap.mmap) -> None:
+    """Zero a slot's commit word: it reads as torn until :func:`_commit` ends the snapshot being written."""
     mm[_COMMIT_OFFSET:_COMMIT_OFFSET + 8] = b"\0" * 8
-    with torch.no_grad():
-        if on_cpu:
-            if tensors:
-                torch._foreach_copy_(views, tensors)
-        else:  # GPU -> host: blocking copies (not verified on a GPU yet)
-            for dst, src in zip(views, tensors, strict=True):
-                dst.copy_(src)
-    mm[HEADER_BYTES + tensor_bytes:HEADER_BYTES + tensor_bytes + len(meta)] = meta
 
 
-def _copy_and_commit(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor], **kw: Any) -> None:
-    """The background half of a snapshot: the deferred copies (CPU tensors: the copy releases the GIL),
-    then :func:`_commit`."""
+def _write(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor], *, tensor_bytes: int,
+           meta: bytes) -> None:
+    """Write one snapshot's host tensors and metadata into a mapped slot, its commit word zeroed first
+    (:func:`_commit` ends it). GPU tensors are not copied here (:class:`~trainguard.checkpoint.gpusnap.GpuCopies`)."""
+    _zero_commit(mm)
     if tensors:
         with torch.no_grad():
             torch._foreach_copy_(views, tensors)
+    mm[HEADER_BYTES + tensor_bytes:HEADER_BYTES + tensor_bytes + len(meta)] = meta
+
+
+def _copy_and_commit(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor], *,
+                     copied: threading.Event | None = None, gpu_done: Any = None, device: Any = None,
+                     fault_hook: Callable[[int], None] | None = None, **kw: Any) -> None:
+    """The background half of a snapshot: the deferred copies (CPU tensors: the copy releases the GIL),
+    the wait for the GPU copies (``gpu_done``, on ``device`` made current first), then - ``copied`` set:
+    the guarded optimizer may step - :func:`_commit`."""
+    try:
+        if tensors:
+            with torch.no_grad():
+                torch._foreach_copy_(views, tensors)
+        if gpu_done is not None:
+            pinned.bind_thread(device)
+            gpu_done.synchronize()
+    finally:
+        if copied is not None:
+            copied.set()
+    if fault_hook is not None:
+        fault_hook(kw["step"])
     _commit(mm, **kw)
 
 

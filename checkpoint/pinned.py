@@ -143,6 +143,33 @@ def cuda_device_of(state: Any) -> torch.device | None:
     return next(iter(devices), None)
 
 
+class PinnedRegion:
+    """Host memory someone else allocated (a tier-0 slot's mapping), page-locked in place with
+    ``cudaHostRegister`` so that GPU copies into it run asynchronously (into pageable memory CUDA
+    copies through a bounce buffer and the host waits). :meth:`release` unregisters (idempotent); a
+    failed registration leaves it unpinned (:attr:`error` says why): the copies are then correct, slower."""
+
+    def __init__(self, buffer: Any) -> None:
+        self._view = torch.frombuffer(buffer, dtype=torch.uint8)
+        self.ptr, self.nbytes = self._view.data_ptr(), self._view.numel()
+        self.error: str | None = None
+        self.pinned = False
+        try:
+            _register(self.ptr, self.nbytes)
+            self.pinned = True
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            self.error = f"{type(e).__name__}: {e}"[:300]
+
+    def release(self) -> None:
+        if self.pinned:
+            self.pinned = False
+            try:
+                _unregister(self.ptr)
+            except Exception:  # noqa: BLE001 - the mapping goes anyway
+                pass
+        self._view = None  # the exported buffer, before the owner unmaps it
+
+
 def bind_thread(device: torch.device | None, cuda: Any = None) -> None:
     """Make ``device`` the calling thread's current CUDA device (a no-op for None or the CPU). Every
     background thread that touches CUDA (the persist thread waiting on a staging event, a snapshot's
@@ -153,8 +180,8 @@ def bind_thread(device: torch.device | None, cuda: Any = None) -> None:
 
 
 class CopyStream:
-    """GPU -> arena copies on a side stream of one device, ordered after the compute stream's queued
-    work; :meth:`copy` returns the event the persist thread waits on. ``cuda`` is ``torch.cuda`` (tests
+    """GPU -> host copies on a side stream of one device, ordered after the compute stream's queued
+    work; :meth:`copy_split` returns the events the persist or commit thread waits on. ``cuda`` is ``torch.cuda`` (tests
     inject a fake)."""
 
     def __init__(self, device: torch.device, cuda: Any = None) -> None:
@@ -162,24 +189,95 @@ class CopyStream:
         self._cuda = cuda if cuda is not None else torch.cuda
         self.stream = self._cuda.Stream(device=device)
 
-    def copy(self, sources: list[torch.Tensor], do_copy: Callable[[], Any]) -> tuple[Any, Any]:
-        """Run ``do_copy`` (non-blocking copies of ``sources`` into the arena) on the side stream;
-        return ``(its result, the recorded event)``."""
+    def copy_split(self, now: list[tuple[torch.Tensor, torch.Tensor]],
+                   later: list[tuple[torch.Tensor, torch.Tensor]], *, guarded: bool) -> tuple[Any, Any]:
+        """Non-blocking ``dst.copy_(src)`` of every pair on the side stream (after the compute stream's
+        queued work): ``now`` first (tensors the next forward may change, e.g. BatchNorm statistics), then
+        ``later`` (the guarded optimizer's parameters and state, which only its next ``step`` changes).
+        The compute stream waits GPU-side for the ``now`` copies; for ``later`` too unless ``guarded``
+        (then the optimizer's step pre-hook makes it wait, :class:`StepGuard`, and the next forward and
+        backward run beside the copy). Returns ``(event after now, event after all)``; the host never
+        blocks here."""
         cuda = self._cuda
         compute = cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)  # the values as of now, after every queued update
+        self.stream.wait_stream(compute)
         with cuda.stream(self.stream):
-            for src in sources:
+            for src, _ in (*now, *later):
                 # A temporary source is not reused before the copy ran. CUDA tensors only: aten's
                 # record_stream has no CPU kernel, and a state dict mixes both (Adam/AdamW keep
                 # state["step"] on the CPU unless fused or capturable).
                 if src.is_cuda:
                     src.record_stream(self.stream)
-            out = do_copy()
+            for src, dst in now:
+                dst.copy_(src, non_blocking=True)
+            first = cuda.Event()
+            first.record(self.stream)
+            for src, dst in later:
+                dst.copy_(src, non_blocking=True)
             done = cuda.Event()
             done.record(self.stream)
-        compute.wait_event(done)  # later in-place updates queue behind the copy (no host wait)
-        return out, done
+        compute.wait_event(first)
+        if not guarded:
+            compute.wait_event(done)
+        return first, done
 
 
-__all__ = ["ALIGN", "CopyStream", "HostArena", "bind_thread", "build", "cuda_device_of", "layout_bytes"]
+def optimizer_storages(optimizer: Any) -> set[int]:
+    """Data pointers of ``optimizer``'s parameters and state tensors (local shards of DTensors): what
+    only its ``step()`` changes. Empty for anything that is not a ``torch.optim.Optimizer``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return set()
+    ptrs = {t.data_ptr() for g in optimizer.param_groups for p in g["params"] for t in _leaves(p)}
+    ptrs |= {t.data_ptr() for st in optimizer.state.values() for v in st.values() for t in _leaves(v)}
+    ptrs.discard(0)
+    return ptrs
+
+
+class StepGuard:
+    """Makes an optimizer's next ``step()`` wait, GPU-side, for the copies that read its parameters and
+    state (:meth:`CopyStream.copy_split` with ``guarded``): a step pre-hook queues
+    ``wait_event`` on the compute stream, so the host never blocks and the forward and backward before
+    it overlap the copy. :meth:`pending` hands it the event; one guard per optimizer object."""
+
+    def __init__(self, cuda: Any = None) -> None:
+        self._cuda = cuda if cuda is not None else torch.cuda
+        self._optimizer: Any = None
+        self._hook: Any = None
+        self._event: Any = None
+        self._device: Any = None
+        self.ptrs: set[int] = set()
+
+    @property
+    def optimizer(self) -> Any:
+        return self._optimizer
+
+    def attach(self, optimizer: Any) -> None:
+        """Guard ``optimizer`` (again after it changes; a non-optimizer detaches)."""
+        if optimizer is self._optimizer:
+            self.ptrs = optimizer_storages(optimizer)
+            return
+        self.detach()
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._optimizer = optimizer
+            self._hook = optimizer.register_step_pre_hook(lambda *_: self.release())
+            self.ptrs = optimizer_storages(optimizer)
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = self._optimizer = None
+        self.ptrs = set()
+
+    def pending(self, event: Any, device: torch.device) -> None:
+        """The next ``step()`` waits for ``event`` (recorded on ``device``'s side stream)."""
+        self._event, self._device = event, device
+
+    def release(self) -> None:
+        """Queue the wait on the compute stream now (also before anything else changes the guarded tensors)."""
+        ev, self._event = self._event, None
+        if ev is not None:
+            self._cuda.current_stream(self._device).wait_event(ev)
+
+
+__all__ = ["ALIGN", "CopyStream", "HostArena", "PinnedRegion", "StepGuard", "bind_thread", "build", "cuda_device_of", "layout_bytes",
+           "optimizer_storages"]

@@ -34,7 +34,7 @@ from torch.distributed._state_dict_utils import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainguard.checkpoint.pinned import CopyStream, HostArena, build, cuda_device_of, layout_bytes
+from trainguard.checkpoint.pinned import CopyStream, HostArena, StepGuard, build, cuda_device_of, layout_bytes
 
 
 class Stager:
@@ -55,6 +55,7 @@ class Stager:
         the buffers (None: every copy is done, or ``ready`` says when)."""
         self.from_snapshot = 0
         """Tensors the last :meth:`stage` left to :attr:`deferred` (0: none, staged from the training state)."""
+        self._guard: StepGuard | None = None
 
     @property
     def device(self) -> torch.device | None:
@@ -120,15 +121,35 @@ class Stager:
         self.deferred = functools.partial(source.copy, [v for v, _ in later], [dst for _, dst in later])
         return staged
 
+    @property
+    def guard(self) -> StepGuard:
+        """The optimizer whose parameters and state the next ``step()`` may change only after a GPU
+        staging copy read them (:meth:`~trainguard.checkpoint.manager.CheckpointManager.guard`)."""
+        if self._guard is None:
+            self._guard = StepGuard(self._cuda)
+        return self._guard
+
     def _copy(self, sd: dict[str, Any]) -> dict[str, Any]:
         assert self._buffers is not None
         buffers = self._buffers
         if self._copier is None:
             self.ready = None
             return _copy_state_dict(sd, buffers, non_blocking=False, type_check=False)
-        out, self.ready = self._copier.copy(_walk_tensors(sd), lambda: _copy_state_dict(
-            sd, buffers, non_blocking=True, type_check=False))
-        return out
+        # From a GPU: host tensors (e.g. Adam's step counts) now; GPU tensors on the side stream, those
+        # of the guarded optimizer last, so that only its next step() waits for them (GPU-side), not the
+        # next forward (which waits only for the rest, e.g. BatchNorm statistics).
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = _pair(sd, buffers, pairs)
+        host = [(src, dst) for src, dst in pairs if not src.is_cuda]
+        if host:
+            torch._foreach_copy_([dst for _, dst in host], [src for src, _ in host])
+        ptrs = self._guard.ptrs if self._guard is not None else set()
+        now = [(src, dst) for src, dst in pairs if src.is_cuda and src.data_ptr() not in ptrs]
+        later = [(src, dst) for src, dst in pairs if src.is_cuda and src.data_ptr() in ptrs]
+        _, self.ready = self._copier.copy_split(now, later, guarded=bool(later))
+        if later:
+            self.guard.pending(self.ready, self._copier.device)
+        return staged
 
 
 def _pair(sd: Any, buf: Any, out: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -185,25 +206,6 @@ def _is_sharded_tensor(obj: Any) -> bool:
 
 def _shard_layout(obj: Any) -> list[Any]:
     return [(list(s.metadata.shard_offsets), s.tensor) for s in obj.local_shards()]
-
-
-def _walk_tensors(obj: Any) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    out: list[torch.Tensor] = []
-    if isinstance(obj, DTensor):
-        out.append(obj._local_tensor)
-    elif _is_sharded_tensor(obj):
-        out.extend(s.tensor for s in obj.local_shards())
-    elif isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            out.extend(_walk_tensors(v))
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            out.extend(_walk_tensors(v))
-    return out
 
 
 __all__ = ["Stager"]

@@ -616,6 +616,7 @@ class Runtime:
         # thread stages from it and this thread copies nothing (only in the background: a blocking save
         # waits for its copies either way).
         source = self._memory.lend(self.step) if background and self._memory is not None else None
+        self._manager.guard(self._optimizer)  # a GPU copy of its state holds back its step only, not the forward
         done = self._manager.save(self.step, self._state(), kind=kind, block=not background, source=source)
         seconds = time.monotonic() - t0
         stage, blocked, step = self._manager.last_stage_s, self._manager.last_blocked_s, self.step
@@ -1008,6 +1009,8 @@ class Runtime:
         guarded ``optimizer.step()`` changes parameters or optimizer state). ``abandon_after`` (parity: an
         exchange may be stuck with a vanished peer): wait at most that long, then leave it behind (it
         writes nothing after that; the previous snapshot stands)."""
+        if self._manager is not None:
+            self._manager.order_after_copies()  # a GPU save's copy of what is about to change (GPU-side)
         if self._memory is not None:
             if abandon_after is not None and self._memory.parity:
                 if not self._memory.abandon(abandon_after):

@@ -5,6 +5,7 @@ copy's event only. No GPU here: the CUDA entry points are strict fakes (tests/fi
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo  # noqa: F401 - its lazy import sets TORCHINDUCTOR_CACHE_DIR; do it before the env-leak guard
 
@@ -75,25 +76,39 @@ def test_arena_pins_once_exact_size_and_unpins():
     assert calls[1:] == [("unregister", ptr)] and not arena.pinned
 
 
-def test_copies_run_on_a_side_stream_after_the_compute_stream():
+@pytest.mark.parametrize("guarded", [False, True])
+def test_copies_run_on_a_side_stream_after_the_compute_stream(guarded):
+    """The rest first, the guarded optimizer's tensors last; the compute stream waits GPU-side for the
+    rest, and for everything only when nothing guards the optimizer (then its step waits instead)."""
     cuda = StrictCuda()
     copier = pinned.CopyStream(torch.device("cuda", 3), cuda)
-    src = on_fake_gpu(torch.arange(4.0))
-    recorded: list[str] = []
-    dst = torch.zeros(4)
-
-    def do_copy():
-        recorded.append(cuda.current.label)  # the copies are issued on the side stream
-        dst.copy_(src)
-        return {"x": dst}
-
-    out, event = copier.copy([src], do_copy)
-    assert torch.equal(out["x"], torch.arange(4.0)) and recorded == ["side"]
-    assert [s.label for s in src.recorded] == ["side"]
+    buf, param = on_fake_gpu(torch.arange(4.0)), on_fake_gpu(torch.ones(2))
+    dst_buf, dst_param = torch.zeros(4), torch.zeros(2)
+    first, done = copier.copy_split([(buf, dst_buf)], [(param, dst_param)], guarded=guarded)
+    assert torch.equal(dst_buf, torch.arange(4.0)) and torch.equal(dst_param, torch.ones(2))
+    assert [s.label for s in buf.recorded] == ["side"] and [s.label for s in param.recorded] == ["side"]
+    waits = ["compute.wait_event"] if guarded else ["compute.wait_event", "compute.wait_event"]
     assert cuda.log == ["current_stream(cuda:3)", "side.wait_stream(compute)", "event.record(side)",
-                        "compute.wait_event"]
-    event.synchronize()
+                        "event.record(side)", *waits]
     assert "DEVICE_SYNCHRONIZE" not in cuda.log
+
+
+def test_a_guarded_optimizer_waits_gpu_side_in_its_next_step():
+    cuda = StrictCuda()
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    guard = pinned.StepGuard(cuda)
+    guard.attach(opt)
+    assert guard.ptrs == {p.data_ptr() for p in m.parameters()}
+    guard.pending("event", torch.device("cuda", 1))
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.step()  # nothing pending any more
+    assert cuda.log == ["current_stream(cuda:1)", "compute.wait_event"]
+    guard.detach()
+    guard.pending("event", torch.device("cuda", 1))
+    opt.step()
+    assert cuda.log == ["current_stream(cuda:1)", "compute.wait_event"]  # detached: no hook
 
 
 def test_persist_waits_on_the_staging_event_before_writing(tmp_path, monkeypatch):

@@ -51,6 +51,31 @@ def test_staging_a_real_adamw_state_records_streams_on_gpu_tensors_only(monkeypa
         assert torch.equal(staged["optim"]["state"][k]["exp_avg"], st["exp_avg"].as_subclass(torch.Tensor))
 
 
+def test_a_guarded_save_holds_back_only_the_optimizer_step(monkeypatch):
+    """Item 8: the compute stream waited for the whole D2H copy (the next forward too); with the optimizer
+    guarded it waits only for the tensors the forward may change, and the optimizer's step for the rest."""
+    cuda = StrictCuda()
+    monkeypatch.setattr(staging, "HostArena", functools.partial(
+        pinned.HostArena, register=lambda p, n: None, unregister=lambda p: None))
+    torch.manual_seed(0)
+    m = torch.nn.Linear(6, 3)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    m(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    state = {"model": {k: on_fake_gpu(v) for k, v in m.state_dict().items()},
+             "optim": {k: {n: on_fake_gpu(t) if n != "step" else t for n, t in st.items()}
+                       for k, st in opt.state_dict()["state"].items()},
+             "stats": on_fake_gpu(torch.zeros(3))}  # not the optimizer's: the forward may change it
+    stager = Stager(cuda=cuda)
+    stager.guard.attach(opt)
+    stager.stage(state)
+    assert cuda.log.count("compute.wait_event") == 1  # for "stats" only, not for the copy of the rest
+    m(torch.randn(2, 6)).sum().backward()
+    cuda.log.clear()
+    opt.step()
+    assert cuda.log == ["current_stream(cpu)", "compute.wait_event"]  # the step waits, GPU-side
+
+
 def test_strict_fake_rejects_record_stream_on_a_cpu_tensor():
     cuda = StrictCuda()
     with pytest.raises(NotImplementedError, match="record_stream"):
@@ -278,3 +303,59 @@ def test_flight_trace_path():
 
     assert trace_path({}, 3, 2) == "/tmp/nccl_trace_rank_3.world-2"
     assert trace_path({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/var/log/fr_"}, 0, 0) == "/var/log/fr_0.world-0"
+
+
+# ---- item 7: tier 0 from GPU tensors -------------------------------------------------------------
+
+def test_tier0_snapshot_of_gpu_state_copies_async_into_the_pinned_slot_without_device_clones(tmp_path, monkeypatch):
+    """GPU tensors go to the slot on a side stream (the slot page-locked in place once), the compute
+    stream waits only for what the forward may change, nothing is cloned on the device, and the
+    optimizer's next step waits until the commit thread has seen the copies complete."""
+    from trainguard.checkpoint.memory import MemoryTier
+
+    cuda = StrictCuda()
+    pins = []
+    monkeypatch.setattr(pinned, "_register", lambda ptr, n: pins.append(("register", n)))
+    monkeypatch.setattr(pinned, "_unregister", lambda ptr: pins.append(("unregister",)))
+    monkeypatch.setattr(pinned, "bind_thread", lambda device, cuda=None: pins.append(("bind", str(device))))
+
+    def no_clone(self, *a, **k):
+        raise AssertionError("a GPU tensor was cloned on the device")
+
+    from tests.fixtures.strict_cuda import FakeCudaTensor
+
+    monkeypatch.setattr(FakeCudaTensor, "clone", no_clone, raising=False)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    for p in m.parameters():  # the parameters and moments "on the GPU" (same storages)
+        p.data = on_fake_gpu(p.data)
+    for st in opt.state.values():
+        st["exp_avg"], st["exp_avg_sq"] = on_fake_gpu(st["exp_avg"]), on_fake_gpu(st["exp_avg_sq"])
+    from trainguard.checkpoint.state import ModelOptimizerState
+
+    state = {"model": ModelOptimizerState(m, opt), "stats": on_fake_gpu(torch.arange(3.0))}
+    tier = MemoryTier(str(tmp_path), rank=0, world_size=1, replicated=True, cuda=cuda)
+    tier.guard(opt)
+    tier.snapshot(5, state, world="w")
+    # Two events on the side stream; the compute stream waits for the first (the non-optimizer tensors) only.
+    assert cuda.log.count("event.record(side)") == 2 and cuda.log.count("compute.wait_event") == 1
+    assert pins[0][0] == "register" and pins[0][1] == tier._slots[tier._newest].size  # the whole mapping, once
+    expected = {k: v.detach().as_subclass(torch.Tensor).clone() for k, v in m.state_dict().items()}
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()  # after the copies (the guard), which the commit thread waited for on the device
+    tier.settle()
+    assert ("bind", "cpu") in pins and "event.synchronize" in cuda.log
+    m2 = torch.nn.Linear(8, 4)
+    opt2 = torch.optim.AdamW(m2.parameters())
+    m2(torch.randn(2, 8)).sum().backward()
+    opt2.step()
+    tier.load(5, {"model": ModelOptimizerState(m2, opt2), "stats": torch.zeros(3)}, world="w")
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, expected[k])
+    tier.snapshot(6, state, world="w")
+    tier.settle()
+    tier.close()
+    assert [p[0] for p in pins].count("register") == 2 and [p[0] for p in pins].count("unregister") == 2  # a slot each

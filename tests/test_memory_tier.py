@@ -362,7 +362,8 @@ def test_guarded_parameters_are_copied_beside_the_next_forward_and_before_the_ne
     want_m, want_o = copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict()["state"])
     tier.snapshot(1, state, world=W)
     assert entered.wait(30)
-    assert len(tier._split[2]) == 6 + 18 and len(tier._split[1]) == 3  # 6 params + 3 Adam tensors each; BN buffers
+    now, later = tier._deferred(tier._sig, tier._last[2])
+    assert len(later) == 6 + 18 and len(now) == 3  # 6 params + 3 Adam tensors each; BN buffers
     stepped = threading.Event()
 
     def step2():
