@@ -3,12 +3,12 @@ a timing, on a small model, so that a change that adds a copy of the state to th
 
 Ratio = the peak growth of this process's resident memory over one save (``VmHWM``, every thread: the
 persist thread's writes count) / the bytes the rank stages. The first save allocates the staging buffers
-(one copy: <= 1.1x); a later save reuses them (<= 0.1x): :func:`tests.fixtures.hostmem.check_save_ratios`. Each staged-tensor kind the
-strategies produce is covered: plain tensors (``ddp``), ``DTensor`` (``fsdp`` / ``model_parallel``, FSDP2
-on a one-rank group) and ``ShardedTensor`` (``deepspeed``'s ZeRO ranges:
-``tests/strategies/test_deepspeed.py``).
-The last tests plant an extra copy (the regression of issue 44, and a clone held over the write) and show
-that the check catches it. Saves are blocking and async (the async one measured until committed).
+(one copy: <= 1.1x); a later save reuses them (<= 0.1x): ``tests.fixtures.hostmem.check_save_ratios``.
+Each staged-tensor kind the strategies produce is covered: plain tensors (``ddp``), ``DTensor``
+(``fsdp`` / ``model_parallel``, FSDP2 on a one-rank group) and ``ShardedTensor`` (``deepspeed``'s ZeRO
+ranges: ``tests/strategies/test_deepspeed.py``). The last tests plant an extra copy (the regression of
+issue 44, and a clone held over the write) and show that the check catches it. Saves are blocking and
+async (the async one measured until committed).
 """
 
 from __future__ import annotations
