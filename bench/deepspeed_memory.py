@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +44,8 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tests.fixtures.hostmem import PeakGrowth  # noqa: E402  (the memory-ratio check's measurement)
+from tests.fixtures.gloo_world import join, run_world  # noqa: E402
+from tests.fixtures.hostmem import PeakGrowth, mlp_stack  # noqa: E402  (the memory-ratio check's measurement)
 
 OPS = ("save", "load", "full_save", "full_load")
 TARGET = 1.1
@@ -116,19 +116,14 @@ def _drop_optimizer_state(strategy: Any) -> None:
 def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager
     from trainguard.strategies import get_strategy
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    rank, world = join()
     h = a.hidden
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
-                            for _ in range(a.layers)])
+    model = mlp_stack(h, a.layers)
     n_params = sum(p.numel() for p in model.parameters())
     buckets = int(2e7)  # DeepSpeed's default buckets (5e8 elements) would dwarf what is measured
     zero = {"reduce_bucket_size": buckets, "allgather_bucket_size": buckets}
@@ -174,14 +169,6 @@ def worker(a: argparse.Namespace) -> None:
 
 # ---- the launcher ------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
@@ -189,30 +176,9 @@ def _dir_bytes(path: str) -> int:
 def run_stage(stage: int, a: argparse.Namespace, work: str) -> dict[str, Any]:
     d = os.path.join(work, f"zero{stage}")
     os.makedirs(d)
-    port = _free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    procs = []
     t0 = time.monotonic()
-    for r in range(a.world):
-        env = {**base, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(a.world),
-               "LOCAL_WORLD_SIZE": str(a.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--stage", str(stage), "--dir", d,
-               "--hidden", str(a.hidden), "--layers", str(a.layers)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=a.timeout)
-            outs.append((p.returncode, out.decode(errors="replace")))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    bad = [f"--- rank {r} rc={rc}\n{o[-3000:]}" for r, (rc, o) in enumerate(outs) if rc != 0]
-    if bad:
-        raise SystemExit(f"ZeRO-{stage} workers failed:\n" + "\n".join(bad))
+    run_world([os.path.abspath(__file__), "--worker", "--stage", str(stage), "--dir", d, "--hidden", str(a.hidden),
+               "--layers", str(a.layers)], a.world, a.timeout, f"ZeRO-{stage}")
     ranks = []
     for r in range(a.world):
         with open(os.path.join(d, f"rank{r}.json")) as fh:

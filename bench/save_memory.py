@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,8 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tests.fixtures.hostmem import FIRST_SAVE_LIMIT, LATER_SAVE_LIMIT, PeakGrowth  # noqa: E402
+from tests.fixtures.gloo_world import join, run_world  # noqa: E402
+from tests.fixtures.hostmem import FIRST_SAVE_LIMIT, LATER_SAVE_LIMIT, PeakGrowth, mlp_stack  # noqa: E402
 
 CASES = ("ddp", "fsdp", "model_parallel", "tier0")
 
@@ -60,7 +60,6 @@ def _tp_fsdp(model: Any, mesh: Any) -> None:
 def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager
@@ -68,13 +67,9 @@ def worker(a: argparse.Namespace) -> None:
     from trainguard.checkpoint.staging import Stager
     from trainguard.strategies import get_strategy
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    rank, world = join()
     h = a.hidden
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
-                            for _ in range(a.layers)])
+    model = mlp_stack(h, a.layers)
     n_params = sum(p.numel() for p in model.parameters())
     name = "ddp" if a.case == "tier0" else a.case
     options = {"parallelize_fn": _tp_fsdp, "tp_size": world} if name == "model_parallel" else {}
@@ -126,41 +121,12 @@ def worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(case: str, a: argparse.Namespace, work: str, shm: str) -> dict[str, Any]:
     d = os.path.join(work, case)
     os.makedirs(d)
-    port = _free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     t0 = time.monotonic()
-    procs = []
-    for r in range(a.world):
-        env = {**base, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(a.world),
-               "LOCAL_WORLD_SIZE": str(a.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--case", case, "--dir", d, "--shm", shm,
-               "--hidden", str(a.hidden), "--layers", str(a.layers)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    outs = []
-    try:
-        for p in procs:
-            o, _ = p.communicate(timeout=a.timeout)
-            outs.append((p.returncode, o.decode(errors="replace")))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    bad = [f"--- rank {r} rc={rc}\n{o[-3000:]}" for r, (rc, o) in enumerate(outs) if rc != 0]
-    if bad:
-        raise SystemExit(f"{case} workers failed:\n" + "\n".join(bad))
+    run_world([os.path.abspath(__file__), "--worker", "--case", case, "--dir", d, "--shm", shm, "--hidden",
+               str(a.hidden), "--layers", str(a.layers)], a.world, a.timeout, case)
     ranks = []
     for r in range(a.world):
         with open(os.path.join(d, f"rank{r}.json")) as fh:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.fixtures.hostmem import check_save_ratios, save_ratios
+from tests.fixtures.hostmem import check_save_ratios, mlp_stack, save_ratios
 from trainguard.checkpoint import pinned
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.state import ModelOptimizerState
@@ -34,9 +34,7 @@ HIDDEN = 512
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN))
-                           for _ in range(4)])
+    return mlp_stack(HIDDEN, 4)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:

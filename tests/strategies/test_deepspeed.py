@@ -244,11 +244,9 @@ def test_a_save_holds_one_staged_copy_of_the_zero_ranges(one_rank, tmp_path, sta
     """Issue 44's memory-ratio check on DeepSpeed's ``ShardedTensor`` ranges (the other staged-tensor kinds:
     ``tests/checkpoint/test_save_memory.py``): save 1 <= 1.1x the rank's share of host memory, a later
     save <= 0.1x. 8.4 M parameters, ~100 MiB of fp32 weights and AdamW states to stage."""
-    from tests.fixtures.hostmem import check_save_ratios, save_ratios
+    from tests.fixtures.hostmem import check_save_ratios, mlp_stack, save_ratios
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)) for _ in range(4)])
-    s, eng, opt = _engine(stage, model)
+    s, eng, opt = _engine(stage, mlp_stack(512, 4))
     with s.no_sync(eng, last=True):
         s.backward(eng(torch.randn(2, 512)).pow(2).mean())
     s.optimizer_step(opt)
