@@ -8,6 +8,12 @@ allocation of exactly that size; when the state lives on a GPU the allocation is
 with ``cudaHostRegister`` (unregistered when the arena is released). So the staging-bytes metric is
 what was allocated, byte for byte (:attr:`HostArena.nbytes`).
 
+Each tensor carved from the arena has a storage of its own bytes only (aliasing the arena, not a
+view of the arena's one storage). DCP's writer clones every CPU tensor whose storage is larger than
+the tensor (``_SerialCpuLoader``: "a new tensor with minimal storage") and keeps each clone until its
+file is written, so views of one big storage made every save hold a second copy of the state (issue
+44: 2.0x the rank's share of host memory instead of 1.0x).
+
 Copies from the GPU (:func:`copy_async`) run on a side stream that first waits for the compute
 stream, then record an event; the compute stream waits for that event (GPU-side, the host does not
 block: later in-place updates of the parameters queue behind the copy) and the persist thread waits
@@ -19,6 +25,7 @@ and the copies are plain.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -83,6 +90,7 @@ class HostArena:
                  unregister: Callable[[int], None] = _unregister) -> None:
         self.nbytes = nbytes
         self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self._memory = memoryview(self.buffer.numpy())  # what torch.frombuffer carves exact-size storages from
         self.pinned = False
         self._offset = 0
         self._finalizer: Any = None
@@ -93,14 +101,18 @@ class HostArena:
             self._finalizer = weakref.finalize(self, unregister, ptr)
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
-        """A contiguous CPU tensor shaped like ``like``, carved from the arena."""
+        """A contiguous CPU tensor shaped like ``like``, carved from the arena: its storage is exactly its
+        bytes (see the module docstring) and keeps the arena's memory alive."""
         n = like.numel() * like.element_size()
         if self._offset + n > self.nbytes:
             raise RuntimeError(f"staging arena overflow: {self._offset + n} > {self.nbytes} bytes (layout changed "
                                f"between sizing and carving)")
-        raw = self.buffer[self._offset:self._offset + n]
+        offset = self._offset
         self._offset += _align(n)
-        return raw.view(like.dtype).view(like.shape) if like.dim() else raw.view(like.dtype).view(())
+        if n == 0:
+            return torch.empty(like.shape, dtype=like.dtype)
+        flat = torch.frombuffer(self._memory, dtype=like.dtype, count=like.numel(), offset=offset)
+        return flat.view(like.shape)
 
     def release(self) -> None:
         """Unregister the pinned pages now (idempotent); the memory goes with the last reference."""
@@ -117,8 +129,13 @@ def build(state: Any, arena: HostArena) -> Any:
 
     if isinstance(state, DTensor):
         return DTensor(arena.take(state._local_tensor), state._spec, requires_grad=False)
-    if _is_sharded_tensor(state):  # as torch's _create_cpu_state_dict: a CPU copy whose shards become views
-        ret = state.to("cpu") if state.device.type != "cpu" else copy.deepcopy(state)
+    if _is_sharded_tensor(state):
+        if state.device.type == "cpu":  # the same sharding over arena shards. Not copy.deepcopy: it copies
+            # each shard's whole base storage (a ZeRO flat partition per parameter) only to drop it.
+            shards = [dataclasses.replace(s, tensor=arena.take(s.tensor)) for s in state.local_shards()]
+            return type(state)._init_from_local_shards_and_global_metadata(
+                shards, copy.deepcopy(state.metadata()), process_group=state._process_group)
+        ret = state.to("cpu")  # as torch's _create_cpu_state_dict: a CPU copy whose shards become arena tensors
         for shard in ret.local_shards():
             shard.tensor = arena.take(shard.tensor)
         return ret

@@ -1,8 +1,9 @@
 """Staging: copy the state to be saved into reusable host buffers, so training can go on.
 
 Training blocks only for this copy; the background persist thread then writes the buffers. The
-buffers hold one copy of the state: views into one exact-size
-:class:`~trainguard.checkpoint.pinned.HostArena` (page-locked in place when the state is on a GPU),
+buffers hold one copy of the state: tensors carved from one exact-size
+:class:`~trainguard.checkpoint.pinned.HostArena` (page-locked in place when the state is on a GPU; each
+tensor with a storage of its own bytes, so DCP's writer streams them without cloning: issue 44),
 allocated on first use (or by :meth:`Stager.prepare` after the first step) and reused by every later
 save (rebuilt only when the state's structure, shapes or dtypes change, e.g. when optimizer state
 appears after the first step). :attr:`Stager.staging_bytes` is the arena's size: what was allocated.

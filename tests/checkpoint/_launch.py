@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.fixtures.gloo_world import collect
 from tests.fixtures.storage import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,17 +30,7 @@ def run_world(script: str, world: int, args: list[str], *, env: dict[str, str] |
                                "--world", str(world), "--port", str(port), *args],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(env), cwd=ROOT)
              for r in range(world)]
-    results: list[tuple[int, str]] = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            results.append((p.returncode, out.decode(errors="replace")))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
+    return collect(procs, timeout)
 
 
 def opts_arg(storage_options: dict[str, Any]) -> str:

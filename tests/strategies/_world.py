@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+from tests.fixtures.gloo_world import collect
 from tests.harness import REPO, free_port
 from trainguard.runtime.protocol import RuntimeEnv
 
@@ -44,16 +45,7 @@ def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interva
         cmd = [sys.executable, script, "--strategy", strategy, "--steps", str(steps), "--loss-log", loss_log,
                *JOB, *(extra or [])]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append((p.returncode, out.decode(errors="replace")))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = collect(procs, timeout)
     bad = [f"--- rank {r} rc={rc}\n{out[-4000:]}" for r, (rc, out) in enumerate(outs) if rc != 0]
     assert not expect_ok or not bad, f"{strategy} at world size {world} failed:\n" + "\n".join(bad)
     return outs

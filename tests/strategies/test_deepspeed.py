@@ -239,6 +239,22 @@ def test_state_is_views_of_the_live_partitions_not_copies(one_rank, stage):
                        torch.full((3,), 0.25))
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_save_holds_one_staged_copy_of_the_zero_ranges(one_rank, tmp_path, stage):
+    """Issue 44's memory-ratio check on DeepSpeed's ``ShardedTensor`` ranges (the other staged-tensor kinds:
+    ``tests/checkpoint/test_save_memory.py``): save 1 <= 1.1x the rank's share of host memory, a later
+    save <= 0.1x. 8.4 M parameters, ~100 MiB of fp32 weights and AdamW states to stage."""
+    from tests.fixtures.hostmem import check_save_ratios, mlp_stack, save_ratios
+
+    s, eng, opt = _engine(stage, mlp_stack(512, 4))
+    with s.no_sync(eng, last=True):
+        s.backward(eng(torch.randn(2, 512)).pow(2).mean())
+    s.optimizer_step(opt)
+    state = {"app": s.state(eng, opt)}
+    state["app"].state_dict()  # the range table is gathered once per engine (a collective), not per save
+    check_save_ratios(save_ratios(str(tmp_path / "c"), state, strategy="deepspeed"))
+
+
 def test_setup_refuses_a_stepped_optimizer_and_frozen_parameters():
     model = Net()
     opt = torch.optim.AdamW(model.parameters())
