@@ -62,6 +62,8 @@ from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
 from trainguard.agent.decisions import Act, Decision, Observation, decide
+from trainguard.agent import exitcodes
+from trainguard.agent.exitcodes import ExitCode, exit_code
 from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
@@ -127,6 +129,9 @@ class Supervisor:
         self._drain: DrainRequest | None = None
         self._checkpoint_reason: str | None = None
         self._emergency_committed = False
+        self._emergency_error = ""
+        """Why this node's emergency checkpoint failed (a worker's report, or the deadline passing
+        first); non-empty makes the agent exit with :attr:`ExitCode.WORK_LOST`."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._outcome: AgentState | None = None
@@ -223,6 +228,10 @@ class Supervisor:
         if isinstance(msg, proto.StatusRequest):
             return proto.Reply(ok=True, data=self.status())
         if isinstance(msg, proto.Committed):
+            if not msg.saved and msg.rank == 0:
+                log.warning("checkpoint_not_saved", **exitcodes.not_saved_fields(msg, checkpoint_url=self.cfg.checkpoint.url))
+            if not msg.saved and msg.error and msg.kind is proto.CheckpointKind.EMERGENCY:
+                self._emergency_error = self._emergency_error or msg.error
             log.info("checkpoint_committed_by_worker", step=msg.step, kind=msg.kind.value, rank=msg.rank, saved=msg.saved,
                      bytes=msg.nbytes)
             if msg.kind is proto.CheckpointKind.EMERGENCY and self._drain is not None:
@@ -480,6 +489,8 @@ class Supervisor:
             if drain is not None:
                 grace = max(1.0, min(grace, drain.deadline - time.time()))
             log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
+            if self._asked == "drain" and not self._emergency_committed and not self._emergency_error:
+                self._emergency_error = "the drain deadline passed before the emergency checkpoint was committed"
             self.adapter.terminate_workers(grace)
             return self._leave(d.reason)
         elif d.act is Act.LEAVE:
@@ -739,7 +750,11 @@ class Supervisor:
                 log.warning("rendezvous_close_failed", error=str(e))
         self.control.close()
         self.snapshots.remove(outcome.value)  # the job is over for this node: its snapshots with it
-        code = 0 if outcome in (AgentState.SUCCEEDED, AgentState.STOPPED) else 1
-        log.info("agent_exit", outcome=outcome.value, exit_code=code,
-                 uptime_s=round(time.monotonic() - self._run_started, 1))
-        return code
+        drain = self._drain
+        code = exit_code(outcome, drain_kind=drain.kind if drain is not None else None,
+                         emergency_failed=bool(self._emergency_error))
+        fields: dict[str, Any] = {"error": self._emergency_error} if code is ExitCode.WORK_LOST else {}
+        (log.error if code in (ExitCode.FAILED, ExitCode.WORK_LOST) else log.info)(
+            "agent_exit", outcome=outcome.value, exit_code=int(code), meaning=code.label,
+            uptime_s=round(time.monotonic() - self._run_started, 1), **fields)
+        return int(code)

@@ -1,0 +1,69 @@
+"""The on-call operator's day two (issue 43), with real agents: exit codes a wrapper can act on, a
+failed emergency checkpoint that says why, an agent that does not linger, `trainguard drain --wait`,
+and a wrong rendezvous endpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.harness import REPO, Node, free_port, running, short_tmp, wait_until  # noqa: F401 - short_tmp: a fixture
+from trainguard.agent import control
+from trainguard.agent.exitcodes import ExitCode
+from trainguard.runtime.protocol import DrainRequest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+TRAIN = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--global-batch", "8"]
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+SMALL = ["--d-model", "32", "--layers", "1", "--max-bytes", "200000", "--global-batch", "8", "--micro-batch", "2",
+         "--log-every", "1", "--step-sleep", "0.1", "--steps", "100000"]
+
+
+def agent_line(node: Node, event: str) -> list[dict]:
+    return [e for e in node.events(event) if str(e.get("component", "")).startswith("trainguard.agent")]
+
+
+def test_storage_failing_then_a_drain_names_the_error_and_exits_work_lost(short_tmp):
+    """Item 1: the checkpoint storage breaks under a running job (here its folder is replaced by a
+    file: every write fails, as on a read-only mount, also for root); `trainguard drain` then says
+    which storage error lost how many steps, and the agent exits 5 (work lost), not 0."""
+    tmp = short_tmp
+    ckpt = os.path.join(tmp, "ckpt")
+    ep = f"127.0.0.1:{free_port()}"
+    extra = ["--set", f"checkpoint.url=file://{ckpt}", "--set", "checkpoint.retry_deadline_s=2",
+             "--set", "checkpoint.retry_attempts=2", "--set", "checkpoint.memory_interval_steps=0"]
+    with running([Node("a", tmp, ep, nnodes="1", extra=extra, script=ELASTIC, script_args=SMALL)]) as (a,):
+        wait_until(lambda: len(a.events("train_step")) >= 3, 120, "training")
+        if os.path.exists(ckpt):  # created at the first save or epoch claim
+            os.rename(ckpt, ckpt + ".moved")
+        with open(ckpt, "w") as fh:
+            fh.write("the checkpoint storage is gone\n")
+        assert control.request(a.socket, DrainRequest(deadline_s=30, reason="test")).ok
+        assert a.wait(90) == ExitCode.WORK_LOST, a.dump()
+        [line] = agent_line(a, "checkpoint_not_saved")
+        assert line["kind"] == "emergency" and line["lost_steps"] >= 1, line
+        assert "Not a directory" in line["error"] or "File exists" in line["error"], line
+        assert line["error"] in line["fix"] and "set checkpoint.url" not in line["fix"], line
+        [bye] = agent_line(a, "agent_exit")
+        assert bye["exit_code"] == 5 and bye["meaning"] == "work lost" and bye["outcome"] == "stopped", bye
+
+
+def test_finished_drained_and_stopped_exit_apart(short_tmp):
+    """Item 1: a wrapper tells a finished job (0), a drained node (3) and a stopped one (4) apart."""
+    tmp = short_tmp
+    runs = [("fin", ["--steps", "3", "--log-every", "1", "--global-batch", "8"], None, ExitCode.FINISHED),
+            ("drn", TRAIN, "drain", ExitCode.DRAINED), ("stp", TRAIN, "sigint", ExitCode.STOPPED)]
+    nodes = [Node(name, tmp, f"127.0.0.1:{free_port()}", nnodes="1", job=name, script_args=args)
+             for name, args, _, _ in runs]
+    with running(nodes):
+        for node, (_, _, how, code) in zip(nodes, runs):
+            if how is not None:
+                wait_until(lambda n=node: n.events("train_step"), 120, f"{node.name} training")
+            if how == "drain":
+                assert control.request(node.socket, DrainRequest(deadline_s=30, reason="test")).ok
+            elif how == "sigint":
+                node.signal(2)
+            assert node.wait(90) == code, node.dump()
+            [bye] = agent_line(node, "agent_exit")
+            assert bye["exit_code"] == int(code) and bye["meaning"] == code.label, bye
