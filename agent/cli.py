@@ -182,7 +182,23 @@ def _start(cfg: TrainguardConfig, env: Mapping[str, str], *, announce: bool, not
     if announce:
         print(f"trainguard: job {cfg.agent.job_id}; drain it with `trainguard drain` "
               f"(or `{drain}`), status with `trainguard status`", file=sys.stderr, flush=True)
-    return run_agent(cfg, env)
+    return _exit_now(run_agent(cfg, env))
+
+
+def _exit_now(code: int) -> int:
+    """End the agent process as soon as :func:`run_agent` returned: every service is stopped, the
+    control socket closed, ``agent_exit`` logged. The interpreter's own teardown (torch's native
+    rendezvous and store objects) took another 2-3 s on this machine with no Python frame left to
+    run, and an agent that lingers after ``agent_exit`` looks hung to its operator."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:

@@ -135,8 +135,8 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
     finally:
         notifier.stopping()
         if metrics is not None:
-            drain = sup.drain
-            metrics.await_final_scrape(deadline=drain.deadline if drain is not None else None)
+            # The deadline is asked again while waiting: a second Ctrl-C moves it to now.
+            metrics.await_final_scrape(deadline=lambda: sup.drain.deadline if sup.drain is not None else None)
         for s in reversed(services):
             try:
                 (getattr(s, "stop", None) or s.close)()

@@ -67,3 +67,51 @@ def test_finished_drained_and_stopped_exit_apart(short_tmp):
             assert node.wait(90) == code, node.dump()
             [bye] = agent_line(node, "agent_exit")
             assert bye["exit_code"] == int(code) and bye["meaning"] == code.label, bye
+
+
+def test_agent_does_not_linger_after_agent_exit_and_its_port_is_taken_over(short_tmp):
+    """Item 5: an agent scraped every 6 s used to wait up to 2 x 6 s (bounded at 30 s) after
+    ``agent_exit`` for one more scrape, and a restart on its metrics port failed meanwhile. Now the wait
+    is at most FINAL_SCRAPE_MAX_WAIT_S, announced, cut short by a second Ctrl-C, and the next agent
+    retries the busy port until the old one let it go."""
+    import signal
+    import time
+    import urllib.request
+
+    from trainguard.metrics.agent import FINAL_SCRAPE_MAX_WAIT_S
+
+    tmp = short_tmp
+    port = free_port()
+    fixed = ["--set", f"metrics.port={port}"]
+
+    def scrape() -> None:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+
+    a = Node("a", tmp, f"127.0.0.1:{free_port()}", nnodes="1", job="a", extra=fixed, script_args=TRAIN)
+    nodes = [a]
+    with running(nodes):
+        wait_until(lambda: a.events("train_step"), 120, "a training")
+        scrape()
+        time.sleep(6)
+        scrape()  # a periodic scraper, every 6 s
+        a.signal(signal.SIGINT)
+        wait_until(lambda: a.events("agent_exit"), 60, "a's agent_exit")
+        t_exit = time.monotonic()
+        b = Node("b", tmp, f"127.0.0.1:{free_port()}", nnodes="1", job="b", extra=fixed, script_args=TRAIN)
+        nodes.append(b)
+        assert a.wait(30) == ExitCode.STOPPED, a.dump()
+        lingered = time.monotonic() - t_exit
+        assert lingered < FINAL_SCRAPE_MAX_WAIT_S + 1.5, f"a lingered {lingered:.1f} s after agent_exit\n{a.dump(12)}"
+        [waited] = a.events("metrics_final_scrape_wait")
+        assert waited["max_s"] <= FINAL_SCRAPE_MAX_WAIT_S and "Ctrl-C" in waited["skip"], waited
+        # b took the port over (retrying while a still held it), then a second Ctrl-C skips its wait
+        wait_until(lambda: b.events("train_step"), 120, "b training on the same metrics port")
+        scrape()
+        time.sleep(3)
+        scrape()
+        b.signal(signal.SIGINT)
+        wait_until(lambda: b.events("metrics_final_scrape_wait"), 60, "b waiting for a last scrape")
+        t_skip = time.monotonic()
+        b.signal(signal.SIGINT)
+        assert b.wait(30) == ExitCode.STOPPED, b.dump()
+        assert time.monotonic() - t_skip < 2.0, b.dump()
