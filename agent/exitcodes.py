@@ -22,6 +22,8 @@ Worker exit codes (75: "checkpoint committed, re-form me") are another contract,
 from __future__ import annotations
 
 import enum
+import json
+import os
 from typing import Any
 
 from trainguard.runtime.protocol import AgentState, Committed
@@ -83,4 +85,34 @@ def not_saved_fields(msg: Committed, *, checkpoint_url: str) -> dict[str, Any]:
     }
 
 
-__all__ = ["ExitCode", "exit_code", "not_saved_fields"]
+def record_path(control_path: str) -> str:
+    """Where an exiting agent leaves its outcome: beside its control socket, ``<job>.sock.exit.json``
+    (read by ``trainguard drain --wait`` once the socket is gone; the next agent of the job replaces it)."""
+    return control_path + ".exit.json"
+
+
+def write_record(control_path: str, record: dict[str, Any]) -> None:
+    """Write the outcome record atomically (temp file + rename); best effort, never raises."""
+    path = record_path(control_path)
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(record, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def read_record(control_path: str, pid: int | None = None) -> dict[str, Any] | None:
+    """The outcome record an agent left (of process ``pid`` when given), or None."""
+    try:
+        with open(record_path(control_path)) as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or (pid is not None and rec.get("pid") != pid):
+        return None
+    return rec
+
+
+__all__ = ["ExitCode", "exit_code", "not_saved_fields", "read_record", "record_path", "write_record"]

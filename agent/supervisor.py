@@ -130,6 +130,8 @@ class Supervisor:
         self._checkpoint_reason: str | None = None
         self._emergency_committed = False
         self._emergency_error = ""
+        self._emergency_step: int | None = None
+        """The step of this node's committed emergency checkpoint (``trainguard drain --wait`` says it)."""
         """Why this node's emergency checkpoint failed (a worker's report, or the deadline passing
         first); non-empty makes the agent exit with :attr:`ExitCode.WORK_LOST`."""
         self._lock = threading.Lock()
@@ -165,6 +167,10 @@ class Supervisor:
         self.snapshots = NodeSnapshots(cfg.checkpoint, cfg.agent.job_id, cfg.agent.node_name)
         self.memory_dir = self.snapshots.open()
         self.control = ControlServer(self.control_path, self._on_control)
+        try:  # the previous agent's outcome (this socket is ours now)
+            os.remove(exitcodes.record_path(self.control_path))
+        except OSError:
+            pass
         entrypoint, args = worker_command(cfg)
         spec = WorkerSpec(
             role=workerenv.ROLE,
@@ -234,6 +240,8 @@ class Supervisor:
                 self._emergency_error = self._emergency_error or msg.error
             log.info("checkpoint_committed_by_worker", step=msg.step, kind=msg.kind.value, rank=msg.rank, saved=msg.saved,
                      bytes=msg.nbytes)
+            if msg.kind is proto.CheckpointKind.EMERGENCY and msg.saved:
+                self._emergency_step = msg.step
             if msg.kind is proto.CheckpointKind.EMERGENCY and self._drain is not None:
                 self._emergency_committed = True
                 self._wake.set()
@@ -268,6 +276,9 @@ class Supervisor:
             "remaining_restarts": self.adapter.remaining_restarts,
             "draining": d is not None,
             "drain_deadline": d.deadline if d else None,
+            "pid": os.getpid(),
+            "emergency_step": self._emergency_step,
+            "emergency_error": self._emergency_error or None,
         }
 
     def _observe(self, method: str, *args: Any) -> None:
@@ -748,11 +759,16 @@ class Supervisor:
                 self.adapter.close()
             except Exception as e:
                 log.warning("rendezvous_close_failed", error=str(e))
-        self.control.close()
-        self.snapshots.remove(outcome.value)  # the job is over for this node: its snapshots with it
         drain = self._drain
         code = exit_code(outcome, drain_kind=drain.kind if drain is not None else None,
                          emergency_failed=bool(self._emergency_error))
+        # Before the socket goes: a `trainguard drain --wait` that sees it gone reads this.
+        exitcodes.write_record(self.control_path, {
+            "pid": os.getpid(), "job_id": self.cfg.agent.job_id, "node": self.cfg.agent.node_name,
+            "outcome": outcome.value, "exit_code": int(code), "meaning": code.label,
+            "emergency_step": self._emergency_step, "error": self._emergency_error or None, "t": time.time()})
+        self.control.close()
+        self.snapshots.remove(outcome.value)  # the job is over for this node: its snapshots with it
         fields: dict[str, Any] = {"error": self._emergency_error} if code is ExitCode.WORK_LOST else {}
         (log.error if code in (ExitCode.FAILED, ExitCode.WORK_LOST) else log.info)(
             "agent_exit", outcome=outcome.value, exit_code=int(code), meaning=code.label,

@@ -115,3 +115,46 @@ def test_agent_does_not_linger_after_agent_exit_and_its_port_is_taken_over(short
         b.signal(signal.SIGINT)
         assert b.wait(30) == ExitCode.STOPPED, b.dump()
         assert time.monotonic() - t_skip < 2.0, b.dump()
+
+
+def test_drain_wait_follows_the_node_out_and_says_how_it_ended(short_tmp):
+    """Item 9: `trainguard drain` says in words what it asked; `--wait` blocks until the emergency
+    checkpoint is committed and the node has left, prints the outcome and exits 0 (5 when the
+    checkpoint failed: tested with storage that breaks first)."""
+    import subprocess
+    import sys
+
+    tmp = short_tmp
+    ckpt = os.path.join(tmp, "ckpt")
+    extra = ["--set", f"checkpoint.url=file://{ckpt}", "--set", "checkpoint.memory_interval_steps=0",
+             "--set", "checkpoint.retry_deadline_s=2", "--set", "checkpoint.retry_attempts=2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+
+    def drain(node: Node) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "trainguard.agent.cli", "drain", "--wait", "--socket", node.socket,
+                               "--deadline", "30s"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+
+    ok = Node("ok", tmp, f"127.0.0.1:{free_port()}", nnodes="1", job="ok", extra=extra, script=ELASTIC, script_args=SMALL)
+    bad = Node("bad", tmp, f"127.0.0.1:{free_port()}", nnodes="1", job="bad", script=ELASTIC, script_args=SMALL,
+               extra=[*extra[:1], f"checkpoint.url=file://{ckpt}-bad", *extra[2:]])
+    with running([ok, bad]):
+        wait_until(lambda: len(ok.events("train_step")) >= 2 and len(bad.events("train_step")) >= 2, 120, "training")
+        r = drain(ok)
+        assert ok.proc.poll() is not None, "drain --wait returned while the agent still ran"
+        assert r.returncode == 0, r.stdout + r.stderr
+        [committed] = {e["step"] for e in ok.events("checkpoint_committed")
+                       if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"}
+        assert "drain of job ok on node ok requested" in r.stdout, r.stdout
+        assert f"left the job: drained (agent exit code 3); emergency checkpoint of step {committed} committed" \
+            in r.stdout, r.stdout
+        assert '"op"' not in r.stdout and "Traceback" not in r.stderr
+        assert ok.wait(10) == ExitCode.DRAINED
+
+        if os.path.exists(ckpt + "-bad"):
+            os.rename(ckpt + "-bad", ckpt + "-bad.moved")
+        with open(ckpt + "-bad", "w") as fh:
+            fh.write("the checkpoint storage is gone\n")
+        r = drain(bad)
+        assert r.returncode == ExitCode.WORK_LOST, r.stdout + r.stderr
+        assert "work lost (agent exit code 5); the emergency checkpoint failed:" in r.stderr, r.stderr
+        assert bad.wait(10) == ExitCode.WORK_LOST

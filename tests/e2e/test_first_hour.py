@@ -129,7 +129,7 @@ def test_first_hour(short_tmp):
         with urllib.request.urlopen(metrics_b + "/metrics", timeout=10) as resp:
             scrape_b = resp.read().decode()
         r = cli("drain", "--job-id", job_b)
-        assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stderr
+        assert r.returncode == 0 and f"drain of job {job_b} on node" in r.stdout, r.stdout + r.stderr
         assert b.proc.wait(60) == ExitCode.DRAINED, b.text()[-3000:]
         assert b.events("checkpoint_url_unset"), "agent and runtime warn at start"
         assert any(e.get("component") == "trainguard.worker" for e in b.events("checkpoint_url_unset"))
