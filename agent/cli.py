@@ -389,10 +389,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     data = reply.data
     url = data.get("metrics_url")
-    if url:
+    if url and not data.get("waiting_for"):
         return status(str(url), timeout_s=args.timeout)
     # metrics.enabled is false: what the agent itself says
-    for k in ("job_id", "node", "state", "world_size", "nodes", "round", "remaining_restarts", "draining"):
+    for k in ("job_id", "node", "state", "waiting_for", "world_size", "nodes", "round", "remaining_restarts",
+              "draining"):
         print(f"{k.replace('_', ' '):<18}{data.get(k, '-')}")
     return 0
 

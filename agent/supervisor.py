@@ -140,6 +140,8 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._world: dict[str, Any] = {}
+        self._waiting_for: str | None = None
+        """What a starting agent waits for (``status`` says it)."""
         self._asked = ""
         self._drain_published: int | None = None
         """The round this node published its leave in (the record is per round)."""
@@ -160,17 +162,26 @@ class Supervisor:
         self._joining_since = 0.0
         self.reform_enabled = cfg.workers.reform == "in-process"
         self._run_started = time.monotonic()
-        self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
         os.makedirs(cfg.agent.state_dir, mode=0o700, exist_ok=True)
         self.control_path = proto.control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
-        # Tier 0: the agent owns its workers' snapshot memory (it outlives a worker); removed in _finish.
-        self.snapshots = NodeSnapshots(cfg.checkpoint, cfg.agent.job_id, cfg.agent.node_name)
-        self.memory_dir = self.snapshots.open()
+        # The control socket first: `trainguard status` / `drain` find an agent that still waits for its store.
         self.control = ControlServer(self.control_path, self._on_control)
         try:  # the previous agent's outcome (this socket is ours now)
             os.remove(exitcodes.record_path(self.control_path))
         except OSError:
             pass
+        try:
+            if handler is None and rdzv.store_to_reach(cfg.rendezvous) is not None:
+                self._waiting_for = f"the rendezvous store at {cfg.rendezvous.endpoint}"
+                rdzv.wait_for_store(cfg.rendezvous)
+            self._waiting_for = None
+            self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
+        except BaseException:
+            self.control.close()
+            raise
+        # Tier 0: the agent owns its workers' snapshot memory (it outlives a worker); removed in _finish.
+        self.snapshots = NodeSnapshots(cfg.checkpoint, cfg.agent.job_id, cfg.agent.node_name)
+        self.memory_dir = self.snapshots.open()
         entrypoint, args = worker_command(cfg)
         spec = WorkerSpec(
             role=workerenv.ROLE,
@@ -273,9 +284,10 @@ class Supervisor:
             "node": self.cfg.agent.node_name,
             "job_id": self.cfg.agent.job_id,
             **{k: v for k, v in self._world.items() if k != "first_rank"},
-            "remaining_restarts": self.adapter.remaining_restarts,
+            "remaining_restarts": self.adapter.remaining_restarts if hasattr(self, "adapter") else None,
             "draining": d is not None,
             "drain_deadline": d.deadline if d else None,
+            "waiting_for": self._waiting_for,
             "pid": os.getpid(),
             "emergency_step": self._emergency_step,
             "emergency_error": self._emergency_error or None,

@@ -158,3 +158,33 @@ def test_drain_wait_follows_the_node_out_and_says_how_it_ended(short_tmp):
         assert r.returncode == ExitCode.WORK_LOST, r.stdout + r.stderr
         assert "work lost (agent exit code 5); the emergency checkpoint failed:" in r.stderr, r.stderr
         assert bad.wait(10) == ExitCode.WORK_LOST
+
+
+def test_a_wrong_rendezvous_endpoint_ends_in_one_line_naming_the_key(short_tmp):
+    """Item 4: nothing listens at the endpoint. The agent says every few seconds that it waits, `status`
+    finds it (state starting, waiting for the store), and after rendezvous.join_timeout_s it ends with
+    one line naming rendezvous.endpoint / TRAINGUARD_RENDEZVOUS_ENDPOINT and the fix: no torch
+    traceback, exit 2."""
+    import subprocess
+    import sys
+    import time
+
+    tmp = short_tmp
+    ep = f"127.0.0.1:{free_port()}"  # nobody listens here
+    n = Node("a", tmp, ep, nnodes="1:2", extra=["--set", "rendezvous.is_host=false",
+                                              "--set", "rendezvous.join_timeout_s=8"], script_args=TRAIN)
+    t0 = time.monotonic()
+    with running([n]):
+        wait_until(lambda: os.path.exists(n.socket), 60, "the control socket of the starting agent")
+        st = subprocess.run([sys.executable, "-m", "trainguard.agent.cli", "status", "--socket", n.socket],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert st.returncode == 0, st.stdout + st.stderr
+        assert "starting" in st.stdout and f"the rendezvous store at {ep}" in st.stdout, st.stdout
+        assert n.wait(60) == ExitCode.USAGE, n.dump()
+        assert time.monotonic() - t0 < 40
+        text = "\n".join(n.lines())
+        assert n.events("rendezvous_endpoint_unreachable"), n.dump()
+        last = [ln for ln in n.lines() if ln.startswith("trainguard: ")][-1]
+        assert last.startswith(f"trainguard: cannot reach the rendezvous store at {ep}"), last
+        assert "(rendezvous.endpoint / TRAINGUARD_RENDEZVOUS_ENDPOINT): check the host and port" in last, last
+        assert "Traceback" not in text and "RendezvousConnectionError" not in text and "frame #" not in text, text
