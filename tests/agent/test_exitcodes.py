@@ -88,19 +88,3 @@ def test_a_failed_emergency_checkpoint_makes_the_agent_exit_work_lost(tmp_path):
     assert "Read-only file system" in line["fix"] and "set checkpoint.url" not in line["fix"]
     [bye] = [e for e in logs if e["event"] == "agent_exit"]
     assert bye["exit_code"] == 5 and bye["log_level"] == "error" and "Read-only" in bye["error"]
-
-
-@pytest.mark.parametrize("backend, endpoint, is_host, reach", [
-    ("c10d", "10.1.2.3:29400", None, ("10.1.2.3", 29400)),  # another machine: a client
-    ("c10d", "127.0.0.1:29400", None, None),  # this machine: torch hosts the store
-    ("c10d", "127.0.0.1:29400", False, ("127.0.0.1", 29400)),  # `trainguard store` on this machine
-    ("c10d", "10.1.2.3:29400", True, None),
-    ("etcd-v2", "10.1.2.3:2379", None, None),
-])
-def test_which_store_an_agent_waits_for(backend, endpoint, is_host, reach):
-    """Item 4: the agent waits (with progress lines, bounded) only for a store it does not host."""
-    from trainguard.agent.config import RendezvousConfig
-    from trainguard.agent.rendezvous import store_to_reach
-
-    cfg = RendezvousConfig(backend=backend, endpoint=endpoint, is_host=is_host, min_nodes=1, max_nodes=2)
-    assert store_to_reach(cfg) == reach
