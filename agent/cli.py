@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -182,7 +183,23 @@ def _start(cfg: TrainguardConfig, env: Mapping[str, str], *, announce: bool, not
     if announce:
         print(f"trainguard: job {cfg.agent.job_id}; drain it with `trainguard drain` "
               f"(or `{drain}`), status with `trainguard status`", file=sys.stderr, flush=True)
-    return run_agent(cfg, env)
+    return _exit_now(run_agent(cfg, env))
+
+
+def _exit_now(code: int) -> int:
+    """End the agent process as soon as :func:`run_agent` returned: every service is stopped, the
+    control socket closed, ``agent_exit`` logged. The interpreter's own teardown (torch's native
+    rendezvous and store objects) took another 2-3 s on this machine with no Python frame left to
+    run, and an agent that lingers after ``agent_exit`` looks hung to its operator."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -270,12 +287,93 @@ def _ask(path: str, message: Any, timeout: float) -> Any:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
+    """Ask the agent to drain; say so in words. ``--wait``: follow it until the node has left and say
+    how it ended (exit 0 when its work is committed, 5 when the emergency checkpoint failed, 1 when it
+    failed otherwise or did not leave within the deadline plus ``--timeout``)."""
     from trainguard.runtime.protocol import DrainRequest
 
     path = _find_agent_socket(args)
     reply = _ask(path, DrainRequest(deadline_s=args.deadline, reason=args.reason or "trainguard drain"), args.timeout)
-    print(json.dumps(reply.to_dict()))
-    return 0 if reply.ok else 1
+    if not reply.ok:
+        print(f"trainguard: the agent refused the drain: {reply.error}", file=sys.stderr)
+        return 1
+    status = _ask(path, _status_request(), args.timeout).data
+    who = f"job {status.get('job_id', '?')} on node {status.get('node', '?')}"
+    if reply.data.get("already_draining"):
+        print(f"trainguard: {who} is already draining")
+    else:
+        print(f"trainguard: drain of {who} requested: its workers checkpoint and it leaves the job "
+              f"within {args.deadline:g} s" + ("" if args.wait else " (`trainguard drain --wait` follows it)"))
+    if not args.wait:
+        return 0
+    return _follow_drain(path, status, give_up_at=time.monotonic() + args.deadline + args.timeout)
+
+
+def _status_request() -> Any:
+    from trainguard.runtime.protocol import StatusRequest
+
+    return StatusRequest()
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (an exited one its parent has not reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def _follow_drain(path: str, status: dict[str, Any], *, give_up_at: float) -> int:
+    """Poll the agent until its control socket is gone, printing each change; then its outcome."""
+    from trainguard.agent.exitcodes import ExitCode, read_record
+
+    pid, seen = status.get("pid"), ""
+    while time.monotonic() < give_up_at:
+        try:
+            status = _ask(path, _status_request(), 2.0).data
+        except ConfigError:  # gone (or not answering): the record or the missing socket says it has exited
+            if read_record(path, pid if isinstance(pid, int) else None) is not None or not os.path.exists(path):
+                break
+            time.sleep(0.25)
+            continue
+        step = status.get("emergency_step")
+        now = f"{status.get('state')}" + (f", emergency checkpoint of step {step} committed" if step is not None else "")
+        if now != seen:
+            print(f"trainguard: {now}", flush=True)
+            seen = now
+        time.sleep(0.25)
+    else:
+        print(f"trainguard: the agent (pid {pid}) has not left yet; it may be stuck: check its log", file=sys.stderr)
+        return 1
+    if isinstance(pid, int):  # the agent process itself (a final metrics scrape may keep it a few seconds)
+        from trainguard.metrics.agent import FINAL_SCRAPE_MAX_WAIT_S
+
+        end = time.monotonic() + FINAL_SCRAPE_MAX_WAIT_S + 5.0
+        while _pid_alive(pid) and time.monotonic() < end:
+            time.sleep(0.1)
+    rec = read_record(path, pid if isinstance(pid, int) else None)
+    if rec is None:
+        print("trainguard: the agent has exited without saying how (killed?); check its log", file=sys.stderr)
+        return 1
+    code = ExitCode(rec["exit_code"])
+    where = f"job {rec.get('job_id')} on node {rec.get('node')}"
+    if code in (ExitCode.DRAINED, ExitCode.STOPPED):
+        step = rec.get("emergency_step")
+        saved = f"emergency checkpoint of step {step} committed" if step is not None else "nothing to checkpoint"
+        print(f"trainguard: {where} left the job: {code.label} (agent exit code {int(code)}); {saved}")
+        return 0
+    print(f"trainguard: {where} ended: {code.label} (agent exit code {int(code)})"
+          + (f"; the emergency checkpoint failed: {rec['error']}" if rec.get("error") else ""), file=sys.stderr)
+    return int(code) if code is ExitCode.WORK_LOST else 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -291,10 +389,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     data = reply.data
     url = data.get("metrics_url")
-    if url:
+    if url and not data.get("waiting_for"):
         return status(str(url), timeout_s=args.timeout)
     # metrics.enabled is false: what the agent itself says
-    for k in ("job_id", "node", "state", "world_size", "nodes", "round", "remaining_restarts", "draining"):
+    for k in ("job_id", "node", "state", "waiting_for", "world_size", "nodes", "round", "remaining_restarts",
+              "draining"):
         print(f"{k.replace('_', ' '):<18}{data.get(k, '-')}")
     return 0
 
@@ -343,6 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("drain", help="ask the local agent to checkpoint and leave the job")
     d.add_argument("--deadline", type=parse_duration, default=30.0, help="time until the node must be gone (30s, 2m)")
     d.add_argument("--reason", default="manual drain")
+    d.add_argument("--wait", action="store_true",
+                   help="block until the emergency checkpoint is committed and the node has left; print the outcome "
+                        "(exit 0: work committed, 5: the checkpoint failed, 1: failed or still there after "
+                        "--deadline + --timeout)")
     _add_agent_lookup(d)
     d.set_defaults(func=cmd_drain)
 

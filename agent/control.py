@@ -207,13 +207,6 @@ class ControlServer:
             with self._lock:
                 self._workers[conn] = msg
             log.info("worker_registered", rank=msg.rank, local_rank=msg.local_rank, pid=msg.pid)
-        if isinstance(msg, proto.Committed) and not msg.saved and msg.rank == 0:
-            lost = None if msg.last_committed is None else msg.step - msg.last_committed
-            log.warning("checkpoint_not_saved", kind=msg.kind.value, step=msg.step, last_committed=msg.last_committed,
-                        lost_steps=lost if lost is not None else msg.step,
-                        effect="the workers stopped without a checkpoint of this step: the next start resumes from "
-                               "the last committed step, or from step 0 when there is none",
-                        fix="set checkpoint.url (TRAINGUARD_CHECKPOINT_URL) so that drains save the work")
         try:
             reply = self._on_request(msg)
         except Exception as e:  # noqa: BLE001 - a handler bug must answer the client, not kill the thread

@@ -43,6 +43,34 @@ def _start_metrics(cfg: TrainguardConfig) -> tuple[Any, Any]:
     return metrics, exporter
 
 
+def warn_foreign_runs(cfg: TrainguardConfig) -> dict[str, int]:
+    """A job that finds no committed checkpoint of its own while other runs have some under the same
+    ``checkpoint.url`` is most likely a mistyped ``agent.job_id`` (it would train from step 0 into a
+    new run folder and bill for it): one loud ``checkpoint_other_runs`` error line at start. Returns
+    those other runs (``{run: newest step}``); never raises (the workers report storage errors)."""
+    if not cfg.checkpoint.url:
+        return {}
+    try:
+        from trainguard.checkpoint.discovery import runs_with_commits
+        from trainguard.checkpoint.storage import Storage
+
+        storage = Storage(cfg.checkpoint.url, cfg.checkpoint.storage_options, retry_attempts=1, retry_deadline_s=10.0)
+        runs = runs_with_commits(storage)
+    except Exception as e:  # noqa: BLE001 - a start-up hint only
+        log.info("checkpoint_other_runs_unchecked", url=cfg.checkpoint.url, error=f"{type(e).__name__}: {e}"[:300])
+        return {}
+    job = cfg.agent.job_id
+    if job in runs or not runs:
+        return {}
+    others = dict(sorted(runs.items(), key=lambda kv: -kv[1])[:10])
+    log.error("checkpoint_other_runs", job_id=job, url=cfg.checkpoint.url, other_runs=others,
+              effect=f"job {job!r} has no checkpoint of its own: it starts from step 0 in a new run folder "
+                     f"{cfg.checkpoint.url.rstrip('/')}/{job}",
+              fix="if this node belongs to one of those runs, stop it and fix agent.job_id "
+                  "(TRAINGUARD_AGENT_JOB_ID, --rdzv-id) on this node; a new job may ignore this line")
+    return others
+
+
 def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list[Any]:
     """Watchers -> coordinator -> supervisor. Returns what must be stopped at exit."""
     from trainguard.agent.watchers import acknowledge, build_watchers, manual_watcher, start_all
@@ -112,6 +140,7 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
         else:
             notifier.status(text)
 
+    warn_foreign_runs(cfg)
     metrics, exporter = _start_metrics(cfg)
     listeners = list(extra_listeners or [])
     listeners.append(tell_systemd)
@@ -135,8 +164,8 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
     finally:
         notifier.stopping()
         if metrics is not None:
-            drain = sup.drain
-            metrics.await_final_scrape(deadline=drain.deadline if drain is not None else None)
+            # The deadline is asked again while waiting: a second Ctrl-C moves it to now.
+            metrics.await_final_scrape(deadline=lambda: sup.drain.deadline if sup.drain is not None else None)
         for s in reversed(services):
             try:
                 (getattr(s, "stop", None) or s.close)()
@@ -144,4 +173,4 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
                 log.warning("service_stop_failed", service=type(s).__name__, error=str(e))
 
 
-__all__ = ["run_agent"]
+__all__ = ["run_agent", "warn_foreign_runs"]

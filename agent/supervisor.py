@@ -62,6 +62,8 @@ from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
 from trainguard.agent.decisions import Act, Decision, Observation, decide
+from trainguard.agent import exitcodes
+from trainguard.agent.exitcodes import ExitCode, exit_code
 from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
@@ -127,12 +129,19 @@ class Supervisor:
         self._drain: DrainRequest | None = None
         self._checkpoint_reason: str | None = None
         self._emergency_committed = False
+        self._emergency_error = ""
+        self._emergency_step: int | None = None
+        """The step of this node's committed emergency checkpoint (``trainguard drain --wait`` says it)."""
+        """Why this node's emergency checkpoint failed (a worker's report, or the deadline passing
+        first); non-empty makes the agent exit with :attr:`ExitCode.WORK_LOST`."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._outcome: AgentState | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._world: dict[str, Any] = {}
+        self._waiting_for: str | None = None
+        """What a starting agent waits for (``status`` says it)."""
         self._asked = ""
         self._drain_published: int | None = None
         """The round this node published its leave in (the record is per round)."""
@@ -153,13 +162,26 @@ class Supervisor:
         self._joining_since = 0.0
         self.reform_enabled = cfg.workers.reform == "in-process"
         self._run_started = time.monotonic()
-        self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
         os.makedirs(cfg.agent.state_dir, mode=0o700, exist_ok=True)
         self.control_path = proto.control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
+        # The control socket first: `trainguard status` / `drain` find an agent that still waits for its store.
+        self.control = ControlServer(self.control_path, self._on_control)
+        try:  # the previous agent's outcome (this socket is ours now)
+            os.remove(exitcodes.record_path(self.control_path))
+        except OSError:
+            pass
+        try:
+            if handler is None and rdzv.store_to_reach(cfg.rendezvous) is not None:
+                self._waiting_for = f"the rendezvous store at {cfg.rendezvous.endpoint}"
+                rdzv.wait_for_store(cfg.rendezvous)
+            self._waiting_for = None
+            self.handler = handler if handler is not None else rdzv.build_handler(cfg.rendezvous, cfg.agent.job_id)
+        except BaseException:
+            self.control.close()
+            raise
         # Tier 0: the agent owns its workers' snapshot memory (it outlives a worker); removed in _finish.
         self.snapshots = NodeSnapshots(cfg.checkpoint, cfg.agent.job_id, cfg.agent.node_name)
         self.memory_dir = self.snapshots.open()
-        self.control = ControlServer(self.control_path, self._on_control)
         entrypoint, args = worker_command(cfg)
         spec = WorkerSpec(
             role=workerenv.ROLE,
@@ -223,8 +245,14 @@ class Supervisor:
         if isinstance(msg, proto.StatusRequest):
             return proto.Reply(ok=True, data=self.status())
         if isinstance(msg, proto.Committed):
+            if not msg.saved and msg.rank == 0:
+                log.warning("checkpoint_not_saved", **exitcodes.not_saved_fields(msg, checkpoint_url=self.cfg.checkpoint.url))
+            if not msg.saved and msg.error and msg.kind is proto.CheckpointKind.EMERGENCY:
+                self._emergency_error = self._emergency_error or msg.error
             log.info("checkpoint_committed_by_worker", step=msg.step, kind=msg.kind.value, rank=msg.rank, saved=msg.saved,
                      bytes=msg.nbytes)
+            if msg.kind is proto.CheckpointKind.EMERGENCY and msg.saved:
+                self._emergency_step = msg.step
             if msg.kind is proto.CheckpointKind.EMERGENCY and self._drain is not None:
                 self._emergency_committed = True
                 self._wake.set()
@@ -256,9 +284,13 @@ class Supervisor:
             "node": self.cfg.agent.node_name,
             "job_id": self.cfg.agent.job_id,
             **{k: v for k, v in self._world.items() if k != "first_rank"},
-            "remaining_restarts": self.adapter.remaining_restarts,
+            "remaining_restarts": self.adapter.remaining_restarts if hasattr(self, "adapter") else None,
             "draining": d is not None,
             "drain_deadline": d.deadline if d else None,
+            "waiting_for": self._waiting_for,
+            "pid": os.getpid(),
+            "emergency_step": self._emergency_step,
+            "emergency_error": self._emergency_error or None,
         }
 
     def _observe(self, method: str, *args: Any) -> None:
@@ -480,6 +512,8 @@ class Supervisor:
             if drain is not None:
                 grace = max(1.0, min(grace, drain.deadline - time.time()))
             log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
+            if self._asked == "drain" and not self._emergency_committed and not self._emergency_error:
+                self._emergency_error = "the drain deadline passed before the emergency checkpoint was committed"
             self.adapter.terminate_workers(grace)
             return self._leave(d.reason)
         elif d.act is Act.LEAVE:
@@ -737,9 +771,18 @@ class Supervisor:
                 self.adapter.close()
             except Exception as e:
                 log.warning("rendezvous_close_failed", error=str(e))
+        drain = self._drain
+        code = exit_code(outcome, drain_kind=drain.kind if drain is not None else None,
+                         emergency_failed=bool(self._emergency_error))
+        # Before the socket goes: a `trainguard drain --wait` that sees it gone reads this.
+        exitcodes.write_record(self.control_path, {
+            "pid": os.getpid(), "job_id": self.cfg.agent.job_id, "node": self.cfg.agent.node_name,
+            "outcome": outcome.value, "exit_code": int(code), "meaning": code.label,
+            "emergency_step": self._emergency_step, "error": self._emergency_error or None, "t": time.time()})
         self.control.close()
         self.snapshots.remove(outcome.value)  # the job is over for this node: its snapshots with it
-        code = 0 if outcome in (AgentState.SUCCEEDED, AgentState.STOPPED) else 1
-        log.info("agent_exit", outcome=outcome.value, exit_code=code,
-                 uptime_s=round(time.monotonic() - self._run_started, 1))
-        return code
+        fields: dict[str, Any] = {"error": self._emergency_error} if code is ExitCode.WORK_LOST else {}
+        (log.error if code in (ExitCode.FAILED, ExitCode.WORK_LOST) else log.info)(
+            "agent_exit", outcome=outcome.value, exit_code=int(code), meaning=code.label,
+            uptime_s=round(time.monotonic() - self._run_started, 1), **fields)
+        return int(code)

@@ -270,4 +270,21 @@ def scan_run(storage: Storage, run_id: str, *, warn: bool = True) -> Scan:
     return scan
 
 
-__all__ = ["Deletion", "EpochRecords", "Scan", "StepRef", "gc_plan", "lineage_of", "restore_epoch", "scan_run"]
+def runs_with_commits(storage: Storage, *, limit: int = 50) -> dict[str, int]:
+    """``{run_id: newest committed step}`` of the runs under the checkpoint URL that have a committed
+    step (at most ``limit`` run folders are scanned; a listing error raises as in :func:`scan_run`)."""
+    out: dict[str, int] = {}
+    for run in sorted(storage.listdir(""))[:limit]:
+        if run.startswith("."):
+            continue
+        try:
+            scan = scan_run(storage, run, warn=False)
+        except NotADirectoryError:  # a stray file beside the run folders
+            continue
+        if scan.committed:
+            out[run] = max(ref.step for ref in scan.committed)
+    return out
+
+
+__all__ = ["Deletion", "EpochRecords", "Scan", "StepRef", "gc_plan", "lineage_of", "restore_epoch", "runs_with_commits",
+           "scan_run"]

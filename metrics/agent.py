@@ -23,6 +23,7 @@ lock, prometheus_client metrics by their own.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import threading
@@ -34,6 +35,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, CounterMetricFamily, InfoMetricFamily, Metric
 
+from trainguard.runtime.configbase import ConfigError
 from trainguard.runtime.log import get_logger
 from trainguard.metrics import channel, names
 from trainguard.metrics.config import CostConfig, MetricsConfig
@@ -45,8 +47,12 @@ log = get_logger("trainguard.metrics.agent")
 
 P = names.PREFIX
 
-FINAL_SCRAPE_MAX_WAIT_S = 30.0
-"""Upper bound of :meth:`AgentMetrics.await_final_scrape` (whatever the observed scrape interval)."""
+FINAL_SCRAPE_MAX_WAIT_S = 5.0
+"""Upper bound of :meth:`AgentMetrics.await_final_scrape` (whatever the observed scrape interval): an
+agent that has said ``agent_exit`` must not look hung, nor hold its metrics port for long."""
+PORT_BUSY_WAIT_S = FINAL_SCRAPE_MAX_WAIT_S + 2.0
+"""How long :meth:`AgentMetrics.serve` retries a fixed ``metrics.port`` that is in use: the agent this
+one replaces may still be serving its final scrape."""
 
 
 def _state_name(state: Any) -> str:
@@ -329,15 +335,27 @@ class AgentMetrics:
         return {} if self.multiproc_dir is None else {channel.ENV_VAR: self.multiproc_dir}
 
     def serve(self) -> Any:
-        """Start the HTTP exporter on ``metrics.bind_address:port`` (daemon thread) and return it."""
+        """Start the HTTP exporter on ``metrics.bind_address:port`` (daemon thread) and return it. A
+        fixed port that is in use is retried for :data:`PORT_BUSY_WAIT_S` (a restart right after a
+        drain finds the previous agent still answering its final scrape), then the error stands."""
         from trainguard.metrics.exporter import MetricsExporter
 
-        if self._exporter is None:
-            self._exporter = MetricsExporter(self.registry, self.config.bind_address, self.config.port,
-                                             health=self.health)
+        t0 = time.monotonic()
+        while self._exporter is None:
+            try:
+                self._exporter = MetricsExporter(self.registry, self.config.bind_address, self.config.port,
+                                                 health=self.health)
+            except ConfigError as e:
+                busy = getattr(e.__cause__, "errno", None) == errno.EADDRINUSE and self.config.port != 0
+                if not busy or time.monotonic() - t0 > PORT_BUSY_WAIT_S:
+                    raise
+                if t0 + 0.25 > time.monotonic():
+                    log.warning("metrics_port_busy", port=self.config.port, retry_for_s=PORT_BUSY_WAIT_S,
+                                effect="retrying: the agent this one replaces may still be exiting")
+                time.sleep(0.25)
         return self._exporter
 
-    def await_final_scrape(self, deadline: float | None = None) -> bool:
+    def await_final_scrape(self, deadline: float | Callable[[], float | None] | None = None) -> bool:
         """Before the agent exits: give the scraper watching this node one more scrape, so the final
         values (drain duration, ``stopped`` state, final cost and waste) reach it; a drained node
         would otherwise vanish with them unscraped.
@@ -345,21 +363,29 @@ class AgentMetrics:
         Waits only while something scrapes periodically (see
         :meth:`~trainguard.metrics.exporter.MetricsExporter.scrape_interval_s`), for at most two
         scrape intervals or :data:`FINAL_SCRAPE_MAX_WAIT_S`, and never past ``deadline`` (unix
-        seconds, e.g. the drain deadline) minus one second. Returns whether a scrape was served.
-        Never raises; logs ``metrics_final_scrape``.
+        seconds, e.g. the drain deadline) minus one second. ``deadline`` may be a function, asked
+        again every quarter second: a second Ctrl-C moves the drain deadline to now and ends the wait.
+        Returns whether a scrape was served. Never raises; logs ``metrics_final_scrape``.
         """
         ex = self._exporter
+
+        def left(until: float) -> float:
+            d = deadline() if callable(deadline) else deadline
+            return min(until - time.monotonic(), float("inf") if d is None else d - 1.0 - self._wall())
+
         try:
             interval = ex.scrape_interval_s() if ex is not None else None
             if interval is None:
                 return False
-            wait = min(2 * interval, FINAL_SCRAPE_MAX_WAIT_S)
-            if deadline is not None:
-                wait = min(wait, deadline - 1.0 - self._wall())
-            if wait <= 0:
-                return False
             t0 = time.monotonic()
-            scraped = ex.wait_for_next_scrape(wait)
+            until = t0 + min(2 * interval, FINAL_SCRAPE_MAX_WAIT_S)
+            if left(until) <= 0:
+                return False
+            log.info("metrics_final_scrape_wait", max_s=round(left(until), 1),
+                     skip="press Ctrl-C again (or send SIGTERM) to exit at once")
+            scraped, mark = False, ex.scrapes_begun()
+            while not scraped and (slice_s := min(0.25, left(until))) > 0:
+                scraped = ex.wait_for_next_scrape(slice_s, after=mark)
             log.info("metrics_final_scrape", scraped=scraped, waited_s=round(time.monotonic() - t0, 3),
                      scrape_interval_s=round(interval, 3))
             return scraped

@@ -144,12 +144,18 @@ class MetricsExporter:
         gap = max(b - a for a, b in zip(starts, starts[1:]))
         return gap if time.monotonic() - starts[-1] <= 3 * gap else None
 
-    def wait_for_next_scrape(self, timeout_s: float) -> bool:
-        """Block until a ``/metrics`` request that *begins after this call* has been answered, or
-        ``timeout_s`` passed; True when one was. Any thread."""
+    def scrapes_begun(self) -> int:
+        """How many ``/metrics`` requests have begun (a mark for :meth:`wait_for_next_scrape`)."""
+        with self._scrapes:
+            return self._started
+
+    def wait_for_next_scrape(self, timeout_s: float, after: int | None = None) -> bool:
+        """Block until a ``/metrics`` request that *begins after this call* (or after the mark
+        ``after`` from :meth:`scrapes_begun`) has been answered, or ``timeout_s`` passed; True when
+        one was. Any thread."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._scrapes:
-            after = self._started
+            after = self._started if after is None else after
             while self._answered <= after:
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -536,6 +536,9 @@ class Committed(Message):
     persist_s: float = 0.0
     last_committed: int | None = None
     """The newest committed step (the one a restore will use), for the lost-work log line."""
+    error: str = ""
+    """Why the save failed (the storage error, or the missed deadline); empty when it was saved, or
+    not attempted because ``checkpoint.url`` is unset."""
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Committed:
@@ -550,7 +553,8 @@ class Committed(Message):
                    saved=saved, seconds=_finite("seconds", d.get("seconds", 0.0)),
                    nbytes=_int("nbytes", d.get("nbytes", 0), minimum=0),
                    stage_s=_finite("stage_s", d.get("stage_s", 0.0)), persist_s=_finite("persist_s", d.get("persist_s", 0.0)),
-                   last_committed=_int("last_committed", d.get("last_committed"), minimum=0, optional=True))
+                   last_committed=_int("last_committed", d.get("last_committed"), minimum=0, optional=True),
+                   error=_str("error", d.get("error", ""), limit=500))
 
 
 @dataclass(frozen=True, slots=True)

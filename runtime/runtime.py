@@ -1310,7 +1310,7 @@ class Runtime:
                         effect="exiting with the resize code; the job resumes from the last committed step")
         if self._link is not None:
             self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
-                                              last_committed=last))
+                                              last_committed=last, error=str(e)[:500]))
         self._exit(proto.EXIT_RESIZE)
 
     def _stop(self, why: proto.StopReason, deadline: float | None = None) -> None:
@@ -1340,7 +1340,7 @@ class Runtime:
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
-                                         last_committed=last)
+                                         last_committed=last, error=f"{type(e).__name__}: {e}"[:500])
         if self._link is not None:
             self._link.report(report)
         if self._manager is not None:

@@ -90,21 +90,6 @@ def test_status_reply_carries_pid_socket_and_extras(server):
     assert r.data["metrics_url"] == "http://127.0.0.1:1"
 
 
-def test_not_saved_emergency_is_reported_once(server):
-    s = server()
-    msgs = [proto.Committed(step=7, kind=proto.CheckpointKind.EMERGENCY, rank=r, saved=False) for r in (0, 1)]
-    with structlog.testing.capture_logs() as logs, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
-        c.settimeout(5)
-        c.connect(s.path)
-        for m in msgs:
-            c.sendall(proto.encode(m))
-        c.sendall(proto.encode(proto.StatusRequest()))  # answered after both reports are handled
-        assert c.recv(65536)
-    events = [e for e in logs if e["event"] == "checkpoint_not_saved"]
-    assert len(events) == 1 and events[0]["step"] == 7 and events[0]["kind"] == "emergency"
-    assert events[0]["lost_steps"] == 7 and "checkpoint.url" in events[0]["fix"]
-
-
 def test_one_agent_per_socket(server, tmp_path):
     first = server("job1")
     with pytest.raises(control.SocketInUse) as ei:

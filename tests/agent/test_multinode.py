@@ -6,6 +6,7 @@ import signal
 import pytest
 
 from tests.harness import Node, alive, free_port, wait_listening, wait_until
+from trainguard.agent.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TRAIN = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.02", "--global-batch", "24"]
@@ -67,7 +68,7 @@ def test_two_nodes_train_restart_scale_up_and_drain(nodes):
 
         # 4. an agent that does not host the store leaves (drain) -> survivors continue at 2
         assert control.request(c.socket, DrainRequest(deadline_s=20, reason="test")).ok
-        assert c.wait(60) == 0
+        assert c.wait(60) == ExitCode.DRAINED
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 90, "survivors re-form at 2")
         n2 = len(trainer.events("train_step"))
         wait_until(lambda: any(e["world_size"] == 2 for e in trainer.events("train_step")[n2:]), 60, "training at 2 again")

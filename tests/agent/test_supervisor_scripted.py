@@ -7,6 +7,7 @@ import pytest
 
 from trainguard.agent.configload import load_config
 from trainguard.agent.elastic import Peek, Poll, RendezvousAborted, World
+from trainguard.agent.exitcodes import ExitCode
 from trainguard.agent.supervisor import DRAIN_KEY, Supervisor
 from trainguard.runtime.protocol import EXIT_RESIZE as RESIZE
 from trainguard.runtime.protocol import AgentState, CheckpointNow, Hello, WorkerStatus
@@ -159,7 +160,7 @@ def test_notice_terminates_plain_workers_and_leaves(tmp_path):
     assert fake.calls == ["start", "terminate(7)", "leave", "stop"]  # leave first: the survivors go on at once
     assert tr[-2:] == [AgentState.DRAINING, AgentState.STOPPED]
     assert fake.store.check([DRAIN_KEY])  # peers learn why our workers went away
-    assert sup._finish() == 0 and not fake.closed  # a drained node never closes the rendezvous
+    assert sup._finish() == ExitCode.DRAINED and not fake.closed  # a drained node never closes the rendezvous
 
 
 def test_drain_during_rendezvous_leaves_without_starting_workers(tmp_path):

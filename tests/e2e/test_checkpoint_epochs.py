@@ -29,6 +29,7 @@ import pytest
 from tests.harness import REPO, Node, free_port, wait_listening, wait_until
 from trainguard.checkpoint.discovery import StepRef, scan_run
 from trainguard.checkpoint.storage import Storage
+from trainguard.agent.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -103,7 +104,7 @@ def test_relaunch_store_restart_and_split_brain_keep_every_checkpoint(tmp_path) 
         wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 120, "world size 2")
         wait_until(lambda: len(committed_refs(a)) >= 2, 120, "two commits at world size 2")
         b.signal(15)
-        assert b.wait(90) == 0, b.dump()
+        assert b.wait(90) == ExitCode.STOPPED, b.dump()
         wait_until(lambda: worlds(a)[-1:] == [1] and len(claims(a)) >= 2, 90, "a re-formed alone, new epoch")
         e_alone = claims(a)[-1]["epoch"]
         wait_until(lambda: any(r.epoch == e_alone for r in committed_refs(a)), 90, "a commit by the re-formed world")

@@ -15,6 +15,7 @@ import pytest
 from tests.emulators.fixtures import aws_imds  # noqa: F401
 from tests import samples
 from tests.harness import REPO, Node, continued, free_port, notice_checkpoints, running, wait_listening, wait_until
+from trainguard.agent.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -81,7 +82,7 @@ def test_aws_notice_drains_node_b_survivor_resumes_then_b_rejoins(tmp_path, aws_
         assert b.proc.poll() is None and worlds(a)[-1:] == [2], "b left at its notice instead of training on"
         assert any(e["world_size"] == 2 and e["step"] >= insured[0]["step"] + 20 for e in a.events("train_step")), \
             "the world did not train on through the notice"
-        assert b.wait(90) == 0, b.dump()
+        assert b.wait(90) == ExitCode.DRAINED, b.dump()
         t_gone = time.time()
         assert deadline - 12 <= t_gone <= deadline, (t_notice, deadline, t_gone)  # drained the lead before it
         committed = [e for n in (a, b) for e in n.events("checkpoint_committed")
@@ -153,7 +154,7 @@ def test_reclaimed_early_while_training_through_its_notice(tmp_path, aws_imds): 
         wait_until(lambda: any(e["world_size"] == 1 and e["step"] >= again[-1]["step"] + 10
                                for e in a.events("train_step")), 90, "training at world size 1")
         a.signal(15)
-        assert a.wait(60) == 0, a.dump()
+        assert a.wait(60) == ExitCode.STOPPED, a.dump()
         seen = check_exactly_once(sample_log(tmp))
         print(f"insured at step {insured[0]['step']}, continued at {again[-1]['step']} ({again[-1]['event']}), "
               f"steps={len(seen) // GLOBAL_BATCH}")

@@ -19,6 +19,7 @@ import pytest
 from tests import samples
 from tests.fixtures.etcd import SECURE_JOB, b64, gateway, prefix_end, secure_etcd  # noqa: F401
 from tests.harness import REPO, Node, alive, wait_until
+from trainguard.agent.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -106,7 +107,7 @@ def test_three_agents_on_secure_etcd_survive_sigkill_drain_and_scale_up(tmp_path
         drained, last = leader, next(n for n in survivors if n is not leader)
         restarts_before = len([e for e in last.events("state_change") if e["new"] == "restarting"])
         drained.signal(15)
-        assert drained.wait(90) == 0, drained.dump()
+        assert drained.wait(90) == ExitCode.STOPPED, drained.dump()
         committed = [e for n in survivors for e in n.events("checkpoint_committed")
                      if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
         assert len(committed) == 2, committed  # both ranks of the world of 2
@@ -131,7 +132,7 @@ def test_three_agents_on_secure_etcd_survive_sigkill_drain_and_scale_up(tmp_path
         for n in (last, d):
             n.signal(15)
         for n in (last, d):
-            assert n.wait(60) == 0, n.dump()
+            assert n.wait(60) == ExitCode.STOPPED, n.dump()
 
         # Exactly once: every step committed once, on the cursor's batch for that step, whatever the
         # world size; the only void attempts are those the SIGKILL interrupted (redone, same samples).

@@ -13,6 +13,7 @@ from tests.e2e.test_drain import GLOBAL_BATCH, check_exactly_once, sample_log, w
 from tests.emulators.fixtures import aws_imds  # noqa: F401
 from tests.harness import REPO, Node, free_port, wait_listening, wait_until
 from tests.strategies import _world
+from trainguard.agent.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -73,7 +74,7 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
 
         # 2 -> 1: a spot notice on b
         aws_imds.schedule_termination(in_s=120)
-        assert b.wait(90) == 0, b.dump()
+        assert b.wait(90) == ExitCode.DRAINED, b.dump()
         emergency = {e["step"] for n in (a, b) for e in n.events("checkpoint_committed")
                      if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"}
         assert len(emergency) == 1, emergency
@@ -107,7 +108,7 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
         from trainguard.runtime.protocol import DrainRequest
 
         assert control.request(c.socket, DrainRequest(deadline_s=30)).ok
-        assert c.wait(60) == 0, c.dump()
+        assert c.wait(60) == ExitCode.DRAINED, c.dump()
         r4 = wait_until(lambda: [e for e in rejoined(nodes, 2) if e["step"] >= r3[0]["step"]],
                         60, "a and b2 re-formed at world size 2")
         drain_to_world = time.monotonic() - t_drain

@@ -15,6 +15,7 @@ from tests.harness import REPO, Node, continued, free_port, wait_listening, wait
 from tests.metrics.promql import RULES, alert_rules, dashboard_exprs, referenced_metrics, split_comparison
 from trainguard.agent import control
 from trainguard.runtime.protocol import DrainRequest
+from trainguard.agent.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -87,7 +88,7 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         # One drain of node b, as `trainguard drain` does it.
         reply = control.request(b.socket, DrainRequest(deadline_s=30))
         assert reply.ok, reply
-        assert b.wait(60) == 0, b.dump()
+        assert b.wait(60) == ExitCode.DRAINED, b.dump()
         # b's final values (drain duration, stopped state) were scraped before it went away.
         assert [e["scraped"] for e in b.events("metrics_final_scrape")] == [True], b.dump()
         wait_until(lambda: worlds(a)[-1:] == [1], 60, "survivor at world size 1")
@@ -181,7 +182,7 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         assert "TrainguardNoProgress" not in alerts and "TrainguardCheckpointFailing" not in alerts, alerts
 
         a.signal(15)
-        assert a.wait(60) == 0, a.dump()
+        assert a.wait(60) == ExitCode.STOPPED, a.dump()
         interval = value(prom, 'trainguard_checkpoint_interval_seconds{node="a"}', t)
         print(f"metrics_e2e_s={time.monotonic() - t0:.1f} steps={steps_a:.0f} samples={samples:.0f} "
               f"checkpoint_interval_s={interval:.2f}")

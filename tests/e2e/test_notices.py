@@ -9,6 +9,7 @@ from tests.emulators.fixtures import aws_imds, azure_events, gcp_metadata  # noq
 from tests.harness import REPO, Node, continued, free_port, notice_checkpoints, wait_listening, wait_until
 from trainguard.agent import control
 from trainguard.runtime.protocol import DrainRequest
+from trainguard.agent.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -48,9 +49,9 @@ def timeout_stop_sec():
     raise AssertionError("TimeoutStopSec missing from systemd/trainguard-agent.service")
 
 
-def survivor_resumes(survivor, leavers, expected_world):
+def survivor_resumes(survivor, leavers, expected_world, code=ExitCode.DRAINED):
     for n in leavers:
-        assert n.wait(90) == 0, n.dump()
+        assert n.wait(90) == code, n.dump()
     steps = emergency_steps(survivor, *leavers)
     assert steps and len(set(steps)) == 1, steps  # every rank stopped at the same step
     s = steps[0]
@@ -83,9 +84,9 @@ def test_notice_source_drains_node(tmp_path, source, request):
         else:
             t_term = time.monotonic()
             b.signal(15)
-        s = survivor_resumes(a, [b], 1)
+        s = survivor_resumes(a, [b], 1, ExitCode.STOPPED if source.startswith("sigterm") else ExitCode.DRAINED)
         if source.startswith("sigterm"):
-            # systemd's stop: a drain with a committed checkpoint, exit 0, well inside TimeoutStopSec
+            # systemd's stop: a drain with a committed checkpoint, exit 4 (stopped), well inside TimeoutStopSec
             assert time.monotonic() - t_term < timeout_stop_sec()
         if source == "azure":
             wait_until(lambda: emu.count("/metadata/scheduledevents", method="POST") >= 1, 10, "StartRequests")
@@ -154,7 +155,7 @@ def test_early_warnings_checkpoint_and_stay_a_spot_interruption_drains_a_rendezv
         # The deadline is 10 minutes away: a node that waited for it (deadline - 2 s, the old
         # behaviour) would still be here; one that aborts its rendezvous leaves within seconds.
         assert control.request(lone.socket, DrainRequest(deadline_s=600, reason="test")).ok
-        assert lone.wait(60) == 0, lone.dump()
+        assert lone.wait(60) == ExitCode.DRAINED, lone.dump()
         print(f"the lone node left {time.monotonic() - t0:.2f} s after the drain (deadline in 600 s)")
         stopped = lone.events("state_change")[-1]
         assert stopped["new"] == "stopped" and stopped["reason"] == "drained_during_rendezvous"

@@ -310,3 +310,31 @@ def test_gpu_series_labelled_by_uuid_when_nvml_says(metrics_factory, fake_nvml: 
     with pytest.raises(KeyError):
         value(m, "trainguard_gpu_memory_used_bytes", gpu="0")
     m.close()
+
+
+def test_a_busy_fixed_port_is_retried_until_the_previous_agent_lets_it_go(metrics_factory) -> None:
+    """Issue 43 item 5: a restart right after a drain finds the old agent still on its port."""
+    import socket
+    import threading
+    import time
+
+    from trainguard.metrics.agent import PORT_BUSY_WAIT_S
+    from trainguard.runtime.configbase import ConfigError
+
+    old = socket.socket()
+    old.bind(("127.0.0.1", 0))
+    old.listen()
+    port = old.getsockname()[1]
+    threading.Timer(1.0, old.close).start()
+    with capture_logs() as logs:
+        ex = metrics_factory(config=MetricsConfig(port=port, bind_address="127.0.0.1")).serve()
+    assert ex.port == port
+    assert [e["port"] for e in logs if e["event"] == "metrics_port_busy"] == [port]
+    # a port that stays taken still ends in the error naming metrics.port, after the bounded retry
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match="metrics.port"):
+            metrics_factory(config=MetricsConfig(port=held.getsockname()[1], bind_address="127.0.0.1")).serve()
+        assert PORT_BUSY_WAIT_S <= time.monotonic() - t0 < PORT_BUSY_WAIT_S + 2

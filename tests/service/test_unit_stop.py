@@ -28,6 +28,7 @@ import time
 import pytest
 
 from tests.harness import REPO, Node, alive, children, free_port, wait_listening, wait_until
+from trainguard.agent.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 GRACE_S = 5
@@ -114,7 +115,7 @@ def test_systemctl_stop_drains_the_node_and_the_peer_sees_a_planned_leave(tmp_pa
         took, killed = stop(b.pid, settings, lambda t: _wait(b, t))
 
         assert not killed, f"systemd would have SIGKILLed {killed}: the drain did not finish in TimeoutStopSec"
-        assert b.proc.returncode == 0, b.dump()
+        assert b.proc.returncode == ExitCode.STOPPED, b.dump()
         assert took < float(settings["TimeoutStopSec"])
         # the agent, not systemd, stopped the worker: a notice, then SIGTERM with the configured grace
         [drain] = b.events("drain_started")

@@ -9,7 +9,7 @@ Each script only reads the torchelastic env; none imports trainguard. For each o
    worker with ``preemption.term_grace_s`` (logged ``workers_terminating`` with ``grace_s``; torch's
    ``Sending process <pid> closing signal SIGTERM`` names the worker's pid), the worker (which does
    nothing about SIGTERM, like most such scripts) dies well within the grace, without a SIGKILL, and
-   b's agent exits 0 (``draining`` -> ``stopped``);
+   b's agent exits 3, drained (``draining`` -> ``stopped``);
 3. the survivor's worker loses its peer; its agent re-forms the world at size 1 without consuming a
    restart (``peer_drain``), and the script resumes from its own last checkpoint and trains on at
    world size 1 (metrics: world size 1, no restart counted).
@@ -29,6 +29,7 @@ import urllib.request
 import pytest
 
 from tests.harness import REPO, Node, alive, free_port, wait_listening, wait_until
+from trainguard.agent.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 GRACE_S = 5
@@ -114,7 +115,7 @@ def test_unmodified_script_trains_gets_sigterm_on_drain_and_survivor_resumes(kin
         assert control.request(b.socket, DrainRequest(deadline_s=30)).ok
         wait_until(lambda: not alive(worker), GRACE_S + 5, f"b's worker {worker} to exit")
         worker_exit_s = time.monotonic() - t0
-        assert b.wait(60) == 0, b.dump()
+        assert b.wait(60) == ExitCode.DRAINED, b.dump()
         (term,) = b.events("workers_terminating")
         assert term["reason"] == "notice" and term["grace_s"] == GRACE_S, term
         log = "\n".join(b.lines())
