@@ -923,6 +923,21 @@ class MemoryTier:
             s.invalidate()
         self._newest, self._last = None, None
 
+    def discard_from(self, step: int) -> int:
+        """Make this rank's own snapshots of ``step`` and later read as empty (after the background commit
+        of the newest one ended): their data may come from an update that ran on half-reduced gradients,
+        or from replicas that disagree. Returns how many were discarded."""
+        self.settle()
+        gone = 0
+        for i, s in enumerate(self._slots):
+            h = s.header()
+            if h is not None and h.complete and h.step >= step:
+                s.invalidate()
+                gone += 1
+                if i == self._newest:
+                    self._newest, self._last = None, None
+        return gone
+
     def invalidate_all(self) -> None:
         """:meth:`invalidate`, and every other snapshot and replica in the node folder too: after a restore
         from storage they all belong to a branch of history the job left, and a snapshot set that failed

@@ -157,6 +157,20 @@ class StepTimer:
             out.append(start.elapsed_time(end) / 1000.0)
         return out
 
+    def completed(self, timeout_s: float, *, poll_s: float = 0.01, sleep: Callable[[float], None] = time.sleep) -> bool:
+        """Whether the GPU has finished everything queued up to the last boundary, polled for at most
+        ``timeout_s`` (never a blocking wait: the stream may hold a kernel that waits for a lost peer).
+        On NCCL the host runs ahead: a step's optimizer update is *queued* when the step boundary passes,
+        and after an abort it may run on half-reduced gradients. Always True on the CPU."""
+        if not self.cuda or self._last is None:
+            return True
+        deadline = self._clock() + timeout_s
+        while not self._last.query():
+            if self._clock() >= deadline:
+                return False
+            sleep(poll_s)
+        return True
+
 
 __all__ = ["DeviceError", "StepTimer", "backend_for", "barrier_kwargs", "bind", "gpu_label", "init_kwargs",
            "normalise_uuid", "select_device", "synchronize"]

@@ -131,9 +131,29 @@ _MAX = dist.AllreduceOptions()
 _MAX.reduceOp = dist.ReduceOp.MAX
 
 
+STREAM_SETTLE_S = 1.0
+"""How long a rank that lost a peer on NCCL polls whether its stream finished its last step before it
+aborts (a step still queued then may run on half-reduced gradients after the abort: suspect)."""
 PARITY_ABANDON_S = 2.0
 """How long a worker that parks or exits waits for a parity snapshot in the background (its local write
 takes milliseconds; an exchange stuck with a vanished peer is left behind after this)."""
+
+
+def param_checksum(params: Any) -> torch.Tensor:
+    """A cheap fingerprint of parameters on the host: ``[sum, sum of squares]`` in float64 (local shards of
+    DTensors). One reduction per parameter on its device, one small copy to the host."""
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    for p in params:
+        t = (p.to_local() if isinstance(p, DTensor) else p).detach()
+        parts.append(torch.stack([t.double().sum(), t.double().square().sum()]))
+    return torch.stack(parts).sum(0).cpu() if parts else torch.zeros(2, dtype=torch.float64)
+
+
+def checksums_agree(checksums: list[torch.Tensor]) -> bool:
+    """Pure: whether every rank's :func:`param_checksum` is the same, bit for bit."""
+    return all(torch.equal(c, checksums[0]) for c in checksums[1:])
 
 
 def _is_loss(reason: proto.ParkReason) -> bool:
@@ -232,6 +252,7 @@ class Runtime:
         self._parked_for: proto.ParkReason | None = None
         """Why the world is re-forming in place while it restores the checkpoint taken at its stop (or None)."""
         self._took_peer_stats = False  # the last live-state sync loaded a peer's interval stats
+        self._suspect_step: int | None = None  # a step whose update may have run on half-reduced gradients (_park)
         self._timer = dev.StepTimer(self.device)
         self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
@@ -1029,9 +1050,14 @@ class Runtime:
             if dumped is not None:
                 self._log.info("flight_recorder_dumped", path=dumped[0], nbytes=dumped[1], step=self.step)
         if lost and dev.backend_for(self.device) == "nccl":
+            # Only a rank whose stream finished its last step may offer that step's state: after the abort
+            # an update queued behind the lost peer's all-reduce runs on half-reduced gradients.
+            if not self._timer.completed(STREAM_SETTLE_S):
+                self._suspect_step = self.step
             # Abort before anything waits on the GPU: a snapshot's or a save's copy queued behind a
             # kernel that waits for the lost peer would keep this rank here for pg_timeout_s.
-            self._log.info("world_aborted", teardown=rf.teardown_world(self.device, peer_lost=True).value)
+            self._log.info("world_aborted", teardown=rf.teardown_world(self.device, peer_lost=True).value,
+                           suspect_step=self._suspect_step)
         self._settle_memory(abandon_after=PARITY_ABANDON_S)
         if self._metrics is not None:
             self._metrics.flush()  # the steps counted since the last agreement
@@ -1095,18 +1121,55 @@ class Runtime:
                        survived_losses=self._interval.stats.survived_losses if self._interval is not None else None)
 
     def _resume_state(self, reason: proto.ParkReason) -> tuple[str, int | None]:
-        """The re-formed world's state (:meth:`_sync_live_state`), and the loss it survived counted once."""
+        """The re-formed world's state (:meth:`_sync_live_state`), and the loss it survived counted once.
+
+        A rank whose last step may have run on half-reduced gradients (``_suspect_step``, see ``_park``)
+        offers no live state and drops its snapshots of that step; live state the world agrees on is
+        checked across ranks where it is replicated (:meth:`_replicas_agree`); a world with no trusted
+        live state restores from the tiers (nearest first) instead."""
+        suspect, self._suspect_step = self._suspect_step, None
+        if suspect is not None:
+            self._log.warning("live_state_suspect", step=suspect, why="this rank's last step had not finished on "
+                              "the GPU when its world was aborted", effect="its live state and snapshots of that "
+                              "step are not used")
+            if self._memory is not None:
+                self._memory.discard_from(suspect)
         self._parked_for = reason
         try:
-            outcome, live = self._sync_live_state(self.step)
+            outcome, live = self._sync_live_state(None if suspect is not None else self.step)
         finally:
             self._parked_for = None
+        if outcome in ("agreed", "broadcast") and self._replicated and not self._replicas_agree():
+            if self._memory is not None:
+                self._memory.discard_from(self.step)  # which rank diverged is unknown: none of this step is used
+            outcome = "none"
+        if outcome == "none" and self._manager is not None:
+            live = self.restore()
+            outcome = "restored"
+        self._took_peer_stats = self._took_peer_stats and outcome != "restored"
         if (self._interval is not None and outcome in ("agreed", "broadcast") and _is_loss(reason)
                 and not self._took_peer_stats):
             # A member is gone and the state lived on in the survivors' memory: no rollback. A rank that
             # took its state from a peer took that peer's count of this loss with it.
             self._interval.observe_survived_loss(unannounced=reason is proto.ParkReason.PEER_LOST)
         return outcome, live
+
+    def _replicas_agree(self) -> bool:
+        """Whether every rank holds the same parameters (replicated state, after a re-formation): a cheap
+        checksum per rank (float64 sum and sum of squares of every parameter) gathered over the gloo group
+        and compared exactly (replicas are bit-identical after a broadcast or an all-reduce)."""
+        assert self._model is not None
+        n = dist.get_world_size(self._group) if dist.is_initialized() else 1
+        if n == 1:
+            return True
+        mine = param_checksum(self._model.parameters())
+        every = [torch.zeros_like(mine) for _ in range(n)]
+        dist.all_gather(every, mine, group=self._group)
+        if checksums_agree(every):
+            return True
+        self._log.error("live_state_mismatch", step=self.step, checksums=[c.tolist() for c in every],
+                        effect="the replicas differ: the world restores from the tiers instead")
+        return False
 
     def _signalled(self) -> bool:
         """This process got SIGTERM (with the agent, whose orders come over the link, that is the agent

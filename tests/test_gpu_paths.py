@@ -359,3 +359,131 @@ def test_tier0_snapshot_of_gpu_state_copies_async_into_the_pinned_slot_without_d
     tier.settle()
     tier.close()
     assert [p[0] for p in pins].count("register") == 2 and [p[0] for p in pins].count("unregister") == 2  # a slot each
+
+
+# ---- item 4: no silent corruption after an aborted collective ------------------------------------
+
+def test_step_timer_polls_the_last_boundary_with_a_bound():
+    from trainguard.runtime import device as devmod
+
+    now = [0.0]
+
+    class Ev:
+        def __init__(self, done_after):
+            self.done_after = done_after
+
+        def record(self, stream):
+            pass
+
+        def query(self):
+            return now[0] >= self.done_after
+
+    def sleep(s):
+        now[0] += s
+
+    events = iter([Ev(0.0), Ev(0.5)])
+    t = devmod.StepTimer(torch.device("cuda", 0), clock=lambda: now[0], event_factory=lambda: next(events),
+                         stream_of=lambda d: None)
+    assert t.completed(1.0, sleep=sleep)  # nothing recorded yet
+    t.start()
+    t._last = Ev(0.5)  # the step's update still queued: finishes after 0.5 s
+    assert t.completed(1.0, poll_s=0.1, sleep=sleep) and now[0] >= 0.5
+    now[0], t._last = 0.0, Ev(10.0)  # held behind a kernel that waits for the lost peer
+    assert not t.completed(1.0, poll_s=0.1, sleep=sleep) and now[0] < 1.2
+    assert devmod.StepTimer(torch.device("cpu")).completed(0.0)
+
+
+def test_param_checksum_sees_one_ulp():
+    from trainguard.runtime.runtime import checksums_agree, param_checksum
+
+    a = [torch.randn(5, 3), torch.randn(4)]
+    b = [t.clone() for t in a]
+    assert checksums_agree([param_checksum(a), param_checksum(b)])
+    b[1][2] = torch.nextafter(b[1][2], torch.tensor(float("inf")))
+    assert not checksums_agree([param_checksum(a), param_checksum(b), param_checksum(a)])
+    assert checksums_agree([param_checksum(a)])
+
+
+@pytest.fixture
+def ddp_rt(tmp_path, monkeypatch):
+    import signal
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.runtime.runtime import Runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    previous = signal.getsignal(signal.SIGTERM)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        rt = Runtime(rank=0, world_size=1, local_rank=0, job_id="run", rdzv_round=0,
+                     checkpoint=CheckpointConfig(url=str(tmp_path / "ckpt"), interval_steps=1000))
+        model = torch.nn.Linear(4, 2)
+        rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=32, global_batch=4,
+                 micro_batch=2, seed=1)
+        rt.reform_enabled = True
+        rt.step = 7
+        yield rt
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Mem:
+    def __init__(self):
+        self.discarded = []
+        self.parity = False
+
+    def discard_from(self, step):
+        self.discarded.append(step)
+
+    def settle(self):
+        pass
+
+
+@pytest.mark.parametrize("case", ["suspect", "mismatch", "clean"])
+def test_untrusted_live_state_is_not_offered_and_the_world_restores_from_the_tiers(ddp_rt, monkeypatch, case):
+    """A rank whose last step had not finished on the GPU at the abort offers no live state and drops its
+    snapshots of that step; replicas whose checksums differ are refused; either way the world restores
+    from the tiers (nearest first) instead of going on with what it holds."""
+    from trainguard.runtime import protocol as proto
+    from trainguard.runtime import runtime as runtime_mod
+
+    rt = ddp_rt
+    offered, restored = [], []
+    mem = _Mem()
+    rt._memory = mem
+    monkeypatch.setattr(rt, "_sync_live_state", lambda step: (offered.append(step), ("agreed", step))[1])
+    monkeypatch.setattr(rt, "restore", lambda step=None: (restored.append(True), 5)[1])
+    if case == "suspect":
+        rt._suspect_step = 7
+        monkeypatch.setattr(rt, "_sync_live_state", lambda step: (offered.append(step), ("none", None))[1])
+    if case == "mismatch":
+        def gather(out, mine, group=None):  # a peer that holds other parameters
+            out[0].copy_(mine)
+            out[1].copy_(mine + 1)
+
+        monkeypatch.setattr(runtime_mod.dist, "all_gather", gather)
+        monkeypatch.setattr(runtime_mod.dist, "get_world_size", lambda group=None: 2)
+    outcome, live = rt._resume_state(proto.ParkReason.PEER_LOST)
+    rt._memory = None
+    if case == "clean":
+        assert offered == [7] and outcome == "agreed" and not restored and mem.discarded == []
+    elif case == "suspect":
+        assert offered == [None] and mem.discarded == [7] and restored and (outcome, live) == ("restored", 5)
+    else:
+        assert offered == [7] and mem.discarded == [7] and restored and (outcome, live) == ("restored", 5)
+
+
+def test_discard_from_drops_the_suspect_step_and_keeps_the_one_before(tmp_path):
+    from trainguard.checkpoint.memory import MemoryTier
+
+    state = {"w": {"t": torch.ones(4)}}
+    tier = MemoryTier(str(tmp_path), rank=0, world_size=1)
+    tier.snapshot(1, state, world="w")
+    state["w"]["t"] += 1
+    tier.snapshot(2, state, world="w")
+    assert [s for s, _ in tier.available(state)] == [2, 1]
+    assert tier.discard_from(2) == 1
+    assert [s for s, _ in tier.available(state)] == [1] and tier.lend(2) is None
+    tier.close()

@@ -513,6 +513,7 @@ def test_a_loss_the_world_survived_is_counted_once_whichever_rank_sent_the_state
     sent: list[dict] = []
 
     def sync(step, tensors, *, extra, load_extra, group=None, tensor_group=None):
+        extra = extra() if callable(extra) else extra  # made on the source rank only
         sent.append(extra)
         if role == "receiver":  # b's state: c's loss already counted there (4 in all)
             load_extra({**extra, "interval": {**extra["interval"], "survived_losses": 4, "survived_failures": 1}})
