@@ -14,12 +14,14 @@ the tensor (``_SerialCpuLoader``: "a new tensor with minimal storage") and keeps
 file is written, so views of one big storage made every save hold a second copy of the state (issue
 44: 2.0x the rank's share of host memory instead of 1.0x).
 
-Copies from the GPU (:func:`copy_async`) run on a side stream that first waits for the compute
-stream, then record an event; the compute stream waits for that event (GPU-side, the host does not
-block: later in-place updates of the parameters queue behind the copy) and the persist thread waits
-on the event alone before it reads the buffers — never on a device-wide synchronize, and never on the
-wrong device. Nothing here has run on a GPU yet (docs/gpu.md); on the CPU the same layout code runs
-and the copies are plain.
+Copies from the GPU (:meth:`CopyStream.copy_split`) run on a side stream that first waits for the
+compute stream: the tensors the next forward may change first (the compute stream waits for those,
+GPU-side), a guarded optimizer's parameters and state last (only that optimizer's next ``step()``
+waits for them, GPU-side: :class:`StepGuard`). The persist thread makes the state's GPU current
+(:func:`bind_thread`) and waits on the last event alone before it reads the buffers — never on a
+device-wide synchronize, and never on the wrong device. :class:`PinnedRegion` page-locks memory
+allocated elsewhere (a tier-0 slot's mapping) the same way. Nothing here has run on a GPU yet
+(docs/gpu.md); on the CPU the same layout code runs and the copies are plain.
 """
 
 from __future__ import annotations
