@@ -22,7 +22,9 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
 * An *announced* removal (a notice ``lead_s`` before the node goes): ``detect_notice_s`` later the
   world stops at a step, takes an emergency checkpoint (``checkpoint``, all old nodes), the leavers
   go, the rest re-form (``reformation``) and restart (``restore``: process start, imports, restore,
-  until the first step). If the node goes before the emergency checkpoint is done, it is a failure.
+  until the first step). If the node goes before the emergency checkpoint is done, it is a failure;
+  in place too, the whole world then rolls back to the newest commit and restores from storage (the
+  runtime abandons the save at the drain deadline and every worker exits).
   Without notice handling (``JobModel.notices=False``) every removal is unannounced.
   With ``JobModel.drain_lead_s`` (``preemption.train_through_notice``) a notice with a longer lead
   takes an out-of-cycle checkpoint (``periodic_checkpoint``) at once and drains ``drain_lead_s``
@@ -322,6 +324,11 @@ class ChangeCosts:
     warmup_s: Dist = Dist.of(3.0)
     periodic_overhead_s: Dist = Dist.of(0.05)
     periodic_persist_s: Dist = Dist.of(0.5)
+    periodic_interference_s: Dist | None = None
+    """Training time a periodic save's background persist takes from the steps it overlaps (its CPU work
+    on the training's cores; None: none). The replay's step times already hold it, so it is not charged
+    again: the interval controller sees it, as the runtime's does (``IntervalController.observe_step``),
+    and counts it in the save cost that sets the auto interval."""
 
     def as_dict(self) -> dict[str, list[float]]:
         return {f: list(getattr(self, f).samples) for f in self.__slots__ if getattr(self, f) is not None}
@@ -652,6 +659,10 @@ class _Sim:
         self.persist_s = self.c.periodic_persist_s.draw(self.rng)
         self.saves += 1
         self.ctl.observe_save(overhead)
+        if self.c.periodic_interference_s is not None and self.world:
+            step = self.step_s(len(self.world))
+            self.ctl.observe_step(step, persisting=False)
+            self.ctl.observe_step(step + self.c.periodic_interference_s.draw(self.rng), persisting=True)
         self.pending = (self.now + overhead + self.persist_s, self.steps)
         self.since_save = 0.0
         self.ctl.saved(self.now + overhead)
@@ -847,9 +858,12 @@ class _Sim:
         self._begin_change("failure")
         # In place the survivors hold the state, training or re-forming, unless the world is restarting
         # from storage (after a rollback, or after every node drained) or the loss took a part of sharded
-        # state that tier 1 does not cover.
+        # state that tier 1 does not cover. A leaver gone before the emergency checkpoint committed: the
+        # runtime abandons that save at the drain deadline and every worker exits, so the world restarts
+        # from the newest commit in storage (``checkpoint_abandoned``), survivors' memory or not.
         in_memory = self.job.in_place and bool(rest) and not (self.new_failures or self.drained_out)
-        from_storage = in_memory and not self.job.survives(self.world, lost)
+        abandoned = phase == "checkpoint" and self.phases[0].commit == "emergency"
+        from_storage = in_memory and (abandoned or not self.job.survives(self.world, lost))
         in_memory = in_memory and not from_storage
         if in_memory:
             if phase is None or phase == "checkpoint":
