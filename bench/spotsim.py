@@ -30,7 +30,10 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
   takes an out-of-cycle checkpoint (``periodic_checkpoint``) at once and drains ``drain_lead_s``
   before the reclaim: only that much notice lead is idle.
 * An *unannounced* removal: the survivors notice after ``detect_failure_s`` (``detection``), re-form,
-  restore the newest committed checkpoint; the node-time trained since it was taken is ``recompute``.
+  restore the newest committed checkpoint; the node-time trained since it was taken is ``recompute``,
+  counted when a world resumes from that checkpoint: at the end of the trace a rollback no world has
+  resumed from yet is not counted (the replay's ground truth keeps a world's last steps until a later
+  world re-trains them).
 * An addition: the node warms up (``agent_start_s`` for a node of the first world, ``warmup_s`` for one
   joining a running world: agent start, and with in-place re-formation its workers' start in standby);
   then the world takes a resize checkpoint (``checkpoint``) and re-forms larger; without it
@@ -530,6 +533,8 @@ class _Sim:
         self.since_save = 0.0
         self.saves = 0
         self.new_failures = 0  # failures the next restore proves (see IntervalController.observe_restore)
+        self.unrealized = (0.0, 0.0)  # a rollback's (node-s, steps) lost: counted when a world resumes
+        self.reform_kind = ""  # the kind of costs of the re-formation under way (see _reform)
         self.drained_out = False  # in place: every node of the world drained, the next one restores the emergency save
         self.restore_s = 0.0
         self.changes: list[Change] = []
@@ -678,7 +683,7 @@ class _Sim:
             return
         lost_node_s = sum((p.t1 - p.t0) * p.w * self._share(p.w) for p in self.pieces)
         lost_steps = self.steps - self.commit_steps
-        self._lost(lost_node_s, lost_steps)
+        self.unrealized = (self.unrealized[0] + lost_node_s, self.unrealized[1] + lost_steps)
         self.steps = self.commit_steps
         self.pieces = []
         self.pending = None
@@ -724,6 +729,7 @@ class _Sim:
         """Re-form after ``pre``; ``kind`` (``join``, ``failure``) picks that kind's measured costs."""
         t = pre[-1].end if pre else self.now
         c = self.c
+        self.reform_kind = kind
         reform = {"cold": c.cold_reformation_s or c.start_reformation_s, "storage": c.failure_reformation_s}.get(kind) or getattr(c, f"{kind}_reformation_s", None)
         t += (reform or c.reformation_s).draw(self.rng)
         filled = None
@@ -742,6 +748,9 @@ class _Sim:
         if self.resuming:
             self.resuming = False
             return
+        if self.world and self.unrealized != (0.0, 0.0):  # this world resumes from the older commit
+            self._lost(*self.unrealized)
+            self.unrealized = (0.0, 0.0)
         self.started = True
         if self.current is not None:
             self.current.size_after = len(self.world)
@@ -832,7 +841,7 @@ class _Sim:
         self._begin_change("notice")
         if phase is not None:  # re-forming already: the leavers go at once, the re-formation starts over
             rest = frozenset(n for n in self.phases[-1].world if n not in leavers)
-            self._reform([], rest)
+            self._reform([], rest, self.reform_kind)  # with the costs of the one under way (e.g. from storage)
             return
         end = self.now + self.c.emergency_s.draw(self.rng)
         rest = self.world - leavers
@@ -878,7 +887,9 @@ class _Sim:
         c = self.c
         detect = {FailureKind.FROZEN: c.detect_frozen_s, FailureKind.HANG: c.detect_hang_s}.get(self.job.unannounced_kind)
         end = self.now + (detect or c.detect_failure_s).draw(self.rng)
-        self._reform([_Phase("detection", end, survivors)], rest, "storage" if from_storage else "failure")
+        # In place, a world that does not hold the state restores it from storage.
+        storage = self.job.in_place and bool(rest) and not in_memory
+        self._reform([_Phase("detection", end, survivors)], rest, "storage" if storage else "failure")
 
     def run(self, end: float) -> None:
         q: list[tuple[float, int, str, Any]] = []
@@ -943,7 +954,7 @@ class _Sim:
                        if trained else self.job.cycle_s(1))
         return SimResult(
             available_node_s=available, productive_node_s=self.productive, waste_node_s=dict(self.waste),
-            kept_steps=self.steps, recomputed_steps=self.recomputed, samples_per_step=self.job.samples_per_step,
+            kept_steps=self.steps + self.unrealized[1], recomputed_steps=self.recomputed, samples_per_step=self.job.samples_per_step,
             changes=self.changes, periodic_saves=self.saves, failures_seen=self.ctl.stats.unannounced_failures,
             intervals=self.intervals, cost_total=available / 3600 * self.prices.spot_per_hour,
             on_demand_cost=self.steps * mean_node_s / 3600 * self.prices.on_demand_per_hour,

@@ -509,3 +509,22 @@ def test_a_background_persist_slowing_the_steps_lengthens_the_auto_interval() ->
     check(busy)
     assert busy.periodic_saves < quiet.periodic_saves / 2
     assert busy.waste_node_s["periodic_checkpoint"] == pytest.approx(busy.periodic_saves * 0.1 * 2)
+
+
+def test_a_rollback_counts_when_a_world_resumes_from_the_older_commit() -> None:
+    """As the replay's ground truth (a step is lost when a later world re-trains it): b dies without
+    notice at 30 (nothing committed since the start, 0..1 the first rendezvous), a detects it by 31,
+    re-forms by 32 and restores by 36: the 58 node-s trained before are recompute. With the trace ending at 34, before that restore, no world
+    has resumed from the older commit: the work is kept."""
+    c = costs(detect_failure_s=1, reformation_s=1, restore_s=4)
+    job = JobModel(node_s_per_step=1, in_place=False)
+    resumed = simulate(trace((0, "add", "a"), (0, "add", "b"), (30, "remove", "b"), duration=60), c, job, OFF,
+                       unannounced=[0])
+    check(resumed)
+    assert resumed.waste_node_s["recompute"] == pytest.approx(58)
+    ended = simulate(trace((0, "add", "a"), (0, "add", "b"), (30, "remove", "b"), duration=34), c, job, OFF,
+                     unannounced=[0])
+    check(ended)
+    assert ended.waste_node_s["recompute"] == 0
+    assert ended.productive_node_s == pytest.approx(58)
+    assert ended.kept_steps == pytest.approx(58)             # 0.5 s steps at 2 nodes
