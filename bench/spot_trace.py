@@ -824,13 +824,13 @@ def _tg_change(rec: dict[str, Any], t_act: float, t_ref: float, nxt: float, prev
             phases["detect_failure_s"] = t_det - t_act
             phases["failure_reformation_s"] = t_r - t_det
         restore = "failure_restore_s"
-    if t_last is not None and _first_after(ev.from_storage, t_r, t_first) is not None:
-        # The new world restored from storage: a restart after an abandoned emergency checkpoint (or a
-        # join merged into one), the simulator's storage restore, not an in-place one.
+    t_gave_up = _last_in(ev.abandoned, t_last, t_r) if t_last is not None else None
+    if t_gave_up is not None and _first_after(ev.from_storage, t_r, t_first) is not None:
+        # The world restarted from storage after an abandoned emergency checkpoint (this notice's, or
+        # one this join was merged into): the simulator's storage restore, not an in-place one.
         rec["from_storage"] = True
         restore = "storage_restore_s"
-        t_gave_up = _last_in(ev.abandoned, t_last, t_r)
-        if kind == "notice" and t_gave_up is not None:
+        if kind == "notice":
             phases.pop("reformation_s", None)
             phases["failure_reformation_s"] = t_r - t_gave_up  # the sim detects, then re-forms
         elif kind == "join":
