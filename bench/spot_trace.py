@@ -759,6 +759,10 @@ class _TgEvents:
                               and e.get("kind") in ("emergency", "resize"))
         self.resize = _events(raw, "resize_requested_from_workers")
         self.scheduled = _events(raw, "scheduled_drain")  # train_through_notice: the drain the lead before the end
+        # An emergency checkpoint still running at the drain deadline: every worker exits, the world
+        # restarts from the newest commit in storage (workers restored with source "storage").
+        self.abandoned = _events(raw, "checkpoint_abandoned")
+        self.from_storage = _events(raw, "worker_restored", lambda e: e.get("source") == "storage")
         self.react = sorted(_events(raw, "decision", lambda e: e.get("act") in ("reform", "restart"))
                             + _events(raw, "state_change", lambda e: e.get("new") == "restarting"), key=lambda x: x[0])
 
@@ -820,6 +824,17 @@ def _tg_change(rec: dict[str, Any], t_act: float, t_ref: float, nxt: float, prev
             phases["detect_failure_s"] = t_det - t_act
             phases["failure_reformation_s"] = t_r - t_det
         restore = "failure_restore_s"
+    t_gave_up = _last_in(ev.abandoned, t_last, t_r) if t_last is not None else None
+    if t_gave_up is not None and _first_after(ev.from_storage, t_r, t_first) is not None:
+        # The world restarted from storage after an abandoned emergency checkpoint (this notice's, or
+        # one this join was merged into): the simulator's storage restore, not an in-place one.
+        rec["from_storage"] = True
+        restore = "storage_restore_s"
+        if kind == "notice":
+            phases.pop("reformation_s", None)
+            phases["failure_reformation_s"] = t_r - t_gave_up  # the sim detects, then re-forms
+        elif kind == "join":
+            phases.pop("join_reformation_s", None)
     if t_last is not None:
         phases[restore] = t_first - t_r
         lost = [e for e in steps if prev_end <= e.t1 <= t_last and id(e) not in kept_ids]
@@ -842,7 +857,7 @@ def measured_waste(raw: ReplayRaw, res: dict[str, Any]) -> dict[str, float]:
     causes = {"emergency_s": "checkpoint", "resize_checkpoint_s": "checkpoint", "warmup_s": "warmup",
               "detect_failure_s": "detection", "reformation_s": "reformation", "restore_s": "restore",
               "join_reformation_s": "reformation", "failure_reformation_s": "reformation",
-              "join_restore_s": "restore", "failure_restore_s": "restore"}
+              "join_restore_s": "restore", "failure_restore_s": "restore", "storage_restore_s": "restore"}
     for c in res["changes"]:
         wb, wa = c.get("world_before") or 0, c.get("world_after") or 0
         for k, v in c.get("phases", {}).items():
@@ -1125,6 +1140,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="no replay: earlier replays' measured ETTR against the prediction from physics-derived save "
                          "costs (the fixed parts from --physics-base), same schedule options as those runs")
     ap.add_argument("--physics-base", default=None, metavar="JSON", help="--validate: the bundled model's replay")
+    ap.add_argument("--physics-host-from", default=None, metavar="JSON",
+                    help="--validate: an unthrottled replay of a large state, whose persist measures the host's save "
+                         "pipeline (serialise, CRC32, write) on this machine's busy cores")
+    ap.add_argument("--physics-costs-from", default=None, metavar="JSON",
+                    help="--validate: the costs that do not depend on the store from this replay (e.g. the "
+                         "unthrottled replay of the same model) instead of each validated run's own")
     ap.add_argument("--profiles", action="store_true",
                     help="no replay: the whole trace for this machine's measured costs and the GPU profiles of "
                          "bench/spotcost.py, at 1/10/100 %% unannounced x AWS 120 s / GCP 30 s notices")
@@ -1391,23 +1412,81 @@ def copy_and_store_bw(folder: str, nbytes: int = 64 << 20) -> tuple[float, float
     return copy, store
 
 
+@dataclass(frozen=True, slots=True)
+class HostPipeline:
+    """A node's checkpoint pipeline on this machine's cores (DCP serialisation, CRC32, the local write or
+    read calls: one checkpoint thread per rank), in bytes/s, in series with a store's transfer (the
+    thread waits for the store, then works: they do not overlap). ``background``: a periodic save's
+    persist, while the training runs on the same cores; ``foreground``: the world stopped (an emergency
+    or resize checkpoint, a restore from storage); ``stage``: a save's blocking copy of the state."""
+
+    background: float
+    foreground: float
+    stage: float
+    source: str
+
+
+def _mean_nodes(run: dict[str, Any]) -> float:
+    sizes = run["training_s_by_world_size"]
+    return sum(int(w) * t for w, t in sizes.items()) / max(1e-9, sum(sizes.values()))
+
+
+def host_pipeline(run_json: dict[str, Any], base: dict[str, Any], name: str) -> HostPipeline:
+    """Measured by a replay of a large state on the local store (no throttle): bytes per node over its
+    median periodic persist (background), over its median emergency checkpoint less its staging
+    (foreground), each less the bundled replay's fixed part of a commit, and over its median blocking
+    (stage) less the bundled replay's."""
+    if run_json.get("store_bytes_per_s"):
+        raise ValueError("the host pipeline is measured on an unthrottled replay (no --store-bytes-per-s)")
+    r = run_json["runs"]["trainguard-auto"]
+    m = run_json["measured_costs"]["trainguard"]
+    share = float(r["checkpoint_bytes"]) / max(1.0, _mean_nodes(r))
+    bc = base["measured_costs"]["trainguard"]
+    fixed = statistics.median(bc["periodic_persist_s"])
+    persist = statistics.median(m["periodic_persist_s"]) - fixed
+    emergency = statistics.median(m.get("emergency_s") or [0.0]) - statistics.median(m["periodic_overhead_s"]) - fixed
+    stage = statistics.median(m["periodic_overhead_s"]) - statistics.median(bc["periodic_overhead_s"])
+    if persist <= 0 or emergency <= 0 or stage <= 0:
+        raise ValueError(f"{name}: its persist / emergency checkpoint / blocking is not above the bundled model's")
+    return HostPipeline(share / persist, share / emergency, share / stage,
+                        f"bench/spot_trace.py: {name}, {share / 1e6:.1f} MB per node, median persist, emergency checkpoint "
+                        f"and blocking")
+
+
 def physics_costs(measured: sim.ChangeCosts, base: dict[str, Any], state_bytes: float, nodes: float,
-                  copy_bw: float, store_bw: float) -> sim.ChangeCosts:
-    """The replay's costs with the state-dependent ones derived as :mod:`bench.spotcost` does (a node's
-    share ``state / nodes``; the fixed parts measured on ``base``, the bundled model's replay) instead of
-    measured: periodic save blocking and persist, emergency and resize checkpoints."""
+                  copy_bw: float, store_bw: float, host: HostPipeline | None = None) -> sim.ChangeCosts:
+    """``measured`` (the replay's costs, or a reference replay's) with the state-dependent ones derived
+    as :mod:`bench.spotcost` does (a node's share ``state / nodes``; the fixed parts measured on
+    ``base``, the bundled model's replay): periodic save blocking and persist, emergency and resize
+    checkpoints, and a restore from storage (after an abandoned emergency checkpoint, or from zero
+    nodes: the replicated state whole per node, after the worker's own start, ``startup_s``, which reads
+    no checkpoint). The bytes move at ``store_bw`` and, with ``host``, through the host's pipeline too."""
     bc = base["measured_costs"]["trainguard"]
     share = state_bytes / max(1.0, nodes)
-    stage = statistics.median(bc["periodic_overhead_s"]) + share / copy_bw
-    persist = statistics.median(bc["periodic_persist_s"]) + share / store_bw
+    fixed = statistics.median(bc["periodic_persist_s"])
+    back = 1.0 / store_bw + (1.0 / host.background if host else 0.0)
+    fore = 1.0 / store_bw + (1.0 / host.foreground if host else 0.0)
+    stage = statistics.median(bc["periodic_overhead_s"]) + share / (host.stage if host else copy_bw)
+    persist = fixed + share * back
+    save = stage + fixed + share * fore
+    from_storage = statistics.median(measured.startup_s.samples) + state_bytes * fore
+    # The persist's own CPU work (the pipeline's time with the world stopped) runs on the training's cores.
+    interference = sim.Dist.of(share / host.foreground) if host else measured.periodic_interference_s
     return dataclasses.replace(measured, periodic_overhead_s=sim.Dist.of(stage), periodic_persist_s=sim.Dist.of(persist),
-                               emergency_s=sim.Dist.of(stage + persist), resize_checkpoint_s=sim.Dist.of(stage + persist))
+                               periodic_interference_s=interference,
+                               emergency_s=sim.Dist.of(save), resize_checkpoint_s=sim.Dist.of(save),
+                               storage_restore_s=sim.Dist.of(from_storage), cold_restore_s=sim.Dist.of(from_storage))
 
 
 def validate(a: argparse.Namespace) -> int:
     """``--validate RUN_JSON,...``: each replay's measured ETTR against the simulator's prediction from
-    physics-derived save costs (:func:`physics_costs`; the fixed parts from ``--physics-base``), same
-    schedule options as those runs."""
+    physics-derived save and storage-restore costs (:func:`physics_costs`; the fixed parts from
+    ``--physics-base``), same schedule options as those runs. ``--physics-host-from``: the host pipeline
+    an unthrottled large-state replay measured (:func:`host_pipeline`, its staging copy too; without it
+    the bytes move at the local store's raw bandwidth and staging at the host copy bandwidth probed now).
+    ``--physics-costs-from``: the costs that do not depend on the store (detection, re-formation,
+    in-place restores, warm-up, start-up) from that replay instead of each run's own (a throttled run
+    predicted from the unthrottled one)."""
     with open(a.physics_base) as fh:
         base = json.load(fh)
     trace = sim.load_trace(a.trace)
@@ -1418,30 +1497,51 @@ def validate(a: argparse.Namespace) -> int:
     settings = AutoSettings(min_s=a.auto_min_s, max_s=3600 / a.speed, prior_mtbf_s=a.prior_mtbf_s / a.speed)
     out: dict[str, Any] = {"physics_base": os.path.basename(a.physics_base), "copy_bw": copy_bw, "local_store_bw": local_bw,
                            "runs": []}
+    host = None
+    if a.physics_host_from:
+        with open(a.physics_host_from) as fh:
+            host = host_pipeline(json.load(fh), base, os.path.basename(a.physics_host_from))
+        out["host_pipeline"] = dataclasses.asdict(host)
+        print(f"host pipeline {host.background / 1e6:.1f} MB/s behind training, {host.foreground / 1e6:.1f} MB/s with "
+              f"the world stopped, staging {host.stage / 1e6:.0f} MB/s [{host.source}]")
+    reference = None
+    if a.physics_costs_from:
+        with open(a.physics_costs_from) as fh:
+            reference = sim.ChangeCosts.from_dict(json.load(fh)["measured_costs"]["trainguard"])
+        out["costs_from"] = os.path.basename(a.physics_costs_from)
     print(f"host copy {copy_bw / 1e9:.2f} GB/s, local store {local_bw / 1e6:.0f} MB/s (measured now)")
     for path in a.validate.split(","):
         with open(path) as fh:
             res = json.load(fh)
         r = res["runs"]["trainguard-auto"]
-        bw = float(res.get("store_bytes_per_s") or local_bw)
-        sizes = r["training_s_by_world_size"]
-        nodes = sum(int(w) * t for w, t in sizes.items()) / max(1e-9, sum(sizes.values()))
+        throttle = float(res.get("store_bytes_per_s") or 0.0)
+        # With the host pipeline measured, the local store's own write is part of it; a throttle adds its wait.
+        bw = throttle or (math.inf if host else local_bw)
         measured = sim.ChangeCosts.from_dict(res["measured_costs"]["trainguard"])
         job = dataclasses.replace(job_model(r, torchrun=False, max_nodes=a.max_agents),
                                   drain_lead_s=sim_drain_lead(a, job_model(r, torchrun=False), measured)[0])
-        c = physics_costs(measured, base, float(r["checkpoint_bytes"]), nodes, copy_bw, bw)
+        c = physics_costs(reference or measured, base, float(r["checkpoint_bytes"]), _mean_nodes(r), copy_bw, bw, host)
         p = predict(scaled, c, job, IntervalPolicy(IntervalMode.AUTO), settings, a.lead_s, unannounced, a.sim_seeds)
-        row = {"run": os.path.basename(path), "checkpoint_bytes": r["checkpoint_bytes"], "store_bytes_per_s": bw,
+        fitted = [os.path.basename(f) for f in (a.physics_host_from, a.physics_costs_from) if f and os.path.samefile(f, path)]
+        row = {"run": os.path.basename(path), "checkpoint_bytes": r["checkpoint_bytes"],
+               "store_bytes_per_s": throttle or (None if host else local_bw), "throttled": bool(throttle),
+               "calibrated_on_this_run": bool(fitted),
                "ettr": r["ettr"], "predicted_measured_costs": r["predicted"]["ettr"], "predicted_physics": p["ettr"],
+               "predicted_physics_min_max": [p["ettr_min"], p["ettr_max"]],
                "error_points_physics": round(100 * (p["ettr"] - r["ettr"]), 2),
                "error_points_measured_costs": r["prediction_error_points"],
                "persist_s_measured": statistics.median(res["measured_costs"]["trainguard"]["periodic_persist_s"]),
-               "persist_s_physics": c.periodic_persist_s.mean}
+               "persist_s_physics": c.periodic_persist_s.mean, "emergency_s_physics": c.emergency_s.mean,
+               "storage_restore_s_physics": c.storage_restore_s.mean,
+               "waste_node_s_physics": p["waste_node_s"], "waste_node_s_measured": r.get("waste_by_cause")}
         out["runs"].append(row)
-        print(f"{row['run']}: {row['checkpoint_bytes'] / 1e6:.1f} MB at {bw / 1e6:.0f} MB/s; ETTR {r['ettr']:.4f}, "
-              f"predicted {p['ettr']:.4f} from physics ({row['error_points_physics']:+.2f} points), "
-              f"{r['predicted']['ettr']:.4f} from measured costs ({r['prediction_error_points']:+.2f}); persist "
-              f"measured {row['persist_s_measured']:.3f} s, physics {row['persist_s_physics']:.3f} s", flush=True)
+        store = f"{throttle / 1e6:g} MB/s throttled" if throttle else "local store"
+        print(f"{row['run']}: {row['checkpoint_bytes'] / 1e6:.1f} MB, {store}; ETTR {r['ettr']:.4f}, "
+              f"predicted {p['ettr']:.4f} from physics ({row['error_points_physics']:+.2f} points; seeds "
+              f"{p['ettr_min']:.4f}-{p['ettr_max']:.4f}), {r['predicted']['ettr']:.4f} from measured costs "
+              f"({r['prediction_error_points']:+.2f}); persist measured {row['persist_s_measured']:.3f} s, physics "
+              f"{row['persist_s_physics']:.3f} s; emergency physics {row['emergency_s_physics']:.3f} s; storage restore "
+              f"physics {row['storage_restore_s_physics']:.2f} s{' (calibrated on this run)' if fitted else ''}", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1, sort_keys=True, default=float)

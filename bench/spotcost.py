@@ -10,9 +10,12 @@ the tiny replayed model without saying so. :meth:`Physics.costs` derives, at a w
   among the ranks); the state a node holds: all of it (replicated) or its share (sharded);
 * storage bandwidth per node ``min(per node, aggregate / n)``;
 * a periodic save blocks for ``stage_fixed + share / (D2H per GPU x GPUs)`` and persists in
-  ``save_fixed + share / bandwidth``; an emergency (or resize) checkpoint is both, before the node goes;
-* a restore from storage reads what a node holds at that bandwidth, then builds the process groups
-  (``comm_init``); a cold start from zero nodes is that restore after the first rendezvous;
+  ``save_fixed + share / bandwidth + share / host pipeline``: the checkpoint threads serialise, CRC and
+  hand the bytes over, then wait for the store, in series (on the 2-core CPU machine the pipeline, not
+  the disk, set the persist time: ``bench/spot_trace.py --validate``); an emergency (or resize)
+  checkpoint is both, before the node goes;
+* a restore from storage reads what a node holds at that bandwidth and through the pipeline, then builds
+  the process groups (``comm_init``); a cold start from zero nodes is that restore after the first rendezvous;
 * a joiner takes what it holds from a peer over the network; after a loss survived in place the world
   aborts its communicators (``comm_abort``), rebuilds them, and (sharded) rebuilds the lost share from
   tier 1 over the network;
@@ -82,6 +85,9 @@ class Physics:
     samples_per_step: int
     storage_bw_node: P
     storage_bw_total: P
+    host_pipeline_bw_node: P
+    """A node's checkpoint threads (DCP serialisation, CRC32, the write/read calls), all ranks together,
+    in series with the store's transfer."""
     d2h_bw_gpu: P
     network_bw_node: P
     stage_fixed_s: P
@@ -108,7 +114,7 @@ class Physics:
         if self.ref_nodes < 1 or self.samples_per_step < 1:
             raise ValueError(f"{self.name}: ref_nodes and samples_per_step must be >= 1")
         if self.gpus_per_node.value < 1 or self.storage_bw_node.value <= 0 or self.storage_bw_total.value <= 0 \
-                or self.d2h_bw_gpu.value <= 0 or self.network_bw_node.value <= 0:
+                or self.d2h_bw_gpu.value <= 0 or self.network_bw_node.value <= 0 or self.host_pipeline_bw_node.value <= 0:
             raise ValueError(f"{self.name}: GPUs per node >= 1 and every bandwidth > 0")
 
     def params(self) -> dict[str, dict[str, Any]]:
@@ -126,11 +132,12 @@ class Physics:
         share = self.state_bytes.value / n
         held = self.state_bytes.value if self.state is StateLayout.REPLICATED else share
         bw = min(self.storage_bw_node.value, self.storage_bw_total.value / n)
+        per_byte = 1.0 / bw + 1.0 / self.host_pipeline_bw_node.value
         net = self.network_bw_node.value
         stage = self.stage_fixed_s.value + share / (self.d2h_bw_gpu.value * self.gpus_per_node.value)
-        persist = self.save_fixed_s.value + share / bw
+        persist = self.save_fixed_s.value + share * per_byte
         init = self.comm_init_s.value
-        from_storage = held / bw + init
+        from_storage = held * per_byte + init
         rebuild = 0.0 if self.state is StateLayout.REPLICATED else share / net
         d = Dist.of
         return ChangeCosts(
@@ -161,6 +168,9 @@ _GPU_ASSUMED = {
     "gpus_per_node": P(8, "assumption: 8-GPU nodes (p4d/p5, a3)"),
     "storage_bw_node": P(1 * GB, "assumption: 1 GB/s from one node to object storage"),
     "storage_bw_total": P(25 * GB, "assumption: 25 GB/s aggregate to the bucket"),
+    "host_pipeline_bw_node": P(8 * GB, "assumption: 8 checkpoint threads (one per rank) at ~1 GB/s each "
+                                       "(DCP serialisation + zlib CRC32); bench/spot_trace.py --validate measured "
+                                       "48 MB/s behind training, 117 MB/s stopped, on the 2-core CPU machine"),
     "d2h_bw_gpu": P(20 * GB, "assumption: 20 GB/s pinned D2H per GPU (bench/gpu_d2h.py measures it on a GPU)"),
     "network_bw_node": P(25 * GB, "assumption: 200 Gb/s effective node-to-node (EFA / GPUDirect-TCPX)"),
     "stage_fixed_s": P(0.012, f"{_REPLAY} periodic_overhead_s of a 1.9 MB state"),

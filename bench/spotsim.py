@@ -22,13 +22,18 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
 * An *announced* removal (a notice ``lead_s`` before the node goes): ``detect_notice_s`` later the
   world stops at a step, takes an emergency checkpoint (``checkpoint``, all old nodes), the leavers
   go, the rest re-form (``reformation``) and restart (``restore``: process start, imports, restore,
-  until the first step). If the node goes before the emergency checkpoint is done, it is a failure.
+  until the first step). If the node goes before the emergency checkpoint is done, it is a failure;
+  in place too, the whole world then rolls back to the newest commit and restores from storage (the
+  runtime abandons the save at the drain deadline and every worker exits).
   Without notice handling (``JobModel.notices=False``) every removal is unannounced.
   With ``JobModel.drain_lead_s`` (``preemption.train_through_notice``) a notice with a longer lead
   takes an out-of-cycle checkpoint (``periodic_checkpoint``) at once and drains ``drain_lead_s``
   before the reclaim: only that much notice lead is idle.
 * An *unannounced* removal: the survivors notice after ``detect_failure_s`` (``detection``), re-form,
-  restore the newest committed checkpoint; the node-time trained since it was taken is ``recompute``.
+  restore the newest committed checkpoint; the node-time trained since it was taken is ``recompute``,
+  counted when a world resumes from that checkpoint: at the end of the trace a rollback no world has
+  resumed from yet is not counted (the replay's ground truth keeps a world's last steps until a later
+  world re-trains them).
 * An addition: the node warms up (``agent_start_s`` for a node of the first world, ``warmup_s`` for one
   joining a running world: agent start, and with in-place re-formation its workers' start in standby);
   then the world takes a resize checkpoint (``checkpoint``) and re-forms larger; without it
@@ -322,6 +327,11 @@ class ChangeCosts:
     warmup_s: Dist = Dist.of(3.0)
     periodic_overhead_s: Dist = Dist.of(0.05)
     periodic_persist_s: Dist = Dist.of(0.5)
+    periodic_interference_s: Dist | None = None
+    """Training time a periodic save's background persist takes from the steps it overlaps (its CPU work
+    on the training's cores; None: none). The replay's step times already hold it, so it is not charged
+    again: the interval controller sees it, as the runtime's does (``IntervalController.observe_step``),
+    and counts it in the save cost that sets the auto interval."""
 
     def as_dict(self) -> dict[str, list[float]]:
         return {f: list(getattr(self, f).samples) for f in self.__slots__ if getattr(self, f) is not None}
@@ -523,6 +533,8 @@ class _Sim:
         self.since_save = 0.0
         self.saves = 0
         self.new_failures = 0  # failures the next restore proves (see IntervalController.observe_restore)
+        self.unrealized = (0.0, 0.0)  # a rollback's (node-s, steps) lost: counted when a world resumes
+        self.reform_kind = ""  # the kind of costs of the re-formation under way (see _reform)
         self.drained_out = False  # in place: every node of the world drained, the next one restores the emergency save
         self.restore_s = 0.0
         self.changes: list[Change] = []
@@ -652,6 +664,10 @@ class _Sim:
         self.persist_s = self.c.periodic_persist_s.draw(self.rng)
         self.saves += 1
         self.ctl.observe_save(overhead)
+        if self.c.periodic_interference_s is not None and self.world:
+            step = self.step_s(len(self.world))
+            self.ctl.observe_step(step, persisting=False)
+            self.ctl.observe_step(step + self.c.periodic_interference_s.draw(self.rng), persisting=True)
         self.pending = (self.now + overhead + self.persist_s, self.steps)
         self.since_save = 0.0
         self.ctl.saved(self.now + overhead)
@@ -667,7 +683,7 @@ class _Sim:
             return
         lost_node_s = sum((p.t1 - p.t0) * p.w * self._share(p.w) for p in self.pieces)
         lost_steps = self.steps - self.commit_steps
-        self._lost(lost_node_s, lost_steps)
+        self.unrealized = (self.unrealized[0] + lost_node_s, self.unrealized[1] + lost_steps)
         self.steps = self.commit_steps
         self.pieces = []
         self.pending = None
@@ -713,6 +729,7 @@ class _Sim:
         """Re-form after ``pre``; ``kind`` (``join``, ``failure``) picks that kind's measured costs."""
         t = pre[-1].end if pre else self.now
         c = self.c
+        self.reform_kind = kind
         reform = {"cold": c.cold_reformation_s or c.start_reformation_s, "storage": c.failure_reformation_s}.get(kind) or getattr(c, f"{kind}_reformation_s", None)
         t += (reform or c.reformation_s).draw(self.rng)
         filled = None
@@ -731,6 +748,9 @@ class _Sim:
         if self.resuming:
             self.resuming = False
             return
+        if self.world and self.unrealized != (0.0, 0.0):  # this world resumes from the older commit
+            self._lost(*self.unrealized)
+            self.unrealized = (0.0, 0.0)
         self.started = True
         if self.current is not None:
             self.current.size_after = len(self.world)
@@ -821,7 +841,7 @@ class _Sim:
         self._begin_change("notice")
         if phase is not None:  # re-forming already: the leavers go at once, the re-formation starts over
             rest = frozenset(n for n in self.phases[-1].world if n not in leavers)
-            self._reform([], rest)
+            self._reform([], rest, self.reform_kind)  # with the costs of the one under way (e.g. from storage)
             return
         end = self.now + self.c.emergency_s.draw(self.rng)
         rest = self.world - leavers
@@ -847,9 +867,12 @@ class _Sim:
         self._begin_change("failure")
         # In place the survivors hold the state, training or re-forming, unless the world is restarting
         # from storage (after a rollback, or after every node drained) or the loss took a part of sharded
-        # state that tier 1 does not cover.
+        # state that tier 1 does not cover. A leaver gone before the emergency checkpoint committed: the
+        # runtime abandons that save at the drain deadline and every worker exits, so the world restarts
+        # from the newest commit in storage (``checkpoint_abandoned``), survivors' memory or not.
         in_memory = self.job.in_place and bool(rest) and not (self.new_failures or self.drained_out)
-        from_storage = in_memory and not self.job.survives(self.world, lost)
+        abandoned = phase == "checkpoint" and self.phases[0].commit == "emergency"
+        from_storage = in_memory and (abandoned or not self.job.survives(self.world, lost))
         in_memory = in_memory and not from_storage
         if in_memory:
             if phase is None or phase == "checkpoint":
@@ -864,7 +887,9 @@ class _Sim:
         c = self.c
         detect = {FailureKind.FROZEN: c.detect_frozen_s, FailureKind.HANG: c.detect_hang_s}.get(self.job.unannounced_kind)
         end = self.now + (detect or c.detect_failure_s).draw(self.rng)
-        self._reform([_Phase("detection", end, survivors)], rest, "storage" if from_storage else "failure")
+        # In place, a world that does not hold the state restores it from storage.
+        storage = self.job.in_place and bool(rest) and not in_memory
+        self._reform([_Phase("detection", end, survivors)], rest, "storage" if storage else "failure")
 
     def run(self, end: float) -> None:
         q: list[tuple[float, int, str, Any]] = []
@@ -929,7 +954,7 @@ class _Sim:
                        if trained else self.job.cycle_s(1))
         return SimResult(
             available_node_s=available, productive_node_s=self.productive, waste_node_s=dict(self.waste),
-            kept_steps=self.steps, recomputed_steps=self.recomputed, samples_per_step=self.job.samples_per_step,
+            kept_steps=self.steps + self.unrealized[1], recomputed_steps=self.recomputed, samples_per_step=self.job.samples_per_step,
             changes=self.changes, periodic_saves=self.saves, failures_seen=self.ctl.stats.unannounced_failures,
             intervals=self.intervals, cost_total=available / 3600 * self.prices.spot_per_hour,
             on_demand_cost=self.steps * mean_node_s / 3600 * self.prices.on_demand_per_hour,

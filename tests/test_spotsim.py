@@ -473,3 +473,58 @@ def test_sharded_state_without_tier1_restores_from_storage(tier1, recompute, res
     assert r.waste_node_s["recompute"] == pytest.approx(recompute)
     assert r.waste_node_s["restore"] == pytest.approx(restore)
     assert r.failures_seen == (0 if tier1 is Tier1.COPIES else 1)
+
+
+def test_an_emergency_checkpoint_cut_off_by_the_reclaim_restarts_the_world_from_storage() -> None:
+    """In place, b's notice comes 2 s before it goes (drain at 29 after 1 s of detection) and the
+    emergency checkpoint needs 5 s: b is gone at 30 with it unfinished. The runtime abandons the save at
+    the drain deadline and every worker exits, so the survivor does not keep its memory: the world rolls
+    back to the start (2 nodes x 29 s), a detects 30..31, re-forms 31..32 and restores from storage
+    32..36 (storage_restore_s, not failure_restore_s), then trains alone to 60."""
+    c = costs(detect_notice_s=1, emergency_s=5, detect_failure_s=1, failure_reformation_s=1, storage_restore_s=4,
+              failure_restore_s=100, restore_s=100)
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (30, "remove", "b"), duration=60), c,
+                 JobModel(node_s_per_step=1, in_place=True), OFF, lead_s=2)
+    check(r)
+    assert r.waste_node_s["checkpoint"] == pytest.approx(2)        # the cut-off save, 29..30 on both
+    assert r.waste_node_s["recompute"] == pytest.approx(58)
+    assert r.waste_node_s["detection"] == pytest.approx(1)
+    assert r.waste_node_s["reformation"] == pytest.approx(1)
+    assert r.waste_node_s["restore"] == pytest.approx(4)
+    assert r.productive_node_s == pytest.approx(24)
+    assert r.failures_seen == 1
+
+
+def test_a_background_persist_slowing_the_steps_lengthens_the_auto_interval() -> None:
+    """The interval controller counts the steps a background persist slows in the save cost, as the
+    runtime's does: with 2 s of interference per save the auto interval is longer (fewer saves); the
+    step times already hold the slowdown, so it is not charged as waste again."""
+    t = trace((0, "add", "a"), (0, "add", "b"), duration=3000)
+    auto = IntervalPolicy(IntervalMode.AUTO)
+    settings = AutoSettings(min_s=1.0, max_s=600.0, prior_mtbf_s=300.0)
+    quiet = simulate(t, costs(periodic_overhead_s=0.1, periodic_persist_s=0.5), JobModel(node_s_per_step=1), auto,
+                     settings=settings)
+    busy = simulate(t, costs(periodic_overhead_s=0.1, periodic_persist_s=0.5, periodic_interference_s=2.0),
+                    JobModel(node_s_per_step=1), auto, settings=settings)
+    check(busy)
+    assert busy.periodic_saves < quiet.periodic_saves / 2
+    assert busy.waste_node_s["periodic_checkpoint"] == pytest.approx(busy.periodic_saves * 0.1 * 2)
+
+
+def test_a_rollback_counts_when_a_world_resumes_from_the_older_commit() -> None:
+    """As the replay's ground truth (a step is lost when a later world re-trains it): b dies without
+    notice at 30 (nothing committed since the start, 0..1 the first rendezvous), a detects it by 31,
+    re-forms by 32 and restores by 36: the 58 node-s trained before are recompute. With the trace ending at 34, before that restore, no world
+    has resumed from the older commit: the work is kept."""
+    c = costs(detect_failure_s=1, reformation_s=1, restore_s=4)
+    job = JobModel(node_s_per_step=1, in_place=False)
+    resumed = simulate(trace((0, "add", "a"), (0, "add", "b"), (30, "remove", "b"), duration=60), c, job, OFF,
+                       unannounced=[0])
+    check(resumed)
+    assert resumed.waste_node_s["recompute"] == pytest.approx(58)
+    ended = simulate(trace((0, "add", "a"), (0, "add", "b"), (30, "remove", "b"), duration=34), c, job, OFF,
+                     unannounced=[0])
+    check(ended)
+    assert ended.waste_node_s["recompute"] == 0
+    assert ended.productive_node_s == pytest.approx(58)
+    assert ended.kept_steps == pytest.approx(58)             # 0.5 s steps at 2 nodes
