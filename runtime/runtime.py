@@ -577,6 +577,11 @@ class Runtime:
             if outcome != "none":
                 self._log.info("worker_restored", step=self.step, source="peer", live_step=live)
                 return self.step
+        return self._restore_from_tiers(step)
+
+    def _restore_from_tiers(self, step: int | None = None) -> int:
+        """:meth:`restore` without the live hand-over: the nearest tier that holds the newest complete
+        step (a collective on every rank of the world, as :meth:`restore` is)."""
         if self._manager is None:
             self._agree_initial_state()
             return self.step
@@ -1139,12 +1144,8 @@ class Runtime:
             outcome, live = self._sync_live_state(None if suspect is not None else self.step)
         finally:
             self._parked_for = None
-        if outcome in ("agreed", "broadcast") and self._replicated and not self._replicas_agree():
-            if self._memory is not None:
-                self._memory.discard_from(self.step)  # which rank diverged is unknown: none of this step is used
-            outcome = "none"
-        if outcome == "none" and self._manager is not None:
-            live = self.restore()
+        if outcome == "none" and self._manager is not None:  # no trusted live state: every rank is here
+            live = self._restore_from_tiers()
             outcome = "restored"
         self._took_peer_stats = self._took_peer_stats and outcome != "restored"
         if (self._interval is not None and outcome in ("agreed", "broadcast") and _is_loss(reason)
@@ -1315,8 +1316,15 @@ class Runtime:
 
         # Flags and small state over the gloo group; the tensors over the default group when they live on
         # the GPU (NCCL), over the same gloo group on the CPU.
-        return rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group,
-                                  tensor_group=self._tensor_group)
+        outcome, live = rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group,
+                                           tensor_group=self._tensor_group)
+        # Every rank of the world is here (a survivor through _resume_state, a joiner through restore), so
+        # the check is one collective on all of them; refused, all go on to the tiers.
+        if outcome in ("agreed", "broadcast") and self._replicated and not self._replicas_agree():
+            if self._memory is not None:
+                self._memory.discard_from(self.step)  # which rank diverged is unknown: none of this step is used
+            return "none", None
+        return outcome, live
 
     def _deadline(self) -> float | None:
         """This node's drain deadline (epoch seconds), when its agent asked it to drain."""

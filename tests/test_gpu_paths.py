@@ -453,11 +453,14 @@ def test_untrusted_live_state_is_not_offered_and_the_world_restores_from_the_tie
     offered, restored = [], []
     mem = _Mem()
     rt._memory = mem
-    monkeypatch.setattr(rt, "_sync_live_state", lambda step: (offered.append(step), ("agreed", step))[1])
-    monkeypatch.setattr(rt, "restore", lambda step=None: (restored.append(True), 5)[1])
+    def sync(step, tensors, *, extra, load_extra, group=None, tensor_group=None):
+        offered.append(step)
+        return ("none", None) if step is None else ("agreed", step)  # no rank else holds live state
+
+    monkeypatch.setattr(runtime_mod.rf, "sync_live_state", sync)
+    monkeypatch.setattr(rt, "_restore_from_tiers", lambda step=None: (restored.append(True), 5)[1])
     if case == "suspect":
         rt._suspect_step = 7
-        monkeypatch.setattr(rt, "_sync_live_state", lambda step: (offered.append(step), ("none", None))[1])
     if case == "mismatch":
         def gather(out, mine, group=None):  # a peer that holds other parameters
             out[0].copy_(mine)
