@@ -198,6 +198,10 @@ class AgentMetrics:
                                       "Configured (or estimated) time between periodic checkpoints.", registry=r)
         self._m_start = Gauge(P + "agent_start_time_seconds", "Unix time the agent started.", registry=r)
         self._m_start.set(self._wall())
+        self._m_corrupt = Counter(P + "checkpoint_corrupt_steps",
+                                  "Committed checkpoint steps this node's workers found proven corrupt at restore (size or "
+                                  "CRC32 mismatch, missing file): skipped, rolled back past, moved to quarantine/.",
+                                  registry=r)
         self._m_dead = Counter(P + "worker_exits", "Worker processes that exited (marked dead in the channel).", registry=r)
         self._m_store_in_agent = Gauge(P + "rendezvous_store_in_agent",
                                        "1 when this agent hosts the c10d store of a job that may span several nodes "
@@ -451,7 +455,11 @@ class AgentMetrics:
             # A restore first: the rolled-back work is sized before the restored workers' own steps count.
             if restores > self._restores_seen and P + "checkpoint_restored_step" in vals:
                 k = int(vals[P + "checkpoint_restored_step"])
-                seconds, n = self.ledger.restored(k, t)
+                skipped = int(vals.get(P + "checkpoint_restore_skipped_step", 0))
+                seconds, n = self.ledger.restored(k, t, newest=skipped or None)
+                corrupt = int(vals.get(P + "checkpoint_restore_corrupt_steps", 0))
+                if corrupt:
+                    self._m_corrupt.inc(corrupt)
                 if n:
                     lost = (k, seconds, n)
             self._restores_seen = max(self._restores_seen, restores)
