@@ -297,10 +297,11 @@ def scan_run(storage: Storage, run_id: str, *, warn: bool = True) -> Scan:
     return scan
 
 
-def runs_with_commits(storage: Storage, *, limit: int = 50) -> dict[str, int]:
-    """``{run_id: newest committed step}`` of the runs under the checkpoint URL that have a committed
-    step (at most ``limit`` run folders are scanned; a listing error raises as in :func:`scan_run`)."""
-    out: dict[str, int] = {}
+def newest_commits(storage: Storage, *, limit: int = 50) -> dict[str, Manifest]:
+    """``{run_id: manifest of its newest committed step}`` (by step, then epoch) of the runs under the
+    checkpoint URL that have a committed step (at most ``limit`` run folders are scanned; a listing
+    error raises as in :func:`scan_run`)."""
+    out: dict[str, Manifest] = {}
     for run in sorted(storage.listdir(""))[:limit]:
         if run.startswith("."):
             continue
@@ -309,9 +310,9 @@ def runs_with_commits(storage: Storage, *, limit: int = 50) -> dict[str, int]:
         except NotADirectoryError:  # a stray file beside the run folders
             continue
         if scan.committed:
-            out[run] = max(ref.step for ref in scan.committed)
+            out[run] = scan.committed[max(scan.committed)]
     return out
 
 
-__all__ = ["Deletion", "EpochRecords", "Scan", "StepRef", "gc_plan", "lineage_of", "quarantine_expired", "restore_epoch", "runs_with_commits",
+__all__ = ["Deletion", "EpochRecords", "Scan", "StepRef", "gc_plan", "lineage_of", "newest_commits", "quarantine_expired", "restore_epoch",
            "scan_run"]

@@ -10,7 +10,8 @@
   gauges and the ledger,
 
 and exposes all of it, plus the merged worker metrics, through :attr:`AgentMetrics.registry`, each
-series labelled ``node``. Cost, goodput and GPU families are computed at scrape time, so they are
+series labelled ``node`` and ``job_id`` (``agent.job_id``: two training jobs scraped by one Prometheus
+job stay apart in ``by (job_id)``; Prometheus's own ``job`` label is the scrape job). Cost, goodput and GPU families are computed at scrape time, so they are
 exact at the moment Prometheus asks.
 
 Metrics observe the agent; they never steer it. No method raises on bad *observations*
@@ -120,19 +121,22 @@ class _Bounded:
 class AgentMetrics:
     """The node's metrics. See the module docstring.
 
-    ``node``: the node's name (``node`` label on every series). ``run_dir``: the agent's local run
+    ``node``: the node's name (``node`` label on every series); ``job_id``: the training job's id
+    (``job_id`` label on every series). ``run_dir``: the agent's local run
     directory; the worker channel lives in ``<run_dir>/prometheus_multiproc`` and is wiped here. Without
     it there is no worker channel (tier-1 scripts only get node-level metrics).
     ``clock`` (monotonic seconds) and ``wall_clock`` (unix seconds) are injectable for tests;
     ``nvml`` injects a fake NVML module; ``start_sampler=False`` leaves :meth:`sample` to the caller.
     """
 
-    def __init__(self, config: MetricsConfig, cost_config: CostConfig, node: str, *, run_dir: str | None = None,
+    def __init__(self, config: MetricsConfig, cost_config: CostConfig, node: str, *, job_id: str = "",
+                 run_dir: str | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  nvml: Any | None = None, start_sampler: bool = True) -> None:
         self.config = config
         self.cost_config = cost_config
         self.node = node
+        self.job_id = job_id
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.Lock()
@@ -159,6 +163,7 @@ class AgentMetrics:
         self._rates: tuple[float, float] | None = None
         self._ckpt_policy: tuple[float, int] = (0.0, 0)  # (interval_s, interval_steps)
         self._restores_seen = 0.0
+        self._stored_commit: tuple[float, float] | None = None  # (step, unix s) found in the store at start
         self._state = "starting"
 
         self._gpu = GpuSampler(enabled=config.gpu, nvml=nvml)
@@ -556,10 +561,33 @@ class AgentMetrics:
             if util.samples:
                 yield util
 
+    def set_stored_commit(self, step: int, unix_s: float) -> None:
+        """The job's newest committed step in the checkpoint store (read at agent start) and when it was
+        committed: ``trainguard_checkpoint_last_committed_step`` and ``..._last_commit_timestamp_seconds``
+        show it (or a newer commit of the workers) from the first scrape, so that an agent restart does
+        not blank them until the next commit (``TrainguardCheckpointStale`` and ``status`` need them)."""
+        with self._lock:
+            self._stored_commit = (float(step), float(unix_s))
+
+    def _with_stored_commit(self, worker: list[Metric]) -> list[Metric]:
+        with self._lock:
+            stored = self._stored_commit
+        if stored is None:
+            return worker
+        want = {P + "checkpoint_last_committed_step": stored[0], P + "checkpoint_last_commit_timestamp_seconds": stored[1]}
+        for fam in worker:
+            if fam.name in want:
+                floor = want.pop(fam.name)
+                fam.samples[:] = [s._replace(value=max(s.value, floor)) for s in fam.samples]
+        docs = {P + "checkpoint_last_committed_step": "Step of the newest committed checkpoint.",
+                P + "checkpoint_last_commit_timestamp_seconds": "Unix time of the newest committed checkpoint."}
+        return worker + [GaugeMetricFamily(name, docs[name], value=v) for name, v in want.items()]
+
     def collect(self) -> Iterator[Metric]:
-        """All families of this node, before the ``node`` label is added (see :class:`_NodeCollector`)."""
+        """All families of this node, before the ``node`` and ``job_id`` labels are added (see
+        :class:`_NodeCollector`)."""
         yield from self._inner.collect()
-        worker = self._worker_families()
+        worker = self._with_stored_commit(self._worker_families())
         yield from worker
         yield from self._computed(worker)
 
@@ -605,17 +633,17 @@ def _hist_max(families: Iterable[Metric], name: str, q: float = 1.0) -> float | 
 
 
 class _NodeCollector:
-    """Adds ``node`` to every sample and drops ``_created`` samples (noise in the text format)."""
+    """Adds ``node`` and ``job_id`` to every sample and drops ``_created`` samples (noise in the text format)."""
 
     def __init__(self, owner: AgentMetrics) -> None:
         self._owner = owner
 
     def collect(self) -> Iterator[Metric]:
-        node = self._owner.node
+        node, job_id = self._owner.node, self._owner.job_id
         for fam in self._owner.collect():
             out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
             for s in fam.samples:
                 if s.name.endswith("_created"):
                     continue
-                out.samples.append(s._replace(labels={"node": node, **s.labels}))
+                out.samples.append(s._replace(labels={"node": node, "job_id": job_id, **s.labels}))
             yield out

@@ -36,7 +36,7 @@ def samples(m: AgentMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 
 def value(m: AgentMetrics, name: str, **labels: str) -> float:
-    want = tuple(sorted({"node": m.node, **labels}.items()))
+    want = tuple(sorted({"node": m.node, "job_id": m.job_id, **labels}.items()))
     return samples(m)[(name, want)]
 
 
