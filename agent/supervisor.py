@@ -58,6 +58,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
 from trainguard.agent import workerenv
+from trainguard.agent.census import check_census
+from trainguard.agent.census import record as census_record
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
@@ -433,6 +435,9 @@ class Supervisor:
                        "first_rank": world.global_ranks[0] if world.global_ranks else None}
         log.info("rendezvous_complete", node=self.cfg.agent.node_name, **world.log_fields())
         self._observe("set_world", world.world_size, world.nodes, world.round)
+        rc = self.cfg.rendezvous  # a node alone in a job others on its store expect bigger: a mistyped job id?
+        check_census(self.adapter.endpoint_store(), census_record(self.cfg.agent.job_id, rc.min_nodes, rc.max_nodes,
+                                                                  world.nodes, self.cfg.agent.node_name))
 
     def _workers_gone(self) -> None:
         for pid in self.adapter.worker_pids().values():

@@ -1,0 +1,152 @@
+"""The jobs that share one rendezvous store, and what a node's world should be by them.
+
+Why: a node with a mistyped ``agent.job_id`` (``walk-job-l`` for ``walk-job-1``) joins *another*
+rendezvous on the same store, forms a world of 1 (its own ``min_nodes`` allows it) and trains alone. It
+cannot see the other job's rendezvous (keys are prefixed by the job id, and a ``TCPStore`` cannot list
+keys), so every agent publishes what its job expects under keys outside any job's prefix:
+
+* ``trainguard/census/jobs``: job ids, appended (``store.append``: atomic, one line per agent life);
+* ``trainguard/census/job/<job_id>``: :class:`JobRecord` JSON, rewritten by every node of the job at each
+  completed rendezvous (the last writer wins: they hold the same job's view).
+
+After its rendezvous, an agent reads the others' records and :func:`census_warnings` (pure, table-tested)
+says what is wrong: its world has fewer nodes than another job on the same store expects as its
+``min_nodes`` (the likely mistyped id: ``world_smaller_than_expected``, an error line naming
+``agent.job_id`` / ``TRAINGUARD_AGENT_JOB_ID``), or its own job's nodes disagree on
+``rendezvous.min_nodes`` / ``max_nodes`` (``rendezvous_config_mismatch``). A node of a job that stands
+alone on its store (``etcd``, or a store per job) cannot know what it should expect: nothing is said.
+Never raises (a census is a hint).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trainguard.runtime.log import get_logger
+
+log = get_logger("trainguard.agent.census")
+
+JOBS_KEY = "trainguard/census/jobs"
+RECORD_PREFIX = "trainguard/census/job/"
+MAX_JOBS = 64
+"""The most other jobs read per check (a store shared by hundreds of jobs is not the case to optimise)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """What one job expects, as its newest node saw it at its last completed rendezvous."""
+
+    job_id: str
+    min_nodes: int
+    max_nodes: int
+    nodes: int
+    """Nodes in the job's newest world."""
+    node: str
+    """The node that wrote the record."""
+    unix_s: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(data: bytes) -> JobRecord | None:
+        try:
+            d = json.loads(data)
+            return JobRecord(job_id=str(d["job_id"]), min_nodes=int(d["min_nodes"]), max_nodes=int(d["max_nodes"]),
+                             nodes=int(d["nodes"]), node=str(d["node"]), unix_s=float(d.get("unix_s", 0.0)))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class SmallerWorld:
+    """This node's world has fewer nodes than another job on the same store expects as its ``min_nodes``."""
+
+    me: JobRecord
+    other: JobRecord
+    other_jobs: tuple[str, ...]
+    event = "world_smaller_than_expected"
+
+    def log(self) -> None:
+        me, o = self.me, self.other
+        log.error("world_smaller_than_expected", job_id=me.job_id, nodes=me.nodes, min_nodes=me.min_nodes,
+                  other_job=o.job_id, other_min_nodes=o.min_nodes, other_nodes=o.nodes, other_jobs=list(self.other_jobs),
+                  effect=f"this node trains in a world of {me.nodes} node(s) of job {me.job_id!r}, while job "
+                         f"{o.job_id!r} on the same rendezvous store expects at least {o.min_nodes}",
+                  fix=f"if this node belongs to {o.job_id!r}, stop it and fix agent.job_id (TRAINGUARD_AGENT_JOB_ID, "
+                      f"--rdzv-id); if it is a job of its own, ignore this line")
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigMismatch:
+    """The nodes of one job disagree on ``rendezvous.min_nodes`` / ``max_nodes``."""
+
+    me: JobRecord
+    other: JobRecord
+    event = "rendezvous_config_mismatch"
+
+    def log(self) -> None:
+        me, o = self.me, self.other
+        log.error("rendezvous_config_mismatch", job_id=me.job_id, min_nodes=me.min_nodes, max_nodes=me.max_nodes,
+                  other_node=o.node, other_min_nodes=o.min_nodes, other_max_nodes=o.max_nodes,
+                  effect="the nodes of one job disagree on the world they may form: a node with a smaller min_nodes "
+                         "can start a world the others would not",
+                  fix="set the same rendezvous.min_nodes / max_nodes (TRAINGUARD_RENDEZVOUS_MIN_NODES / _MAX_NODES) "
+                      "on every node of the job")
+
+
+Finding = SmallerWorld | ConfigMismatch
+
+
+def census_warnings(me: JobRecord, same_job: JobRecord | None, others: list[JobRecord]) -> list[Finding]:
+    """What is wrong with ``me`` (this node's job and world) given the record its job held before this
+    node wrote (``same_job``, from another node) and the records of the other jobs on the store (pure)."""
+    out: list[Finding] = []
+    bigger = sorted((o for o in others if o.job_id != me.job_id and me.nodes < o.min_nodes),
+                    key=lambda o: (-o.min_nodes, o.job_id))
+    if bigger:
+        out.append(SmallerWorld(me, bigger[0], tuple(x.job_id for x in bigger[:10])))
+    if same_job is not None and same_job.node != me.node and (same_job.min_nodes, same_job.max_nodes) != (
+            me.min_nodes, me.max_nodes):
+        out.append(ConfigMismatch(me, same_job))
+    return out
+
+
+def _get(store: Any, key: str) -> bytes | None:
+    return bytes(store.get(key)) if store.check([key]) else None
+
+
+def check_census(store: Any, me: JobRecord) -> list[Finding]:
+    """Read the other jobs' records and this job's previous one, publish ``me``, log and return the
+    findings. ``store``: the raw rendezvous store (not prefixed by a job); None: no census (etcd)."""
+    if store is None:
+        return []
+    try:
+        raw = _get(store, JOBS_KEY) or b""
+        jobs = sorted({j for j in raw.decode(errors="replace").split("\n") if j and j != me.job_id})[:MAX_JOBS]
+        others = [r for j in jobs if (b := _get(store, RECORD_PREFIX + j)) is not None
+                  and (r := JobRecord.from_json(b)) is not None]
+        prev = _get(store, RECORD_PREFIX + me.job_id)
+        same = JobRecord.from_json(prev) if prev is not None else None
+        store.set(RECORD_PREFIX + me.job_id, me.to_json())
+        if me.job_id not in raw.decode(errors="replace").split("\n"):
+            store.append(JOBS_KEY, (me.job_id + "\n").encode())
+    except Exception as e:  # noqa: BLE001 - a hint must never stop a rendezvous
+        log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300])
+        return []
+    found = census_warnings(me, same, others)
+    for f in found:
+        f.log()
+    return found
+
+
+def record(job_id: str, min_nodes: int, max_nodes: int, nodes: int, node: str) -> JobRecord:
+    return JobRecord(job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, nodes=nodes, node=node,
+                     unix_s=time.time())
+
+
+__all__ = ["JOBS_KEY", "ConfigMismatch", "Finding", "JobRecord", "RECORD_PREFIX", "SmallerWorld", "census_warnings",
+           "check_census", "record"]

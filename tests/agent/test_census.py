@@ -1,0 +1,78 @@
+"""Issue 43 item 2 (second half): a node whose world is smaller than another job on the same
+rendezvous store expects (a mistyped job id), and nodes of one job that disagree on min/max nodes."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import structlog
+import torch.distributed as dist
+
+from trainguard.agent.census import JOBS_KEY, JobRecord, census_warnings, check_census
+
+
+def rec(job: str, mn: int, mx: int, nodes: int, node: str = "n") -> JobRecord:
+    return JobRecord(job_id=job, min_nodes=mn, max_nodes=mx, nodes=nodes, node=node)
+
+
+@pytest.mark.parametrize("me, same, others, events", [
+    # the mistyped id: alone (1 node, its own min 1) beside walk-job-1, which expects 2
+    (rec("walk-job-l", 1, 2, 1), None, [rec("walk-job-1", 2, 2, 2)], ["world_smaller_than_expected"]),
+    # a job of its own next to a smaller one: nothing to say
+    (rec("big", 2, 4, 2), None, [rec("small", 1, 1, 1)], []),
+    # as many nodes as the other job's min: nothing
+    (rec("a", 1, 4, 2), None, [rec("b", 2, 4, 3)], []),
+    # alone on its store: nothing can be known
+    (rec("a", 1, 2, 1), None, [], []),
+    # a record of its own job by another node with other bounds
+    (rec("a", 1, 2, 1, "n1"), rec("a", 2, 2, 2, "n2"), [], ["rendezvous_config_mismatch"]),
+    # ... its own previous record (same node) is no disagreement
+    (rec("a", 1, 2, 1, "n1"), rec("a", 2, 2, 2, "n1"), [], []),
+    # its own job in the others' list is never "another job"
+    (rec("a", 1, 2, 1), None, [rec("a", 2, 2, 2)], []),
+    (rec("x", 1, 3, 1, "n1"), rec("x", 1, 4, 1, "n2"), [rec("y", 3, 3, 3), rec("z", 2, 2, 2)],
+     ["world_smaller_than_expected", "rendezvous_config_mismatch"]),
+])
+def test_census_table(me, same, others, events):
+    assert [w.event for w in census_warnings(me, same, others)] == events
+
+
+def test_the_warning_names_the_other_job_the_key_and_the_fix():
+    [w] = census_warnings(rec("walk-job-l", 1, 2, 1), None, [rec("walk-job-1", 2, 2, 2), rec("tiny", 1, 1, 1)])
+    with structlog.testing.capture_logs() as logs:
+        w.log()
+    [line] = logs
+    assert (line["other_job"], line["other_min_nodes"], line["nodes"]) == ("walk-job-1", 2, 1)
+    assert "agent.job_id (TRAINGUARD_AGENT_JOB_ID" in line["fix"] and line["log_level"] == "error"
+
+
+@pytest.mark.timeout(30)
+def test_two_jobs_on_one_real_tcp_store():
+    """Through a real TCPStore (as `trainguard store` serves it): walk-job-1's two nodes publish first;
+    the mistyped node's agent then finds walk-job-1 and logs one error line; walk-job-1's nodes stay
+    quiet; the store holds both records."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    with structlog.testing.capture_logs() as logs:
+        assert check_census(client, rec("walk-job-1", 2, 2, 2, "node-0")) == []
+        assert check_census(host, rec("walk-job-1", 2, 2, 2, "node-1")) == []
+        found = check_census(client, rec("walk-job-l", 1, 2, 1, "node-2"))
+        assert check_census(host, rec("walk-job-1", 2, 2, 2, "node-0")) == []  # a re-formation later: quiet
+    assert [w.event for w in found] == ["world_smaller_than_expected"]
+    errors = [e for e in logs if e["log_level"] == "error"]
+    assert [(e["event"], e["job_id"], e["other_job"]) for e in errors] == [
+        ("world_smaller_than_expected", "walk-job-l", "walk-job-1")]
+    assert sorted(bytes(host.get(JOBS_KEY)).decode().split()) == ["walk-job-1", "walk-job-l"]
+
+
+def test_a_store_that_fails_is_only_a_hint():
+    class Broken:
+        def check(self, keys):
+            raise ConnectionResetError("store gone")
+
+    with structlog.testing.capture_logs() as logs:
+        assert check_census(Broken(), rec("a", 1, 1, 1)) == []
+        assert check_census(None, rec("a", 1, 1, 1)) == []
+    assert [e["event"] for e in logs] == ["census_unavailable"]
