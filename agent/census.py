@@ -13,7 +13,9 @@ After its rendezvous, an agent reads the others' records and :func:`census_warni
 says what is wrong: its world has fewer nodes than another job on the same store expects as its
 ``min_nodes`` (the likely mistyped id: ``world_smaller_than_expected``, an error line naming
 ``agent.job_id`` / ``TRAINGUARD_AGENT_JOB_ID``), or its own job's nodes disagree on
-``rendezvous.min_nodes`` / ``max_nodes`` (``rendezvous_config_mismatch``). A node of a job that stands
+``rendezvous.min_nodes`` / ``max_nodes`` (``rendezvous_config_mismatch``) or on ``checkpoint.interval``
+(``checkpoint_interval_mismatch``: only the node of global rank 0 decides when the job saves). And
+:func:`share_interval`: that node publishes the interval it exports, the others export it too. A node of a job that stands
 alone on its store (``etcd``, or a store per job) cannot know what it should expect: nothing is said.
 Never raises (a census is a hint).
 """
@@ -47,6 +49,8 @@ class JobRecord:
     node: str
     """The node that wrote the record."""
     unix_s: float = 0.0
+    checkpoint_interval: str = ""
+    """The node's ``checkpoint.interval`` as configured (``auto``, ``50``, ``90s``, ``off``)."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -56,7 +60,8 @@ class JobRecord:
         try:
             d = json.loads(data)
             return JobRecord(job_id=str(d["job_id"]), min_nodes=int(d["min_nodes"]), max_nodes=int(d["max_nodes"]),
-                             nodes=int(d["nodes"]), node=str(d["node"]), unix_s=float(d.get("unix_s", 0.0)))
+                             nodes=int(d["nodes"]), node=str(d["node"]), unix_s=float(d.get("unix_s", 0.0)),
+                             checkpoint_interval=str(d.get("checkpoint_interval", "")))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -98,7 +103,26 @@ class ConfigMismatch:
                       "on every node of the job")
 
 
-Finding = SmallerWorld | ConfigMismatch
+@dataclass(frozen=True, slots=True)
+class IntervalMismatch:
+    """The nodes of one job are configured with different ``checkpoint.interval``s: only the node of
+    global rank 0 decides when the job saves, so the others' setting is not in effect."""
+
+    me: JobRecord
+    other: JobRecord
+    event = "checkpoint_interval_mismatch"
+
+    def log(self) -> None:
+        me, o = self.me, self.other
+        log.error("checkpoint_interval_mismatch", job_id=me.job_id, checkpoint_interval=me.checkpoint_interval,
+                  other_node=o.node, other_checkpoint_interval=o.checkpoint_interval,
+                  effect="the job saves at the interval of the node that hosts global rank 0, whatever the others "
+                         "say; every node exports that effective value as trainguard_checkpoint_interval_seconds",
+                  fix="set the same checkpoint.interval (TRAINGUARD_CHECKPOINT_INTERVAL) on every node and restart "
+                      "the node of global rank 0 to change it")
+
+
+Finding = SmallerWorld | ConfigMismatch | IntervalMismatch
 
 
 def census_warnings(me: JobRecord, same_job: JobRecord | None, others: list[JobRecord]) -> list[Finding]:
@@ -112,6 +136,9 @@ def census_warnings(me: JobRecord, same_job: JobRecord | None, others: list[JobR
     if same_job is not None and same_job.node != me.node and (same_job.min_nodes, same_job.max_nodes) != (
             me.min_nodes, me.max_nodes):
         out.append(ConfigMismatch(me, same_job))
+    if (same_job is not None and same_job.node != me.node and same_job.checkpoint_interval and me.checkpoint_interval
+            and same_job.checkpoint_interval != me.checkpoint_interval):
+        out.append(IntervalMismatch(me, same_job))
     return out
 
 
@@ -143,10 +170,37 @@ def check_census(store: Any, me: JobRecord) -> list[Finding]:
     return found
 
 
-def record(job_id: str, min_nodes: int, max_nodes: int, nodes: int, node: str) -> JobRecord:
+def record(job_id: str, min_nodes: int, max_nodes: int, nodes: int, node: str, checkpoint_interval: str = "") -> JobRecord:
     return JobRecord(job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, nodes=nodes, node=node,
-                     unix_s=time.time())
+                     unix_s=time.time(), checkpoint_interval=checkpoint_interval)
 
 
-__all__ = ["JOBS_KEY", "ConfigMismatch", "Finding", "JobRecord", "RECORD_PREFIX", "SmallerWorld", "census_warnings",
-           "check_census", "record"]
+INTERVAL_PREFIX = "trainguard/census/interval/"
+
+
+def share_interval(store: Any, job_id: str, node: str, *, decides: bool, metrics: Any) -> float | None:
+    """The job's effective periodic checkpoint interval on every node: the node that hosts global rank 0
+    (``decides``) publishes what it exports; the others export that instead of their own (``auto`` on a
+    node without rank 0 would otherwise read 0, "off"). Returns the value in effect on this node (None:
+    unknown yet). Never raises."""
+    if store is None or metrics is None:
+        return None
+    key = INTERVAL_PREFIX + job_id
+    try:
+        if decides:
+            metrics.set_job_checkpoint_interval(None)
+            seconds = float(metrics.checkpoint_interval_here())
+            store.set(key, json.dumps({"seconds": seconds, "node": node}).encode())
+            return seconds
+        if not store.check([key]):
+            return None
+        seconds = float(json.loads(bytes(store.get(key)))["seconds"])
+        metrics.set_job_checkpoint_interval(seconds)
+        return seconds
+    except Exception as e:  # noqa: BLE001 - observing only
+        log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300])
+        return None
+
+
+__all__ = ["INTERVAL_PREFIX", "JOBS_KEY", "ConfigMismatch", "Finding", "IntervalMismatch", "JobRecord", "RECORD_PREFIX",
+           "SmallerWorld", "census_warnings", "check_census", "record", "share_interval"]

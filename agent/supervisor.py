@@ -58,7 +58,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
 from trainguard.agent import workerenv
-from trainguard.agent.census import check_census
+from trainguard.agent.census import check_census, share_interval
 from trainguard.agent.census import record as census_record
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
@@ -151,6 +151,7 @@ class Supervisor:
         self._failures_in_a_row = 0
         self._parked: dict[int, proto.Parked] = {}
         self._current: World | None = None
+        self._interval_shared_at = 0.0  # monotonic s of the next share_interval
         self._standby_start = False
         self._marked_api_round = -1
         self._store_down_since: float | None = None
@@ -437,7 +438,19 @@ class Supervisor:
         self._observe("set_world", world.world_size, world.nodes, world.round)
         rc = self.cfg.rendezvous  # a node alone in a job others on its store expect bigger: a mistyped job id?
         check_census(self.adapter.endpoint_store(), census_record(self.cfg.agent.job_id, rc.min_nodes, rc.max_nodes,
-                                                                  world.nodes, self.cfg.agent.node_name))
+                                                                  world.nodes, self.cfg.agent.node_name,
+                                                                  str(self.cfg.checkpoint.interval or "")))
+        self._interval_shared_at = 0.0
+
+    def _share_interval(self) -> None:
+        """Every keep-alive interval: the job's effective checkpoint interval on every node (see
+        :func:`trainguard.agent.census.share_interval`)."""
+        now = time.monotonic()
+        if self.observer is None or self._current is None or now < self._interval_shared_at:
+            return
+        self._interval_shared_at = now + self.cfg.rendezvous.keep_alive_interval_s
+        share_interval(self.adapter.endpoint_store(), self.cfg.agent.job_id, self.cfg.agent.node_name,
+                       decides=0 in self._current.global_ranks, metrics=self.observer)
 
     def _workers_gone(self) -> None:
         for pid in self.adapter.worker_pids().values():
@@ -643,6 +656,7 @@ class Supervisor:
         while True:
             self._wake.wait(interval)
             self._wake.clear()
+            self._share_interval()
             obs, poll = self.observe()
             d = decide(obs)
             if d.act is Act.WAIT:

@@ -163,6 +163,8 @@ class AgentMetrics:
         self._rates: tuple[float, float] | None = None
         self._ckpt_policy: tuple[float, int] = (0.0, 0)  # (interval_s, interval_steps)
         self._restores_seen = 0.0
+        self._interval_here = 0.0  # what this node's own policy / workers say (seconds; 0: off or unknown)
+        self._interval_job: float | None = None  # the job's effective interval, from its global rank 0's node
         self._stored_commit: tuple[float, float] | None = None  # (step, unix s) found in the store at start
         self._state = "starting"
 
@@ -301,7 +303,7 @@ class AgentMetrics:
     def set_checkpoint_interval(self, seconds: float) -> None:
         """Time between periodic checkpoints (``checkpoint.interval_s``, or ``interval_steps`` x the
         mean step time); the staleness alert fires at 3x this."""
-        self._m_ckpt_interval.set(seconds)
+        self._set_interval(seconds)
 
     def set_checkpoint_policy(self, interval_s: float = 0.0, interval_steps: int = 0) -> None:
         """The workers' periodic checkpoint settings (``checkpoint.interval_s`` / ``interval_steps``,
@@ -312,13 +314,34 @@ class AgentMetrics:
         interval_s, interval_steps = max(0.0, float(interval_s)), max(0, int(interval_steps))
         with self._lock:
             self._ckpt_policy = (interval_s, interval_steps)
-        self._m_ckpt_interval.set(interval_s)
+        self._set_interval(interval_s)
+
+    def _set_interval(self, seconds: float) -> None:
+        with self._lock:
+            self._interval_here = seconds
+            job = self._interval_job
+        self._m_ckpt_interval.set(seconds if job is None else job)
+
+    def checkpoint_interval_here(self) -> float:
+        """The interval this node's own policy and workers give (seconds; 0: off, or not decided here:
+        with ``interval: auto`` only the node of global rank 0 runs the controller)."""
+        with self._lock:
+            return self._interval_here
+
+    def set_job_checkpoint_interval(self, seconds: float | None) -> None:
+        """The job's effective interval, as the node of global rank 0 (whose workers decide when to save)
+        exports it: ``trainguard_checkpoint_interval_seconds`` then shows it on this node too, whatever
+        this node's own config says. None: this node decides (it hosts global rank 0)."""
+        with self._lock:
+            self._interval_job = seconds
+            here = self._interval_here
+        self._m_ckpt_interval.set(here if seconds is None else seconds)
 
     def _estimate_checkpoint_interval(self, steps_per_s: float) -> None:
         interval_s, interval_steps = self._ckpt_policy
         if interval_steps and steps_per_s > 0:
             est = interval_steps / steps_per_s
-            self._m_ckpt_interval.set(min(est, interval_s) if interval_s else est)
+            self._set_interval(min(est, interval_s) if interval_s else est)
 
     def mark_worker_dead(self, pid: int) -> None:
         """Worker ``pid`` exited: drop its live gauges. Call for every exited worker process.
@@ -490,7 +513,7 @@ class AgentMetrics:
             log.info("work_lost", restored_step=lost[0], recomputed_steps=lost[2], recomputed_s=round(lost[1], 3))
         auto = vals.get(P + "checkpoint_auto_interval_seconds", 0.0)
         if auto > 0:  # checkpoint.interval=auto: the interval global rank 0's controller chose (this node runs it)
-            self._m_ckpt_interval.set(auto)
+            self._set_interval(auto)
         else:
             self._estimate_checkpoint_interval(steps_per_s)
 

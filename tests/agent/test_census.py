@@ -31,6 +31,11 @@ def rec(job: str, mn: int, mx: int, nodes: int, node: str = "n") -> JobRecord:
     (rec("a", 1, 2, 1, "n1"), rec("a", 2, 2, 2, "n1"), [], []),
     # its own job in the others' list is never "another job"
     (rec("a", 1, 2, 1), None, [rec("a", 2, 2, 2)], []),
+    # item 6: one node restarted with another checkpoint.interval
+    (JobRecord("a", 2, 2, 2, "n1", checkpoint_interval="90s"), JobRecord("a", 2, 2, 2, "n2", checkpoint_interval="auto"),
+     [], ["checkpoint_interval_mismatch"]),
+    (JobRecord("a", 2, 2, 2, "n1", checkpoint_interval="auto"), JobRecord("a", 2, 2, 2, "n2", checkpoint_interval="auto"),
+     [], []),
     (rec("x", 1, 3, 1, "n1"), rec("x", 1, 4, 1, "n2"), [rec("y", 3, 3, 3), rec("z", 2, 2, 2)],
      ["world_smaller_than_expected", "rendezvous_config_mismatch"]),
 ])
@@ -76,3 +81,41 @@ def test_a_store_that_fails_is_only_a_hint():
         assert check_census(Broken(), rec("a", 1, 1, 1)) == []
         assert check_census(None, rec("a", 1, 1, 1)) == []
     assert [e["event"] for e in logs] == ["census_unavailable"]
+
+
+@pytest.mark.timeout(30)
+def test_every_node_exports_the_jobs_effective_interval():
+    """Item 6: with `interval: auto` only the node of global rank 0 runs the controller; the other node
+    exported 0 ("off") or its own, unused, setting. Through a real TCPStore the deciding node publishes
+    what it exports and the other node exports that."""
+    from trainguard.agent.census import share_interval
+    from trainguard.metrics.agent import AgentMetrics
+    from trainguard.metrics.config import CostConfig, MetricsConfig
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+    a = AgentMetrics(MetricsConfig(port=0), CostConfig(), "node-a", job_id="j", start_sampler=False)
+    b = AgentMetrics(MetricsConfig(port=0), CostConfig(), "node-b", job_id="j", start_sampler=False)
+
+    def exported(m):
+        return {s.name: s.value for f in m.registry.collect() for s in f.samples}["trainguard_checkpoint_interval_seconds"]
+
+    try:
+        a.set_checkpoint_interval(120.0)  # what rank 0's controller chose (auto)
+        b.set_checkpoint_policy(30.0, 0)  # node b restarted with TRAINGUARD_CHECKPOINT_INTERVAL=30s
+        assert share_interval(host, "j", "node-b", decides=False, metrics=b) is None  # nothing published yet
+        assert exported(b) == 30.0
+        assert share_interval(host, "j", "node-a", decides=True, metrics=a) == 120.0
+        assert share_interval(host, "j", "node-b", decides=False, metrics=b) == 120.0
+        assert exported(a) == exported(b) == 120.0
+        b.set_checkpoint_policy(45.0, 0)  # its own setting changes again: still not in effect
+        assert exported(b) == 120.0 and b.checkpoint_interval_here() == 45.0
+        a.set_checkpoint_interval(60.0)  # the controller moves: every node follows at the next share
+        share_interval(host, "j", "node-a", decides=True, metrics=a)
+        share_interval(host, "j", "node-b", decides=False, metrics=b)
+        assert exported(b) == 60.0
+        share_interval(host, "j", "node-b", decides=True, metrics=b)  # b now hosts rank 0: its own value
+        assert exported(b) == 45.0
+    finally:
+        a.close()
+        b.close()
