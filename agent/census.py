@@ -202,5 +202,122 @@ def share_interval(store: Any, job_id: str, node: str, *, decides: bool, metrics
         return None
 
 
-__all__ = ["INTERVAL_PREFIX", "JOBS_KEY", "ConfigMismatch", "Finding", "IntervalMismatch", "JobRecord", "RECORD_PREFIX",
+NODES_PREFIX = "trainguard/census/nodes/"
+NODE_PREFIX = "trainguard/census/node/"
+LEFT_AFTER_S = 30.0
+"""A node whose record is older than this is shown as gone (its cost still counts in the job's total)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """One node's part of the job-wide picture, published by its agent every keep-alive interval."""
+
+    node: str
+    group_rank: int
+    ranks: tuple[int, ...]
+    state: str
+    step: float | None
+    samples_per_second: float | None
+    last_checkpoint_step: float | None
+    last_checkpoint_unix_s: float | None
+    cost: float | None
+    currency: str
+    agent_start_unix_s: float
+    unix_s: float
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(data: bytes) -> NodeStatus | None:
+        try:
+            d = json.loads(data)
+            d["ranks"] = tuple(int(r) for r in d["ranks"])
+            return NodeStatus(**d)
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def node_status(node: str, group_rank: int, ranks: tuple[int, ...], view: dict[str, Any], agent_start_unix_s: float,
+                now: float | None = None) -> NodeStatus:
+    """This node's record from its own ``trainguard status`` view (:func:`trainguard.metrics.status.build_view`)."""
+    now = time.time() if now is None else now
+    age = view.get("last_checkpoint_age_s")
+    return NodeStatus(node=node, group_rank=group_rank, ranks=tuple(ranks), state=str(view.get("state") or "-"),
+                      step=view.get("step"), samples_per_second=view.get("samples_per_second"),
+                      last_checkpoint_step=view.get("last_checkpoint_step"),
+                      last_checkpoint_unix_s=None if age is None else now - age, cost=view.get("cost"),
+                      currency=str(view.get("currency") or ""), agent_start_unix_s=agent_start_unix_s, unix_s=now)
+
+
+def share_status(store: Any, job_id: str, me: NodeStatus) -> list[NodeStatus]:
+    """Publish ``me`` and read every node's record of the job (each agent life of each node: the newest
+    per node). Never raises: [] when the store cannot be used."""
+    if store is None:
+        return []
+    try:
+        key = f"{NODE_PREFIX}{job_id}/{me.node}"
+        listed = NODES_PREFIX + job_id
+        names = bytes(store.get(listed)).decode(errors="replace").split("\n") if store.check([listed]) else []
+        if me.node not in names:
+            store.append(listed, (me.node + "\n").encode())
+        store.set(key, me.to_json())
+        out = [me]
+        for n in sorted({x for x in names if x and x != me.node})[:MAX_JOBS * 16]:
+            k = f"{NODE_PREFIX}{job_id}/{n}"
+            if store.check([k]) and (r := NodeStatus.from_json(bytes(store.get(k)))) is not None:
+                out.append(r)
+        return out
+    except Exception as e:  # noqa: BLE001 - observing only
+        log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300])
+        return []
+
+
+def job_view(records: list[NodeStatus], now: float | None = None) -> dict[str, Any]:
+    """The job-wide picture from the nodes' records (pure): members (by group rank) and the nodes gone,
+    the step, the summed rate, the newest commit, and the cost so far of every node seen (nodes that
+    left included; each node's cost since its agent started)."""
+    now = time.time() if now is None else now
+    live = sorted((r for r in records if now - r.unix_s <= LEFT_AFTER_S), key=lambda r: r.group_rank)
+    gone = sorted((r for r in records if now - r.unix_s > LEFT_AFTER_S), key=lambda r: r.node)
+    steps = [r.step for r in live if r.step is not None]
+    commits = [(r.last_checkpoint_step, r.last_checkpoint_unix_s) for r in records if r.last_checkpoint_step is not None]
+    rates = [r.samples_per_second for r in live if r.samples_per_second is not None]
+    last = max(commits, key=lambda c: (c[0], c[1] or 0.0)) if commits else None
+    return {
+        "members": [{"node": r.node, "group_rank": r.group_rank, "ranks": list(r.ranks), "state": r.state,
+                     "step": r.step, "samples_per_second": r.samples_per_second} for r in live],
+        "gone": [{"node": r.node, "last_seen_s": round(now - r.unix_s, 1), "cost": r.cost} for r in gone],
+        "step": max(steps) if steps else None,
+        "samples_per_second": sum(rates) if rates else None,
+        "last_checkpoint_step": None if last is None else last[0],
+        "last_checkpoint_age_s": None if last is None or last[1] is None else max(0.0, now - last[1]),
+        "cost": sum(r.cost for r in records if r.cost is not None),
+        "currency": next((r.currency for r in records if r.currency), ""),
+    }
+
+
+def format_job(v: dict[str, Any]) -> str:
+    """The job-wide table ``trainguard status`` prints after the node's own view."""
+    def f(x: Any, spec: str) -> str:
+        return "-" if x is None else f"{x:{spec}}"
+
+    ckpt = "none yet" if v["last_checkpoint_step"] is None else (
+        f"step {v['last_checkpoint_step']:.0f}" + ("" if v["last_checkpoint_age_s"] is None
+                                                  else f", {v['last_checkpoint_age_s']:.0f} s ago"))
+    lines = ["", f"job               {len(v['members'])} node(s); step {f(v['step'], '.0f')}; "
+                 f"{f(v['samples_per_second'], '.1f')} samples/s",
+             f"last checkpoint   {ckpt}",
+             f"cost so far       {v['cost']:.4f} {v['currency']} (every node seen, those gone included)",
+             "NODE              GROUP RANK  RANKS        STATE       STEP"]
+    for m in v["members"]:
+        r = m["ranks"]
+        ranks = "-" if not r else (f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]))
+        lines.append(f"{m['node']:<18}{m['group_rank']:<12}{ranks:<13}{m['state']:<12}{f(m['step'], '.0f')}")
+    for g in v["gone"]:
+        lines.append(f"{g['node']:<18}{'gone':<12}{'-':<13}{'last seen ' + str(g['last_seen_s']) + ' s ago'}")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["NodeStatus", "format_job", "job_view", "node_status", "share_status", "INTERVAL_PREFIX", "JOBS_KEY", "ConfigMismatch", "Finding", "IntervalMismatch", "JobRecord", "RECORD_PREFIX",
            "SmallerWorld", "census_warnings", "check_census", "record", "share_interval"]

@@ -58,7 +58,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
 from trainguard.agent import workerenv
-from trainguard.agent.census import check_census, share_interval
+from trainguard.agent.census import check_census, job_view, node_status, share_interval, share_status
 from trainguard.agent.census import record as census_record
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
@@ -443,14 +443,23 @@ class Supervisor:
         self._interval_shared_at = 0.0
 
     def _share_interval(self) -> None:
-        """Every keep-alive interval: the job's effective checkpoint interval on every node (see
-        :func:`trainguard.agent.census.share_interval`)."""
+        """Every keep-alive interval: the job's effective checkpoint interval on every node, and the
+        job-wide status (see :mod:`trainguard.agent.census`)."""
         now = time.monotonic()
         if self.observer is None or self._current is None or now < self._interval_shared_at:
             return
         self._interval_shared_at = now + self.cfg.rendezvous.keep_alive_interval_s
-        share_interval(self.adapter.endpoint_store(), self.cfg.agent.job_id, self.cfg.agent.node_name,
-                       decides=0 in self._current.global_ranks, metrics=self.observer)
+        store, world, job, node = self.adapter.endpoint_store(), self._current, self.cfg.agent.job_id, self.cfg.agent.node_name
+        share_interval(store, job, node, decides=0 in world.global_ranks, metrics=self.observer)
+        try:  # the job-wide picture `trainguard status` shows from any node
+            me = node_status(node, world.group_rank, tuple(world.global_ranks), self.observer.view(),
+                             self.observer.started_unix_s)
+        except Exception as e:  # noqa: BLE001 - observing only
+            log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300])
+            return
+        records = share_status(store, job, me)
+        if records:
+            self.control.status_extra["job"] = job_view(records)
 
     def _workers_gone(self) -> None:
         for pid in self.adapter.worker_pids().values():

@@ -204,7 +204,8 @@ class AgentMetrics:
         self._m_ckpt_interval = Gauge(P + "checkpoint_interval_seconds",
                                       "Configured (or estimated) time between periodic checkpoints.", registry=r)
         self._m_start = Gauge(P + "agent_start_time_seconds", "Unix time the agent started.", registry=r)
-        self._m_start.set(self._wall())
+        self.started_unix_s = self._wall()
+        self._m_start.set(self.started_unix_s)
         self._m_corrupt = Counter(P + "checkpoint_corrupt_steps",
                                   "Committed checkpoint steps this node's workers found proven corrupt at restore (size or "
                                   "CRC32 mismatch, missing file): skipped, rolled back past, moved to quarantine/.",
@@ -321,6 +322,17 @@ class AgentMetrics:
             self._interval_here = seconds
             job = self._interval_job
         self._m_ckpt_interval.set(seconds if job is None else job)
+
+    def view(self) -> dict[str, Any]:
+        """This node's ``trainguard status`` view (:func:`trainguard.metrics.status.build_view`) from one
+        collection of its own registry (no HTTP)."""
+        from trainguard.metrics.status import build_view
+
+        samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for fam in self.registry.collect():
+            for smp in fam.samples:
+                samples.setdefault(smp.name, []).append((dict(smp.labels), float(smp.value)))
+        return build_view(samples, now=self._wall())
 
     def checkpoint_interval_here(self) -> float:
         """The interval this node's own policy and workers give (seconds; 0: off, or not decided here:

@@ -119,3 +119,59 @@ def test_every_node_exports_the_jobs_effective_interval():
     finally:
         a.close()
         b.close()
+
+
+def _ns(node, gr, ranks, step, rate, ck, ck_t, cost, t):
+    from trainguard.agent.census import NodeStatus
+
+    return NodeStatus(node=node, group_rank=gr, ranks=ranks, state="running", step=step, samples_per_second=rate,
+                      last_checkpoint_step=ck, last_checkpoint_unix_s=ck_t, cost=cost, currency="USD",
+                      agent_start_unix_s=0.0, unix_s=t)
+
+
+def test_job_view_from_node_records():
+    """Item 7: members by group rank with their ranks, the job's step and rate, the newest commit, and the
+    cost of every node seen, a spot node gone 100 s ago included."""
+    from trainguard.agent.census import format_job, job_view
+
+    now = 1000.0
+    v = job_view([_ns("b", 1, (2, 3), 266, 40.0, 250, 990.0, 1.5, now - 1),
+                  _ns("a", 0, (0, 1), 267, 41.0, 260, 995.0, 2.0, now - 2),
+                  _ns("spot", 2, (4, 5), 120, 40.0, 100, 500.0, 0.25, now - 100)], now=now)
+    assert [(m["node"], m["ranks"]) for m in v["members"]] == [("a", [0, 1]), ("b", [2, 3])]
+    assert (v["step"], v["samples_per_second"], v["last_checkpoint_step"], v["last_checkpoint_age_s"]) == (267, 81.0, 260, 5.0)
+    assert v["cost"] == 3.75 and [g["node"] for g in v["gone"]] == ["spot"]
+    text = format_job(v)
+    assert "2 node(s); step 267; 81.0 samples/s" in text and "step 260, 5 s ago" in text and "3.7500 USD" in text
+    assert "a                 0           0-1" in text and "spot              gone" in text
+
+
+@pytest.mark.timeout(30)
+def test_any_node_sees_the_job_through_the_store():
+    """Item 7 through a real TCPStore: each node's agent publishes its own view (from its metrics
+    registry); either node reads both (the first node's view before the second published: itself only)."""
+    from trainguard.agent.census import job_view, node_status, share_status
+    from trainguard.metrics.agent import AgentMetrics
+    from trainguard.metrics.config import CostConfig, MetricsConfig
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+    ms = [AgentMetrics(MetricsConfig(port=0), CostConfig(spot_price_per_hour=3.6), f"node-{i}", job_id="j",
+                       start_sampler=False) for i in range(2)]
+    try:
+        for i, m in enumerate(ms):
+            m.set_state("running")
+            m.set_world(4, 2, 1)
+            m.set_stored_commit(120 + i, 1.0)
+        first = share_status(host, "j", node_status("node-0", 0, (0, 1), ms[0].view(), ms[0].started_unix_s))
+        assert [r.node for r in first] == ["node-0"]
+        both = share_status(host, "j", node_status("node-1", 1, (2, 3), ms[1].view(), ms[1].started_unix_s))
+        again = share_status(host, "j", node_status("node-0", 0, (0, 1), ms[0].view(), ms[0].started_unix_s))
+        for records in (both, again):
+            v = job_view(records)
+            assert [(m["node"], m["ranks"], m["state"]) for m in v["members"]] == [
+                ("node-0", [0, 1], "running"), ("node-1", [2, 3], "running")]
+            assert v["last_checkpoint_step"] == 121 and v["cost"] >= 0 and v["currency"] == "USD"
+    finally:
+        for m in ms:
+            m.close()
