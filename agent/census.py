@@ -14,7 +14,8 @@ says what is wrong: its world has fewer nodes than another job on the same store
 ``min_nodes`` (the likely mistyped id: ``world_smaller_than_expected``, an error line naming
 ``agent.job_id`` / ``TRAINGUARD_AGENT_JOB_ID``), or its own job's nodes disagree on
 ``rendezvous.min_nodes`` / ``max_nodes`` (``rendezvous_config_mismatch``) or on ``checkpoint.interval``
-(``checkpoint_interval_mismatch``: only the node of global rank 0 decides when the job saves). And
+(``checkpoint_interval_mismatch``: only the node of global rank 0 decides when the job saves) or on
+``workers.nproc_per_node`` (``nproc_per_node_mismatch``). And
 :func:`share_interval`: that node publishes the interval it exports, the others export it too. A node of a job that stands
 alone on its store (``etcd``, or a store per job) cannot know what it should expect: nothing is said.
 Never raises (a census is a hint).
@@ -51,6 +52,8 @@ class JobRecord:
     unix_s: float = 0.0
     checkpoint_interval: str = ""
     """The node's ``checkpoint.interval`` as configured (``auto``, ``50``, ``90s``, ``off``)."""
+    nproc_per_node: int = 0
+    """The node's ``workers.nproc_per_node`` (0: unknown)."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -61,7 +64,8 @@ class JobRecord:
             d = json.loads(data)
             return JobRecord(job_id=str(d["job_id"]), min_nodes=int(d["min_nodes"]), max_nodes=int(d["max_nodes"]),
                              nodes=int(d["nodes"]), node=str(d["node"]), unix_s=float(d.get("unix_s", 0.0)),
-                             checkpoint_interval=str(d.get("checkpoint_interval", "")))
+                             checkpoint_interval=str(d.get("checkpoint_interval", "")),
+                             nproc_per_node=int(d.get("nproc_per_node", 0)))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -122,7 +126,25 @@ class IntervalMismatch:
                       "the node of global rank 0 to change it")
 
 
-Finding = SmallerWorld | ConfigMismatch | IntervalMismatch
+@dataclass(frozen=True, slots=True)
+class NprocMismatch:
+    """The nodes of one job start different numbers of workers: torch forms an uneven world (ranks per
+    node differ, a global batch split by world size changes with who is in)."""
+
+    me: JobRecord
+    other: JobRecord
+    event = "nproc_per_node_mismatch"
+
+    def log(self) -> None:
+        me, o = self.me, self.other
+        log.error("nproc_per_node_mismatch", job_id=me.job_id, nproc_per_node=me.nproc_per_node, other_node=o.node,
+                  other_nproc_per_node=o.nproc_per_node,
+                  effect="the world has an uneven number of ranks per node (torchrun does the same without a word)",
+                  fix="set the same workers.nproc_per_node (TRAINGUARD_WORKERS_NPROC_PER_NODE, --nproc-per-node) on "
+                      "every node of the job")
+
+
+Finding = SmallerWorld | ConfigMismatch | IntervalMismatch | NprocMismatch
 
 
 def census_warnings(me: JobRecord, same_job: JobRecord | None, others: list[JobRecord]) -> list[Finding]:
@@ -139,6 +161,9 @@ def census_warnings(me: JobRecord, same_job: JobRecord | None, others: list[JobR
     if (same_job is not None and same_job.node != me.node and same_job.checkpoint_interval and me.checkpoint_interval
             and same_job.checkpoint_interval != me.checkpoint_interval):
         out.append(IntervalMismatch(me, same_job))
+    if (same_job is not None and same_job.node != me.node and same_job.nproc_per_node and me.nproc_per_node
+            and same_job.nproc_per_node != me.nproc_per_node):
+        out.append(NprocMismatch(me, same_job))
     return out
 
 
@@ -170,9 +195,10 @@ def check_census(store: Any, me: JobRecord) -> list[Finding]:
     return found
 
 
-def record(job_id: str, min_nodes: int, max_nodes: int, nodes: int, node: str, checkpoint_interval: str = "") -> JobRecord:
+def record(job_id: str, min_nodes: int, max_nodes: int, nodes: int, node: str, checkpoint_interval: str = "",
+           nproc_per_node: int = 0) -> JobRecord:
     return JobRecord(job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, nodes=nodes, node=node,
-                     unix_s=time.time(), checkpoint_interval=checkpoint_interval)
+                     unix_s=time.time(), checkpoint_interval=checkpoint_interval, nproc_per_node=nproc_per_node)
 
 
 INTERVAL_PREFIX = "trainguard/census/interval/"
@@ -319,5 +345,5 @@ def format_job(v: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["NodeStatus", "format_job", "job_view", "node_status", "share_status", "INTERVAL_PREFIX", "JOBS_KEY", "ConfigMismatch", "Finding", "IntervalMismatch", "JobRecord", "RECORD_PREFIX",
+__all__ = ["NodeStatus", "format_job", "job_view", "node_status", "share_status", "INTERVAL_PREFIX", "JOBS_KEY", "ConfigMismatch", "Finding", "IntervalMismatch", "JobRecord", "NprocMismatch", "RECORD_PREFIX",
            "SmallerWorld", "census_warnings", "check_census", "record", "share_interval"]

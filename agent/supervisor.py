@@ -439,7 +439,8 @@ class Supervisor:
         rc = self.cfg.rendezvous  # a node alone in a job others on its store expect bigger: a mistyped job id?
         check_census(self.adapter.endpoint_store(), census_record(self.cfg.agent.job_id, rc.min_nodes, rc.max_nodes,
                                                                   world.nodes, self.cfg.agent.node_name,
-                                                                  str(self.cfg.checkpoint.interval or "")))
+                                                                  str(self.cfg.checkpoint.interval or ""),
+                                                                  self.cfg.workers.nproc_per_node))
         self._interval_shared_at = 0.0
 
     def _share_interval(self) -> None:

@@ -36,6 +36,10 @@ def rec(job: str, mn: int, mx: int, nodes: int, node: str = "n") -> JobRecord:
      [], ["checkpoint_interval_mismatch"]),
     (JobRecord("a", 2, 2, 2, "n1", checkpoint_interval="auto"), JobRecord("a", 2, 2, 2, "n2", checkpoint_interval="auto"),
      [], []),
+    # a mismatched --nproc-per-node across nodes (torchrun forms the odd world silently)
+    (JobRecord("a", 2, 2, 2, "n1", nproc_per_node=8), JobRecord("a", 2, 2, 2, "n2", nproc_per_node=4), [],
+     ["nproc_per_node_mismatch"]),
+    (JobRecord("a", 2, 2, 2, "n1", nproc_per_node=8), JobRecord("a", 2, 2, 2, "n2"), [], []),  # an older agent: unknown
     (rec("x", 1, 3, 1, "n1"), rec("x", 1, 4, 1, "n2"), [rec("y", 3, 3, 3), rec("z", 2, 2, 2)],
      ["world_smaller_than_expected", "rendezvous_config_mismatch"]),
 ])
