@@ -124,7 +124,7 @@ class Storage:
                 except (ImportError, ValueError) as e:
                     raise StorageError(
                         f"cannot open checkpoint storage {self.url!r}: {e}. Fix: install the backend "
-                        f"(`pip install trainguard[s3]` / `[gcs]`) and check checkpoint.storage_options") from e
+                        f"(the `s3` / `gcs` extra: `pip install '<checkout>[s3]'`, or s3fs / gcsfs) and check checkpoint.storage_options") from e
                 self._root = root.rstrip("/") if root not in ("/", "") else root
             return self._fs
 
