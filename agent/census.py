@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from trainguard.runtime.log import get_logger
@@ -38,8 +38,31 @@ MAX_JOBS = 64
 """The most other jobs read per check (a store shared by hundreds of jobs is not the case to optimise)."""
 
 
+class _JsonRecord:
+    """``to_json`` / ``from_json`` of a record dataclass (unknown keys from a newer agent are dropped;
+    anything malformed reads as None)."""
+
+    __slots__ = ()
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Any:
+        try:
+            d = json.loads(data)
+            known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+            return cls(**cls._coerce({k: v for k, v in d.items() if k in known}))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def _coerce(d: dict[str, Any]) -> dict[str, Any]:
+        return d
+
+
 @dataclass(frozen=True, slots=True)
-class JobRecord:
+class JobRecord(_JsonRecord):
     """What one job expects, as its newest node saw it at its last completed rendezvous."""
 
     job_id: str
@@ -55,19 +78,10 @@ class JobRecord:
     nproc_per_node: int = 0
     """The node's ``workers.nproc_per_node`` (0: unknown)."""
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
     @staticmethod
-    def from_json(data: bytes) -> JobRecord | None:
-        try:
-            d = json.loads(data)
-            return JobRecord(job_id=str(d["job_id"]), min_nodes=int(d["min_nodes"]), max_nodes=int(d["max_nodes"]),
-                             nodes=int(d["nodes"]), node=str(d["node"]), unix_s=float(d.get("unix_s", 0.0)),
-                             checkpoint_interval=str(d.get("checkpoint_interval", "")),
-                             nproc_per_node=int(d.get("nproc_per_node", 0)))
-        except (ValueError, KeyError, TypeError):
-            return None
+    def _coerce(d: dict[str, Any]) -> dict[str, Any]:
+        ints = ("min_nodes", "max_nodes", "nodes", "nproc_per_node")
+        return {**d, **{k: int(d[k]) for k in ints if k in d}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +249,7 @@ LEFT_AFTER_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
-class NodeStatus:
+class NodeStatus(_JsonRecord):
     """One node's part of the job-wide picture, published by its agent every keep-alive interval."""
 
     node: str
@@ -251,17 +265,9 @@ class NodeStatus:
     agent_start_unix_s: float
     unix_s: float
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
     @staticmethod
-    def from_json(data: bytes) -> NodeStatus | None:
-        try:
-            d = json.loads(data)
-            d["ranks"] = tuple(int(r) for r in d["ranks"])
-            return NodeStatus(**d)
-        except (ValueError, KeyError, TypeError):
-            return None
+    def _coerce(d: dict[str, Any]) -> dict[str, Any]:
+        return {**d, "ranks": tuple(int(r) for r in d["ranks"])}
 
 
 def node_status(node: str, group_rank: int, ranks: tuple[int, ...], view: dict[str, Any], agent_start_unix_s: float,

@@ -102,6 +102,18 @@ def _run_id(storage: Storage, args: argparse.Namespace, runs: list[str] | None =
     raise CheckpointError(f"several runs under {storage.url}: {', '.join(runs)}. Fix: pass --run-id")
 
 
+def _scan(args: argparse.Namespace) -> tuple[Storage, str, Any] | None:
+    """(storage, run id, :class:`~trainguard.checkpoint.discovery.Scan`), or None after printing the error."""
+    from trainguard.checkpoint.discovery import scan_run
+
+    try:
+        storage, run = _resolve(args)
+        return storage, run, scan_run(storage, run, warn=False)
+    except (CheckpointError, PermissionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
 def _human(n: int) -> str:
     f = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -138,15 +150,13 @@ def _epoch_rows(scan: Any) -> list[dict[str, Any]]:
 
 def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``checkpoints ls``: epochs, the restore lineage, and one row per committed step (``--all``: every step)."""
-    from trainguard.checkpoint.discovery import StepRef, scan_run
+    from trainguard.checkpoint.discovery import StepRef
 
     out = out or sys.stdout
-    try:
-        storage, run = _resolve(args)
-        scan = scan_run(storage, run, warn=False)
-    except (CheckpointError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    got = _scan(args)
+    if got is None:
         return 1
+    storage, run, scan = got
     line = scan.restore_lineage()
     in_line = set(line)
     rows = [{"step": m.step, "epoch": m.epoch, "status": "committed",
@@ -246,16 +256,13 @@ VERIFY_EXIT = {"ok": 0, "corrupt": 1, "unreadable": 2}
 
 def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``checkpoints verify``: size and CRC32 of every file of the committed steps (or one), offline."""
-    from trainguard.checkpoint.discovery import scan_run
     from trainguard.checkpoint.integrity import Verdict, verify_file
 
     out = out or sys.stdout
-    try:
-        storage, run = _resolve(args)
-        scan = scan_run(storage, run, warn=False)
-    except (CheckpointError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    got = _scan(args)
+    if got is None:
         return VERIFY_EXIT["unreadable"]
+    storage, run, scan = got
 
     def wanted(step: int, epoch: int) -> bool:
         return (args.step is None or step == args.step) and (args.epoch is None or epoch == args.epoch)
