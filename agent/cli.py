@@ -390,7 +390,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     data = reply.data
     url = data.get("metrics_url")
     if url and not data.get("waiting_for"):
-        return status(str(url), timeout_s=args.timeout)
+        code = status(str(url), timeout_s=args.timeout)
+        if data.get("job"):
+            from trainguard.agent.census import format_job
+
+            print(format_job(data["job"]), end="")
+        return code
     # metrics.enabled is false: what the agent itself says
     for k in ("job_id", "node", "state", "waiting_for", "world_size", "nodes", "round", "remaining_restarts",
               "draining"):

@@ -30,7 +30,7 @@ def _start_metrics(cfg: TrainguardConfig) -> tuple[Any, Any]:
 
     from trainguard.metrics import AgentMetrics
 
-    metrics = AgentMetrics(cfg.metrics, cfg.cost, cfg.agent.node_name,
+    metrics = AgentMetrics(cfg.metrics, cfg.cost, cfg.agent.node_name, job_id=cfg.agent.job_id,
                            run_dir=os.path.join(cfg.agent.state_dir, cfg.agent.job_id))
     if cfg.checkpoint.url:
         policy, _ = cfg.checkpoint.interval_policy()  # auto: the workers export the interval they chose
@@ -43,23 +43,27 @@ def _start_metrics(cfg: TrainguardConfig) -> tuple[Any, Any]:
     return metrics, exporter
 
 
-def warn_foreign_runs(cfg: TrainguardConfig) -> dict[str, int]:
+def warn_foreign_runs(cfg: TrainguardConfig, metrics: Any = None) -> dict[str, int]:
     """A job that finds no committed checkpoint of its own while other runs have some under the same
     ``checkpoint.url`` is most likely a mistyped ``agent.job_id`` (it would train from step 0 into a
     new run folder and bill for it): one loud ``checkpoint_other_runs`` error line at start. Returns
-    those other runs (``{run: newest step}``); never raises (the workers report storage errors)."""
+    those other runs (``{run: newest step}``); never raises (the workers report storage errors).
+    When the job has committed steps, the newest seeds ``metrics``' last-commit series (the same scan)."""
     if not cfg.checkpoint.url:
         return {}
     try:
-        from trainguard.checkpoint.discovery import runs_with_commits
+        from trainguard.checkpoint.discovery import newest_commits
         from trainguard.checkpoint.storage import Storage
 
         storage = Storage(cfg.checkpoint.url, cfg.checkpoint.storage_options, retry_attempts=1, retry_deadline_s=10.0)
-        runs = runs_with_commits(storage)
+        newest = newest_commits(storage)
     except Exception as e:  # noqa: BLE001 - a start-up hint only
         log.info("checkpoint_other_runs_unchecked", url=cfg.checkpoint.url, error=f"{type(e).__name__}: {e}"[:300])
         return {}
     job = cfg.agent.job_id
+    if job in newest and metrics is not None:
+        metrics.set_stored_commit(newest[job].step, newest[job].created_unix_s)
+    runs = {run: m.step for run, m in newest.items()}
     if job in runs or not runs:
         return {}
     others = dict(sorted(runs.items(), key=lambda kv: -kv[1])[:10])
@@ -140,8 +144,8 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
         else:
             notifier.status(text)
 
-    warn_foreign_runs(cfg)
     metrics, exporter = _start_metrics(cfg)
+    warn_foreign_runs(cfg, metrics)
     listeners = list(extra_listeners or [])
     listeners.append(tell_systemd)
     if metrics is not None:

@@ -352,6 +352,14 @@ class ElasticAdapter:
             return Peek(round=st.round, complete=st.complete, participants=tuple(str(n) for n in st.participants),
                         waiting=len(st.wait_list), this_node_participates=me in st.participants)
 
+    def endpoint_store(self) -> Any:
+        """The rendezvous store itself, not prefixed by the job (``c10d``: the ``TCPStore`` at the
+        endpoint, shared by every job that uses it); None for other backends."""
+        backend = getattr(self.handler, "_backend", None)
+        if not isinstance(backend, C10dRendezvousBackend):
+            return None
+        return getattr(self.handler, "_store", None)
+
     def round_store(self, round_: int) -> Any:
         """The store under round ``round_``'s prefix (the one the round's agents use)."""
         settings = self.handler._settings

@@ -58,6 +58,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
 from trainguard.agent import workerenv
+from trainguard.agent.census import check_census, job_view, node_status, share_interval, share_status
+from trainguard.agent.census import record as census_record
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
@@ -149,6 +151,7 @@ class Supervisor:
         self._failures_in_a_row = 0
         self._parked: dict[int, proto.Parked] = {}
         self._current: World | None = None
+        self._interval_shared_at = 0.0  # monotonic s of the next share_interval
         self._standby_start = False
         self._marked_api_round = -1
         self._store_down_since: float | None = None
@@ -433,6 +436,31 @@ class Supervisor:
                        "first_rank": world.global_ranks[0] if world.global_ranks else None}
         log.info("rendezvous_complete", node=self.cfg.agent.node_name, **world.log_fields())
         self._observe("set_world", world.world_size, world.nodes, world.round)
+        rc = self.cfg.rendezvous  # a node alone in a job others on its store expect bigger: a mistyped job id?
+        check_census(self.adapter.endpoint_store(), census_record(self.cfg.agent.job_id, rc.min_nodes, rc.max_nodes,
+                                                                  world.nodes, self.cfg.agent.node_name,
+                                                                  str(self.cfg.checkpoint.interval or ""),
+                                                                  self.cfg.workers.nproc_per_node))
+        self._interval_shared_at = 0.0
+
+    def _share_interval(self) -> None:
+        """Every keep-alive interval: the job's effective checkpoint interval on every node, and the
+        job-wide status (see :mod:`trainguard.agent.census`)."""
+        now = time.monotonic()
+        if self.observer is None or self._current is None or now < self._interval_shared_at:
+            return
+        self._interval_shared_at = now + self.cfg.rendezvous.keep_alive_interval_s
+        store, world, job, node = self.adapter.endpoint_store(), self._current, self.cfg.agent.job_id, self.cfg.agent.node_name
+        share_interval(store, job, node, decides=0 in world.global_ranks, metrics=self.observer)
+        try:  # the job-wide picture `trainguard status` shows from any node
+            me = node_status(node, world.group_rank, tuple(world.global_ranks), self.observer.view(),
+                             self.observer.started_unix_s)
+        except Exception as e:  # noqa: BLE001 - observing only
+            log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300])
+            return
+        records = share_status(store, job, me)
+        if records:
+            self.control.status_extra["job"] = job_view(records)
 
     def _workers_gone(self) -> None:
         for pid in self.adapter.worker_pids().values():
@@ -638,6 +666,7 @@ class Supervisor:
         while True:
             self._wake.wait(interval)
             self._wake.clear()
+            self._share_interval()
             obs, poll = self.observe()
             d = decide(obs)
             if d.act is Act.WAIT:

@@ -1,10 +1,14 @@
-"""``trainguard checkpoints ls URL`` / ``show URL STEP``: inspect a run's checkpoints (read-only).
+"""``trainguard checkpoints ls URL`` / ``show URL STEP`` / ``verify URL [STEP]``: inspect a run's
+checkpoints (read-only).
 
 The owner's CLI calls :func:`register` with its ``add_subparsers()`` object; each command sets
 ``func(args) -> int`` (exit status). ``ls`` shows the run's epochs (who claimed each, and the step it
 descends from), the restore lineage, and the committed steps with their epoch and whether they are in
 that lineage; ``ls --all`` also shows half-written, invalid (proven corrupt) and foreign-format steps
-and ignored names. Credentials come from the standard provider chains (or ``--storage-options``
+and ignored names, and the quarantined (proven-corrupt, moved aside) steps. ``verify`` reads every file of
+the committed steps (or one) and checks its size and CRC32 against the manifest, offline, as a restore
+would: exit 0 all intact, 1 damaged (proven corrupt), 2 could not be verified (unreadable now, no such
+step). Credentials come from the standard provider chains (or ``--storage-options``
 JSON) and are never printed.
 """
 
@@ -24,7 +28,7 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``checkpoints {ls,show}`` to an argparse subparsers object; return the ``checkpoints`` parser."""
+    """Add ``checkpoints {ls,show,verify}`` to an argparse subparsers object; return the ``checkpoints`` parser."""
     p = subparsers.add_parser("checkpoints", help="inspect a run's checkpoints",
                               description="List and show committed checkpoints (read-only).")
     sub = p.add_subparsers(dest="checkpoints_cmd", required=True)
@@ -48,6 +52,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     show.add_argument("--epoch", type=int, default=None,
                       help="the epoch that wrote the step (default: the restore lineage's, else the newest)")
     show.set_defaults(func=cmd_show)
+    verify = sub.add_parser("verify", help="check the sizes and CRC32s of committed steps against their manifests",
+                            description="Read every file of the run's committed steps (or of STEP) and compare its size "
+                                        "and CRC32 with the manifest, as a restore does. Exit 0: all intact; 1: damaged "
+                                        "(proven corrupt: a restore skips it); 2: could not be verified.")
+    common(verify)
+    verify.add_argument("step", type=int, nargs="?", default=None, help="step number (default: every committed step)")
+    verify.add_argument("--epoch", type=int, default=None, help="the epoch that wrote the step (default: any)")
+    verify.set_defaults(func=cmd_verify)
     return p
 
 
@@ -90,6 +102,18 @@ def _run_id(storage: Storage, args: argparse.Namespace, runs: list[str] | None =
     raise CheckpointError(f"several runs under {storage.url}: {', '.join(runs)}. Fix: pass --run-id")
 
 
+def _scan(args: argparse.Namespace) -> tuple[Storage, str, Any] | None:
+    """(storage, run id, :class:`~trainguard.checkpoint.discovery.Scan`), or None after printing the error."""
+    from trainguard.checkpoint.discovery import scan_run
+
+    try:
+        storage, run = _resolve(args)
+        return storage, run, scan_run(storage, run, warn=False)
+    except (CheckpointError, PermissionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
 def _human(n: int) -> str:
     f = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -126,15 +150,13 @@ def _epoch_rows(scan: Any) -> list[dict[str, Any]]:
 
 def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``checkpoints ls``: epochs, the restore lineage, and one row per committed step (``--all``: every step)."""
-    from trainguard.checkpoint.discovery import StepRef, scan_run
+    from trainguard.checkpoint.discovery import StepRef
 
     out = out or sys.stdout
-    try:
-        storage, run = _resolve(args)
-        scan = scan_run(storage, run, warn=False)
-    except (CheckpointError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    got = _scan(args)
+    if got is None:
         return 1
+    storage, run, scan = got
     line = scan.restore_lineage()
     in_line = set(line)
     rows = [{"step": m.step, "epoch": m.epoch, "status": "committed",
@@ -143,7 +165,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO | None = None) -> int:
              "files": len(m.files), "created": m.created} for m in scan.manifests()]
     if args.all:
         for status, refs in (("uncommitted", scan.uncommitted), ("invalid", sorted(scan.invalid)),
-                             ("foreign", scan.foreign)):
+                             ("foreign", scan.foreign), ("quarantined", scan.quarantined)):
             rows += [{"step": r.step, "epoch": r.epoch, "status": status,
                       "lineage": "restore" if r in in_line else "-"} for r in refs]
         rows.sort(key=lambda r: (r["step"], r["epoch"]))
@@ -226,3 +248,62 @@ def cmd_show(args: argparse.Namespace, out: TextIO | None = None) -> int:
     table += [[f.path, str(f.rank), str(f.size), f"{f.crc32:08x}"] for f in sorted(m.files, key=lambda f: f.path)]
     _table(table, out)
     return 0
+
+
+VERIFY_EXIT = {"ok": 0, "corrupt": 1, "unreadable": 2}
+"""``checkpoints verify`` exit status by the worst verdict (a step that is not there: 2)."""
+
+
+def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``checkpoints verify``: size and CRC32 of every file of the committed steps (or one), offline."""
+    from trainguard.checkpoint.integrity import Verdict, verify_file
+
+    out = out or sys.stdout
+    got = _scan(args)
+    if got is None:
+        return VERIFY_EXIT["unreadable"]
+    storage, run, scan = got
+
+    def wanted(step: int, epoch: int) -> bool:
+        return (args.step is None or step == args.step) and (args.epoch is None or epoch == args.epoch)
+
+    results: list[tuple[int, int, Verdict, int]] = []  # (step, epoch, verdict, files)
+    for ref, why in sorted(scan.invalid.items()):
+        if wanted(ref.step, ref.epoch):
+            results.append((ref.step, ref.epoch, Verdict("corrupt", problems=(f"manifest: {why}",)), 0))
+    for m in scan.manifests():
+        if not wanted(m.step, m.epoch):
+            continue
+        parts = [verify_file(storage, f"{run}/{m.dir_name}/{f.path}", f) for f in m.files]
+        results.append((m.step, m.epoch, Verdict.combine(parts), len(m.files)))
+    results.sort(key=lambda r: (r[0], r[1]))
+    where = storage.url_of(run)
+    if not results:
+        what = "no committed steps" if args.step is None else f"no committed step {args.step}"
+        print(f"error: {what} under {where}. Fix: pick a step from `trainguard checkpoints ls --all`", file=sys.stderr)
+        return VERIFY_EXIT["unreadable"]
+    worst = max((r[2].status for r in results), key=lambda st: VERIFY_EXIT.get(st, 2))
+    code = VERIFY_EXIT.get(worst, 2)
+    if args.json:
+        json.dump({"url": where, "run_id": run, "exit": code,
+                   "steps": [{"step": st, "epoch": ep, "result": v.status, "files": n, "problems": list(v.problems)}
+                             for st, ep, v, n in results]}, out, indent=1)
+        out.write("\n")
+        return code
+    out.write(f"run {run} at {where}\n")
+    table = [["STEP", "EPOCH", "RESULT", "FILES"]]
+    table += [[str(st), str(ep), "intact" if v.status == "ok" else v.status.upper(), str(n)] for st, ep, v, n in results]
+    _table(table, out)
+    for st, ep, v, _ in results:
+        for problem in v.problems:
+            out.write(f"  step {st}@e{ep}: {problem}\n")
+    bad = [r for r in results if r[2].status != "ok"]
+    if not bad:
+        out.write(f"all {len(results)} step(s) intact\n")
+    elif code == VERIFY_EXIT["corrupt"]:
+        out.write(f"{sum(r[2].status == 'corrupt' for r in bad)} of {len(results)} step(s) damaged: a restore skips "
+                  f"them and falls back to an older step; the next commit moves them to {where}/quarantine/\n")
+    else:
+        out.write(f"{len(bad)} of {len(results)} step(s) could not be read now: not a proof of damage; check the "
+                  f"storage endpoint and credentials, then run verify again\n")
+    return code

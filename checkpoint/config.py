@@ -49,6 +49,12 @@ class CheckpointConfig:
     keep_last: int = 3
     """Committed checkpoints to retain (>= 2: the newest may still be being restored from)."""
 
+    quarantine_keep: int = 3
+    """Proven-corrupt steps (a size or CRC32 that does not match the manifest, a missing file, a
+    malformed manifest) are never deleted on their own: garbage collection moves them into
+    ``<url>/<run_id>/quarantine/`` as evidence, where ``trainguard checkpoints ls --all`` lists them. The
+    newest N quarantined steps are kept (0: all)."""
+
     async_save: bool = True
     """Persist in the background; training blocks only while state is staged to host memory."""
 
@@ -155,6 +161,8 @@ class CheckpointConfig:
                 f"must be an absolute path, got {self.memory_dir!r}", "use a tmpfs folder such as /dev/shm")
         require(self.keep_last >= 2, "keep_last", f"must be >= 2, got {self.keep_last}",
                 "keep at least 2 committed checkpoints, as the newest may be the one being restored")
+        require(self.quarantine_keep >= 0, "quarantine_keep", f"must be >= 0, got {self.quarantine_keep}",
+                "use 0 to keep every quarantined (proven-corrupt) step, or how many of the newest to keep")
         require(self.interval_steps >= 0, "interval_steps", f"must be >= 0, got {self.interval_steps}",
                 "use 0 to disable step-based periodic checkpoints")
         require(self.interval_s >= 0, "interval_s", f"must be >= 0, got {self.interval_s}",

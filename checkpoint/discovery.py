@@ -11,6 +11,10 @@ Classification of a step directory ``step-<s>-e<e>``:
 * **foreign** — the manifest has another ``format_version`` (a newer trainguard): kept, never restored
   by this version (restore treats it as unreadable).
 
+Proven-corrupt steps are not deleted: garbage collection moves them into ``<run_id>/quarantine/`` (the
+evidence of what went wrong), which discovery lists apart (:attr:`Scan.quarantined`) and never restores;
+:func:`quarantine_expired` keeps the newest ``checkpoint.quarantine_keep`` of them.
+
 A manifest that cannot be *read* right now (timeout, 5xx, permission) fails the scan: "unreadable now"
 never makes a step look absent.
 
@@ -31,6 +35,7 @@ from trainguard.checkpoint.errors import CheckpointCorrupt, CheckpointNotFound
 from trainguard.checkpoint.manifest import (
     EPOCHS_DIR,
     MANIFEST_NAME,
+    QUARANTINE_DIR,
     Manifest,
     UnsupportedFormat,
     parse_epoch_name,
@@ -102,6 +107,8 @@ class Scan:
     epochs: Mapping[int, EpochRecord | None] = field(default_factory=dict)
     """Claimed epochs (an ``epochs/epoch-<n>.json`` exists); None when its record is malformed. From
     :func:`scan_run`: an :class:`EpochRecords`, read lazily."""
+    quarantined: list[StepRef] = field(default_factory=list)
+    """Step directories in ``quarantine/`` (proven corrupt, moved aside; never restored), oldest first."""
     ignored: list[str] = field(default_factory=list)
     """Entries whose names are not ours (``step-abc``, ``step-²``, stray files): never touched."""
 
@@ -164,7 +171,7 @@ class Deletion:
 
     ref: StepRef
     reason: str
-    """``corrupt`` | ``half_written`` | ``retention`` | ``branch``."""
+    """``corrupt`` (moved to ``quarantine/``, not deleted) | ``half_written`` | ``retention`` | ``branch``."""
 
 
 def gc_plan(scan: Scan, *, epoch: int, keep_last: int, protected: Iterable[StepRef] = (),
@@ -180,6 +187,9 @@ def gc_plan(scan: Scan, *, epoch: int, keep_last: int, protected: Iterable[StepR
     and ``branch``: a committed step outside that lineage (history a newer epoch branched away from,
     or a commit of a stale world that slipped past its fence) once the lineage holds ``keep_last``
     commits by epochs newer than the one that wrote it.
+
+    A ``corrupt`` step is *moved* into ``quarantine/`` by the caller, not deleted (see
+    :func:`quarantine_expired` for how long it stays there).
 
     Never deleted: anything in ``protected``, foreign-format steps, half-written directories of an
     epoch that never committed later, and anything at all when a newer epoch exists.
@@ -210,6 +220,14 @@ def gc_plan(scan: Scan, *, epoch: int, keep_last: int, protected: Iterable[StepR
     return out
 
 
+def quarantine_expired(scan: Scan, *, keep: int) -> list[StepRef]:
+    """Quarantined steps beyond the newest ``keep`` (by step, then epoch), which may now be deleted
+    (pure). ``keep`` 0: none (the quarantine is kept whole)."""
+    if keep <= 0:
+        return []
+    return sorted(scan.quarantined)[:-keep]
+
+
 def scan_run(storage: Storage, run_id: str, *, warn: bool = True) -> Scan:
     """List ``<url>/<run_id>`` and classify its steps and epochs (rank 0 and the CLI; no collectives).
 
@@ -228,6 +246,14 @@ def scan_run(storage: Storage, run_id: str, *, warn: bool = True) -> Scan:
                         scan.ignored.append(f"{EPOCHS_DIR}/{ename}")
                     continue
                 numbers.append(e)
+            continue
+        if name == QUARANTINE_DIR:
+            for qname in storage.listdir(f"{run_id}/{QUARANTINE_DIR}"):
+                q = parse_step_dir(qname)
+                if q is None:
+                    scan.ignored.append(f"{QUARANTINE_DIR}/{qname}")
+                else:
+                    scan.quarantined.append(StepRef(*q))
             continue
         parsed = parse_step_dir(name)
         if parsed is None:
@@ -266,14 +292,16 @@ def scan_run(storage: Storage, run_id: str, *, warn: bool = True) -> Scan:
                     "epoch record: never read, restored or deleted")
     scan.uncommitted.sort()
     scan.foreign.sort()
+    scan.quarantined.sort()
     scan.epochs = EpochRecords(numbers, lambda e: read_record(storage, run_id, e))
     return scan
 
 
-def runs_with_commits(storage: Storage, *, limit: int = 50) -> dict[str, int]:
-    """``{run_id: newest committed step}`` of the runs under the checkpoint URL that have a committed
-    step (at most ``limit`` run folders are scanned; a listing error raises as in :func:`scan_run`)."""
-    out: dict[str, int] = {}
+def newest_commits(storage: Storage, *, limit: int = 50) -> dict[str, Manifest]:
+    """``{run_id: manifest of its newest committed step}`` (by step, then epoch) of the runs under the
+    checkpoint URL that have a committed step (at most ``limit`` run folders are scanned; a listing
+    error raises as in :func:`scan_run`)."""
+    out: dict[str, Manifest] = {}
     for run in sorted(storage.listdir(""))[:limit]:
         if run.startswith("."):
             continue
@@ -282,9 +310,9 @@ def runs_with_commits(storage: Storage, *, limit: int = 50) -> dict[str, int]:
         except NotADirectoryError:  # a stray file beside the run folders
             continue
         if scan.committed:
-            out[run] = max(ref.step for ref in scan.committed)
+            out[run] = scan.committed[max(scan.committed)]
     return out
 
 
-__all__ = ["Deletion", "EpochRecords", "Scan", "StepRef", "gc_plan", "lineage_of", "restore_epoch", "runs_with_commits",
+__all__ = ["Deletion", "EpochRecords", "Scan", "StepRef", "gc_plan", "lineage_of", "newest_commits", "quarantine_expired", "restore_epoch",
            "scan_run"]

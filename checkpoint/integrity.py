@@ -4,7 +4,7 @@ The difference decides what may happen to a step, so it is made in one place:
 
 * **corrupt** — the store answered, and the answer is wrong: a size or CRC32 that does not match the
   manifest, or a file missing from a listing that succeeded. Restore skips such a step, and garbage
-  collection deletes it.
+  collection moves it to the run's ``quarantine/`` (evidence, kept ``checkpoint.quarantine_keep``).
 * **unreadable** — the store did not answer usefully: a timeout, a reset, HTTP 429/5xx, a short read,
   permission denied (``transient`` says whether waiting may help). Restore retries it until its
   deadline and then fails (or falls back, if configured); nothing is ever marked or deleted for it.

@@ -42,14 +42,15 @@ Commit protocol (see :mod:`trainguard.checkpoint.manifest` for the layout)
     3. the file digests are gathered on rank 0, which re-checks the epoch and writes ``manifest.json``
        last (atomic), recording the epoch. That write is the commit; the outcome is broadcast.
     4. rank 0 garbage-collects by :func:`~trainguard.checkpoint.discovery.gc_plan`: proven-corrupt
-       steps, half-written ones older than a later commit of their epoch, and retention within the
-       lineage of this epoch (branches only after ``keep_last`` newer commits). Never raises.
+       steps are moved into ``quarantine/`` (the newest ``quarantine_keep`` stay there); deleted are
+       half-written ones older than a later commit of their epoch, and retention within the lineage of
+       this epoch (branches only after ``keep_last`` newer commits). Never raises.
 
 Restore
     Rank 0 lists the run (retrying what is unreadable now until ``restore_deadline_s``) and picks the
     restore lineage, newest first. Each step is verified (sizes, CRC32s; files split across ranks) and
     loaded with ``dcp.load`` (resharding). A *proven-corrupt* step is skipped
-    (``checkpoint_restore_fallback``) and collected after the next commit; a step that is only
+    (``checkpoint_restore_fallback``) and quarantined after the next commit; a step that is only
     *unreadable now* is retried with backoff until the deadline, and then fails the restore
     (``checkpoint.on_unreadable: fail``) or is skipped without being marked (``fallback``). A restore
     that fails writes nothing. A restore that succeeds claims a new epoch based on the loaded step.
@@ -71,7 +72,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint.collective import Group
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.discovery import Scan, StepRef, gc_plan, scan_run
+from trainguard.checkpoint.discovery import Scan, StepRef, gc_plan, quarantine_expired, scan_run
 from trainguard.checkpoint.epochs import EpochRecord, check_owner, claim_epoch, new_record
 from trainguard.checkpoint.errors import (
     CheckpointCorrupt,
@@ -82,7 +83,7 @@ from trainguard.checkpoint.errors import (
     StorageError,
 )
 from trainguard.checkpoint.integrity import describe, root_causes
-from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, FileEntry, Manifest, now_fields
+from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, QUARANTINE_DIR, FileEntry, Manifest, now_fields
 from trainguard.checkpoint import parity, pinned
 from trainguard.checkpoint.memory import (ANY_RANK, HEADER_BYTES, MemoryTier, SnapshotSource, blob_skeleton,
                                           choose_sources, shards_needed)
@@ -221,6 +222,14 @@ class CheckpointManager:
         self._base: StepRef | None = base
         self._fenced: FencedError | None = None
         self._corrupt: set[StepRef] = set()
+        self._corrupt_why: dict[StepRef, str] = {}
+        self.last_restore_corrupt = 0
+        """Committed steps the last :meth:`restore` found proven corrupt (skipped; quarantined by the next
+        commit's cleanup)."""
+        self.last_restore_skipped: int | None = None
+        """The newest committed step the last :meth:`restore` skipped (proven corrupt, or unreadable with
+        ``on_unreadable: fallback``); None when it restored the newest. The steps between it and the
+        restored step were committed once and are trained again."""
         self._committed_here: dict[int, SaveResult] = {}
         self._log = log.bind(run_id=run_id, rank=self.rank, world_size=self.world_size)
         self._closed = False
@@ -489,6 +498,7 @@ class CheckpointManager:
         loader = StepLoader(self.storage, self.run_id, self._group, verify_files=self.config.verify, log=self._log)
         plan = self._on_rank0(lambda: loader.plan(deadline, step))
         self.last_restored_tier = CheckpointTier.NONE
+        self.last_restore_corrupt, self.last_restore_skipped = 0, None
         if memory is not None and step is None:
             got = self._restore_memory(state, memory, plan.candidates[0][0].step if plan.candidates else None, t_start)
             if got is not None:
@@ -527,6 +537,9 @@ class CheckpointManager:
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
             if verdict.status == "corrupt":
                 self._corrupt.add(ref)
+                self._corrupt_why[ref] = verdict.reason
+                self.last_restore_corrupt += 1
+                self.last_restore_skipped = max(self.last_restore_skipped or 0, ref.step)
                 self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch,
                                 proven_corrupt=True, url=where, reason=verdict.reason[:1000],
                                 next_step=nxt.step if nxt else None)
@@ -537,6 +550,7 @@ class CheckpointManager:
                 self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch,
                                 proven_corrupt=False, url=where, reason=verdict.reason[:1000],
                                 next_step=nxt.step if nxt else None, note="kept as it is; nothing marked or deleted")
+                self.last_restore_skipped = max(self.last_restore_skipped or 0, ref.step)
                 continue
             self._log.error("checkpoint_restore_failed", step=ref.step, saved_epoch=ref.epoch,
                             transient=verdict.transient, reason=verdict.reason[:1000],
@@ -784,16 +798,35 @@ class CheckpointManager:
                     self._log.info("checkpoint_gc_skipped", reason="cancelled", why=self._cancel_why)
                     return
                 rel = f"{self.run_id}/{d.ref.name}"
+                if d.reason == "corrupt":
+                    self._quarantine(d.ref, scan)
+                    continue
                 if d.ref in scan.committed:
                     # Manifest first: the step disappears from discovery atomically, then its files go.
                     self.storage.remove(f"{rel}/{MANIFEST_NAME}")
                 self.storage.remove(rel, recursive=True)
-                self._corrupt.discard(d.ref)
                 event = "checkpoint_retention_deleted" if d.reason == "retention" else "checkpoint_garbage_collected"
                 self._log.info(event, step=d.ref.step, saved_epoch=d.ref.epoch, reason=d.reason,
                                keep_last=self.config.keep_last)
+            for ref in quarantine_expired(scan, keep=self.config.quarantine_keep):
+                self.storage.remove(f"{self.run_id}/{QUARANTINE_DIR}/{ref.name}", recursive=True)
+                self._log.info("checkpoint_quarantine_expired", step=ref.step, saved_epoch=ref.epoch,
+                               quarantine_keep=self.config.quarantine_keep)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail a committed save
             self._log.warning("checkpoint_cleanup_failed", error=describe(e))
+
+    def _quarantine(self, ref: StepRef, scan: Scan) -> None:
+        """Rank 0: move a proven-corrupt step into ``<run_id>/quarantine/`` (the evidence stays; discovery
+        never restores it). Its manifest goes last, so it never looks committed in two places."""
+        src = f"{self.run_id}/{ref.name}"
+        dst = f"{self.run_id}/{QUARANTINE_DIR}/{ref.name}"
+        self.storage.move_tree(src, dst, last=MANIFEST_NAME)
+        self._corrupt.discard(ref)
+        scan.quarantined = sorted({*scan.quarantined, ref})
+        why = scan.invalid.get(ref) or self._corrupt_why.pop(ref, "")
+        self._log.warning("checkpoint_quarantined", step=ref.step, saved_epoch=ref.epoch, reason="corrupt",
+                          why=why[:1000], url=self.storage.url_of(dst), quarantine_keep=self.config.quarantine_keep,
+                          verify=f"trainguard checkpoints verify {self.storage.url_of(self.run_id)} {ref.step}")
 
     # -- internals: restore ---------------------------------------------------------------------
 

@@ -29,6 +29,8 @@ from trainguard.runtime.protocol import CheckpointKind
 
 MANIFEST_NAME = "manifest.json"
 EPOCHS_DIR = "epochs"
+QUARANTINE_DIR = "quarantine"
+"""``<url>/<run_id>/quarantine/``: proven-corrupt step directories moved aside as evidence (never restored)."""
 FORMAT_VERSION = 2
 KINDS = tuple(k.value for k in CheckpointKind)
 """Every checkpoint kind a manifest may carry (:class:`trainguard.runtime.protocol.CheckpointKind`)."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -123,7 +124,7 @@ class Storage:
                 except (ImportError, ValueError) as e:
                     raise StorageError(
                         f"cannot open checkpoint storage {self.url!r}: {e}. Fix: install the backend "
-                        f"(`pip install trainguard[s3]` / `[gcs]`) and check checkpoint.storage_options") from e
+                        f"(the `s3` / `gcs` extra: `pip install '<checkout>[s3]'`, or s3fs / gcsfs) and check checkpoint.storage_options") from e
                 self._root = root.rstrip("/") if root not in ("/", "") else root
             return self._fs
 
@@ -385,6 +386,39 @@ class Storage:
             self.fs.invalidate_cache(p)
 
         self.retry("remove", rel, op)
+
+    def move_tree(self, src: str, dst: str, *, last: str) -> None:
+        """Move the directory ``src`` to ``dst`` (``dst``'s parent is created; a stale ``dst`` of the
+        same name is replaced). Local: one ``os.replace`` (atomic). Object stores: every file is copied,
+        the file named ``last`` after the others; then ``src/last`` is removed first, so that ``src``
+        stops being what it was (e.g. committed) before the rest of it goes. Interrupted, ``src`` is left
+        whole or without ``last``, never ``dst`` without ``last`` and ``src`` gone."""
+        if self.is_local:
+            ps, pd = self.path(src), self.path(dst)
+
+            def op() -> None:
+                os.makedirs(os.path.dirname(pd), exist_ok=True)
+                if os.path.isdir(pd):
+                    shutil.rmtree(pd)
+                os.replace(ps, pd)
+                fsync_dir(os.path.dirname(pd))
+                fsync_dir(os.path.dirname(ps))
+
+            self.retry("move", src, op)
+            return
+        base = self.path(src).rstrip("/")
+
+        def files() -> list[str]:
+            self.fs.invalidate_cache(base)
+            return sorted(f[len(base) + 1:] for f in self.fs.find(base))
+
+        names = self.retry("list", src, files)
+        for name in sorted(names, key=lambda n: n == last):
+            self.retry("copy", f"{src}/{name}", lambda n=name: self.fs.copy(self.path(f"{src}/{n}"),
+                                                                              self.path(f"{dst}/{n}")))
+        if last in names:
+            self.remove(f"{src}/{last}")
+        self.remove(src, recursive=True)
 
     def fsync_dir(self, rel: str) -> None:
         """Make a local directory's entries durable; no-op on object stores."""

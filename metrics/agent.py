@@ -10,7 +10,8 @@
   gauges and the ledger,
 
 and exposes all of it, plus the merged worker metrics, through :attr:`AgentMetrics.registry`, each
-series labelled ``node``. Cost, goodput and GPU families are computed at scrape time, so they are
+series labelled ``node`` and ``job_id`` (``agent.job_id``: two training jobs scraped by one Prometheus
+job stay apart in ``by (job_id)``; Prometheus's own ``job`` label is the scrape job). Cost, goodput and GPU families are computed at scrape time, so they are
 exact at the moment Prometheus asks.
 
 Metrics observe the agent; they never steer it. No method raises on bad *observations*
@@ -120,19 +121,22 @@ class _Bounded:
 class AgentMetrics:
     """The node's metrics. See the module docstring.
 
-    ``node``: the node's name (``node`` label on every series). ``run_dir``: the agent's local run
+    ``node``: the node's name (``node`` label on every series); ``job_id``: the training job's id
+    (``job_id`` label on every series). ``run_dir``: the agent's local run
     directory; the worker channel lives in ``<run_dir>/prometheus_multiproc`` and is wiped here. Without
     it there is no worker channel (tier-1 scripts only get node-level metrics).
     ``clock`` (monotonic seconds) and ``wall_clock`` (unix seconds) are injectable for tests;
     ``nvml`` injects a fake NVML module; ``start_sampler=False`` leaves :meth:`sample` to the caller.
     """
 
-    def __init__(self, config: MetricsConfig, cost_config: CostConfig, node: str, *, run_dir: str | None = None,
+    def __init__(self, config: MetricsConfig, cost_config: CostConfig, node: str, *, job_id: str = "",
+                 run_dir: str | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  nvml: Any | None = None, start_sampler: bool = True) -> None:
         self.config = config
         self.cost_config = cost_config
         self.node = node
+        self.job_id = job_id
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.Lock()
@@ -159,6 +163,9 @@ class AgentMetrics:
         self._rates: tuple[float, float] | None = None
         self._ckpt_policy: tuple[float, int] = (0.0, 0)  # (interval_s, interval_steps)
         self._restores_seen = 0.0
+        self._interval_here = 0.0  # what this node's own policy / workers say (seconds; 0: off or unknown)
+        self._interval_job: float | None = None  # the job's effective interval, from its global rank 0's node
+        self._stored_commit: tuple[float, float] | None = None  # (step, unix s) found in the store at start
         self._state = "starting"
 
         self._gpu = GpuSampler(enabled=config.gpu, nvml=nvml)
@@ -197,7 +204,12 @@ class AgentMetrics:
         self._m_ckpt_interval = Gauge(P + "checkpoint_interval_seconds",
                                       "Configured (or estimated) time between periodic checkpoints.", registry=r)
         self._m_start = Gauge(P + "agent_start_time_seconds", "Unix time the agent started.", registry=r)
-        self._m_start.set(self._wall())
+        self.started_unix_s = self._wall()
+        self._m_start.set(self.started_unix_s)
+        self._m_corrupt = Counter(P + "checkpoint_corrupt_steps",
+                                  "Committed checkpoint steps this node's workers found proven corrupt at restore (size or "
+                                  "CRC32 mismatch, missing file): skipped, rolled back past, moved to quarantine/.",
+                                  registry=r)
         self._m_dead = Counter(P + "worker_exits", "Worker processes that exited (marked dead in the channel).", registry=r)
         self._m_store_in_agent = Gauge(P + "rendezvous_store_in_agent",
                                        "1 when this agent hosts the c10d store of a job that may span several nodes "
@@ -292,7 +304,7 @@ class AgentMetrics:
     def set_checkpoint_interval(self, seconds: float) -> None:
         """Time between periodic checkpoints (``checkpoint.interval_s``, or ``interval_steps`` x the
         mean step time); the staleness alert fires at 3x this."""
-        self._m_ckpt_interval.set(seconds)
+        self._set_interval(seconds)
 
     def set_checkpoint_policy(self, interval_s: float = 0.0, interval_steps: int = 0) -> None:
         """The workers' periodic checkpoint settings (``checkpoint.interval_s`` / ``interval_steps``,
@@ -303,13 +315,45 @@ class AgentMetrics:
         interval_s, interval_steps = max(0.0, float(interval_s)), max(0, int(interval_steps))
         with self._lock:
             self._ckpt_policy = (interval_s, interval_steps)
-        self._m_ckpt_interval.set(interval_s)
+        self._set_interval(interval_s)
+
+    def _set_interval(self, seconds: float) -> None:
+        with self._lock:
+            self._interval_here = seconds
+            job = self._interval_job
+        self._m_ckpt_interval.set(seconds if job is None else job)
+
+    def view(self) -> dict[str, Any]:
+        """This node's ``trainguard status`` view (:func:`trainguard.metrics.status.build_view`) from one
+        collection of its own registry (no HTTP)."""
+        from trainguard.metrics.status import build_view
+
+        samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for fam in self.registry.collect():
+            for smp in fam.samples:
+                samples.setdefault(smp.name, []).append((dict(smp.labels), float(smp.value)))
+        return build_view(samples, now=self._wall())
+
+    def checkpoint_interval_here(self) -> float:
+        """The interval this node's own policy and workers give (seconds; 0: off, or not decided here:
+        with ``interval: auto`` only the node of global rank 0 runs the controller)."""
+        with self._lock:
+            return self._interval_here
+
+    def set_job_checkpoint_interval(self, seconds: float | None) -> None:
+        """The job's effective interval, as the node of global rank 0 (whose workers decide when to save)
+        exports it: ``trainguard_checkpoint_interval_seconds`` then shows it on this node too, whatever
+        this node's own config says. None: this node decides (it hosts global rank 0)."""
+        with self._lock:
+            self._interval_job = seconds
+            here = self._interval_here
+        self._m_ckpt_interval.set(here if seconds is None else seconds)
 
     def _estimate_checkpoint_interval(self, steps_per_s: float) -> None:
         interval_s, interval_steps = self._ckpt_policy
         if interval_steps and steps_per_s > 0:
             est = interval_steps / steps_per_s
-            self._m_ckpt_interval.set(min(est, interval_s) if interval_s else est)
+            self._set_interval(min(est, interval_s) if interval_s else est)
 
     def mark_worker_dead(self, pid: int) -> None:
         """Worker ``pid`` exited: drop its live gauges. Call for every exited worker process.
@@ -451,7 +495,11 @@ class AgentMetrics:
             # A restore first: the rolled-back work is sized before the restored workers' own steps count.
             if restores > self._restores_seen and P + "checkpoint_restored_step" in vals:
                 k = int(vals[P + "checkpoint_restored_step"])
-                seconds, n = self.ledger.restored(k, t)
+                skipped = int(vals.get(P + "checkpoint_restore_skipped_step", 0))
+                seconds, n = self.ledger.restored(k, t, newest=skipped or None)
+                corrupt = int(vals.get(P + "checkpoint_restore_corrupt_steps", 0))
+                if corrupt:
+                    self._m_corrupt.inc(corrupt)
                 if n:
                     lost = (k, seconds, n)
             self._restores_seen = max(self._restores_seen, restores)
@@ -477,7 +525,7 @@ class AgentMetrics:
             log.info("work_lost", restored_step=lost[0], recomputed_steps=lost[2], recomputed_s=round(lost[1], 3))
         auto = vals.get(P + "checkpoint_auto_interval_seconds", 0.0)
         if auto > 0:  # checkpoint.interval=auto: the interval global rank 0's controller chose (this node runs it)
-            self._m_ckpt_interval.set(auto)
+            self._set_interval(auto)
         else:
             self._estimate_checkpoint_interval(steps_per_s)
 
@@ -548,10 +596,33 @@ class AgentMetrics:
             if util.samples:
                 yield util
 
+    def set_stored_commit(self, step: int, unix_s: float) -> None:
+        """The job's newest committed step in the checkpoint store (read at agent start) and when it was
+        committed: ``trainguard_checkpoint_last_committed_step`` and ``..._last_commit_timestamp_seconds``
+        show it (or a newer commit of the workers) from the first scrape, so that an agent restart does
+        not blank them until the next commit (``TrainguardCheckpointStale`` and ``status`` need them)."""
+        with self._lock:
+            self._stored_commit = (float(step), float(unix_s))
+
+    def _with_stored_commit(self, worker: list[Metric]) -> list[Metric]:
+        with self._lock:
+            stored = self._stored_commit
+        if stored is None:
+            return worker
+        want = {P + "checkpoint_last_committed_step": stored[0], P + "checkpoint_last_commit_timestamp_seconds": stored[1]}
+        for fam in worker:
+            if fam.name in want:
+                floor = want.pop(fam.name)
+                fam.samples[:] = [s._replace(value=max(s.value, floor)) for s in fam.samples]
+        docs = {P + "checkpoint_last_committed_step": "Step of the newest committed checkpoint.",
+                P + "checkpoint_last_commit_timestamp_seconds": "Unix time of the newest committed checkpoint."}
+        return worker + [GaugeMetricFamily(name, docs[name], value=v) for name, v in want.items()]
+
     def collect(self) -> Iterator[Metric]:
-        """All families of this node, before the ``node`` label is added (see :class:`_NodeCollector`)."""
+        """All families of this node, before the ``node`` and ``job_id`` labels are added (see
+        :class:`_NodeCollector`)."""
         yield from self._inner.collect()
-        worker = self._worker_families()
+        worker = self._with_stored_commit(self._worker_families())
         yield from worker
         yield from self._computed(worker)
 
@@ -597,17 +668,17 @@ def _hist_max(families: Iterable[Metric], name: str, q: float = 1.0) -> float | 
 
 
 class _NodeCollector:
-    """Adds ``node`` to every sample and drops ``_created`` samples (noise in the text format)."""
+    """Adds ``node`` and ``job_id`` to every sample and drops ``_created`` samples (noise in the text format)."""
 
     def __init__(self, owner: AgentMetrics) -> None:
         self._owner = owner
 
     def collect(self) -> Iterator[Metric]:
-        node = self._owner.node
+        node, job_id = self._owner.node, self._owner.job_id
         for fam in self._owner.collect():
             out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
             for s in fam.samples:
                 if s.name.endswith("_created"):
                     continue
-                out.samples.append(s._replace(labels={"node": node, **s.labels}))
+                out.samples.append(s._replace(labels={"node": node, "job_id": job_id, **s.labels}))
             yield out

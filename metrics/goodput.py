@@ -263,16 +263,20 @@ class GoodputLedger:
         while len(self._marks) > 1 and self._marks[1][0] <= step:
             self._marks.popleft()
 
-    def restored(self, step: int, now: float | None = None) -> tuple[float, int]:
+    def restored(self, step: int, now: float | None = None, *, newest: int | None = None) -> tuple[float, int]:
         """Workers restarted from checkpoint ``step``: kept step time past it becomes ``recompute``.
 
         Call before reporting the restored workers' own progress. Returns ``(seconds, steps)``
-        reclassified; steps are the highest step seen minus ``step``.
+        reclassified; steps are the highest step seen (or ``newest``, a newer committed step the restore
+        skipped, if higher: those steps were trained once, perhaps before this agent started) minus
+        ``step``; seconds only what this ledger saw trained.
         """
         top = self._marks[-1][0] if self._marks else None
+        if newest is not None and (top is None or newest > top):
+            top = newest
         seconds, steps = 0.0, 0
         if top is not None and step < top:
-            kept_at = self._kept_at(step)
+            kept_at = self._kept_at(step) if self._marks else self._kept
             seconds = max(0.0, self._kept - kept_at)
             steps = top - step
             self._kept -= seconds

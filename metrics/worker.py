@@ -69,6 +69,8 @@ class _Families:
     train_s: Any
     restores: Any
     restored_step: Any
+    restore_skipped: Any
+    restore_corrupt: Any
     tier_restores: Any
     memory_snapshot: Any
     memory_bytes: Any
@@ -155,6 +157,13 @@ def _make_families() -> _Families:
                          "by the kind of the checkpoint restored (other: nothing to restore, a start from step 0).", ["kind"], registry=None),
         restored_step=Gauge(p + "checkpoint_restored_step", "Step the live workers restored from.",
                             multiprocess_mode="livemax", registry=None),
+        restore_skipped=Gauge(p + "checkpoint_restore_skipped_step",
+                              "Newest committed step the live workers' restore skipped (proven corrupt, or unreadable "
+                              "with checkpoint.on_unreadable=fallback); 0 when it restored the newest.",
+                              multiprocess_mode="livemax", registry=None),
+        restore_corrupt=Gauge(p + "checkpoint_restore_corrupt_steps",
+                              "Committed steps the live workers' restore found proven corrupt (skipped and quarantined).",
+                              multiprocess_mode="livemax", registry=None),
         tier_restores=Counter(p + "checkpoint_tier_restores", "Restores by this node's workers (counted by local rank "
                               "0), by the tier the state came from (memory, peer, storage, none).", ["tier"],
                               registry=None),
@@ -345,13 +354,17 @@ class WorkerMetrics:
 
         done.add_done_callback(finished)
 
-    def observe_restore(self, step: int, kind: str) -> None:
+    def observe_restore(self, step: int, kind: str, *, skipped: int | None = None, corrupt: int = 0) -> None:
         """The workers restored checkpoint ``step`` of ``kind``, or start from step 0 with nothing to
         restore (``kind="other"``): the agent turns work trained past it on this node into
-        ``recompute`` waste. Counted by local rank 0."""
+        ``recompute`` waste. ``skipped``: the newest committed step the restore passed over (the steps
+        from ``step`` to it are recomputed too, even where this node's agent never saw them trained);
+        ``corrupt``: how many steps it found proven corrupt. Counted by local rank 0."""
         f = self._f
         if f is None or self.local_rank != 0:
             return
+        f.restore_skipped.set(skipped or 0)
+        f.restore_corrupt.set(corrupt)
         f.restored_step.set(step)
         f.restores.labels(kind=self._kind(kind)).inc()
 

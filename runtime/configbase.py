@@ -149,19 +149,30 @@ def _worker_env_allowed(name: str) -> bool:
     return str(name).upper().startswith(WORKER_ENV_ALLOWED) and not name_is_secret(name)
 
 
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
 def _redact_args(args: Any) -> Any:
+    """Flags stay; values are redacted unless they are plain numbers (``200``, ``--lr=3e-4``) after a
+    flag whose name is not a secret's (``--token 1234`` stays redacted)."""
     if not isinstance(args, list):
         return REDACTED
     out = []
+    after_secret = False
     for a in args:
         a = str(a)
         if a.startswith("--"):
-            flag, eq, _ = a.partition("=")
-            out.append(flag + (f"={REDACTED}" if eq else ""))
-        elif a.startswith("-") and len(a) == 2:
+            flag, eq, val = a.partition("=")
+            secret = name_is_secret(flag.lstrip("-").replace("-", "_"))
+            keep = eq and not secret and _NUMBER.fullmatch(val)
+            out.append(flag + (f"={val if keep else REDACTED}" if eq else ""))
+            after_secret = secret and not eq
+        elif a.startswith("-") and len(a) == 2 and not _NUMBER.fullmatch(a):
             out.append(a)  # a short flag such as -v
+            after_secret = False
         else:
-            out.append(REDACTED)
+            out.append(a if _NUMBER.fullmatch(a) and not after_secret else REDACTED)
+            after_secret = False
     return out
 
 

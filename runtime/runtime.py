@@ -610,7 +610,8 @@ class Runtime:
                 ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
                 ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats,
                                     in_place=self._parked_for is not None, from_memory=in_memory)
-            self._metrics.observe_restore(step, kind)
+            self._metrics.observe_restore(step, kind, skipped=self._manager.last_restore_skipped,
+                                          corrupt=self._manager.last_restore_corrupt)
             self._log.info("worker_restored", step=step, kind=kind, source=tier.value, restore_s=round(seconds, 3),
                            saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
                            consumed=self.cursor.consumed,

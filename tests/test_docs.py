@@ -6,7 +6,13 @@
 * every ``docs/...``/``systemd/...`` path that a message in the code cites exists;
 * ``docs/configuration.md`` lists every config key as the code declares it;
 * the README's worker-API snippet runs as written (under ``trainguard run --standalone``) and ends
-  with a ``final`` checkpoint, as its comment says.
+  with a ``final`` checkpoint, as its comment says;
+* ``docs/install.md`` states the torch range the package declares and installs trainguard only from a
+  checkout or a wheel (it is on no package index), and no page tells users to ``pip install
+  trainguard`` from an index;
+* the worker-log layout the docs give is the one the agent makes (``agent.log_dir`` under ``trainguard
+  run`` and ``trainguard agent``, torch's ``<job_id>_<random>/attempt_<n>/<rank>`` below it), and no page
+  or example suggests the deprecated ``etcd-v2`` as the alternative to c10d.
 """
 
 from __future__ import annotations
@@ -213,3 +219,43 @@ def test_readme_worker_api_snippet_runs_as_written(tmp_path):
     assert [d.split("-e")[0] for d in steps] == ["step-000000000004", "step-000000000006"], steps
     with open(ckpt / run / steps[-1] / "manifest.json") as fh:
         assert '"kind": "final"' in fh.read().replace('"kind":"final"', '"kind": "final"')
+
+
+def _read(*parts: str) -> str:
+    with open(os.path.join(REPO, *parts), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def test_install_page_states_the_declared_torch_range_and_installs_from_a_checkout():
+    import tomllib
+
+    deps = tomllib.loads(_read("pyproject.toml"))["project"]["dependencies"]
+    [torch_req] = [d for d in deps if re.match(r"torch\b", d)]
+    install = _read("docs", "install.md")
+    assert f"`{torch_req}`" in install, f"docs/install.md must state the declared range {torch_req}"
+    assert not re.search(r"pins `torch==", install)
+    bad = []
+    for path in DOCS + [os.path.join(REPO, "systemd", "agent.yaml.example")]:
+        for n, line in enumerate(open(path, encoding="utf-8"), 1):
+            # a trainguard install from an index: `pip install trainguard`, `'trainguard[s3]'`, `trainguard==X`
+            if re.search(r"pip install[^`\n]*?(?<![/.\w])'?trainguard(\[|==|\s|'|$)", line):
+                bad.append(f"{os.path.relpath(path, REPO)}:{n}: {line.strip()}")
+    assert not bad, "trainguard is on no package index; install from the checkout or a wheel:\n" + "\n".join(bad)
+    assert "pip wheel" in install and "source .venv/bin/activate" in _read("README.md")
+
+
+def test_worker_log_layout_and_no_etcd_v2_advice():
+    from trainguard.agent import cli, rundir
+    from trainguard.agent.config import AgentConfig
+
+    conf = _read("docs", "configuration.md")
+    assert "`<agent.log_dir>/<job_id>/<job_id>_<random>/attempt_<n>/<rank>/`" in conf
+    assert f"`{AgentConfig().log_dir}` for `trainguard agent`" in conf
+    run_default = cli._user_defaults()["agent.log_dir"]
+    assert run_default == os.path.join(rundir.private_base(), "logs")
+    assert "`$TMPDIR/trainguard-<uid>/logs` for `trainguard run`" in conf
+    sup = _read("agent", "supervisor.py")  # the agent hands torch <log_dir>/<job_id>; torch adds the rest
+    assert "os.path.join(cfg.agent.log_dir, cfg.agent.job_id)" in sup and "DefaultLogsSpecs(log_dir=log_dir" in sup
+    for rel in (("systemd", "agent.yaml.example"), ("docs", "operations.md")):
+        text = _read(*rel)
+        assert not re.search(r"(or|use) etcd-v2\b", text), f"{'/'.join(rel)} suggests the deprecated etcd-v2"

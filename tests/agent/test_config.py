@@ -170,16 +170,18 @@ def test_secrets_redacted_by_shape():
     env = {"TRAINGUARD_CHECKPOINT_STORAGE_OPTIONS": json.dumps(so),
            "TRAINGUARD_WORKERS_ENV": json.dumps({"WANDB_API_KEY": "w4ndb", "DB_PASSWD": "pw", "MY_VAR": "mine",
                                                  "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "4", "CUDA_TOKEN": "cud4t0k"}),
-           "TRAINGUARD_WORKERS_ARGS": "--api-key abc123 --lr=3e-4 -v positional"}
+           "TRAINGUARD_WORKERS_ARGS": "--api-key abc123 --lr=3e-4 -v positional 200 --password 4711 --secret=1234 -1"}
     out = redacted(load_config(None, env))
     text = json.dumps(out)
-    for secret in ("AKIA", "s3cr3t", "hidden1", "pk", "zz", "w4ndb", "pw", "mine", "cud4t0k", "abc123", "3e-4", "positional"):
+    for secret in ("AKIA", "s3cr3t", "hidden1", "pk", "zz", "w4ndb", "pw", "mine", "cud4t0k", "abc123", "positional", "4711", "1234"):
         assert secret not in text, secret
     assert out["checkpoint"]["storage_options"]["client_kwargs"] == {"endpoint_url": "http://x", "aws_secret_access_key": "***",
                                                                     "region_name": "eu-1"}
     assert out["checkpoint"]["storage_options"]["token"] == "***"
     assert out["workers"]["env"]["NCCL_DEBUG"] == "WARN" and out["workers"]["env"]["OMP_NUM_THREADS"] == "4"
-    assert out["workers"]["args"] == ["--api-key", "***", "--lr=***", "-v", "***"]
+    # plain numbers are shown (issue 43: `200` was `***`), unless they follow a secret-named flag
+    assert out["workers"]["args"] == ["--api-key", "***", "--lr=3e-4", "-v", "***", "200", "--password", "***",
+                                      "--secret=***", "-1"]
     # numbers are not secrets, whatever their name: aws_token_ttl_s stays readable
     assert out["preemption"]["aws_token_ttl_s"] == 21600
     assert redacted(load_config(None, {"TRAINGUARD_PREEMPTION_AZURE_VM_NAME": "vm-1"}))["preemption"]["azure_vm_name"] == "vm-1"

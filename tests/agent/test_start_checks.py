@@ -4,6 +4,8 @@ checkpoint of its own beside other runs (item 2)."""
 import pytest
 import structlog
 
+from trainguard.agent.daemon import warn_foreign_runs  # imports the supervisor (its env var) at collection
+
 
 @pytest.mark.parametrize("backend, endpoint, is_host, reach", [
     ("c10d", "10.1.2.3:29400", None, ("10.1.2.3", 29400)),  # another machine: a client
@@ -27,7 +29,6 @@ def test_a_job_without_checkpoints_beside_other_runs_warns_loudly(tmp_path):
     import torch
 
     from trainguard.agent.configload import load_config
-    from trainguard.agent.daemon import warn_foreign_runs
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager
 
@@ -47,3 +48,43 @@ def test_a_job_without_checkpoints_beside_other_runs_warns_loudly(tmp_path):
     [line] = [e for e in logs if e["event"] == "checkpoint_other_runs"]
     assert line["log_level"] == "error" and line["other_runs"] == {"walk-job-1": 266}
     assert "agent.job_id (TRAINGUARD_AGENT_JOB_ID" in line["fix"] and "step 0" in line["effect"]
+
+
+def test_a_restarted_agent_exports_the_stores_last_commit_from_the_first_scrape(tmp_path):
+    """Item 8: after an agent restart the last-commit series come from the job's newest committed step
+    in the store (not absent until the next commit), labelled with the job id; another job's steps are
+    not this job's."""
+    import time
+
+    import torch
+
+    from trainguard.agent.configload import load_config
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.metrics.agent import AgentMetrics
+    from trainguard.metrics.config import CostConfig, MetricsConfig
+
+    url = f"file://{tmp_path}/ck"
+    t0 = time.time()
+    with CheckpointManager(CheckpointConfig(url=url), "walk-job-1", rank=0, world_size=1) as mgr:
+        mgr.save(266, {"w": torch.zeros(2)}, block=True)
+    with CheckpointManager(CheckpointConfig(url=url), "other-job", rank=0, world_size=1) as mgr:
+        mgr.save(900, {"w": torch.zeros(2)}, block=True)
+
+    def scrape(job):
+        cfg = load_config(None, {}, {"agent.job_id": job, "checkpoint.url": url, "workers.entrypoint": "t.py",
+                                     "agent.state_dir": str(tmp_path / "s"), "agent.log_dir": str(tmp_path / "l")})
+        m = AgentMetrics(MetricsConfig(port=0), CostConfig(), "node-a", job_id=job, start_sampler=False)
+        try:
+            warn_foreign_runs(cfg, m)
+            return {s.name: (s.value, s.labels) for fam in m.registry.collect() for s in fam.samples
+                    if s.name.startswith("trainguard_checkpoint_last_commit")}
+        finally:
+            m.close()
+
+    got = scrape("walk-job-1")
+    step, labels = got["trainguard_checkpoint_last_committed_step"]
+    ts, _ = got["trainguard_checkpoint_last_commit_timestamp_seconds"]
+    assert step == 266 and labels == {"node": "node-a", "job_id": "walk-job-1"}
+    assert t0 - 1 <= ts <= time.time()
+    assert scrape("new-job") == {}  # nothing committed for it: absent, as before

@@ -97,6 +97,9 @@ class FakeAdapter:
     def round_store(self, round_):
         return self.store
 
+    def endpoint_store(self):
+        return None  # no census (as with etcd)
+
     def nodes_waiting(self):
         return self.waiting.pop(0) if self.waiting else 0
 

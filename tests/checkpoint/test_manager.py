@@ -200,9 +200,67 @@ def test_truncated_shard_falls_back_to_previous_step(url: str, verify: bool) -> 
         assert mgr.epoch == 2 and mgr.epoch_record.base_step == 1  # the new epoch branches from step 1
         assert mgr.latest() == 1
         assert shard.exists()  # restore never deletes evidence ...
+        assert (mgr.last_restore_corrupt, mgr.last_restore_skipped) == (1, 2)  # what the worker's metrics count
+        damaged = shard.read_bytes()
         mgr.save(3, {"model": ModelOptimizerState(m, opt)}, block=True)
-    assert not shard.parent.exists()  # ... the next commit collects the proven-corrupt step
+    assert not shard.parent.exists()  # ... the next commit moves the proven-corrupt step aside, whole
+    kept = Path(url, "run", "quarantine", step_dir(2, 1))
+    assert (kept / "__0_0.distcp").read_bytes() == damaged and (kept / "manifest.json").exists()
     assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(1, 1), step_dir(3, 2)]
+    scan = scan_run(storage_mod.Storage(url), "run")
+    assert scan.quarantined == [StepRef(2, 1)] and not scan.ignored and sorted(scan.committed) == [StepRef(1, 1),
+                                                                                                  StepRef(3, 2)]
+
+
+def _corrupt_newest(url: str, opts: dict, step: int, epoch: int) -> None:
+    from trainguard.checkpoint.storage import Storage
+
+    st = Storage(url, opts)
+    rel = f"run/{step_dir(step, epoch)}/__0_0.distcp"
+    data = bytearray(st.read_bytes(rel))
+    data[len(data) // 2] ^= 0xFF
+    st.fs.pipe_file(st.path(rel), bytes(data))
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_corrupt_steps_are_quarantined_with_retention(url: str, backend: str, request: pytest.FixtureRequest) -> None:
+    """Each corrupt newest step is moved to quarantine/ by the next commit, files and manifest intact
+    (an object store copies, manifest last); quarantine_keep=2 keeps the newest two; committed steps
+    are never touched."""
+    from trainguard.checkpoint.storage import Storage
+
+    if backend == "s3":
+        b = request.getfixturevalue("s3_backend")
+        url, opts = b.url, b.storage_options
+    else:
+        opts = {}
+    m, opt = _model()
+    epoch = 1
+    for n in range(3):  # three rounds: commit a step, corrupt it, restore the older one, commit again
+        with CheckpointManager(CheckpointConfig(url=url, storage_options=opts, quarantine_keep=2, keep_last=10), "run",
+                               rank=0, world_size=1) as mgr:
+            if n:
+                got, _ = _restore_fresh(mgr)
+                assert got == 10 * n - 5 and mgr.last_restore_corrupt == 1 and mgr.last_restore_skipped == 10 * n
+                epoch = mgr.epoch
+            mgr.save(10 * n + 5, {"model": ModelOptimizerState(m, opt)}, block=True)
+            mgr.save(10 * n + 10, {"model": ModelOptimizerState(m, opt)}, block=True)
+        _corrupt_newest(url, opts, 10 * n + 10, epoch)
+    st = Storage(url, opts)
+    scan = scan_run(st, "run")
+    assert [r.step for r in scan.quarantined] == [10, 20]  # quarantine_keep=2: both kept
+    assert [r.step for r in sorted(scan.committed)] == [5, 15, 25, 30]  # 30 is corrupt, not yet found
+    for ref in scan.quarantined:
+        names = st.listdir(f"run/quarantine/{ref.name}")
+        assert "manifest.json" in names and "__0_0.distcp" in names
+    with CheckpointManager(CheckpointConfig(url=url, storage_options=opts, quarantine_keep=2, keep_last=10), "run",
+                           rank=0, world_size=1) as mgr:
+        got, _ = _restore_fresh(mgr)
+        assert got == 25
+        mgr.save(35, {"model": ModelOptimizerState(m, opt)}, block=True)
+    scan = scan_run(st, "run")
+    assert [r.step for r in scan.quarantined] == [20, 30]  # the oldest (10) expired: quarantine_keep=2
+    assert [r.step for r in sorted(scan.committed)] == [5, 15, 25, 35]
 
 
 def test_flipped_byte_is_caught_by_checksum(url: str) -> None:

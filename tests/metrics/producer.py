@@ -29,6 +29,9 @@ def main() -> int:
     ap.add_argument("--gpu-peak", type=int, default=0)
     ap.add_argument("--stop-file", default="")
     ap.add_argument("--memory-interval", type=int, default=0, help="report a tier-0 snapshot every step, this many apart")
+    ap.add_argument("--restored", type=int, default=-1, help="report a restore of this step before the first step")
+    ap.add_argument("--skipped", type=int, default=0, help="... that skipped this newer committed step")
+    ap.add_argument("--corrupt", type=int, default=0, help="... having found this many steps proven corrupt")
     a = ap.parse_args()
 
     from trainguard.metrics.worker import WorkerMetrics
@@ -37,6 +40,9 @@ def main() -> int:
     if a.gpu_peak:
         w.observe_gpu_peak(a.gpu_peak)
     step = a.start_step
+    if a.restored >= 0:
+        w.observe_restore(a.restored, "periodic", skipped=a.skipped or None, corrupt=a.corrupt)
+        step = a.restored
     for _ in range(a.steps):
         t0 = time.perf_counter()
         time.sleep(a.step_time)

@@ -15,7 +15,7 @@ DASHBOARD = Path(str(PKG / "dashboards" / "trainguard.json"))
 RULES = Path(str(PKG / "rules" / "trainguard-alerts.yml"))
 
 # Values Grafana would substitute; `.*` selects every job/node the way the "All" option does.
-GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h", "${job}": ".*", "$job": ".*",
+GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h", "${job_id}": ".*", "$job_id": ".*",
                 "${node}": ".*", "$node": ".*"}
 
 
@@ -25,9 +25,11 @@ class Expr:
     expr: str
 
 
-def _substitute(expr: str) -> str:
-    for k in sorted(GRAFANA_VARS, key=len, reverse=True):
-        expr = expr.replace(k, GRAFANA_VARS[k])
+def _substitute(expr: str, **values: str) -> str:
+    """``expr`` with Grafana's variables replaced (``values``: e.g. ``job_id="a"`` instead of ``.*``)."""
+    subst = {**GRAFANA_VARS, **{f"${k}": v for k, v in values.items()}, **{f"${{{k}}}": v for k, v in values.items()}}
+    for k in sorted(subst, key=len, reverse=True):
+        expr = expr.replace(k, subst[k])
     assert "$" not in expr, f"unhandled Grafana variable in {expr!r}"
     return expr
 

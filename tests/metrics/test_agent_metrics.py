@@ -36,7 +36,7 @@ def samples(m: AgentMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 
 def value(m: AgentMetrics, name: str, **labels: str) -> float:
-    want = tuple(sorted({"node": m.node, **labels}.items()))
+    want = tuple(sorted({"node": m.node, "job_id": m.job_id, **labels}.items()))
     return samples(m)[(name, want)]
 
 
@@ -338,3 +338,35 @@ def test_a_busy_fixed_port_is_retried_until_the_previous_agent_lets_it_go(metric
         with pytest.raises(ConfigError, match="metrics.port"):
             metrics_factory(config=MetricsConfig(port=held.getsockname()[1], bind_address="127.0.0.1")).serve()
         assert PORT_BUSY_WAIT_S <= time.monotonic() - t0 < PORT_BUSY_WAIT_S + 2
+
+
+@pytest.mark.parametrize("seen_before", [0, 300])
+def test_a_restore_past_a_corrupt_step_counts_the_rollback_and_the_corrupt_step(metrics_factory, tmp_path, workers,
+                                                                                 seen_before) -> None:
+    """Issue 43 item 3: the restarted agent never saw steps 136..266 trained, yet the worker restored
+    136 because committed step 266 was corrupt: 130 steps are recomputed and one corrupt step counted.
+    An agent that saw the workers reach 300 counts 164 (from what it saw; the skipped step is inside)."""
+    clock = Clock(0.0)
+    m = metrics_factory(run_dir=str(tmp_path), clock=clock)
+    assert value(m, "trainguard_recomputed_steps_total") == 0
+    assert value(m, "trainguard_checkpoint_corrupt_steps_total") == 0  # exported from the start: increase() sees 1
+    if seen_before:
+        p = workers.start(m.worker_env(), "--start-step", str(seen_before - 2), "--steps", "2", "--step-time", "0")
+        assert p.wait(timeout=60) == 0
+        clock.t = 1.0
+        m.sample()
+        m.mark_worker_dead(p.pid)
+    p = workers.start(m.worker_env(), "--restored", "136", "--skipped", "266", "--corrupt", "1", "--steps", "2",
+                      "--step-time", "0")
+    assert p.wait(timeout=60) == 0
+    clock.t = 2.0
+    with capture_logs() as logs:
+        m.sample()
+    want = (seen_before or 266) - 136
+    assert value(m, "trainguard_recomputed_steps_total") == want
+    assert value(m, "trainguard_checkpoint_corrupt_steps_total") == 1
+    assert [(e["restored_step"], e["recomputed_steps"]) for e in logs if e["event"] == "work_lost"] == [(136, want)]
+    clock.t = 3.0
+    m.sample()  # the same restore is not counted twice
+    assert value(m, "trainguard_checkpoint_corrupt_steps_total") == 1
+    assert value(m, "trainguard_recomputed_steps_total") == want

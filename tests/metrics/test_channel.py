@@ -45,7 +45,7 @@ def _values(m: AgentMetrics) -> dict[str, dict[tuple, float]]:
     out: dict[str, dict[tuple, float]] = {}
     for fam in m.registry.collect():
         for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted((k, v) for k, v in s.labels.items() if k != "node"))] = s.value
+            out.setdefault(s.name, {})[tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("node", "job_id")))] = s.value
     return out
 
 

@@ -14,7 +14,7 @@ from trainguard.metrics.agent import AgentMetrics
 from trainguard.metrics.config import CostConfig, MetricsConfig
 
 from .conftest import FakeNvml, Workers, promtool
-from .promql import DASHBOARD, RULES, alert_rules, dashboard_exprs, referenced_metrics, split_comparison
+from .promql import DASHBOARD, RULES, _substitute, alert_rules, dashboard_exprs, referenced_metrics, split_comparison
 
 REPO = Path(__file__).resolve().parents[2]
 SNAPSHOT = Path(__file__).with_name("snapshot_metrics.json")
@@ -32,8 +32,9 @@ def test_files_ship_as_package_data() -> None:
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     for topic in ("throughput", "world size", "gpu memory", "checkpoint", "cost", "wasted", "goodput"):
         assert topic in titles, topic
-    assert {r["alert"] for r in alert_rules()} == {"TrainguardNoProgress", "TrainguardPreemptionRateHigh",
-                                                   "TrainguardCheckpointFailing", "TrainguardCheckpointStale",
+    assert {r["alert"] for r in alert_rules()} == {"TrainguardJobDown", "TrainguardNoProgress",
+                                                   "TrainguardPreemptionRateHigh", "TrainguardCheckpointFailing",
+                                                   "TrainguardCheckpointStale", "TrainguardCheckpointCorrupt",
                                                    "TrainguardGoodputLow"}
 
 
@@ -60,7 +61,47 @@ def test_alerts_follow_the_one_comparison_convention() -> None:
 def test_promtool_check_rules() -> None:
     r = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 5 rules found" in r.stdout
+    assert "SUCCESS: 7 rules found" in r.stdout
+
+
+def _panel_expr(title: str, index: int = 0, **values: str) -> str:
+    dash = json.loads(DASHBOARD.read_text())
+    [panel] = [p for p in dash["panels"] if p.get("title") == title]
+    return _substitute(panel["targets"][index]["expr"], **values)
+
+
+@pytest.mark.timeout(60)
+def test_alert_scenarios_and_dashboard_totals_in_promtool(tmp_path) -> None:
+    """Issue 43 item 8, in Prometheus's own rule engine (promtool test rules): two jobs in one scrape
+    job, an agent restart, a node leaving, the whole job dead (tests/metrics/alerts_test.yml); and the
+    dashboard's job totals over a node that left and an agent that restarted."""
+    doc = yaml.safe_load((Path(__file__).with_name("alerts_test.yml")).read_text())
+    doc["rule_files"] = [str(RULES)]
+    node_left = {  # node n2 (spot) leaves at 30m; n1's agent restarts at 40m (its counters reset)
+        "interval": "1m",
+        "input_series": [
+            {"series": 'trainguard_cost_total{job="trainguard",job_id="spot",node="n1"}', "values": "0+1x40 0+1x20"},
+            {"series": 'trainguard_cost_total{job="trainguard",job_id="spot",node="n2"}', "values": "0+1x30 stale"},
+            {"series": 'trainguard_cost_total{job="trainguard",job_id="other",node="n3"}', "values": "0+100x60"},
+            {"series": 'trainguard_paid_seconds_total{job="trainguard",job_id="spot",node="n1"}', "values": "0+60x40 0+60x20"},
+            {"series": 'trainguard_wasted_seconds_total{job="trainguard",job_id="spot",node="n1",reason="drain"}',
+             "values": "0+15x40 0+15x20"},
+            {"series": 'trainguard_productive_seconds{job="trainguard",job_id="spot",node="n1"}', "values": "0+45x40 0+45x20"},
+        ],
+        "promql_expr_test": [
+            # n1: 40 before its restart + 19 since (restarted at 41m from 0); n2, gone since 30m: 30 + half
+            # a step extrapolated past its last sample. The old `sum(trainguard_cost_total)` read 19.
+            {"expr": _panel_expr("Cost so far", job_id="spot", node=".*"), "eval_time": "60m",
+             "exp_samples": [{"labels": "{}", "value": 89.5}]},
+            {"expr": _panel_expr("Goodput", job_id="spot", node=".*"), "eval_time": "60m",
+             "exp_samples": [{"labels": "{}", "value": 0.75}]},
+        ],
+    }
+    doc["tests"].append(node_left)
+    f = tmp_path / "alerts_test.yml"
+    f.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = subprocess.run([promtool(), "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.timeout(60)
@@ -80,7 +121,7 @@ def test_real_prometheus_gets_data_for_every_dashboard_and_alert_expression(
     """An exporter fed by real worker processes through a drain and a crash/restart, scraped every second."""
     stop = tmp_path / "stop"
     m = AgentMetrics(MetricsConfig(port=0, sample_interval_s=0.25, throughput_window_s=3.0),
-                     CostConfig(spot_price_per_hour=2.5), "node-a", run_dir=str(tmp_path / "run"),
+                     CostConfig(spot_price_per_hour=2.5), "node-a", job_id="job-a", run_dir=str(tmp_path / "run"),
                      nvml=FakeNvml([(3 << 30, 80 << 30, 60), (5 << 30, 80 << 30, 90)]))
     try:
         ex = m.serve()
@@ -135,6 +176,8 @@ def test_real_prometheus_gets_data_for_every_dashboard_and_alert_expression(
         checks = [(e.where, e.expr) for e in dashboard_exprs()]
         for rule in alert_rules():
             lhs, _, rhs = split_comparison(rule["expr"])
+            if rule["alert"] == "TrainguardJobDown":  # empty while an agent is up: its parts have data
+                lhs = 'count by (job_id) (max_over_time(trainguard_agent_start_time_seconds{job_id="job-a"}[6h]))'
             checks += [(f"alert {rule['alert']} lhs", lhs), (f"alert {rule['alert']} rhs", rhs)]
         failures = []
         deadline = time.monotonic() + 30

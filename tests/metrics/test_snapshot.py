@@ -58,8 +58,8 @@ def test_snapshot_is_sane_and_documented() -> None:
     docs = (REPO / "docs" / "metrics.md").read_text()
     for name, fam in snap.items():
         assert name.startswith("trainguard_")
-        assert "node" in fam["labels"], name
-        assert set(fam["labels"]) <= {"node", "gpu", "kind", "reason", "source", "state", "capacity", "currency", "tier"}, name
+        assert {"node", "job_id"} <= set(fam["labels"]), name
+        assert set(fam["labels"]) <= {"node", "job_id", "gpu", "kind", "reason", "source", "state", "capacity", "currency", "tier"}, name
         if fam["type"] == "counter":
             assert fam["samples"] == [name + "_total"], name
         for sample in fam["samples"]:
