@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from trainguard.runtime.protocol import ExitKind, WorkerStatus, classify_exit
+from trainguard.contract.protocol import ExitKind, WorkerStatus, classify_exit
 
 
 class Act(str, Enum):
@@ -48,7 +48,7 @@ class Observation:
     parked: int = 0
     """Local workers alive and parked for an in-place re-formation."""
     park_reason: str = ""
-    """Why they parked (:class:`~trainguard.runtime.protocol.ParkReason` value)."""
+    """Why they parked (:class:`~trainguard.contract.protocol.ParkReason` value)."""
     emergency_committed: bool = False
     """This node's workers reported the emergency checkpoint committed (they exit right after)."""
     resize_overdue: bool = False

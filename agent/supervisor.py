@@ -5,7 +5,7 @@ The loop runs on a dedicated thread ("supervisor") inside elastic's agent (see
 tick it :meth:`~Supervisor.observe` s the workers and the node, asks the pure
 :func:`trainguard.agent.decisions.decide` what to do, and :meth:`~Supervisor.execute` s it:
 
-* a worker exit with the resize code (:data:`trainguard.runtime.protocol.EXIT_RESIZE`) re-forms the
+* a worker exit with the resize code (:data:`trainguard.contract.protocol.EXIT_RESIZE`) re-forms the
   world without consuming ``max_restarts``; a crash consumes one, after an exponential backoff;
 * a node with a notice asks its API workers to checkpoint and exit (or SIGTERMs plain scripts with the
   configured grace), then *leaves* the rendezvous without closing it; a notice that arrives while the
@@ -58,18 +58,18 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
 from trainguard.agent import workerenv
+from trainguard.agent import exitcodes
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
 from trainguard.agent.decisions import Act, Decision, Observation, decide
-from trainguard.agent import exitcodes
-from trainguard.agent.exitcodes import ExitCode, exit_code
 from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, World
+from trainguard.agent.exitcodes import ExitCode, exit_code
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
-from trainguard.runtime import protocol as proto
-from trainguard.runtime.log import get_logger
-from trainguard.runtime.protocol import AgentState, WorkerStatus
+from trainguard.contract import protocol as proto
+from trainguard.contract.log import get_logger
+from trainguard.contract.protocol import AgentState, WorkerStatus
 
 log = get_logger("trainguard.agent.supervisor")
 DRAIN_KEY = "trainguard/draining"
@@ -157,8 +157,8 @@ class Supervisor:
         self._member_check_at = 0.0
         self._member_lost_since: float | None = None
         self._joining: set[int] = set()
-        """Local ranks sent a new world (:class:`~trainguard.runtime.protocol.Reform`) that have not said
-        :class:`~trainguard.runtime.protocol.Joined` yet: between worlds, never inside a collective."""
+        """Local ranks sent a new world (:class:`~trainguard.contract.protocol.Reform`) that have not said
+        :class:`~trainguard.contract.protocol.Joined` yet: between worlds, never inside a collective."""
         self._joining_since = 0.0
         self.reform_enabled = cfg.workers.reform == "in-process"
         self._run_started = time.monotonic()
@@ -308,7 +308,7 @@ class Supervisor:
 
     # ---- worker environment -------------------------------------------------------------------
     def worker_env(self) -> dict[str, str]:
-        """Variables every worker gets besides torchrun's (:class:`~trainguard.runtime.protocol.RuntimeEnv`)."""
+        """Variables every worker gets besides torchrun's (:class:`~trainguard.contract.protocol.RuntimeEnv`)."""
         cfg = self.cfg
         env = proto.RuntimeEnv(
             job_id=cfg.agent.job_id, node=cfg.agent.node_name, agent_pid=os.getpid(),

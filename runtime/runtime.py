@@ -27,7 +27,7 @@ global batch, and ``name`` goes into the manifest. With the
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
 **Agreement at a step boundary.** ``end_step`` all-reduces (MAX) eight integers over a side gloo
-group: ``[stop, save, deadline, busy, overlapped, blocking, -stride, snapshot interval]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason`
+group: ``[stop, save, deadline, busy, overlapped, blocking, -stride, snapshot interval]`` where ``stop`` is a :class:`~trainguard.contract.protocol.StopReason`
 (2 for a drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM
 under plain torchrun), ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
 for an out-of-cycle one (an early warning), ``deadline`` the earliest drain deadline, ``busy`` says
@@ -35,7 +35,7 @@ a previous save still persists somewhere, and the last two say which agreement t
 configured with (``workers.step_agreement``), ``stride`` below, and the last each rank's tier-0
 snapshot interval proposal (``checkpoint.memory_max_overhead``; the world takes the largest). Every rank therefore sees the same flags after the same
 step: all of them save the same step ``s``, rank 0 commits it, and on a stop all exit with
-:data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
+:data:`~trainguard.contract.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
 ``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
 step N, runs beside step N+1 and is acted on at the end of N+1: no rank waits on the wire per step,
 and a stop or an out-of-cycle save takes effect one step after it was asked for (a periodic save is
@@ -61,8 +61,8 @@ groups share one part) and the global batch stays constant by adapting gradient 
 **In-place re-formation** (``workers.reform: in-process``, the default under the agent). A worker
 that survives a membership change does not exit: at the agreed step it commits the emergency
 checkpoint if a node drains (durability; the node that leaves exits), tears its process groups down,
-reports :class:`~trainguard.runtime.protocol.Parked` and waits for the agent's
-:class:`~trainguard.runtime.protocol.Reform`. It then builds the new world's groups, re-wraps the model
+reports :class:`~trainguard.contract.protocol.Parked` and waits for the agent's
+:class:`~trainguard.contract.protocol.Reform`. It then builds the new world's groups, re-wraps the model
 (:meth:`Strategy.reform`), recomputes its batch plan, and the ranks that lack the state (a joiner, a
 restarted worker) receive it from a live peer (:func:`~trainguard.runtime.reform.sync_live_state`).
 ``end_step`` returns and the loop goes on with the next step: same process, same model and optimizer
@@ -98,13 +98,13 @@ from trainguard.checkpoint.memory import MemoryTier, MemoryTierError
 from trainguard.checkpoint.memory import parity_buffers as memory_parity_buffers
 from trainguard.checkpoint.replica import Replicator
 from trainguard.checkpoint.state import TrainerState
+from trainguard.contract import protocol as proto
+from trainguard.contract.log import get_logger
 from trainguard.runtime import device as dev
 from trainguard.runtime import flight
-from trainguard.runtime import protocol as proto
 from trainguard.runtime import reform as rf
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.link import AgentLink
-from trainguard.runtime.log import get_logger
 from trainguard.strategies.base import Strategy, get_strategy
 from trainguard.strategies.batch import split
 
@@ -328,12 +328,12 @@ class Runtime:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Runtime:
         """Initialise the process group from the torchelastic env (gloo on CPU, NCCL on GPU) and read
-        the agent's :class:`~trainguard.runtime.protocol.RuntimeEnv`. Works under plain torchrun and alone too.
+        the agent's :class:`~trainguard.contract.protocol.RuntimeEnv`. Works under plain torchrun and alone too.
 
         A standby worker (a joiner warming up before its world exists) makes no process group here:
-        :meth:`setup` waits for the agent's :class:`~trainguard.runtime.protocol.Reform` first."""
+        :meth:`setup` waits for the agent's :class:`~trainguard.contract.protocol.Reform` first."""
         rtenv = proto.RuntimeEnv.from_env(env)
-        from trainguard.runtime import log as tglog
+        from trainguard.contract import log as tglog
 
         tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
         reform = rtenv.reform and rtenv.under_agent

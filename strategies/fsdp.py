@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 from trainguard.strategies.base import (
     Strategy,
     StrategyError,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from trainguard.runtime.protocol import EXIT_RESIZE, WorkerStatus as W, classify_exit
 from trainguard.agent.decisions import Act, Observation, decide
+from trainguard.contract.protocol import EXIT_RESIZE, WorkerStatus as W, classify_exit
 
 R = EXIT_RESIZE
 

@@ -7,7 +7,7 @@ import pytest
 
 from trainguard.agent.decisions import Act, Observation, decide
 from trainguard.agent.elastic import Plan, planned_complete
-from trainguard.runtime import protocol as proto
+from trainguard.contract import protocol as proto
 from trainguard.runtime.reform import is_peer_failure
 from tests.harness import short_tmp  # noqa: F401 - a fixture
 
