@@ -62,7 +62,7 @@ from trainguard.agent import exitcodes
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
-from trainguard.agent.decisions import Act, Decision, Observation, decide
+from trainguard.agent.decisions import Act, Asked, Decision, Observation, decide, park_reason
 from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.exitcodes import ExitCode, exit_code
 from trainguard.agent.memtier import NodeSnapshots
@@ -142,7 +142,7 @@ class Supervisor:
         self._world: dict[str, Any] = {}
         self._waiting_for: str | None = None
         """What a starting agent waits for (``status`` says it)."""
-        self._asked = ""
+        self._asked = Asked.NOTHING
         self._drain_published: int | None = None
         """The round this node published its leave in (the record is per round)."""
         self._asked_at = 0.0
@@ -471,11 +471,11 @@ class Supervisor:
             checkpoint_requested=self._checkpoint_reason is not None,
             nproc=self.cfg.workers.nproc_per_node,
             parked=len(parked) if healthy else 0,
-            park_reason=max((p.reason.value for p in parked.values()), default=""),
+            park_reason=park_reason(p.reason for p in parked.values()),
             member_lost=member_lost,
             member_gone=drain is None and self._member_lost_since is not None,
             reform_in_place=self.reform_enabled,
-            resize_overdue=self._asked == "resize" and time.monotonic() - self._asked_at > self._resize_bound_s(),
+            resize_overdue=self._asked is Asked.RESIZE and time.monotonic() - self._asked_at > self._resize_bound_s(),
             emergency_committed=self._emergency_committed,
         )
         return obs, poll
@@ -490,12 +490,12 @@ class Supervisor:
             self._publish_drain()
             n = self.control.broadcast(proto.Stop(proto.StopReason.DRAIN, drain.deadline, drain.reason or drain.kind))
             log.info("drain_requested_from_workers", workers=n, deadline_in_s=round(drain.deadline - time.time(), 1))
-            self._asked = "drain"
+            self._asked = Asked.DRAIN
         elif d.act is Act.ASK_RESIZE:
             n = self.control.broadcast(proto.Stop(proto.StopReason.RESIZE, None, d.reason))
             log.info("resize_requested_from_workers", workers=n, nodes_waiting=obs.nodes_waiting,
                      bound_s=round(self._resize_bound_s(), 1))
-            self._asked = "resize"
+            self._asked = Asked.RESIZE
             self._asked_at = time.monotonic()
         elif d.act is Act.CHECKPOINT:
             with self._lock:
@@ -512,7 +512,7 @@ class Supervisor:
             if drain is not None:
                 grace = max(1.0, min(grace, drain.deadline - time.time()))
             log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
-            if self._asked == "drain" and not self._emergency_committed and not self._emergency_error:
+            if self._asked is Asked.DRAIN and not self._emergency_committed and not self._emergency_error:
                 self._emergency_error = "the drain deadline passed before the emergency checkpoint was committed"
             self.adapter.terminate_workers(grace)
             return self._leave(d.reason)
@@ -565,7 +565,7 @@ class Supervisor:
             self._parked.clear()
         self._send_worlds(world)
         self._on_world(world)
-        self._asked = ""
+        self._asked = Asked.NOTHING
         log.info("reformed_in_place", reason=reason, rendezvous_s=round(t_rdzv - t0, 3),
                  seconds=round(time.monotonic() - t0, 3), planned=plan is not None, **world.log_fields())
         self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
@@ -620,7 +620,7 @@ class Supervisor:
         except RendezvousAborted:
             return self._leave("drained_during_rendezvous")
         self._on_world(world)
-        self._asked = ""
+        self._asked = Asked.NOTHING
         self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
         return None
 

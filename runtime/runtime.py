@@ -70,7 +70,7 @@ objects. A collective that fails because a peer vanished (inside ``rt.accumulati
 ``rt.optimizer_step`` or ``rt.end_step``) is caught: the interrupted step is rolled back (its samples
 come again) and the worker parks the same way. Anything else that fails there exits the worker with
 the resize code, and the agent restarts the world (the fallback). Strategies whose state cannot be
-handed over in memory (``Strategy.reform_state is None``) always take the fallback.
+handed over in memory (``Strategy.reform_state`` is ``RESTART``) always take the fallback.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ from trainguard.runtime import flight
 from trainguard.runtime import reform as rf
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.link import AgentLink
-from trainguard.strategies.base import Strategy, get_strategy
+from trainguard.strategies.base import ReformState, Strategy, get_strategy
 from trainguard.strategies.batch import split
 
 log = get_logger("trainguard.worker")
@@ -379,7 +379,7 @@ class Runtime:
             options["precision"] = precision
         self.strategy = get_strategy(chosen, **options)
         self.strategy.device = self.device  # the strategy never guesses it from where the model sits
-        if self.reform_enabled and self.strategy.reform_state is None:
+        if self.reform_enabled and self.strategy.reform_state is ReformState.RESTART:
             self._log.info("reform_in_place_unsupported", strategy=self.strategy.name,
                            effect="membership changes restart the workers (the fallback path)")
             self.reform_enabled = False
@@ -461,7 +461,7 @@ class Runtime:
         if self._memory_dir and self._tier0_wanted:
             if self._memory is not None:
                 assert self.strategy is not None
-                self._memory.rebind(self.rank, self.world_size, keep=self.strategy.reform_state == "checkpoint")
+                self._memory.rebind(self.rank, self.world_size, keep=self.strategy.reform_state is ReformState.CHECKPOINT)
             else:
                 try:
                     assert self.strategy is not None
@@ -504,8 +504,8 @@ class Runtime:
 
     @property
     def _replicated(self) -> bool:
-        """Every rank holds the whole state (DDP: the strategy's ``reform_state`` is ``replicated``)."""
-        return self.strategy is not None and self.strategy.reform_state == "replicated"
+        """Every rank holds the whole state (DDP: the strategy's ``reform_state`` is ``REPLICATED``)."""
+        return self.strategy is not None and self.strategy.reform_state is ReformState.REPLICATED
 
     @property
     def _tier0_wanted(self) -> bool:
@@ -940,7 +940,7 @@ class Runtime:
         if stop is not proto.StopReason.NONE:
             if self.reform_enabled and mine is not proto.StopReason.DRAIN:
                 assert self.strategy is not None
-                if save and stop is not proto.StopReason.DRAIN and self.strategy.reform_state != "checkpoint":
+                if save and stop is not proto.StopReason.DRAIN and self.strategy.reform_state is not ReformState.CHECKPOINT:
                     # The re-formation itself saves nothing here (the state is handed over in memory):
                     # keep the periodic schedule, so that the step the new world continues from is durable.
                     if not self._periodic_save(save):
@@ -1009,7 +1009,7 @@ class Runtime:
         exits with the resize code and the world restarts from the last commit."""
         kind = why.checkpoint_kind.value
         assert self.strategy is not None
-        need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state == "checkpoint"
+        need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state is ReformState.CHECKPOINT
         if self._manager is not None and need_checkpoint:
             try:
                 seconds, result, committed = self._save_by(kind, deadline)
@@ -1277,7 +1277,7 @@ class Runtime:
     def _sync_live_state(self, step: int | None) -> tuple[str, int | None]:
         """Hand the newest in-memory state to the ranks that lack it (see :func:`rf.sync_live_state`)."""
         assert self.strategy is not None and self._model is not None and self.cursor is not None
-        if self.strategy.reform_state == "checkpoint":
+        if self.strategy.reform_state is ReformState.CHECKPOINT:
             if step is None:
                 return "none", None
             restored = self.restore()  # every rank reloads the step committed at the stop, resharded

@@ -5,7 +5,7 @@ import contextlib
 
 import pytest
 
-from trainguard.agent.decisions import Act, Observation, decide
+from trainguard.agent.decisions import Act, Asked, Observation, decide
 from trainguard.agent.elastic import Plan, planned_complete
 from trainguard.contract import protocol as proto
 from trainguard.runtime.reform import is_peer_failure
@@ -51,11 +51,11 @@ def test_planned_complete_after_a_loss_expects_the_live_members(name, members, a
 
 
 DECISIONS = [
-    ("all local workers parked -> reform", Observation(W.HEALTHY, nproc=2, parked=2, park_reason="drain"),
+    ("all local workers parked -> reform", Observation(W.HEALTHY, nproc=2, parked=2, park_reason=proto.ParkReason.DRAIN),
      Act.REFORM, "drain"),
-    ("one of two parked -> wait for the other", Observation(W.HEALTHY, nproc=2, parked=1, park_reason="drain"),
+    ("one of two parked -> wait for the other", Observation(W.HEALTHY, nproc=2, parked=1, park_reason=proto.ParkReason.DRAIN),
      Act.WAIT, ""),
-    ("parked while this node drains -> leave", Observation(W.HEALTHY, nproc=1, parked=1, draining=True, asked="drain"),
+    ("parked while this node drains -> leave", Observation(W.HEALTHY, nproc=1, parked=1, draining=True, asked=Asked.DRAIN),
      Act.LEAVE, "drained"),
     ("a member lost while ours run on -> restart, no restart consumed",
      Observation(W.HEALTHY, member_lost=True, api_workers=True), Act.RESTART, "member_lost"),
@@ -64,12 +64,12 @@ DECISIONS = [
     ("a member gone, restart mode -> wait out the grace period",
      Observation(W.HEALTHY, member_gone=True, api_workers=True), Act.WAIT, ""),
     ("a member gone, the workers asked already -> wait for them to park",
-     Observation(W.HEALTHY, member_gone=True, api_workers=True, reform_in_place=True, asked="resize"), Act.WAIT, ""),
+     Observation(W.HEALTHY, member_gone=True, api_workers=True, reform_in_place=True, asked=Asked.RESIZE), Act.WAIT, ""),
     ("a member gone while this node drains -> the drain goes on",
      Observation(W.HEALTHY, member_gone=True, api_workers=True, reform_in_place=True, draining=True), Act.ASK_DRAIN,
      "notice"),
     ("emergency committed -> leave without waiting for the exit",
-     Observation(W.HEALTHY, draining=True, asked="drain", api_workers=True, emergency_committed=True), Act.LEAVE, "drained"),
+     Observation(W.HEALTHY, draining=True, asked=Asked.DRAIN, api_workers=True, emergency_committed=True), Act.LEAVE, "drained"),
 ]
 
 

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from trainguard.agent.configload import load_config
+from trainguard.agent.decisions import Asked
 from trainguard.agent.elastic import Peek, Poll, RendezvousAborted, World
 from trainguard.agent.exitcodes import ExitCode
 from trainguard.agent.supervisor import DRAIN_KEY, Supervisor
@@ -265,7 +266,7 @@ def test_an_unreachable_store_is_logged_once_per_outage_not_per_poll(tmp_path):
 
 @pytest.mark.parametrize("reason,seen", [
     ("member_lost", {"member_lost": True, "api_workers": True}),
-    ("resize_overdue", {"asked": "resize", "resize_overdue": True, "api_workers": True}),
+    ("resize_overdue", {"asked": Asked.RESIZE, "resize_overdue": True, "api_workers": True}),
     ("scale_up", {"nodes_waiting": 1}),
 ])
 def test_a_restart_whose_workers_may_be_blocked_stops_them_with_the_short_grace(tmp_path, reason, seen):
