@@ -26,25 +26,26 @@ global batch, and ``name`` goes into the manifest. With the
 32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
-**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) eight integers over a side gloo
-group: ``[stop, save, deadline, busy, overlapped, blocking, -stride, snapshot interval]`` where ``stop`` is a :class:`~trainguard.contract.protocol.StopReason`
-(2 for a drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM
-under plain torchrun), ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
-for an out-of-cycle one (an early warning), ``deadline`` the earliest drain deadline, ``busy`` says
-a previous save still persists somewhere, and the last two say which agreement the ranks are
-configured with (``workers.step_agreement``), ``stride`` below, and the last each rank's tier-0
-snapshot interval proposal (``checkpoint.memory_max_overhead``; the world takes the largest). Every rank therefore sees the same flags after the same
-step: all of them save the same step ``s``, rank 0 commits it, and on a stop all exit with
+**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) each rank's
+:class:`~trainguard.runtime.boundary.Flags` over a side gloo group: its stop request (a
+:class:`~trainguard.contract.protocol.StopReason`: a drain or a resize its agent pushed over the control
+socket, or SIGTERM under plain torchrun), the save it asks for (periodic when due, out of cycle when
+some node's agent asked for one: an early warning), its drain deadline, whether a previous save still
+persists, which agreement it is configured with (``workers.step_agreement``), its ``stride`` (below)
+and its tier-0 snapshot interval proposal (``checkpoint.memory_max_overhead``; the world takes the
+largest). Every rank therefore sees the same flags after the same step, and
+:func:`~trainguard.runtime.boundary.decide_boundary` (pure) says what follows: all of them save the
+same step ``s``, rank 0 commits it, and on a stop all exit with
 :data:`~trainguard.contract.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
 ``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
 step N, runs beside step N+1 and is acted on at the end of N+1: no rank waits on the wire per step,
 and a stop or an out-of-cycle save takes effect one step after it was asked for (a periodic save is
 asked for the step it is due at). The first boundary of a world, with nothing issued yet, exchanges
-and waits; a world whose ranks are configured differently (the last two flags both set there) agrees
-blocking. ``blocking`` exchanges and acts at N: one round trip per step.
+and waits; a world whose ranks are configured differently (both ``overlapped`` and ``blocking`` set there)
+agrees blocking. ``blocking`` exchanges and acts at N: one round trip per step.
 
 **Agreement stride.** Overlapped, the ranks agree only every ``stride`` steps: at the steps that are
-multiples of it (and at a world's first boundary). A seventh flag carries each rank's proposal, the
+multiples of it (and at a world's first boundary). ``Flags.stride`` carries each rank's proposal, the
 most whole steps that fit in ``workers.step_agreement_period_s`` by its mean step time (1 when a step
 is longer; a divisor of ``checkpoint.interval_steps`` when that is set, so that periodic saves keep
 their steps), and the world takes the smallest. Every rank reads the same agreed stride at the same
@@ -103,6 +104,7 @@ from trainguard.contract.log import get_logger
 from trainguard.runtime import device as dev
 from trainguard.runtime import flight
 from trainguard.runtime import reform as rf
+from trainguard.runtime.boundary import MAX_STRIDE, BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.link import AgentLink
 from trainguard.strategies.base import ReformState, Strategy, get_strategy
@@ -110,22 +112,7 @@ from trainguard.strategies.batch import split
 
 log = get_logger("trainguard.worker")
 
-_NO_DEADLINE = -(2**62)
 _GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
-
-
-def _encode_deadline(deadline: float | None) -> int:
-    """A drain deadline (epoch s) as the flag all-reduce carries it: ``-milliseconds``, so that MAX
-    over the ranks picks the earliest one; no deadline is a value below every real one."""
-    return _NO_DEADLINE if deadline is None else -int(deadline * 1000)
-
-
-def _decode_deadline(value: int) -> float | None:
-    return None if value <= _NO_DEADLINE else -value / 1000.0
-
-
-MAX_STRIDE = 64
-"""The most steps between two step agreements (``workers.step_agreement_period_s``)."""
 
 _MAX = dist.AllreduceOptions()
 _MAX.reduceOp = dist.ReduceOp.MAX
@@ -166,18 +153,18 @@ def _ms(seconds: float | None) -> float | None:
 
 
 class _FlagBuffers:
-    """The eight step-boundary integers in two preallocated int64 tensors, filled in turn through a
-    NumPy view (a new ``torch.tensor`` per boundary cost more than the rest of the fill). Two: the
-    overlapped agreement has one exchange in flight while the next boundary's flags are written."""
+    """The step-boundary flags (:meth:`Flags.pack`) in two preallocated int64 tensors, filled in turn
+    through a NumPy view (a new ``torch.tensor`` per boundary cost more than the rest of the fill). Two:
+    the overlapped agreement has one exchange in flight while the next boundary's flags are written."""
 
     def __init__(self) -> None:
-        self._bufs = [torch.zeros(8, dtype=torch.int64) for _ in range(2)]
+        self._bufs = [torch.zeros(Flags.WIDTH, dtype=torch.int64) for _ in range(2)]
         self._views = [b.numpy() for b in self._bufs]
         self._next = 0
 
-    def fill(self, *values: int) -> torch.Tensor:
+    def fill(self, flags: Flags) -> torch.Tensor:
         i, self._next = self._next, 1 - self._next
-        self._views[i][:] = values
+        self._views[i][:] = flags.pack()
         return self._bufs[i]
 
 
@@ -867,11 +854,9 @@ class Runtime:
         return self._group is not None and self.step_agreement == "overlapped" and not self._mixed_agreement
 
     def _local_flags(self, now: float, ahead: int) -> tuple[torch.Tensor, proto.StopReason]:
-        """This rank's side of the step-boundary agreement: ``[stop reason, save kind, deadline, busy,
-        overlapped, blocking, -stride proposal, snapshot interval proposal]`` where kind 2 = out of cycle (an early warning on some
-        node), 1 = periodic, 0 = none, and busy = this rank's previous save is still persisting.
-        ``ahead``: the agreement is acted on that many steps later (a periodic save is asked for the
-        step it will be taken at)."""
+        """This rank's side of the step-boundary agreement (:class:`~trainguard.runtime.boundary.Flags`),
+        packed into the next flag buffer, and its own stop request in it. ``ahead``: the agreement is
+        acted on that many steps later (a periodic save is asked for the step it will be taken at)."""
         due = (self._interval_step(now, ahead) if self._interval is not None and self._manager is not None
                else False)
         notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
@@ -883,12 +868,12 @@ class Runtime:
         # acted on ``ahead`` > 1 steps later (a stride), it has those steps to persist, and counting it
         # would defer every other save of an interval as short as the stride.
         inflight = self._manager.in_flight if self._manager is not None else None
-        busy = int(inflight is not None and (ahead <= 1 or inflight < self.step))
         overlapped = self.step_agreement == "overlapped"
-        flags = self._flag_bufs.fill(int(mine), 2 if notice is not None else int(bool(due)),
-                                     _encode_deadline(self._deadline()), busy, int(overlapped), int(not overlapped),
-                                     -self._stride_proposal(), self._memory_proposal())
-        return flags, mine
+        flags = Flags(stop=mine, save=SaveAsk.NOTICE if notice is not None else SaveAsk(int(bool(due))),
+                      deadline=self._deadline(), busy=inflight is not None and (ahead <= 1 or inflight < self.step),
+                      overlapped=overlapped, blocking=not overlapped, stride=self._stride_proposal(),
+                      memory_every=self._memory_proposal())
+        return self._flag_bufs.fill(flags), mine
 
     def _stride_proposal(self) -> int:
         """This rank's agreement stride: the whole steps of its mean step time that fit in
@@ -910,47 +895,40 @@ class Runtime:
                                self._step_mean_s, self._memory_every)
 
     def _act(self, flags: torch.Tensor, mine: proto.StopReason) -> bool:
-        """Carry out what every rank agreed (MAX of the flags) at this boundary: stop or re-form, then the
-        snapshot and the periodic save. ``mine``: this rank's own stop request in that agreement. False
-        when this worker parked (and re-formed) meanwhile: the step is over for the caller."""
-        stop_v, save, deadline_v, busy, any_overlapped, any_blocking, stride, every = flags.tolist()  # one conversion
-        stop, deadline = proto.StopReason(stop_v), _decode_deadline(deadline_v)
-        self._stride = max(1, min(MAX_STRIDE, -stride))  # the smallest proposal: every rank reads the same
-        if every != self._memory_every and self._memory is not None:  # the largest proposal, alike everywhere
-            self._log.info("memory_interval_changed", step=self.step, interval_steps=every, before=self._memory_every,
-                           snapshot_ms=_ms(self._snapshot_mean_s), step_ms=_ms(self._step_mean_s),
+        """Carry out what every rank agreed (the MAX of the flags) at this boundary, as
+        :func:`~trainguard.runtime.boundary.decide_boundary` decides: stop or re-form, then the snapshot
+        and the save. ``mine``: this rank's own stop request in that agreement. False when this worker
+        parked (and re-formed) meanwhile: the step is over for the caller."""
+        agreed = Flags.unpack(flags.tolist())  # one conversion
+        assert self.strategy is not None
+        d = decide_boundary(agreed, mine=mine, reform_in_place=self.reform_enabled, reform_state=self.strategy.reform_state,
+                            defer_when_busy=self.checkpoint_config.when_busy == "defer",
+                            save_deferred=self._save_deferred, mixed=self._mixed_agreement)
+        self._stride = d.stride
+        if agreed.memory_every != self._memory_every and self._memory is not None:
+            self._log.info("memory_interval_changed", step=self.step, interval_steps=agreed.memory_every,
+                           before=self._memory_every, snapshot_ms=_ms(self._snapshot_mean_s), step_ms=_ms(self._step_mean_s),
                            max_overhead=self.checkpoint_config.memory_max_overhead)
-        self._memory_every = max(1, every)
-        if any_overlapped and any_blocking and not self._mixed_agreement:
-            # Ranks configured differently would act on a stop or a save at different steps: every rank
-            # sees the same MAX here (the world's first boundary, exchanged and waited for), so all agree
-            # blocking for this world.
+        self._memory_every = d.memory_every
+        if d.mixed and not self._mixed_agreement:
             self._mixed_agreement = True
             self._log.warning("step_agreement_mixed", step=self.step, configured=self.step_agreement,
                               effect="this world agrees blocking; set workers.step_agreement alike on every node")
-        if save == 1 and busy and self.checkpoint_config.when_busy == "defer":
-            # A periodic save while the previous one still persists somewhere would stall every rank on
-            # it: defer it to the first step boundary at which none is (the same durability, no stall,
-            # and no rank left waiting outside a collective when a peer dies).
-            if not self._save_deferred:
-                self._log.info("checkpoint_deferred", step=self.step, reason="the previous save is still persisting")
-            self._save_deferred, save = True, 0
-        elif save:
-            self._save_deferred = False
-        if stop is not proto.StopReason.NONE:
-            if self.reform_enabled and mine is not proto.StopReason.DRAIN:
-                assert self.strategy is not None
-                if save and stop is not proto.StopReason.DRAIN and self.strategy.reform_state is not ReformState.CHECKPOINT:
-                    # The re-formation itself saves nothing here (the state is handed over in memory):
-                    # keep the periodic schedule, so that the step the new world continues from is durable.
-                    if not self._periodic_save(save):
-                        return False  # a peer vanished during it: re-formed already
-                self._survive(stop, deadline)  # this node stays: park and re-form in place
-                return False
-            self._stop(stop, deadline)
+        if d.save_deferred and not self._save_deferred:
+            self._log.info("checkpoint_deferred", step=self.step, reason="the previous save is still persisting")
+        self._save_deferred = d.save_deferred
+        if d.act is BoundaryAct.SURVIVE:
+            # The re-formation itself saves nothing where the state is handed over in memory: the periodic
+            # save agreed here is taken first, so that the step the new world continues from is durable.
+            if d.save and not self._periodic_save(d.save):
+                return False  # a peer vanished during it: re-formed already
+            self._survive(d.stop, d.deadline)  # this node stays: park and re-form in place
+            return False
+        if d.act is BoundaryAct.STOP:
+            self._stop(d.stop, d.deadline)  # exits with the resize code
         self._snapshot()
-        if save:
-            return self._periodic_save(save)
+        if d.save:
+            return self._periodic_save(d.save)
         return True
 
     def _snapshot(self) -> None:
@@ -981,13 +959,13 @@ class Runtime:
         lag = self.step - done if done is not None else None
         self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag, self._memory_every)
 
-    def _periodic_save(self, save: int) -> bool:
-        """The periodic (``save == 1``) or out-of-cycle notice (``2``) checkpoint agreed at this step.
+    def _periodic_save(self, save: SaveAsk) -> bool:
+        """The periodic or out-of-cycle (notice) checkpoint agreed at this step.
         False when a peer vanished during it (this worker parked and re-formed meanwhile)."""
         if self._interval is not None:
             self._interval.saved()
         try:
-            self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
+            self._save(proto.CheckpointKind.NOTICE.value if save is SaveAsk.NOTICE else proto.CheckpointKind.PERIODIC.value)
         except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
             if not self._peer_failed(e):
                 raise
