@@ -106,6 +106,7 @@ from trainguard.runtime import flight
 from trainguard.runtime import reform as rf
 from trainguard.runtime.boundary import MAX_STRIDE, BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
+from trainguard.runtime.faults import FaultHooks
 from trainguard.runtime.link import AgentLink
 from trainguard.strategies.base import ReformState, Strategy, get_strategy
 from trainguard.strategies.batch import split
@@ -222,7 +223,7 @@ class Runtime:
         self.current_batch: list[int] = []
         """Sample ids of the whole global batch of the step in progress (all ranks' shares)."""
         self._standby = standby
-        self._inject_fault = inject_fault
+        self._faults = FaultHooks(inject_fault)
         self._broken: BaseException | None = None
         self._stepped = False
         self._cursor_at_step_start: dict[str, Any] | None = None
@@ -460,8 +461,9 @@ class Runtime:
                     self._memory.parity_restore = self._parity_wanted
                 except MemoryTierError as e:
                     self._memory_refused(e)
-                if self._memory is not None and self._inject_fault.startswith("snapshot_written:"):
-                    self._memory.fault_hook = self._kill_after_snapshot_write
+                hook = self._faults.snapshot_written()
+                if self._memory is not None and hook is not None:
+                    self._memory.fault_hook = hook
         if replica_group is not None and self._parity_wanted:  # a collective: every rank, with or without tier 0
             self._bind_parity(replica_group)
         elif replica_group is not None:
@@ -996,11 +998,7 @@ class Runtime:
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                            before_deadline=deadline is None or time.time() <= deadline)
             if self._link is not None:
-                self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank,
-                                                  seconds=round(seconds, 3), nbytes=result.nbytes if result else 0,
-                                                  stage_s=round(result.stage_s, 6) if result else 0.0,
-                                                  persist_s=round(result.persist_s, 6) if result else 0.0,
-                                                  last_committed=committed))
+                self._link.report(self._committed_report(why.checkpoint_kind, seconds, result, committed))
         self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
     def _settle_memory(self, abandon_after: float | None = None) -> None:
@@ -1068,7 +1066,7 @@ class Runtime:
                     raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
                                        f"{self.reform_timeout_s:.0f}s")
                 t_world = time.monotonic()
-                self._maybe_inject("reform")
+                self._faults.fail_at("reform")
                 if self._join_world(msg):
                     break
                 reason = proto.ParkReason.PEER_LOST  # nothing changed yet: park again, state intact
@@ -1166,26 +1164,6 @@ class Runtime:
         assert self._link is not None
         self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
         self._log.info("worker_parked", step=self.step, reason=reason.value)
-
-    def _kill_after_snapshot_write(self, step: int) -> None:
-        """Test fault hook (:attr:`RuntimeEnv.inject_fault` ``snapshot_written:<flag file>``): SIGKILL this
-        worker once a snapshot's data is written and before its commit (its slot torn), once; the flag
-        file (which the test may create first, to hold the fault back) records the step."""
-        flag = self._inject_fault.partition(":")[2]
-        if os.path.exists(flag):
-            return
-        with open(flag, "w") as fh:
-            fh.write(f"{step}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def _maybe_inject(self, point: str) -> None:
-        """Test fault hook (:attr:`RuntimeEnv.inject_fault`): fail once at ``point``."""
-        where, _, flag = self._inject_fault.partition(":")
-        if where != point or not flag or os.path.exists(flag):
-            return
-        with open(flag, "w") as fh:
-            fh.write(f"{point} failed in pid {os.getpid()}\n")
-        raise RuntimeError(f"injected fault at {point} (inject_fault={self._inject_fault!r})")
 
     def _join_world(self, msg: proto.Reform) -> bool:
         """Join the world ``msg`` describes. False when it was called off before every rank arrived
@@ -1335,6 +1313,13 @@ class Runtime:
             raise box["err"]
         return box["ok"]
 
+    def _committed_report(self, kind: proto.CheckpointKind, seconds: float, result: SaveResult | None,
+                          committed: int | None) -> proto.Committed:
+        """The agent's report of this step's checkpoint, committed (one form for every kind)."""
+        return proto.Committed(step=self.step, kind=kind, rank=self.rank, seconds=round(seconds, 3),
+                               nbytes=result.nbytes if result else 0, stage_s=round(result.stage_s, 6) if result else 0.0,
+                               persist_s=round(result.persist_s, 6) if result else 0.0, last_committed=committed)
+
     def _note_committed(self, step: int | None) -> int | None:
         if step is not None and (self._committed is None or step > self._committed):
             self._committed = step
@@ -1368,11 +1353,7 @@ class Runtime:
                 seconds, result, committed = self._save_by(kind, deadline)
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
-                report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, seconds=round(seconds, 3),
-                                         nbytes=result.nbytes if result else 0,
-                                         stage_s=round(result.stage_s, 6) if result else 0.0,
-                                         persist_s=round(result.persist_s, 6) if result else 0.0,
-                                         last_committed=committed)
+                report = self._committed_report(why.checkpoint_kind, seconds, result, committed)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
@@ -1429,11 +1410,7 @@ class Runtime:
                 raise
             self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
             if self._link is not None:
-                self._link.report(proto.Committed(step=self.step, kind=kind, rank=self.rank,
-                                                  seconds=round(seconds, 3), nbytes=result.nbytes if result else 0,
-                                                  stage_s=round(result.stage_s, 6) if result else 0.0,
-                                                  persist_s=round(result.persist_s, 6) if result else 0.0,
-                                                  last_committed=committed))
+                self._link.report(self._committed_report(kind, seconds, result, committed))
         if self._manager is not None:
             self._manager.close()
         if self._memory is not None:
