@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.census")
 

@@ -6,7 +6,7 @@ becomes ``trainguard run --nnodes 1:4 ...``. Flags override ``TRAINGUARD_*`` env
 the YAML file. ``trainguard agent`` is what systemd runs.
 
 Every user error ends as one line ``trainguard: <what> (<YAML key> / <env var>): <fix>`` on stderr and
-exit code 2, never a traceback (:class:`~trainguard.runtime.configbase.ConfigError`).
+exit code 2, never a traceback (:class:`~trainguard.contract.configbase.ConfigError`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from typing import Any
 import yaml
 
 from trainguard.agent import __version__
-from trainguard.runtime import log as tglog
-from trainguard.runtime.configbase import ConfigError
-from trainguard.agent.configload import CONFIG_PATH_ENV, DEFAULT_CONFIG_PATH, load_config, redacted
 from trainguard.agent.config import TrainguardConfig
+from trainguard.agent.configload import CONFIG_PATH_ENV, DEFAULT_CONFIG_PATH, load_config, redacted
+from trainguard.contract import log as tglog
+from trainguard.contract.configbase import ConfigError
 
 log = tglog.get_logger("trainguard.agent.cli")
 
@@ -162,7 +162,7 @@ def _start(cfg: TrainguardConfig, env: Mapping[str, str], *, announce: bool, not
     """Checks, start-up warnings, then the agent (see :mod:`trainguard.agent.preflight`)."""
     from trainguard.agent import preflight, rundir, torchlogs
     from trainguard.agent.daemon import run_agent
-    from trainguard.runtime.protocol import control_socket_path
+    from trainguard.contract.protocol import control_socket_path
 
     tglog.configure(cfg.agent.log_format, cfg.agent.log_level)
     torchlogs.install()
@@ -267,7 +267,7 @@ def _find_agent_socket(args: argparse.Namespace) -> str:
 def _ask(path: str, message: Any, timeout: float) -> Any:
     """One control request with every transport failure turned into a ConfigError naming the fix."""
     from trainguard.agent import control
-    from trainguard.runtime.protocol import ProtocolError
+    from trainguard.contract.protocol import ProtocolError
 
     try:
         return control.request(path, message, timeout=timeout)
@@ -290,7 +290,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
     """Ask the agent to drain; say so in words. ``--wait``: follow it until the node has left and say
     how it ended (exit 0 when its work is committed, 5 when the emergency checkpoint failed, 1 when it
     failed otherwise or did not leave within the deadline plus ``--timeout``)."""
-    from trainguard.runtime.protocol import DrainRequest
+    from trainguard.contract.protocol import DrainRequest
 
     path = _find_agent_socket(args)
     reply = _ask(path, DrainRequest(deadline_s=args.deadline, reason=args.reason or "trainguard drain"), args.timeout)
@@ -310,7 +310,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def _status_request() -> Any:
-    from trainguard.runtime.protocol import StatusRequest
+    from trainguard.contract.protocol import StatusRequest
 
     return StatusRequest()
 
@@ -377,8 +377,8 @@ def _follow_drain(path: str, status: dict[str, Any], *, give_up_at: float) -> in
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from trainguard.contract.protocol import StatusRequest
     from trainguard.metrics.status import status
-    from trainguard.runtime.protocol import StatusRequest
 
     if args.url:
         return status(args.url, timeout_s=args.timeout)

@@ -2,7 +2,7 @@
 
 Precedence: defaults < YAML file < ``TRAINGUARD_*`` environment < CLI flags. Every key has one
 env var, derived mechanically (``rendezvous.min_nodes`` -> ``TRAINGUARD_RENDEZVOUS_MIN_NODES``; see
-:func:`trainguard.runtime.configbase.env_var_for`). The loader lives in
+:func:`trainguard.contract.configbase.env_var_for`). The loader lives in
 :mod:`trainguard.agent.configload`; this module only declares.
 """
 
@@ -14,10 +14,10 @@ import socket
 import ssl
 from dataclasses import dataclass, field
 
-from trainguard.runtime.configbase import FieldError, env_var_for, require, require_finite
-from trainguard.runtime.protocol import STEP_AGREEMENT_PERIOD_S, STEP_AGREEMENTS
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.contract.configbase import FieldError, env_var_for, require, require_finite
+from trainguard.contract.protocol import STEP_AGREEMENT_PERIOD_S, STEP_AGREEMENTS
 from trainguard.metrics.config import CostConfig, MetricsConfig
 
 RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")

@@ -19,11 +19,11 @@ from typing import Any
 
 import yaml
 
-from trainguard.agent.config import SECTIONS, TrainguardConfig
 from trainguard.agent import rundir
-from trainguard.runtime.configbase import (DOCS_CONFIG, ENV_PREFIX, ConfigError, FieldError, env_var_for,
+from trainguard.agent.config import SECTIONS, TrainguardConfig
+from trainguard.contract.configbase import (DOCS_CONFIG, ENV_PREFIX, ConfigError, FieldError, env_var_for,
                                            is_redacted_key, redact)
-from trainguard.runtime.protocol import RT_PREFIX
+from trainguard.contract.protocol import RT_PREFIX
 
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.yaml"
 CONFIG_PATH_ENV = "TRAINGUARD_CONFIG"
@@ -304,6 +304,6 @@ def load_config(
 
 def redacted(cfg: TrainguardConfig) -> dict[str, Any]:
     """The effective config as a plain dict, every possible secret replaced by ``***`` (see
-    :func:`trainguard.runtime.configbase.redact`: by shape, not only by name)."""
+    :func:`trainguard.contract.configbase.redact`: by shape, not only by name)."""
     out = dataclasses.asdict(cfg)
     return {s: {k: redact(f"{s}.{k}", v) for k, v in body.items()} for s, body in out.items()}

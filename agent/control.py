@@ -2,7 +2,7 @@
 
 Why a Unix socket: it never leaves the node, its file mode (0600, in a 0700 directory) is the
 authentication, and a connection that drops tells the agent the worker is gone. It is never a
-network port. The messages and their codec are :mod:`trainguard.runtime.protocol` (one module both
+network port. The messages and their codec are :mod:`trainguard.contract.protocol` (one module both
 ends import); this module is the server and the CLI's one-shot client.
 """
 
@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.runtime import protocol as proto
-from trainguard.runtime.configbase import ConfigError
-from trainguard.runtime.log import get_logger
+from trainguard.contract import protocol as proto
+from trainguard.contract.configbase import ConfigError
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.control")
 Handler = Callable[[proto.Message], proto.Reply | None]
@@ -63,7 +63,7 @@ def refuse_if_live(path: str, job_id: str = "") -> None:
 class ControlServer:
     """Accepts connections on ``path``; one daemon thread per connection, every read with a timeout.
 
-    A worker that says :class:`~trainguard.runtime.protocol.Hello` is registered until its connection
+    A worker that says :class:`~trainguard.contract.protocol.Hello` is registered until its connection
     closes; :meth:`broadcast` sends it orders. Every other message goes to ``on_request``; a reply it
     returns is sent back. A malformed message is answered with an error reply and logged, never fatal.
     """
@@ -237,7 +237,7 @@ class ControlServer:
 def request(path: str, message: proto.Message, timeout: float = 5.0) -> proto.Reply:
     """One request/reply exchange with a running agent (used by the CLI), within ``timeout`` seconds
     in total. Raises ``OSError`` (``TimeoutError``, ``PermissionError``, ...) or
-    :class:`~trainguard.runtime.protocol.ProtocolError`."""
+    :class:`~trainguard.contract.protocol.ProtocolError`."""
     deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)

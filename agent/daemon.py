@@ -16,8 +16,8 @@ from trainguard.agent.drain import DrainCoordinator
 from trainguard.agent.supervisor import Supervisor
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead
-from trainguard.runtime.log import get_logger
-from trainguard.runtime.protocol import AgentState
+from trainguard.contract.log import get_logger
+from trainguard.contract.protocol import AgentState
 
 log = get_logger("trainguard.agent.daemon")
 

@@ -6,10 +6,11 @@ Kept apart from the executor (:mod:`trainguard.agent.supervisor`) in the style o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from trainguard.runtime.protocol import ExitKind, WorkerStatus, classify_exit
+from trainguard.contract.protocol import ExitKind, ParkReason, WorkerStatus, classify_exit
 
 
 class Act(str, Enum):
@@ -25,6 +26,28 @@ class Act(str, Enum):
     FAIL = "fail"
 
 
+class Asked(str, Enum):
+    """What the agent already asked its workers over the control socket (reset when a new world forms)."""
+
+    NOTHING = "nothing"
+    DRAIN = "drain"
+    """:class:`~trainguard.contract.protocol.Stop` with reason drain: checkpoint, then exit (this node leaves)."""
+    RESIZE = "resize"
+    """:class:`~trainguard.contract.protocol.Stop` with reason resize: checkpoint, then re-form."""
+
+
+PARK_PRECEDENCE: tuple[ParkReason, ...] = (ParkReason.STANDBY, ParkReason.RESIZE, ParkReason.PEER_LOST, ParkReason.DRAIN)
+"""Which reason a node's re-formation takes when its local workers parked for different ones, first
+wins. The order is the one the supervisor had (the largest value, alphabetically); of the reasons only
+``PEER_LOST`` changes what the re-formation does (:attr:`~trainguard.agent.elastic.Plan.lost`)."""
+
+
+def park_reason(reasons: Iterable[ParkReason]) -> ParkReason | None:
+    """Pure: the reason of a node's re-formation from its parked workers' (:data:`PARK_PRECEDENCE`)."""
+    present = set(reasons)
+    return next((r for r in PARK_PRECEDENCE if r in present), None)
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     workers: WorkerStatus
@@ -35,8 +58,8 @@ class Observation:
     draining: bool = False
     """This node has a notice and is leaving."""
     drain_deadline_passed: bool = False
-    asked: str = ""
-    """What the workers were already asked: ``""``, ``drain`` or ``resize``."""
+    asked: Asked = Asked.NOTHING
+    """What the workers were already asked."""
     api_workers: bool = False
     """The local workers use the worker API (they registered on the control socket)."""
     peer_draining: bool = False
@@ -47,8 +70,8 @@ class Observation:
     """Local workers this node runs."""
     parked: int = 0
     """Local workers alive and parked for an in-place re-formation."""
-    park_reason: str = ""
-    """Why they parked (:class:`~trainguard.runtime.protocol.ParkReason` value)."""
+    park_reason: ParkReason | None = None
+    """Why they parked (:func:`park_reason` of their reasons)."""
     emergency_committed: bool = False
     """This node's workers reported the emergency checkpoint committed (they exit right after)."""
     resize_overdue: bool = False
@@ -88,7 +111,7 @@ def decide(o: Observation) -> Decision:
         if o.draining:
             return Decision(Act.LEAVE, "drained" if kind is ExitKind.RESIZE else "drained_workers_failed")
         if kind is ExitKind.RESIZE:
-            return Decision(Act.RESTART, o.asked or "resize", consume_restart=False)
+            return Decision(Act.RESTART, "drain" if o.asked is Asked.DRAIN else "resize", consume_restart=False)
         if o.peer_draining and not o.api_workers:
             return Decision(Act.RESTART, "peer_drain", consume_restart=False)
         if o.remaining_restarts > 0:
@@ -99,10 +122,10 @@ def decide(o: Observation) -> Decision:
     if o.parked and o.draining:
         return Decision(Act.LEAVE, "drained")
     if o.parked >= o.nproc > 0:
-        return Decision(Act.REFORM, o.park_reason or "reform")
+        return Decision(Act.REFORM, o.park_reason.value if o.park_reason is not None else "reform")
     if o.member_lost and not o.draining:
         return Decision(Act.RESTART, "member_lost", consume_restart=False, workers_may_be_stuck=True)
-    if o.member_gone and o.api_workers and o.reform_in_place and o.asked == "" and not o.draining:
+    if o.member_gone and o.api_workers and o.reform_in_place and o.asked is Asked.NOTHING and not o.draining:
         # Workers joining a world that lost a member wait in its arrival count and go back to the agent
         # alive; workers training park at their next step boundary. Those that cannot (blocked in a
         # collective) are restarted once the grace period is over (member_lost above).
@@ -110,17 +133,17 @@ def decide(o: Observation) -> Decision:
     if o.draining:
         if o.drain_deadline_passed:
             return Decision(Act.TERMINATE, "drain_deadline_passed")
-        if o.asked != "drain":
+        if o.asked is not Asked.DRAIN:
             return Decision(Act.ASK_DRAIN, "notice") if o.api_workers else Decision(Act.TERMINATE, "notice")
         if o.emergency_committed:  # leave at once: the survivors re-form as soon as this node is out
             return Decision(Act.LEAVE, "drained")
         return Decision(Act.WAIT, "draining")
-    if o.asked == "resize" and o.resize_overdue:
+    if o.asked is Asked.RESIZE and o.resize_overdue:
         return Decision(Act.RESTART, "resize_overdue", consume_restart=False, workers_may_be_stuck=True)
     if o.nodes_waiting > 0:
         if not o.api_workers:
             return Decision(Act.RESTART, "scale_up", consume_restart=False)
-        if o.asked == "":
+        if o.asked is Asked.NOTHING:
             return Decision(Act.ASK_RESIZE, "scale_up")
     if o.checkpoint_requested:
         return Decision(Act.CHECKPOINT, "early_warning")

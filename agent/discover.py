@@ -1,7 +1,7 @@
 """Find the live agents on this node, for ``trainguard drain`` and ``trainguard status`` run without
 ``--socket``.
 
-Each agent listens on ``<state_dir>/<job_id>.sock`` (:func:`~trainguard.runtime.protocol.control_socket_path`).
+Each agent listens on ``<state_dir>/<job_id>.sock`` (:func:`~trainguard.contract.protocol.control_socket_path`).
 The CLI looks in every directory an agent of this user or the system service may use
 (:func:`trainguard.agent.rundir.candidate_state_dirs`, plus the configured one), asks each socket
 for its status, and keeps those that answer. One live agent: use it, and say which. Several: list
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.agent import control, rundir
-from trainguard.runtime import protocol as proto
-from trainguard.runtime.configbase import ConfigError
+from trainguard.contract import protocol as proto
+from trainguard.contract.configbase import ConfigError
 
 PROBE_TIMEOUT_S = 2.0
 

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 from trainguard.agent.watchers.base import Notice
 from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.drain")
 

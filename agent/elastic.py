@@ -63,8 +63,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
 )
 
-from trainguard.runtime.log import get_logger
-from trainguard.runtime.protocol import WorkerStatus
+from trainguard.contract.log import get_logger
+from trainguard.contract.protocol import WorkerStatus
 
 log = get_logger("trainguard.agent.elastic")
 

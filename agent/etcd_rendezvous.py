@@ -69,8 +69,8 @@ from trainguard.agent.etcd_client import (
     prefix_range_end,
     split_host_port,
 )
-from trainguard.runtime.configbase import ConfigError, env_var_for
-from trainguard.runtime.log import get_logger
+from trainguard.contract.configbase import ConfigError, env_var_for
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.etcd")
 

@@ -16,7 +16,7 @@ schedulers and systemd (``SuccessExitStatus=``). One pure function maps the outc
 ===  ===========  ====================================================================================
 
 Worker exit codes (75: "checkpoint committed, re-form me") are another contract,
-:mod:`trainguard.runtime.protocol`.
+:mod:`trainguard.contract.protocol`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 import os
 from typing import Any
 
-from trainguard.runtime.protocol import AgentState, Committed
+from trainguard.contract.protocol import AgentState, Committed
 
 
 class ExitCode(enum.IntEnum):

@@ -16,8 +16,8 @@ import re
 import shutil
 
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.runtime.configbase import ConfigError
-from trainguard.runtime.log import get_logger
+from trainguard.contract.configbase import ConfigError
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.memtier")
 

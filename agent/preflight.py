@@ -1,7 +1,7 @@
 """Checks before an agent starts anything: what would otherwise fail later, deep in torch, a worker or
 a checkpoint save — and burn restarts or lose work on the way.
 
-:func:`check` raises a :class:`~trainguard.runtime.configbase.ConfigError` (the CLI prints
+:func:`check` raises a :class:`~trainguard.contract.configbase.ConfigError` (the CLI prints
 ``trainguard: <what> (<YAML key> / <env var>): <fix>`` and exits 2) for:
 
 * a state directory that is not private (:mod:`trainguard.agent.rundir`);
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from trainguard.agent import rundir
 from trainguard.agent.config import RendezvousConfig, TrainguardConfig, WorkersConfig
 from trainguard.agent.workerenv import omp_default
-from trainguard.runtime.configbase import ConfigError
-from trainguard.runtime.protocol import control_socket_path
+from trainguard.contract.configbase import ConfigError
+from trainguard.contract.protocol import control_socket_path
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs")
 

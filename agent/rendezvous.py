@@ -15,8 +15,8 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from trainguard.agent.config import RendezvousConfig
-from trainguard.runtime.configbase import ConfigError
-from trainguard.runtime.log import get_logger
+from trainguard.contract.configbase import ConfigError
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.rendezvous")
 

@@ -12,7 +12,7 @@ first (``/tmp`` is shared) could hold a socket of theirs under our name. Resolut
 3. ``/tmp/trainguard-<uid>/state``, the base created ``0700``.
 
 :func:`ensure_private_dir` creates what is missing with mode ``0700`` and refuses (a
-:class:`~trainguard.runtime.configbase.ConfigError` naming ``agent.state_dir``) a path that is a
+:class:`~trainguard.contract.configbase.ConfigError` naming ``agent.state_dir``) a path that is a
 symlink, not a directory, owned by another user, or writable by group or others.
 """
 
@@ -23,7 +23,7 @@ import stat
 import tempfile
 from collections.abc import Mapping
 
-from trainguard.runtime.configbase import ConfigError
+from trainguard.contract.configbase import ConfigError
 
 STATE_KEY = "agent.state_dir"
 

@@ -24,7 +24,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 
 log = get_logger(__name__)
 

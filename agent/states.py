@@ -22,7 +22,7 @@
 * ``STOPPED``: left the job on purpose (drained); exit code 0.
 * ``SUCCEEDED``: the job finished. ``FAILED``: gave up.
 
-The state values themselves are :class:`trainguard.runtime.protocol.AgentState` (they reach the CLI
+The state values themselves are :class:`trainguard.contract.protocol.AgentState` (they reach the CLI
 and the metrics labels); this module owns the transitions.
 """
 
@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.runtime.log import get_logger
-from trainguard.runtime.protocol import AgentState
+from trainguard.contract.log import get_logger
+from trainguard.contract.protocol import AgentState
 
 
 S = AgentState

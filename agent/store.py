@@ -46,8 +46,8 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from trainguard.runtime.log import configure, get_logger
 from trainguard.agent.sdnotify import Notifier, WatchdogThread, watchdog_interval
+from trainguard.contract.log import configure, get_logger
 
 log = get_logger("trainguard.agent.store")
 

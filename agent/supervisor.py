@@ -5,7 +5,7 @@ The loop runs on a dedicated thread ("supervisor") inside elastic's agent (see
 tick it :meth:`~Supervisor.observe` s the workers and the node, asks the pure
 :func:`trainguard.agent.decisions.decide` what to do, and :meth:`~Supervisor.execute` s it:
 
-* a worker exit with the resize code (:data:`trainguard.runtime.protocol.EXIT_RESIZE`) re-forms the
+* a worker exit with the resize code (:data:`trainguard.contract.protocol.EXIT_RESIZE`) re-forms the
   world without consuming ``max_restarts``; a crash consumes one, after an exponential backoff;
 * a node with a notice asks its API workers to checkpoint and exit (or SIGTERMs plain scripts with the
   configured grace), then *leaves* the rendezvous without closing it; a notice that arrives while the
@@ -57,21 +57,20 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, Wo
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
-from trainguard.agent import workerenv
+from trainguard.agent import exitcodes, workerenv
 from trainguard.agent.census import check_census, job_view, node_status, share_interval, share_status
 from trainguard.agent.census import record as census_record
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
-from trainguard.agent.decisions import Act, Decision, Observation, decide
-from trainguard.agent import exitcodes
-from trainguard.agent.exitcodes import ExitCode, exit_code
+from trainguard.agent.decisions import Act, Asked, Decision, Observation, decide, park_reason
 from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, World
+from trainguard.agent.exitcodes import ExitCode, exit_code
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
-from trainguard.runtime import protocol as proto
-from trainguard.runtime.log import get_logger
-from trainguard.runtime.protocol import AgentState, WorkerStatus
+from trainguard.contract import protocol as proto
+from trainguard.contract.log import get_logger
+from trainguard.contract.protocol import AgentState, WorkerStatus
 
 log = get_logger("trainguard.agent.supervisor")
 DRAIN_KEY = "trainguard/draining"
@@ -144,7 +143,7 @@ class Supervisor:
         self._world: dict[str, Any] = {}
         self._waiting_for: str | None = None
         """What a starting agent waits for (``status`` says it)."""
-        self._asked = ""
+        self._asked = Asked.NOTHING
         self._drain_published: int | None = None
         """The round this node published its leave in (the record is per round)."""
         self._asked_at = 0.0
@@ -160,8 +159,8 @@ class Supervisor:
         self._member_check_at = 0.0
         self._member_lost_since: float | None = None
         self._joining: set[int] = set()
-        """Local ranks sent a new world (:class:`~trainguard.runtime.protocol.Reform`) that have not said
-        :class:`~trainguard.runtime.protocol.Joined` yet: between worlds, never inside a collective."""
+        """Local ranks sent a new world (:class:`~trainguard.contract.protocol.Reform`) that have not said
+        :class:`~trainguard.contract.protocol.Joined` yet: between worlds, never inside a collective."""
         self._joining_since = 0.0
         self.reform_enabled = cfg.workers.reform == "in-process"
         self._run_started = time.monotonic()
@@ -311,7 +310,7 @@ class Supervisor:
 
     # ---- worker environment -------------------------------------------------------------------
     def worker_env(self) -> dict[str, str]:
-        """Variables every worker gets besides torchrun's (:class:`~trainguard.runtime.protocol.RuntimeEnv`)."""
+        """Variables every worker gets besides torchrun's (:class:`~trainguard.contract.protocol.RuntimeEnv`)."""
         cfg = self.cfg
         env = proto.RuntimeEnv(
             job_id=cfg.agent.job_id, node=cfg.agent.node_name, agent_pid=os.getpid(),
@@ -499,11 +498,11 @@ class Supervisor:
             checkpoint_requested=self._checkpoint_reason is not None,
             nproc=self.cfg.workers.nproc_per_node,
             parked=len(parked) if healthy else 0,
-            park_reason=max((p.reason.value for p in parked.values()), default=""),
+            park_reason=park_reason(p.reason for p in parked.values()),
             member_lost=member_lost,
             member_gone=drain is None and self._member_lost_since is not None,
             reform_in_place=self.reform_enabled,
-            resize_overdue=self._asked == "resize" and time.monotonic() - self._asked_at > self._resize_bound_s(),
+            resize_overdue=self._asked is Asked.RESIZE and time.monotonic() - self._asked_at > self._resize_bound_s(),
             emergency_committed=self._emergency_committed,
         )
         return obs, poll
@@ -518,12 +517,12 @@ class Supervisor:
             self._publish_drain()
             n = self.control.broadcast(proto.Stop(proto.StopReason.DRAIN, drain.deadline, drain.reason or drain.kind))
             log.info("drain_requested_from_workers", workers=n, deadline_in_s=round(drain.deadline - time.time(), 1))
-            self._asked = "drain"
+            self._asked = Asked.DRAIN
         elif d.act is Act.ASK_RESIZE:
             n = self.control.broadcast(proto.Stop(proto.StopReason.RESIZE, None, d.reason))
             log.info("resize_requested_from_workers", workers=n, nodes_waiting=obs.nodes_waiting,
                      bound_s=round(self._resize_bound_s(), 1))
-            self._asked = "resize"
+            self._asked = Asked.RESIZE
             self._asked_at = time.monotonic()
         elif d.act is Act.CHECKPOINT:
             with self._lock:
@@ -540,7 +539,7 @@ class Supervisor:
             if drain is not None:
                 grace = max(1.0, min(grace, drain.deadline - time.time()))
             log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
-            if self._asked == "drain" and not self._emergency_committed and not self._emergency_error:
+            if self._asked is Asked.DRAIN and not self._emergency_committed and not self._emergency_error:
                 self._emergency_error = "the drain deadline passed before the emergency checkpoint was committed"
             self.adapter.terminate_workers(grace)
             return self._leave(d.reason)
@@ -593,7 +592,7 @@ class Supervisor:
             self._parked.clear()
         self._send_worlds(world)
         self._on_world(world)
-        self._asked = ""
+        self._asked = Asked.NOTHING
         log.info("reformed_in_place", reason=reason, rendezvous_s=round(t_rdzv - t0, 3),
                  seconds=round(time.monotonic() - t0, 3), planned=plan is not None, **world.log_fields())
         self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
@@ -648,7 +647,7 @@ class Supervisor:
         except RendezvousAborted:
             return self._leave("drained_during_rendezvous")
         self._on_world(world)
-        self._asked = ""
+        self._asked = Asked.NOTHING
         self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
         return None
 

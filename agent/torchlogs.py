@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 
-from trainguard.runtime.log import get_logger
-from trainguard.runtime.protocol import EXIT_RESIZE
+from trainguard.contract.log import get_logger
+from trainguard.contract.protocol import EXIT_RESIZE
 
 log = get_logger("trainguard.agent.torchlogs")
 ELASTIC_MP_LOGGER = "torch.distributed.elastic.multiprocessing.api"

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="file,s3,gs,memory", help="comma-separated backends")
     ap.add_argument("--json", default=None, metavar="PATH")
     a = ap.parse_args(argv)
-    from trainguard.runtime.log import configure
+    from trainguard.contract.log import configure
 
     configure("console", "warning", sys.stderr)  # the table on stdout; storage warnings on stderr
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")

@@ -67,7 +67,7 @@ from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalP
 from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead  # noqa: E402
 from bench import spotcost  # noqa: E402
 from bench import spotsim as sim  # noqa: E402
-from trainguard.runtime.protocol import STEP_AGREEMENT_PERIOD_S  # noqa: E402
+from trainguard.contract.protocol import STEP_AGREEMENT_PERIOD_S  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 PLAIN = os.path.join(REPO, "examples", "train_gpt.py")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.checkpoint.interval import INTERVAL_SYNTAX, AutoSettings, IntervalPolicy, parse_interval, policy_from_config
-from trainguard.runtime.configbase import FieldError, require
+from trainguard.contract.configbase import FieldError, require
 
 
 @dataclass(kw_only=True, slots=True)

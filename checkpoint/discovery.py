@@ -43,7 +43,7 @@ from trainguard.checkpoint.manifest import (
     step_dir,
 )
 from trainguard.checkpoint.storage import Storage
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.checkpoint")
 

@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from trainguard.checkpoint.errors import CheckpointNotFound, FencedError, StorageError
 from trainguard.checkpoint.manifest import EPOCHS_DIR, epoch_name, parse_epoch_name, parse_step_dir
 from trainguard.checkpoint.storage import Storage
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.checkpoint")
 

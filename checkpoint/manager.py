@@ -82,16 +82,16 @@ from trainguard.checkpoint.errors import (
     SaveCancelled,
     StorageError,
 )
+from trainguard.checkpoint import parity, pinned
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, QUARANTINE_DIR, FileEntry, Manifest, now_fields
-from trainguard.checkpoint import parity, pinned
 from trainguard.checkpoint.memory import (ANY_RANK, HEADER_BYTES, MemoryTier, SnapshotSource, blob_skeleton,
                                           choose_sources, shards_needed)
 from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
-from trainguard.runtime.log import get_logger
-from trainguard.runtime.protocol import CheckpointTier
+from trainguard.contract.log import get_logger
+from trainguard.contract.protocol import CheckpointTier
 
 log = get_logger("trainguard.checkpoint")
 

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from trainguard.checkpoint.errors import CheckpointCorrupt
-from trainguard.runtime.protocol import CheckpointKind
+from trainguard.contract.protocol import CheckpointKind
 
 MANIFEST_NAME = "manifest.json"
 EPOCHS_DIR = "epochs"
@@ -33,7 +33,7 @@ QUARANTINE_DIR = "quarantine"
 """``<url>/<run_id>/quarantine/``: proven-corrupt step directories moved aside as evidence (never restored)."""
 FORMAT_VERSION = 2
 KINDS = tuple(k.value for k in CheckpointKind)
-"""Every checkpoint kind a manifest may carry (:class:`trainguard.runtime.protocol.CheckpointKind`)."""
+"""Every checkpoint kind a manifest may carry (:class:`trainguard.contract.protocol.CheckpointKind`)."""
 _STEP_RE = re.compile(r"step-([0-9]{12,})-e([0-9]{12,})", re.ASCII)
 _EPOCH_RE = re.compile(r"epoch-([0-9]{12,})\.json", re.ASCII)
 

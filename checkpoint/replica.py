@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.memory import HEADER_BYTES, MemoryTier
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.checkpoint.replica")
 

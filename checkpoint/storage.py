@@ -48,9 +48,9 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from trainguard.runtime.log import get_logger
 from trainguard.checkpoint.errors import CheckpointNotFound, SaveCancelled, StorageError
 from trainguard.checkpoint.retry import Backoff, retry_call
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.checkpoint.storage")
 

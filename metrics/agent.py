@@ -36,8 +36,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, CounterMetricFamily, InfoMetricFamily, Metric
 
-from trainguard.runtime.configbase import ConfigError
-from trainguard.runtime.log import get_logger
+from trainguard.contract.configbase import ConfigError
+from trainguard.contract.log import get_logger
 from trainguard.metrics import channel, names
 from trainguard.metrics.config import CostConfig, MetricsConfig
 from trainguard.metrics.cost import cost_snapshot, resolve_price

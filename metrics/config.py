@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainguard.runtime.configbase import require
+from trainguard.contract.configbase import require
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from trainguard.runtime.configbase import ConfigError
+from trainguard.contract.configbase import ConfigError
 from trainguard.metrics.config import CostConfig
 from trainguard.metrics.goodput import GoodputSnapshot
 

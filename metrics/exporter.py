@@ -26,8 +26,8 @@ from wsgiref.simple_server import make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
-from trainguard.runtime.configbase import ConfigError
-from trainguard.runtime.log import get_logger
+from trainguard.contract.configbase import ConfigError
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.metrics.exporter")
 

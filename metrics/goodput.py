@@ -57,8 +57,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.contract.protocol import AgentState
 from trainguard.metrics.names import WASTE_REASONS
-from trainguard.runtime.protocol import AgentState
 
 TERMINAL_STATES = frozenset(s.value for s in AgentState if s.terminal)
 """States that end the paid clock: the agent is going away or the job is over."""

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.metrics.gpu")
 

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import re
 
-from trainguard.runtime.protocol import AgentState, CheckpointKind, CheckpointTier, NoticeSource
+from trainguard.contract.protocol import AgentState, CheckpointKind, CheckpointTier, NoticeSource
 
 PREFIX = "trainguard_"
 
 AGENT_STATES: tuple[str, ...] = tuple(s.value for s in AgentState)
-"""States of the agent's state machine (:class:`~trainguard.runtime.protocol.AgentState`); one gauge
+"""States of the agent's state machine (:class:`~trainguard.contract.protocol.AgentState`); one gauge
 series per state."""
 
 CHECKPOINT_KINDS: tuple[str, ...] = (*(k.value for k in CheckpointKind), "other")
-"""``kind`` label of checkpoint metrics (:class:`~trainguard.runtime.protocol.CheckpointKind`):
+"""``kind`` label of checkpoint metrics (:class:`~trainguard.contract.protocol.CheckpointKind`):
 ``periodic`` the interval save; ``emergency`` taken on a drain; ``resize`` taken before a re-formation;
 ``final`` at the end of training; ``notice`` out of cycle on an early warning; ``other`` anything else."""
 
 CHECKPOINT_TIERS: tuple[str, ...] = tuple(t.value for t in CheckpointTier)
-"""``tier`` label of restores (:class:`~trainguard.runtime.protocol.CheckpointTier`): ``memory`` the
+"""``tier`` label of restores (:class:`~trainguard.contract.protocol.CheckpointTier`): ``memory`` the
 node's in-memory snapshots (tier 0), ``peer`` a buddy's replica (tier 1), ``storage`` a committed
 checkpoint, ``none`` nothing to restore."""
 
@@ -33,7 +33,7 @@ MEMORY_BUCKETS_S: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 """Buckets of the in-memory snapshot time (a memory copy: milliseconds)."""
 
 NOTICE_SOURCES: tuple[str, ...] = tuple(s.value for s in NoticeSource)
-"""``source`` label of preemption notices (:class:`~trainguard.runtime.protocol.NoticeSource`)."""
+"""``source`` label of preemption notices (:class:`~trainguard.contract.protocol.NoticeSource`)."""
 
 RESTART_REASONS: tuple[str, ...] = ("worker_failure", "worker_hang", "rendezvous_failure", "agent_restart")
 """``reason`` values pre-declared for ``trainguard_restarts_total`` (others are accepted, up to

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 from trainguard.metrics import names
 from trainguard.metrics.channel import ENV_VAR
 
@@ -369,7 +369,7 @@ class WorkerMetrics:
         f.restores.labels(kind=self._kind(kind)).inc()
 
     def observe_restore_tier(self, tier: str) -> None:
-        """The workers restored from ``tier`` (a :class:`~trainguard.runtime.protocol.CheckpointTier` value).
+        """The workers restored from ``tier`` (a :class:`~trainguard.contract.protocol.CheckpointTier` value).
         Counted by local rank 0."""
         f = self._f
         if f is None or self.local_rank != 0:

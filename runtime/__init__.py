@@ -1,4 +1,4 @@
-"""trainguard.runtime: what runs inside the training process, and the leaf modules both ends share.
+"""trainguard.runtime: what runs inside the training process.
 
 * :class:`Runtime` (:mod:`trainguard.runtime.runtime`) — the worker API: ``from trainguard.runtime
   import Runtime``;
@@ -6,12 +6,11 @@
 * :mod:`~trainguard.runtime.link` — the worker's end of the agent's control socket;
 * :mod:`~trainguard.runtime.shim` — orphan safety, the first code every worker process runs.
 
-Leaf modules, importing nothing of trainguard (so ``checkpoint``, ``strategies``, ``metrics`` and the
-agent may all import them without a cycle): :mod:`~trainguard.runtime.protocol` (the worker <-> agent
-<-> CLI contract), :mod:`~trainguard.runtime.log` (structlog set-up) and
-:mod:`~trainguard.runtime.configbase` (typed config building blocks).
+The contract both ends share (protocol, log, config base) lives in the leaf package
+:mod:`trainguard.contract`, below every other package.
 
-``Runtime`` is imported lazily (PEP 562), so importing a leaf module never loads torch.
+``Runtime`` is imported lazily (PEP 562), so the agent's worker launcher
+(:mod:`~trainguard.runtime.shim`) starts without loading torch.
 """
 
 from __future__ import annotations

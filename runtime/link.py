@@ -1,7 +1,7 @@
-"""The worker's end of the agent's control socket (:mod:`trainguard.runtime.protocol`).
+"""The worker's end of the agent's control socket (:mod:`trainguard.contract.protocol`).
 
-Says :class:`~trainguard.runtime.protocol.Hello` once, then a daemon thread listens for
-:class:`~trainguard.runtime.protocol.Stop` orders; the training thread reads :attr:`AgentLink.request`
+Says :class:`~trainguard.contract.protocol.Hello` once, then a daemon thread listens for
+:class:`~trainguard.contract.protocol.Stop` orders; the training thread reads :attr:`AgentLink.request`
 at each step boundary and reports commits with :meth:`AgentLink.committed`.
 """
 
@@ -12,8 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from trainguard.runtime import protocol as proto
-from trainguard.runtime.log import get_logger
+from trainguard.contract import protocol as proto
+from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.runtime.link")
 
@@ -24,7 +24,7 @@ class AgentLink:
     def __init__(self, path: str, rank: int, local_rank: int, pid: int, *, connect_timeout_s: float = 5.0) -> None:
         self.request = proto.StopReason.NONE
         self.checkpoint_reason: str | None = None
-        """Set by a :class:`~trainguard.runtime.protocol.CheckpointNow` order until :meth:`take_checkpoint`."""
+        """Set by a :class:`~trainguard.contract.protocol.CheckpointNow` order until :meth:`take_checkpoint`."""
         self.deadline: float | None = None
         """Epoch seconds by which a draining node must be gone (from the agent's stop order)."""
         self._reform: proto.Reform | None = None

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainguard.contract.log import get_logger
 from trainguard.runtime import device as dev
-from trainguard.runtime.log import get_logger
 
 log = get_logger("trainguard.runtime.reform")
 

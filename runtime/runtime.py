@@ -26,25 +26,26 @@ global batch, and ``name`` goes into the manifest. With the
 32-bit precision ``rt.autocast()``/``rt.backward()``/``rt.optimizer_step()`` are plain
 ``nullcontext``/``loss.backward()``/``opt.step()``, so scripts that call those directly keep working.
 
-**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) eight integers over a side gloo
-group: ``[stop, save, deadline, busy, overlapped, blocking, -stride, snapshot interval]`` where ``stop`` is a :class:`~trainguard.runtime.protocol.StopReason`
-(2 for a drain, 1 for a resize request this rank's agent pushed over the control socket, or SIGTERM
-under plain torchrun), ``save`` is 1 when a periodic checkpoint is due, 2 when some node's agent asked
-for an out-of-cycle one (an early warning), ``deadline`` the earliest drain deadline, ``busy`` says
-a previous save still persists somewhere, and the last two say which agreement the ranks are
-configured with (``workers.step_agreement``), ``stride`` below, and the last each rank's tier-0
-snapshot interval proposal (``checkpoint.memory_max_overhead``; the world takes the largest). Every rank therefore sees the same flags after the same
-step: all of them save the same step ``s``, rank 0 commits it, and on a stop all exit with
-:data:`~trainguard.runtime.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
+**Agreement at a step boundary.** ``end_step`` all-reduces (MAX) each rank's
+:class:`~trainguard.runtime.boundary.Flags` over a side gloo group: its stop request (a
+:class:`~trainguard.contract.protocol.StopReason`: a drain or a resize its agent pushed over the control
+socket, or SIGTERM under plain torchrun), the save it asks for (periodic when due, out of cycle when
+some node's agent asked for one: an early warning), its drain deadline, whether a previous save still
+persists, which agreement it is configured with (``workers.step_agreement``), its ``stride`` (below)
+and its tier-0 snapshot interval proposal (``checkpoint.memory_max_overhead``; the world takes the
+largest). Every rank therefore sees the same flags after the same step, and
+:func:`~trainguard.runtime.boundary.decide_boundary` (pure) says what follows: all of them save the
+same step ``s``, rank 0 commits it, and on a stop all exit with
+:data:`~trainguard.contract.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
 ``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
 step N, runs beside step N+1 and is acted on at the end of N+1: no rank waits on the wire per step,
 and a stop or an out-of-cycle save takes effect one step after it was asked for (a periodic save is
 asked for the step it is due at). The first boundary of a world, with nothing issued yet, exchanges
-and waits; a world whose ranks are configured differently (the last two flags both set there) agrees
-blocking. ``blocking`` exchanges and acts at N: one round trip per step.
+and waits; a world whose ranks are configured differently (both ``overlapped`` and ``blocking`` set there)
+agrees blocking. ``blocking`` exchanges and acts at N: one round trip per step.
 
 **Agreement stride.** Overlapped, the ranks agree only every ``stride`` steps: at the steps that are
-multiples of it (and at a world's first boundary). A seventh flag carries each rank's proposal, the
+multiples of it (and at a world's first boundary). ``Flags.stride`` carries each rank's proposal, the
 most whole steps that fit in ``workers.step_agreement_period_s`` by its mean step time (1 when a step
 is longer; a divisor of ``checkpoint.interval_steps`` when that is set, so that periodic saves keep
 their steps), and the world takes the smallest. Every rank reads the same agreed stride at the same
@@ -61,8 +62,8 @@ groups share one part) and the global batch stays constant by adapting gradient 
 **In-place re-formation** (``workers.reform: in-process``, the default under the agent). A worker
 that survives a membership change does not exit: at the agreed step it commits the emergency
 checkpoint if a node drains (durability; the node that leaves exits), tears its process groups down,
-reports :class:`~trainguard.runtime.protocol.Parked` and waits for the agent's
-:class:`~trainguard.runtime.protocol.Reform`. It then builds the new world's groups, re-wraps the model
+reports :class:`~trainguard.contract.protocol.Parked` and waits for the agent's
+:class:`~trainguard.contract.protocol.Reform`. It then builds the new world's groups, re-wraps the model
 (:meth:`Strategy.reform`), recomputes its batch plan, and the ranks that lack the state (a joiner, a
 restarted worker) receive it from a live peer (:func:`~trainguard.runtime.reform.sync_live_state`).
 ``end_step`` returns and the loop goes on with the next step: same process, same model and optimizer
@@ -70,7 +71,7 @@ objects. A collective that fails because a peer vanished (inside ``rt.accumulati
 ``rt.optimizer_step`` or ``rt.end_step``) is caught: the interrupted step is rolled back (its samples
 come again) and the worker parks the same way. Anything else that fails there exits the worker with
 the resize code, and the agent restarts the world (the fallback). Strategies whose state cannot be
-handed over in memory (``Strategy.reform_state is None``) always take the fallback.
+handed over in memory (``Strategy.reform_state`` is ``RESTART``) always take the fallback.
 """
 
 from __future__ import annotations
@@ -98,34 +99,21 @@ from trainguard.checkpoint.memory import MemoryTier, MemoryTierError
 from trainguard.checkpoint.memory import parity_buffers as memory_parity_buffers
 from trainguard.checkpoint.replica import Replicator
 from trainguard.checkpoint.state import TrainerState
+from trainguard.contract import protocol as proto
+from trainguard.contract.log import get_logger
 from trainguard.runtime import device as dev
 from trainguard.runtime import flight
-from trainguard.runtime import protocol as proto
 from trainguard.runtime import reform as rf
+from trainguard.runtime.boundary import MAX_STRIDE, BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
+from trainguard.runtime.faults import FaultHooks
 from trainguard.runtime.link import AgentLink
-from trainguard.runtime.log import get_logger
-from trainguard.strategies.base import Strategy, get_strategy
+from trainguard.strategies.base import ReformState, Strategy, get_strategy
 from trainguard.strategies.batch import split
 
 log = get_logger("trainguard.worker")
 
-_NO_DEADLINE = -(2**62)
 _GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
-
-
-def _encode_deadline(deadline: float | None) -> int:
-    """A drain deadline (epoch s) as the flag all-reduce carries it: ``-milliseconds``, so that MAX
-    over the ranks picks the earliest one; no deadline is a value below every real one."""
-    return _NO_DEADLINE if deadline is None else -int(deadline * 1000)
-
-
-def _decode_deadline(value: int) -> float | None:
-    return None if value <= _NO_DEADLINE else -value / 1000.0
-
-
-MAX_STRIDE = 64
-"""The most steps between two step agreements (``workers.step_agreement_period_s``)."""
 
 _MAX = dist.AllreduceOptions()
 _MAX.reduceOp = dist.ReduceOp.MAX
@@ -166,18 +154,18 @@ def _ms(seconds: float | None) -> float | None:
 
 
 class _FlagBuffers:
-    """The eight step-boundary integers in two preallocated int64 tensors, filled in turn through a
-    NumPy view (a new ``torch.tensor`` per boundary cost more than the rest of the fill). Two: the
-    overlapped agreement has one exchange in flight while the next boundary's flags are written."""
+    """The step-boundary flags (:meth:`Flags.pack`) in two preallocated int64 tensors, filled in turn
+    through a NumPy view (a new ``torch.tensor`` per boundary cost more than the rest of the fill). Two:
+    the overlapped agreement has one exchange in flight while the next boundary's flags are written."""
 
     def __init__(self) -> None:
-        self._bufs = [torch.zeros(8, dtype=torch.int64) for _ in range(2)]
+        self._bufs = [torch.zeros(Flags.WIDTH, dtype=torch.int64) for _ in range(2)]
         self._views = [b.numpy() for b in self._bufs]
         self._next = 0
 
-    def fill(self, *values: int) -> torch.Tensor:
+    def fill(self, flags: Flags) -> torch.Tensor:
         i, self._next = self._next, 1 - self._next
-        self._views[i][:] = values
+        self._views[i][:] = flags.pack()
         return self._bufs[i]
 
 
@@ -235,7 +223,7 @@ class Runtime:
         self.current_batch: list[int] = []
         """Sample ids of the whole global batch of the step in progress (all ranks' shares)."""
         self._standby = standby
-        self._inject_fault = inject_fault
+        self._faults = FaultHooks(inject_fault)
         self._broken: BaseException | None = None
         self._stepped = False
         self._cursor_at_step_start: dict[str, Any] | None = None
@@ -328,12 +316,12 @@ class Runtime:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Runtime:
         """Initialise the process group from the torchelastic env (gloo on CPU, NCCL on GPU) and read
-        the agent's :class:`~trainguard.runtime.protocol.RuntimeEnv`. Works under plain torchrun and alone too.
+        the agent's :class:`~trainguard.contract.protocol.RuntimeEnv`. Works under plain torchrun and alone too.
 
         A standby worker (a joiner warming up before its world exists) makes no process group here:
-        :meth:`setup` waits for the agent's :class:`~trainguard.runtime.protocol.Reform` first."""
+        :meth:`setup` waits for the agent's :class:`~trainguard.contract.protocol.Reform` first."""
         rtenv = proto.RuntimeEnv.from_env(env)
-        from trainguard.runtime import log as tglog
+        from trainguard.contract import log as tglog
 
         tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
         reform = rtenv.reform and rtenv.under_agent
@@ -379,7 +367,7 @@ class Runtime:
             options["precision"] = precision
         self.strategy = get_strategy(chosen, **options)
         self.strategy.device = self.device  # the strategy never guesses it from where the model sits
-        if self.reform_enabled and self.strategy.reform_state is None:
+        if self.reform_enabled and self.strategy.reform_state is ReformState.RESTART:
             self._log.info("reform_in_place_unsupported", strategy=self.strategy.name,
                            effect="membership changes restart the workers (the fallback path)")
             self.reform_enabled = False
@@ -461,7 +449,7 @@ class Runtime:
         if self._memory_dir and self._tier0_wanted:
             if self._memory is not None:
                 assert self.strategy is not None
-                self._memory.rebind(self.rank, self.world_size, keep=self.strategy.reform_state == "checkpoint")
+                self._memory.rebind(self.rank, self.world_size, keep=self.strategy.reform_state is ReformState.CHECKPOINT)
             else:
                 try:
                     assert self.strategy is not None
@@ -473,8 +461,9 @@ class Runtime:
                     self._memory.parity_restore = self._parity_wanted
                 except MemoryTierError as e:
                     self._memory_refused(e)
-                if self._memory is not None and self._inject_fault.startswith("snapshot_written:"):
-                    self._memory.fault_hook = self._kill_after_snapshot_write
+                hook = self._faults.snapshot_written()
+                if self._memory is not None and hook is not None:
+                    self._memory.fault_hook = hook
         if replica_group is not None and self._parity_wanted:  # a collective: every rank, with or without tier 0
             self._bind_parity(replica_group)
         elif replica_group is not None:
@@ -504,8 +493,8 @@ class Runtime:
 
     @property
     def _replicated(self) -> bool:
-        """Every rank holds the whole state (DDP: the strategy's ``reform_state`` is ``replicated``)."""
-        return self.strategy is not None and self.strategy.reform_state == "replicated"
+        """Every rank holds the whole state (DDP: the strategy's ``reform_state`` is ``REPLICATED``)."""
+        return self.strategy is not None and self.strategy.reform_state is ReformState.REPLICATED
 
     @property
     def _tier0_wanted(self) -> bool:
@@ -873,11 +862,9 @@ class Runtime:
         return self._group is not None and self.step_agreement == "overlapped" and not self._mixed_agreement
 
     def _local_flags(self, now: float, ahead: int) -> tuple[torch.Tensor, proto.StopReason]:
-        """This rank's side of the step-boundary agreement: ``[stop reason, save kind, deadline, busy,
-        overlapped, blocking, -stride proposal, snapshot interval proposal]`` where kind 2 = out of cycle (an early warning on some
-        node), 1 = periodic, 0 = none, and busy = this rank's previous save is still persisting.
-        ``ahead``: the agreement is acted on that many steps later (a periodic save is asked for the
-        step it will be taken at)."""
+        """This rank's side of the step-boundary agreement (:class:`~trainguard.runtime.boundary.Flags`),
+        packed into the next flag buffer, and its own stop request in it. ``ahead``: the agreement is
+        acted on that many steps later (a periodic save is asked for the step it will be taken at)."""
         due = (self._interval_step(now, ahead) if self._interval is not None and self._manager is not None
                else False)
         notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
@@ -889,12 +876,12 @@ class Runtime:
         # acted on ``ahead`` > 1 steps later (a stride), it has those steps to persist, and counting it
         # would defer every other save of an interval as short as the stride.
         inflight = self._manager.in_flight if self._manager is not None else None
-        busy = int(inflight is not None and (ahead <= 1 or inflight < self.step))
         overlapped = self.step_agreement == "overlapped"
-        flags = self._flag_bufs.fill(int(mine), 2 if notice is not None else int(bool(due)),
-                                     _encode_deadline(self._deadline()), busy, int(overlapped), int(not overlapped),
-                                     -self._stride_proposal(), self._memory_proposal())
-        return flags, mine
+        flags = Flags(stop=mine, save=SaveAsk.NOTICE if notice is not None else SaveAsk(int(bool(due))),
+                      deadline=self._deadline(), busy=inflight is not None and (ahead <= 1 or inflight < self.step),
+                      overlapped=overlapped, blocking=not overlapped, stride=self._stride_proposal(),
+                      memory_every=self._memory_proposal())
+        return self._flag_bufs.fill(flags), mine
 
     def _stride_proposal(self) -> int:
         """This rank's agreement stride: the whole steps of its mean step time that fit in
@@ -916,47 +903,40 @@ class Runtime:
                                self._step_mean_s, self._memory_every)
 
     def _act(self, flags: torch.Tensor, mine: proto.StopReason) -> bool:
-        """Carry out what every rank agreed (MAX of the flags) at this boundary: stop or re-form, then the
-        snapshot and the periodic save. ``mine``: this rank's own stop request in that agreement. False
-        when this worker parked (and re-formed) meanwhile: the step is over for the caller."""
-        stop_v, save, deadline_v, busy, any_overlapped, any_blocking, stride, every = flags.tolist()  # one conversion
-        stop, deadline = proto.StopReason(stop_v), _decode_deadline(deadline_v)
-        self._stride = max(1, min(MAX_STRIDE, -stride))  # the smallest proposal: every rank reads the same
-        if every != self._memory_every and self._memory is not None:  # the largest proposal, alike everywhere
-            self._log.info("memory_interval_changed", step=self.step, interval_steps=every, before=self._memory_every,
-                           snapshot_ms=_ms(self._snapshot_mean_s), step_ms=_ms(self._step_mean_s),
+        """Carry out what every rank agreed (the MAX of the flags) at this boundary, as
+        :func:`~trainguard.runtime.boundary.decide_boundary` decides: stop or re-form, then the snapshot
+        and the save. ``mine``: this rank's own stop request in that agreement. False when this worker
+        parked (and re-formed) meanwhile: the step is over for the caller."""
+        agreed = Flags.unpack(flags.tolist())  # one conversion
+        assert self.strategy is not None
+        d = decide_boundary(agreed, mine=mine, reform_in_place=self.reform_enabled, reform_state=self.strategy.reform_state,
+                            defer_when_busy=self.checkpoint_config.when_busy == "defer",
+                            save_deferred=self._save_deferred, mixed=self._mixed_agreement)
+        self._stride = d.stride
+        if agreed.memory_every != self._memory_every and self._memory is not None:
+            self._log.info("memory_interval_changed", step=self.step, interval_steps=agreed.memory_every,
+                           before=self._memory_every, snapshot_ms=_ms(self._snapshot_mean_s), step_ms=_ms(self._step_mean_s),
                            max_overhead=self.checkpoint_config.memory_max_overhead)
-        self._memory_every = max(1, every)
-        if any_overlapped and any_blocking and not self._mixed_agreement:
-            # Ranks configured differently would act on a stop or a save at different steps: every rank
-            # sees the same MAX here (the world's first boundary, exchanged and waited for), so all agree
-            # blocking for this world.
+        self._memory_every = d.memory_every
+        if d.mixed and not self._mixed_agreement:
             self._mixed_agreement = True
             self._log.warning("step_agreement_mixed", step=self.step, configured=self.step_agreement,
                               effect="this world agrees blocking; set workers.step_agreement alike on every node")
-        if save == 1 and busy and self.checkpoint_config.when_busy == "defer":
-            # A periodic save while the previous one still persists somewhere would stall every rank on
-            # it: defer it to the first step boundary at which none is (the same durability, no stall,
-            # and no rank left waiting outside a collective when a peer dies).
-            if not self._save_deferred:
-                self._log.info("checkpoint_deferred", step=self.step, reason="the previous save is still persisting")
-            self._save_deferred, save = True, 0
-        elif save:
-            self._save_deferred = False
-        if stop is not proto.StopReason.NONE:
-            if self.reform_enabled and mine is not proto.StopReason.DRAIN:
-                assert self.strategy is not None
-                if save and stop is not proto.StopReason.DRAIN and self.strategy.reform_state != "checkpoint":
-                    # The re-formation itself saves nothing here (the state is handed over in memory):
-                    # keep the periodic schedule, so that the step the new world continues from is durable.
-                    if not self._periodic_save(save):
-                        return False  # a peer vanished during it: re-formed already
-                self._survive(stop, deadline)  # this node stays: park and re-form in place
-                return False
-            self._stop(stop, deadline)
+        if d.save_deferred and not self._save_deferred:
+            self._log.info("checkpoint_deferred", step=self.step, reason="the previous save is still persisting")
+        self._save_deferred = d.save_deferred
+        if d.act is BoundaryAct.SURVIVE:
+            # The re-formation itself saves nothing where the state is handed over in memory: the periodic
+            # save agreed here is taken first, so that the step the new world continues from is durable.
+            if d.save and not self._periodic_save(d.save):
+                return False  # a peer vanished during it: re-formed already
+            self._survive(d.stop, d.deadline)  # this node stays: park and re-form in place
+            return False
+        if d.act is BoundaryAct.STOP:
+            self._stop(d.stop, d.deadline)  # exits with the resize code
         self._snapshot()
-        if save:
-            return self._periodic_save(save)
+        if d.save:
+            return self._periodic_save(d.save)
         return True
 
     def _snapshot(self) -> None:
@@ -987,13 +967,13 @@ class Runtime:
         lag = self.step - done if done is not None else None
         self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag, self._memory_every)
 
-    def _periodic_save(self, save: int) -> bool:
-        """The periodic (``save == 1``) or out-of-cycle notice (``2``) checkpoint agreed at this step.
+    def _periodic_save(self, save: SaveAsk) -> bool:
+        """The periodic or out-of-cycle (notice) checkpoint agreed at this step.
         False when a peer vanished during it (this worker parked and re-formed meanwhile)."""
         if self._interval is not None:
             self._interval.saved()
         try:
-            self._save(proto.CheckpointKind.NOTICE.value if save == 2 else proto.CheckpointKind.PERIODIC.value)
+            self._save(proto.CheckpointKind.NOTICE.value if save is SaveAsk.NOTICE else proto.CheckpointKind.PERIODIC.value)
         except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
             if not self._peer_failed(e):
                 raise
@@ -1015,7 +995,7 @@ class Runtime:
         exits with the resize code and the world restarts from the last commit."""
         kind = why.checkpoint_kind.value
         assert self.strategy is not None
-        need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state == "checkpoint"
+        need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state is ReformState.CHECKPOINT
         if self._manager is not None and need_checkpoint:
             try:
                 seconds, result, committed = self._save_by(kind, deadline)
@@ -1024,11 +1004,7 @@ class Runtime:
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                            before_deadline=deadline is None or time.time() <= deadline)
             if self._link is not None:
-                self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank,
-                                                  seconds=round(seconds, 3), nbytes=result.nbytes if result else 0,
-                                                  stage_s=round(result.stage_s, 6) if result else 0.0,
-                                                  persist_s=round(result.persist_s, 6) if result else 0.0,
-                                                  last_committed=committed))
+                self._link.report(self._committed_report(why.checkpoint_kind, seconds, result, committed))
         self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
     def _settle_memory(self, abandon_after: float | None = None) -> None:
@@ -1096,7 +1072,7 @@ class Runtime:
                     raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
                                        f"{self.reform_timeout_s:.0f}s")
                 t_world = time.monotonic()
-                self._maybe_inject("reform")
+                self._faults.fail_at("reform")
                 if self._join_world(msg):
                     break
                 reason = proto.ParkReason.PEER_LOST  # nothing changed yet: park again, state intact
@@ -1191,26 +1167,6 @@ class Runtime:
         self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
         self._log.info("worker_parked", step=self.step, reason=reason.value)
 
-    def _kill_after_snapshot_write(self, step: int) -> None:
-        """Test fault hook (:attr:`RuntimeEnv.inject_fault` ``snapshot_written:<flag file>``): SIGKILL this
-        worker once a snapshot's data is written and before its commit (its slot torn), once; the flag
-        file (which the test may create first, to hold the fault back) records the step."""
-        flag = self._inject_fault.partition(":")[2]
-        if os.path.exists(flag):
-            return
-        with open(flag, "w") as fh:
-            fh.write(f"{step}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def _maybe_inject(self, point: str) -> None:
-        """Test fault hook (:attr:`RuntimeEnv.inject_fault`): fail once at ``point``."""
-        where, _, flag = self._inject_fault.partition(":")
-        if where != point or not flag or os.path.exists(flag):
-            return
-        with open(flag, "w") as fh:
-            fh.write(f"{point} failed in pid {os.getpid()}\n")
-        raise RuntimeError(f"injected fault at {point} (inject_fault={self._inject_fault!r})")
-
     def _join_world(self, msg: proto.Reform) -> bool:
         """Join the world ``msg`` describes. False when it was called off before every rank arrived
         (:class:`rf.JoinAborted`: the agent saw a member go, or this node drains): nothing of this
@@ -1279,7 +1235,7 @@ class Runtime:
     def _sync_live_state(self, step: int | None) -> tuple[str, int | None]:
         """Hand the newest in-memory state to the ranks that lack it (see :func:`rf.sync_live_state`)."""
         assert self.strategy is not None and self._model is not None and self.cursor is not None
-        if self.strategy.reform_state == "checkpoint":
+        if self.strategy.reform_state is ReformState.CHECKPOINT:
             if step is None:
                 return "none", None
             restored = self.restore()  # every rank reloads the step committed at the stop, resharded
@@ -1366,6 +1322,13 @@ class Runtime:
             raise box["err"]
         return box["ok"]
 
+    def _committed_report(self, kind: proto.CheckpointKind, seconds: float, result: SaveResult | None,
+                          committed: int | None) -> proto.Committed:
+        """The agent's report of this step's checkpoint, committed (one form for every kind)."""
+        return proto.Committed(step=self.step, kind=kind, rank=self.rank, seconds=round(seconds, 3),
+                               nbytes=result.nbytes if result else 0, stage_s=round(result.stage_s, 6) if result else 0.0,
+                               persist_s=round(result.persist_s, 6) if result else 0.0, last_committed=committed)
+
     def _note_committed(self, step: int | None) -> int | None:
         if step is not None and (self._committed is None or step > self._committed):
             self._committed = step
@@ -1399,11 +1362,7 @@ class Runtime:
                 seconds, result, committed = self._save_by(kind, deadline)
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
-                report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, seconds=round(seconds, 3),
-                                         nbytes=result.nbytes if result else 0,
-                                         stage_s=round(result.stage_s, 6) if result else 0.0,
-                                         persist_s=round(result.persist_s, 6) if result else 0.0,
-                                         last_committed=committed)
+                report = self._committed_report(why.checkpoint_kind, seconds, result, committed)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
@@ -1460,11 +1419,7 @@ class Runtime:
                 raise
             self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
             if self._link is not None:
-                self._link.report(proto.Committed(step=self.step, kind=kind, rank=self.rank,
-                                                  seconds=round(seconds, 3), nbytes=result.nbytes if result else 0,
-                                                  stage_s=round(result.stage_s, 6) if result else 0.0,
-                                                  persist_s=round(result.persist_s, 6) if result else 0.0,
-                                                  last_committed=committed))
+                self._link.report(self._committed_report(kind, seconds, result, committed))
         if self._manager is not None:
             self._manager.close()
         if self._memory is not None:

@@ -6,7 +6,7 @@ torch.distributed.elastic starts workers in their own session (``start_new_sessi
 an agent is SIGKILLed nothing reaches them and they train on at the old world size. The shim asks
 the kernel for ``PR_SET_PDEATHSIG = SIGKILL`` (delivered when the thread that started us dies; the
 agent starts workers from its long-lived supervisor thread), checks that the agent has not already
-died in between (``getppid()`` against :attr:`RuntimeEnv.agent_pid <trainguard.runtime.protocol.RuntimeEnv.agent_pid>`), then ``exec``s the real worker.
+died in between (``getppid()`` against :attr:`RuntimeEnv.agent_pid <trainguard.contract.protocol.RuntimeEnv.agent_pid>`), then ``exec``s the real worker.
 The setting survives ``execve`` of non-setuid programs. systemd's final SIGKILL of the unit's cgroup
 (``KillMode=mixed``, at the end of ``TimeoutStopSec``) is the second line of defence.
 """
@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-from trainguard.runtime.protocol import RuntimeEnv
+from trainguard.contract.protocol import RuntimeEnv
 
 PR_SET_PDEATHSIG = 1
 

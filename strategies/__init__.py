@@ -6,6 +6,7 @@ See :mod:`trainguard.strategies.base` for the interface and ``docs/strategies.md
 from trainguard.strategies.base import (
     PRECISIONS,
     Precision,
+    ReformState,
     Strategy,
     StrategyError,
     StrategyState,
@@ -14,5 +15,5 @@ from trainguard.strategies.base import (
     register_strategy,
 )
 
-__all__ = ["PRECISIONS", "Precision", "Strategy", "StrategyError", "StrategyState", "available_strategies",
+__all__ = ["PRECISIONS", "Precision", "ReformState", "Strategy", "StrategyError", "StrategyState", "available_strategies",
            "get_strategy", "register_strategy"]

@@ -30,6 +30,7 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, ClassVar
 
 import torch
@@ -42,6 +43,19 @@ from trainguard.checkpoint.state import ModelOptimizerState
 
 class StrategyError(ValueError):
     """A strategy or precision setting is invalid; the message names the setting and the fix."""
+
+
+class ReformState(str, Enum):
+    """How a world re-formed in place (live processes, new process groups) gets a strategy's state
+    (:attr:`Strategy.reform_state`)."""
+
+    REPLICATED = "replicated"
+    """Every rank holds all of it; a live rank broadcasts it to ranks that lack it
+    (:meth:`Strategy.replicated_tensors`)."""
+    CHECKPOINT = "checkpoint"
+    """Every rank reloads the checkpoint committed at the stop (or the memory tier's step), resharded."""
+    RESTART = "restart"
+    """The strategy cannot re-form in place: its workers restart and restore (the fallback)."""
 
 
 # ---- precision ---------------------------------------------------------------------------------
@@ -151,11 +165,9 @@ class Strategy(ABC):
     """Registry name, recorded in every checkpoint manifest."""
     reshard_native: ClassVar[bool]
     """True when a checkpoint saved at world size W loads at any W' with no conversion step."""
-    reform_state: ClassVar[str | None] = None
-    """How a world re-formed in place (live processes, new process groups) gets its state:
-    ``"replicated"`` — every rank holds all of it; a live rank broadcasts it to ranks that lack it
-    (:meth:`replicated_tensors`); ``"checkpoint"`` — every rank reloads the checkpoint committed at
-    the stop, resharded; ``None`` — the strategy cannot re-form in place: its workers restart."""
+    reform_state: ClassVar[ReformState] = ReformState.RESTART
+    """How a world re-formed in place (live processes, new process groups) gets its state
+    (:class:`ReformState`); by default it cannot: its workers restart."""
     makes_groups: ClassVar[bool] = False
     """True when :meth:`setup` and :meth:`reform` create process groups of their own (device-mesh
     sub-groups): the runtime records their connections with the world's, to end them when a peer fails."""
@@ -190,12 +202,12 @@ class Strategy(ABC):
                optimizer: torch.optim.Optimizer | None) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         """Re-wrap ``model`` for the new default process group after an in-place re-formation, keeping
         the objects the script holds; see :attr:`reform_state`. The default cannot."""
-        raise StrategyError(f"strategy {self.name!r} cannot re-form in place (reform_state is None); its workers "
+        raise StrategyError(f"strategy {self.name!r} cannot re-form in place (reform_state is RESTART); its workers "
                             f"restart at a membership change")
 
     def replicated_tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers, by name, that a live rank broadcasts to the ranks that
-        lack them after an in-place re-formation (``reform_state == "replicated"``)."""
+        lack them after an in-place re-formation (``reform_state`` is ``REPLICATED``)."""
         raise StrategyError(f"strategy {self.name!r} does not replicate its state")
 
     # -- checkpoint ------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ Resize: native. The state is replicated, so a checkpoint saved at any world size
 :data:`~trainguard.strategies.base.BATCH_RULE`). At world size 1 the model is not wrapped, unless
 worlds re-form in place (:attr:`~trainguard.strategies.base.Strategy.keep_wrapped`).
 
-In-place re-formation (``reform_state = "replicated"``): :meth:`DDPStrategy.reform` runs
+In-place re-formation (``reform_state = REPLICATED``): :meth:`DDPStrategy.reform` runs
 ``DistributedDataParallel.__init__`` again on the *same* wrapper object over the new default process
 group, so the model and optimizer the script holds stay valid (DDP keeps the parameter objects; the
 old reducer and its autograd hooks go with the old state). About 30 ms for the bundled model on CPU.
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from trainguard.strategies.base import Strategy, StrategyError, register_strategy, world
+from trainguard.strategies.base import ReformState, Strategy, StrategyError, register_strategy, world
 
 
 class DDPStrategy(Strategy):
@@ -41,7 +41,7 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
     reshard_native = True
-    reform_state = "replicated"
+    reform_state = ReformState.REPLICATED
 
     def __init__(self, *, precision: Any = "32", find_unused_parameters: bool = False, static_graph: bool = False,
                  bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False) -> None:

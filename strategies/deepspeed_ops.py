@@ -28,7 +28,7 @@ import os
 import time
 from typing import Any
 
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 from trainguard.strategies.base import StrategyError
 
 log = get_logger("trainguard.strategies")

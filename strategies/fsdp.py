@@ -53,7 +53,7 @@ Resize: native. DCP reshards the ``DTensor`` state to the new world size on load
 device mesh even at world size 1: without a process group, :meth:`setup` creates a one-rank gloo group
 over an in-process ``HashStore`` (no port).
 
-In-place re-formation (``reform_state = "checkpoint"``, when the runtime sets ``keep_wrapped``):
+In-place re-formation (``reform_state = CHECKPOINT``, when the runtime sets ``keep_wrapped``):
 FSDP2 shards a module in place and keys its state by the module object, so a sharded module cannot
 be re-sharded for another mesh. :meth:`FSDPStrategy.setup` therefore keeps a *template* of the
 unsharded model (a deep copy whose parameters are on the ``meta`` device: no memory; buffers are kept
@@ -80,8 +80,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainguard.runtime.log import get_logger
+from trainguard.contract.log import get_logger
 from trainguard.strategies.base import (
+    ReformState,
     Strategy,
     StrategyError,
     param_names,
@@ -195,7 +196,7 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     reshard_native = True
-    reform_state = "checkpoint"
+    reform_state = ReformState.CHECKPOINT
 
     def __init__(self, *, precision: Any = "32", wrap: WrapPolicy = None,
                  activation_checkpointing: WrapPolicy | bool = False, cpu_offload: bool = False,

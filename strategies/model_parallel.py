@@ -28,7 +28,7 @@ Checkpoint and resize
     parallelises again, and DCP reads into the new shards whatever overlaps them
     (``reshard_native = True``).
 
-In-place re-formation (``reform_state = "checkpoint"``, when the runtime sets ``keep_wrapped``): as
+In-place re-formation (``reform_state = CHECKPOINT``, when the runtime sets ``keep_wrapped``): as
 ``fsdp`` does, :meth:`ModelParallelStrategy.setup` keeps a meta-device template of the model and returns
 an :class:`~trainguard.strategies.fsdp.ElasticModule`; :meth:`ModelParallelStrategy.reform` hands a fresh
 copy of the template to the function with the new world's mesh, materialises it, swaps it in and
@@ -53,6 +53,7 @@ from torch import nn
 
 from trainguard.strategies.base import (
     BATCH_RULE,
+    ReformState,
     Strategy,
     StrategyError,
     param_names,
@@ -96,7 +97,7 @@ class ModelParallelStrategy(Strategy):
 
     name = "model_parallel"
     reshard_native = True
-    reform_state = "checkpoint"
+    reform_state = ReformState.CHECKPOINT
     makes_groups = True  # the (data_parallel, tensor_parallel) mesh's sub-groups
 
     def __init__(self, *, parallelize_fn: ParallelizeFn | None = None, tp_size: int = 1,

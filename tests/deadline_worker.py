@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from trainguard.contract import protocol as proto
 from trainguard.runtime import Runtime
-from trainguard.runtime import protocol as proto
 
 
 def main() -> None:

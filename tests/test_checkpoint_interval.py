@@ -21,7 +21,7 @@ from trainguard.checkpoint.interval import (
     young_interval,
 )
 from trainguard.checkpoint.state import TrainerState
-from trainguard.runtime.configbase import FieldError
+from trainguard.contract.configbase import FieldError
 
 pytestmark = pytest.mark.timeout(30)
 AUTO = IntervalPolicy(IntervalMode.AUTO)

@@ -19,9 +19,9 @@ import torch._dynamo  # noqa: F401 - its lazy import sets TORCHINDUCTOR_CACHE_DI
 import torch.distributed as dist
 
 from tests.harness import REPO
+from trainguard.contract import protocol as proto
 from trainguard.runtime import Runtime
 from trainguard.runtime import device as dev
-from trainguard.runtime import protocol as proto
 from trainguard.runtime import reform as rf
 from trainguard.strategies.base import StrategyError, get_strategy
 

@@ -29,7 +29,7 @@ import pytest
 
 from tests.harness import REPO
 
-CODE_DIRS = ("agent", "runtime", "checkpoint", "metrics", "strategies", "examples")
+CODE_DIRS = ("contract", "agent", "runtime", "checkpoint", "metrics", "strategies", "examples")
 LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical"}
 DOCS = sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))) + [os.path.join(REPO, "README.md")]
 

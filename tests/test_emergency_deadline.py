@@ -17,7 +17,7 @@ import sys
 import time
 
 from tests.harness import REPO, free_port
-from trainguard.runtime import protocol as proto
+from trainguard.contract import protocol as proto
 
 DEADLINE_S = 3.0
 

@@ -177,7 +177,7 @@ def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_p
     import signal
 
     from trainguard.checkpoint.config import CheckpointConfig
-    from trainguard.runtime import protocol as proto
+    from trainguard.contract import protocol as proto
     from trainguard.runtime import runtime as runtime_mod
     from trainguard.runtime.runtime import Runtime
 
@@ -446,7 +446,7 @@ def test_untrusted_live_state_is_not_offered_and_the_world_restores_from_the_tie
     """A rank whose last step had not finished on the GPU at the abort offers no live state and drops its
     snapshots of that step; replicas whose checksums differ are refused; either way the world restores
     from the tiers (nearest first) instead of going on with what it holds."""
-    from trainguard.runtime import protocol as proto
+    from trainguard.contract import protocol as proto
     from trainguard.runtime import runtime as runtime_mod
 
     rt = ddp_rt

@@ -1,5 +1,7 @@
 """The seams hold, proven by reading the source (STYLE §11): one adapter over torch elastic's
-internals, one module for the worker environment contract, no package reaching up into the agent."""
+internals, one module for the worker environment contract, packages stacked in layers without a cycle
+(``contract < checkpoint < strategies < runtime < agent``, metrics between the contract and the runtime),
+no package reaching up into the agent."""
 
 from __future__ import annotations
 
@@ -11,7 +13,19 @@ import pytest
 
 from tests.harness import REPO
 
-PACKAGES = ("agent", "runtime", "checkpoint", "strategies", "metrics")
+PACKAGES = ("contract", "agent", "runtime", "checkpoint", "strategies", "metrics")
+
+# What each package may import of trainguard besides itself. The order is a line with one branch:
+# contract < checkpoint < strategies < runtime < agent, and contract < metrics < runtime (metrics
+# observe the path, never steer it, so nothing below the runtime reads them).
+MAY_IMPORT = {
+    "contract": set(),
+    "checkpoint": {"contract"},
+    "metrics": {"contract"},
+    "strategies": {"contract", "checkpoint"},
+    "runtime": {"contract", "checkpoint", "strategies", "metrics"},
+    "agent": {"contract", "checkpoint", "strategies", "metrics", "runtime"},
+}
 
 
 def sources(*folders: str) -> dict[str, str]:
@@ -64,7 +78,7 @@ def test_the_elastic_adapter_really_uses_them():
 
 def test_only_the_protocol_module_reads_or_writes_runtime_env_vars():
     offenders = [p for p, src in sources(*PACKAGES, "examples", "bench").items()
-                 if "TRAINGUARD_RT_" in src and p != os.path.join("runtime", "protocol.py")]
+                 if "TRAINGUARD_RT_" in src and p != os.path.join("contract", "protocol.py")]
     assert not offenders, offenders
 
 
@@ -75,10 +89,54 @@ def test_no_package_imports_the_agent(package):
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("leaf", ["protocol", "log", "configbase"])
-def test_leaf_modules_import_nothing_of_trainguard(leaf):
-    src = sources("runtime")[os.path.join("runtime", f"{leaf}.py")]
-    assert not [m for m, _ in imports(src) if m.startswith("trainguard")]
+def layering_violations(srcs: dict[str, str]) -> list[str]:
+    """``path: module`` for every import (lazy and ``TYPE_CHECKING`` ones too) of a trainguard package
+    that :data:`MAY_IMPORT` does not allow the importing package."""
+    out = []
+    for path, src in srcs.items():
+        package = path.split(os.sep)[0]
+        for module, _ in imports(src):
+            parts = module.split(".")
+            if parts[0] != "trainguard" or len(parts) < 2 or parts[1] == package:
+                continue
+            if parts[1] not in MAY_IMPORT[package]:
+                out.append(f"{path}: {module}")
+    return out
+
+
+def test_packages_import_only_the_layers_below():
+    offenders = layering_violations(sources(*MAY_IMPORT))
+    assert not offenders, "imports against the layering (tests/test_layering.py MAY_IMPORT):\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize(("path", "line"), [
+    (os.path.join("checkpoint", "manager.py"), "from trainguard.runtime.protocol import CheckpointTier"),
+    (os.path.join("checkpoint", "manifest.py"), "import trainguard.strategies.base"),
+    (os.path.join("contract", "protocol.py"), "from trainguard.checkpoint.errors import CheckpointError"),
+    (os.path.join("strategies", "fsdp.py"), "def f():\n    from trainguard.runtime import Runtime"),
+    (os.path.join("metrics", "worker.py"), "from trainguard.checkpoint.state import TrainerState"),
+    (os.path.join("runtime", "link.py"), "from trainguard.agent.control import ControlServer"),
+])
+def test_a_planted_back_import_is_caught(path, line):
+    srcs = sources(*MAY_IMPORT)
+    assert path in srcs  # the plant lands in a real module
+    srcs[path] += "\n" + line + "\n"
+    assert layering_violations(srcs) == [f"{path}: {imports(line)[0][0]}"]
+
+
+def test_forward_imports_are_allowed():
+    srcs = {os.path.join("agent", "x.py"): "from trainguard.runtime.runtime import Runtime",
+            os.path.join("runtime", "x.py"): "from trainguard.metrics import WorkerMetrics",
+            os.path.join("strategies", "x.py"): "from trainguard.checkpoint.state import ModelOptimizerState",
+            os.path.join("checkpoint", "x.py"): "from trainguard.contract.log import get_logger"}
+    assert layering_violations(srcs) == []
+
+
+def test_the_contract_is_a_torch_free_leaf():
+    for path, src in sources("contract").items():
+        mods = [m for m, _ in imports(src)]
+        assert not [m for m in mods if m.startswith("trainguard")], path
+        assert not [m for m in mods if m.split(".")[0] in ("torch", "numpy", "fsspec", "prometheus_client")], path
 
 
 def test_torch_is_a_tested_range_and_the_install_scripts_pin_the_cpu_wheel():

@@ -13,7 +13,7 @@ import pytest
 from tests.harness import free_port, run_ranks
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.interval import MEMORY_INTERVAL_MAX, memory_interval
-from trainguard.runtime.configbase import FieldError
+from trainguard.contract.configbase import FieldError
 
 
 @pytest.mark.parametrize("floor, share, snap, step, current, want", [

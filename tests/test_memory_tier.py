@@ -19,8 +19,8 @@ from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.discovery import StepRef
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.state import ModelOptimizerState, TrainerState
-from trainguard.runtime.configbase import FieldError
-from trainguard.runtime.protocol import CheckpointTier
+from trainguard.contract.configbase import FieldError
+from trainguard.contract.protocol import CheckpointTier
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -491,7 +491,7 @@ def test_agent_owns_the_node_folder(tmp_path):
     assert not os.path.exists(path)
     on.remove("again")  # idempotent
     bad = NodeSnapshots(CheckpointConfig(url="/c", memory_dir="/proc/nope", memory_interval_steps=1), "j", "n")
-    from trainguard.runtime.configbase import ConfigError
+    from trainguard.contract.configbase import ConfigError
 
     with pytest.raises(ConfigError, match="checkpoint.memory_dir / TRAINGUARD_CHECKPOINT_MEMORY_DIR"):
         bad.open()

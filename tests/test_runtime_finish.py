@@ -15,8 +15,8 @@ import torch
 import torch._dynamo  # noqa: F401 - its lazy import sets TORCHINDUCTOR_CACHE_DIR; do it before the env-leak guard
 
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.contract import protocol as proto
 from trainguard.runtime import Runtime
-from trainguard.runtime import protocol as proto
 
 
 @pytest.fixture(autouse=True)

@@ -29,8 +29,8 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     import torch.distributed as dist
 
     from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.contract import protocol as proto
     from trainguard.runtime import Runtime
-    from trainguard.runtime import protocol as proto
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     default_group_threads = _gloo_threads()
@@ -155,8 +155,8 @@ def _groups_freed_at_finish(res: list[dict]) -> None:
 
 def test_a_bad_step_agreement_is_refused_by_name():
     from trainguard.agent.config import WorkersConfig
-    from trainguard.runtime import protocol as proto
-    from trainguard.runtime.configbase import FieldError
+    from trainguard.contract import protocol as proto
+    from trainguard.contract.configbase import FieldError
 
     with pytest.raises(FieldError, match="step_agreement"):
         WorkersConfig(step_agreement="lazy")

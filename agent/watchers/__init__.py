@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.runtime.log import get_logger
 from trainguard.agent.watchers.auto import auto_watchers, cloud_watchers, detect_cloud
 from trainguard.agent.watchers.aws import AwsWatcher
 from trainguard.agent.watchers.azure import AzureWatcher
@@ -25,6 +24,7 @@ from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.agent.watchers.gcp import GcpWatcher
 from trainguard.agent.watchers.manual import ManualWatcher
 from trainguard.agent.watchers.signals import SignalWatcher
+from trainguard.contract.log import get_logger
 
 __all__ = [
     "KIND_PRIORITY", "AwsWatcher", "AzureWatcher", "GcpWatcher", "ManualWatcher", "MetadataError", "Notice",

@@ -20,13 +20,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.runtime.log import get_logger
 from trainguard.agent.watchers.aws import TOKEN_PATH, TTL_HEADER, AwsWatcher
 from trainguard.agent.watchers.azure import AzureWatcher
 from trainguard.agent.watchers.base import Watcher
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.agent.watchers.gcp import KEYS, GcpWatcher
 from trainguard.agent.watchers.http import HttpClient, MetadataError
+from trainguard.contract.log import get_logger
 
 CLOUDS = ("aws", "gcp", "azure")
 """Probe order, which is also the preference if (in a test rig) more than one answers."""

@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from trainguard.runtime.configbase import env_var_for
 from trainguard.agent.watchers.base import Notice, Watcher, parse_rfc1123
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.agent.watchers.http import HttpClient, MetadataError
+from trainguard.contract.configbase import env_var_for
 
 AZURE_PREEMPT_MIN_NOTICE_S = 30.0
 """Azure gives a Spot VM at least 30 s between the Preempt event and the eviction."""

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from trainguard.runtime.log import get_logger
 from trainguard.agent.watchers.http import HttpClient, MetadataError, WatcherError
+from trainguard.contract.log import get_logger
 
 __all__ = [
     "KIND_PRIORITY",

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from trainguard.checkpoint.lead import FACTOR, MIN_S, UNMEASURED_S
-from trainguard.runtime.configbase import require
+from trainguard.contract.configbase import require
 
 SOURCES = ("auto", "aws", "gcp", "azure", "signal", "none")
 

@@ -22,8 +22,8 @@ import structlog
 
 import trainguard.agent.daemon  # noqa: F401 - imported before the leak guard: the supervisor sets a torch env var on import
 from trainguard.agent import cli, control
-from trainguard.runtime import protocol as proto
-from trainguard.runtime.configbase import env_var_for
+from trainguard.contract import protocol as proto
+from trainguard.contract.configbase import env_var_for
 
 LINE = re.compile(r"^trainguard: (?P<what>.+) \((?P<where>[^()]+)\): (?P<fix>.+)$")
 SECRET = "sk-CANARY-bad-input"

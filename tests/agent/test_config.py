@@ -6,8 +6,8 @@ import os
 import pytest
 
 from trainguard.agent.cli import build_parser, overrides_from_args
-from trainguard.runtime.configbase import ConfigError, env_var_for
 from trainguard.agent.configload import all_keys, load_config, redacted
+from trainguard.contract.configbase import ConfigError, env_var_for
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "snapshots", "config_keys.json")
 

@@ -10,8 +10,8 @@ import pytest
 import structlog
 
 from trainguard.agent import control, discover
-from trainguard.runtime import protocol as proto
-from trainguard.runtime.configbase import ConfigError
+from trainguard.contract import protocol as proto
+from trainguard.contract.configbase import ConfigError
 
 
 def status_handler(job: str):

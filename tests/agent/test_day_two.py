@@ -11,7 +11,7 @@ import pytest
 from tests.harness import REPO, Node, free_port, running, short_tmp, wait_until  # noqa: F401 - short_tmp: a fixture
 from trainguard.agent import control
 from trainguard.agent.exitcodes import ExitCode
-from trainguard.runtime.protocol import DrainRequest
+from trainguard.contract.protocol import DrainRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TRAIN = ["--steps", "100000", "--log-every", "1", "--step-sleep", "0.05", "--global-batch", "8"]

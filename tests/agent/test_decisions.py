@@ -2,8 +2,10 @@
 
 import pytest
 
-from trainguard.runtime.protocol import EXIT_RESIZE, WorkerStatus as W, classify_exit
-from trainguard.agent.decisions import Act, Observation, decide
+import itertools
+
+from trainguard.agent.decisions import PARK_PRECEDENCE, Act, Asked, Observation, decide, park_reason
+from trainguard.contract.protocol import EXIT_RESIZE, ParkReason as P, WorkerStatus as W, classify_exit
 
 R = EXIT_RESIZE
 
@@ -17,19 +19,20 @@ CASES = [
     ("unknown state is a crash", Observation(W.UNKNOWN, remaining_restarts=1), Act.RESTART, "worker_failure", True),
     ("resize never consumes", Observation(W.EXITED, (R,), remaining_restarts=0), Act.RESTART, "resize", False),
     ("resize + terminated siblings", Observation(W.EXITED, (R, -15, -15), remaining_restarts=0), Act.RESTART, "resize", False),
-    ("resize we asked for", Observation(W.EXITED, (R, R), asked="resize"), Act.RESTART, "resize", False),
+    ("resize we asked for", Observation(W.EXITED, (R, R), asked=Asked.RESIZE), Act.RESTART, "resize", False),
+    ("drain asked, not leaving, resize exit", Observation(W.EXITED, (R,), asked=Asked.DRAIN), Act.RESTART, "drain", False),
     ("resize mixed with crash", Observation(W.EXITED, (R, 1), remaining_restarts=1), Act.RESTART, "worker_failure", True),
-    ("drained node leaves", Observation(W.EXITED, (R,), draining=True, asked="drain"), Act.LEAVE, "drained", False),
+    ("drained node leaves", Observation(W.EXITED, (R,), draining=True, asked=Asked.DRAIN), Act.LEAVE, "drained", False),
     ("drained, workers died", Observation(W.EXITED, (-15,), draining=True), Act.LEAVE, "drained_workers_failed", False),
     ("success wins over drain", Observation(W.EXITED, (0,), draining=True), Act.SUCCEED, "workers_finished", False),
     ("notice, API workers", Observation(W.HEALTHY, draining=True, api_workers=True), Act.ASK_DRAIN, "notice", False),
     ("notice, plain script", Observation(W.HEALTHY, draining=True), Act.TERMINATE, "notice", False),
-    ("drain asked, waiting", Observation(W.HEALTHY, draining=True, asked="drain", api_workers=True), Act.WAIT, "draining", False),
-    ("drain deadline passed", Observation(W.HEALTHY, draining=True, asked="drain", drain_deadline_passed=True, api_workers=True),
+    ("drain asked, waiting", Observation(W.HEALTHY, draining=True, asked=Asked.DRAIN, api_workers=True), Act.WAIT, "draining", False),
+    ("drain deadline passed", Observation(W.HEALTHY, draining=True, asked=Asked.DRAIN, drain_deadline_passed=True, api_workers=True),
      Act.TERMINATE, "drain_deadline_passed", False),
     ("scale-up, API workers", Observation(W.HEALTHY, nodes_waiting=1, api_workers=True), Act.ASK_RESIZE, "scale_up", False),
-    ("scale-up asked, waiting", Observation(W.HEALTHY, nodes_waiting=1, api_workers=True, asked="resize"), Act.WAIT, "", False),
-    ("resize asked, overdue", Observation(W.HEALTHY, nodes_waiting=1, api_workers=True, asked="resize", resize_overdue=True),
+    ("scale-up asked, waiting", Observation(W.HEALTHY, nodes_waiting=1, api_workers=True, asked=Asked.RESIZE), Act.WAIT, "", False),
+    ("resize asked, overdue", Observation(W.HEALTHY, nodes_waiting=1, api_workers=True, asked=Asked.RESIZE, resize_overdue=True),
      Act.RESTART, "resize_overdue", False),
     ("overdue ignored unless resize asked", Observation(W.HEALTHY, nodes_waiting=1, api_workers=True, resize_overdue=True),
      Act.ASK_RESIZE, "scale_up", False),
@@ -47,6 +50,37 @@ def test_decide(name, obs, act, reason, consume):
     assert d.act is act
     assert d.reason == reason
     assert d.consume_restart is consume
+
+
+PARK_CASES = [
+    # (the local workers' reasons, the node's re-formation reason)
+    ((), None),
+    ((P.DRAIN,), P.DRAIN),
+    ((P.DRAIN, P.PEER_LOST), P.PEER_LOST),
+    ((P.PEER_LOST, P.RESIZE), P.RESIZE),
+    ((P.RESIZE, P.STANDBY), P.STANDBY),
+    ((P.DRAIN, P.DRAIN, P.PEER_LOST, P.DRAIN), P.PEER_LOST),
+    ((P.STANDBY, P.PEER_LOST, P.DRAIN, P.RESIZE), P.STANDBY),
+]
+
+
+@pytest.mark.parametrize("reasons,expected", PARK_CASES)
+def test_park_reason_precedence(reasons, expected):
+    assert park_reason(reasons) is expected
+    assert park_reason(reversed(reasons)) is expected
+
+
+def test_park_precedence_names_every_reason_once_and_keeps_the_old_rule():
+    assert sorted(PARK_PRECEDENCE) == sorted(P)
+    for n in range(1, len(P) + 1):  # the supervisor's former rule: the largest value
+        for reasons in itertools.combinations(P, n):
+            assert park_reason(reasons) is P(max(r.value for r in reasons))
+
+
+@pytest.mark.parametrize("reason", [None, *P])
+def test_reform_reason_is_the_park_reason(reason):
+    d = decide(Observation(W.HEALTHY, nproc=2, parked=2, park_reason=reason))
+    assert d.act is Act.REFORM and d.reason == (reason.value if reason else "reform")
 
 
 @pytest.mark.parametrize("codes,kind", [

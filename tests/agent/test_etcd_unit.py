@@ -21,7 +21,7 @@ from trainguard.agent.etcd_client import (
     split_host_port,
 )
 from trainguard.agent.etcd_rendezvous import explain, job_prefix, read_password
-from trainguard.runtime.configbase import ConfigError, env_var_for
+from trainguard.contract.configbase import ConfigError, env_var_for
 
 F = EtcdFailure
 

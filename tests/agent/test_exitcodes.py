@@ -8,7 +8,7 @@ import structlog
 
 from tests.agent.test_supervisor_scripted import HEALTHY, exited, make  # imports the supervisor: its env var
 from trainguard.agent.exitcodes import ExitCode, exit_code, not_saved_fields
-from trainguard.runtime.protocol import EXIT_RESIZE, AgentState, CheckpointKind, Committed, Hello
+from trainguard.contract.protocol import EXIT_RESIZE, AgentState, CheckpointKind, Committed, Hello
 
 S = AgentState
 
@@ -61,7 +61,7 @@ def test_not_saved_names_the_cause(msg, url, fix_has, fix_lacks):
 
 
 def test_committed_error_crosses_the_wire():
-    from trainguard.runtime.protocol import decode, encode
+    from trainguard.contract.protocol import decode, encode
 
     m = _msg(error="StorageError: PermissionError: denied")
     assert decode(encode(m)) == m

@@ -55,7 +55,7 @@ def test_two_nodes_train_restart_scale_up_and_drain(nodes):
         wait_until(lambda: len(trainer.events("train_step")) > n_before + 2, 60, "training after restart")
         assert not alive(victim)
         from trainguard.agent import control
-        from trainguard.runtime.protocol import DrainRequest, StatusRequest
+        from trainguard.contract.protocol import DrainRequest, StatusRequest
         budget = {n.name: control.request(n.socket, StatusRequest()).data["remaining_restarts"] for n in (a, b)}
         assert budget["b"] == 2  # b's own worker crashed: one restart consumed
 

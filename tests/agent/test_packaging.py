@@ -10,14 +10,14 @@ def run_outside_repo(tmp_path, code):
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("generic", ["agent", "metrics", "checkpoint", "strategies", "examples"])
+@pytest.mark.parametrize("generic", ["contract", "agent", "metrics", "checkpoint", "strategies", "examples"])
 def test_generic_top_level_modules_are_not_installed(tmp_path, generic):
     r = run_outside_repo(tmp_path, f"import {generic}")
     assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr
 
 
 def test_namespace_imports_and_console_script(tmp_path):
-    r = run_outside_repo(tmp_path, "import trainguard.agent, trainguard.checkpoint, trainguard.metrics, "
+    r = run_outside_repo(tmp_path, "import trainguard.contract, trainguard.agent, trainguard.checkpoint, trainguard.metrics, "
                                    "trainguard.strategies, trainguard.examples.train_gpt; print(trainguard.agent.__version__)")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() and r.stdout.strip() != "0.0.0+unknown"
@@ -43,5 +43,5 @@ def test_wheel_builds_without_setuptools_warnings_and_ships_the_data(tmp_path):
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     assert "trainguard/metrics/dashboards/trainguard.json" in names
     assert any(n.startswith("trainguard/metrics/rules/") and n.endswith(".yml") for n in names)
-    assert "trainguard/runtime/protocol.py" in names
-    assert not [n for n in names if n.split("/")[0] in ("agent", "metrics", "runtime", "checkpoint", "strategies")]
+    assert "trainguard/contract/protocol.py" in names
+    assert not [n for n in names if n.split("/")[0] in ("contract", "agent", "metrics", "runtime", "checkpoint", "strategies")]

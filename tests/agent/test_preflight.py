@@ -19,7 +19,7 @@ from trainguard.agent import preflight, rundir, torchlogs, workerenv
 from trainguard.agent.cli import standalone_job_id
 from trainguard.agent.config import RendezvousConfig, WorkersConfig
 from trainguard.agent.configload import load_config
-from trainguard.runtime.configbase import ConfigError
+from trainguard.contract.configbase import ConfigError
 
 # ---- runtime directory ----------------------------------------------------------------------------
 

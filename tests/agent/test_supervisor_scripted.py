@@ -6,11 +6,12 @@ import time
 import pytest
 
 from trainguard.agent.configload import load_config
+from trainguard.agent.decisions import Asked
 from trainguard.agent.elastic import Peek, Poll, RendezvousAborted, World
 from trainguard.agent.exitcodes import ExitCode
 from trainguard.agent.supervisor import DRAIN_KEY, Supervisor
-from trainguard.runtime.protocol import EXIT_RESIZE as RESIZE
-from trainguard.runtime.protocol import AgentState, CheckpointNow, Hello, WorkerStatus
+from trainguard.contract.protocol import EXIT_RESIZE as RESIZE
+from trainguard.contract.protocol import AgentState, CheckpointNow, Hello, WorkerStatus
 
 
 class FakeStore:
@@ -195,7 +196,7 @@ def test_early_warning_asks_api_workers_for_one_checkpoint_and_stays(tmp_path):
     sup, fake, tr = make(tmp_path, [HEALTHY] * 6 + [exited(0)])
     worker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     worker.connect(sup.control_path)
-    from trainguard.runtime.protocol import decode, encode
+    from trainguard.contract.protocol import decode, encode
 
     assert not sup.checkpoint_supported()  # no worker has said Hello: a notice would drain at once
     worker.sendall(encode(Hello(rank=0, local_rank=0, pid=1234)))
@@ -268,7 +269,7 @@ def test_an_unreachable_store_is_logged_once_per_outage_not_per_poll(tmp_path):
 
 @pytest.mark.parametrize("reason,seen", [
     ("member_lost", {"member_lost": True, "api_workers": True}),
-    ("resize_overdue", {"asked": "resize", "resize_overdue": True, "api_workers": True}),
+    ("resize_overdue", {"asked": Asked.RESIZE, "resize_overdue": True, "api_workers": True}),
     ("scale_up", {"nodes_waiting": 1}),
 ])
 def test_a_restart_whose_workers_may_be_blocked_stops_them_with_the_short_grace(tmp_path, reason, seen):
@@ -296,7 +297,7 @@ def test_workers_between_worlds_are_asked_back_not_killed_when_a_member_goes(tmp
     agent asks it back (member_gone) but does not restart it after the grace period; once the worker
     says Joined, a member lost counts again (a worker inside a collective may be stuck for good)."""
     from trainguard.agent import supervisor as sup_mod
-    from trainguard.runtime.protocol import Joined
+    from trainguard.contract.protocol import Joined
 
     monkeypatch.setattr(sup_mod, "MEMBER_LOST_GRACE_S", 0.05)
     sup, fake, _ = make(tmp_path, [])

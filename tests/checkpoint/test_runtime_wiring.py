@@ -15,7 +15,7 @@ import torch
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.runtime import protocol as proto
+from trainguard.contract import protocol as proto
 from trainguard.runtime.runtime import Runtime
 
 pytestmark = pytest.mark.timeout(60)

@@ -105,7 +105,7 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
         # block in a collective the vanished peer never completes and the member-lost fallback restarts
         # it, an open defect; bench/recovery.py's kill run and the chaos bench measure that case.)
         from trainguard.agent import control
-        from trainguard.runtime.protocol import DrainRequest
+        from trainguard.contract.protocol import DrainRequest
 
         assert control.request(c.socket, DrainRequest(deadline_s=30)).ok
         assert c.wait(60) == ExitCode.DRAINED, c.dump()

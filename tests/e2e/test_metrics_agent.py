@@ -14,8 +14,8 @@ from tests.fixtures.prometheus import prometheus_factory  # noqa: F401  (fixture
 from tests.harness import REPO, Node, continued, free_port, wait_listening, wait_until
 from tests.metrics.promql import RULES, alert_rules, dashboard_exprs, referenced_metrics, split_comparison
 from trainguard.agent import control
-from trainguard.runtime.protocol import DrainRequest
 from trainguard.agent.exitcodes import ExitCode
+from trainguard.contract.protocol import DrainRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")

@@ -8,8 +8,8 @@ import pytest
 from tests.emulators.fixtures import aws_imds, azure_events, gcp_metadata  # noqa: F401
 from tests.harness import REPO, Node, continued, free_port, notice_checkpoints, wait_listening, wait_until
 from trainguard.agent import control
-from trainguard.runtime.protocol import DrainRequest
 from trainguard.agent.exitcodes import ExitCode
+from trainguard.contract.protocol import DrainRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")

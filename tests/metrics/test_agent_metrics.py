@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from trainguard.runtime.configbase import ConfigError
+from trainguard.contract.configbase import ConfigError
 from trainguard.metrics.agent import AgentMetrics
 from trainguard.metrics.config import CostConfig, MetricsConfig
 from trainguard.metrics.exporter import MetricsExporter
@@ -318,8 +318,8 @@ def test_a_busy_fixed_port_is_retried_until_the_previous_agent_lets_it_go(metric
     import threading
     import time
 
+    from trainguard.contract.configbase import ConfigError
     from trainguard.metrics.agent import PORT_BUSY_WAIT_S
-    from trainguard.runtime.configbase import ConfigError
 
     old = socket.socket()
     old.bind(("127.0.0.1", 0))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trainguard.runtime.configbase import ConfigError, FieldError
+from trainguard.contract.configbase import ConfigError, FieldError
 from trainguard.metrics.config import CostConfig, MetricsConfig
 from trainguard.metrics.cost import cost_of, cost_snapshot, load_price_table, resolve_price
 from trainguard.metrics.goodput import GoodputLedger, GoodputSnapshot

@@ -11,7 +11,7 @@ import sys
 
 from tests.fixtures.gloo_world import collect
 from tests.harness import REPO, free_port
-from trainguard.runtime.protocol import RuntimeEnv
+from trainguard.contract.protocol import RuntimeEnv
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 MODEL_PARALLEL = os.path.join(REPO, "examples", "train_gpt_mp.py")

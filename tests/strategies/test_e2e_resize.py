@@ -26,7 +26,7 @@ from tests.e2e.test_drain import check_exactly_once, sample_log, worlds
 from tests.harness import Node, continued, free_port, wait_listening, wait_until
 from tests.strategies._world import E2E_BATCH, E2E_SIZE, ELASTIC, JOB, MODEL_PARALLEL, continuity
 from trainguard.agent import control
-from trainguard.runtime.protocol import DrainRequest
+from trainguard.contract.protocol import DrainRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

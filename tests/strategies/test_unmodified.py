@@ -109,7 +109,7 @@ def test_unmodified_script_trains_gets_sigterm_on_drain_and_survivor_resumes(kin
         # 2. drain b: its worker gets SIGTERM with the configured grace and dies of it.
         (worker,) = b.worker_pids()
         from trainguard.agent import control
-        from trainguard.runtime.protocol import DrainRequest
+        from trainguard.contract.protocol import DrainRequest
 
         t0 = time.monotonic()
         assert control.request(b.socket, DrainRequest(deadline_s=30)).ok

@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from tests.watchers.conftest import events, wait_until
-from trainguard.runtime.configbase import FieldError
 from trainguard.agent.watchers import PreemptionConfig
 from trainguard.agent.watchers.base import Notice, Watcher, most_urgent, parse_iso8601_utc, parse_rfc1123
+from trainguard.contract.configbase import FieldError
 
 pytestmark = pytest.mark.timeout(20)
 

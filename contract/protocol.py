@@ -239,7 +239,8 @@ class RuntimeEnv:
     """``workers.step_agreement_period_s``: overlapped, the ranks agree about this often (0: every step)."""
     inject_fault: str = ""
     """Fault injection for tests (``workers.env``): ``reform:<flag file>`` makes the next in-place
-    re-formation fail in the worker once (the flag file records that it did), to exercise the fallback."""
+    re-formation fail in the worker once (the flag file records that it did), to exercise the fallback;
+    ``snapshot_written:<flag file>`` kills it once mid-snapshot (:mod:`trainguard.runtime.faults`)."""
     # torchelastic's variables, read only
     rank: int = 0
     local_rank: int = 0
