@@ -1,0 +1,179 @@
+"""trainguard under a real Slurm (``tests/fixtures/slurm.py``: munged + slurmctld + two slurmd here).
+
+Each job is ``srun`` of one ``trainguard run`` per node with *no* job id, node name, node count or
+endpoint flags: the agents take them from Slurm's environment (:mod:`trainguard.agent.slurm`) and
+meet at the first host of ``SLURM_JOB_NODELIST``. The notices are Slurm's own: ``scancel
+--signal=USR1`` (what ``#SBATCH --signal=USR1@s`` sends at the time limit), and preemption by a job
+of a higher-priority partition (SIGTERM, ``GraceTime``, ``PreemptMode=REQUEUE``) after which the
+requeued job - the same job id - resumes from its emergency checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from tests.fixtures.slurm import GRACE_S, SlurmCluster, slurm_cluster  # noqa: F401
+from trainguard.agent.slurm import expand_hostlist
+from tests.harness import REPO, memory_root, short_tmp, wait_until  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+
+
+def _events(path: str, name: str | None = None) -> list[dict[str, Any]]:
+    """JSON events of one agent log (its workers' lines carry a ``[default0]:`` prefix)."""
+    out = []
+    try:
+        with open(path, errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        if line.startswith("[default"):
+            line = line.split("]:", 1)[-1]
+        if line.startswith("{"):
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if name is None or ev.get("event") == name:
+                out.append(ev)
+    return out
+
+
+class Job:
+    """One sbatch job of two agents; each agent appends to ``<tmp>/agent-<node>.log`` (a requeued run too)."""
+
+    def __init__(self, cluster: SlurmCluster, tmp: str, *sbatch_args: str) -> None:
+        self.cluster, self.tmp = cluster, tmp
+        self.logs = {n: os.path.join(tmp, f"agent-{n}.log") for n in cluster.nodes}
+        agent = (f"exec {sys.executable} -m trainguard.agent.cli run --nproc-per-node 1 "
+                 f"--state-dir {tmp}/state-$SLURMD_NODENAME --log-dir {tmp}/logs-$SLURMD_NODENAME "
+                 "--monitor-interval 0.2 --set agent.log_format=json --set preemption.sources=signal "
+                 f"--set metrics.port=0 --set checkpoint.url={tmp}/ckpt --set checkpoint.interval_steps=15 "
+                 f"{ELASTIC} --steps 100000 --log-every 5 --step-sleep 0.05 --global-batch 24 "
+                 f">> {tmp}/agent-$SLURMD_NODENAME.log 2>&1")
+        script = os.path.join(tmp, "job.sbatch")
+        with open(script, "w") as fh:
+            fh.write(f"#!/bin/bash\nsrun --ntasks-per-node=1 bash -c '{agent}'\n")
+        self.id = cluster.sbatch("-N2", "--ntasks-per-node=1", "--exclusive", "-D", REPO, "-o", f"{tmp}/job-%j.out",
+                                 "--open-mode=append", f"--export=ALL,OMP_NUM_THREADS=1,PYTHONUNBUFFERED=1,"
+                                 f"TRAINGUARD_CHECKPOINT_MEMORY_DIR={memory_root(tmp)}", *sbatch_args, script)
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        return [e for path in self.logs.values() for e in _events(path, name)]
+
+    def steps_at(self, world: int) -> list[int]:
+        return [e["step"] for e in self.events("train_step") if e.get("world_size") == world]
+
+    def state(self) -> str:
+        return self.cluster.job_field(self.id, "JobState")
+
+    def dump(self) -> str:
+        out = [f"--- job {self.id}: {self.state()}"]
+        for node, path in self.logs.items():
+            try:
+                with open(path, errors="replace") as fh:
+                    out.append(f"--- {node}\n" + "\n".join(fh.read().splitlines()[-40:]))
+            except FileNotFoundError:
+                out.append(f"--- {node}: no log")
+        return "\n".join(out) + "\n" + self.cluster.log_tail(15)
+
+
+def emergency(job: Job) -> list[dict[str, Any]]:
+    return [e for e in job.events("checkpoint_committed")
+            if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
+
+
+def slurm_lines(job: Job) -> list[str]:
+    lines = []
+    for path in job.logs.values():
+        with open(path, errors="replace") as fh:
+            lines += [line for line in fh.read().splitlines() if line.startswith("trainguard: from Slurm: ")]
+    return lines
+
+
+def wait_training(job: Job, min_step: int = 20, timeout: float = 180) -> None:
+    wait_until(lambda: job.state() == "RUNNING", 60, f"job {job.id} running")
+    wait_until(lambda: any(s >= min_step for s in job.steps_at(2)), timeout, f"{min_step} steps at world size 2")
+
+
+def test_agents_take_their_config_from_slurm_and_scancel_usr1_drains(slurm_cluster, short_tmp):  # noqa: F811
+    tmp = short_tmp
+    job = Job(slurm_cluster, tmp)
+    try:
+        wait_training(job)
+        lines = slurm_lines(job)
+        assert len(lines) == 2, lines  # one line per agent, saying what it took from where
+        assert sorted(x.split("agent.node_name=")[1].split(" ")[0] for x in lines) == sorted(slurm_cluster.nodes)
+        first = expand_hostlist(slurm_cluster.job_field(job.id, "NodeList"))[0]
+        for line in lines:
+            assert f"agent.job_id=slurm-{job.id} (SLURM_JOB_ID)" in line, line
+            assert "rendezvous.min_nodes=2 (SLURM_JOB_NUM_NODES)" in line, line
+            assert f"rendezvous.endpoint={first}:{15000 + int(job.id[-4:])} (first host of SLURM_JOB_NODELIST)" in line
+            assert "preemption.sigusr1=true" in line
+            assert "set elsewhere" not in line  # nothing on the command line named these keys
+
+        t0 = time.time()
+        slurm_cluster.cmd("scancel", "--signal=USR1", job.id)
+        notices = wait_until(lambda: job.events("preemption_notice"), 30, "both agents' notices")
+        wait_until(lambda: job.state() in ("COMPLETED", "FAILED", "CANCELLED"), 120, "the job ends")
+        done = time.time() - t0
+        assert job.state() == "COMPLETED", job.dump()  # both agents drained and exited 0: srun and the job succeed
+        notices = job.events("preemption_notice")
+        assert len(notices) == 2 and all(n["detail"]["signal"] == "SIGUSR1" and n["kind"] == "preempt"
+                                         for n in notices), notices
+        committed = emergency(job)
+        assert len(committed) == 2, job.dump()  # both ranks, the same step, before the deadline
+        assert len({e["step"] for e in committed}) == 1 and all(e["before_deadline"] for e in committed)
+        assert max(job.steps_at(2)) <= committed[0]["step"]  # nothing trained after the checkpoint: nothing lost
+        assert not [e for e in job.events("state_change") if e.get("new") == "restarting"]
+        print(f"scancel --signal=USR1 -> job COMPLETED in {done:.1f} s; emergency step {committed[0]['step']}")
+    except AssertionError:
+        print(job.dump())
+        raise
+
+
+def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster, short_tmp):  # noqa: F811
+    """A job of partition ``high`` preempts ours (``PreemptMode=REQUEUE``, ``GraceTime``): SIGTERM to every
+    agent with the grace as deadline (read from ``scontrol``), an emergency checkpoint inside it, the job
+    requeued with the same id, and the second run continues from that checkpoint's step."""
+    tmp = short_tmp
+    job = Job(slurm_cluster, tmp, "--requeue")
+    try:
+        wait_training(job)
+        line = slurm_lines(job)[0]
+        assert f"preemption.signal_deadline_s={GRACE_S} (partition GraceTime (scontrol))" in line, line
+
+        t0 = time.time()
+        high = slurm_cluster.sbatch("-p", "high", "-N2", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 3")
+        committed = wait_until(lambda: len(emergency(job)) == 2 and emergency(job), 90, "the emergency checkpoint")
+        t_saved = time.time() - t0
+        notices = job.events("preemption_notice")
+        assert {n["detail"]["signal"] for n in notices} == {"SIGTERM"}, notices
+        assert all(abs(n["remaining_s"] - GRACE_S) < 1e-6 for n in notices), notices
+        assert len({e["step"] for e in committed}) == 1 and all(e["before_deadline"] for e in committed)
+        assert t_saved < GRACE_S, f"the checkpoint took {t_saved:.1f} s, past GraceTime {GRACE_S} s"
+        s = committed[0]["step"]
+
+        wait_until(lambda: slurm_cluster.job_field(job.id, "Restarts") == "1", 120, "the job requeued")
+        wait_until(lambda: slurm_cluster.job_field(high, "JobState") == "COMPLETED", 120, "the preempting job")
+        resumed = wait_until(lambda: [e for e in job.events("resumed") if e.get("world_size") == 2], 240,
+                             "the requeued job resumes")
+        assert resumed[0]["step"] == s, (resumed, s)  # the same job id found its emergency checkpoint
+        wait_until(lambda: any(st > s + 5 for st in job.steps_at(2)), 120, "training after the requeue")
+        lines = slurm_lines(job)
+        assert len(lines) == 4 and all(f"agent.job_id=slurm-{job.id} " in x for x in lines), lines
+        print(f"preempted -> emergency checkpoint of step {s} in {t_saved:.1f} s (GraceTime {GRACE_S} s); "
+              f"requeued, resumed at step {resumed[0]['step']}")
+        slurm_cluster.cmd("scancel", job.id)
+        wait_until(lambda: job.state() not in ("RUNNING", "COMPLETING", "PENDING"), 120, "the job ends")
+    except AssertionError:
+        print(job.dump())
+        raise
