@@ -24,6 +24,8 @@ from tests.harness import REPO, memory_root, short_tmp, wait_until  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
+REQUEUE_SCRIPT = os.path.join(REPO, "examples", "slurm", "requeue.sbatch")
+"""The example under test: every job here is submitted with it, as the docs tell users to."""
 
 
 def _events(path: str, name: str | None = None) -> list[dict[str, Any]]:
@@ -48,7 +50,8 @@ def _events(path: str, name: str | None = None) -> list[dict[str, Any]]:
 
 
 class Job:
-    """One sbatch job of two agents; each agent appends to ``<tmp>/agent-<node>.log`` (a requeued run too)."""
+    """One job of two agents submitted with ``examples/slurm/requeue.sbatch`` (the script's ``#SBATCH``
+    lines ask for 4 nodes; ``-N2`` on the command line wins); each agent appends to ``<tmp>/agent-<node>.log`` (a requeued run too)."""
 
     def __init__(self, cluster: SlurmCluster, tmp: str, *sbatch_args: str) -> None:
         self.cluster, self.tmp = cluster, tmp
@@ -59,12 +62,10 @@ class Job:
                  f"--set metrics.port=0 --set checkpoint.url={tmp}/ckpt --set checkpoint.interval_steps=15 "
                  f"{ELASTIC} --steps 100000 --log-every 5 --step-sleep 0.05 --global-batch 24 "
                  f">> {tmp}/agent-$SLURMD_NODENAME.log 2>&1")
-        script = os.path.join(tmp, "job.sbatch")
-        with open(script, "w") as fh:
-            fh.write(f"#!/bin/bash\nsrun --ntasks-per-node=1 bash -c '{agent}'\n")
-        self.id = cluster.sbatch("-N2", "--ntasks-per-node=1", "--exclusive", "-D", REPO, "-o", f"{tmp}/job-%j.out",
-                                 "--open-mode=append", f"--export=ALL,OMP_NUM_THREADS=1,PYTHONUNBUFFERED=1,"
-                                 f"TRAINGUARD_CHECKPOINT_MEMORY_DIR={memory_root(tmp)}", *sbatch_args, script)
+        self.id = cluster.sbatch("-N2", "-D", REPO, "-o", f"{tmp}/job-%j.out",
+                                 f"--export=ALL,OMP_NUM_THREADS=1,PYTHONUNBUFFERED=1,"
+                                 f"TRAINGUARD_CHECKPOINT_MEMORY_DIR={memory_root(tmp)}", *sbatch_args,
+                                 REQUEUE_SCRIPT, "bash", "-c", agent)
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
         return [e for path in self.logs.values() for e in _events(path, name)]
@@ -126,6 +127,7 @@ def test_agents_take_their_config_from_slurm_and_scancel_usr1_drains(slurm_clust
         wait_until(lambda: job.state() in ("COMPLETED", "FAILED", "CANCELLED"), 120, "the job ends")
         done = time.time() - t0
         assert job.state() == "COMPLETED", job.dump()  # both agents drained and exited 0: srun and the job succeed
+        assert slurm_cluster.job_field(job.id, "Restarts") == "0"  # a drain that is no preemption: not requeued
         notices = job.events("preemption_notice")
         assert len(notices) == 2 and all(n["detail"]["signal"] == "SIGUSR1" and n["kind"] == "preempt"
                                          for n in notices), notices
@@ -145,7 +147,7 @@ def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster,
     agent with the grace as deadline (read from ``scontrol``), an emergency checkpoint inside it, the job
     requeued with the same id, and the second run continues from that checkpoint's step."""
     tmp = short_tmp
-    job = Job(slurm_cluster, tmp, "--requeue")
+    job = Job(slurm_cluster, tmp)
     try:
         wait_training(job)
         line = slurm_lines(job)[0]
@@ -163,6 +165,9 @@ def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster,
         s = committed[0]["step"]
 
         wait_until(lambda: slurm_cluster.job_field(job.id, "Restarts") == "1", 120, "the job requeued")
+        # Slurm holds a requeued batch job for about two minutes (its BeginTime); the test does not wait.
+        wait_until(lambda: slurm_cluster.job_field(job.id, "JobState") == "PENDING", 60, "the job pending again")
+        slurm_cluster.cmd("scontrol", "update", f"JobId={job.id}", "StartTime=now")
         wait_until(lambda: slurm_cluster.job_field(high, "JobState") == "COMPLETED", 120, "the preempting job")
         resumed = wait_until(lambda: [e for e in job.events("resumed") if e.get("world_size") == 2], 240,
                              "the requeued job resumes")
