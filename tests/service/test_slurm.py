@@ -182,3 +182,23 @@ def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster,
     except AssertionError:
         print(job.dump())
         raise
+
+
+def test_time_limit_notice_to_the_batch_shell_drains_and_requeues(slurm_cluster, short_tmp):  # noqa: F811
+    """``#SBATCH --signal=B:USR1@180`` signals only the batch shell (here sent at once with ``scancel --batch``):
+    requeue.sbatch forwards it to the step's agents, which drain, and requeues the job."""
+    job = Job(slurm_cluster, short_tmp)
+    try:
+        wait_training(job)
+        slurm_cluster.cmd("scancel", "--batch", "--signal=USR1", job.id)
+        committed = wait_until(lambda: len(emergency(job)) == 2 and emergency(job), 60, "the emergency checkpoint")
+        assert len({e["step"] for e in committed}) == 1 and all(e["before_deadline"] for e in committed)
+        assert {n["detail"]["signal"] for n in job.events("preemption_notice")} == {"SIGUSR1"}
+        wait_until(lambda: slurm_cluster.job_field(job.id, "Restarts") == "1", 60, "the job requeued")
+        wait_until(lambda: job.state() == "PENDING", 60, "the job pending again")
+        with open(os.path.join(short_tmp, f"job-{job.id}.out")) as fh:
+            assert "requeueing job" in fh.read()
+        slurm_cluster.cmd("scancel", job.id)
+    except AssertionError:
+        print(job.dump())
+        raise
