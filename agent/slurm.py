@@ -129,6 +129,8 @@ class SlurmDefaults:
     values: dict[str, str] = field(default_factory=dict)
     origins: dict[str, str] = field(default_factory=dict)
     """Dotted key -> the variable(s) or command it came from, e.g. ``"SLURM_JOB_ID"``."""
+    notes: tuple[str, ...] = ()
+    """What was left alone, and why (printed with the line)."""
 
 
 def job_id(env: Mapping[str, str]) -> str:
@@ -162,17 +164,27 @@ def slurm_defaults(env: Mapping[str, str], facts: SchedulerFacts | None = None) 
     put("agent.job_id", jid, "SLURM_ARRAY_JOB_ID+SLURM_ARRAY_TASK_ID" if array else "SLURM_JOB_ID")
     if env.get("SLURMD_NODENAME"):
         put("agent.node_name", env["SLURMD_NODENAME"], "SLURMD_NODENAME")
+    notes: list[str] = []
     nodes_var = "SLURM_JOB_NUM_NODES" if env.get("SLURM_JOB_NUM_NODES") else "SLURM_NNODES"
+    nodes = 0
     if env.get(nodes_var):
         text = env[nodes_var]
         if not text.isdigit() or int(text) < 1:
             raise ConfigError("rendezvous.min_nodes", f"{nodes_var}={text!r} is not a node count",
                               "pass --nnodes (or set rendezvous.min_nodes/max_nodes), or run under srun",
                               source=f"env {nodes_var}")
-        put("rendezvous.min_nodes", text, nodes_var)
-        put("rendezvous.max_nodes", text, nodes_var)
+        nodes = int(text)
+    # The batch script (or an salloc shell) has no SLURM_STEP_ID and runs on the first node only: an agent
+    # started there is one node, whatever the allocation holds; waiting for the others would hang.
+    in_step = bool(env.get("SLURM_STEP_ID"))
+    if nodes > 1 and not in_step:
+        notes.append(f"not in a job step, so the node count ({nodes_var}={nodes}) and the endpoint are left "
+                     "alone: start one agent per node with `srun --ntasks-per-node=1 trainguard run ...`")
+    elif nodes:
+        put("rendezvous.min_nodes", nodes, nodes_var)
+        put("rendezvous.max_nodes", nodes, nodes_var)
     nodelist_var = "SLURM_JOB_NODELIST" if env.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
-    if env.get(nodelist_var):
+    if env.get(nodelist_var) and (in_step or nodes <= 1):
         try:
             first = expand_hostlist(env[nodelist_var])[0]
         except HostlistError as e:
@@ -190,7 +202,7 @@ def slurm_defaults(env: Mapping[str, str], facts: SchedulerFacts | None = None) 
             put("preemption.signal_deadline_s", facts.grace_time_s, "partition GraceTime (scontrol)")
         elif facts.kill_wait_s > 0:
             put("preemption.signal_deadline_s", facts.kill_wait_s, "KillWait (scontrol)")
-    return SlurmDefaults(values, origins)
+    return SlurmDefaults(values, origins, tuple(notes))
 
 
 def describe(defaults: SlurmDefaults, effective: Mapping[str, str]) -> str:
@@ -201,7 +213,7 @@ def describe(defaults: SlurmDefaults, effective: Mapping[str, str]) -> str:
     line = "from Slurm: " + ", ".join(used or ["nothing"])
     if kept:
         line += "; set elsewhere (YAML, TRAINGUARD_* or a flag): " + ", ".join(kept)
-    return line
+    return "; ".join([line, *defaults.notes])
 
 
 def effective(cfg: Any, defaults: SlurmDefaults) -> dict[str, str]:

@@ -55,7 +55,7 @@ def _slurm_table() -> list[list[str]]:
 def test_slurm_table_lists_what_the_code_sets():
     documented = {k for row in _slurm_table() for k in _KEY.findall(row[0])}
     env = {"SLURM_JOB_ID": "12", "SLURMD_NODENAME": "n1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
-           "SLURM_GPUS_ON_NODE": "8"}
+           "SLURM_GPUS_ON_NODE": "8", "SLURM_STEP_ID": "0"}
     got = slurm.slurm_defaults(env, slurm.SchedulerFacts(grace_time_s=30, kill_wait_s=30, preemptable=True))
     assert documented == set(got.values)
 

@@ -55,7 +55,9 @@ def test_expand_hostlist_matches_scontrol(tmp_path):
 
 
 BASE = {"SLURM_JOB_ID": "4242", "SLURMD_NODENAME": "gpu07", "SLURM_JOB_NUM_NODES": "4",
-        "SLURM_JOB_NODELIST": "gpu[07-10]", "SLURM_NODEID": "0"}
+        "SLURM_JOB_NODELIST": "gpu[07-10]", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0"}
+BATCH = {k: v for k, v in BASE.items() if k != "SLURM_STEP_ID"}
+"""The batch script's own environment: no job step."""
 
 CASES = [
     # (env, facts, expected values)
@@ -67,8 +69,13 @@ CASES = [
      {"agent.job_id": "slurm-4242"}),
     ({**BASE, "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "103"}, None,
      {"agent.job_id": "slurm-100_3", "rendezvous.endpoint": "gpu07:15103"}),
-    ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NODELIST": "a,b"}, None,
+    ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NODELIST": "a,b", "SLURM_STEP_ID": "1"}, None,
      {"rendezvous.min_nodes": "2", "rendezvous.endpoint": "a:15007"}),
+    # the batch shell of a 4-node job is one node: no node count, no endpoint (the line says why)
+    (BATCH, None, {"agent.job_id": "slurm-4242", "rendezvous.min_nodes": None, "rendezvous.endpoint": None}),
+    # the batch shell of a 1-node job is the whole job
+    ({**BATCH, "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "gpu07"}, None,
+     {"rendezvous.min_nodes": "1", "rendezvous.endpoint": "gpu07:19242"}),
     ({**BASE, "SLURM_GPUS_ON_NODE": "8"}, None, {"workers.nproc_per_node": "8"}),
     ({**BASE, "SLURM_GPUS_ON_NODE": "0"}, None, {"workers.nproc_per_node": None}),
     (BASE, slurm.SchedulerFacts(grace_time_s=90, kill_wait_s=30, preemptable=True),
@@ -119,6 +126,12 @@ def test_defaults_lose_to_env_and_flags_and_the_line_says_which():
     assert "agent.job_id" not in used and "rendezvous.min_nodes" not in used
     assert "agent.job_id" in elsewhere and "rendezvous.min_nodes" in elsewhere
     assert "rendezvous.max_nodes" not in elsewhere
+
+
+def test_the_batch_shell_line_says_to_use_srun():
+    sd = slurm.slurm_defaults(BATCH)
+    line = slurm.describe(sd, slurm.effective(load_config(None, {}, defaults=sd.values), sd))
+    assert "\n" not in line and "not in a job step" in line and "srun --ntasks-per-node=1" in line
 
 
 def test_parse_scontrol():
