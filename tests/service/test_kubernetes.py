@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import REPO, alive, free_port, memory_root, short_tmp, wait_listening, wait_until  # noqa: F401
+from tests.harness import REPO, alive, free_port, json_events, memory_root, short_tmp, wait_listening, wait_until  # noqa: F401
 from trainguard.agent.cli import build_parser
 from trainguard.agent.configload import all_keys, load_config
 from trainguard.runtime.configbase import env_var_for
@@ -123,9 +123,8 @@ def _local(argv: list[str]) -> list[str]:
 
 
 def _events(path: str, name: str) -> list[dict[str, Any]]:
-    from tests.service.test_slurm import _events as parse
-
-    return parse(path, name)
+    with open(path, errors="replace") as fh:
+        return json_events(fh.read().splitlines(), name)
 
 
 @pytest.mark.slow

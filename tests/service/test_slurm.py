@@ -10,7 +10,6 @@ requeued job - the same job id - resumes from its emergency checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 
 from tests.fixtures.slurm import GRACE_S, SlurmCluster, slurm_cluster  # noqa: F401
 from trainguard.agent.slurm import expand_hostlist
-from tests.harness import REPO, memory_root, short_tmp, wait_until  # noqa: F401
+from tests.harness import REPO, json_events, memory_root, short_tmp, wait_until  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -29,24 +28,12 @@ REQUEUE_SCRIPT = os.path.join(REPO, "examples", "slurm", "requeue.sbatch")
 
 
 def _events(path: str, name: str | None = None) -> list[dict[str, Any]]:
-    """JSON events of one agent log (its workers' lines carry a ``[default0]:`` prefix)."""
-    out = []
+    """JSON events of one agent's log file (none before it exists)."""
     try:
         with open(path, errors="replace") as fh:
-            lines = fh.read().splitlines()
+            return json_events(fh.read().splitlines(), name)
     except FileNotFoundError:
         return []
-    for line in lines:
-        if line.startswith("[default"):
-            line = line.split("]:", 1)[-1]
-        if line.startswith("{"):
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if name is None or ev.get("event") == name:
-                out.append(ev)
-    return out
 
 
 class Job:
