@@ -11,6 +11,7 @@ requeued job - the same job id - resumes from its emergency checkpoint.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -24,7 +25,10 @@ from tests.harness import REPO, json_events, memory_root, short_tmp, wait_until 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 REQUEUE_SCRIPT = os.path.join(REPO, "examples", "slurm", "requeue.sbatch")
-"""The example under test: every job here is submitted with it, as the docs tell users to."""
+ELASTIC_SCRIPT = os.path.join(REPO, "examples", "slurm", "elastic.sbatch")
+"""The examples under test: the jobs here are submitted with them, as the docs tell users to."""
+BIN = os.path.dirname(sys.executable)
+"""Where ``trainguard`` is installed (the batch scripts call it)."""
 
 
 def _events(path: str, name: str | None = None) -> list[dict[str, Any]]:
@@ -40,19 +44,20 @@ class Job:
     """One job of two agents submitted with ``examples/slurm/requeue.sbatch`` (the script's ``#SBATCH``
     lines ask for 4 nodes; ``-N2`` on the command line wins); each agent appends to ``<tmp>/agent-<node>.log`` (a requeued run too)."""
 
-    def __init__(self, cluster: SlurmCluster, tmp: str, *sbatch_args: str) -> None:
+    def __init__(self, cluster: SlurmCluster, tmp: str, *sbatch_args: str, script: str = "",
+                 flags: str = "") -> None:
         self.cluster, self.tmp = cluster, tmp
         self.logs = {n: os.path.join(tmp, f"agent-{n}.log") for n in cluster.nodes}
-        agent = (f"exec {sys.executable} -m trainguard.agent.cli run --nproc-per-node 1 "
+        agent = (f"exec {sys.executable} -m trainguard.agent.cli run --nproc-per-node 1 {flags} "
                  f"--state-dir {tmp}/state-$SLURMD_NODENAME --log-dir {tmp}/logs-$SLURMD_NODENAME "
                  "--monitor-interval 0.2 --set agent.log_format=json --set preemption.sources=signal "
                  f"--set metrics.port=0 --set checkpoint.url={tmp}/ckpt --set checkpoint.interval_steps=15 "
                  f"{ELASTIC} --steps 100000 --log-every 5 --step-sleep 0.05 --global-batch 24 "
                  f">> {tmp}/agent-$SLURMD_NODENAME.log 2>&1")
         self.id = cluster.sbatch("-N2", "-D", REPO, "-o", f"{tmp}/job-%j.out",
-                                 f"--export=ALL,OMP_NUM_THREADS=1,PYTHONUNBUFFERED=1,"
+                                 f"--export=ALL,OMP_NUM_THREADS=1,PYTHONUNBUFFERED=1,PATH={BIN}:{os.environ['PATH']},"
                                  f"TRAINGUARD_CHECKPOINT_MEMORY_DIR={memory_root(tmp)}", *sbatch_args,
-                                 REQUEUE_SCRIPT, "bash", "-c", agent)
+                                 script or REQUEUE_SCRIPT, "bash", "-c", agent)
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
         return [e for path in self.logs.values() for e in _events(path, name)]
@@ -186,6 +191,32 @@ def test_time_limit_notice_to_the_batch_shell_drains_and_requeues(slurm_cluster,
         with open(os.path.join(short_tmp, f"job-{job.id}.out")) as fh:
             assert "requeueing job" in fh.read()
         slurm_cluster.cmd("scancel", job.id)
+    except AssertionError:
+        print(job.dump())
+        raise
+
+
+def test_elastic_job_loses_its_first_node_and_trains_on(slurm_cluster, short_tmp):  # noqa: F811
+    """examples/slurm/elastic.sbatch: the store runs in the batch step, the agents run ``--nnodes 1:2``. The agent
+    on the first node of the nodelist (where a store inside an agent would live) drains; the other re-forms
+    alone and trains on, on the same store. ``--gpus-per-node=0`` overrides the script's 8 (no GPUs here)."""
+    job = Job(slurm_cluster, short_tmp, "--gpus-per-node=0", script=ELASTIC_SCRIPT, flags="--nnodes 1:2")
+    try:
+        wait_training(job)
+        first = expand_hostlist(slurm_cluster.job_field(job.id, "NodeList"))[0]
+        other = next(n for n in slurm_cluster.nodes if n != first)
+        for line in slurm_lines(job):
+            assert line.endswith("set elsewhere (YAML, TRAINGUARD_* or a flag): rendezvous.min_nodes"), line
+        assert not job.events("store_in_agent")  # is_host=false: the store is the batch step's
+        sock = os.path.join(short_tmp, f"state-{first}", f"slurm-{job.id}.sock")
+        subprocess.run([sys.executable, "-m", "trainguard.agent.cli", "drain", "--socket", sock, "--deadline", "30s"],
+                       check=True, capture_output=True, timeout=60)
+        step = max(job.steps_at(2))
+        wait_until(lambda: any(st > step + 10 for st in job.steps_at(1)), 120, "the survivor training alone")
+        assert job.state() == "RUNNING"
+        print(f"elastic: {first} drained at step {step}; {other} trains on at world size 1 on the batch step's store")
+        slurm_cluster.cmd("scancel", job.id)
+        wait_until(lambda: job.state() not in ("RUNNING", "COMPLETING"), 120, "the job ends")
     except AssertionError:
         print(job.dump())
         raise
