@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 REQUEUE_SCRIPT = os.path.join(REPO, "examples", "slurm", "requeue.sbatch")
 ELASTIC_SCRIPT = os.path.join(REPO, "examples", "slurm", "elastic.sbatch")
+FIXED_SCRIPT = os.path.join(REPO, "examples", "slurm", "fixed.sbatch")
 """The examples under test: the jobs here are submitted with them, as the docs tell users to."""
 BIN = os.path.dirname(sys.executable)
 """Where ``trainguard`` is installed (the batch scripts call it)."""
@@ -98,8 +99,9 @@ def wait_training(job: Job, min_step: int = 20, timeout: float = 180) -> None:
 
 
 def test_agents_take_their_config_from_slurm_and_scancel_usr1_drains(slurm_cluster, short_tmp):  # noqa: F811
+    """examples/slurm/fixed.sbatch (``--gpus-per-node=0`` overrides its 8: no GPUs here)."""
     tmp = short_tmp
-    job = Job(slurm_cluster, tmp)
+    job = Job(slurm_cluster, tmp, "--gpus-per-node=0", script=FIXED_SCRIPT)
     try:
         wait_training(job)
         lines = slurm_lines(job)
@@ -111,7 +113,8 @@ def test_agents_take_their_config_from_slurm_and_scancel_usr1_drains(slurm_clust
             assert "rendezvous.min_nodes=2 (SLURM_JOB_NUM_NODES)" in line, line
             assert f"rendezvous.endpoint={first}:{15000 + int(job.id[-4:])} (first host of SLURM_JOB_NODELIST)" in line
             assert "preemption.sigusr1=true" in line
-            assert "set elsewhere" not in line  # nothing on the command line named these keys
+            # the script's own TRAINGUARD_PREEMPTION_SIGNAL_DEADLINE_S wins over GraceTime; nothing else was given
+            assert line.endswith("set elsewhere (YAML, TRAINGUARD_* or a flag): preemption.signal_deadline_s"), line
 
         t0 = time.time()
         slurm_cluster.cmd("scancel", "--signal=USR1", job.id)
@@ -122,7 +125,7 @@ def test_agents_take_their_config_from_slurm_and_scancel_usr1_drains(slurm_clust
         assert slurm_cluster.job_field(job.id, "Restarts") == "0"  # a drain that is no preemption: not requeued
         notices = job.events("preemption_notice")
         assert len(notices) == 2 and all(n["detail"]["signal"] == "SIGUSR1" and n["kind"] == "preempt"
-                                         for n in notices), notices
+                                         and n["remaining_s"] == 110 for n in notices), notices
         committed = emergency(job)
         assert len(committed) == 2, job.dump()  # both ranks, the same step, before the deadline
         assert len({e["step"] for e in committed}) == 1 and all(e["before_deadline"] for e in committed)
@@ -138,8 +141,9 @@ def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster,
     """A job of partition ``high`` preempts ours (``PreemptMode=REQUEUE``, ``GraceTime``): SIGTERM to every
     agent with the grace as deadline (read from ``scontrol``), an emergency checkpoint inside it, the job
     requeued with the same id, and the second run continues from that checkpoint's step."""
+    """examples/slurm/fixed.sbatch (``--gpus-per-node=0`` overrides its 8: no GPUs here)."""
     tmp = short_tmp
-    job = Job(slurm_cluster, tmp)
+    job = Job(slurm_cluster, tmp, "--gpus-per-node=0", script=FIXED_SCRIPT)
     try:
         wait_training(job)
         line = slurm_lines(job)[0]
