@@ -60,6 +60,11 @@ class Job:
                                  f"TRAINGUARD_CHECKPOINT_MEMORY_DIR={memory_root(tmp)}", *sbatch_args,
                                  script or REQUEUE_SCRIPT, "bash", "-c", agent)
 
+    def cancel(self) -> None:
+        """End the job whatever state it is in, so that the next test gets both nodes."""
+        self.cluster.cmd("scancel", self.id, check=False)
+        wait_until(lambda: self.state() not in ("RUNNING", "COMPLETING", "CONFIGURING"), 120, f"job {self.id} ended")
+
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
         return [e for path in self.logs.values() for e in _events(path, name)]
 
@@ -70,7 +75,12 @@ class Job:
         return self.cluster.job_field(self.id, "JobState")
 
     def dump(self) -> str:
-        out = [f"--- job {self.id}: {self.state()}"]
+        out = [f"--- job {self.id}: {self.state()} {self.cluster.job_field(self.id, 'Command')}"]
+        try:
+            with open(os.path.join(self.tmp, f"job-{self.id}.out"), errors="replace") as fh:
+                out.append(fh.read()[-3000:])
+        except FileNotFoundError:
+            pass
         for node, path in self.logs.items():
             try:
                 with open(path, errors="replace") as fh:
@@ -135,15 +145,16 @@ def test_agents_take_their_config_from_slurm_and_scancel_usr1_drains(slurm_clust
     except AssertionError:
         print(job.dump())
         raise
+    finally:
+        job.cancel()
 
 
 def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster, short_tmp):  # noqa: F811
     """A job of partition ``high`` preempts ours (``PreemptMode=REQUEUE``, ``GraceTime``): SIGTERM to every
     agent with the grace as deadline (read from ``scontrol``), an emergency checkpoint inside it, the job
     requeued with the same id, and the second run continues from that checkpoint's step."""
-    """examples/slurm/fixed.sbatch (``--gpus-per-node=0`` overrides its 8: no GPUs here)."""
     tmp = short_tmp
-    job = Job(slurm_cluster, tmp, "--gpus-per-node=0", script=FIXED_SCRIPT)
+    job = Job(slurm_cluster, tmp)  # examples/slurm/requeue.sbatch
     try:
         wait_training(job)
         line = slurm_lines(job)[0]
@@ -173,11 +184,11 @@ def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster,
         assert len(lines) == 4 and all(f"agent.job_id=slurm-{job.id} " in x for x in lines), lines
         print(f"preempted -> emergency checkpoint of step {s} in {t_saved:.1f} s (GraceTime {GRACE_S} s); "
               f"requeued, resumed at step {resumed[0]['step']}")
-        slurm_cluster.cmd("scancel", job.id)
-        wait_until(lambda: job.state() not in ("RUNNING", "COMPLETING", "PENDING"), 120, "the job ends")
     except AssertionError:
         print(job.dump())
         raise
+    finally:
+        job.cancel()
 
 
 def test_time_limit_notice_to_the_batch_shell_drains_and_requeues(slurm_cluster, short_tmp):  # noqa: F811
@@ -194,10 +205,11 @@ def test_time_limit_notice_to_the_batch_shell_drains_and_requeues(slurm_cluster,
         wait_until(lambda: job.state() == "PENDING", 60, "the job pending again")
         with open(os.path.join(short_tmp, f"job-{job.id}.out")) as fh:
             assert "requeueing job" in fh.read()
-        slurm_cluster.cmd("scancel", job.id)
     except AssertionError:
         print(job.dump())
         raise
+    finally:
+        job.cancel()
 
 
 def test_elastic_job_loses_its_first_node_and_trains_on(slurm_cluster, short_tmp):  # noqa: F811
@@ -219,8 +231,8 @@ def test_elastic_job_loses_its_first_node_and_trains_on(slurm_cluster, short_tmp
         wait_until(lambda: any(st > step + 10 for st in job.steps_at(1)), 120, "the survivor training alone")
         assert job.state() == "RUNNING"
         print(f"elastic: {first} drained at step {step}; {other} trains on at world size 1 on the batch step's store")
-        slurm_cluster.cmd("scancel", job.id)
-        wait_until(lambda: job.state() not in ("RUNNING", "COMPLETING"), 120, "the job ends")
     except AssertionError:
         print(job.dump())
         raise
+    finally:
+        job.cancel()
