@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import REPO, alive, free_port, json_events, memory_root, short_tmp, wait_listening, wait_until  # noqa: F401
+from tests.harness import (REPO, alive, free_port, json_events, memory_root, short_tmp,  # noqa: F401
+                           wait_listening, wait_until)
 from trainguard.agent.cli import build_parser
 from trainguard.agent.configload import all_keys, load_config
 from trainguard.runtime.configbase import env_var_for
@@ -196,3 +198,4 @@ def test_pod_command_drains_on_prestop_and_sigterm_and_resumes(short_tmp):  # no
                 p.kill()
                 p.wait(10)
         wait_until(lambda: not any(alive(p.pid) for p in procs), 10, "the pods' processes gone")
+        shutil.rmtree(memory_root(tmp), ignore_errors=True)  # the pod's tier-0 folder (empty once drained)

@@ -10,10 +10,13 @@ requeued job - the same job id - resumes from its emergency checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -43,7 +46,8 @@ def _events(path: str, name: str | None = None) -> list[dict[str, Any]]:
 
 class Job:
     """One job of two agents submitted with ``examples/slurm/requeue.sbatch`` (the script's ``#SBATCH``
-    lines ask for 4 nodes; ``-N2`` on the command line wins); each agent appends to ``<tmp>/agent-<node>.log`` (a requeued run too)."""
+    lines ask for 4 nodes; ``-N2`` on the command line wins); each agent appends to ``<tmp>/agent-<node>.log``
+    (a requeued run too)."""
 
     def __init__(self, cluster: SlurmCluster, tmp: str, *sbatch_args: str, script: str = "",
                  flags: str = "") -> None:
@@ -90,6 +94,19 @@ class Job:
         return "\n".join(out) + "\n" + self.cluster.log_tail(15)
 
 
+@contextlib.contextmanager
+def submitted(job: Job) -> Iterator[Job]:
+    """A test's job: its logs printed when an assertion fails, and cancelled at the end either way."""
+    try:
+        yield job
+    except AssertionError:
+        print(job.dump())
+        raise
+    finally:
+        job.cancel()
+        shutil.rmtree(memory_root(job.tmp), ignore_errors=True)  # the agents' tier-0 folder (empty once drained)
+
+
 def emergency(job: Job) -> list[dict[str, Any]]:
     return [e for e in job.events("checkpoint_committed")
             if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
@@ -111,8 +128,7 @@ def wait_training(job: Job, min_step: int = 20, timeout: float = 180) -> None:
 def test_agents_take_their_config_from_slurm_and_scancel_usr1_drains(slurm_cluster, short_tmp):  # noqa: F811
     """examples/slurm/fixed.sbatch (``--gpus-per-node=0`` overrides its 8: no GPUs here)."""
     tmp = short_tmp
-    job = Job(slurm_cluster, tmp, "--gpus-per-node=0", script=FIXED_SCRIPT)
-    try:
+    with submitted(Job(slurm_cluster, tmp, "--gpus-per-node=0", script=FIXED_SCRIPT)) as job:
         wait_training(job)
         lines = slurm_lines(job)
         assert len(lines) == 2, lines  # one line per agent, saying what it took from where
@@ -142,11 +158,6 @@ def test_agents_take_their_config_from_slurm_and_scancel_usr1_drains(slurm_clust
         assert max(job.steps_at(2)) <= committed[0]["step"]  # nothing trained after the checkpoint: nothing lost
         assert not [e for e in job.events("state_change") if e.get("new") == "restarting"]
         print(f"scancel --signal=USR1 -> job COMPLETED in {done:.1f} s; emergency step {committed[0]['step']}")
-    except AssertionError:
-        print(job.dump())
-        raise
-    finally:
-        job.cancel()
 
 
 def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster, short_tmp):  # noqa: F811
@@ -154,8 +165,7 @@ def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster,
     agent with the grace as deadline (read from ``scontrol``), an emergency checkpoint inside it, the job
     requeued with the same id, and the second run continues from that checkpoint's step."""
     tmp = short_tmp
-    job = Job(slurm_cluster, tmp)  # examples/slurm/requeue.sbatch
-    try:
+    with submitted(Job(slurm_cluster, tmp)) as job:  # examples/slurm/requeue.sbatch
         wait_training(job)
         line = slurm_lines(job)[0]
         assert f"preemption.signal_deadline_s={GRACE_S} (partition GraceTime (scontrol))" in line, line
@@ -184,18 +194,12 @@ def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster,
         assert len(lines) == 4 and all(f"agent.job_id=slurm-{job.id} " in x for x in lines), lines
         print(f"preempted -> emergency checkpoint of step {s} in {t_saved:.1f} s (GraceTime {GRACE_S} s); "
               f"requeued, resumed at step {resumed[0]['step']}")
-    except AssertionError:
-        print(job.dump())
-        raise
-    finally:
-        job.cancel()
 
 
 def test_time_limit_notice_to_the_batch_shell_drains_and_requeues(slurm_cluster, short_tmp):  # noqa: F811
     """``#SBATCH --signal=B:USR1@180`` signals only the batch shell (here sent at once with ``scancel --batch``):
     requeue.sbatch forwards it to the step's agents, which drain, and requeues the job."""
-    job = Job(slurm_cluster, short_tmp)
-    try:
+    with submitted(Job(slurm_cluster, short_tmp)) as job:
         wait_training(job)
         slurm_cluster.cmd("scancel", "--batch", "--signal=USR1", job.id)
         committed = wait_until(lambda: len(emergency(job)) == 2 and emergency(job), 60, "the emergency checkpoint")
@@ -205,11 +209,6 @@ def test_time_limit_notice_to_the_batch_shell_drains_and_requeues(slurm_cluster,
         wait_until(lambda: job.state() == "PENDING", 60, "the job pending again")
         with open(os.path.join(short_tmp, f"job-{job.id}.out")) as fh:
             assert "requeueing job" in fh.read()
-    except AssertionError:
-        print(job.dump())
-        raise
-    finally:
-        job.cancel()
 
 
 def test_elastic_job_loses_its_first_node_and_trains_on(slurm_cluster, short_tmp):  # noqa: F811
@@ -217,7 +216,7 @@ def test_elastic_job_loses_its_first_node_and_trains_on(slurm_cluster, short_tmp
     on the first node of the nodelist (where a store inside an agent would live) drains; the other re-forms
     alone and trains on, on the same store. ``--gpus-per-node=0`` overrides the script's 8 (no GPUs here)."""
     job = Job(slurm_cluster, short_tmp, "--gpus-per-node=0", script=ELASTIC_SCRIPT, flags="--nnodes 1:2")
-    try:
+    with submitted(job):
         wait_training(job)
         first = expand_hostlist(slurm_cluster.job_field(job.id, "NodeList"))[0]
         other = next(n for n in slurm_cluster.nodes if n != first)
@@ -231,8 +230,3 @@ def test_elastic_job_loses_its_first_node_and_trains_on(slurm_cluster, short_tmp
         wait_until(lambda: any(st > step + 10 for st in job.steps_at(1)), 120, "the survivor training alone")
         assert job.state() == "RUNNING"
         print(f"elastic: {first} drained at step {step}; {other} trains on at world size 1 on the batch step's store")
-    except AssertionError:
-        print(job.dump())
-        raise
-    finally:
-        job.cancel()
