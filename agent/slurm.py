@@ -16,9 +16,10 @@ config key                         Slurm source
                                    so two jobs that share a first node do not share a port)
 ``workers.nproc_per_node``         ``SLURM_GPUS_ON_NODE`` when Slurm allocated GPUs
 ``preemption.sigusr1``             on: ``#SBATCH --signal=USR1@<s>`` and ``scancel --signal=USR1`` drain
-``preemption.signal_deadline_s``   the partition's ``GraceTime`` when the job can be preempted, else
-                                   ``KillWait`` (the SIGTERM -> SIGKILL gap of ``scancel`` and time limits);
-                                   read with ``scontrol`` (:func:`scontrol_facts`), left alone without it
+``preemption.signal_deadline_s``   the shorter of the partition's ``GraceTime`` (when the job can be
+                                   preempted) and ``KillWait`` (the SIGTERM -> SIGKILL gap of ``scancel``
+                                   and time limits): a SIGTERM does not say which it is. Read with
+                                   ``scontrol`` (:func:`scontrol_facts`), left alone without it
 =================================  ======================================================================
 
 These are *defaults*: the YAML file, ``TRAINGUARD_*`` variables and flags all win over them
@@ -198,10 +199,14 @@ def slurm_defaults(env: Mapping[str, str], facts: SchedulerFacts | None = None) 
         put("workers.nproc_per_node", gpus, "SLURM_GPUS_ON_NODE")
     put("preemption.sigusr1", "true", "Slurm job (--signal=USR1@s, scancel --signal=USR1)")
     if facts is not None:
-        if facts.preemptable and facts.grace_time_s > 0:
-            put("preemption.signal_deadline_s", facts.grace_time_s, "partition GraceTime (scontrol)")
-        elif facts.kill_wait_s > 0:
-            put("preemption.signal_deadline_s", facts.kill_wait_s, "KillWait (scontrol)")
+        # A SIGTERM does not say whether it is a preemption (SIGKILL-worthy at GraceTime) or a scancel or
+        # time limit (SIGKILL after KillWait): plan for the shorter window of the two that apply.
+        windows = {"partition GraceTime (scontrol)": facts.grace_time_s if facts.preemptable else 0,
+                   "KillWait (scontrol)": facts.kill_wait_s}
+        known = {origin: s for origin, s in windows.items() if s > 0}
+        if known:
+            origin = min(known, key=lambda o: known[o])
+            put("preemption.signal_deadline_s", known[origin], origin)
     return SlurmDefaults(values, origins, tuple(notes))
 
 

@@ -78,7 +78,12 @@ CASES = [
      {"rendezvous.min_nodes": "1", "rendezvous.endpoint": "gpu07:19242"}),
     ({**BASE, "SLURM_GPUS_ON_NODE": "8"}, None, {"workers.nproc_per_node": "8"}),
     ({**BASE, "SLURM_GPUS_ON_NODE": "0"}, None, {"workers.nproc_per_node": None}),
+    # a SIGTERM may be either: the shorter window of the two
+    (BASE, slurm.SchedulerFacts(grace_time_s=20, kill_wait_s=30, preemptable=True),
+     {"preemption.signal_deadline_s": "20"}),
     (BASE, slurm.SchedulerFacts(grace_time_s=90, kill_wait_s=30, preemptable=True),
+     {"preemption.signal_deadline_s": "30"}),
+    (BASE, slurm.SchedulerFacts(grace_time_s=90, kill_wait_s=0, preemptable=True),
      {"preemption.signal_deadline_s": "90"}),
     (BASE, slurm.SchedulerFacts(grace_time_s=90, kill_wait_s=30, preemptable=False),
      {"preemption.signal_deadline_s": "30"}),
