@@ -181,19 +181,40 @@ def test_preempted_within_gracetime_then_the_requeued_job_resumes(slurm_cluster,
         assert t_saved < GRACE_S, f"the checkpoint took {t_saved:.1f} s, past GraceTime {GRACE_S} s"
         s = committed[0]["step"]
 
-        wait_until(lambda: slurm_cluster.job_field(job.id, "Restarts") == "1", 120, "the job requeued")
-        # Slurm holds a requeued batch job for about two minutes (its BeginTime); the test does not wait.
-        wait_until(lambda: slurm_cluster.job_field(job.id, "JobState") == "PENDING", 60, "the job pending again")
-        slurm_cluster.cmd("scontrol", "update", f"JobId={job.id}", "StartTime=now")
         wait_until(lambda: slurm_cluster.job_field(high, "JobState") == "COMPLETED", 120, "the preempting job")
-        resumed = wait_until(lambda: [e for e in job.events("resumed") if e.get("world_size") == 2], 240,
-                             "the requeued job resumes")
-        assert resumed[0]["step"] == s, (resumed, s)  # the same job id found its emergency checkpoint
-        wait_until(lambda: any(st > s + 5 for st in job.steps_at(2)), 120, "training after the requeue")
-        lines = slurm_lines(job)
-        assert len(lines) == 4 and all(f"agent.job_id=slurm-{job.id} " in x for x in lines), lines
+        resumed = resumes_after_requeue(job, s)
         print(f"preempted -> emergency checkpoint of step {s} in {t_saved:.1f} s (GraceTime {GRACE_S} s); "
-              f"requeued, resumed at step {resumed[0]['step']}")
+              f"requeued, resumed at step {resumed}")
+
+
+def resumes_after_requeue(job: Job, step: int) -> int:
+    """The job requeued once, started again at once, and its ranks resumed at ``step`` (the same job id found
+    its emergency checkpoint) and trained on; returns the step they resumed at."""
+    cluster = job.cluster
+    wait_until(lambda: cluster.job_field(job.id, "Restarts") == "1", 120, "the job requeued")
+    # Slurm holds a requeued batch job for about two minutes (its BeginTime); the test does not wait.
+    wait_until(lambda: cluster.job_field(job.id, "JobState") == "PENDING", 60, "the job pending again")
+    cluster.cmd("scontrol", "update", f"JobId={job.id}", "StartTime=now")
+    resumed = wait_until(lambda: [e for e in job.events("resumed") if e.get("world_size") == 2], 240,
+                         "the requeued job resumes")
+    assert all(e["step"] == step for e in resumed), (resumed, step)
+    wait_until(lambda: any(st > step + 5 for st in job.steps_at(2)), 120, "training after the requeue")
+    lines = slurm_lines(job)
+    assert len(lines) == 4 and all(f"agent.job_id=slurm-{job.id} " in x for x in lines), lines
+    return int(resumed[0]["step"])
+
+
+def test_scontrol_requeue_drains_and_the_job_resumes(slurm_cluster, short_tmp):  # noqa: F811
+    """``scontrol requeue``: SIGTERM to the step (deadline: the shorter of GraceTime and KillWait), the agents
+    drain, Slurm itself puts the job back in the queue, and the next run resumes at the emergency step."""
+    with submitted(Job(slurm_cluster, short_tmp)) as job:  # examples/slurm/requeue.sbatch
+        wait_training(job)
+        slurm_cluster.cmd("scontrol", "requeue", job.id)
+        committed = wait_until(lambda: len(emergency(job)) == 2 and emergency(job), 60, "the emergency checkpoint")
+        assert len({e["step"] for e in committed}) == 1 and all(e["before_deadline"] for e in committed)
+        assert {n["detail"]["signal"] for n in job.events("preemption_notice")} == {"SIGTERM"}
+        s = committed[0]["step"]
+        assert resumes_after_requeue(job, s) == s
 
 
 def test_time_limit_notice_to_the_batch_shell_drains_and_requeues(slurm_cluster, short_tmp):  # noqa: F811
