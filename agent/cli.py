@@ -202,10 +202,24 @@ def _exit_now(code: int) -> int:
     os._exit(code)
 
 
+def _slurm_defaults(env: Mapping[str, str]) -> Any:
+    """Defaults from Slurm's environment under ``srun`` (:mod:`trainguard.agent.slurm`); empty outside."""
+    from trainguard.agent import slurm
+
+    return slurm.slurm_defaults(env, slurm.scontrol_facts(env) if env.get("SLURM_JOB_ID") else None)
+
+
+def _slurm_note(sd: Any, cfg: TrainguardConfig) -> str:
+    from trainguard.agent import slurm
+
+    return slurm.describe(sd, slurm.effective(cfg, sd)) if sd.values else ""
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     env = dict(os.environ)
-    cfg = load_config(_config_path(args, env, required=True), env, overrides_from_args(args))
-    return _start(cfg, env, announce=False)
+    sd = _slurm_defaults(env)
+    cfg = load_config(_config_path(args, env, required=True), env, overrides_from_args(args), defaults=sd.values)
+    return _start(cfg, env, announce=False, note=_slurm_note(sd, cfg))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -213,7 +227,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     o = overrides_from_args(args)
     o["workers.entrypoint"] = args.script
     o["workers.args"] = list(args.script_args)
-    defaults = _user_defaults()
+    sd = _slurm_defaults(env)
+    defaults = {**_user_defaults(), **sd.values}
     derived = note = ""
     if args.standalone:
         derived = standalone_job_id(args.script, args.script_args, module=bool(args.module))
@@ -225,6 +240,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     f"checkpoint under {cfg.checkpoint.url}; pass --rdzv-id to choose the id)")
         else:  # nothing to resume: a fresh id keeps concurrent runs of one script apart
             cfg.agent = dataclasses.replace(cfg.agent, job_id=uuid.uuid4().hex[:12])
+    note = "; ".join(filter(None, [_slurm_note(sd, cfg), note]))
     return _start(cfg, env, announce=True, note=note)
 
 

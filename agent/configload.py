@@ -241,8 +241,9 @@ def load_config(
     sources: dict[str, str] = {}
     keys = all_keys()
     for key, raw in (defaults or {}).items():
-        section, k = key.split(".", 1)
-        values[section][k] = raw
+        section, k = key.split(".", 1)  # text (Slurm's environment) is parsed like an env value
+        values[section][k] = _coerce(key, _hints(SECTIONS[section])[k], raw, "default", from_text=isinstance(raw, str),
+                                     syntax=_text_syntax(section, k))
 
     if path:
         data = read_yaml(path)

@@ -9,6 +9,11 @@ agent starts workers from its long-lived supervisor thread), checks that the age
 died in between (``getppid()`` against :attr:`RuntimeEnv.agent_pid <trainguard.contract.protocol.RuntimeEnv.agent_pid>`), then ``exec``s the real worker.
 The setting survives ``execve`` of non-setuid programs. systemd's final SIGKILL of the unit's cgroup
 (``KillMode=mixed``, at the end of ``TimeoutStopSec``) is the second line of defence.
+
+The shim also sets SIGUSR1 to ignored (inherited across ``exec``): Slurm delivers ``--signal=USR1@s``
+and ``scancel --signal=USR1`` to every process of a job step, workers included, and SIGUSR1's default
+action ends the process. The notice is the agent's to act on (``preemption.sigusr1``); a worker ending
+on it would count as a crash. A script that installs its own SIGUSR1 handler still gets the signal.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         sys.exit("worker_shim: nothing to run (usage: python -m trainguard.runtime.shim [--no-python] -- ARGV...)")
     set_parent_death_signal(signal.SIGKILL)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     expected = RuntimeEnv.from_env().agent_pid
     if expected is not None and os.getppid() != expected:
         sys.exit(f"worker_shim: the agent (pid {expected}) died before this worker started")

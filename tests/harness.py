@@ -149,6 +149,24 @@ def memory_root(tmp: str) -> str:
     return os.path.join("/dev/shm", "tg-test-" + hashlib.sha1(os.path.abspath(tmp).encode()).hexdigest()[:12])
 
 
+def json_events(lines: list[str], name: str | None = None) -> list[dict[str, Any]]:
+    """The JSON events among an agent's output ``lines`` (agent events, and its workers' lines with the
+    ``[default0]:`` prefix stripped), those named ``name`` only when given."""
+    out = []
+    for line in lines:
+        if line.startswith("[default"):
+            line = line.split("]:", 1)[-1]
+        if not line.startswith("{"):
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if name is None or ev.get("event") == name:
+            out.append(ev)
+    return out
+
+
 class Node:
     """One agent (``trainguard run``) standing in for one node."""
 
@@ -186,19 +204,7 @@ class Node:
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
         """Agent JSON events, and worker JSON lines (the ``[default0]:`` prefix stripped)."""
-        out = []
-        for line in self.lines():
-            if line.startswith("[default"):
-                line = line.split("]:", 1)[-1]
-            if not line.startswith("{"):
-                continue
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if name is None or ev.get("event") == name:
-                out.append(ev)
-        return out
+        return json_events(self.lines(), name)
 
     def worker_pids(self) -> list[int]:
         return [c for c in children(self.pid) if alive(c)]
