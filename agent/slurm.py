@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.runtime.configbase import ConfigError
+from trainguard.contract.configbase import ConfigError
 
 PORT_BASE = 15000
 """Rendezvous port = ``PORT_BASE`` + the last four digits of the job id (at most 24999)."""
@@ -149,7 +149,7 @@ def rendezvous_port(slurm_job_id: str) -> int:
 def slurm_defaults(env: Mapping[str, str], facts: SchedulerFacts | None = None) -> SlurmDefaults:
     """Pure: the config defaults Slurm's environment implies (empty outside a Slurm job).
 
-    Raises :class:`~trainguard.runtime.configbase.ConfigError` naming the Slurm variable and the key
+    Raises :class:`~trainguard.contract.configbase.ConfigError` naming the Slurm variable and the key
     it feeds when a value is malformed (the fix: set that key yourself).
     """
     if not env.get("SLURM_JOB_ID"):

@@ -13,7 +13,7 @@ import pytest
 from tests.harness import REPO
 from trainguard.agent import slurm
 from trainguard.agent.configload import all_keys
-from trainguard.runtime.configbase import env_var_for
+from trainguard.contract.configbase import env_var_for
 
 PAGES = {"docs/slurm.md": "examples/slurm/*.sbatch", "docs/kubernetes.md": "docker/kubernetes/*.yaml"}
 _KEY = re.compile(r"`((?:agent|rendezvous|workers|checkpoint|preemption|metrics|cost)\.[a-z0-9_]+)`")

@@ -13,7 +13,7 @@ import pytest
 from tests.harness import REPO
 from trainguard.agent import slurm
 from trainguard.agent.configload import load_config
-from trainguard.runtime.configbase import ConfigError
+from trainguard.contract.configbase import ConfigError
 
 HOSTLISTS = [
     ("node1", ["node1"]),

@@ -20,7 +20,7 @@ from tests.harness import (REPO, alive, free_port, json_events, memory_root, sho
                            wait_listening, wait_until)
 from trainguard.agent.cli import build_parser
 from trainguard.agent.configload import all_keys, load_config
-from trainguard.runtime.configbase import env_var_for
+from trainguard.contract.configbase import env_var_for
 
 K8S = os.path.join(REPO, "docker", "kubernetes")
 MANIFESTS = sorted(glob.glob(os.path.join(K8S, "*.yaml")))
