@@ -116,6 +116,12 @@ def test_the_pieces_agree():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"] and cfg.checkpoint.memory_dir == "/dev/shm"
     svc = find("Service", "trainguard-train")
     assert svc["spec"]["clusterIP"] == "None" and spec["subdomain"] == svc["metadata"]["name"]
+    # A pod whose agent drained or stopped with its work committed is no failure of the Job (exit codes).
+    from trainguard.agent.exitcodes import ExitCode
+
+    rules = find("Job", "trainguard-train")["spec"]["podFailurePolicy"]["rules"]
+    ignored = {v for r in rules if r["action"] == "Ignore" and "onExitCodes" in r for v in r["onExitCodes"]["values"]}
+    assert ignored == {ExitCode.DRAINED, ExitCode.STOPPED}
 
 
 def _local(argv: list[str]) -> list[str]:
@@ -170,7 +176,7 @@ def test_pod_command_drains_on_prestop_and_sigterm_and_resumes(short_tmp):  # no
         assert prestop.returncode == 0, prestop.stderr
         t_term = time.time()
         pod.send_signal(signal.SIGTERM)  # the kubelet, once preStop returned
-        assert pod.wait(grace) == 0
+        assert pod.wait(grace) == 3  # drained, work committed: the Job's podFailurePolicy ignores it (below)
         took = time.time() - t_term
         committed = [e for e in _events(log, "checkpoint_committed") if e.get("kind") == "emergency"
                      and e.get("component") == "trainguard.worker"]
@@ -186,7 +192,7 @@ def test_pod_command_drains_on_prestop_and_sigterm_and_resumes(short_tmp):  # no
         resumed = wait_until(lambda: _events(log, "resumed"), 180, "the new pod resumes")
         assert resumed[0]["step"] == s, (resumed, s)
         pod.send_signal(signal.SIGTERM)
-        assert pod.wait(grace) == 0
+        assert pod.wait(grace) == 4  # stopped (SIGTERM alone), work committed: ignored by the policy too
         print(f"preStop + SIGTERM: drained in {took:.1f} s (grace {grace} s) at step {s}; the new pod resumed at {s}")
     except AssertionError:
         with open(log, errors="replace") as fh:
