@@ -133,7 +133,7 @@ def test_first_hour(short_tmp):
         assert b.proc.wait(60) == ExitCode.DRAINED, b.text()[-3000:]
         assert b.events("checkpoint_url_unset"), "agent and runtime warn at start"
         assert any(e.get("component") == "trainguard.worker" for e in b.events("checkpoint_url_unset"))
-        [not_saved] = [e for e in b.events("checkpoint_not_saved") if e.get("component") == "trainguard.agent.control"]
+        [not_saved] = [e for e in b.events("checkpoint_not_saved") if e.get("component") == "trainguard.agent.supervisor"]
         assert not_saved["kind"] == "emergency" and not_saved["step"] > 0
 
         # now A is the only one: found with no flags, drained with an emergency checkpoint

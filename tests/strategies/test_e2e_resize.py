@@ -26,6 +26,7 @@ from tests.e2e.test_drain import check_exactly_once, sample_log, worlds
 from tests.harness import Node, continued, free_port, wait_listening, wait_until
 from tests.strategies._world import E2E_BATCH, E2E_SIZE, ELASTIC, JOB, MODEL_PARALLEL, continuity
 from trainguard.agent import control
+from trainguard.agent.exitcodes import ExitCode
 from trainguard.contract.protocol import DrainRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -78,7 +79,7 @@ def test_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path, 
                    90, "6 steps at world size 2")
         reply = control.request(b.socket, DrainRequest(deadline_s=30))
         assert reply.ok, reply
-        assert b.wait(60) == 0, b.dump()
+        assert b.wait(60) == ExitCode.DRAINED, b.dump()
         committed = [e for n in (a, b) for e in n.events("checkpoint_committed")
                      if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
         assert len(committed) == 2, a.dump() + b.dump()
@@ -112,7 +113,7 @@ def test_drain_to_1_then_rejoin_to_2_exactly_once_and_loss_continuous(tmp_path, 
         for n in (a, b2):
             n.signal(15)
         for n in (a, b2):
-            assert n.wait(60) == 0, n.dump()
+            assert n.wait(60) == ExitCode.STOPPED, n.dump()  # SIGTERM: stopped, work committed
 
         seen = check_exactly_once(sample_log(tmp))
         with open(loss_log) as fh:
@@ -217,7 +218,7 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path, reform):
         pids = sorted(a.worker_pids())
         reply = control.request(b.socket, DrainRequest(deadline_s=60))
         assert reply.ok, reply
-        assert b.wait(90) == 0, b.dump()
+        assert b.wait(90) == ExitCode.DRAINED, b.dump()
         committed = [e for n in (a, b) for e in n.events("checkpoint_committed")
                      if e.get("kind") == "emergency" and e.get("component") == "trainguard.worker"]
         assert len(committed) == 4, a.dump() + b.dump()  # every rank of both nodes
@@ -248,7 +249,7 @@ def test_model_parallel_2x2_drain_to_1x2_rejoin_to_2x2(tmp_path, reform):
         for n in (a, b2):
             n.signal(15)
         for n in (a, b2):
-            assert n.wait(90) == 0, n.dump()
+            assert n.wait(90) == ExitCode.STOPPED, n.dump()  # SIGTERM: stopped, work committed
 
         seen = check_model_parallel_samples(sample_log(tmp), 16)
         with open(loss_log) as fh:

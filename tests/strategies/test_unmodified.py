@@ -142,7 +142,7 @@ def test_unmodified_script_trains_gets_sigterm_on_drain_and_survivor_resumes(kin
         t_resumed = time.monotonic()
 
         a.signal(signal.SIGTERM)  # a SIGTERM to the agent is a drain too
-        assert a.wait(60) == 0, a.dump()
+        assert a.wait(60) == ExitCode.STOPPED, a.dump()
         print(f"{kind}: to_world2_s={t_world2 - t_start:.1f} worker_exit_after_drain_s={worker_exit_s:.2f} "
               f"drain_to_resumed_training_s={t_resumed - t0:.1f} resumed_step={s} "
               f"stop_s={time.monotonic() - t_resumed:.1f}")
