@@ -118,16 +118,22 @@ def _best(fn: Callable[[], None], repeat: int) -> float:
     return min(times)
 
 
+def _state(device: Any, size_mb: int, n: int) -> tuple[dict[str, Any], int, int]:
+    """``n`` float32 tensors of ``size_mb`` MiB in all on ``device``: (state, numel each, bytes)."""
+    import torch
+
+    numel = size_mb * 2**20 // 4 // n
+    return {"model": {f"w{i}": torch.randn(numel, device=device) for i in range(n)}}, numel, numel * 4 * n
+
+
 def part_d2h(dry: bool) -> dict[str, Any]:
     import torch
 
     from trainguard.checkpoint.staging import Stager
 
     device = _device(dry)
-    size_mb, n = (16, 8) if dry else (4096, 64)
-    numel = size_mb * 2**20 // 4 // n
-    state = {"model": {f"w{i}": torch.randn(numel, device=device) for i in range(n)}}
-    nbytes = numel * 4 * n
+    state, numel, nbytes = _state(device, *((16, 8) if dry else (4096, 64)))
+    n = len(state["model"])
     stager = Stager()
     stager.prepare(state)
     arena = stager._arena
@@ -184,10 +190,7 @@ def part_save_stall(dry: bool) -> dict[str, Any]:
     from trainguard.checkpoint.manager import CheckpointManager
 
     device = _device(dry)
-    size_mb, n = (8, 8) if dry else (2048, 32)
-    numel = size_mb * 2**20 // 4 // n
-    state = {"model": {f"w{i}": torch.randn(numel, device=device) for i in range(n)}}
-    nbytes = numel * 4 * n
+    state, _, nbytes = _state(device, *((8, 8) if dry else (2048, 32)))
     probe = torch.ones(1024, device=device)
     clock = _Clock(device)
     rows = []
