@@ -51,18 +51,19 @@ def test_wheel_builds_without_setuptools_warnings_and_ships_the_data(tmp_path):
 
 
 def test_demo_editable_install_prints_no_setuptools_notice(tmp_path):
-    """examples/demo.sh's editable install, run as the script runs it (into a scratch prefix, from
-    this venv's setuptools): setuptools' "Editable installation ... same name as your package" notice,
-    which pip shows as BuildBackendWarning, does not reach the user."""
+    """examples/demo.sh's editable install, run as the script runs it (with this venv's setuptools,
+    into a scratch --target, which leaves this venv's own install alone): setuptools' "Editable
+    installation ... same name as your package" notice, which pip shows as BuildBackendWarning, does
+    not reach the user."""
     import shlex
 
     with open(os.path.join(REPO, "examples", "demo.sh")) as fh:
         script = fh.read().replace("\\\n", "")
     (line,) = [ln for ln in script.splitlines() if "pip install" in ln and " -e ." in ln]
     line = line.replace(".venv/bin/python", shlex.quote(sys.executable)).replace(
-        " -e .", f" --no-deps --no-build-isolation --prefix {shlex.quote(str(tmp_path / 'prefix'))} -e .")
+        " -e .", f" --no-deps --no-build-isolation --target {shlex.quote(str(tmp_path / 'target'))} -e .")
     r = subprocess.run(["bash", "-c", f"set -o pipefail; {line}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
     assert "Editable installation" not in out and "BuildBackendWarning" not in out, out[-3000:]
-    assert any(n.startswith("__editable__") for n in os.listdir(
-        next((tmp_path / "prefix").glob("lib/python*/site-packages")))), out[-3000:]
+    assert any(n.startswith("__editable__") for n in os.listdir(tmp_path / "target")), out[-3000:]
+    assert subprocess.run([sys.executable, "-c", "import trainguard.agent"], cwd=tmp_path).returncode == 0  # untouched
