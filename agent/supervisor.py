@@ -57,7 +57,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, Wo
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
-from trainguard.agent import exitcodes, workerenv
+from trainguard.agent import exitcodes, torchlogs, workerenv
 from trainguard.agent.census import check_census, job_view, node_status, share_interval, share_status
 from trainguard.agent.census import record as census_record
 from trainguard.agent.config import TrainguardConfig
@@ -468,7 +468,9 @@ class Supervisor:
     # ---- the loop (runs in the supervisor thread) ---------------------------------------------
     def observe(self) -> tuple[Observation, Poll]:
         """One look at the workers and this node (no side effects on the job)."""
-        poll = self.adapter.poll()
+        # Asked to stop (drain or resize), the first worker to exit makes elastic end its siblings: planned.
+        with torchlogs.expected_stop(self._asked is not Asked.NOTHING):
+            poll = self.adapter.poll()
         drain = self._drain
         if drain is not None and self.sm.state != AgentState.DRAINING:
             self.sm.to(AgentState.DRAINING, source=drain.source, kind=drain.kind)
@@ -541,7 +543,8 @@ class Supervisor:
             log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
             if self._asked is Asked.DRAIN and not self._emergency_committed and not self._emergency_error:
                 self._emergency_error = "the drain deadline passed before the emergency checkpoint was committed"
-            self.adapter.terminate_workers(grace)
+            with torchlogs.expected_stop(d.reason != "drain_deadline_passed"):
+                self.adapter.terminate_workers(grace)
             return self._leave(d.reason)
         elif d.act is Act.LEAVE:
             return self._leave(d.reason)
@@ -741,7 +744,8 @@ class Supervisor:
             self.adapter.leave(timeout_s=self.cfg.rendezvous.close_timeout_s)
         except Exception as e:  # the store may be gone; leaving is best effort, stopping is not
             log.warning("rendezvous_leave_failed", error=str(e))
-        self.adapter.stop_workers()
+        with torchlogs.expected_stop():
+            self.adapter.stop_workers()
         self._workers_gone()
         drain = self._drain
         self._outcome = AgentState.STOPPED

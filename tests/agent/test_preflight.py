@@ -205,11 +205,16 @@ def test_torch_elastic_noise_is_filtered_and_explained_once():
                                "This could lead to orphaned worker processes if the torchrun is terminated.")
             logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 75, 0, 1, "python")
             logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 0, 1, "python")
+            with torchlogs.expected_stop():
+                logger.warning("Sending process %s closing signal %s", 101, "SIGTERM")  # a drain's: planned
+            with torchlogs.expected_stop(False):
+                logger.warning("Sending process %s closing signal %s", 102, "SIGTERM")  # after a crash
     finally:
         logger.removeHandler(handler)
     out = stream.getvalue()
     assert "Failed to register" not in out and "exitcode: 75" not in out
     assert "failed (exitcode: 1)" in out  # real failures still show
+    assert "Sending process 101" not in out and "Sending process 102 closing signal SIGTERM" in out
     assert [e["event"] for e in logs].count("orphan_safety") <= 1  # once per process (maybe already said)
 
 
