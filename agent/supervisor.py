@@ -69,7 +69,7 @@ from trainguard.agent.exitcodes import ExitCode, exit_code
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
 from trainguard.contract import protocol as proto
-from trainguard.contract.log import get_logger
+from trainguard.contract.log import get_logger, rendered_format
 from trainguard.contract.protocol import AgentState, WorkerStatus
 
 log = get_logger("trainguard.agent.supervisor")
@@ -319,6 +319,7 @@ class Supervisor:
             reform_timeout_s=cfg.workers.reform_timeout_s, standby=self._standby_start,
             pg_timeout_s=cfg.workers.pg_timeout_s, memory_dir=self.memory_dir,
             step_agreement=cfg.workers.step_agreement, step_agreement_period_s=cfg.workers.step_agreement_period_s,
+            log_format=workerenv.worker_log_format(cfg.workers, cfg.agent.log_format, rendered_format()),
         ).to_env()
         env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
         env.update(workerenv.gpu_defaults(cfg.workers, os.environ, reform_in_process=self.reform_enabled))

@@ -245,3 +245,49 @@ def test_a_crash_keeps_torchs_closing_signal_line(short_tmp):
         assert a.wait(90) not in (ExitCode.FINISHED, ExitCode.DRAINED, ExitCode.STOPPED), a.dump()
         assert [ln for ln in a.lines() if CLOSING_SIGNAL in ln], a.dump()
         assert not [f for f in os.listdir(a.state_dir) if f.endswith(".sock.lock")]
+
+
+@pytest.mark.parametrize("how", ["tty", "forced"])
+def test_worker_lines_follow_the_agents_log_format(short_tmp, how):
+    """Cosmetic (issue 43): on a terminal the agent's lines turned to console format while its workers'
+    (trainguard's runtime, tee'd with the ``[default0]:`` prefix) stayed JSON, because a worker's stderr
+    is a log file. The agent now passes the format it decided (RuntimeEnv.log_format): under a
+    pseudo-terminal (``script``) with ``agent.log_format: auto``, and with ``console`` forced."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.harness import descendants
+
+    tmp = short_tmp
+    cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "fmt",
+           "--node-name", "a", "--state-dir", os.path.join(tmp, "state"), "--log-dir", os.path.join(tmp, "logs"),
+           "--set", "metrics.port=0", "--set", "preemption.sources=signal", "--set", "checkpoint.memory_interval_steps=0",
+           *(["--set", "agent.log_format=console"] if how == "forced" else []), ELASTIC, *SMALL, "--steps", "3"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    if how == "tty":
+        cmd = ["script", "-q", "-e", "-c", subprocess.list2cmdline(cmd), "/dev/null"]
+    out_path = os.path.join(tmp, "out.log")
+    with open(out_path, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO)
+    try:
+        rc = proc.wait(150)
+    finally:
+        if proc.poll() is None:
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(10)
+    with open(out_path, errors="replace") as fh:
+        lines = [ln.replace("\r", "") for ln in fh.read().splitlines()]
+    text = "\n".join(lines[-60:])
+    assert rc == 0, text
+    setup = [ln for ln in lines if "worker_setup" in ln]
+    assert setup and all(re.match(r"\[default0\]:\d{4}-\d\d-\d\dT\S+ \[info\s*\] worker_setup ", ln) for ln in setup), text
+    assert [ln for ln in lines if re.search(r"\[info\s*\] agent_control ", ln)], text  # the agent: console too
+    assert not [ln for ln in lines if ln.startswith("[default0]:{") and '"component": "trainguard.' in ln], text
