@@ -544,7 +544,7 @@ class Supervisor:
             log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
             if self._asked is Asked.DRAIN and not self._emergency_committed and not self._emergency_error:
                 self._emergency_error = "the drain deadline passed before the emergency checkpoint was committed"
-            with torchlogs.expected_stop(d.reason != "drain_deadline_passed"):
+            with torchlogs.expected_stop(not obs.drain_deadline_passed):  # late: the line says what was cut
                 self.adapter.terminate_workers(grace)
             return self._leave(d.reason)
         elif d.act is Act.LEAVE:
