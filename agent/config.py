@@ -49,7 +49,8 @@ class AgentConfig:
     """Per-rank worker logs go to ``<log_dir>/<job_id>/attempt_<n>/<rank>/``."""
 
     log_format: str = "auto"
-    """``auto`` (JSON unless stderr is a TTY), ``json`` or ``console``."""
+    """``auto`` (JSON unless stderr is a TTY), ``json`` or ``console``. Workers that use the worker API log
+    in the agent's format while their output is tee'd to the agent's (``workers.tee``)."""
 
     log_level: str = "info"
     """``debug``, ``info``, ``warning`` or ``error``."""

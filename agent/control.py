@@ -60,6 +60,69 @@ def refuse_if_live(path: str, job_id: str = "") -> None:
                           "agent.state_dir")
 
 
+LOCK_SUFFIX = ".lock"
+"""``<state_dir>/<job_id>.sock.lock``: held (``flock``) by the agent that serves ``<job_id>.sock``,
+removed when it closes."""
+LOCK_WAIT_S = 0.5
+"""How long an agent starting tries for its lock (another agent's sweep holds it for an instant)."""
+
+
+def lock_file(path: str, wait_s: float = 0.0) -> int | None:
+    """Open ``path`` (created 0600) and take its exclusive lock, trying for up to ``wait_s`` seconds:
+    the descriptor, or None when another process holds it. (An agent sweeping stale locks holds one
+    for an instant; an agent starting waits that out, a live agent's lock it never gets.)
+
+    The holder unlinks the file before it lets go (:func:`unlink_locked`), so a lock taken on a file
+    that has meanwhile left ``path`` is worthless: it is dropped and ``path`` opened again, and of
+    two agents only one can hold the file that ``path`` names."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+            continue
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def unlink_locked(path: str, fd: int) -> None:
+    """Remove the lock file ``path`` while its lock ``fd`` is held, then let go of it."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def remove_stale_locks(state_dir: str, keep: str) -> None:
+    """Remove the ``*.sock.lock`` files in ``state_dir`` that no live agent holds (left by agents that
+    died without closing, or by versions that kept them). A lock some agent holds is never touched."""
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(state_dir, name)
+        if not name.endswith(".sock" + LOCK_SUFFIX) or path == keep:
+            continue
+        try:
+            fd = lock_file(path)
+        except OSError:
+            continue  # not ours to open (or gone): leave it
+        if fd is not None:
+            unlink_locked(path, fd)
+
+
 class ControlServer:
     """Accepts connections on ``path``; one daemon thread per connection, every read with a timeout.
 
@@ -79,20 +142,19 @@ class ControlServer:
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         # One agent per socket: an exclusive lock held for the server's life decides between two agents
         # starting at once; a socket that still answers belongs to a live agent started otherwise.
-        self._lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
+        lock_fd = lock_file(path + LOCK_SUFFIX, wait_s=LOCK_WAIT_S)
+        if lock_fd is None:
             raise SocketInUse("agent.job_id", f"another agent holds the control socket {path}",
                               "drain or stop that agent first, or give this one its own agent.job_id or "
-                              "agent.state_dir") from None
+                              "agent.state_dir")
+        self._lock_fd = lock_fd
         try:
+            remove_stale_locks(os.path.dirname(path) or ".", keep=path + LOCK_SUFFIX)
             refuse_if_live(path, os.path.basename(path).removesuffix(".sock"))
             if os.path.lexists(path):
                 os.unlink(path)  # a stale socket from a previous agent on this node
         except BaseException:
-            os.close(self._lock_fd)
+            unlink_locked(path + LOCK_SUFFIX, self._lock_fd)
             raise
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -231,7 +293,7 @@ class ControlServer:
             os.unlink(self.path)
         except OSError:
             pass
-        os.close(self._lock_fd)  # the lock file stays: unlinking it could let two agents lock two files
+        unlink_locked(self.path + LOCK_SUFFIX, self._lock_fd)
 
 
 def request(path: str, message: proto.Message, timeout: float = 5.0) -> proto.Reply:

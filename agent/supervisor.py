@@ -57,7 +57,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, Wo
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
-from trainguard.agent import exitcodes, workerenv
+from trainguard.agent import exitcodes, torchlogs, workerenv
 from trainguard.agent.census import check_census, job_view, node_status, share_interval, share_status
 from trainguard.agent.census import record as census_record
 from trainguard.agent.config import TrainguardConfig
@@ -69,7 +69,7 @@ from trainguard.agent.exitcodes import ExitCode, exit_code
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
 from trainguard.contract import protocol as proto
-from trainguard.contract.log import get_logger
+from trainguard.contract.log import get_logger, rendered_format
 from trainguard.contract.protocol import AgentState, WorkerStatus
 
 log = get_logger("trainguard.agent.supervisor")
@@ -319,6 +319,7 @@ class Supervisor:
             reform_timeout_s=cfg.workers.reform_timeout_s, standby=self._standby_start,
             pg_timeout_s=cfg.workers.pg_timeout_s, memory_dir=self.memory_dir,
             step_agreement=cfg.workers.step_agreement, step_agreement_period_s=cfg.workers.step_agreement_period_s,
+            log_format=workerenv.worker_log_format(cfg.workers, cfg.agent.log_format, rendered_format()),
         ).to_env()
         env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
         env.update(workerenv.gpu_defaults(cfg.workers, os.environ, reform_in_process=self.reform_enabled))
@@ -468,7 +469,9 @@ class Supervisor:
     # ---- the loop (runs in the supervisor thread) ---------------------------------------------
     def observe(self) -> tuple[Observation, Poll]:
         """One look at the workers and this node (no side effects on the job)."""
-        poll = self.adapter.poll()
+        # Asked to stop (drain or resize), the first worker to exit makes elastic end its siblings: planned.
+        with torchlogs.expected_stop(self._asked is not Asked.NOTHING):
+            poll = self.adapter.poll()
         drain = self._drain
         if drain is not None and self.sm.state != AgentState.DRAINING:
             self.sm.to(AgentState.DRAINING, source=drain.source, kind=drain.kind)
@@ -541,7 +544,8 @@ class Supervisor:
             log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
             if self._asked is Asked.DRAIN and not self._emergency_committed and not self._emergency_error:
                 self._emergency_error = "the drain deadline passed before the emergency checkpoint was committed"
-            self.adapter.terminate_workers(grace)
+            with torchlogs.expected_stop(not obs.drain_deadline_passed):  # late: the line says what was cut
+                self.adapter.terminate_workers(grace)
             return self._leave(d.reason)
         elif d.act is Act.LEAVE:
             return self._leave(d.reason)
@@ -741,7 +745,8 @@ class Supervisor:
             self.adapter.leave(timeout_s=self.cfg.rendezvous.close_timeout_s)
         except Exception as e:  # the store may be gone; leaving is best effort, stopping is not
             log.warning("rendezvous_leave_failed", error=str(e))
-        self.adapter.stop_workers()
+        with torchlogs.expected_stop():
+            self.adapter.stop_workers()
         self._workers_gone()
         drain = self._drain
         self._outcome = AgentState.STOPPED

@@ -9,11 +9,19 @@
 * ``failed (exitcode: 75) local_rank: ...`` — logged at ERROR when a worker exits with the resize
   code, which is the contract for "checkpoint committed, re-form me", not a failure. Dropped; the
   agent's own ``decision`` line records the resize.
+* ``Sending process <pid> closing signal SIGTERM`` — logged at WARNING whenever elastic ends a worker
+  that still runs. On a drain or a resize that is the plan, and the agent's own lines say so
+  (``decision``, ``workers_terminating`` with its reason and grace), so it is dropped while the agent
+  stops its workers as planned (:func:`expected_stop`). After a real failure (a crash, a drain deadline
+  that passed before the emergency checkpoint) it stays: there it tells which siblings were ended.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import EXIT_RESIZE
@@ -38,7 +46,25 @@ class _ElasticNoise(logging.Filter):
             return False
         if msg.startswith("failed (exitcode: %s)") and record.args and record.args[0] == EXIT_RESIZE:
             return False
+        if msg.startswith("Sending process %s closing signal %s") and getattr(_planned, "stop", False):
+            return False
         return True
+
+
+_planned = threading.local()
+
+
+@contextmanager
+def expected_stop(planned: bool = True) -> Iterator[None]:
+    """Within it (when ``planned``), elastic ending workers on this thread is the agent's plan (a drain
+    or a resize), not a failure: its per-process closing-signal lines are dropped. Elastic ends workers
+    on the thread that polls or closes its process context, the agent's supervisor thread."""
+    before = getattr(_planned, "stop", False)
+    _planned.stop = planned or before
+    try:
+        yield
+    finally:
+        _planned.stop = before
 
 
 _filter = _ElasticNoise()

@@ -53,3 +53,14 @@ def gpu_defaults(w: WorkersConfig, inherited: Mapping[str, str], *, reform_in_pr
 def torchrun_defaults(w: WorkersConfig, inherited: Mapping[str, str]) -> dict[str, str]:
     """Variables torchrun would give these workers that elastic does not write itself."""
     return {"OMP_NUM_THREADS": "1"} if omp_default(w, inherited) else {}
+
+
+def worker_log_format(w: WorkersConfig, configured: str, rendered: str) -> str:
+    """The log format the workers render in (:attr:`RuntimeEnv.log_format
+    <trainguard.contract.protocol.RuntimeEnv.log_format>`): the agent's own (``rendered``) while their
+    output is tee'd to the agent's (``workers.tee``), so a terminal shows one format; not tee'd, their
+    lines only reach their log files, and ``agent.log_format`` (``configured``) decides there, ``auto``
+    on the worker's own stderr (a file: JSON). Empty: the worker decides (``auto``)."""
+    if w.tee:
+        return rendered
+    return "" if configured == "auto" else configured

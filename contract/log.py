@@ -1,5 +1,9 @@
 """structlog set-up: JSON lines when stderr is not a TTY, a readable console renderer when it is.
 
+A worker's stderr is a log file the agent tees to its own output, so the agent passes the format it
+decided to its workers (:attr:`RuntimeEnv.log_format <trainguard.contract.protocol.RuntimeEnv.log_format>`):
+worker lines and agent lines look alike on a terminal.
+
 Event names are stable snake_case (``state_change``, ``checkpoint_committed``); one event per state
 transition. Secrets are never passed to a logger: config is redacted before it is logged.
 """
@@ -13,6 +17,21 @@ from typing import Any, TextIO
 import structlog
 
 _configured = False
+_rendered = ""
+"""What :func:`configure` decided: ``json`` or ``console`` (empty before it ran)."""
+
+
+def resolve_format(fmt: str, stream: TextIO) -> str:
+    """``json`` or ``console`` for ``fmt`` (``auto``: JSON unless ``stream`` is a TTY)."""
+    if fmt in ("json", "console"):
+        return fmt
+    return "console" if stream.isatty() else "json"
+
+
+def rendered_format() -> str:
+    """The format this process's lines are rendered in (``json``/``console``; empty before
+    :func:`configure`). The agent hands it to its workers, whose output it tees to its own."""
+    return _rendered
 
 
 def configure(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> None:
@@ -20,9 +39,10 @@ def configure(fmt: str = "auto", level: str = "info", stream: TextIO | None = No
 
     ``fmt`` is ``auto`` (JSON unless the stream is a TTY), ``json`` or ``console``.
     """
-    global _configured
+    global _configured, _rendered
     stream = stream or sys.stderr
-    use_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
+    _rendered = resolve_format(fmt, stream)
+    use_json = _rendered == "json"
     renderer: Any = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):

@@ -237,6 +237,10 @@ class RuntimeEnv:
     """``workers.step_agreement`` (see :data:`STEP_AGREEMENTS`)."""
     step_agreement_period_s: float = 0.0
     """``workers.step_agreement_period_s``: overlapped, the ranks agree about this often (0: every step)."""
+    log_format: str = ""
+    """``json`` or ``console``: the format the worker's log lines are rendered in, as the agent's own
+    (tee'd to the agent's output, they look alike); empty: decided on the worker's stderr, as under
+    torchrun (``auto``, see :func:`trainguard.contract.log.configure`)."""
     inject_fault: str = ""
     """Fault injection for tests (``workers.env``): ``reform:<flag file>`` makes the next in-place
     re-formation fail in the worker once (the flag file records that it did), to exercise the fallback;
@@ -253,7 +257,7 @@ class RuntimeEnv:
     _RT_FIELDS: ClassVar[tuple[str, ...]] = ("job_id", "node", "agent_pid", "control_path", "round",
                                              "checkpoint", "pg_timeout_s", "reform", "reform_timeout_s", "standby",
                                              "memory_dir", "step_agreement", "step_agreement_period_s",
-                                             "inject_fault")
+                                             "log_format", "inject_fault")
 
     def to_env(self) -> dict[str, str]:
         """The ``TRAINGUARD_RT_*`` variables (torchelastic writes its own)."""
@@ -311,6 +315,7 @@ class RuntimeEnv:
             memory_dir=get("memory_dir") or "",
             step_agreement=_step_agreement(get("step_agreement")),
             step_agreement_period_s=num(RT_PREFIX + "STEP_AGREEMENT_PERIOD_S", get("step_agreement_period_s"), float, 0.0),
+            log_format=_log_format(get("log_format")),
             inject_fault=get("inject_fault") or "",
             rank=num("RANK", env.get("RANK"), int, 0),
             local_rank=num("LOCAL_RANK", env.get("LOCAL_RANK"), int, 0),
@@ -346,6 +351,13 @@ def _step_agreement(raw: str | None) -> str:
         raise ProtocolError(f"environment variable {RT_PREFIX}STEP_AGREEMENT={raw!r} is not one of "
                             f"{', '.join(STEP_AGREEMENTS)}; it is set by the trainguard agent from workers.step_agreement")
     return raw
+
+
+def _log_format(raw: str | None) -> str:
+    if raw and raw not in ("json", "console"):
+        raise ProtocolError(f"environment variable {RT_PREFIX}LOG_FORMAT={raw!r} is not json or console; it is set "
+                            f"by the trainguard agent from agent.log_format: do not override it")
+    return raw or ""
 
 
 def _finite(name: str, v: Any, *, positive: bool = False, optional: bool = False) -> float | None:

@@ -323,7 +323,7 @@ class Runtime:
         rtenv = proto.RuntimeEnv.from_env(env)
         from trainguard.contract import log as tglog
 
-        tglog.configure("auto")  # JSON lines when stderr is a log file, as the agent's
+        tglog.configure(rtenv.log_format or "auto")  # the agent's format (its output tees ours), else by stderr
         reform = rtenv.reform and rtenv.under_agent
         device = dev.select_device(rtenv.local_rank)
         dev.bind(device)  # before init_process_group, and before the script builds anything on the GPU

@@ -152,3 +152,22 @@ def test_discovery_looks_in_the_default_state_dir(tmp_path, server, monkeypatch)
     monkeypatch.setattr(discover.rundir, "candidate_state_dirs", lambda env: [d])
     server("solo", d)
     assert discover.find_one({}).job_id == "solo"
+
+
+def test_lock_file_is_removed_on_close_and_stale_ones_at_start_but_never_a_held_one(tmp_path, server):
+    """One ``<job>.sock.lock`` per run used to pile up in the state folder (issue 43, cosmetic)."""
+    import fcntl
+
+    stale = tmp_path / "dead-run.sock.lock"
+    stale.write_text("")  # what an agent killed with -9 leaves: a lock file nobody holds
+    held = tmp_path / "live-run.sock.lock"
+    fd = os.open(held, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live agent's
+    try:
+        s = server("job1")
+        assert os.path.exists(s.path + ".lock") and not stale.exists() and held.exists()
+        s.close()
+        assert not os.path.exists(s.path + ".lock") and held.exists()
+    finally:
+        os.close(fd)
+

@@ -188,3 +188,106 @@ def test_a_wrong_rendezvous_endpoint_ends_in_one_line_naming_the_key(short_tmp):
         assert last.startswith(f"trainguard: cannot reach the rendezvous store at {ep}"), last
         assert "(rendezvous.endpoint / TRAINGUARD_RENDEZVOUS_ENDPOINT): check the host and port" in last, last
         assert "Traceback" not in text and "RendezvousConnectionError" not in text and "frame #" not in text, text
+
+
+CLOSING_SIGNAL = "closing signal SIGTERM"
+"""torch elastic's per-worker line (multiprocessing/api.py) whenever it ends a worker that still runs."""
+
+CRASH_ONE_RANK = """\
+import os, sys, time
+if os.environ["LOCAL_RANK"] == "1":
+    sys.exit(1)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("script, args, nproc", [(None, TRAIN, "1"), (ELASTIC, SMALL, "2")],
+                         ids=["sigterm-drain", "api-drain"])
+def test_a_drain_is_quiet_and_leaves_no_lock_file(short_tmp, script, args, nproc):
+    """Cosmetic (issue 43): torch's ``Sending process ... closing signal SIGTERM`` came on every drain
+    (a script without the worker API is ended with SIGTERM; with the API the first worker out makes
+    elastic end its siblings), and every run left its ``<job>.sock.lock`` in the state folder. A
+    drained agent now prints neither; a lock left by a dead agent goes at the next start, a live
+    agent's stays."""
+    import fcntl
+
+    tmp = short_tmp
+    state = os.path.join(tmp, "state-drn")
+    os.makedirs(state, mode=0o700)
+    stale, held = os.path.join(state, "gone-run.sock.lock"), os.path.join(state, "live-run.sock.lock")
+    open(stale, "w").close()
+    fd = os.open(held, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    extra = ["--nproc-per-node", nproc, "--set", f"checkpoint.url=file://{os.path.join(tmp, 'ckpt')}",
+             "--set", "checkpoint.memory_interval_steps=0"]
+    try:
+        with running([Node("drn", tmp, f"127.0.0.1:{free_port()}", nnodes="1", job="drn", extra=extra,
+                           script=script or os.path.join(REPO, "examples", "train_gpt.py"), script_args=args)]) as (a,):
+            wait_until(lambda: len(a.events("train_step")) >= 2, 120, "training")
+            assert not os.path.exists(stale) and os.path.exists(held)
+            assert control.request(a.socket, DrainRequest(deadline_s=30, reason="test")).ok
+            assert a.wait(90) == ExitCode.DRAINED, a.dump()
+            assert not [ln for ln in a.lines() if CLOSING_SIGNAL in ln], a.dump()
+            assert not [f for f in os.listdir(state) if f.endswith(".sock.lock") and f != "live-run.sock.lock"]
+            assert os.path.exists(held)
+    finally:
+        os.close(fd)
+
+
+def test_a_crash_keeps_torchs_closing_signal_line(short_tmp):
+    """The line stays where it says something: a worker crashed and elastic ended its sibling."""
+    tmp = short_tmp
+    crash = os.path.join(tmp, "crash_one_rank.py")
+    with open(crash, "w") as fh:
+        fh.write(CRASH_ONE_RANK)
+    extra = ["--nproc-per-node", "2", "--set", "workers.max_restarts=0"]
+    with running([Node("crs", tmp, f"127.0.0.1:{free_port()}", nnodes="1", job="crs", extra=extra, script=crash)]) as (a,):
+        assert a.wait(90) not in (ExitCode.FINISHED, ExitCode.DRAINED, ExitCode.STOPPED), a.dump()
+        assert [ln for ln in a.lines() if CLOSING_SIGNAL in ln], a.dump()
+        assert not [f for f in os.listdir(a.state_dir) if f.endswith(".sock.lock")]
+
+
+@pytest.mark.parametrize("how", ["tty", "forced"])
+def test_worker_lines_follow_the_agents_log_format(short_tmp, how):
+    """Cosmetic (issue 43): on a terminal the agent's lines turned to console format while its workers'
+    (trainguard's runtime, tee'd with the ``[default0]:`` prefix) stayed JSON, because a worker's stderr
+    is a log file. The agent now passes the format it decided (RuntimeEnv.log_format): under a
+    pseudo-terminal (``script``) with ``agent.log_format: auto``, and with ``console`` forced."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.harness import descendants
+
+    tmp = short_tmp
+    cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "fmt",
+           "--node-name", "a", "--state-dir", os.path.join(tmp, "state"), "--log-dir", os.path.join(tmp, "logs"),
+           "--set", "metrics.port=0", "--set", "preemption.sources=signal", "--set", "checkpoint.memory_interval_steps=0",
+           *(["--set", "agent.log_format=console"] if how == "forced" else []), ELASTIC, *SMALL, "--steps", "3"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    if how == "tty":
+        cmd = ["script", "-q", "-e", "-c", subprocess.list2cmdline(cmd), "/dev/null"]
+    out_path = os.path.join(tmp, "out.log")
+    with open(out_path, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO)
+    try:
+        rc = proc.wait(150)
+    finally:
+        if proc.poll() is None:
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(10)
+    with open(out_path, errors="replace") as fh:
+        lines = [ln.replace("\r", "") for ln in fh.read().splitlines()]
+    text = "\n".join(lines[-60:])
+    assert rc == 0, text
+    setup = [ln for ln in lines if "worker_setup" in ln]
+    assert setup and all(re.match(r"\[default0\]:\d{4}-\d\d-\d\dT\S+ \[info\s*\] worker_setup ", ln) for ln in setup), text
+    assert [ln for ln in lines if re.search(r"\[info\s*\] agent_control ", ln)], text  # the agent: console too
+    assert not [ln for ln in lines if ln.startswith("[default0]:{") and '"component": "trainguard.' in ln], text

@@ -205,11 +205,16 @@ def test_torch_elastic_noise_is_filtered_and_explained_once():
                                "This could lead to orphaned worker processes if the torchrun is terminated.")
             logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 75, 0, 1, "python")
             logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 0, 1, "python")
+            with torchlogs.expected_stop():
+                logger.warning("Sending process %s closing signal %s", 101, "SIGTERM")  # a drain's: planned
+            with torchlogs.expected_stop(False):
+                logger.warning("Sending process %s closing signal %s", 102, "SIGTERM")  # after a crash
     finally:
         logger.removeHandler(handler)
     out = stream.getvalue()
     assert "Failed to register" not in out and "exitcode: 75" not in out
     assert "failed (exitcode: 1)" in out  # real failures still show
+    assert "Sending process 101" not in out and "Sending process 102 closing signal SIGTERM" in out
     assert [e["event"] for e in logs].count("orphan_safety") <= 1  # once per process (maybe already said)
 
 
@@ -260,3 +265,25 @@ def test_gpu_worker_env_defaults(reform, inherited, env, expected):
     """NCCL failures surface (abort the communicator and survive to re-form, or tear the worker
     down), and CUDA numbers GPUs as NVML does; the user's own settings win."""
     assert workerenv.gpu_defaults(WorkersConfig(env=env), inherited, reform_in_process=reform) == expected
+
+
+# ---- the workers' log format follows the agent's -----------------------------------------------------
+
+
+@pytest.mark.parametrize("tee, configured, rendered, expected", [
+    (True, "auto", "console", "console"),   # the agent on a terminal: its workers' tee'd lines too
+    (True, "auto", "json", "json"),
+    (True, "console", "console", "console"),
+    (False, "auto", "console", ""),         # only in log files: the worker decides on its stderr (JSON)
+    (False, "console", "console", "console"),
+    (False, "json", "json", "json"),
+])
+def test_worker_log_format(tee, configured, rendered, expected):
+    from trainguard.agent.config import WorkersConfig
+    from trainguard.contract.protocol import ProtocolError, RuntimeEnv
+
+    got = workerenv.worker_log_format(WorkersConfig(tee=tee), configured, rendered)
+    assert got == expected
+    assert RuntimeEnv.from_env(RuntimeEnv(log_format=got).to_env()).log_format == got
+    with pytest.raises(ProtocolError, match="TRAINGUARD_RT_LOG_FORMAT='pretty'.*agent.log_format"):
+        RuntimeEnv.from_env({"TRAINGUARD_RT_LOG_FORMAT": "pretty"})
