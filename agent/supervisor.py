@@ -541,7 +541,9 @@ class Supervisor:
             grace = self.cfg.preemption.term_grace_s
             if drain is not None:
                 grace = max(1.0, min(grace, drain.deadline - time.time()))
-            log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1))
+            # The pids SIGTERMed (torch's own per-process line is dropped on a planned stop: torchlogs).
+            log.warning("workers_terminating", reason=d.reason, grace_s=round(grace, 1),
+                        pids=sorted(self.adapter.worker_pids().values()))
             if self._asked is Asked.DRAIN and not self._emergency_committed and not self._emergency_error:
                 self._emergency_error = "the drain deadline passed before the emergency checkpoint was committed"
             with torchlogs.expected_stop(not obs.drain_deadline_passed):  # late: the line says what was cut
@@ -619,7 +621,7 @@ class Supervisor:
         between SIGTERM and SIGKILL (not torch elastic's 30 s). One blocked in a collective whose peer
         vanished never runs its handler; waiting longer only keeps the survivors waiting."""
         grace = self.cfg.workers.failure_stop_grace_s
-        log.warning("workers_terminating", reason=reason, grace_s=grace)
+        log.warning("workers_terminating", reason=reason, grace_s=grace, pids=sorted(self.adapter.worker_pids().values()))
         self.adapter.terminate_workers(grace)
 
     def _restart(self, d: Decision, obs: Observation) -> RunResult | None:
