@@ -99,9 +99,18 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         # Every dashboard expression and both sides of every alert return finite data, except the
         # GPU series: on a machine without GPUs they are absent (never faked).
         checks = [(e.where, e.expr) for e in dashboard_exprs()]
+        empty_while_up = []
         for rule in alert_rules():
             lhs, _, rhs = split_comparison(rule["expr"])
+            if rule["alert"] == "TrainguardJobDown":  # empty while any agent of the job is up: check its parts
+                empty_while_up.append(lhs)
+                parts = ["count by (job_id) (max_over_time(trainguard_agent_start_time_seconds[6h]))",
+                         "count by (job_id) (trainguard_agent_start_time_seconds)"]
+                assert all(p in lhs for p in parts), lhs
+                checks += [(f"alert {rule['alert']} part", p) for p in parts] + [(f"alert {rule['alert']} rhs", rhs)]
+                continue
             checks += [(f"alert {rule['alert']} lhs", lhs), (f"alert {rule['alert']} rhs", rhs)]
+        assert empty_while_up, "the rules page when a whole job is down"
         gpu = [(w, e) for w, e in checks if any(m.startswith("trainguard_gpu_") for m in referenced_metrics(e))]
         assert gpu, "the dashboard has GPU panels"
         failures = []
@@ -114,6 +123,8 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
             except AssertionError as e:
                 failures.append(f"{where}: {e}")
         assert not failures, "\n".join(failures)
+        for expr in empty_while_up:
+            assert prom.query(expr) == [], f"the job is up, yet: {expr}"
         for where, expr in gpu:
             assert prom.query(expr) == [], f"{where}: GPU series on a machine without GPUs: {expr}"
         for n in (a, b):
