@@ -78,8 +78,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -107,7 +105,7 @@ from trainguard.runtime import reform as rf
 from trainguard.runtime.boundary import MAX_STRIDE, BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.faults import FaultHooks
-from trainguard.runtime.link import AgentLink
+from trainguard.runtime.session import AgentSession
 from trainguard.strategies.base import ReformState, Strategy, get_strategy
 from trainguard.strategies.batch import split
 
@@ -286,14 +284,11 @@ class Runtime:
         """A periodic save was agreed while a previous one still persisted: taken at the first boundary
         at which none does (rank 0 keeps asking for it)."""
         self._interval_exported = 0.0
-        self._link = (AgentLink(control_path, rank, local_rank, os.getpid())
-                      if control_path and os.path.exists(control_path) else None)
         self._metrics: Any = None
-        if threading.current_thread() is threading.main_thread():
-            # Under plain torchrun (no agent link) a SIGTERM is the only notice a worker gets.
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._session = AgentSession(control_path, rank, local_rank)
+        """The agent link, SIGTERM, the reports and the one exit."""
         self._log = log.bind(rank=rank, world_size=world_size, round=rdzv_round)
-        if reform and self._link is None:
+        if reform and not self._session.linked:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
     # ---- construction -------------------------------------------------------------------------
@@ -406,7 +401,7 @@ class Runtime:
                               "the work since the start, and finish() saves nothing",
                               fix="set checkpoint.url (TRAINGUARD_CHECKPOINT_URL) for the agent or torchrun")
         self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
-                       checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None,
+                       checkpoints=self._manager.url if self._manager else None, agent_link=self._session.linked,
                        reform_in_place=self.reform_enabled, resize_rule=self.strategy.resize_rule,
                        **self.strategy.describe())
         return self._model, self._optimizer
@@ -605,8 +600,7 @@ class Runtime:
                            saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
                            consumed=self.cursor.consumed,
                            unannounced_failures=ctl.stats.unannounced_failures if ctl is not None else None)
-            if self._link is not None:
-                self._link.report(proto.Restored(step=step, rank=self.rank))
+            self._session.report(proto.Restored(step=step, rank=self.rank))
         else:
             # Nothing committed yet: the run starts at step 0. Tell the agent (work a world that died
             # before its first checkpoint trained is lost) and count that world as a failure.
@@ -769,12 +763,6 @@ class Runtime:
             self._log.warning("peer_lost", step=self.step + 1, error=str(e)[:300])
         return True
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._signal_request = proto.StopReason.DRAIN
-
-    def _local_request(self) -> proto.StopReason:
-        return max(self._signal_request, self._link.request if self._link else proto.StopReason.NONE)
-
     def end_step(self) -> bool:
         """Call after ``optimizer.step()``: counts the step, agrees with every rank on drain/resize and
         periodic checkpoints, saves, and exits with code 75 after an emergency/resize checkpoint (or,
@@ -867,18 +855,18 @@ class Runtime:
         acted on that many steps later (a periodic save is asked for the step it will be taken at)."""
         due = (self._interval_step(now, ahead) if self._interval is not None and self._manager is not None
                else False)
-        notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
+        notice = self._session.take_checkpoint() if self._manager is not None else None
         if notice is not None:
             self._log.info("checkpoint_requested", step=self.step + ahead, reason=notice)
         due = due or self._save_deferred
-        mine = self._local_request()
+        mine = self._session.request()
         # A save started at this very boundary counts only when the flags are acted on at the next step;
         # acted on ``ahead`` > 1 steps later (a stride), it has those steps to persist, and counting it
         # would defer every other save of an interval as short as the stride.
         inflight = self._manager.in_flight if self._manager is not None else None
         overlapped = self.step_agreement == "overlapped"
         flags = Flags(stop=mine, save=SaveAsk.NOTICE if notice is not None else SaveAsk(int(bool(due))),
-                      deadline=self._deadline(), busy=inflight is not None and (ahead <= 1 or inflight < self.step),
+                      deadline=self._session.deadline(), busy=inflight is not None and (ahead <= 1 or inflight < self.step),
                       overlapped=overlapped, blocking=not overlapped, stride=self._stride_proposal(),
                       memory_every=self._memory_proposal())
         return self._flag_bufs.fill(flags), mine
@@ -1003,8 +991,7 @@ class Runtime:
                 self._abandon(why, e)
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                            before_deadline=deadline is None or time.time() <= deadline)
-            if self._link is not None:
-                self._link.report(self._committed_report(why.checkpoint_kind, seconds, result, committed))
+            self._session.report(self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed))
         self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
     def _settle_memory(self, abandon_after: float | None = None) -> None:
@@ -1054,7 +1041,7 @@ class Runtime:
                 if self._manager is not None:
                     self._manager.cancel_inflight("a peer of this world is gone")
                 self._log.info("world_connections_ended", connections=rf.end_world_connections())
-            assert self._link is not None
+            assert self._session.linked
             # This rank's state is final: the agent may re-form now. A save still persisting finishes
             # below, while the rendezvous runs (the new world waits for this rank in its arrival count);
             # reported after it, a slow commit kept the agent in the old round while its peers had left it.
@@ -1066,7 +1053,7 @@ class Runtime:
             self._group, self._pending_flags, self._flag_bufs = None, None, _FlagBuffers()
             rf.teardown_world(self.device, peer_lost=lost)
             while True:
-                msg = self._link.wait_reform(self.reform_timeout_s, abort=self._signalled)
+                msg = self._session.wait_for_world(self.reform_timeout_s)
                 if msg is None:
                     self._leave_if_signalled("parked")
                     raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
@@ -1149,22 +1136,16 @@ class Runtime:
                         effect="the replicas differ: the world restores from the tiers instead")
         return False
 
-    def _signalled(self) -> bool:
-        """This process got SIGTERM (with the agent, whose orders come over the link, that is the agent
-        stopping its workers: e.g. its node drains while the world re-forms, and it left the rendezvous)."""
-        return self._signal_request is proto.StopReason.DRAIN
-
     def _leave_if_signalled(self, where: str) -> None:
         """Exit at once when SIGTERM ended a wait for a world: no world will come, and the agent would
         otherwise wait out its stop timeout (30 s) before a SIGKILL. Nothing to save: no world to save with."""
-        if self._signalled():
+        if self._session.signalled():
             self._log.info("worker_stopped_waiting", where=where, step=self.step,
                            reason="SIGTERM while waiting for a world: the agent is stopping its workers")
             self._exit(proto.EXIT_RESIZE)
 
     def _report_parked(self, reason: proto.ParkReason) -> None:
-        assert self._link is not None
-        self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
+        self._session.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
         self._log.info("worker_parked", step=self.step, reason=reason.value)
 
     def _join_world(self, msg: proto.Reform) -> bool:
@@ -1174,8 +1155,8 @@ class Runtime:
         if dev.select_device(msg.local_rank) != self.device:  # a live process cannot move its model
             raise RuntimeError(f"the new world gives this worker local rank {msg.local_rank} ({dev.select_device(msg.local_rank)}), "
                                f"but its state lives on {self.device}")
-        assert self._link is not None
-        link = self._link
+        link = self._session.link
+        assert link is not None
         t0 = time.monotonic()
         try:
             rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
@@ -1200,12 +1181,12 @@ class Runtime:
 
     def _wait_for_first_world(self) -> None:
         """A standby worker (a warmed-up joiner): report ready, then join the world the agent forms."""
-        assert self._link is not None, "a standby worker needs its agent"
+        assert self._session.linked, "a standby worker needs its agent"
         t0 = time.monotonic()
         self._log.info("worker_warm", warmup_s=None)
         while True:  # again after a join the agent called off
-            self._link.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
-            msg = self._link.wait_reform(self.reform_timeout_s, abort=self._signalled)
+            self._session.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
+            msg = self._session.wait_for_world(self.reform_timeout_s)
             if msg is None:
                 self._leave_if_signalled("standby")
                 self._log.error("standby_timeout", timeout_s=self.reform_timeout_s)
@@ -1283,12 +1264,6 @@ class Runtime:
             return "none", None
         return outcome, live
 
-    def _deadline(self) -> float | None:
-        """This node's drain deadline (epoch seconds), when its agent asked it to drain."""
-        if self._link is None or self._local_request() is not proto.StopReason.DRAIN:
-            return None
-        return self._link.deadline
-
     def _save_by(self, kind: str, deadline: float | None) -> tuple[float, SaveResult | None, int | None]:
         """Save this step and wait for its commit; return ``(seconds, its result, committed step)``.
 
@@ -1322,13 +1297,6 @@ class Runtime:
             raise box["err"]
         return box["ok"]
 
-    def _committed_report(self, kind: proto.CheckpointKind, seconds: float, result: SaveResult | None,
-                          committed: int | None) -> proto.Committed:
-        """The agent's report of this step's checkpoint, committed (one form for every kind)."""
-        return proto.Committed(step=self.step, kind=kind, rank=self.rank, seconds=round(seconds, 3),
-                               nbytes=result.nbytes if result else 0, stage_s=round(result.stage_s, 6) if result else 0.0,
-                               persist_s=round(result.persist_s, 6) if result else 0.0, last_committed=committed)
-
     def _note_committed(self, step: int | None) -> int | None:
         if step is not None and (self._committed is None or step > self._committed):
             self._committed = step
@@ -1343,8 +1311,7 @@ class Runtime:
         self._log.error("checkpoint_abandoned", step=self.step, kind=why.checkpoint_kind.value, reason=str(e),
                         last_committed=last, lost_steps=self.step - (last or 0),
                         effect="exiting with the resize code; the job resumes from the last committed step")
-        if self._link is not None:
-            self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
+        self._session.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
                                               last_committed=last, error=str(e)[:500]))
         self._exit(proto.EXIT_RESIZE)
 
@@ -1362,7 +1329,7 @@ class Runtime:
                 seconds, result, committed = self._save_by(kind, deadline)
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
-                report = self._committed_report(why.checkpoint_kind, seconds, result, committed)
+                report = self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
@@ -1372,24 +1339,18 @@ class Runtime:
                                 lost_steps=self.step - (last or 0))
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
                                          last_committed=last, error=f"{type(e).__name__}: {e}"[:500])
-        if self._link is not None:
-            self._link.report(report)
+        self._session.report(report)
         if self._manager is not None:
             self._manager.close()
         self._exit(proto.EXIT_RESIZE)
 
     def _exit(self, code: int) -> None:
+        """The last local work, then :meth:`AgentSession.exit` (the process ends with ``code``)."""
         if self._memory is not None and self._memory.parity:
             self._memory.abandon(PARITY_ABANDON_S)  # a snapshot past its parity agreement finishes its local write
         if self._metrics is not None:
             self._metrics.flush()
-        if self._link is not None:
-            self._link.close()
-        # The checkpoint is committed on every rank: leave at once. A clean interpreter teardown with
-        # gloo/torch takes seconds that a drain deadline should not pay for.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        self._session.exit(code)
 
     def finish(self, barrier: bool = True) -> None:
         """End of training: save the last step as a ``final`` checkpoint (every rank saves the same
@@ -1418,14 +1379,12 @@ class Runtime:
                 self._log.error("checkpoint_failed", step=self.step, kind=kind.value, error=str(e)[:500])
                 raise
             self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
-            if self._link is not None:
-                self._link.report(self._committed_report(kind, seconds, result, committed))
+            self._session.report(self._session.committed(self.step, self.rank, kind, seconds, result, committed))
         if self._manager is not None:
             self._manager.close()
         if self._memory is not None:
             self._memory.close()  # its commit thread; the slot files stay (the agent owns them)
-        if self._link is not None:
-            self._link.close()
+        self._session.close()
         if self.strategy is not None:
             self.strategy.teardown()
         if dist.is_initialized():

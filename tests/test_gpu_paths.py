@@ -215,7 +215,7 @@ def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_p
             def wait_reform(self, timeout_s, abort=None):
                 raise SystemExit("parked")  # what follows (the new world) is not under test
 
-        rt._link = Link()
+        rt._session.link = Link()
         with pytest.raises(SystemExit, match="parked"):
             rt._park(proto.ParkReason(reason))
     finally:

@@ -53,7 +53,7 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
 
     def stop(why, deadline=None):  # the real one saves and exits with the resize code
         stops.append((rt.step, int(why)))
-        rt._signal_request = proto.StopReason.NONE
+        rt._session.signal_request = proto.StopReason.NONE
 
     rt._stop = stop
     torch.manual_seed(0)
@@ -68,7 +68,7 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
         rt.optimizer_step(opt)
         opt.zero_grad()
         if rank == 1 and rt.step + 1 == ASK_AT:
-            rt._signal_request = proto.StopReason.RESIZE
+            rt._session.signal_request = proto.StopReason.RESIZE
         rt.end_step()
         rt._manager.wait(60)  # these steps are faster than a save, which would defer the next periodic one
     running_threads = _gloo_threads()

@@ -92,7 +92,7 @@ def test_fenced_periodic_saves_count_as_failures_and_training_goes_on(rt: Runtim
 def test_emergency_stop_reports_bytes_stage_and_persist_to_the_agent(rt: Runtime,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     link = Link()
-    rt._link = link  # type: ignore[assignment]
+    rt._session.link = link  # type: ignore[assignment]
 
     class Exited(Exception):
         pass
@@ -105,7 +105,7 @@ def test_emergency_stop_reports_bytes_stage_and_persist_to_the_agent(rt: Runtime
     with pytest.raises(Exited, match=str(proto.EXIT_RESIZE)):
         rt._stop(proto.StopReason.DRAIN)
     rt._manager = None  # closed by _stop
-    rt._link = None
+    rt._session.link = None
     (report,) = link.reports
     (kind, stage_s, persist_s, blocked_s, nbytes, step, ok), = rt._metrics.checkpoints
     assert report.saved and report.step == 7 and report.kind is proto.CheckpointKind.EMERGENCY

@@ -198,7 +198,7 @@ def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monke
         def report(self, msg):
             self.joined.append(msg)
 
-    rt._link = Link()
+    rt._session.link = Link()
     msg = proto.Reform(rank=1, world_size=2, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
                        master_port=free_port(), round=5, group_rank=1, nodes=2)
     assert rt._join_world(msg) is False
@@ -267,7 +267,7 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
         def wait_reform(self, timeout_s, abort=None):
             raise SystemExit("parked")  # stop here: what follows (the new world) is not under test
 
-    rt._link = Link()
+    rt._session.link = Link()
     threading.Timer(0.3, release.set).start()  # the upload call in progress returns
     with pytest.raises(SystemExit, match="parked"):
         rt._park(reason)
@@ -367,9 +367,9 @@ def test_sigterm_ends_a_wait_for_a_world_at_once(tmp_path, monkeypatch, where):
     def exit_(code):
         raise SystemExit(code)
 
-    rt._link = Link()
+    rt._session.link = Link()
     monkeypatch.setattr(rt, "_exit", exit_)
-    threading.Timer(0.2, rt._on_sigterm, args=(signal.SIGTERM, None)).start()  # the agent stops its workers
+    threading.Timer(0.2, rt._session.on_sigterm, args=(signal.SIGTERM, None)).start()  # the agent stops its workers
     with capture_logs() as logs, pytest.raises(SystemExit) as ended:
         if where == "parked":
             rt._park(proto.ParkReason.PEER_LOST)
