@@ -31,28 +31,14 @@ global batch, and ``name`` goes into the manifest. With the
 :class:`~trainguard.contract.protocol.StopReason`: a drain or a resize its agent pushed over the control
 socket, or SIGTERM under plain torchrun), the save it asks for (periodic when due, out of cycle when
 some node's agent asked for one: an early warning), its drain deadline, whether a previous save still
-persists, which agreement it is configured with (``workers.step_agreement``), its ``stride`` (below)
+persists, which agreement it is configured with (``workers.step_agreement``), its ``stride``
 and its tier-0 snapshot interval proposal (``checkpoint.memory_max_overhead``; the world takes the
 largest). Every rank therefore sees the same flags after the same step, and
 :func:`~trainguard.runtime.boundary.decide_boundary` (pure) says what follows: all of them save the
 same step ``s``, rank 0 commits it, and on a stop all exit with
 :data:`~trainguard.contract.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
-``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
-step N, runs beside step N+1 and is acted on at the end of N+1: no rank waits on the wire per step,
-and a stop or an out-of-cycle save takes effect one step after it was asked for (a periodic save is
-asked for the step it is due at). The first boundary of a world, with nothing issued yet, exchanges
-and waits; a world whose ranks are configured differently (both ``overlapped`` and ``blocking`` set there)
-agrees blocking. ``blocking`` exchanges and acts at N: one round trip per step.
-
-**Agreement stride.** Overlapped, the ranks agree only every ``stride`` steps: at the steps that are
-multiples of it (and at a world's first boundary). ``Flags.stride`` carries each rank's proposal, the
-most whole steps that fit in ``workers.step_agreement_period_s`` by its mean step time (1 when a step
-is longer; a divisor of ``checkpoint.interval_steps`` when that is set, so that periodic saves keep
-their steps), and the world takes the smallest. Every rank reads the same agreed stride at the same
-boundary, so all compute the same next one. Between two boundaries a step only counts (its
-step-time histogram kept in the process until the next boundary) and snapshots: the exchange, the local flags and acting on
-them cost a fraction of a millisecond, which a 75 ms step felt. A stop or out-of-cycle save then waits
-up to one period plus a step; a periodic save is asked for the boundary it is due at.
+``s + 1``. How and when the flags are exchanged (overlapped or blocking, every ``stride`` steps) is
+:mod:`~trainguard.runtime.agreement`.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
 samples consumed) is part of the checkpoint; each global batch is split over the current
@@ -102,7 +88,8 @@ from trainguard.contract.log import get_logger
 from trainguard.runtime import device as dev
 from trainguard.runtime import flight
 from trainguard.runtime import reform as rf
-from trainguard.runtime.boundary import MAX_STRIDE, BoundaryAct, Flags, SaveAsk, decide_boundary
+from trainguard.runtime.agreement import StepAgreement
+from trainguard.runtime.boundary import BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.faults import FaultHooks
 from trainguard.runtime.session import AgentSession
@@ -112,9 +99,6 @@ from trainguard.strategies.batch import split
 log = get_logger("trainguard.worker")
 
 _GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
-
-_MAX = dist.AllreduceOptions()
-_MAX.reduceOp = dist.ReduceOp.MAX
 
 
 STREAM_SETTLE_S = 1.0
@@ -149,22 +133,6 @@ def _is_loss(reason: proto.ParkReason) -> bool:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
-
-
-class _FlagBuffers:
-    """The step-boundary flags (:meth:`Flags.pack`) in two preallocated int64 tensors, filled in turn
-    through a NumPy view (a new ``torch.tensor`` per boundary cost more than the rest of the fill). Two:
-    the overlapped agreement has one exchange in flight while the next boundary's flags are written."""
-
-    def __init__(self) -> None:
-        self._bufs = [torch.zeros(Flags.WIDTH, dtype=torch.int64) for _ in range(2)]
-        self._views = [b.numpy() for b in self._bufs]
-        self._next = 0
-
-    def fill(self, flags: Flags) -> torch.Tensor:
-        i, self._next = self._next, 1 - self._next
-        self._views[i][:] = flags.pack()
-        return self._bufs[i]
 
 
 class SaveAbandoned(CheckpointError):
@@ -250,24 +218,9 @@ class Runtime:
         self._saved_step: int | None = None
         """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
-        if step_agreement not in proto.STEP_AGREEMENTS:
-            raise ValueError(f"step_agreement must be one of {', '.join(proto.STEP_AGREEMENTS)}, got {step_agreement!r}")
-        self.step_agreement = step_agreement
-        """``overlapped``: the step-boundary flags exchanged at step N are acted on at N+1 (no blocking
-        all-reduce per step); ``blocking``: at N (``workers.step_agreement``)."""
-        self._pending_flags: tuple[Any, torch.Tensor, proto.StopReason] | None = None
-        """The overlapped exchange in flight on ``_group``: (work, flags, this rank's stop request in them)."""
-        self._flag_bufs = _FlagBuffers()
-        """The step-boundary flags, two buffers taken in turn: one may be in flight while the next is filled."""
-        self.step_agreement_period_s = max(0.0, float(step_agreement_period_s))
-        """``workers.step_agreement_period_s``: overlapped, the ranks agree about this often (in whole
-        steps, at least every step); 0: every step."""
-        self._stride = 1
-        """Steps between two agreements, as agreed by the world at its last boundary."""
-        self._next_boundary = 0
-        """The step whose end acts on the exchange in flight (``step + ahead`` when it was issued)."""
-        self._step_mean_s: float | None = None
-        """Moving average of this rank's step time: its stride proposal."""
+        self._agreement = StepAgreement(step_agreement, step_agreement_period_s)
+        """The step-boundary flags exchanged over ``_group`` (issue/await, stride)."""
+        self._agreement.bind(self._group)
         self._memory_every = checkpoint.memory_interval_steps
         """Tier 0: steps between two snapshots, as agreed by the world at its last boundary (at least
         ``checkpoint.memory_interval_steps``; longer when ``memory_max_overhead`` asks)."""
@@ -275,9 +228,6 @@ class Runtime:
         """Moving average of what this rank's snapshots block the training loop for."""
         self._join_phases: dict[str, float] = {}
         """How long the last world join took: the default group (arrival, ``init_process_group``), the side group."""
-        self._mixed_agreement = False
-        """Some rank of this world is configured ``blocking`` and some ``overlapped`` (seen at the world's
-        first boundary, which every rank exchanges and waits for): the world agrees blocking."""
         self._interval: IntervalController | None = None
         self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
         self._save_deferred = False
@@ -339,6 +289,16 @@ class Runtime:
                    pg_timeout_s=rtenv.pg_timeout_s, standby=rtenv.standby, local_world_size=rtenv.local_world_size,
                    inject_fault=rtenv.inject_fault, device=device, memory_dir=rtenv.memory_dir,
                    step_agreement=rtenv.step_agreement, step_agreement_period_s=rtenv.step_agreement_period_s)
+
+    @property
+    def step_agreement(self) -> str:
+        """``workers.step_agreement``: ``overlapped`` or ``blocking`` (see :mod:`~trainguard.runtime.agreement`)."""
+        return self._agreement.mode
+
+    @property
+    def step_agreement_period_s(self) -> float:
+        """``workers.step_agreement_period_s`` (see :mod:`~trainguard.runtime.agreement`)."""
+        return self._agreement.period_s
 
     @property
     def strategy_name(self) -> str:
@@ -795,7 +755,7 @@ class Runtime:
             self._staging_ready = True
             self._manager.prepare_staging(self._state())
         # Between two agreements nothing is exchanged or acted on; the step-time histogram waits in the process.
-        between = self._pending_flags is not None and self.step < self._next_boundary
+        between = self._agreement.between(self.step)
         # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
         per_rank = self.cursor.global_batch_size // self.dp_size if self._counts_samples else 0
         if self._timer.cuda:  # host time says when work was queued: the GPU's events time the steps it finished
@@ -807,7 +767,7 @@ class Runtime:
         if not between:
             self._metrics.flush()
         self._metrics.sample_gpu_peak(now)
-        self._step_mean_s = step_s if self._step_mean_s is None else 0.9 * self._step_mean_s + 0.1 * step_s
+        self._agreement.observe_step(step_s)
         if self._interval is not None and self._manager is not None:
             self._interval.observe_step(step_s, persisting=self._manager.in_flight is not None)
         if between:
@@ -817,41 +777,23 @@ class Runtime:
         # Overlapped: the exchange issued at the previous boundary has run beside the steps since; read
         # it and act on it here, then issue this boundary's for the next one. Blocking, and the first
         # boundary of a world (nothing issued yet): exchange now and wait.
-        pending, self._pending_flags = self._pending_flags, None
         try:
-            if pending is None:
-                flags, mine = self._local_flags(now, ahead=0)
-                work = self._exchange(flags) if self._group is not None else None
-            else:
-                work, flags, mine = pending
-            if work is not None:
-                work.wait()
+            agreed, mine = self._agreement.await_flags(lambda ahead: self._local_flags(now, ahead))
         except Exception as e:
             if not self._peer_failed(e):
                 raise
             self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
             return True
-        if not self._act(flags, mine):
+        if not self._act(agreed, mine):
             return True
-        if self._overlapped():
-            ahead = self._stride - self.step % self._stride  # to the next multiple of the agreed stride
-            flags, mine = self._local_flags(time.monotonic(), ahead=ahead)
-            self._pending_flags = (self._exchange(flags), flags, mine)
-            self._next_boundary = self.step + ahead
+        if self._agreement.overlapped:  # for the next multiple of the agreed stride
+            self._agreement.issue(self.step, lambda ahead: self._local_flags(time.monotonic(), ahead))
         self._step_started = time.monotonic()
         return True
 
-    def _exchange(self, flags: torch.Tensor) -> Any:
-        """Start the MAX all-reduce of the flags on the gloo side group (its work). Called on the group
-        itself: ``dist.all_reduce``'s checks and logging wrapper cost more than the exchange at every step."""
-        return self._group.allreduce([flags], _MAX)
-
-    def _overlapped(self) -> bool:
-        return self._group is not None and self.step_agreement == "overlapped" and not self._mixed_agreement
-
-    def _local_flags(self, now: float, ahead: int) -> tuple[torch.Tensor, proto.StopReason]:
-        """This rank's side of the step-boundary agreement (:class:`~trainguard.runtime.boundary.Flags`),
-        packed into the next flag buffer, and its own stop request in it. ``ahead``: the agreement is
+    def _local_flags(self, now: float, ahead: int) -> tuple[Flags, proto.StopReason]:
+        """This rank's side of the step-boundary agreement (:class:`~trainguard.runtime.boundary.Flags`)
+        and its own stop request in it. ``ahead``: the agreement is
         acted on that many steps later (a periodic save is asked for the step it will be taken at)."""
         due = (self._interval_step(now, ahead) if self._interval is not None and self._manager is not None
                else False)
@@ -865,49 +807,36 @@ class Runtime:
         # would defer every other save of an interval as short as the stride.
         inflight = self._manager.in_flight if self._manager is not None else None
         overlapped = self.step_agreement == "overlapped"
+        every = self._interval.policy.steps if self._interval is not None and self._manager is not None else 0
         flags = Flags(stop=mine, save=SaveAsk.NOTICE if notice is not None else SaveAsk(int(bool(due))),
                       deadline=self._session.deadline(), busy=inflight is not None and (ahead <= 1 or inflight < self.step),
-                      overlapped=overlapped, blocking=not overlapped, stride=self._stride_proposal(),
+                      overlapped=overlapped, blocking=not overlapped, stride=self._agreement.stride_proposal(every),
                       memory_every=self._memory_proposal())
-        return self._flag_bufs.fill(flags), mine
-
-    def _stride_proposal(self) -> int:
-        """This rank's agreement stride: the whole steps of its mean step time that fit in
-        ``step_agreement_period_s`` (1 to :data:`MAX_STRIDE`), reduced to a divisor of a fixed
-        ``checkpoint.interval_steps`` (the boundaries then fall on the steps periodic saves are due at)."""
-        mean = self._step_mean_s
-        if self.step_agreement != "overlapped" or self.step_agreement_period_s <= 0 or not mean or mean <= 0:
-            return 1
-        n = max(1, min(MAX_STRIDE, int(self.step_agreement_period_s / mean)))
-        every = self._interval.policy.steps if self._interval is not None and self._manager is not None else 0
-        if every:
-            n = max(d for d in range(1, n + 1) if every % d == 0)
-        return n
+        return flags, mine
 
     def _memory_proposal(self) -> int:
         """This rank's tier-0 snapshot interval: see :func:`~trainguard.checkpoint.interval.memory_interval`."""
         cfg = self.checkpoint_config
         return memory_interval(cfg.memory_interval_steps, cfg.memory_max_overhead, self._snapshot_mean_s,
-                               self._step_mean_s, self._memory_every)
+                               self._agreement.step_mean_s, self._memory_every)
 
-    def _act(self, flags: torch.Tensor, mine: proto.StopReason) -> bool:
+    def _act(self, agreed: Flags, mine: proto.StopReason) -> bool:
         """Carry out what every rank agreed (the MAX of the flags) at this boundary, as
         :func:`~trainguard.runtime.boundary.decide_boundary` decides: stop or re-form, then the snapshot
         and the save. ``mine``: this rank's own stop request in that agreement. False when this worker
         parked (and re-formed) meanwhile: the step is over for the caller."""
-        agreed = Flags.unpack(flags.tolist())  # one conversion
         assert self.strategy is not None
         d = decide_boundary(agreed, mine=mine, reform_in_place=self.reform_enabled, reform_state=self.strategy.reform_state,
                             defer_when_busy=self.checkpoint_config.when_busy == "defer",
-                            save_deferred=self._save_deferred, mixed=self._mixed_agreement)
-        self._stride = d.stride
+                            save_deferred=self._save_deferred, mixed=self._agreement.mixed)
+        self._agreement.stride = d.stride
         if agreed.memory_every != self._memory_every and self._memory is not None:
             self._log.info("memory_interval_changed", step=self.step, interval_steps=agreed.memory_every,
-                           before=self._memory_every, snapshot_ms=_ms(self._snapshot_mean_s), step_ms=_ms(self._step_mean_s),
+                           before=self._memory_every, snapshot_ms=_ms(self._snapshot_mean_s), step_ms=_ms(self._agreement.step_mean_s),
                            max_overhead=self.checkpoint_config.memory_max_overhead)
         self._memory_every = d.memory_every
-        if d.mixed and not self._mixed_agreement:
-            self._mixed_agreement = True
+        if d.mixed and not self._agreement.mixed:
+            self._agreement.mixed = True
             self._log.warning("step_agreement_mixed", step=self.step, configured=self.step_agreement,
                               effect="this world agrees blocking; set workers.step_agreement alike on every node")
         if d.save_deferred and not self._save_deferred:
@@ -1049,8 +978,8 @@ class Runtime:
             if self._manager is not None:
                 self._manager.close()  # an in-flight save finishes (or fails) on the old groups first
                 base, self._manager = self._manager.base, None
-            # A pending exchange dies with its group; its buffer is not reused (the dead work may still write it).
-            self._group, self._pending_flags, self._flag_bufs = None, None, _FlagBuffers()
+            self._group = None
+            self._agreement.drop()
             rf.teardown_world(self.device, peer_lost=lost)
             while True:
                 msg = self._session.wait_for_world(self.reform_timeout_s)
@@ -1172,7 +1101,8 @@ class Runtime:
         self.round = msg.round
         link.report(proto.Joined(rank=self.rank, local_rank=self.local_rank, round=self.round))
         t_world = time.monotonic()
-        self._group, self._mixed_agreement = self._new_gloo_group(), False
+        self._group = self._new_gloo_group()
+        self._agreement.bind(self._group)
         self._join_phases = {"world_s": round(t_world - t0, 3), "side_group_s": round(time.monotonic() - t_world, 3)}
         self._log = log.bind(rank=self.rank, world_size=self.world_size, round=self.round)
         if self._metrics is not None:
@@ -1362,13 +1292,10 @@ class Runtime:
             self._replicator.settle()
         if self._metrics is not None:
             self._metrics.flush()
-        pending, self._pending_flags = self._pending_flags, None
-        if pending is not None:  # every rank issued it at its last boundary: complete it (what it says is moot now)
-            try:
-                pending[0].wait()
-            except Exception as e:
-                self._log.warning("step_agreement_failed", step=self.step, error=str(e)[:300],
-                                  effect="ignored at the end of training; the final save says whether the world is whole")
+        failed = self._agreement.complete()  # every rank issued it at its last boundary
+        if failed is not None:
+            self._log.warning("step_agreement_failed", step=self.step, error=str(failed)[:300],
+                              effect="ignored at the end of training; the final save says whether the world is whole")
         if self._manager is not None and self.strategy is not None and self.step > 0 and self._saved_step != self.step:
             kind = proto.CheckpointKind.FINAL
             try:
@@ -1401,6 +1328,7 @@ class Runtime:
         without an active exception", exit -6), most likely a worker releasing a finished exchange
         whose tensor came from Python."""
         self._group, self._replicator = None, None  # the pending exchange went at the start of finish
+        self._agreement.drop()
         self._trainer.bind_checkpoint_group(None)
         if self._manager is not None:
             self._manager.release_group()
