@@ -93,6 +93,7 @@ from trainguard.runtime.boundary import BoundaryAct, Flags, SaveAsk, decide_boun
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.faults import FaultHooks
 from trainguard.runtime.session import AgentSession
+from trainguard.runtime.state import TRANSITIONS, WorkerState
 from trainguard.strategies.base import ReformState, Strategy, get_strategy
 from trainguard.strategies.batch import split
 
@@ -188,9 +189,9 @@ class Runtime:
         """How many times this process re-formed in place."""
         self.current_batch: list[int] = []
         """Sample ids of the whole global batch of the step in progress (all ranks' shares)."""
-        self._standby = standby
+        self.worker_state = WorkerState.STANDBY if standby else WorkerState.RUNNING
+        """Where this worker is (:class:`~trainguard.runtime.state.WorkerState`: its transitions)."""
         self._faults = FaultHooks(inject_fault)
-        self._broken: BaseException | None = None
         self._stepped = False
         self._cursor_at_step_start: dict[str, Any] | None = None
         self._signal_request = proto.StopReason.NONE
@@ -327,7 +328,7 @@ class Runtime:
                            effect="membership changes restart the workers (the fallback path)")
             self.reform_enabled = False
         self.strategy.keep_wrapped = self.reform_enabled
-        if self._standby:
+        if self.worker_state is WorkerState.STANDBY:
             self._wait_for_first_world()
         self.micro_batch = micro_batch
         self.global_batch = global_batch
@@ -654,7 +655,7 @@ class Runtime:
         the step is rolled back at :meth:`end_step`."""
         assert self.strategy is not None and self._model is not None, "setup() first"
         # A step made void already skips the sync; its forward may still run a collective that fails.
-        sync = contextlib.nullcontext() if self._broken is not None else self.strategy.no_sync(self._model, last)
+        sync = contextlib.nullcontext() if self.worker_state is WorkerState.BROKEN else self.strategy.no_sync(self._model, last)
         try:
             with sync:
                 yield
@@ -670,7 +671,7 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when the precision uses a loss scaler (``16-mixed``)."""
         assert self.strategy is not None, "setup() first"
-        if self._broken is not None:
+        if self.worker_state is WorkerState.BROKEN:
             return
         try:
             self.strategy.backward(loss)
@@ -683,7 +684,7 @@ class Runtime:
         skips the step on inf/nan gradients (on every rank alike) and updates the scale. Skipped when
         a peer vanished during this step (the step is redone in the re-formed world)."""
         assert self.strategy is not None and self._optimizer is not None, "setup() first"
-        if self._broken is not None:
+        if self.worker_state is WorkerState.BROKEN:
             return
         self._settle_memory()  # a snapshot may still be copying the parameters this step changes
         try:
@@ -697,7 +698,7 @@ class Runtime:
         """All-reduce ``tensor`` in place over the current world (``op``: ``mean``, ``sum`` or ``max``),
         e.g. the loss for a log line. In-place mode: a vanished peer leaves it unchanged and is handled
         at :meth:`end_step` like a failure in the step itself."""
-        if self.world_size == 1 or not dist.is_initialized() or self._broken is not None:
+        if self.world_size == 1 or not dist.is_initialized() or self.worker_state is WorkerState.BROKEN:
             return tensor
         red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         # The default group runs on rt.device (NCCL takes GPU tensors only): a tensor elsewhere travels there.
@@ -714,12 +715,18 @@ class Runtime:
             tensor.copy_(work)
         return tensor
 
+    def _enter(self, state: WorkerState) -> None:
+        """Move to ``state`` (one of :data:`~trainguard.runtime.state.TRANSITIONS`; another is logged)."""
+        if (self.worker_state, state) not in TRANSITIONS:
+            self._log.warning("worker_state_unexpected", state=self.worker_state.value, to=state.value)
+        self.worker_state = state
+
     def _peer_failed(self, e: BaseException) -> bool:
         """Record a collective failure caused by a vanished peer (in-place mode); False for anything else."""
         if not (self.reform_enabled and rf.is_peer_failure(e)):
             return False
-        if self._broken is None:
-            self._broken = e
+        if self.worker_state is not WorkerState.BROKEN:
+            self._enter(WorkerState.BROKEN)
             self._log.warning("peer_lost", step=self.step + 1, error=str(e)[:300])
         return True
 
@@ -732,7 +739,7 @@ class Runtime:
         world continues from the newest live state, so the step counted for the job."""
         assert self.cursor is not None, "setup() first"
         stepped, self._stepped = self._stepped, False
-        if self._broken is not None:
+        if self.worker_state is WorkerState.BROKEN:
             attempted = self.step + 1
             if stepped:  # the optimizer step ran on this rank: the step happened; the new world agrees
                 self.step += 1
@@ -942,6 +949,7 @@ class Runtime:
         """Tear the world down, tell the agent, wait for the new world and join it; on any failure,
         exit with the resize code so that the agent restarts the world (the fallback)."""
         t0 = time.monotonic()
+        self._enter(WorkerState.PARKED)
         lost = reason is proto.ParkReason.PEER_LOST
         if lost:  # the evidence of what each group was doing, before the abort clears the groups
             dumped = flight.dump(self.rank, self.reformations)
@@ -994,6 +1002,7 @@ class Runtime:
                 reason = proto.ParkReason.PEER_LOST  # nothing changed yet: park again, state intact
                 self._report_parked(reason)
             t_joined = time.monotonic()
+            self._enter(WorkerState.RESUMING)
             assert self.strategy is not None and self._model is not None
             with self._group_connections():
                 self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
@@ -1006,7 +1015,7 @@ class Runtime:
             self._log.error("reform_failed", reason=reason.value, error=f"{type(e).__name__}: {e}"[:500],
                             effect="exiting with the resize code: the agent restarts the world")
             self._exit(proto.EXIT_RESIZE)
-        self._broken = None
+        self._enter(WorkerState.RUNNING)
         self.reformations += 1
         self._step_started = time.monotonic()
         self._timer.start()
@@ -1123,7 +1132,7 @@ class Runtime:
                 self._exit(proto.EXIT_RESIZE)
             if self._join_world(msg):
                 break
-        self._standby = False
+        self._enter(WorkerState.RUNNING)
         self._log.info("worker_joined", waited_s=round(time.monotonic() - t0, 3), **self._join_phases)
 
     def _agree_initial_state(self) -> None:

@@ -218,6 +218,7 @@ def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_p
         rt._session.link = Link()
         with pytest.raises(SystemExit, match="parked"):
             rt._park(proto.ParkReason(reason))
+        assert rt.worker_state.value == "parked"  # waiting for the new world
     finally:
         signal.signal(signal.SIGTERM, previous)
         if dist.is_initialized():

@@ -9,6 +9,7 @@ import pytest
 
 from trainguard.contract import protocol as proto
 from trainguard.runtime.reform import is_peer_failure
+from trainguard.runtime.state import WorkerState
 from tests.harness import short_tmp  # noqa: F401 - a fixture
 
 
@@ -52,7 +53,7 @@ def test_a_void_step_swallows_later_peer_failures_and_nothing_else(reform_rt):
     rest of the step still runs the script's forward, and DDP's forward broadcasts buffers: that
     failure must be swallowed too (the step is rolled back), any other error must not."""
     rt = reform_rt
-    rt._broken = RuntimeError("Connection closed by peer")  # the step is void already
+    rt.worker_state = WorkerState.BROKEN  # the step is void already: a peer vanished
     with rt.accumulating(last=True):
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24775")
     with pytest.raises(ValueError), rt.accumulating(last=True):
@@ -75,7 +76,7 @@ def test_a_step_a_survivor_finished_counts_on_the_rank_whose_step_failed(reform_
             rt.step = 8
 
     monkeypatch.setattr(rt, "_park", park)
-    rt._broken = RuntimeError("Connection closed by peer")
+    rt.worker_state = WorkerState.BROKEN  # a peer vanished mid-step
     rt._stepped = False  # this rank's optimizer step did not run
     assert rt.end_step() is peer_finished
     assert parked == [proto.ParkReason.PEER_LOST] and rt.step == (8 if peer_finished else 7)
@@ -374,7 +375,7 @@ def test_sigterm_ends_a_wait_for_a_world_at_once(tmp_path, monkeypatch, where):
         if where == "parked":
             rt._park(proto.ParkReason.PEER_LOST)
         else:
-            rt._standby = True
+            rt.worker_state = WorkerState.STANDBY
             rt._wait_for_first_world()
     assert ended.value.code == proto.EXIT_RESIZE
     events = [e["event"] for e in logs]
