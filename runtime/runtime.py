@@ -63,7 +63,6 @@ handed over in memory (``Strategy.reform_state`` is ``RESTART``) always take the
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -86,12 +85,12 @@ from trainguard.checkpoint.state import TrainerState
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
 from trainguard.runtime import device as dev
-from trainguard.runtime import flight
 from trainguard.runtime import reform as rf
 from trainguard.runtime.agreement import StepAgreement
 from trainguard.runtime.boundary import BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.faults import FaultHooks
+from trainguard.runtime.reformation import PARITY_ABANDON_S, Reformation
 from trainguard.runtime.session import AgentSession
 from trainguard.runtime.state import TRANSITIONS, WorkerState
 from trainguard.strategies.base import ReformState, Strategy, get_strategy
@@ -100,36 +99,6 @@ from trainguard.strategies.batch import split
 log = get_logger("trainguard.worker")
 
 _GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
-
-
-STREAM_SETTLE_S = 1.0
-"""How long a rank that lost a peer on NCCL polls whether its stream finished its last step before it
-aborts (a step still queued then may run on half-reduced gradients after the abort: suspect)."""
-PARITY_ABANDON_S = 2.0
-"""How long a worker that parks or exits waits for a parity snapshot in the background (its local write
-takes milliseconds; an exchange stuck with a vanished peer is left behind after this)."""
-
-
-def param_checksum(params: Any) -> torch.Tensor:
-    """A cheap fingerprint of parameters on the host: ``[sum, sum of squares]`` in float64 (local shards of
-    DTensors). One reduction per parameter on its device, one small copy to the host."""
-    from torch.distributed.tensor import DTensor
-
-    parts = []
-    for p in params:
-        t = (p.to_local() if isinstance(p, DTensor) else p).detach()
-        parts.append(torch.stack([t.double().sum(), t.double().square().sum()]))
-    return torch.stack(parts).sum(0).cpu() if parts else torch.zeros(2, dtype=torch.float64)
-
-
-def checksums_agree(checksums: list[torch.Tensor]) -> bool:
-    """Pure: whether every rank's :func:`param_checksum` is the same, bit for bit."""
-    return all(torch.equal(c, checksums[0]) for c in checksums[1:])
-
-
-def _is_loss(reason: proto.ParkReason) -> bool:
-    """A re-formation for a member that is gone (drained after a notice, or lost unannounced)."""
-    return reason in (proto.ParkReason.DRAIN, proto.ParkReason.PEER_LOST)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -204,10 +173,6 @@ class Runtime:
         """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
         self._replicator: Replicator | None = None
         """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
-        self._parked_for: proto.ParkReason | None = None
-        """Why the world is re-forming in place while it restores the checkpoint taken at its stop (or None)."""
-        self._took_peer_stats = False  # the last live-state sync loaded a peer's interval stats
-        self._suspect_step: int | None = None  # a step whose update may have run on half-reduced gradients (_park)
         self._timer = dev.StepTimer(self.device)
         self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
@@ -227,8 +192,6 @@ class Runtime:
         ``checkpoint.memory_interval_steps``; longer when ``memory_max_overhead`` asks)."""
         self._snapshot_mean_s: float | None = None
         """Moving average of what this rank's snapshots block the training loop for."""
-        self._join_phases: dict[str, float] = {}
-        """How long the last world join took: the default group (arrival, ``init_process_group``), the side group."""
         self._interval: IntervalController | None = None
         self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
         self._save_deferred = False
@@ -238,6 +201,8 @@ class Runtime:
         self._metrics: Any = None
         self._session = AgentSession(control_path, rank, local_rank)
         """The agent link, SIGTERM, the reports and the one exit."""
+        self._reform = Reformation(self)
+        """Park, join the next world, hand the live state over (in-place re-formation)."""
         self._log = log.bind(rank=rank, world_size=world_size, round=rdzv_round)
         if reform and not self._session.linked:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
@@ -329,7 +294,7 @@ class Runtime:
             self.reform_enabled = False
         self.strategy.keep_wrapped = self.reform_enabled
         if self.worker_state is WorkerState.STANDBY:
-            self._wait_for_first_world()
+            self._reform.wait_for_first_world()
         self.micro_batch = micro_batch
         self.global_batch = global_batch
         self._data_parallel()
@@ -518,7 +483,7 @@ class Runtime:
         (newer than any checkpoint, and no storage read)."""
         self._settle_memory()
         if self.reform_enabled and step is None and self._group is not None:
-            outcome, live = self._sync_live_state(None)
+            outcome, live = self._reform.sync_live_state(None)
             if outcome != "none":
                 self._log.info("worker_restored", step=self.step, source="peer", live_step=live)
                 return self.step
@@ -528,7 +493,7 @@ class Runtime:
         """:meth:`restore` without the live hand-over: the nearest tier that holds the newest complete
         step (a collective on every rank of the world, as :meth:`restore` is)."""
         if self._manager is None:
-            self._agree_initial_state()
+            self._reform.agree_initial_state()
             return self.step
         state = self._state()
         t0 = time.monotonic()
@@ -554,7 +519,7 @@ class Runtime:
             if ctl is not None:
                 ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
                 ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats,
-                                    in_place=self._parked_for is not None, from_memory=in_memory)
+                                    in_place=self._reform.parked_for is not None, from_memory=in_memory)
             self._metrics.observe_restore(step, kind, skipped=self._manager.last_restore_skipped,
                                           corrupt=self._manager.last_restore_corrupt)
             self._log.info("worker_restored", step=step, kind=kind, source=tier.value, restore_s=round(seconds, 3),
@@ -568,7 +533,7 @@ class Runtime:
             if ctl is not None and self._manager.last_restored_repeats:
                 ctl.observe_restore(None, "none", self._manager.last_restored_repeats)
             self._metrics.observe_restore(0, "other")
-            self._agree_initial_state()
+            self._reform.agree_initial_state()
         if self._interval is not None:
             self._interval.begin()
         self._step_started = time.monotonic()
@@ -743,10 +708,10 @@ class Runtime:
             attempted = self.step + 1
             if stepped:  # the optimizer step ran on this rank: the step happened; the new world agrees
                 self.step += 1
-                self._park(proto.ParkReason.PEER_LOST)
+                self._reform.park(proto.ParkReason.PEER_LOST)
                 return True
             self._roll_back_step()
-            self._park(proto.ParkReason.PEER_LOST)
+            self._reform.park(proto.ParkReason.PEER_LOST)
             # The survivors agree on the newest live state (sync_live_state): a peer whose all-reduce
             # completed before the failure handed the finished step over, and it is not redone.
             if self.step < attempted:
@@ -789,7 +754,7 @@ class Runtime:
         except Exception as e:
             if not self._peer_failed(e):
                 raise
-            self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
+            self._reform.park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
             return True
         if not self._act(agreed, mine):
             return True
@@ -901,7 +866,7 @@ class Runtime:
         except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
             if not self._peer_failed(e):
                 raise
-            self._park(proto.ParkReason.PEER_LOST)
+            self._reform.park(proto.ParkReason.PEER_LOST)
             return False
         return True
 
@@ -928,7 +893,7 @@ class Runtime:
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                            before_deadline=deadline is None or time.time() <= deadline)
             self._session.report(self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed))
-        self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
+        self._reform.park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
     def _settle_memory(self, abandon_after: float | None = None) -> None:
         """Wait for the tier-0 snapshot still copying in the background (before anything but the
@@ -944,264 +909,6 @@ class Runtime:
                                       effect="this snapshot is not written; the previous one stands")
                 return
             self._memory.settle()
-
-    def _park(self, reason: proto.ParkReason) -> None:
-        """Tear the world down, tell the agent, wait for the new world and join it; on any failure,
-        exit with the resize code so that the agent restarts the world (the fallback)."""
-        t0 = time.monotonic()
-        self._enter(WorkerState.PARKED)
-        lost = reason is proto.ParkReason.PEER_LOST
-        if lost:  # the evidence of what each group was doing, before the abort clears the groups
-            dumped = flight.dump(self.rank, self.reformations)
-            if dumped is not None:
-                self._log.info("flight_recorder_dumped", path=dumped[0], nbytes=dumped[1], step=self.step)
-        if lost and dev.backend_for(self.device) == "nccl":
-            # Only a rank whose stream finished its last step may offer that step's state: after the abort
-            # an update queued behind the lost peer's all-reduce runs on half-reduced gradients.
-            if not self._timer.completed(STREAM_SETTLE_S):
-                self._suspect_step = self.step
-            # Abort before anything waits on the GPU: a snapshot's or a save's copy queued behind a
-            # kernel that waits for the lost peer would keep this rank here for pg_timeout_s.
-            self._log.info("world_aborted", teardown=rf.teardown_world(self.device, peer_lost=True).value,
-                           suspect_step=self._suspect_step)
-        self._settle_memory(abandon_after=PARITY_ABANDON_S)
-        if self._metrics is not None:
-            self._metrics.flush()  # the steps counted since the last agreement
-        old = (self.rank, self.world_size)
-        base = None
-        self._replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
-        try:
-            if lost:
-                # The world is broken: its in-flight save can never commit (do not wait for its upload),
-                # and peers blocked in a collective step on this rank must fail it now, not at the
-                # process-group timeout (see rf.end_world_connections).
-                if self._manager is not None:
-                    self._manager.cancel_inflight("a peer of this world is gone")
-                self._log.info("world_connections_ended", connections=rf.end_world_connections())
-            assert self._session.linked
-            # This rank's state is final: the agent may re-form now. A save still persisting finishes
-            # below, while the rendezvous runs (the new world waits for this rank in its arrival count);
-            # reported after it, a slow commit kept the agent in the old round while its peers had left it.
-            self._report_parked(reason)
-            if self._manager is not None:
-                self._manager.close()  # an in-flight save finishes (or fails) on the old groups first
-                base, self._manager = self._manager.base, None
-            self._group = None
-            self._agreement.drop()
-            rf.teardown_world(self.device, peer_lost=lost)
-            while True:
-                msg = self._session.wait_for_world(self.reform_timeout_s)
-                if msg is None:
-                    self._leave_if_signalled("parked")
-                    raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
-                                       f"{self.reform_timeout_s:.0f}s")
-                t_world = time.monotonic()
-                self._faults.fail_at("reform")
-                if self._join_world(msg):
-                    break
-                reason = proto.ParkReason.PEER_LOST  # nothing changed yet: park again, state intact
-                self._report_parked(reason)
-            t_joined = time.monotonic()
-            self._enter(WorkerState.RESUMING)
-            assert self.strategy is not None and self._model is not None
-            with self._group_connections():
-                self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
-            self._make_manager(base)
-            self._data_parallel()
-            self.accum_steps, _ = self.strategy.plan(self.global_batch, self.dp_size, self.micro_batch)
-            t_wrapped = time.monotonic()
-            outcome, live = self._resume_state(reason)
-        except Exception as e:
-            self._log.error("reform_failed", reason=reason.value, error=f"{type(e).__name__}: {e}"[:500],
-                            effect="exiting with the resize code: the agent restarts the world")
-            self._exit(proto.EXIT_RESIZE)
-        self._enter(WorkerState.RUNNING)
-        self.reformations += 1
-        self._step_started = time.monotonic()
-        self._timer.start()
-        self._log.info("worker_reformed", step=self.step, reason=reason.value, old_rank=old[0], old_world_size=old[1],
-                       accum_steps=self.accum_steps, state=outcome, live_step=live,
-                       parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
-                       join_s=round(t_joined - t_world, 3), **self._join_phases, wrap_s=round(t_wrapped - t_joined, 3),
-                       sync_s=round(time.monotonic() - t_wrapped, 3), seconds=round(time.monotonic() - t0, 3),
-                       pid=os.getpid(),
-                       survived_losses=self._interval.stats.survived_losses if self._interval is not None else None)
-
-    def _resume_state(self, reason: proto.ParkReason) -> tuple[str, int | None]:
-        """The re-formed world's state (:meth:`_sync_live_state`), and the loss it survived counted once.
-
-        A rank whose last step may have run on half-reduced gradients (``_suspect_step``, see ``_park``)
-        offers no live state and drops its snapshots of that step; live state the world agrees on is
-        checked across ranks where it is replicated (:meth:`_replicas_agree`); a world with no trusted
-        live state restores from the tiers (nearest first) instead."""
-        suspect, self._suspect_step = self._suspect_step, None
-        if suspect is not None:
-            self._log.warning("live_state_suspect", step=suspect, why="this rank's last step had not finished on "
-                              "the GPU when its world was aborted", effect="its live state and snapshots of that "
-                              "step are not used")
-            if self._memory is not None:
-                self._memory.discard_from(suspect)
-        self._parked_for = reason
-        try:
-            outcome, live = self._sync_live_state(None if suspect is not None else self.step)
-        finally:
-            self._parked_for = None
-        if outcome == "none" and self._manager is not None:  # no trusted live state: every rank is here
-            live = self._restore_from_tiers()
-            outcome = "restored"
-        self._took_peer_stats = self._took_peer_stats and outcome != "restored"
-        if (self._interval is not None and outcome in ("agreed", "broadcast") and _is_loss(reason)
-                and not self._took_peer_stats):
-            # A member is gone and the state lived on in the survivors' memory: no rollback. A rank that
-            # took its state from a peer took that peer's count of this loss with it.
-            self._interval.observe_survived_loss(unannounced=reason is proto.ParkReason.PEER_LOST)
-        return outcome, live
-
-    def _replicas_agree(self) -> bool:
-        """Whether every rank holds the same parameters (replicated state, after a re-formation): a cheap
-        checksum per rank (float64 sum and sum of squares of every parameter) gathered over the gloo group
-        and compared exactly (replicas are bit-identical after a broadcast or an all-reduce)."""
-        assert self._model is not None
-        n = dist.get_world_size(self._group) if dist.is_initialized() else 1
-        if n == 1:
-            return True
-        mine = param_checksum(self._model.parameters())
-        every = [torch.zeros_like(mine) for _ in range(n)]
-        dist.all_gather(every, mine, group=self._group)
-        if checksums_agree(every):
-            return True
-        self._log.error("live_state_mismatch", step=self.step, checksums=[c.tolist() for c in every],
-                        effect="the replicas differ: the world restores from the tiers instead")
-        return False
-
-    def _leave_if_signalled(self, where: str) -> None:
-        """Exit at once when SIGTERM ended a wait for a world: no world will come, and the agent would
-        otherwise wait out its stop timeout (30 s) before a SIGKILL. Nothing to save: no world to save with."""
-        if self._session.signalled():
-            self._log.info("worker_stopped_waiting", where=where, step=self.step,
-                           reason="SIGTERM while waiting for a world: the agent is stopping its workers")
-            self._exit(proto.EXIT_RESIZE)
-
-    def _report_parked(self, reason: proto.ParkReason) -> None:
-        self._session.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
-        self._log.info("worker_parked", step=self.step, reason=reason.value)
-
-    def _join_world(self, msg: proto.Reform) -> bool:
-        """Join the world ``msg`` describes. False when it was called off before every rank arrived
-        (:class:`rf.JoinAborted`: the agent saw a member go, or this node drains): nothing of this
-        worker changed, it parks again."""
-        if dev.select_device(msg.local_rank) != self.device:  # a live process cannot move its model
-            raise RuntimeError(f"the new world gives this worker local rank {msg.local_rank} ({dev.select_device(msg.local_rank)}), "
-                               f"but its state lives on {self.device}")
-        link = self._session.link
-        assert link is not None
-        t0 = time.monotonic()
-        try:
-            rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
-                          local_world_size=msg.local_world_size, master_addr=msg.master_addr,
-                          master_port=msg.master_port, device=self.device, group_rank=msg.group_rank, nodes=msg.nodes,
-                          timeout_s=self.pg_timeout_s, aborted=lambda: link.request is not proto.StopReason.NONE)
-        except rf.JoinAborted as e:
-            self._log.warning("join_aborted", round=msg.round, rank=msg.rank, world_size=msg.world_size,
-                              error=str(e)[:300], effect="parked again with the same state; the agent re-forms")
-            return False
-        self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
-        self.local_world_size = msg.local_world_size
-        self.round = msg.round
-        link.report(proto.Joined(rank=self.rank, local_rank=self.local_rank, round=self.round))
-        t_world = time.monotonic()
-        self._group = self._new_gloo_group()
-        self._agreement.bind(self._group)
-        self._join_phases = {"world_s": round(t_world - t0, 3), "side_group_s": round(time.monotonic() - t_world, 3)}
-        self._log = log.bind(rank=self.rank, world_size=self.world_size, round=self.round)
-        if self._metrics is not None:
-            self._metrics.rank = self.rank
-        return True
-
-    def _wait_for_first_world(self) -> None:
-        """A standby worker (a warmed-up joiner): report ready, then join the world the agent forms."""
-        assert self._session.linked, "a standby worker needs its agent"
-        t0 = time.monotonic()
-        self._log.info("worker_warm", warmup_s=None)
-        while True:  # again after a join the agent called off
-            self._session.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
-            msg = self._session.wait_for_world(self.reform_timeout_s)
-            if msg is None:
-                self._leave_if_signalled("standby")
-                self._log.error("standby_timeout", timeout_s=self.reform_timeout_s)
-                self._exit(proto.EXIT_RESIZE)
-            if self._join_world(msg):
-                break
-        self._enter(WorkerState.RUNNING)
-        self._log.info("worker_joined", waited_s=round(time.monotonic() - t0, 3), **self._join_phases)
-
-    def _agree_initial_state(self) -> None:
-        """Nothing was restored and no rank holds live state (a fresh job): where the strategy skipped its
-        own broadcast at construction (``init_synced`` False: ddp in a job that re-forms in place), every
-        rank takes rank 0's parameters and buffers, as DDP's construction would have given them."""
-        assert self.strategy is not None and self._model is not None
-        if self.strategy.init_synced or self.world_size <= 1:
-            return
-        with torch.no_grad():
-            for t in self.strategy.replicated_tensors(self._model).values():
-                dist.broadcast(t, group=self._tensor_group, group_src=0)
-
-    @property
-    def _tensor_group(self) -> Any:
-        """The group replicated tensors are broadcast over: the default one on the GPU (NCCL), the gloo
-        side group on the CPU."""
-        return None if self.device.type == "cuda" else self._group
-
-    def _sync_live_state(self, step: int | None) -> tuple[str, int | None]:
-        """Hand the newest in-memory state to the ranks that lack it (see :func:`rf.sync_live_state`)."""
-        assert self.strategy is not None and self._model is not None and self.cursor is not None
-        if self.strategy.reform_state is ReformState.CHECKPOINT:
-            if step is None:
-                return "none", None
-            restored = self.restore()  # every rank reloads the step committed at the stop, resharded
-            return "checkpoint", restored
-        tensors = self.strategy.replicated_tensors(self._model)
-        stats = None
-        if self._interval is not None:
-            self._interval.tick()
-            stats = self._interval.stats.to_dict()
-            if self._parked_for is not None and _is_loss(self._parked_for):
-                # Sent as it will be once this rank counts the loss it parked for (after the sync): a
-                # receiver takes that count and does not count the loss again (see _park).
-                stats["survived_losses"] += 1
-                stats["survived_failures"] += self._parked_for is proto.ParkReason.PEER_LOST
-        scaler = self.strategy.scaler
-
-        def extra() -> dict[str, Any]:  # made on the source rank only; tensors on the host (rf.to_host)
-            assert self.cursor is not None
-            return rf.to_host({"step": self.step, "cursor": self.cursor.state_dict(),
-                               "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
-                               "scaler": scaler.state_dict() if scaler is not None else None, "interval": stats})
-        self._took_peer_stats = False
-
-        def load(d: dict[str, Any]) -> None:
-            assert self.cursor is not None
-            self.step = int(d["step"])
-            self.cursor.load_state_dict(d["cursor"])
-            if d["optimizer"] is not None and self._optimizer is not None:
-                self._optimizer.load_state_dict(d["optimizer"])
-            if d["scaler"] is not None and self.strategy is not None and self.strategy.scaler is not None:
-                self.strategy.scaler.load_state_dict(d["scaler"])
-            if d.get("interval") and self._interval is not None:  # a joiner takes the job's failure history too
-                self._interval.load_stats(IntervalStats.from_dict(d["interval"]))
-                self._took_peer_stats = True
-
-        # Flags and small state over the gloo group; the tensors over the default group when they live on
-        # the GPU (NCCL), over the same gloo group on the CPU.
-        outcome, live = rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group,
-                                           tensor_group=self._tensor_group)
-        # Every rank of the world is here (a survivor through _resume_state, a joiner through restore), so
-        # the check is one collective on all of them; refused, all go on to the tiers.
-        if outcome in ("agreed", "broadcast") and self._replicated and not self._replicas_agree():
-            if self._memory is not None:
-                self._memory.discard_from(self.step)  # which rank diverged is unknown: none of this step is used
-            return "none", None
-        return outcome, live
 
     def _save_by(self, kind: str, deadline: float | None) -> tuple[float, SaveResult | None, int | None]:
         """Save this step and wait for its commit; return ``(seconds, its result, committed step)``.

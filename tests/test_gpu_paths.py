@@ -217,7 +217,7 @@ def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_p
 
         rt._session.link = Link()
         with pytest.raises(SystemExit, match="parked"):
-            rt._park(proto.ParkReason(reason))
+            rt._reform.park(proto.ParkReason(reason))
         assert rt.worker_state.value == "parked"  # waiting for the new world
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -266,7 +266,7 @@ def test_live_state_pickles_no_gpu_tensor(tmp_path, monkeypatch):
             return "broadcast", step
 
         monkeypatch.setattr(runtime_mod.rf, "sync_live_state", fake_sync)
-        rt._sync_live_state(rt.step)
+        rt._reform.sync_live_state(rt.step)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if dist.is_initialized():
@@ -395,7 +395,7 @@ def test_step_timer_polls_the_last_boundary_with_a_bound():
 
 
 def test_param_checksum_sees_one_ulp():
-    from trainguard.runtime.runtime import checksums_agree, param_checksum
+    from trainguard.runtime.reformation import checksums_agree, param_checksum
 
     a = [torch.randn(5, 3), torch.randn(4)]
     b = [t.clone() for t in a]
@@ -461,7 +461,7 @@ def test_untrusted_live_state_is_not_offered_and_the_world_restores_from_the_tie
     monkeypatch.setattr(runtime_mod.rf, "sync_live_state", sync)
     monkeypatch.setattr(rt, "_restore_from_tiers", lambda step=None: (restored.append(True), 5)[1])
     if case == "suspect":
-        rt._suspect_step = 7
+        rt._reform.suspect_step = 7
     if case == "mismatch":
         def gather(out, mine, group=None):  # a peer that holds other parameters
             out[0].copy_(mine)
@@ -469,7 +469,7 @@ def test_untrusted_live_state_is_not_offered_and_the_world_restores_from_the_tie
 
         monkeypatch.setattr(runtime_mod.dist, "all_gather", gather)
         monkeypatch.setattr(runtime_mod.dist, "get_world_size", lambda group=None: 2)
-    outcome, live = rt._resume_state(proto.ParkReason.PEER_LOST)
+    outcome, live = rt._reform.resume_state(proto.ParkReason.PEER_LOST)
     rt._memory = None
     if case == "clean":
         assert offered == [7] and outcome == "agreed" and not restored and mem.discarded == []

@@ -75,7 +75,7 @@ def test_a_step_a_survivor_finished_counts_on_the_rank_whose_step_failed(reform_
         if peer_finished:
             rt.step = 8
 
-    monkeypatch.setattr(rt, "_park", park)
+    monkeypatch.setattr(rt._reform, "park", park)
     rt.worker_state = WorkerState.BROKEN  # a peer vanished mid-step
     rt._stepped = False  # this rank's optimizer step did not run
     assert rt.end_step() is peer_finished
@@ -181,7 +181,7 @@ def test_a_world_that_never_fills_runs_out_at_the_timeout():
 
 
 def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monkeypatch):
-    """Runtime._join_world: called off (the agent's Stop arrived) -> False, rank, world and groups
+    """Reformation.join_world: called off (the agent's Stop arrived) -> False, rank, world and groups
     untouched; a world that forms -> True, a process group made through the arrival count."""
     import torch.distributed as dist
 
@@ -202,13 +202,13 @@ def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monke
     rt._session.link = Link()
     msg = proto.Reform(rank=1, world_size=2, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
                        master_port=free_port(), round=5, group_rank=1, nodes=2)
-    assert rt._join_world(msg) is False
+    assert rt._reform.join_world(msg) is False
     assert (rt.rank, rt.world_size, rt.round) == (0, 1, 0) and not dist.is_initialized()
     Link.request = proto.StopReason.NONE
     msg = proto.Reform(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
                        master_port=free_port(), round=6, group_rank=0, nodes=1)
     try:
-        assert rt._join_world(msg) is True
+        assert rt._reform.join_world(msg) is True
         assert dist.is_initialized() and dist.get_world_size() == 1 and rt.round == 6
         assert Link.joined == [proto.Joined(rank=0, local_rank=0, round=6)]  # only the world it joined
     finally:
@@ -271,7 +271,7 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
     rt._session.link = Link()
     threading.Timer(0.3, release.set).start()  # the upload call in progress returns
     with pytest.raises(SystemExit, match="parked"):
-        rt._park(reason)
+        rt._reform.park(reason)
     assert [type(m).__name__ for m, _ in reports] == ["Parked"]
     assert reports[0][1] is False  # reported while the upload was still held
     if reason is proto.ParkReason.PEER_LOST:
@@ -373,10 +373,10 @@ def test_sigterm_ends_a_wait_for_a_world_at_once(tmp_path, monkeypatch, where):
     threading.Timer(0.2, rt._session.on_sigterm, args=(signal.SIGTERM, None)).start()  # the agent stops its workers
     with capture_logs() as logs, pytest.raises(SystemExit) as ended:
         if where == "parked":
-            rt._park(proto.ParkReason.PEER_LOST)
+            rt._reform.park(proto.ParkReason.PEER_LOST)
         else:
             rt.worker_state = WorkerState.STANDBY
-            rt._wait_for_first_world()
+            rt._reform.wait_for_first_world()
     assert ended.value.code == proto.EXIT_RESIZE
     events = [e["event"] for e in logs]
     assert "worker_stopped_waiting" in events and "reform_failed" not in events and "standby_timeout" not in events
@@ -423,7 +423,7 @@ def test_a_loss_the_world_survived_is_counted_once_whichever_rank_sent_the_state
         return ("broadcast" if role == "source" else "agreed"), step
 
     monkeypatch.setattr(rf, "sync_live_state", sync)
-    outcome, _ = rt._resume_state(proto.ParkReason.PEER_LOST)
+    outcome, _ = rt._reform.resume_state(proto.ParkReason.PEER_LOST)
     assert outcome == ("agreed" if role == "agreed" else "broadcast")
     assert rt._interval.stats.survived_losses == 4, role
     assert rt._interval.stats.survived_failures == 1, role
@@ -432,5 +432,5 @@ def test_a_loss_the_world_survived_is_counted_once_whichever_rank_sent_the_state
     # A re-formation to grow counts no loss, and sends none.
     sent.clear()
     role = "source"
-    rt._resume_state(proto.ParkReason.RESIZE)
+    rt._reform.resume_state(proto.ParkReason.RESIZE)
     assert rt._interval.stats.survived_losses == 4 and sent[0]["interval"]["survived_losses"] == 4
