@@ -51,7 +51,7 @@ checkpoint if a node drains (durability; the node that leaves exits), tears its 
 reports :class:`~trainguard.contract.protocol.Parked` and waits for the agent's
 :class:`~trainguard.contract.protocol.Reform`. It then builds the new world's groups, re-wraps the model
 (:meth:`Strategy.reform`), recomputes its batch plan, and the ranks that lack the state (a joiner, a
-restarted worker) receive it from a live peer (:func:`~trainguard.runtime.reform.sync_live_state`).
+restarted worker) receive it from a live peer (:mod:`~trainguard.runtime.reformation`).
 ``end_step`` returns and the loop goes on with the next step: same process, same model and optimizer
 objects. A collective that fails because a peer vanished (inside ``rt.accumulating``, ``rt.backward``,
 ``rt.optimizer_step`` or ``rt.end_step``) is caught: the interrupted step is rolled back (its samples
