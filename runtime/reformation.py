@@ -104,28 +104,28 @@ class Reformation:
             # kernel that waits for the lost peer would keep this rank here for pg_timeout_s.
             rt._log.info("world_aborted", teardown=rf.teardown_world(rt.device, peer_lost=True).value,
                          suspect_step=self.suspect_step)
-        rt._settle_memory(abandon_after=PARITY_ABANDON_S)
+        rt._tiers.settle(abandon_after=PARITY_ABANDON_S)
         if rt._metrics is not None:
             rt._metrics.flush()  # the steps counted since the last agreement
         old = (rt.rank, rt.world_size)
         base = None
-        rt._replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
+        rt._tiers.replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
         try:
             if lost:
                 # The world is broken: its in-flight save can never commit (do not wait for its upload),
                 # and peers blocked in a collective step on this rank must fail it now, not at the
                 # process-group timeout (see rf.end_world_connections).
-                if rt._manager is not None:
-                    rt._manager.cancel_inflight("a peer of this world is gone")
+                if rt._tiers.manager is not None:
+                    rt._tiers.manager.cancel_inflight("a peer of this world is gone")
                 rt._log.info("world_connections_ended", connections=rf.end_world_connections())
             assert rt._session.linked
             # This rank's state is final: the agent may re-form now. A save still persisting finishes
             # below, while the rendezvous runs (the new world waits for this rank in its arrival count);
             # reported after it, a slow commit kept the agent in the old round while its peers had left it.
             self.report_parked(reason)
-            if rt._manager is not None:
-                rt._manager.close()  # an in-flight save finishes (or fails) on the old groups first
-                base, rt._manager = rt._manager.base, None
+            if rt._tiers.manager is not None:
+                rt._tiers.manager.close()  # an in-flight save finishes (or fails) on the old groups first
+                base, rt._tiers.manager = rt._tiers.manager.base, None
             rt._group = None
             rt._agreement.drop()
             rf.teardown_world(rt.device, peer_lost=lost)
@@ -146,7 +146,7 @@ class Reformation:
             assert rt.strategy is not None and rt._model is not None
             with rt._group_connections():
                 rt._model, rt._optimizer = rt.strategy.reform(rt._model, rt._optimizer)
-            rt._make_manager(base)
+            rt._tiers.make_manager(base)
             rt._data_parallel()
             rt.accum_steps, _ = rt.strategy.plan(rt.global_batch, rt.dp_size, rt.micro_batch)
             t_wrapped = time.monotonic()
@@ -165,7 +165,7 @@ class Reformation:
                      join_s=round(t_joined - t_world, 3), **self.join_phases, wrap_s=round(t_wrapped - t_joined, 3),
                      sync_s=round(time.monotonic() - t_wrapped, 3), seconds=round(time.monotonic() - t0, 3),
                      pid=os.getpid(),
-                     survived_losses=rt._interval.stats.survived_losses if rt._interval is not None else None)
+                     survived_losses=rt._tiers.interval.stats.survived_losses if rt._tiers.interval is not None else None)
 
     def resume_state(self, reason: proto.ParkReason) -> tuple[str, int | None]:
         """The re-formed world's state (:meth:`sync_live_state`), and the loss it survived counted once.
@@ -180,22 +180,22 @@ class Reformation:
             rt._log.warning("live_state_suspect", step=suspect, why="this rank's last step had not finished on "
                             "the GPU when its world was aborted", effect="its live state and snapshots of that "
                             "step are not used")
-            if rt._memory is not None:
-                rt._memory.discard_from(suspect)
+            if rt._tiers.memory is not None:
+                rt._tiers.memory.discard_from(suspect)
         self.parked_for = reason
         try:
             outcome, live = self.sync_live_state(None if suspect is not None else rt.step)
         finally:
             self.parked_for = None
-        if outcome == "none" and rt._manager is not None:  # no trusted live state: every rank is here
-            live = rt._restore_from_tiers()
+        if outcome == "none" and rt._tiers.manager is not None:  # no trusted live state: every rank is here
+            live = rt._tiers.restore()
             outcome = "restored"
         self.took_peer_stats = self.took_peer_stats and outcome != "restored"
-        if (rt._interval is not None and outcome in ("agreed", "broadcast") and _is_loss(reason)
+        if (rt._tiers.interval is not None and outcome in ("agreed", "broadcast") and _is_loss(reason)
                 and not self.took_peer_stats):
             # A member is gone and the state lived on in the survivors' memory: no rollback. A rank that
             # took its state from a peer took that peer's count of this loss with it.
-            rt._interval.observe_survived_loss(unannounced=reason is proto.ParkReason.PEER_LOST)
+            rt._tiers.interval.observe_survived_loss(unannounced=reason is proto.ParkReason.PEER_LOST)
         return outcome, live
 
     def replicas_agree(self) -> bool:
@@ -311,9 +311,9 @@ class Reformation:
             return "checkpoint", restored
         tensors = rt.strategy.replicated_tensors(rt._model)
         stats = None
-        if rt._interval is not None:
-            rt._interval.tick()
-            stats = rt._interval.stats.to_dict()
+        if rt._tiers.interval is not None:
+            rt._tiers.interval.tick()
+            stats = rt._tiers.interval.stats.to_dict()
             if self.parked_for is not None and _is_loss(self.parked_for):
                 # Sent as it will be once this rank counts the loss it parked for (after the sync): a
                 # receiver takes that count and does not count the loss again (see park).
@@ -336,8 +336,8 @@ class Reformation:
                 rt._optimizer.load_state_dict(d["optimizer"])
             if d["scaler"] is not None and rt.strategy is not None and rt.strategy.scaler is not None:
                 rt.strategy.scaler.load_state_dict(d["scaler"])
-            if d.get("interval") and rt._interval is not None:  # a joiner takes the job's failure history too
-                rt._interval.load_stats(IntervalStats.from_dict(d["interval"]))
+            if d.get("interval") and rt._tiers.interval is not None:  # a joiner takes the job's failure history too
+                rt._tiers.interval.load_stats(IntervalStats.from_dict(d["interval"]))
                 self.took_peer_stats = True
 
         # Flags and small state over the gloo group; the tensors over the default group when they live on
@@ -346,8 +346,8 @@ class Reformation:
                                            tensor_group=self.tensor_group)
         # Every rank of the world is here (a survivor through resume_state, a joiner through Runtime.restore), so
         # the check is one collective on all of them; refused, all go on to the tiers.
-        if outcome in ("agreed", "broadcast") and rt._replicated and not self.replicas_agree():
-            if rt._memory is not None:
-                rt._memory.discard_from(rt.step)  # which rank diverged is unknown: none of this step is used
+        if outcome in ("agreed", "broadcast") and rt._tiers.replicated and not self.replicas_agree():
+            if rt._tiers.memory is not None:
+                rt._tiers.memory.discard_from(rt.step)  # which rank diverged is unknown: none of this step is used
             return "none", None
         return outcome, live

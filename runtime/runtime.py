@@ -63,24 +63,15 @@ handed over in memory (``Strategy.reform_state`` is ``RESTART``) always take the
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainguard.checkpoint import parity
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats, memory_interval
-from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
-from trainguard.checkpoint.memory import MemoryTier, MemoryTierError
-from trainguard.checkpoint.memory import parity_buffers as memory_parity_buffers
-from trainguard.checkpoint.replica import Replicator
 from trainguard.checkpoint.state import TrainerState
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
@@ -93,6 +84,7 @@ from trainguard.runtime.faults import FaultHooks
 from trainguard.runtime.reformation import PARITY_ABANDON_S, Reformation
 from trainguard.runtime.session import AgentSession
 from trainguard.runtime.state import TRANSITIONS, WorkerState
+from trainguard.runtime.tiers import CheckpointTiers, SaveAbandoned
 from trainguard.strategies.base import ReformState, Strategy, get_strategy
 from trainguard.strategies.batch import split
 
@@ -103,20 +95,6 @@ _GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gl
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
-
-
-class SaveAbandoned(CheckpointError):
-    """An emergency or resize checkpoint still running at the drain deadline was given up; the last
-    committed step stands."""
-
-
-def tier0_wanted(cfg: CheckpointConfig, *, replicated: bool, in_place: bool) -> bool:
-    """Whether a worker takes in-memory snapshots: ``checkpoint.memory_interval_steps`` > 0, except for
-    replicated state (DDP) re-forming in place, where every live peer holds any rank's state and the
-    snapshots would only cost step time (unless ``checkpoint.memory_replicated_in_place``)."""
-    if cfg.memory_interval_steps <= 0:
-        return False
-    return cfg.memory_replicated_in_place or not (replicated and in_place)
 
 
 class Runtime:
@@ -167,40 +145,19 @@ class Runtime:
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
-        self._manager: CheckpointManager | None = None
-        self._memory_dir = memory_dir if checkpoint.memory_interval_steps > 0 else ""
-        self._memory: MemoryTier | None = None
-        """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
-        self._replicator: Replicator | None = None
-        """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
         self._timer = dev.StepTimer(self.device)
-        self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
         """Bound of waiting for the previous background save: its collectives are bounded by the process
         groups' timeout, its storage operations by ``checkpoint.retry_deadline_s``."""
-        self._committed: int | None = None
-        """The newest step known committed on this rank (restored, or saved and waited for): what a
-        failed or abandoned save falls back to. Local knowledge, no collective."""
-        self._saved_step: int | None = None
-        """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
         self._agreement = StepAgreement(step_agreement, step_agreement_period_s)
         """The step-boundary flags exchanged over ``_group`` (issue/await, stride)."""
         self._agreement.bind(self._group)
-        self._memory_every = checkpoint.memory_interval_steps
-        """Tier 0: steps between two snapshots, as agreed by the world at its last boundary (at least
-        ``checkpoint.memory_interval_steps``; longer when ``memory_max_overhead`` asks)."""
-        self._snapshot_mean_s: float | None = None
-        """Moving average of what this rank's snapshots block the training loop for."""
-        self._interval: IntervalController | None = None
-        self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
-        self._save_deferred = False
-        """A periodic save was agreed while a previous one still persisted: taken at the first boundary
-        at which none does (rank 0 keeps asking for it)."""
-        self._interval_exported = 0.0
         self._metrics: Any = None
         self._session = AgentSession(control_path, rank, local_rank)
         """The agent link, SIGTERM, the reports and the one exit."""
+        self._tiers = CheckpointTiers(self, memory_dir)
+        """The checkpoint tiers of this world: durable manager, memory tier, replicas/parity, interval."""
         self._reform = Reformation(self)
         """Park, join the next world, hand the live state over (in-place re-formation)."""
         self._log = log.bind(rank=rank, world_size=world_size, round=rdzv_round)
@@ -311,23 +268,23 @@ class Runtime:
         self._timer.start()
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
-        self._make_manager()
-        if self._manager is not None and self.rank <= 0 and self._memory_dir:  # what tier 0/1 leave out, once
-            if not self._tier0_wanted:
+        self._tiers.make_manager()
+        if self._tiers.manager is not None and self.rank <= 0 and self._tiers.memory_dir:  # what tier 0/1 leave out, once
+            if not self._tiers.tier0_wanted:
                 self._log.info("memory_tier_redundant", strategy=self.strategy.name,
                                effect="no in-memory snapshots: the state is replicated and re-forms in place, a lost "
                                       "worker or node is restored from a live peer "
                                       "(checkpoint.memory_replicated_in_place: true takes them anyway)")
-            elif self.checkpoint_config.memory_replica and not self._replicas_wanted:
+            elif self.checkpoint_config.memory_replica and not self._tiers.replicas_wanted:
                 self._log.info("memory_replica_redundant", strategy=self.strategy.name,
                                effect="no buddy replicas: the state is replicated, every node's own snapshots "
                                       "restore any rank (tier 0 alone outlives a lost node)")
-        if self._manager is None and self.rank <= 0:
+        if self._tiers.manager is None and self.rank <= 0:
             self._log.warning("checkpoint_url_unset", effect="no checkpoint is saved: a drain, resize or crash loses "
                               "the work since the start, and finish() saves nothing",
                               fix="set checkpoint.url (TRAINGUARD_CHECKPOINT_URL) for the agent or torchrun")
         self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
-                       checkpoints=self._manager.url if self._manager else None, agent_link=self._session.linked,
+                       checkpoints=self._tiers.manager.url if self._tiers.manager else None, agent_link=self._session.linked,
                        reform_in_place=self.reform_enabled, resize_rule=self.strategy.resize_rule,
                        **self.strategy.describe())
         return self._model, self._optimizer
@@ -340,139 +297,14 @@ class Runtime:
         self.dp_rank, self.dp_size = self.strategy.data_parallel(self.rank, self.world_size)
         self._counts_samples = shares.index(self.dp_rank) == self.rank
 
-    def _make_manager(self, base: StepRef | None = None) -> None:
-        """``base``: the committed step this process's live state descends from, when it continues a
-        previous world in place (the next checkpoint epoch records it: the lineage goes on)."""
-        if self.checkpoint_config.url:
-            # The manager makes its own gloo group: its background persist thread runs collectives that
-            # must never interleave with the step-flag all-reduce the training thread runs on ours.
-            # Built here (not by the manager) so that it gets workers.pg_timeout_s; the same one collective.
-            group = self._new_gloo_group() if self.world_size > 1 else None
-            cfg = self.checkpoint_config
-            # Tier 1's transfers get their own group; made on every rank alike (by config and strategy,
-            # not by state).
-            replica_group = (self._new_gloo_group() if self.world_size > 1 and cfg.memory_interval_steps > 0
-                             and self._replicas_wanted else None)
-            self._staging_ready = False
-            self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
-                                              strategy=self.strategy_name, process_group=group,
-                                              rdzv_id=self.rdzv_id, rdzv_round=self.round, base=base,
-                                              inflight_timeout_s=self.inflight_timeout_s)
-            if self._interval is None:  # one schedule for the process: it survives in-place re-formations
-                self._interval = self._make_interval()
-            self._bind_memory(replica_group)
-            self._interval.set_world_size(self.world_size, survivable=self._survivable())
-
-    def _bind_memory(self, replica_group: Any = None) -> None:
-        """Tier 0 for this rank of the current world (a new world invalidates what its rank's files held),
-        and tier 1 when a replica group was made."""
-        self._replicator = None
-        if self._memory_dir and self._tier0_wanted:
-            if self._memory is not None:
-                assert self.strategy is not None
-                self._memory.rebind(self.rank, self.world_size, keep=self.strategy.reform_state is ReformState.CHECKPOINT)
-            else:
-                try:
-                    assert self.strategy is not None
-                    self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
-                                              local_world_size=self.local_world_size,
-                                              max_bytes=self.checkpoint_config.memory_max_bytes,
-                                              copies=2 if self._replicas_wanted else 1,
-                                              replicated=self._replicated)
-                    self._memory.parity_restore = self._parity_wanted
-                except MemoryTierError as e:
-                    self._memory_refused(e)
-                hook = self._faults.snapshot_written()
-                if self._memory is not None and hook is not None:
-                    self._memory.fault_hook = hook
-        if replica_group is not None and self._parity_wanted:  # a collective: every rank, with or without tier 0
-            self._bind_parity(replica_group)
-        elif replica_group is not None:
-            self._replicator = Replicator.create(self._memory, replica_group, rank=self.rank,
-                                                 world_size=self.world_size, local_world_size=self.local_world_size,
-                                                 domain=self.checkpoint_config.memory_failure_domain)
-
-    def _bind_parity(self, group: Any) -> None:
-        """Tier 1 as XOR parity in this world (a collective): every rank's tier 0 exchanges its snapshots'
-        parity with its group (:func:`~trainguard.checkpoint.parity.group_of`), when every rank has tier 0
-        and the world has two nodes or more."""
-        table: list[Any] = [None] * self.world_size
-        dist.all_gather_object(table, self._memory is not None, group=group)
-        got = parity.group_of(self.rank, self.world_size, self.local_world_size)
-        if not all(table) or got is None:
-            if self.rank == 0:
-                self._log.warning("memory_parity_off", ranks_without_tier0=[i for i, has in enumerate(table) if not has],
-                                  nodes=self.world_size // max(1, self.local_world_size),
-                                  effect="no parity in this world: two own slots per rank, a lost node restores from storage")
-            return
-        assert self._memory is not None
-        members, index = got
-        self._memory.set_parity(group, members, index)
-        if self.rank == 0:
-            self._log.info("memory_parity_groups", groups=len(parity.parity_groups(self.world_size // max(1, self.local_world_size))),
-                           members=members, buffers_per_rank=round(memory_parity_buffers(len(members)), 3))
-
-    @property
-    def _replicated(self) -> bool:
-        """Every rank holds the whole state (DDP: the strategy's ``reform_state`` is ``REPLICATED``)."""
-        return self.strategy is not None and self.strategy.reform_state is ReformState.REPLICATED
-
-    @property
-    def _tier0_wanted(self) -> bool:
-        """Whether tier 0 runs (given ``checkpoint.memory_interval_steps`` and an agent's folder): see
-        :func:`tier0_wanted` (:meth:`setup` logs ``memory_tier_redundant`` once where it does not)."""
-        return tier0_wanted(self.checkpoint_config, replicated=self._replicated, in_place=self.reform_enabled)
-
-    @property
-    def _parity_wanted(self) -> bool:
-        """Tier 1 as XOR parity (``checkpoint.memory_replica_parity``) where tier 1 runs."""
-        return self._replicas_wanted and self.checkpoint_config.memory_replica_parity
-
-    @property
-    def _replicas_wanted(self) -> bool:
-        """Whether tier 1 runs: ``checkpoint.memory_replica``, except where the state is replicated (DDP):
-        every rank's snapshot then restores any rank, so the survivors' own snapshots already outlive a
-        lost node, and buddy replicas would only double the memory (:meth:`setup` says so once)."""
-        return self.checkpoint_config.memory_replica and not self._replicated
-
-    def _memory_refused(self, e: MemoryTierError) -> None:
-        """Tier 0 cannot work as configured: say why and how to fix it, and go on without it (training and
-        the durable checkpoints are not stopped for it)."""
-        self._log.error("memory_tier_refused", error=str(e), effect="no in-memory snapshots in this worker; "
-                        "an unannounced failure restores from storage")
-        if self._memory is not None:
-            self._memory.invalidate()
-            self._memory.close()
-        self._memory, self._memory_dir, self._replicator = None, "", None
-        self._metrics.observe_memory(None, 0)
-
-    def _survivable(self) -> bool:
-        """Whether the state of this world outlives the loss of one node (the interval controller's
-        rollback model): two nodes or more, and the survivors hold it (DDP re-formed in place, or DDP
-        with tier 0: every rank's snapshot restores any rank) or a buddy on another node does (tier 1)."""
-        nodes = self.world_size // max(1, self.local_world_size)
-        in_memory = self._replicated and (self.reform_enabled or self._memory is not None)
-        parity_on = self._memory is not None and self._memory.parity
-        return nodes >= 2 and (in_memory or self._replicator is not None or parity_on)
-
-    def _make_interval(self) -> IntervalController:
-        """The periodic checkpoint schedule (``checkpoint.interval``). Global rank 0 decides; the step
-        flag all-reduce tells every other rank."""
-        cfg = self.checkpoint_config
-        policy, deprecated = cfg.interval_policy()
-        if deprecated and self.rank == 0:
-            self._log.warning("checkpoint_config_deprecated", keys=[f"checkpoint.{k}" for k in deprecated],
-                              fix="use `checkpoint.interval: <steps>` / `<duration>` (or `auto`) instead")
-        return IntervalController(policy, cfg.auto_settings(), world_size=self.world_size, sync_saves=not cfg.async_save)
-
     # ---- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         assert self._model is not None and self.cursor is not None and self.strategy is not None, "setup() first"
         self._trainer.step = self.step
         self._trainer.cursor = self.cursor.state_dict()
-        if self._interval is not None:
-            self._interval.tick()
-            self._trainer.extras["interval"] = self._interval.stats.to_dict()
+        if self._tiers.interval is not None:
+            self._tiers.interval.tick()
+            self._trainer.extras["interval"] = self._tiers.interval.stats.to_dict()
         return {"app": self.strategy.state(self._model, self._optimizer), "trainer": self._trainer}
 
     def restore(self, step: int | None = None) -> int:
@@ -481,127 +313,13 @@ class Runtime:
 
         When this worker joins a world re-formed in place, the state comes from a live peer instead
         (newer than any checkpoint, and no storage read)."""
-        self._settle_memory()
+        self._tiers.settle()
         if self.reform_enabled and step is None and self._group is not None:
             outcome, live = self._reform.sync_live_state(None)
             if outcome != "none":
                 self._log.info("worker_restored", step=self.step, source="peer", live_step=live)
                 return self.step
-        return self._restore_from_tiers(step)
-
-    def _restore_from_tiers(self, step: int | None = None) -> int:
-        """:meth:`restore` without the live hand-over: the nearest tier that holds the newest complete
-        step (a collective on every rank of the world, as :meth:`restore` is)."""
-        if self._manager is None:
-            self._reform.agree_initial_state()
-            return self.step
-        state = self._state()
-        t0 = time.monotonic()
-        step = self._manager.restore(state, step, memory=self._memory)
-        seconds = time.monotonic() - t0
-        tier = self._manager.last_restored_tier
-        in_memory = tier in (proto.CheckpointTier.MEMORY, proto.CheckpointTier.PEER)
-        if self._memory is not None and not in_memory:
-            self._memory.invalidate_all()  # what the node's folder held is not what the job continues from
-        self._metrics.observe_restore_tier(tier.value)
-        ctl = self._interval
-        if step is not None:
-            self.step = self._trainer.step
-            if tier is proto.CheckpointTier.STORAGE:  # a snapshot in memory is not durable: finish() saves it
-                self._saved_step = self.step
-                self._note_committed(step)
-            assert self.cursor is not None
-            self.cursor.load_state_dict(self._trainer.cursor)
-            restored = self._manager.last_restored
-            # A snapshot in memory (or a buddy's replica) is the periodic state of a world that died without notice.
-            kind = (restored.kind if restored is not None else
-                    proto.CheckpointKind.PERIODIC.value if in_memory else "other")
-            if ctl is not None:
-                ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
-                ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats,
-                                    in_place=self._reform.parked_for is not None, from_memory=in_memory)
-            self._metrics.observe_restore(step, kind, skipped=self._manager.last_restore_skipped,
-                                          corrupt=self._manager.last_restore_corrupt)
-            self._log.info("worker_restored", step=step, kind=kind, source=tier.value, restore_s=round(seconds, 3),
-                           saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
-                           consumed=self.cursor.consumed,
-                           unannounced_failures=ctl.stats.unannounced_failures if ctl is not None else None)
-            self._session.report(proto.Restored(step=step, rank=self.rank))
-        else:
-            # Nothing committed yet: the run starts at step 0. Tell the agent (work a world that died
-            # before its first checkpoint trained is lost) and count that world as a failure.
-            if ctl is not None and self._manager.last_restored_repeats:
-                ctl.observe_restore(None, "none", self._manager.last_restored_repeats)
-            self._metrics.observe_restore(0, "other")
-            self._reform.agree_initial_state()
-        if self._interval is not None:
-            self._interval.begin()
-        self._step_started = time.monotonic()
-        self._timer.start()
-        return self.step
-
-    def _save(self, kind: str) -> tuple[float, SaveResult | None]:
-        """Save the current step; return the seconds ``save`` took and its result when it is committed
-        already (emergency/resize saves block), None while it persists in the background."""
-        assert self._manager is not None
-        t0 = time.monotonic()
-        self._saved_step = self.step
-        background = kind in (proto.CheckpointKind.PERIODIC.value, proto.CheckpointKind.NOTICE.value)
-        # Tier 2 fed from tier 0: a snapshot taken at this very boundary holds this state already (lend()
-        # hands out none taken before the state last changed otherwise than by a step), so the persist
-        # thread stages from it and this thread copies nothing (only in the background: a blocking save
-        # waits for its copies either way).
-        source = self._memory.lend(self.step) if background and self._memory is not None else None
-        self._manager.guard(self._optimizer)  # a GPU copy of its state holds back its step only, not the forward
-        done = self._manager.save(self.step, self._state(), kind=kind, block=not background, source=source)
-        seconds = time.monotonic() - t0
-        stage, blocked, step = self._manager.last_stage_s, self._manager.last_blocked_s, self.step
-        persisted = self._persisted  # list.append from the persist thread; drained by the training thread
-
-        def record(f: Future[SaveResult]) -> None:  # the persist thread, or here
-            r = None if f.cancelled() or f.exception() is not None else f.result()
-            if r is not None:
-                self._note_committed(r.step)
-            if r is None:
-                self._metrics.observe_checkpoint(kind, stage, None, blocked, 0, step, False)
-            elif not r.skipped:
-                self._metrics.observe_checkpoint(kind, r.stage_s, r.persist_s, r.blocked_s, r.nbytes, r.step, True)
-            if background:
-                persisted.append((r.persist_s if r is not None else 0.0, r is not None and not r.skipped))
-
-        committed_now = done.done()
-        if self._interval is not None:
-            self._interval.observe_save(blocked, seconds - blocked if committed_now else None)
-        done.add_done_callback(record)
-        return seconds, (done.result() if committed_now and done.exception() is None else None)
-
-    def _interval_step(self, now: float, ahead: int = 0) -> bool:
-        """Update the interval controller (its steps are fed by :meth:`end_step`); return whether this
-        rank says a periodic save is due after the step ``ahead`` steps on (the one the agreement will
-        be acted on at)."""
-        ctl = self._interval
-        assert ctl is not None
-        fresh = bool(self._persisted)
-        while self._persisted:
-            persist_s, ok = self._persisted.pop(0)
-            if ok:
-                ctl.observe_persist(persist_s)
-        change = ctl.update(now)
-        if self.rank != 0:
-            return False
-        if change is not None:
-            self._log.info("checkpoint_interval_changed", old_s=None if change.old_s is None else round(change.old_s, 3),
-                           new_s=round(change.new_s, 3), optimum_s=round(change.optimum_s, 3), reason=change.reason,
-                           bound=change.bound, **change.inputs)
-        if change is not None or fresh or now - self._interval_exported >= 5.0:
-            self._interval_exported = now
-            opt, _, _ = ctl.optimum()
-            self._metrics.observe_interval({
-                "interval_s": ctl.interval_s if ctl.policy.mode is IntervalMode.AUTO else None, "optimum_s": opt,
-                "save_cost_s": ctl.save_cost_s, "persist_s": ctl.stats.persist_s, "restore_s": ctl.stats.restore_s,
-                "mtbf_s": ctl.mtbf_s, "rollback_probability": ctl.rollback_probability,
-                "unannounced_failures": ctl.stats.unannounced_failures, "survived_losses": ctl.stats.survived_losses})
-        return ctl.due(self.step + ahead, now)
+        return self._tiers.restore(step)
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -651,7 +369,7 @@ class Runtime:
         assert self.strategy is not None and self._optimizer is not None, "setup() first"
         if self.worker_state is WorkerState.BROKEN:
             return
-        self._settle_memory()  # a snapshot may still be copying the parameters this step changes
+        self._tiers.settle()  # a snapshot may still be copying the parameters this step changes
         try:
             self.strategy.optimizer_step(optimizer or self._optimizer)
             self._stepped = True
@@ -721,11 +439,11 @@ class Runtime:
         self.step += 1
         now = time.monotonic()
         step_s = now - self._step_started  # the step itself: what end_step does next is not part of it
-        if self._manager is not None and not self._staging_ready:
+        if self._tiers.manager is not None and not self._tiers.staging_ready:
             # After the first step the optimizer state exists: allocate the staging buffers now, so that
             # the first save (perhaps an emergency one, against a deadline) does not pay for them.
-            self._staging_ready = True
-            self._manager.prepare_staging(self._state())
+            self._tiers.staging_ready = True
+            self._tiers.manager.prepare_staging(self._state())
         # Between two agreements nothing is exchanged or acted on; the step-time histogram waits in the process.
         between = self._agreement.between(self.step)
         # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
@@ -740,10 +458,10 @@ class Runtime:
             self._metrics.flush()
         self._metrics.sample_gpu_peak(now)
         self._agreement.observe_step(step_s)
-        if self._interval is not None and self._manager is not None:
-            self._interval.observe_step(step_s, persisting=self._manager.in_flight is not None)
+        if self._tiers.interval is not None and self._tiers.manager is not None:
+            self._tiers.interval.observe_step(step_s, persisting=self._tiers.manager.in_flight is not None)
         if between:
-            self._snapshot()
+            self._tiers.snapshot()
             self._step_started = time.monotonic()
             return True
         # Overlapped: the exchange issued at the previous boundary has run beside the steps since; read
@@ -767,30 +485,24 @@ class Runtime:
         """This rank's side of the step-boundary agreement (:class:`~trainguard.runtime.boundary.Flags`)
         and its own stop request in it. ``ahead``: the agreement is
         acted on that many steps later (a periodic save is asked for the step it will be taken at)."""
-        due = (self._interval_step(now, ahead) if self._interval is not None and self._manager is not None
+        due = (self._tiers.interval_step(now, ahead) if self._tiers.interval is not None and self._tiers.manager is not None
                else False)
-        notice = self._session.take_checkpoint() if self._manager is not None else None
+        notice = self._session.take_checkpoint() if self._tiers.manager is not None else None
         if notice is not None:
             self._log.info("checkpoint_requested", step=self.step + ahead, reason=notice)
-        due = due or self._save_deferred
+        due = due or self._tiers.save_deferred
         mine = self._session.request()
         # A save started at this very boundary counts only when the flags are acted on at the next step;
         # acted on ``ahead`` > 1 steps later (a stride), it has those steps to persist, and counting it
         # would defer every other save of an interval as short as the stride.
-        inflight = self._manager.in_flight if self._manager is not None else None
+        inflight = self._tiers.manager.in_flight if self._tiers.manager is not None else None
         overlapped = self.step_agreement == "overlapped"
-        every = self._interval.policy.steps if self._interval is not None and self._manager is not None else 0
+        every = self._tiers.interval.policy.steps if self._tiers.interval is not None and self._tiers.manager is not None else 0
         flags = Flags(stop=mine, save=SaveAsk.NOTICE if notice is not None else SaveAsk(int(bool(due))),
                       deadline=self._session.deadline(), busy=inflight is not None and (ahead <= 1 or inflight < self.step),
                       overlapped=overlapped, blocking=not overlapped, stride=self._agreement.stride_proposal(every),
-                      memory_every=self._memory_proposal())
+                      memory_every=self._tiers.memory_proposal())
         return flags, mine
-
-    def _memory_proposal(self) -> int:
-        """This rank's tier-0 snapshot interval: see :func:`~trainguard.checkpoint.interval.memory_interval`."""
-        cfg = self.checkpoint_config
-        return memory_interval(cfg.memory_interval_steps, cfg.memory_max_overhead, self._snapshot_mean_s,
-                               self._agreement.step_mean_s, self._memory_every)
 
     def _act(self, agreed: Flags, mine: proto.StopReason) -> bool:
         """Carry out what every rank agreed (the MAX of the flags) at this boundary, as
@@ -800,20 +512,21 @@ class Runtime:
         assert self.strategy is not None
         d = decide_boundary(agreed, mine=mine, reform_in_place=self.reform_enabled, reform_state=self.strategy.reform_state,
                             defer_when_busy=self.checkpoint_config.when_busy == "defer",
-                            save_deferred=self._save_deferred, mixed=self._agreement.mixed)
+                            save_deferred=self._tiers.save_deferred, mixed=self._agreement.mixed)
         self._agreement.stride = d.stride
-        if agreed.memory_every != self._memory_every and self._memory is not None:
+        if agreed.memory_every != self._tiers.memory_every and self._tiers.memory is not None:
             self._log.info("memory_interval_changed", step=self.step, interval_steps=agreed.memory_every,
-                           before=self._memory_every, snapshot_ms=_ms(self._snapshot_mean_s), step_ms=_ms(self._agreement.step_mean_s),
+                           before=self._tiers.memory_every, snapshot_ms=_ms(self._tiers.snapshot_mean_s),
+                           step_ms=_ms(self._agreement.step_mean_s),
                            max_overhead=self.checkpoint_config.memory_max_overhead)
-        self._memory_every = d.memory_every
+        self._tiers.memory_every = d.memory_every
         if d.mixed and not self._agreement.mixed:
             self._agreement.mixed = True
             self._log.warning("step_agreement_mixed", step=self.step, configured=self.step_agreement,
                               effect="this world agrees blocking; set workers.step_agreement alike on every node")
-        if d.save_deferred and not self._save_deferred:
+        if d.save_deferred and not self._tiers.save_deferred:
             self._log.info("checkpoint_deferred", step=self.step, reason="the previous save is still persisting")
-        self._save_deferred = d.save_deferred
+        self._tiers.save_deferred = d.save_deferred
         if d.act is BoundaryAct.SURVIVE:
             # The re-formation itself saves nothing where the state is handed over in memory: the periodic
             # save agreed here is taken first, so that the step the new world continues from is durable.
@@ -823,46 +536,18 @@ class Runtime:
             return False
         if d.act is BoundaryAct.STOP:
             self._stop(d.stop, d.deadline)  # exits with the resize code
-        self._snapshot()
+        self._tiers.snapshot()
         if d.save:
             return self._periodic_save(d.save)
         return True
 
-    def _snapshot(self) -> None:
-        """Tier 0: copy this step's checkpoint state into the agent's shared memory, every
-        ``checkpoint.memory_interval_steps`` steps. No collective: completeness is agreed at restore."""
-        mem = self._memory
-        if mem is None or self._manager is None or self.step % self._memory_every:
-            return
-        rep = self._replicator
-        if rep is not None:
-            rep.settle()  # the slot about to be written may be the one the buddy transfer reads
-        if mem.parity and mem.parity_failed is not None:
-            return  # the exchange failed in this world (a peer is gone): the next world binds parity again
-        mem.guard(self._optimizer)  # its parameters and state are copied beside the next forward/backward
-        try:
-            r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
-                             extra={"base": self._manager.base})
-        except MemoryTierError as e:
-            self._memory_refused(e)
-            return
-        if rep is not None and self._replicator is not None:  # all ranks alike: every rank reached this step
-            rep.replicate()
-            if rep.failed is not None:
-                self._replicator = None
-        m = self._snapshot_mean_s
-        self._snapshot_mean_s = r.seconds if m is None else 0.9 * m + 0.1 * r.seconds
-        done = rep.last_step if rep is not None else mem.parity_step if mem.parity else None
-        lag = self.step - done if done is not None else None
-        self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag, self._memory_every)
-
     def _periodic_save(self, save: SaveAsk) -> bool:
         """The periodic or out-of-cycle (notice) checkpoint agreed at this step.
         False when a peer vanished during it (this worker parked and re-formed meanwhile)."""
-        if self._interval is not None:
-            self._interval.saved()
+        if self._tiers.interval is not None:
+            self._tiers.interval.saved()
         try:
-            self._save(proto.CheckpointKind.NOTICE.value if save is SaveAsk.NOTICE else proto.CheckpointKind.PERIODIC.value)
+            self._tiers.save(proto.CheckpointKind.NOTICE.value if save is SaveAsk.NOTICE else proto.CheckpointKind.PERIODIC.value)
         except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
             if not self._peer_failed(e):
                 raise
@@ -880,14 +565,14 @@ class Runtime:
     # ---- in-place re-formation ------------------------------------------------------------------
     def _survive(self, why: proto.StopReason, deadline: float | None = None) -> None:
         """A peer drains or a node joins: commit what durability needs, then park for the new world.
-        A save still running at the drain ``deadline`` is abandoned (see :meth:`_save_by`): the worker
+        A save still running at the drain ``deadline`` is abandoned (see :meth:`CheckpointTiers.save_by`): the worker
         exits with the resize code and the world restarts from the last commit."""
         kind = why.checkpoint_kind.value
         assert self.strategy is not None
         need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state is ReformState.CHECKPOINT
-        if self._manager is not None and need_checkpoint:
+        if self._tiers.manager is not None and need_checkpoint:
             try:
-                seconds, result, committed = self._save_by(kind, deadline)
+                seconds, result, committed = self._tiers.save_by(kind, deadline)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
@@ -895,64 +580,11 @@ class Runtime:
             self._session.report(self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed))
         self._reform.park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
-    def _settle_memory(self, abandon_after: float | None = None) -> None:
-        """Wait for the tier-0 snapshot still copying in the background (before anything but the
-        guarded ``optimizer.step()`` changes parameters or optimizer state). ``abandon_after`` (parity: an
-        exchange may be stuck with a vanished peer): wait at most that long, then leave it behind (it
-        writes nothing after that; the previous snapshot stands)."""
-        if self._manager is not None:
-            self._manager.order_after_copies()  # a GPU save's copy of what is about to change (GPU-side)
-        if self._memory is not None:
-            if abandon_after is not None and self._memory.parity:
-                if not self._memory.abandon(abandon_after):
-                    self._log.warning("memory_parity_abandoned", step=self.step, waited_s=abandon_after,
-                                      effect="this snapshot is not written; the previous one stands")
-                return
-            self._memory.settle()
-
-    def _save_by(self, kind: str, deadline: float | None) -> tuple[float, SaveResult | None, int | None]:
-        """Save this step and wait for its commit; return ``(seconds, its result, committed step)``.
-
-        With a ``deadline`` (epoch seconds: the earliest drain deadline any rank knows, agreed at the
-        step boundary) the save runs in a helper thread and is abandoned when the deadline passes
-        (:class:`SaveAbandoned`): a peer that vanished without a TCP reset leaves the save's gloo
-        collectives waiting for ``workers.pg_timeout_s`` (torch's gloo default: 30 minutes), far past
-        any notice. The thread stays blocked; the caller exits the process. Without a deadline (a
-        resize), the process groups' timeout bounds the wait."""
-        assert self._manager is not None
-        manager = self._manager
-        if deadline is None:
-            seconds, result = self._save(kind)
-            return seconds, result, self._note_committed(manager.wait())
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            dev.bind(self.device)  # CUDA's current device is per thread: not device 0 for this one
-            try:
-                seconds, result = self._save(kind)
-                box["ok"] = (seconds, result, self._note_committed(manager.wait()))
-            except BaseException as e:  # noqa: BLE001 - handed to the training thread
-                box["err"] = e
-
-        t = threading.Thread(target=run, name="trainguard-emergency-save", daemon=True)
-        t.start()
-        t.join(max(0.0, deadline - time.time()))
-        if t.is_alive():
-            raise SaveAbandoned(f"the {kind} checkpoint of step {self.step} was still running at the drain deadline")
-        if "err" in box:
-            raise box["err"]
-        return box["ok"]
-
-    def _note_committed(self, step: int | None) -> int | None:
-        if step is not None and (self._committed is None or step > self._committed):
-            self._committed = step
-        return step
-
     def _abandon(self, why: proto.StopReason, e: SaveAbandoned) -> None:
         """The deadline passed mid-save: the last committed checkpoint stands. Say how much work that
         loses, tell the agent, and exit with the resize code (no cleanup: a thread may be stuck in a
         collective with a vanished peer, and closing the manager would wait for it)."""
-        last = self._committed
+        last = self._tiers.committed
         self._metrics.observe_checkpoint(why.checkpoint_kind.value, None, None, 0.0, 0, self.step, False)
         self._log.error("checkpoint_abandoned", step=self.step, kind=why.checkpoint_kind.value, reason=str(e),
                         last_committed=last, lost_steps=self.step - (last or 0),
@@ -966,34 +598,34 @@ class Runtime:
         self._log.warning("worker_stopping", step=self.step, kind=kind,
                           deadline_in_s=round(deadline - time.time(), 1) if deadline else None)
         report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False)
-        if self._manager is None:
+        if self._tiers.manager is None:
             self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
             self._log.warning("checkpoint_not_saved", step=self.step, kind=kind, reason="checkpoint.url is not set",
                               effect="the next start begins from step 0")
         else:
             try:
-                seconds, result, committed = self._save_by(kind, deadline)
+                seconds, result, committed = self._tiers.save_by(kind, deadline)
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
                 report = self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
-                last = self._committed  # local knowledge: asking rank 0 is a collective, and a peer may be gone
-                self._metrics.observe_checkpoint(kind, None, None, self._manager.last_blocked_s, 0, self.step, False)
+                last = self._tiers.committed  # local knowledge: asking rank 0 is a collective, and a peer may be gone
+                self._metrics.observe_checkpoint(kind, None, None, self._tiers.manager.last_blocked_s, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
                                          last_committed=last, error=f"{type(e).__name__}: {e}"[:500])
         self._session.report(report)
-        if self._manager is not None:
-            self._manager.close()
+        if self._tiers.manager is not None:
+            self._tiers.manager.close()
         self._exit(proto.EXIT_RESIZE)
 
     def _exit(self, code: int) -> None:
         """The last local work, then :meth:`AgentSession.exit` (the process ends with ``code``)."""
-        if self._memory is not None and self._memory.parity:
-            self._memory.abandon(PARITY_ABANDON_S)  # a snapshot past its parity agreement finishes its local write
+        if self._tiers.memory is not None and self._tiers.memory.parity:
+            self._tiers.memory.abandon(PARITY_ABANDON_S)  # a snapshot past its parity agreement finishes its local write
         if self._metrics is not None:
             self._metrics.flush()
         self._session.exit(code)
@@ -1003,30 +635,30 @@ class Runtime:
         step; skipped when that step is already saved or was just restored), wait for it and any
         in-flight save, then close the agent link and the process group. A failed final save raises
         after logging ``checkpoint_failed`` (the agent restarts the workers from the last commit)."""
-        self._settle_memory()
-        if self._replicator is not None:  # its transfer runs on a group destroyed below
-            self._replicator.settle()
+        self._tiers.settle()
+        if self._tiers.replicator is not None:  # its transfer runs on a group destroyed below
+            self._tiers.replicator.settle()
         if self._metrics is not None:
             self._metrics.flush()
         failed = self._agreement.complete()  # every rank issued it at its last boundary
         if failed is not None:
             self._log.warning("step_agreement_failed", step=self.step, error=str(failed)[:300],
                               effect="ignored at the end of training; the final save says whether the world is whole")
-        if self._manager is not None and self.strategy is not None and self.step > 0 and self._saved_step != self.step:
+        if self._tiers.manager is not None and self.strategy is not None and self.step > 0 and self._tiers.saved_step != self.step:
             kind = proto.CheckpointKind.FINAL
             try:
-                seconds, result = self._save(kind.value)
-                committed = self._note_committed(self._manager.wait())
+                seconds, result = self._tiers.save(kind.value)
+                committed = self._tiers.note_committed(self._tiers.manager.wait())
             except Exception as e:
                 self._metrics.observe_checkpoint(kind.value, None, None, 0.0, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind.value, error=str(e)[:500])
                 raise
             self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
             self._session.report(self._session.committed(self.step, self.rank, kind, seconds, result, committed))
-        if self._manager is not None:
-            self._manager.close()
-        if self._memory is not None:
-            self._memory.close()  # its commit thread; the slot files stay (the agent owns them)
+        if self._tiers.manager is not None:
+            self._tiers.manager.close()
+        if self._tiers.memory is not None:
+            self._tiers.memory.close()  # its commit thread; the slot files stay (the agent owns them)
         self._session.close()
         if self.strategy is not None:
             self.strategy.teardown()
@@ -1043,10 +675,10 @@ class Runtime:
         down during finalization: a rank once aborted there after a clean finish ("terminate called
         without an active exception", exit -6), most likely a worker releasing a finished exchange
         whose tensor came from Python."""
-        self._group, self._replicator = None, None  # the pending exchange went at the start of finish
+        self._group, self._tiers.replicator = None, None  # the pending exchange went at the start of finish
         self._agreement.drop()
         self._trainer.bind_checkpoint_group(None)
-        if self._manager is not None:
-            self._manager.release_group()
-        if self._memory is not None:
-            self._memory.release_parity()  # its exchange group (closed above: no exchange is running)
+        if self._tiers.manager is not None:
+            self._tiers.manager.release_group()
+        if self._tiers.memory is not None:
+            self._tiers.memory.release_parity()  # its exchange group (closed above: no exchange is running)

@@ -70,7 +70,7 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
         if rank == 1 and rt.step + 1 == ASK_AT:
             rt._session.signal_request = proto.StopReason.RESIZE
         rt.end_step()
-        rt._manager.wait(60)  # these steps are faster than a save, which would defer the next periodic one
+        rt._tiers.manager.wait(60)  # these steps are faster than a save, which would defer the next periodic one
     running_threads = _gloo_threads()
     rt.finish()  # rt stays alive (rt._agreement.exchange -> counted -> rt): its groups must not
     with open(out, "w") as fh:

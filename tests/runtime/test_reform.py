@@ -252,7 +252,7 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
 
     monkeypatch.setattr(storage_mod._DigestWriter, "write", held)
     rt.step = 5
-    rt._save(proto.CheckpointKind.PERIODIC.value)
+    rt._tiers.save(proto.CheckpointKind.PERIODIC.value)
     assert entered.wait(30)  # the upload is under way (held)
     reports: list[tuple[object, bool]] = []
 
@@ -409,9 +409,9 @@ def test_a_loss_the_world_survived_is_counted_once_whichever_rank_sent_the_state
     from trainguard.runtime import reform as rf
 
     rt = reform_rt
-    if rt._interval is None:
-        rt._interval = rt._make_interval()
-    rt._interval.stats.survived_losses = 3  # losses this rank had counted before
+    if rt._tiers.interval is None:
+        rt._tiers.interval = rt._tiers.make_interval()
+    rt._tiers.interval.stats.survived_losses = 3  # losses this rank had counted before
     sent: list[dict] = []
 
     def sync(step, tensors, *, extra, load_extra, group=None, tensor_group=None):
@@ -425,12 +425,12 @@ def test_a_loss_the_world_survived_is_counted_once_whichever_rank_sent_the_state
     monkeypatch.setattr(rf, "sync_live_state", sync)
     outcome, _ = rt._reform.resume_state(proto.ParkReason.PEER_LOST)
     assert outcome == ("agreed" if role == "agreed" else "broadcast")
-    assert rt._interval.stats.survived_losses == 4, role
-    assert rt._interval.stats.survived_failures == 1, role
+    assert rt._tiers.interval.stats.survived_losses == 4, role
+    assert rt._tiers.interval.stats.survived_failures == 1, role
     if role == "source":  # what the receivers take is what the source holds after the sync
         assert sent[0]["interval"]["survived_losses"] == 4 and sent[0]["interval"]["survived_failures"] == 1
     # A re-formation to grow counts no loss, and sends none.
     sent.clear()
     role = "source"
     rt._reform.resume_state(proto.ParkReason.RESIZE)
-    assert rt._interval.stats.survived_losses == 4 and sent[0]["interval"]["survived_losses"] == 4
+    assert rt._tiers.interval.stats.survived_losses == 4 and sent[0]["interval"]["survived_losses"] == 4
