@@ -1,7 +1,13 @@
 """trainguard.runtime: what runs inside the training process.
 
 * :class:`Runtime` (:mod:`trainguard.runtime.runtime`) — the worker API: ``from trainguard.runtime
-  import Runtime``;
+  import Runtime``, a facade over its parts: :mod:`~trainguard.runtime.state` (the worker's state and
+  its transitions), :mod:`~trainguard.runtime.agreement` (the step agreement) with
+  :mod:`~trainguard.runtime.boundary` (its flags and the pure boundary decision),
+  :mod:`~trainguard.runtime.reformation` (park, join, live-state hand-over) over
+  :mod:`~trainguard.runtime.reform` (process groups), :mod:`~trainguard.runtime.session` (the agent
+  session: link, SIGTERM, reports, the exit), :mod:`~trainguard.runtime.tiers` (the checkpoint tiers
+  of one world);
 * :mod:`~trainguard.runtime.cursor` — the global sample cursor (exact data position at any world size);
 * :mod:`~trainguard.runtime.link` — the worker's end of the agent's control socket;
 * :mod:`~trainguard.runtime.shim` — orphan safety, the first code every worker process runs.

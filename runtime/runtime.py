@@ -31,28 +31,14 @@ global batch, and ``name`` goes into the manifest. With the
 :class:`~trainguard.contract.protocol.StopReason`: a drain or a resize its agent pushed over the control
 socket, or SIGTERM under plain torchrun), the save it asks for (periodic when due, out of cycle when
 some node's agent asked for one: an early warning), its drain deadline, whether a previous save still
-persists, which agreement it is configured with (``workers.step_agreement``), its ``stride`` (below)
+persists, which agreement it is configured with (``workers.step_agreement``), its ``stride``
 and its tier-0 snapshot interval proposal (``checkpoint.memory_max_overhead``; the world takes the
 largest). Every rank therefore sees the same flags after the same step, and
 :func:`~trainguard.runtime.boundary.decide_boundary` (pure) says what follows: all of them save the
 same step ``s``, rank 0 commits it, and on a stop all exit with
 :data:`~trainguard.contract.protocol.EXIT_RESIZE`. The new world restores ``s`` and continues at
-``s + 1``. By default (``workers.step_agreement: overlapped``) the exchange is issued at the end of
-step N, runs beside step N+1 and is acted on at the end of N+1: no rank waits on the wire per step,
-and a stop or an out-of-cycle save takes effect one step after it was asked for (a periodic save is
-asked for the step it is due at). The first boundary of a world, with nothing issued yet, exchanges
-and waits; a world whose ranks are configured differently (both ``overlapped`` and ``blocking`` set there)
-agrees blocking. ``blocking`` exchanges and acts at N: one round trip per step.
-
-**Agreement stride.** Overlapped, the ranks agree only every ``stride`` steps: at the steps that are
-multiples of it (and at a world's first boundary). ``Flags.stride`` carries each rank's proposal, the
-most whole steps that fit in ``workers.step_agreement_period_s`` by its mean step time (1 when a step
-is longer; a divisor of ``checkpoint.interval_steps`` when that is set, so that periodic saves keep
-their steps), and the world takes the smallest. Every rank reads the same agreed stride at the same
-boundary, so all compute the same next one. Between two boundaries a step only counts (its
-step-time histogram kept in the process until the next boundary) and snapshots: the exchange, the local flags and acting on
-them cost a fraction of a millisecond, which a 75 ms step felt. A stop or out-of-cycle save then waits
-up to one period plus a step; a periodic save is asked for the boundary it is due at.
+``s + 1``. How and when the flags are exchanged (overlapped or blocking, every ``stride`` steps) is
+:mod:`~trainguard.runtime.agreement`.
 
 **Data.** A :class:`~trainguard.runtime.cursor.GlobalSampleCursor` (seeded permutation per epoch,
 samples consumed) is part of the checkpoint; each global batch is split over the current
@@ -65,7 +51,7 @@ checkpoint if a node drains (durability; the node that leaves exits), tears its 
 reports :class:`~trainguard.contract.protocol.Parked` and waits for the agent's
 :class:`~trainguard.contract.protocol.Reform`. It then builds the new world's groups, re-wraps the model
 (:meth:`Strategy.reform`), recomputes its batch plan, and the ranks that lack the state (a joiner, a
-restarted worker) receive it from a live peer (:func:`~trainguard.runtime.reform.sync_live_state`).
+restarted worker) receive it from a live peer (:mod:`~trainguard.runtime.reformation`).
 ``end_step`` returns and the loop goes on with the next step: same process, same model and optimizer
 objects. A collective that fails because a peer vanished (inside ``rt.accumulating``, ``rt.backward``,
 ``rt.optimizer_step`` or ``rt.end_step``) is caught: the interrupted step is rolled back (its samples
@@ -77,37 +63,28 @@ handed over in memory (``Strategy.reform_state`` is ``RESTART``) always take the
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainguard.checkpoint import parity
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint.interval import IntervalController, IntervalMode, IntervalStats, memory_interval
-from trainguard.checkpoint.manager import CheckpointManager, SaveResult, StepRef
-from trainguard.checkpoint.memory import MemoryTier, MemoryTierError
-from trainguard.checkpoint.memory import parity_buffers as memory_parity_buffers
-from trainguard.checkpoint.replica import Replicator
 from trainguard.checkpoint.state import TrainerState
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
 from trainguard.runtime import device as dev
-from trainguard.runtime import flight
 from trainguard.runtime import reform as rf
-from trainguard.runtime.boundary import MAX_STRIDE, BoundaryAct, Flags, SaveAsk, decide_boundary
+from trainguard.runtime.agreement import StepAgreement
+from trainguard.runtime.boundary import BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.faults import FaultHooks
-from trainguard.runtime.link import AgentLink
+from trainguard.runtime.reformation import PARITY_ABANDON_S, Reformation
+from trainguard.runtime.session import AgentSession
+from trainguard.runtime.state import TRANSITIONS, WorkerState
+from trainguard.runtime.tiers import CheckpointTiers, SaveAbandoned
 from trainguard.strategies.base import ReformState, Strategy, get_strategy
 from trainguard.strategies.batch import split
 
@@ -115,72 +92,9 @@ log = get_logger("trainguard.worker")
 
 _GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
 
-_MAX = dist.AllreduceOptions()
-_MAX.reduceOp = dist.ReduceOp.MAX
-
-
-STREAM_SETTLE_S = 1.0
-"""How long a rank that lost a peer on NCCL polls whether its stream finished its last step before it
-aborts (a step still queued then may run on half-reduced gradients after the abort: suspect)."""
-PARITY_ABANDON_S = 2.0
-"""How long a worker that parks or exits waits for a parity snapshot in the background (its local write
-takes milliseconds; an exchange stuck with a vanished peer is left behind after this)."""
-
-
-def param_checksum(params: Any) -> torch.Tensor:
-    """A cheap fingerprint of parameters on the host: ``[sum, sum of squares]`` in float64 (local shards of
-    DTensors). One reduction per parameter on its device, one small copy to the host."""
-    from torch.distributed.tensor import DTensor
-
-    parts = []
-    for p in params:
-        t = (p.to_local() if isinstance(p, DTensor) else p).detach()
-        parts.append(torch.stack([t.double().sum(), t.double().square().sum()]))
-    return torch.stack(parts).sum(0).cpu() if parts else torch.zeros(2, dtype=torch.float64)
-
-
-def checksums_agree(checksums: list[torch.Tensor]) -> bool:
-    """Pure: whether every rank's :func:`param_checksum` is the same, bit for bit."""
-    return all(torch.equal(c, checksums[0]) for c in checksums[1:])
-
-
-def _is_loss(reason: proto.ParkReason) -> bool:
-    """A re-formation for a member that is gone (drained after a notice, or lost unannounced)."""
-    return reason in (proto.ParkReason.DRAIN, proto.ParkReason.PEER_LOST)
-
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
-
-
-class _FlagBuffers:
-    """The step-boundary flags (:meth:`Flags.pack`) in two preallocated int64 tensors, filled in turn
-    through a NumPy view (a new ``torch.tensor`` per boundary cost more than the rest of the fill). Two:
-    the overlapped agreement has one exchange in flight while the next boundary's flags are written."""
-
-    def __init__(self) -> None:
-        self._bufs = [torch.zeros(Flags.WIDTH, dtype=torch.int64) for _ in range(2)]
-        self._views = [b.numpy() for b in self._bufs]
-        self._next = 0
-
-    def fill(self, flags: Flags) -> torch.Tensor:
-        i, self._next = self._next, 1 - self._next
-        self._views[i][:] = flags.pack()
-        return self._bufs[i]
-
-
-class SaveAbandoned(CheckpointError):
-    """An emergency or resize checkpoint still running at the drain deadline was given up; the last
-    committed step stands."""
-
-
-def tier0_wanted(cfg: CheckpointConfig, *, replicated: bool, in_place: bool) -> bool:
-    """Whether a worker takes in-memory snapshots: ``checkpoint.memory_interval_steps`` > 0, except for
-    replicated state (DDP) re-forming in place, where every live peer holds any rank's state and the
-    snapshots would only cost step time (unless ``checkpoint.memory_replicated_in_place``)."""
-    if cfg.memory_interval_steps <= 0:
-        return False
-    return cfg.memory_replicated_in_place or not (replicated and in_place)
 
 
 class Runtime:
@@ -222,78 +136,32 @@ class Runtime:
         """How many times this process re-formed in place."""
         self.current_batch: list[int] = []
         """Sample ids of the whole global batch of the step in progress (all ranks' shares)."""
-        self._standby = standby
+        self.worker_state = WorkerState.STANDBY if standby else WorkerState.RUNNING
+        """Where this worker is (:class:`~trainguard.runtime.state.WorkerState`: its transitions)."""
         self._faults = FaultHooks(inject_fault)
-        self._broken: BaseException | None = None
         self._stepped = False
         self._cursor_at_step_start: dict[str, Any] | None = None
         self._signal_request = proto.StopReason.NONE
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
-        self._manager: CheckpointManager | None = None
-        self._memory_dir = memory_dir if checkpoint.memory_interval_steps > 0 else ""
-        self._memory: MemoryTier | None = None
-        """Tier 0: this rank's in-memory snapshots in its agent's node folder (None: off)."""
-        self._replicator: Replicator | None = None
-        """Tier 1: copies of the snapshots to the buddy rank on the next node (None: off)."""
-        self._parked_for: proto.ParkReason | None = None
-        """Why the world is re-forming in place while it restores the checkpoint taken at its stop (or None)."""
-        self._took_peer_stats = False  # the last live-state sync loaded a peer's interval stats
-        self._suspect_step: int | None = None  # a step whose update may have run on half-reduced gradients (_park)
         self._timer = dev.StepTimer(self.device)
-        self._staging_ready = False
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
         """Bound of waiting for the previous background save: its collectives are bounded by the process
         groups' timeout, its storage operations by ``checkpoint.retry_deadline_s``."""
-        self._committed: int | None = None
-        """The newest step known committed on this rank (restored, or saved and waited for): what a
-        failed or abandoned save falls back to. Local knowledge, no collective."""
-        self._saved_step: int | None = None
-        """The newest step saved or restored (identical on every rank: saves are agreed collectively)."""
         self._group = self._new_gloo_group() if (world_size > 1 or reform) and dist.is_initialized() else None
-        if step_agreement not in proto.STEP_AGREEMENTS:
-            raise ValueError(f"step_agreement must be one of {', '.join(proto.STEP_AGREEMENTS)}, got {step_agreement!r}")
-        self.step_agreement = step_agreement
-        """``overlapped``: the step-boundary flags exchanged at step N are acted on at N+1 (no blocking
-        all-reduce per step); ``blocking``: at N (``workers.step_agreement``)."""
-        self._pending_flags: tuple[Any, torch.Tensor, proto.StopReason] | None = None
-        """The overlapped exchange in flight on ``_group``: (work, flags, this rank's stop request in them)."""
-        self._flag_bufs = _FlagBuffers()
-        """The step-boundary flags, two buffers taken in turn: one may be in flight while the next is filled."""
-        self.step_agreement_period_s = max(0.0, float(step_agreement_period_s))
-        """``workers.step_agreement_period_s``: overlapped, the ranks agree about this often (in whole
-        steps, at least every step); 0: every step."""
-        self._stride = 1
-        """Steps between two agreements, as agreed by the world at its last boundary."""
-        self._next_boundary = 0
-        """The step whose end acts on the exchange in flight (``step + ahead`` when it was issued)."""
-        self._step_mean_s: float | None = None
-        """Moving average of this rank's step time: its stride proposal."""
-        self._memory_every = checkpoint.memory_interval_steps
-        """Tier 0: steps between two snapshots, as agreed by the world at its last boundary (at least
-        ``checkpoint.memory_interval_steps``; longer when ``memory_max_overhead`` asks)."""
-        self._snapshot_mean_s: float | None = None
-        """Moving average of what this rank's snapshots block the training loop for."""
-        self._join_phases: dict[str, float] = {}
-        """How long the last world join took: the default group (arrival, ``init_process_group``), the side group."""
-        self._mixed_agreement = False
-        """Some rank of this world is configured ``blocking`` and some ``overlapped`` (seen at the world's
-        first boundary, which every rank exchanges and waits for): the world agrees blocking."""
-        self._interval: IntervalController | None = None
-        self._persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
-        self._save_deferred = False
-        """A periodic save was agreed while a previous one still persisted: taken at the first boundary
-        at which none does (rank 0 keeps asking for it)."""
-        self._interval_exported = 0.0
-        self._link = (AgentLink(control_path, rank, local_rank, os.getpid())
-                      if control_path and os.path.exists(control_path) else None)
+        self._agreement = StepAgreement(step_agreement, step_agreement_period_s)
+        """The step-boundary flags exchanged over ``_group`` (issue/await, stride)."""
+        self._agreement.bind(self._group)
         self._metrics: Any = None
-        if threading.current_thread() is threading.main_thread():
-            # Under plain torchrun (no agent link) a SIGTERM is the only notice a worker gets.
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._session = AgentSession(control_path, rank, local_rank)
+        """The agent link, SIGTERM, the reports and the one exit."""
+        self._tiers = CheckpointTiers(self, memory_dir)
+        """The checkpoint tiers of this world: durable manager, memory tier, replicas/parity, interval."""
+        self._reform = Reformation(self)
+        """Park, join the next world, hand the live state over (in-place re-formation)."""
         self._log = log.bind(rank=rank, world_size=world_size, round=rdzv_round)
-        if reform and self._link is None:
+        if reform and not self._session.linked:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
     # ---- construction -------------------------------------------------------------------------
@@ -346,6 +214,16 @@ class Runtime:
                    step_agreement=rtenv.step_agreement, step_agreement_period_s=rtenv.step_agreement_period_s)
 
     @property
+    def step_agreement(self) -> str:
+        """``workers.step_agreement``: ``overlapped`` or ``blocking`` (see :mod:`~trainguard.runtime.agreement`)."""
+        return self._agreement.mode
+
+    @property
+    def step_agreement_period_s(self) -> float:
+        """``workers.step_agreement_period_s`` (see :mod:`~trainguard.runtime.agreement`)."""
+        return self._agreement.period_s
+
+    @property
     def strategy_name(self) -> str:
         """The strategy's registry name (recorded in checkpoint manifests)."""
         return self.strategy.name if self.strategy is not None else str(getattr(self._strategy_arg, "name", self._strategy_arg))
@@ -372,8 +250,8 @@ class Runtime:
                            effect="membership changes restart the workers (the fallback path)")
             self.reform_enabled = False
         self.strategy.keep_wrapped = self.reform_enabled
-        if self._standby:
-            self._wait_for_first_world()
+        if self.worker_state is WorkerState.STANDBY:
+            self._reform.wait_for_first_world()
         self.micro_batch = micro_batch
         self.global_batch = global_batch
         self._data_parallel()
@@ -390,23 +268,23 @@ class Runtime:
         self._timer.start()
         self._trainer = TrainerState(seed=seed,
                                      config_fingerprint=f"gb={global_batch},n={dataset_size},seed={seed}")
-        self._make_manager()
-        if self._manager is not None and self.rank <= 0 and self._memory_dir:  # what tier 0/1 leave out, once
-            if not self._tier0_wanted:
+        self._tiers.make_manager()
+        if self._tiers.manager is not None and self.rank <= 0 and self._tiers.memory_dir:  # what tier 0/1 leave out, once
+            if not self._tiers.tier0_wanted:
                 self._log.info("memory_tier_redundant", strategy=self.strategy.name,
                                effect="no in-memory snapshots: the state is replicated and re-forms in place, a lost "
                                       "worker or node is restored from a live peer "
                                       "(checkpoint.memory_replicated_in_place: true takes them anyway)")
-            elif self.checkpoint_config.memory_replica and not self._replicas_wanted:
+            elif self.checkpoint_config.memory_replica and not self._tiers.replicas_wanted:
                 self._log.info("memory_replica_redundant", strategy=self.strategy.name,
                                effect="no buddy replicas: the state is replicated, every node's own snapshots "
                                       "restore any rank (tier 0 alone outlives a lost node)")
-        if self._manager is None and self.rank <= 0:
+        if self._tiers.manager is None and self.rank <= 0:
             self._log.warning("checkpoint_url_unset", effect="no checkpoint is saved: a drain, resize or crash loses "
                               "the work since the start, and finish() saves nothing",
                               fix="set checkpoint.url (TRAINGUARD_CHECKPOINT_URL) for the agent or torchrun")
         self._log.info("worker_setup", accum_steps=self.accum_steps, micro_batch=micro_batch, global_batch=global_batch,
-                       checkpoints=self._manager.url if self._manager else None, agent_link=self._link is not None,
+                       checkpoints=self._tiers.manager.url if self._tiers.manager else None, agent_link=self._session.linked,
                        reform_in_place=self.reform_enabled, resize_rule=self.strategy.resize_rule,
                        **self.strategy.describe())
         return self._model, self._optimizer
@@ -419,139 +297,14 @@ class Runtime:
         self.dp_rank, self.dp_size = self.strategy.data_parallel(self.rank, self.world_size)
         self._counts_samples = shares.index(self.dp_rank) == self.rank
 
-    def _make_manager(self, base: StepRef | None = None) -> None:
-        """``base``: the committed step this process's live state descends from, when it continues a
-        previous world in place (the next checkpoint epoch records it: the lineage goes on)."""
-        if self.checkpoint_config.url:
-            # The manager makes its own gloo group: its background persist thread runs collectives that
-            # must never interleave with the step-flag all-reduce the training thread runs on ours.
-            # Built here (not by the manager) so that it gets workers.pg_timeout_s; the same one collective.
-            group = self._new_gloo_group() if self.world_size > 1 else None
-            cfg = self.checkpoint_config
-            # Tier 1's transfers get their own group; made on every rank alike (by config and strategy,
-            # not by state).
-            replica_group = (self._new_gloo_group() if self.world_size > 1 and cfg.memory_interval_steps > 0
-                             and self._replicas_wanted else None)
-            self._staging_ready = False
-            self._manager = CheckpointManager(self.checkpoint_config, self.job_id, rank=self.rank, world_size=self.world_size,
-                                              strategy=self.strategy_name, process_group=group,
-                                              rdzv_id=self.rdzv_id, rdzv_round=self.round, base=base,
-                                              inflight_timeout_s=self.inflight_timeout_s)
-            if self._interval is None:  # one schedule for the process: it survives in-place re-formations
-                self._interval = self._make_interval()
-            self._bind_memory(replica_group)
-            self._interval.set_world_size(self.world_size, survivable=self._survivable())
-
-    def _bind_memory(self, replica_group: Any = None) -> None:
-        """Tier 0 for this rank of the current world (a new world invalidates what its rank's files held),
-        and tier 1 when a replica group was made."""
-        self._replicator = None
-        if self._memory_dir and self._tier0_wanted:
-            if self._memory is not None:
-                assert self.strategy is not None
-                self._memory.rebind(self.rank, self.world_size, keep=self.strategy.reform_state is ReformState.CHECKPOINT)
-            else:
-                try:
-                    assert self.strategy is not None
-                    self._memory = MemoryTier(self._memory_dir, rank=self.rank, world_size=self.world_size,
-                                              local_world_size=self.local_world_size,
-                                              max_bytes=self.checkpoint_config.memory_max_bytes,
-                                              copies=2 if self._replicas_wanted else 1,
-                                              replicated=self._replicated)
-                    self._memory.parity_restore = self._parity_wanted
-                except MemoryTierError as e:
-                    self._memory_refused(e)
-                hook = self._faults.snapshot_written()
-                if self._memory is not None and hook is not None:
-                    self._memory.fault_hook = hook
-        if replica_group is not None and self._parity_wanted:  # a collective: every rank, with or without tier 0
-            self._bind_parity(replica_group)
-        elif replica_group is not None:
-            self._replicator = Replicator.create(self._memory, replica_group, rank=self.rank,
-                                                 world_size=self.world_size, local_world_size=self.local_world_size,
-                                                 domain=self.checkpoint_config.memory_failure_domain)
-
-    def _bind_parity(self, group: Any) -> None:
-        """Tier 1 as XOR parity in this world (a collective): every rank's tier 0 exchanges its snapshots'
-        parity with its group (:func:`~trainguard.checkpoint.parity.group_of`), when every rank has tier 0
-        and the world has two nodes or more."""
-        table: list[Any] = [None] * self.world_size
-        dist.all_gather_object(table, self._memory is not None, group=group)
-        got = parity.group_of(self.rank, self.world_size, self.local_world_size)
-        if not all(table) or got is None:
-            if self.rank == 0:
-                self._log.warning("memory_parity_off", ranks_without_tier0=[i for i, has in enumerate(table) if not has],
-                                  nodes=self.world_size // max(1, self.local_world_size),
-                                  effect="no parity in this world: two own slots per rank, a lost node restores from storage")
-            return
-        assert self._memory is not None
-        members, index = got
-        self._memory.set_parity(group, members, index)
-        if self.rank == 0:
-            self._log.info("memory_parity_groups", groups=len(parity.parity_groups(self.world_size // max(1, self.local_world_size))),
-                           members=members, buffers_per_rank=round(memory_parity_buffers(len(members)), 3))
-
-    @property
-    def _replicated(self) -> bool:
-        """Every rank holds the whole state (DDP: the strategy's ``reform_state`` is ``REPLICATED``)."""
-        return self.strategy is not None and self.strategy.reform_state is ReformState.REPLICATED
-
-    @property
-    def _tier0_wanted(self) -> bool:
-        """Whether tier 0 runs (given ``checkpoint.memory_interval_steps`` and an agent's folder): see
-        :func:`tier0_wanted` (:meth:`setup` logs ``memory_tier_redundant`` once where it does not)."""
-        return tier0_wanted(self.checkpoint_config, replicated=self._replicated, in_place=self.reform_enabled)
-
-    @property
-    def _parity_wanted(self) -> bool:
-        """Tier 1 as XOR parity (``checkpoint.memory_replica_parity``) where tier 1 runs."""
-        return self._replicas_wanted and self.checkpoint_config.memory_replica_parity
-
-    @property
-    def _replicas_wanted(self) -> bool:
-        """Whether tier 1 runs: ``checkpoint.memory_replica``, except where the state is replicated (DDP):
-        every rank's snapshot then restores any rank, so the survivors' own snapshots already outlive a
-        lost node, and buddy replicas would only double the memory (:meth:`setup` says so once)."""
-        return self.checkpoint_config.memory_replica and not self._replicated
-
-    def _memory_refused(self, e: MemoryTierError) -> None:
-        """Tier 0 cannot work as configured: say why and how to fix it, and go on without it (training and
-        the durable checkpoints are not stopped for it)."""
-        self._log.error("memory_tier_refused", error=str(e), effect="no in-memory snapshots in this worker; "
-                        "an unannounced failure restores from storage")
-        if self._memory is not None:
-            self._memory.invalidate()
-            self._memory.close()
-        self._memory, self._memory_dir, self._replicator = None, "", None
-        self._metrics.observe_memory(None, 0)
-
-    def _survivable(self) -> bool:
-        """Whether the state of this world outlives the loss of one node (the interval controller's
-        rollback model): two nodes or more, and the survivors hold it (DDP re-formed in place, or DDP
-        with tier 0: every rank's snapshot restores any rank) or a buddy on another node does (tier 1)."""
-        nodes = self.world_size // max(1, self.local_world_size)
-        in_memory = self._replicated and (self.reform_enabled or self._memory is not None)
-        parity_on = self._memory is not None and self._memory.parity
-        return nodes >= 2 and (in_memory or self._replicator is not None or parity_on)
-
-    def _make_interval(self) -> IntervalController:
-        """The periodic checkpoint schedule (``checkpoint.interval``). Global rank 0 decides; the step
-        flag all-reduce tells every other rank."""
-        cfg = self.checkpoint_config
-        policy, deprecated = cfg.interval_policy()
-        if deprecated and self.rank == 0:
-            self._log.warning("checkpoint_config_deprecated", keys=[f"checkpoint.{k}" for k in deprecated],
-                              fix="use `checkpoint.interval: <steps>` / `<duration>` (or `auto`) instead")
-        return IntervalController(policy, cfg.auto_settings(), world_size=self.world_size, sync_saves=not cfg.async_save)
-
     # ---- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         assert self._model is not None and self.cursor is not None and self.strategy is not None, "setup() first"
         self._trainer.step = self.step
         self._trainer.cursor = self.cursor.state_dict()
-        if self._interval is not None:
-            self._interval.tick()
-            self._trainer.extras["interval"] = self._interval.stats.to_dict()
+        if self._tiers.interval is not None:
+            self._tiers.interval.tick()
+            self._trainer.extras["interval"] = self._tiers.interval.stats.to_dict()
         return {"app": self.strategy.state(self._model, self._optimizer), "trainer": self._trainer}
 
     def restore(self, step: int | None = None) -> int:
@@ -560,128 +313,13 @@ class Runtime:
 
         When this worker joins a world re-formed in place, the state comes from a live peer instead
         (newer than any checkpoint, and no storage read)."""
-        self._settle_memory()
+        self._tiers.settle()
         if self.reform_enabled and step is None and self._group is not None:
-            outcome, live = self._sync_live_state(None)
+            outcome, live = self._reform.sync_live_state(None)
             if outcome != "none":
                 self._log.info("worker_restored", step=self.step, source="peer", live_step=live)
                 return self.step
-        return self._restore_from_tiers(step)
-
-    def _restore_from_tiers(self, step: int | None = None) -> int:
-        """:meth:`restore` without the live hand-over: the nearest tier that holds the newest complete
-        step (a collective on every rank of the world, as :meth:`restore` is)."""
-        if self._manager is None:
-            self._agree_initial_state()
-            return self.step
-        state = self._state()
-        t0 = time.monotonic()
-        step = self._manager.restore(state, step, memory=self._memory)
-        seconds = time.monotonic() - t0
-        tier = self._manager.last_restored_tier
-        in_memory = tier in (proto.CheckpointTier.MEMORY, proto.CheckpointTier.PEER)
-        if self._memory is not None and not in_memory:
-            self._memory.invalidate_all()  # what the node's folder held is not what the job continues from
-        self._metrics.observe_restore_tier(tier.value)
-        ctl = self._interval
-        if step is not None:
-            self.step = self._trainer.step
-            if tier is proto.CheckpointTier.STORAGE:  # a snapshot in memory is not durable: finish() saves it
-                self._saved_step = self.step
-                self._note_committed(step)
-            assert self.cursor is not None
-            self.cursor.load_state_dict(self._trainer.cursor)
-            restored = self._manager.last_restored
-            # A snapshot in memory (or a buddy's replica) is the periodic state of a world that died without notice.
-            kind = (restored.kind if restored is not None else
-                    proto.CheckpointKind.PERIODIC.value if in_memory else "other")
-            if ctl is not None:
-                ctl.load_stats(IntervalStats.from_dict(self._trainer.extras.get("interval")))
-                ctl.observe_restore(seconds, kind, self._manager.last_restored_repeats,
-                                    in_place=self._parked_for is not None, from_memory=in_memory)
-            self._metrics.observe_restore(step, kind, skipped=self._manager.last_restore_skipped,
-                                          corrupt=self._manager.last_restore_corrupt)
-            self._log.info("worker_restored", step=step, kind=kind, source=tier.value, restore_s=round(seconds, 3),
-                           saved_world_size=self._trainer.saved_world_size, epoch=self.cursor.epoch,
-                           consumed=self.cursor.consumed,
-                           unannounced_failures=ctl.stats.unannounced_failures if ctl is not None else None)
-            if self._link is not None:
-                self._link.report(proto.Restored(step=step, rank=self.rank))
-        else:
-            # Nothing committed yet: the run starts at step 0. Tell the agent (work a world that died
-            # before its first checkpoint trained is lost) and count that world as a failure.
-            if ctl is not None and self._manager.last_restored_repeats:
-                ctl.observe_restore(None, "none", self._manager.last_restored_repeats)
-            self._metrics.observe_restore(0, "other")
-            self._agree_initial_state()
-        if self._interval is not None:
-            self._interval.begin()
-        self._step_started = time.monotonic()
-        self._timer.start()
-        return self.step
-
-    def _save(self, kind: str) -> tuple[float, SaveResult | None]:
-        """Save the current step; return the seconds ``save`` took and its result when it is committed
-        already (emergency/resize saves block), None while it persists in the background."""
-        assert self._manager is not None
-        t0 = time.monotonic()
-        self._saved_step = self.step
-        background = kind in (proto.CheckpointKind.PERIODIC.value, proto.CheckpointKind.NOTICE.value)
-        # Tier 2 fed from tier 0: a snapshot taken at this very boundary holds this state already (lend()
-        # hands out none taken before the state last changed otherwise than by a step), so the persist
-        # thread stages from it and this thread copies nothing (only in the background: a blocking save
-        # waits for its copies either way).
-        source = self._memory.lend(self.step) if background and self._memory is not None else None
-        self._manager.guard(self._optimizer)  # a GPU copy of its state holds back its step only, not the forward
-        done = self._manager.save(self.step, self._state(), kind=kind, block=not background, source=source)
-        seconds = time.monotonic() - t0
-        stage, blocked, step = self._manager.last_stage_s, self._manager.last_blocked_s, self.step
-        persisted = self._persisted  # list.append from the persist thread; drained by the training thread
-
-        def record(f: Future[SaveResult]) -> None:  # the persist thread, or here
-            r = None if f.cancelled() or f.exception() is not None else f.result()
-            if r is not None:
-                self._note_committed(r.step)
-            if r is None:
-                self._metrics.observe_checkpoint(kind, stage, None, blocked, 0, step, False)
-            elif not r.skipped:
-                self._metrics.observe_checkpoint(kind, r.stage_s, r.persist_s, r.blocked_s, r.nbytes, r.step, True)
-            if background:
-                persisted.append((r.persist_s if r is not None else 0.0, r is not None and not r.skipped))
-
-        committed_now = done.done()
-        if self._interval is not None:
-            self._interval.observe_save(blocked, seconds - blocked if committed_now else None)
-        done.add_done_callback(record)
-        return seconds, (done.result() if committed_now and done.exception() is None else None)
-
-    def _interval_step(self, now: float, ahead: int = 0) -> bool:
-        """Update the interval controller (its steps are fed by :meth:`end_step`); return whether this
-        rank says a periodic save is due after the step ``ahead`` steps on (the one the agreement will
-        be acted on at)."""
-        ctl = self._interval
-        assert ctl is not None
-        fresh = bool(self._persisted)
-        while self._persisted:
-            persist_s, ok = self._persisted.pop(0)
-            if ok:
-                ctl.observe_persist(persist_s)
-        change = ctl.update(now)
-        if self.rank != 0:
-            return False
-        if change is not None:
-            self._log.info("checkpoint_interval_changed", old_s=None if change.old_s is None else round(change.old_s, 3),
-                           new_s=round(change.new_s, 3), optimum_s=round(change.optimum_s, 3), reason=change.reason,
-                           bound=change.bound, **change.inputs)
-        if change is not None or fresh or now - self._interval_exported >= 5.0:
-            self._interval_exported = now
-            opt, _, _ = ctl.optimum()
-            self._metrics.observe_interval({
-                "interval_s": ctl.interval_s if ctl.policy.mode is IntervalMode.AUTO else None, "optimum_s": opt,
-                "save_cost_s": ctl.save_cost_s, "persist_s": ctl.stats.persist_s, "restore_s": ctl.stats.restore_s,
-                "mtbf_s": ctl.mtbf_s, "rollback_probability": ctl.rollback_probability,
-                "unannounced_failures": ctl.stats.unannounced_failures, "survived_losses": ctl.stats.survived_losses})
-        return ctl.due(self.step + ahead, now)
+        return self._tiers.restore(step)
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -700,7 +338,7 @@ class Runtime:
         the step is rolled back at :meth:`end_step`."""
         assert self.strategy is not None and self._model is not None, "setup() first"
         # A step made void already skips the sync; its forward may still run a collective that fails.
-        sync = contextlib.nullcontext() if self._broken is not None else self.strategy.no_sync(self._model, last)
+        sync = contextlib.nullcontext() if self.worker_state is WorkerState.BROKEN else self.strategy.no_sync(self._model, last)
         try:
             with sync:
                 yield
@@ -716,7 +354,7 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when the precision uses a loss scaler (``16-mixed``)."""
         assert self.strategy is not None, "setup() first"
-        if self._broken is not None:
+        if self.worker_state is WorkerState.BROKEN:
             return
         try:
             self.strategy.backward(loss)
@@ -729,9 +367,9 @@ class Runtime:
         skips the step on inf/nan gradients (on every rank alike) and updates the scale. Skipped when
         a peer vanished during this step (the step is redone in the re-formed world)."""
         assert self.strategy is not None and self._optimizer is not None, "setup() first"
-        if self._broken is not None:
+        if self.worker_state is WorkerState.BROKEN:
             return
-        self._settle_memory()  # a snapshot may still be copying the parameters this step changes
+        self._tiers.settle()  # a snapshot may still be copying the parameters this step changes
         try:
             self.strategy.optimizer_step(optimizer or self._optimizer)
             self._stepped = True
@@ -743,7 +381,7 @@ class Runtime:
         """All-reduce ``tensor`` in place over the current world (``op``: ``mean``, ``sum`` or ``max``),
         e.g. the loss for a log line. In-place mode: a vanished peer leaves it unchanged and is handled
         at :meth:`end_step` like a failure in the step itself."""
-        if self.world_size == 1 or not dist.is_initialized() or self._broken is not None:
+        if self.world_size == 1 or not dist.is_initialized() or self.worker_state is WorkerState.BROKEN:
             return tensor
         red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         # The default group runs on rt.device (NCCL takes GPU tensors only): a tensor elsewhere travels there.
@@ -760,20 +398,20 @@ class Runtime:
             tensor.copy_(work)
         return tensor
 
+    def _enter(self, state: WorkerState) -> None:
+        """Move to ``state`` (one of :data:`~trainguard.runtime.state.TRANSITIONS`; another is logged)."""
+        if (self.worker_state, state) not in TRANSITIONS:
+            self._log.warning("worker_state_unexpected", state=self.worker_state.value, to=state.value)
+        self.worker_state = state
+
     def _peer_failed(self, e: BaseException) -> bool:
         """Record a collective failure caused by a vanished peer (in-place mode); False for anything else."""
         if not (self.reform_enabled and rf.is_peer_failure(e)):
             return False
-        if self._broken is None:
-            self._broken = e
+        if self.worker_state is not WorkerState.BROKEN:
+            self._enter(WorkerState.BROKEN)
             self._log.warning("peer_lost", step=self.step + 1, error=str(e)[:300])
         return True
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._signal_request = proto.StopReason.DRAIN
-
-    def _local_request(self) -> proto.StopReason:
-        return max(self._signal_request, self._link.request if self._link else proto.StopReason.NONE)
 
     def end_step(self) -> bool:
         """Call after ``optimizer.step()``: counts the step, agrees with every rank on drain/resize and
@@ -784,14 +422,14 @@ class Runtime:
         world continues from the newest live state, so the step counted for the job."""
         assert self.cursor is not None, "setup() first"
         stepped, self._stepped = self._stepped, False
-        if self._broken is not None:
+        if self.worker_state is WorkerState.BROKEN:
             attempted = self.step + 1
             if stepped:  # the optimizer step ran on this rank: the step happened; the new world agrees
                 self.step += 1
-                self._park(proto.ParkReason.PEER_LOST)
+                self._reform.park(proto.ParkReason.PEER_LOST)
                 return True
             self._roll_back_step()
-            self._park(proto.ParkReason.PEER_LOST)
+            self._reform.park(proto.ParkReason.PEER_LOST)
             # The survivors agree on the newest live state (sync_live_state): a peer whose all-reduce
             # completed before the failure handed the finished step over, and it is not redone.
             if self.step < attempted:
@@ -801,13 +439,13 @@ class Runtime:
         self.step += 1
         now = time.monotonic()
         step_s = now - self._step_started  # the step itself: what end_step does next is not part of it
-        if self._manager is not None and not self._staging_ready:
+        if self._tiers.manager is not None and not self._tiers.staging_ready:
             # After the first step the optimizer state exists: allocate the staging buffers now, so that
             # the first save (perhaps an emergency one, against a deadline) does not pay for them.
-            self._staging_ready = True
-            self._manager.prepare_staging(self._state())
+            self._tiers.staging_ready = True
+            self._tiers.manager.prepare_staging(self._state())
         # Between two agreements nothing is exchanged or acted on; the step-time histogram waits in the process.
-        between = self._pending_flags is not None and self.step < self._next_boundary
+        between = self._agreement.between(self.step)
         # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
         per_rank = self.cursor.global_batch_size // self.dp_size if self._counts_samples else 0
         if self._timer.cuda:  # host time says when work was queued: the GPU's events time the steps it finished
@@ -819,112 +457,76 @@ class Runtime:
         if not between:
             self._metrics.flush()
         self._metrics.sample_gpu_peak(now)
-        self._step_mean_s = step_s if self._step_mean_s is None else 0.9 * self._step_mean_s + 0.1 * step_s
-        if self._interval is not None and self._manager is not None:
-            self._interval.observe_step(step_s, persisting=self._manager.in_flight is not None)
+        self._agreement.observe_step(step_s)
+        if self._tiers.interval is not None and self._tiers.manager is not None:
+            self._tiers.interval.observe_step(step_s, persisting=self._tiers.manager.in_flight is not None)
         if between:
-            self._snapshot()
+            self._tiers.snapshot()
             self._step_started = time.monotonic()
             return True
         # Overlapped: the exchange issued at the previous boundary has run beside the steps since; read
         # it and act on it here, then issue this boundary's for the next one. Blocking, and the first
         # boundary of a world (nothing issued yet): exchange now and wait.
-        pending, self._pending_flags = self._pending_flags, None
         try:
-            if pending is None:
-                flags, mine = self._local_flags(now, ahead=0)
-                work = self._exchange(flags) if self._group is not None else None
-            else:
-                work, flags, mine = pending
-            if work is not None:
-                work.wait()
+            agreed, mine = self._agreement.await_flags(lambda ahead: self._local_flags(now, ahead))
         except Exception as e:
             if not self._peer_failed(e):
                 raise
-            self._park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
+            self._reform.park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
             return True
-        if not self._act(flags, mine):
+        if not self._act(agreed, mine):
             return True
-        if self._overlapped():
-            ahead = self._stride - self.step % self._stride  # to the next multiple of the agreed stride
-            flags, mine = self._local_flags(time.monotonic(), ahead=ahead)
-            self._pending_flags = (self._exchange(flags), flags, mine)
-            self._next_boundary = self.step + ahead
+        if self._agreement.overlapped:  # for the next multiple of the agreed stride
+            self._agreement.issue(self.step, lambda ahead: self._local_flags(time.monotonic(), ahead))
         self._step_started = time.monotonic()
         return True
 
-    def _exchange(self, flags: torch.Tensor) -> Any:
-        """Start the MAX all-reduce of the flags on the gloo side group (its work). Called on the group
-        itself: ``dist.all_reduce``'s checks and logging wrapper cost more than the exchange at every step."""
-        return self._group.allreduce([flags], _MAX)
-
-    def _overlapped(self) -> bool:
-        return self._group is not None and self.step_agreement == "overlapped" and not self._mixed_agreement
-
-    def _local_flags(self, now: float, ahead: int) -> tuple[torch.Tensor, proto.StopReason]:
-        """This rank's side of the step-boundary agreement (:class:`~trainguard.runtime.boundary.Flags`),
-        packed into the next flag buffer, and its own stop request in it. ``ahead``: the agreement is
+    def _local_flags(self, now: float, ahead: int) -> tuple[Flags, proto.StopReason]:
+        """This rank's side of the step-boundary agreement (:class:`~trainguard.runtime.boundary.Flags`)
+        and its own stop request in it. ``ahead``: the agreement is
         acted on that many steps later (a periodic save is asked for the step it will be taken at)."""
-        due = (self._interval_step(now, ahead) if self._interval is not None and self._manager is not None
+        due = (self._tiers.interval_step(now, ahead) if self._tiers.interval is not None and self._tiers.manager is not None
                else False)
-        notice = self._link.take_checkpoint() if self._link is not None and self._manager is not None else None
+        notice = self._session.take_checkpoint() if self._tiers.manager is not None else None
         if notice is not None:
             self._log.info("checkpoint_requested", step=self.step + ahead, reason=notice)
-        due = due or self._save_deferred
-        mine = self._local_request()
+        due = due or self._tiers.save_deferred
+        mine = self._session.request()
         # A save started at this very boundary counts only when the flags are acted on at the next step;
         # acted on ``ahead`` > 1 steps later (a stride), it has those steps to persist, and counting it
         # would defer every other save of an interval as short as the stride.
-        inflight = self._manager.in_flight if self._manager is not None else None
+        inflight = self._tiers.manager.in_flight if self._tiers.manager is not None else None
         overlapped = self.step_agreement == "overlapped"
+        every = self._tiers.interval.policy.steps if self._tiers.interval is not None and self._tiers.manager is not None else 0
         flags = Flags(stop=mine, save=SaveAsk.NOTICE if notice is not None else SaveAsk(int(bool(due))),
-                      deadline=self._deadline(), busy=inflight is not None and (ahead <= 1 or inflight < self.step),
-                      overlapped=overlapped, blocking=not overlapped, stride=self._stride_proposal(),
-                      memory_every=self._memory_proposal())
-        return self._flag_bufs.fill(flags), mine
+                      deadline=self._session.deadline(), busy=inflight is not None and (ahead <= 1 or inflight < self.step),
+                      overlapped=overlapped, blocking=not overlapped, stride=self._agreement.stride_proposal(every),
+                      memory_every=self._tiers.memory_proposal())
+        return flags, mine
 
-    def _stride_proposal(self) -> int:
-        """This rank's agreement stride: the whole steps of its mean step time that fit in
-        ``step_agreement_period_s`` (1 to :data:`MAX_STRIDE`), reduced to a divisor of a fixed
-        ``checkpoint.interval_steps`` (the boundaries then fall on the steps periodic saves are due at)."""
-        mean = self._step_mean_s
-        if self.step_agreement != "overlapped" or self.step_agreement_period_s <= 0 or not mean or mean <= 0:
-            return 1
-        n = max(1, min(MAX_STRIDE, int(self.step_agreement_period_s / mean)))
-        every = self._interval.policy.steps if self._interval is not None and self._manager is not None else 0
-        if every:
-            n = max(d for d in range(1, n + 1) if every % d == 0)
-        return n
-
-    def _memory_proposal(self) -> int:
-        """This rank's tier-0 snapshot interval: see :func:`~trainguard.checkpoint.interval.memory_interval`."""
-        cfg = self.checkpoint_config
-        return memory_interval(cfg.memory_interval_steps, cfg.memory_max_overhead, self._snapshot_mean_s,
-                               self._step_mean_s, self._memory_every)
-
-    def _act(self, flags: torch.Tensor, mine: proto.StopReason) -> bool:
+    def _act(self, agreed: Flags, mine: proto.StopReason) -> bool:
         """Carry out what every rank agreed (the MAX of the flags) at this boundary, as
         :func:`~trainguard.runtime.boundary.decide_boundary` decides: stop or re-form, then the snapshot
         and the save. ``mine``: this rank's own stop request in that agreement. False when this worker
         parked (and re-formed) meanwhile: the step is over for the caller."""
-        agreed = Flags.unpack(flags.tolist())  # one conversion
         assert self.strategy is not None
         d = decide_boundary(agreed, mine=mine, reform_in_place=self.reform_enabled, reform_state=self.strategy.reform_state,
                             defer_when_busy=self.checkpoint_config.when_busy == "defer",
-                            save_deferred=self._save_deferred, mixed=self._mixed_agreement)
-        self._stride = d.stride
-        if agreed.memory_every != self._memory_every and self._memory is not None:
+                            save_deferred=self._tiers.save_deferred, mixed=self._agreement.mixed)
+        self._agreement.stride = d.stride
+        if agreed.memory_every != self._tiers.memory_every and self._tiers.memory is not None:
             self._log.info("memory_interval_changed", step=self.step, interval_steps=agreed.memory_every,
-                           before=self._memory_every, snapshot_ms=_ms(self._snapshot_mean_s), step_ms=_ms(self._step_mean_s),
+                           before=self._tiers.memory_every, snapshot_ms=_ms(self._tiers.snapshot_mean_s),
+                           step_ms=_ms(self._agreement.step_mean_s),
                            max_overhead=self.checkpoint_config.memory_max_overhead)
-        self._memory_every = d.memory_every
-        if d.mixed and not self._mixed_agreement:
-            self._mixed_agreement = True
+        self._tiers.memory_every = d.memory_every
+        if d.mixed and not self._agreement.mixed:
+            self._agreement.mixed = True
             self._log.warning("step_agreement_mixed", step=self.step, configured=self.step_agreement,
                               effect="this world agrees blocking; set workers.step_agreement alike on every node")
-        if d.save_deferred and not self._save_deferred:
+        if d.save_deferred and not self._tiers.save_deferred:
             self._log.info("checkpoint_deferred", step=self.step, reason="the previous save is still persisting")
-        self._save_deferred = d.save_deferred
+        self._tiers.save_deferred = d.save_deferred
         if d.act is BoundaryAct.SURVIVE:
             # The re-formation itself saves nothing where the state is handed over in memory: the periodic
             # save agreed here is taken first, so that the step the new world continues from is durable.
@@ -934,50 +536,22 @@ class Runtime:
             return False
         if d.act is BoundaryAct.STOP:
             self._stop(d.stop, d.deadline)  # exits with the resize code
-        self._snapshot()
+        self._tiers.snapshot()
         if d.save:
             return self._periodic_save(d.save)
         return True
 
-    def _snapshot(self) -> None:
-        """Tier 0: copy this step's checkpoint state into the agent's shared memory, every
-        ``checkpoint.memory_interval_steps`` steps. No collective: completeness is agreed at restore."""
-        mem = self._memory
-        if mem is None or self._manager is None or self.step % self._memory_every:
-            return
-        rep = self._replicator
-        if rep is not None:
-            rep.settle()  # the slot about to be written may be the one the buddy transfer reads
-        if mem.parity and mem.parity_failed is not None:
-            return  # the exchange failed in this world (a peer is gone): the next world binds parity again
-        mem.guard(self._optimizer)  # its parameters and state are copied beside the next forward/backward
-        try:
-            r = mem.snapshot(self.step, self._state(), world=f"{self.rdzv_id}/{self.round}",
-                             extra={"base": self._manager.base})
-        except MemoryTierError as e:
-            self._memory_refused(e)
-            return
-        if rep is not None and self._replicator is not None:  # all ranks alike: every rank reached this step
-            rep.replicate()
-            if rep.failed is not None:
-                self._replicator = None
-        m = self._snapshot_mean_s
-        self._snapshot_mean_s = r.seconds if m is None else 0.9 * m + 0.1 * r.seconds
-        done = rep.last_step if rep is not None else mem.parity_step if mem.parity else None
-        lag = self.step - done if done is not None else None
-        self._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag, self._memory_every)
-
     def _periodic_save(self, save: SaveAsk) -> bool:
         """The periodic or out-of-cycle (notice) checkpoint agreed at this step.
         False when a peer vanished during it (this worker parked and re-formed meanwhile)."""
-        if self._interval is not None:
-            self._interval.saved()
+        if self._tiers.interval is not None:
+            self._tiers.interval.saved()
         try:
-            self._save(proto.CheckpointKind.NOTICE.value if save is SaveAsk.NOTICE else proto.CheckpointKind.PERIODIC.value)
+            self._tiers.save(proto.CheckpointKind.NOTICE.value if save is SaveAsk.NOTICE else proto.CheckpointKind.PERIODIC.value)
         except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
             if not self._peer_failed(e):
                 raise
-            self._park(proto.ParkReason.PEER_LOST)
+            self._reform.park(proto.ParkReason.PEER_LOST)
             return False
         return True
 
@@ -991,360 +565,31 @@ class Runtime:
     # ---- in-place re-formation ------------------------------------------------------------------
     def _survive(self, why: proto.StopReason, deadline: float | None = None) -> None:
         """A peer drains or a node joins: commit what durability needs, then park for the new world.
-        A save still running at the drain ``deadline`` is abandoned (see :meth:`_save_by`): the worker
+        A save still running at the drain ``deadline`` is abandoned (see :meth:`CheckpointTiers.save_by`): the worker
         exits with the resize code and the world restarts from the last commit."""
         kind = why.checkpoint_kind.value
         assert self.strategy is not None
         need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state is ReformState.CHECKPOINT
-        if self._manager is not None and need_checkpoint:
+        if self._tiers.manager is not None and need_checkpoint:
             try:
-                seconds, result, committed = self._save_by(kind, deadline)
+                seconds, result, committed = self._tiers.save_by(kind, deadline)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                            before_deadline=deadline is None or time.time() <= deadline)
-            if self._link is not None:
-                self._link.report(self._committed_report(why.checkpoint_kind, seconds, result, committed))
-        self._park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
-
-    def _settle_memory(self, abandon_after: float | None = None) -> None:
-        """Wait for the tier-0 snapshot still copying in the background (before anything but the
-        guarded ``optimizer.step()`` changes parameters or optimizer state). ``abandon_after`` (parity: an
-        exchange may be stuck with a vanished peer): wait at most that long, then leave it behind (it
-        writes nothing after that; the previous snapshot stands)."""
-        if self._manager is not None:
-            self._manager.order_after_copies()  # a GPU save's copy of what is about to change (GPU-side)
-        if self._memory is not None:
-            if abandon_after is not None and self._memory.parity:
-                if not self._memory.abandon(abandon_after):
-                    self._log.warning("memory_parity_abandoned", step=self.step, waited_s=abandon_after,
-                                      effect="this snapshot is not written; the previous one stands")
-                return
-            self._memory.settle()
-
-    def _park(self, reason: proto.ParkReason) -> None:
-        """Tear the world down, tell the agent, wait for the new world and join it; on any failure,
-        exit with the resize code so that the agent restarts the world (the fallback)."""
-        t0 = time.monotonic()
-        lost = reason is proto.ParkReason.PEER_LOST
-        if lost:  # the evidence of what each group was doing, before the abort clears the groups
-            dumped = flight.dump(self.rank, self.reformations)
-            if dumped is not None:
-                self._log.info("flight_recorder_dumped", path=dumped[0], nbytes=dumped[1], step=self.step)
-        if lost and dev.backend_for(self.device) == "nccl":
-            # Only a rank whose stream finished its last step may offer that step's state: after the abort
-            # an update queued behind the lost peer's all-reduce runs on half-reduced gradients.
-            if not self._timer.completed(STREAM_SETTLE_S):
-                self._suspect_step = self.step
-            # Abort before anything waits on the GPU: a snapshot's or a save's copy queued behind a
-            # kernel that waits for the lost peer would keep this rank here for pg_timeout_s.
-            self._log.info("world_aborted", teardown=rf.teardown_world(self.device, peer_lost=True).value,
-                           suspect_step=self._suspect_step)
-        self._settle_memory(abandon_after=PARITY_ABANDON_S)
-        if self._metrics is not None:
-            self._metrics.flush()  # the steps counted since the last agreement
-        old = (self.rank, self.world_size)
-        base = None
-        self._replicator = None  # a transfer may be stuck with the vanished peer: left behind (daemon thread)
-        try:
-            if lost:
-                # The world is broken: its in-flight save can never commit (do not wait for its upload),
-                # and peers blocked in a collective step on this rank must fail it now, not at the
-                # process-group timeout (see rf.end_world_connections).
-                if self._manager is not None:
-                    self._manager.cancel_inflight("a peer of this world is gone")
-                self._log.info("world_connections_ended", connections=rf.end_world_connections())
-            assert self._link is not None
-            # This rank's state is final: the agent may re-form now. A save still persisting finishes
-            # below, while the rendezvous runs (the new world waits for this rank in its arrival count);
-            # reported after it, a slow commit kept the agent in the old round while its peers had left it.
-            self._report_parked(reason)
-            if self._manager is not None:
-                self._manager.close()  # an in-flight save finishes (or fails) on the old groups first
-                base, self._manager = self._manager.base, None
-            # A pending exchange dies with its group; its buffer is not reused (the dead work may still write it).
-            self._group, self._pending_flags, self._flag_bufs = None, None, _FlagBuffers()
-            rf.teardown_world(self.device, peer_lost=lost)
-            while True:
-                msg = self._link.wait_reform(self.reform_timeout_s, abort=self._signalled)
-                if msg is None:
-                    self._leave_if_signalled("parked")
-                    raise TimeoutError(f"no new world from the agent within workers.reform_timeout_s="
-                                       f"{self.reform_timeout_s:.0f}s")
-                t_world = time.monotonic()
-                self._faults.fail_at("reform")
-                if self._join_world(msg):
-                    break
-                reason = proto.ParkReason.PEER_LOST  # nothing changed yet: park again, state intact
-                self._report_parked(reason)
-            t_joined = time.monotonic()
-            assert self.strategy is not None and self._model is not None
-            with self._group_connections():
-                self._model, self._optimizer = self.strategy.reform(self._model, self._optimizer)
-            self._make_manager(base)
-            self._data_parallel()
-            self.accum_steps, _ = self.strategy.plan(self.global_batch, self.dp_size, self.micro_batch)
-            t_wrapped = time.monotonic()
-            outcome, live = self._resume_state(reason)
-        except Exception as e:
-            self._log.error("reform_failed", reason=reason.value, error=f"{type(e).__name__}: {e}"[:500],
-                            effect="exiting with the resize code: the agent restarts the world")
-            self._exit(proto.EXIT_RESIZE)
-        self._broken = None
-        self.reformations += 1
-        self._step_started = time.monotonic()
-        self._timer.start()
-        self._log.info("worker_reformed", step=self.step, reason=reason.value, old_rank=old[0], old_world_size=old[1],
-                       accum_steps=self.accum_steps, state=outcome, live_step=live,
-                       parked_s=round(t_world - t0, 3), rebuild_s=round(time.monotonic() - t_world, 3),
-                       join_s=round(t_joined - t_world, 3), **self._join_phases, wrap_s=round(t_wrapped - t_joined, 3),
-                       sync_s=round(time.monotonic() - t_wrapped, 3), seconds=round(time.monotonic() - t0, 3),
-                       pid=os.getpid(),
-                       survived_losses=self._interval.stats.survived_losses if self._interval is not None else None)
-
-    def _resume_state(self, reason: proto.ParkReason) -> tuple[str, int | None]:
-        """The re-formed world's state (:meth:`_sync_live_state`), and the loss it survived counted once.
-
-        A rank whose last step may have run on half-reduced gradients (``_suspect_step``, see ``_park``)
-        offers no live state and drops its snapshots of that step; live state the world agrees on is
-        checked across ranks where it is replicated (:meth:`_replicas_agree`); a world with no trusted
-        live state restores from the tiers (nearest first) instead."""
-        suspect, self._suspect_step = self._suspect_step, None
-        if suspect is not None:
-            self._log.warning("live_state_suspect", step=suspect, why="this rank's last step had not finished on "
-                              "the GPU when its world was aborted", effect="its live state and snapshots of that "
-                              "step are not used")
-            if self._memory is not None:
-                self._memory.discard_from(suspect)
-        self._parked_for = reason
-        try:
-            outcome, live = self._sync_live_state(None if suspect is not None else self.step)
-        finally:
-            self._parked_for = None
-        if outcome == "none" and self._manager is not None:  # no trusted live state: every rank is here
-            live = self._restore_from_tiers()
-            outcome = "restored"
-        self._took_peer_stats = self._took_peer_stats and outcome != "restored"
-        if (self._interval is not None and outcome in ("agreed", "broadcast") and _is_loss(reason)
-                and not self._took_peer_stats):
-            # A member is gone and the state lived on in the survivors' memory: no rollback. A rank that
-            # took its state from a peer took that peer's count of this loss with it.
-            self._interval.observe_survived_loss(unannounced=reason is proto.ParkReason.PEER_LOST)
-        return outcome, live
-
-    def _replicas_agree(self) -> bool:
-        """Whether every rank holds the same parameters (replicated state, after a re-formation): a cheap
-        checksum per rank (float64 sum and sum of squares of every parameter) gathered over the gloo group
-        and compared exactly (replicas are bit-identical after a broadcast or an all-reduce)."""
-        assert self._model is not None
-        n = dist.get_world_size(self._group) if dist.is_initialized() else 1
-        if n == 1:
-            return True
-        mine = param_checksum(self._model.parameters())
-        every = [torch.zeros_like(mine) for _ in range(n)]
-        dist.all_gather(every, mine, group=self._group)
-        if checksums_agree(every):
-            return True
-        self._log.error("live_state_mismatch", step=self.step, checksums=[c.tolist() for c in every],
-                        effect="the replicas differ: the world restores from the tiers instead")
-        return False
-
-    def _signalled(self) -> bool:
-        """This process got SIGTERM (with the agent, whose orders come over the link, that is the agent
-        stopping its workers: e.g. its node drains while the world re-forms, and it left the rendezvous)."""
-        return self._signal_request is proto.StopReason.DRAIN
-
-    def _leave_if_signalled(self, where: str) -> None:
-        """Exit at once when SIGTERM ended a wait for a world: no world will come, and the agent would
-        otherwise wait out its stop timeout (30 s) before a SIGKILL. Nothing to save: no world to save with."""
-        if self._signalled():
-            self._log.info("worker_stopped_waiting", where=where, step=self.step,
-                           reason="SIGTERM while waiting for a world: the agent is stopping its workers")
-            self._exit(proto.EXIT_RESIZE)
-
-    def _report_parked(self, reason: proto.ParkReason) -> None:
-        assert self._link is not None
-        self._link.report(proto.Parked(rank=self.rank, local_rank=self.local_rank, step=self.step, reason=reason))
-        self._log.info("worker_parked", step=self.step, reason=reason.value)
-
-    def _join_world(self, msg: proto.Reform) -> bool:
-        """Join the world ``msg`` describes. False when it was called off before every rank arrived
-        (:class:`rf.JoinAborted`: the agent saw a member go, or this node drains): nothing of this
-        worker changed, it parks again."""
-        if dev.select_device(msg.local_rank) != self.device:  # a live process cannot move its model
-            raise RuntimeError(f"the new world gives this worker local rank {msg.local_rank} ({dev.select_device(msg.local_rank)}), "
-                               f"but its state lives on {self.device}")
-        assert self._link is not None
-        link = self._link
-        t0 = time.monotonic()
-        try:
-            rf.init_world(rank=msg.rank, world_size=msg.world_size, local_rank=msg.local_rank,
-                          local_world_size=msg.local_world_size, master_addr=msg.master_addr,
-                          master_port=msg.master_port, device=self.device, group_rank=msg.group_rank, nodes=msg.nodes,
-                          timeout_s=self.pg_timeout_s, aborted=lambda: link.request is not proto.StopReason.NONE)
-        except rf.JoinAborted as e:
-            self._log.warning("join_aborted", round=msg.round, rank=msg.rank, world_size=msg.world_size,
-                              error=str(e)[:300], effect="parked again with the same state; the agent re-forms")
-            return False
-        self.rank, self.world_size, self.local_rank = msg.rank, msg.world_size, msg.local_rank
-        self.local_world_size = msg.local_world_size
-        self.round = msg.round
-        link.report(proto.Joined(rank=self.rank, local_rank=self.local_rank, round=self.round))
-        t_world = time.monotonic()
-        self._group, self._mixed_agreement = self._new_gloo_group(), False
-        self._join_phases = {"world_s": round(t_world - t0, 3), "side_group_s": round(time.monotonic() - t_world, 3)}
-        self._log = log.bind(rank=self.rank, world_size=self.world_size, round=self.round)
-        if self._metrics is not None:
-            self._metrics.rank = self.rank
-        return True
-
-    def _wait_for_first_world(self) -> None:
-        """A standby worker (a warmed-up joiner): report ready, then join the world the agent forms."""
-        assert self._link is not None, "a standby worker needs its agent"
-        t0 = time.monotonic()
-        self._log.info("worker_warm", warmup_s=None)
-        while True:  # again after a join the agent called off
-            self._link.report(proto.Parked(rank=-1, local_rank=self.local_rank, step=0, reason=proto.ParkReason.STANDBY))
-            msg = self._link.wait_reform(self.reform_timeout_s, abort=self._signalled)
-            if msg is None:
-                self._leave_if_signalled("standby")
-                self._log.error("standby_timeout", timeout_s=self.reform_timeout_s)
-                self._exit(proto.EXIT_RESIZE)
-            if self._join_world(msg):
-                break
-        self._standby = False
-        self._log.info("worker_joined", waited_s=round(time.monotonic() - t0, 3), **self._join_phases)
-
-    def _agree_initial_state(self) -> None:
-        """Nothing was restored and no rank holds live state (a fresh job): where the strategy skipped its
-        own broadcast at construction (``init_synced`` False: ddp in a job that re-forms in place), every
-        rank takes rank 0's parameters and buffers, as DDP's construction would have given them."""
-        assert self.strategy is not None and self._model is not None
-        if self.strategy.init_synced or self.world_size <= 1:
-            return
-        with torch.no_grad():
-            for t in self.strategy.replicated_tensors(self._model).values():
-                dist.broadcast(t, group=self._tensor_group, group_src=0)
-
-    @property
-    def _tensor_group(self) -> Any:
-        """The group replicated tensors are broadcast over: the default one on the GPU (NCCL), the gloo
-        side group on the CPU."""
-        return None if self.device.type == "cuda" else self._group
-
-    def _sync_live_state(self, step: int | None) -> tuple[str, int | None]:
-        """Hand the newest in-memory state to the ranks that lack it (see :func:`rf.sync_live_state`)."""
-        assert self.strategy is not None and self._model is not None and self.cursor is not None
-        if self.strategy.reform_state is ReformState.CHECKPOINT:
-            if step is None:
-                return "none", None
-            restored = self.restore()  # every rank reloads the step committed at the stop, resharded
-            return "checkpoint", restored
-        tensors = self.strategy.replicated_tensors(self._model)
-        stats = None
-        if self._interval is not None:
-            self._interval.tick()
-            stats = self._interval.stats.to_dict()
-            if self._parked_for is not None and _is_loss(self._parked_for):
-                # Sent as it will be once this rank counts the loss it parked for (after the sync): a
-                # receiver takes that count and does not count the loss again (see _park).
-                stats["survived_losses"] += 1
-                stats["survived_failures"] += self._parked_for is proto.ParkReason.PEER_LOST
-        scaler = self.strategy.scaler
-
-        def extra() -> dict[str, Any]:  # made on the source rank only; tensors on the host (rf.to_host)
-            assert self.cursor is not None
-            return rf.to_host({"step": self.step, "cursor": self.cursor.state_dict(),
-                               "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
-                               "scaler": scaler.state_dict() if scaler is not None else None, "interval": stats})
-        self._took_peer_stats = False
-
-        def load(d: dict[str, Any]) -> None:
-            assert self.cursor is not None
-            self.step = int(d["step"])
-            self.cursor.load_state_dict(d["cursor"])
-            if d["optimizer"] is not None and self._optimizer is not None:
-                self._optimizer.load_state_dict(d["optimizer"])
-            if d["scaler"] is not None and self.strategy is not None and self.strategy.scaler is not None:
-                self.strategy.scaler.load_state_dict(d["scaler"])
-            if d.get("interval") and self._interval is not None:  # a joiner takes the job's failure history too
-                self._interval.load_stats(IntervalStats.from_dict(d["interval"]))
-                self._took_peer_stats = True
-
-        # Flags and small state over the gloo group; the tensors over the default group when they live on
-        # the GPU (NCCL), over the same gloo group on the CPU.
-        outcome, live = rf.sync_live_state(step, tensors, extra=extra, load_extra=load, group=self._group,
-                                           tensor_group=self._tensor_group)
-        # Every rank of the world is here (a survivor through _resume_state, a joiner through restore), so
-        # the check is one collective on all of them; refused, all go on to the tiers.
-        if outcome in ("agreed", "broadcast") and self._replicated and not self._replicas_agree():
-            if self._memory is not None:
-                self._memory.discard_from(self.step)  # which rank diverged is unknown: none of this step is used
-            return "none", None
-        return outcome, live
-
-    def _deadline(self) -> float | None:
-        """This node's drain deadline (epoch seconds), when its agent asked it to drain."""
-        if self._link is None or self._local_request() is not proto.StopReason.DRAIN:
-            return None
-        return self._link.deadline
-
-    def _save_by(self, kind: str, deadline: float | None) -> tuple[float, SaveResult | None, int | None]:
-        """Save this step and wait for its commit; return ``(seconds, its result, committed step)``.
-
-        With a ``deadline`` (epoch seconds: the earliest drain deadline any rank knows, agreed at the
-        step boundary) the save runs in a helper thread and is abandoned when the deadline passes
-        (:class:`SaveAbandoned`): a peer that vanished without a TCP reset leaves the save's gloo
-        collectives waiting for ``workers.pg_timeout_s`` (torch's gloo default: 30 minutes), far past
-        any notice. The thread stays blocked; the caller exits the process. Without a deadline (a
-        resize), the process groups' timeout bounds the wait."""
-        assert self._manager is not None
-        manager = self._manager
-        if deadline is None:
-            seconds, result = self._save(kind)
-            return seconds, result, self._note_committed(manager.wait())
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            dev.bind(self.device)  # CUDA's current device is per thread: not device 0 for this one
-            try:
-                seconds, result = self._save(kind)
-                box["ok"] = (seconds, result, self._note_committed(manager.wait()))
-            except BaseException as e:  # noqa: BLE001 - handed to the training thread
-                box["err"] = e
-
-        t = threading.Thread(target=run, name="trainguard-emergency-save", daemon=True)
-        t.start()
-        t.join(max(0.0, deadline - time.time()))
-        if t.is_alive():
-            raise SaveAbandoned(f"the {kind} checkpoint of step {self.step} was still running at the drain deadline")
-        if "err" in box:
-            raise box["err"]
-        return box["ok"]
-
-    def _committed_report(self, kind: proto.CheckpointKind, seconds: float, result: SaveResult | None,
-                          committed: int | None) -> proto.Committed:
-        """The agent's report of this step's checkpoint, committed (one form for every kind)."""
-        return proto.Committed(step=self.step, kind=kind, rank=self.rank, seconds=round(seconds, 3),
-                               nbytes=result.nbytes if result else 0, stage_s=round(result.stage_s, 6) if result else 0.0,
-                               persist_s=round(result.persist_s, 6) if result else 0.0, last_committed=committed)
-
-    def _note_committed(self, step: int | None) -> int | None:
-        if step is not None and (self._committed is None or step > self._committed):
-            self._committed = step
-        return step
+            self._session.report(self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed))
+        self._reform.park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
     def _abandon(self, why: proto.StopReason, e: SaveAbandoned) -> None:
         """The deadline passed mid-save: the last committed checkpoint stands. Say how much work that
         loses, tell the agent, and exit with the resize code (no cleanup: a thread may be stuck in a
         collective with a vanished peer, and closing the manager would wait for it)."""
-        last = self._committed
+        last = self._tiers.committed
         self._metrics.observe_checkpoint(why.checkpoint_kind.value, None, None, 0.0, 0, self.step, False)
         self._log.error("checkpoint_abandoned", step=self.step, kind=why.checkpoint_kind.value, reason=str(e),
                         last_committed=last, lost_steps=self.step - (last or 0),
                         effect="exiting with the resize code; the job resumes from the last committed step")
-        if self._link is not None:
-            self._link.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
+        self._session.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
                                               last_committed=last, error=str(e)[:500]))
         self._exit(proto.EXIT_RESIZE)
 
@@ -1353,79 +598,68 @@ class Runtime:
         self._log.warning("worker_stopping", step=self.step, kind=kind,
                           deadline_in_s=round(deadline - time.time(), 1) if deadline else None)
         report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False)
-        if self._manager is None:
+        if self._tiers.manager is None:
             self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
             self._log.warning("checkpoint_not_saved", step=self.step, kind=kind, reason="checkpoint.url is not set",
                               effect="the next start begins from step 0")
         else:
             try:
-                seconds, result, committed = self._save_by(kind, deadline)
+                seconds, result, committed = self._tiers.save_by(kind, deadline)
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
-                report = self._committed_report(why.checkpoint_kind, seconds, result, committed)
+                report = self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             except Exception as e:  # the last committed checkpoint stands; say how much work that loses
-                last = self._committed  # local knowledge: asking rank 0 is a collective, and a peer may be gone
-                self._metrics.observe_checkpoint(kind, None, None, self._manager.last_blocked_s, 0, self.step, False)
+                last = self._tiers.committed  # local knowledge: asking rank 0 is a collective, and a peer may be gone
+                self._metrics.observe_checkpoint(kind, None, None, self._tiers.manager.last_blocked_s, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
                                 lost_steps=self.step - (last or 0))
                 report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
                                          last_committed=last, error=f"{type(e).__name__}: {e}"[:500])
-        if self._link is not None:
-            self._link.report(report)
-        if self._manager is not None:
-            self._manager.close()
+        self._session.report(report)
+        if self._tiers.manager is not None:
+            self._tiers.manager.close()
         self._exit(proto.EXIT_RESIZE)
 
     def _exit(self, code: int) -> None:
-        if self._memory is not None and self._memory.parity:
-            self._memory.abandon(PARITY_ABANDON_S)  # a snapshot past its parity agreement finishes its local write
+        """The last local work, then :meth:`AgentSession.exit` (the process ends with ``code``)."""
+        if self._tiers.memory is not None and self._tiers.memory.parity:
+            self._tiers.memory.abandon(PARITY_ABANDON_S)  # a snapshot past its parity agreement finishes its local write
         if self._metrics is not None:
             self._metrics.flush()
-        if self._link is not None:
-            self._link.close()
-        # The checkpoint is committed on every rank: leave at once. A clean interpreter teardown with
-        # gloo/torch takes seconds that a drain deadline should not pay for.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        self._session.exit(code)
 
     def finish(self, barrier: bool = True) -> None:
         """End of training: save the last step as a ``final`` checkpoint (every rank saves the same
         step; skipped when that step is already saved or was just restored), wait for it and any
         in-flight save, then close the agent link and the process group. A failed final save raises
         after logging ``checkpoint_failed`` (the agent restarts the workers from the last commit)."""
-        self._settle_memory()
-        if self._replicator is not None:  # its transfer runs on a group destroyed below
-            self._replicator.settle()
+        self._tiers.settle()
+        if self._tiers.replicator is not None:  # its transfer runs on a group destroyed below
+            self._tiers.replicator.settle()
         if self._metrics is not None:
             self._metrics.flush()
-        pending, self._pending_flags = self._pending_flags, None
-        if pending is not None:  # every rank issued it at its last boundary: complete it (what it says is moot now)
-            try:
-                pending[0].wait()
-            except Exception as e:
-                self._log.warning("step_agreement_failed", step=self.step, error=str(e)[:300],
-                                  effect="ignored at the end of training; the final save says whether the world is whole")
-        if self._manager is not None and self.strategy is not None and self.step > 0 and self._saved_step != self.step:
+        failed = self._agreement.complete()  # every rank issued it at its last boundary
+        if failed is not None:
+            self._log.warning("step_agreement_failed", step=self.step, error=str(failed)[:300],
+                              effect="ignored at the end of training; the final save says whether the world is whole")
+        if self._tiers.manager is not None and self.strategy is not None and self.step > 0 and self._tiers.saved_step != self.step:
             kind = proto.CheckpointKind.FINAL
             try:
-                seconds, result = self._save(kind.value)
-                committed = self._note_committed(self._manager.wait())
+                seconds, result = self._tiers.save(kind.value)
+                committed = self._tiers.note_committed(self._tiers.manager.wait())
             except Exception as e:
                 self._metrics.observe_checkpoint(kind.value, None, None, 0.0, 0, self.step, False)
                 self._log.error("checkpoint_failed", step=self.step, kind=kind.value, error=str(e)[:500])
                 raise
             self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
-            if self._link is not None:
-                self._link.report(self._committed_report(kind, seconds, result, committed))
-        if self._manager is not None:
-            self._manager.close()
-        if self._memory is not None:
-            self._memory.close()  # its commit thread; the slot files stay (the agent owns them)
-        if self._link is not None:
-            self._link.close()
+            self._session.report(self._session.committed(self.step, self.rank, kind, seconds, result, committed))
+        if self._tiers.manager is not None:
+            self._tiers.manager.close()
+        if self._tiers.memory is not None:
+            self._tiers.memory.close()  # its commit thread; the slot files stay (the agent owns them)
+        self._session.close()
         if self.strategy is not None:
             self.strategy.teardown()
         if dist.is_initialized():
@@ -1441,9 +675,10 @@ class Runtime:
         down during finalization: a rank once aborted there after a clean finish ("terminate called
         without an active exception", exit -6), most likely a worker releasing a finished exchange
         whose tensor came from Python."""
-        self._group, self._replicator = None, None  # the pending exchange went at the start of finish
+        self._group, self._tiers.replicator = None, None  # the pending exchange went at the start of finish
+        self._agreement.drop()
         self._trainer.bind_checkpoint_group(None)
-        if self._manager is not None:
-            self._manager.release_group()
-        if self._memory is not None:
-            self._memory.release_parity()  # its exchange group (closed above: no exchange is running)
+        if self._tiers.manager is not None:
+            self._tiers.manager.release_group()
+        if self._tiers.memory is not None:
+            self._tiers.memory.release_parity()  # its exchange group (closed above: no exchange is running)

@@ -30,7 +30,7 @@ def main() -> None:
             rt.backward(model(x[ids]).pow(2).mean())
     rt.optimizer_step(opt)
     rt.end_step()  # interval_steps=1: step 1 is saved in the background ...
-    assert rt._manager is not None and rt._manager.wait() == 1  # ... and committed on both ranks
+    assert rt._tiers.manager is not None and rt._tiers.manager.wait() == 1  # ... and committed on both ranks
     if rt.rank == 1:
         open(ready, "w").close()
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -192,7 +192,7 @@ def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_p
                  seed=1)
         rt.reform_enabled = True
         rt.device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-        real_teardown, real_close = rf.teardown_world, rt._manager.close
+        real_teardown, real_close = rf.teardown_world, rt._tiers.manager.close
 
         def teardown(dev_, *, peer_lost, **kw):
             seen.append(f"teardown(peer_lost={peer_lost})")
@@ -203,8 +203,8 @@ def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_p
             real_close()
 
         monkeypatch.setattr(runtime_mod.rf, "teardown_world", teardown)
-        monkeypatch.setattr(rt, "_settle_memory", lambda abandon_after=None: seen.append("settle"))
-        monkeypatch.setattr(rt._manager, "close", close)
+        monkeypatch.setattr(rt._tiers, "settle", lambda abandon_after=None: seen.append("settle"))
+        monkeypatch.setattr(rt._tiers.manager, "close", close)
 
         class Link:
             request = proto.StopReason.NONE
@@ -215,9 +215,10 @@ def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_p
             def wait_reform(self, timeout_s, abort=None):
                 raise SystemExit("parked")  # what follows (the new world) is not under test
 
-        rt._link = Link()
+        rt._session.link = Link()
         with pytest.raises(SystemExit, match="parked"):
-            rt._park(proto.ParkReason(reason))
+            rt._reform.park(proto.ParkReason(reason))
+        assert rt.worker_state.value == "parked"  # waiting for the new world
     finally:
         signal.signal(signal.SIGTERM, previous)
         if dist.is_initialized():
@@ -265,7 +266,7 @@ def test_live_state_pickles_no_gpu_tensor(tmp_path, monkeypatch):
             return "broadcast", step
 
         monkeypatch.setattr(runtime_mod.rf, "sync_live_state", fake_sync)
-        rt._sync_live_state(rt.step)
+        rt._reform.sync_live_state(rt.step)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if dist.is_initialized():
@@ -394,7 +395,7 @@ def test_step_timer_polls_the_last_boundary_with_a_bound():
 
 
 def test_param_checksum_sees_one_ulp():
-    from trainguard.runtime.runtime import checksums_agree, param_checksum
+    from trainguard.runtime.reformation import checksums_agree, param_checksum
 
     a = [torch.randn(5, 3), torch.randn(4)]
     b = [t.clone() for t in a]
@@ -452,15 +453,15 @@ def test_untrusted_live_state_is_not_offered_and_the_world_restores_from_the_tie
     rt = ddp_rt
     offered, restored = [], []
     mem = _Mem()
-    rt._memory = mem
+    rt._tiers.memory = mem
     def sync(step, tensors, *, extra, load_extra, group=None, tensor_group=None):
         offered.append(step)
         return ("none", None) if step is None else ("agreed", step)  # no rank else holds live state
 
     monkeypatch.setattr(runtime_mod.rf, "sync_live_state", sync)
-    monkeypatch.setattr(rt, "_restore_from_tiers", lambda step=None: (restored.append(True), 5)[1])
+    monkeypatch.setattr(rt._tiers, "restore", lambda step=None: (restored.append(True), 5)[1])
     if case == "suspect":
-        rt._suspect_step = 7
+        rt._reform.suspect_step = 7
     if case == "mismatch":
         def gather(out, mine, group=None):  # a peer that holds other parameters
             out[0].copy_(mine)
@@ -468,8 +469,8 @@ def test_untrusted_live_state_is_not_offered_and_the_world_restores_from_the_tie
 
         monkeypatch.setattr(runtime_mod.dist, "all_gather", gather)
         monkeypatch.setattr(runtime_mod.dist, "get_world_size", lambda group=None: 2)
-    outcome, live = rt._resume_state(proto.ParkReason.PEER_LOST)
-    rt._memory = None
+    outcome, live = rt._reform.resume_state(proto.ParkReason.PEER_LOST)
+    rt._tiers.memory = None
     if case == "clean":
         assert offered == [7] and outcome == "agreed" and not restored and mem.discarded == []
     elif case == "suspect":

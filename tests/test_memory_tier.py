@@ -146,7 +146,7 @@ def test_cap_arithmetic_and_errors():
 def test_tier0_where_it_adds_a_copy():
     """Tier 0 is on by default, except for replicated state (DDP) re-forming in place: every live peer
     holds any rank's state there. The operator can take the snapshots anyway, or turn tier 0 off."""
-    from trainguard.runtime.runtime import tier0_wanted
+    from trainguard.runtime.tiers import tier0_wanted
 
     on = CheckpointConfig(url="/c")
     assert on.memory_interval_steps == 1 and on.memory_max_overhead == 0.03 and not on.memory_replicated_in_place
@@ -531,7 +531,7 @@ def test_runtime_restores_the_newest_snapshot_then_saves_it_durably(tmp_path, ke
     os.makedirs(folder)
     _, ref = _train_rt(str(tmp_path / "ref"), str(tmp_path / "unused"), 6, every=0)  # the same run to step 6
     killed, _ = _train_rt(url, folder, 7, every=2)  # snapshots of 2, 4, 6; "killed" after step 7 (no finish)
-    killed._memory.close()  # its commit thread dies with the process (else it lingers until garbage collected)
+    killed._tiers.memory.close()  # its commit thread dies with the process (else it lingers until garbage collected)
     with capture_logs() as logs:
         rt, model = _train_rt(url, folder, 6, every=2, restore=True)
     restored = [e for e in logs if e["event"] == "worker_restored"]

@@ -36,13 +36,13 @@ def _rank(rank: int, init: str, strategy: str, tmp: str, out_path: str) -> None:
     with capture_logs() as logs:
         model, opt = rt.setup(model, opt, dataset_size=32, global_batch=4, micro_batch=2, seed=1, strategy=strategy)
         train_loop(rt, model, opt, 3)
-    if rt._replicator is not None:
-        rt._replicator.wait(60)
+    if rt._tiers.replicator is not None:
+        rt._tiers.replicator.wait(60)
     dist.barrier()
-    out = {"replicator": rt._replicator is not None, "copies": rt._memory.copies,
-           "survivable": rt._survivable(), "own": sorted(f for f in os.listdir(folder) if f.startswith("rank-")),
+    out = {"replicator": rt._tiers.replicator is not None, "copies": rt._tiers.memory.copies,
+           "survivable": rt._tiers.survivable(), "own": sorted(f for f in os.listdir(folder) if f.startswith("rank-")),
            "replicas": sorted(f for f in os.listdir(folder) if f.startswith("replica-")),
-           "replica_bytes": rt._memory.replica_bytes,
+           "replica_bytes": rt._tiers.memory.replica_bytes,
            "redundant_logged": [e["event"] for e in logs if e["event"] == "memory_replica_redundant"]}
     with open(out_path, "w") as fh:
         json.dump(out, fh)

@@ -54,8 +54,8 @@ def train_loop(rt: Runtime, model: torch.nn.Module, opt: torch.optim.Optimizer, 
         rt.optimizer_step(opt)
         opt.zero_grad()
         rt.end_step()
-        if settle and rt._manager is not None:
-            rt._manager.wait(60)
+        if settle and rt._tiers.manager is not None:
+            rt._tiers.manager.wait(60)
 
 
 def committed(ckpt) -> dict[int, str]:
@@ -110,11 +110,11 @@ def test_a_periodic_save_due_while_the_previous_persists_is_deferred_not_waited_
     monkeypatch.setattr(storage_mod._DigestWriter, "write", held)
     with structlog.testing.capture_logs() as logs:
         train_loop(rt, model, opt, 4, settle=False)  # returns: nothing waited on the held save
-        assert rt._manager.in_flight == 2 and committed(ckpt) == {}
+        assert rt._tiers.manager.in_flight == 2 and committed(ckpt) == {}
         release.set()
-        rt._manager.wait(60)
+        rt._tiers.manager.wait(60)
         train_loop(rt, model, opt, 5, settle=False)
-        rt._manager.wait(60)
+        rt._tiers.manager.wait(60)
     assert committed(ckpt) == {2: "periodic", 5: "periodic"}
     assert [e["step"] for e in logs if e["event"] == "checkpoint_deferred"] == [4]
 

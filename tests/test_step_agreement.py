@@ -43,17 +43,17 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
                  checkpoint=CheckpointConfig(url=ckpt, interval_steps=3, async_save=False, keep_last=10))
     stops: list[tuple[int, int]] = []
     exchanged: list[int] = []  # the step at the end of which each exchange was issued
-    exchange = rt._exchange
+    exchange = rt._agreement.exchange
 
     def counted(flags):
         exchanged.append(rt.step)
         return exchange(flags)
 
-    rt._exchange = counted
+    rt._agreement.exchange = counted
 
     def stop(why, deadline=None):  # the real one saves and exits with the resize code
         stops.append((rt.step, int(why)))
-        rt._signal_request = proto.StopReason.NONE
+        rt._session.signal_request = proto.StopReason.NONE
 
     rt._stop = stop
     torch.manual_seed(0)
@@ -68,14 +68,14 @@ def _rank(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
         rt.optimizer_step(opt)
         opt.zero_grad()
         if rank == 1 and rt.step + 1 == ASK_AT:
-            rt._signal_request = proto.StopReason.RESIZE
+            rt._session.signal_request = proto.StopReason.RESIZE
         rt.end_step()
-        rt._manager.wait(60)  # these steps are faster than a save, which would defer the next periodic one
+        rt._tiers.manager.wait(60)  # these steps are faster than a save, which would defer the next periodic one
     running_threads = _gloo_threads()
-    rt.finish()  # rt stays alive (rt._exchange -> counted -> rt): its groups must not
+    rt.finish()  # rt stays alive (rt._agreement.exchange -> counted -> rt): its groups must not
     with open(out, "w") as fh:
-        json.dump({"stops": stops, "pending_after_finish": rt._pending_flags is not None,
-                   "mixed": rt._mixed_agreement, "exchanged": exchanged, "stride": rt._stride,
+        json.dump({"stops": stops, "pending_after_finish": rt._agreement.pending is not None,
+                   "mixed": rt._agreement.mixed, "exchanged": exchanged, "stride": rt._agreement.stride,
                    "gloo_threads": [default_group_threads, running_threads, _gloo_threads()]}, fh)
 
 

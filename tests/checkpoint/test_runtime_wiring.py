@@ -63,36 +63,36 @@ def rt(tmp_path: Any) -> Iterator[Runtime]:
 
 def test_periodic_save_metrics_carry_real_bytes_and_stage_time(rt: Runtime) -> None:
     rt.end_step()
-    assert rt._manager is not None and rt._manager.wait(30) == 1
+    assert rt._tiers.manager is not None and rt._tiers.manager.wait(30) == 1
     (kind, stage_s, persist_s, blocked_s, nbytes, step, ok), = rt._metrics.checkpoints
-    files = rt._manager.list()
+    files = rt._tiers.manager.list()
     assert (kind, step, ok) == ("periodic", 1, True)
     assert nbytes == files[0].total_bytes > 16 * 16 * 4  # what this (only) rank wrote: shard + metadata
     assert 0 < stage_s <= blocked_s and persist_s > 0
-    assert rt._manager.epoch_record.rdzv_round == 3  # the rendezvous round is information in the epoch record
+    assert rt._tiers.manager.epoch_record.rdzv_round == 3  # the rendezvous round is information in the epoch record
 
 
 def test_fenced_periodic_saves_count_as_failures_and_training_goes_on(rt: Runtime, tmp_path: Any) -> None:
     rt.end_step()
-    assert rt._manager is not None
-    rt._manager.wait(30)
+    assert rt._tiers.manager is not None
+    rt._tiers.manager.wait(30)
     newer = CheckpointManager(CheckpointConfig(url=str(tmp_path / "ck")), "job", rank=0, world_size=1)
     assert newer.restore(rt._state()) == 1  # another world restores the step: it claims epoch 2
     for _ in range(3):
         rt.end_step()  # no exception: the stale world keeps training
-        f = rt._manager.pending
+        f = rt._tiers.manager.pending
         if f is not None:  # settle each refused save before the next step (else that one is deferred)
             futures.wait([f], timeout=30)
-    assert rt._manager.wait(30) == 1  # its last commit; the refusals are not raised into training
+    assert rt._tiers.manager.wait(30) == 1  # its last commit; the refusals are not raised into training
     oks = [c[-1] for c in rt._metrics.checkpoints]
-    assert oks == [True, False, False, False] and rt._manager.fenced
+    assert oks == [True, False, False, False] and rt._tiers.manager.fenced
     newer.close()
 
 
 def test_emergency_stop_reports_bytes_stage_and_persist_to_the_agent(rt: Runtime,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     link = Link()
-    rt._link = link  # type: ignore[assignment]
+    rt._session.link = link  # type: ignore[assignment]
 
     class Exited(Exception):
         pass
@@ -104,8 +104,8 @@ def test_emergency_stop_reports_bytes_stage_and_persist_to_the_agent(rt: Runtime
     rt.step = 7
     with pytest.raises(Exited, match=str(proto.EXIT_RESIZE)):
         rt._stop(proto.StopReason.DRAIN)
-    rt._manager = None  # closed by _stop
-    rt._link = None
+    rt._tiers.manager = None  # closed by _stop
+    rt._session.link = None
     (report,) = link.reports
     (kind, stage_s, persist_s, blocked_s, nbytes, step, ok), = rt._metrics.checkpoints
     assert report.saved and report.step == 7 and report.kind is proto.CheckpointKind.EMERGENCY

@@ -9,6 +9,7 @@ import pytest
 
 from trainguard.contract import protocol as proto
 from trainguard.runtime.reform import is_peer_failure
+from trainguard.runtime.state import WorkerState
 from tests.harness import short_tmp  # noqa: F401 - a fixture
 
 
@@ -52,7 +53,7 @@ def test_a_void_step_swallows_later_peer_failures_and_nothing_else(reform_rt):
     rest of the step still runs the script's forward, and DDP's forward broadcasts buffers: that
     failure must be swallowed too (the step is rolled back), any other error must not."""
     rt = reform_rt
-    rt._broken = RuntimeError("Connection closed by peer")  # the step is void already
+    rt.worker_state = WorkerState.BROKEN  # the step is void already: a peer vanished
     with rt.accumulating(last=True):
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24775")
     with pytest.raises(ValueError), rt.accumulating(last=True):
@@ -74,8 +75,8 @@ def test_a_step_a_survivor_finished_counts_on_the_rank_whose_step_failed(reform_
         if peer_finished:
             rt.step = 8
 
-    monkeypatch.setattr(rt, "_park", park)
-    rt._broken = RuntimeError("Connection closed by peer")
+    monkeypatch.setattr(rt._reform, "park", park)
+    rt.worker_state = WorkerState.BROKEN  # a peer vanished mid-step
     rt._stepped = False  # this rank's optimizer step did not run
     assert rt.end_step() is peer_finished
     assert parked == [proto.ParkReason.PEER_LOST] and rt.step == (8 if peer_finished else 7)
@@ -180,7 +181,7 @@ def test_a_world_that_never_fills_runs_out_at_the_timeout():
 
 
 def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monkeypatch):
-    """Runtime._join_world: called off (the agent's Stop arrived) -> False, rank, world and groups
+    """Reformation.join_world: called off (the agent's Stop arrived) -> False, rank, world and groups
     untouched; a world that forms -> True, a process group made through the arrival count."""
     import torch.distributed as dist
 
@@ -198,16 +199,16 @@ def test_a_join_the_agent_calls_off_leaves_the_worker_as_it_was(reform_rt, monke
         def report(self, msg):
             self.joined.append(msg)
 
-    rt._link = Link()
+    rt._session.link = Link()
     msg = proto.Reform(rank=1, world_size=2, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
                        master_port=free_port(), round=5, group_rank=1, nodes=2)
-    assert rt._join_world(msg) is False
+    assert rt._reform.join_world(msg) is False
     assert (rt.rank, rt.world_size, rt.round) == (0, 1, 0) and not dist.is_initialized()
     Link.request = proto.StopReason.NONE
     msg = proto.Reform(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
                        master_port=free_port(), round=6, group_rank=0, nodes=1)
     try:
-        assert rt._join_world(msg) is True
+        assert rt._reform.join_world(msg) is True
         assert dist.is_initialized() and dist.get_world_size() == 1 and rt.round == 6
         assert Link.joined == [proto.Joined(rank=0, local_rank=0, round=6)]  # only the world it joined
     finally:
@@ -251,7 +252,7 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
 
     monkeypatch.setattr(storage_mod._DigestWriter, "write", held)
     rt.step = 5
-    rt._save(proto.CheckpointKind.PERIODIC.value)
+    rt._tiers.save(proto.CheckpointKind.PERIODIC.value)
     assert entered.wait(30)  # the upload is under way (held)
     reports: list[tuple[object, bool]] = []
 
@@ -267,10 +268,10 @@ def test_a_worker_that_lost_a_peer_parks_without_waiting_for_its_upload(tmp_path
         def wait_reform(self, timeout_s, abort=None):
             raise SystemExit("parked")  # stop here: what follows (the new world) is not under test
 
-    rt._link = Link()
+    rt._session.link = Link()
     threading.Timer(0.3, release.set).start()  # the upload call in progress returns
     with pytest.raises(SystemExit, match="parked"):
-        rt._park(reason)
+        rt._reform.park(reason)
     assert [type(m).__name__ for m, _ in reports] == ["Parked"]
     assert reports[0][1] is False  # reported while the upload was still held
     if reason is proto.ParkReason.PEER_LOST:
@@ -367,15 +368,15 @@ def test_sigterm_ends_a_wait_for_a_world_at_once(tmp_path, monkeypatch, where):
     def exit_(code):
         raise SystemExit(code)
 
-    rt._link = Link()
+    rt._session.link = Link()
     monkeypatch.setattr(rt, "_exit", exit_)
-    threading.Timer(0.2, rt._on_sigterm, args=(signal.SIGTERM, None)).start()  # the agent stops its workers
+    threading.Timer(0.2, rt._session.on_sigterm, args=(signal.SIGTERM, None)).start()  # the agent stops its workers
     with capture_logs() as logs, pytest.raises(SystemExit) as ended:
         if where == "parked":
-            rt._park(proto.ParkReason.PEER_LOST)
+            rt._reform.park(proto.ParkReason.PEER_LOST)
         else:
-            rt._standby = True
-            rt._wait_for_first_world()
+            rt.worker_state = WorkerState.STANDBY
+            rt._reform.wait_for_first_world()
     assert ended.value.code == proto.EXIT_RESIZE
     events = [e["event"] for e in logs]
     assert "worker_stopped_waiting" in events and "reform_failed" not in events and "standby_timeout" not in events
@@ -408,9 +409,9 @@ def test_a_loss_the_world_survived_is_counted_once_whichever_rank_sent_the_state
     from trainguard.runtime import reform as rf
 
     rt = reform_rt
-    if rt._interval is None:
-        rt._interval = rt._make_interval()
-    rt._interval.stats.survived_losses = 3  # losses this rank had counted before
+    if rt._tiers.interval is None:
+        rt._tiers.interval = rt._tiers.make_interval()
+    rt._tiers.interval.stats.survived_losses = 3  # losses this rank had counted before
     sent: list[dict] = []
 
     def sync(step, tensors, *, extra, load_extra, group=None, tensor_group=None):
@@ -422,14 +423,14 @@ def test_a_loss_the_world_survived_is_counted_once_whichever_rank_sent_the_state
         return ("broadcast" if role == "source" else "agreed"), step
 
     monkeypatch.setattr(rf, "sync_live_state", sync)
-    outcome, _ = rt._resume_state(proto.ParkReason.PEER_LOST)
+    outcome, _ = rt._reform.resume_state(proto.ParkReason.PEER_LOST)
     assert outcome == ("agreed" if role == "agreed" else "broadcast")
-    assert rt._interval.stats.survived_losses == 4, role
-    assert rt._interval.stats.survived_failures == 1, role
+    assert rt._tiers.interval.stats.survived_losses == 4, role
+    assert rt._tiers.interval.stats.survived_failures == 1, role
     if role == "source":  # what the receivers take is what the source holds after the sync
         assert sent[0]["interval"]["survived_losses"] == 4 and sent[0]["interval"]["survived_failures"] == 1
     # A re-formation to grow counts no loss, and sends none.
     sent.clear()
     role = "source"
-    rt._resume_state(proto.ParkReason.RESIZE)
-    assert rt._interval.stats.survived_losses == 4 and sent[0]["interval"]["survived_losses"] == 4
+    rt._reform.resume_state(proto.ParkReason.RESIZE)
+    assert rt._tiers.interval.stats.survived_losses == 4 and sent[0]["interval"]["survived_losses"] == 4

@@ -204,6 +204,7 @@ def test_runtime_splits_the_batch_over_data_parallel_shares(monkeypatch):
 
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.runtime import runtime as rtmod
+    from trainguard.runtime import session as sessmod
     from trainguard.strategies.batch import split
     from trainguard.runtime.cursor import GlobalSampleCursor
 
@@ -222,7 +223,7 @@ def test_runtime_splits_the_batch_over_data_parallel_shares(monkeypatch):
             return contextlib.nullcontext()
 
     monkeypatch.setattr(rtmod.dist, "new_group", lambda **kw: None)  # no process group in a unit test
-    monkeypatch.setattr(rtmod.signal, "signal", lambda *a: None)  # keep pytest's SIGTERM handler
+    monkeypatch.setattr(sessmod.signal, "signal", lambda *a: None)  # keep pytest's SIGTERM handler
     observed = {}
     for rank in range(4):
         rt = rtmod.Runtime(rank=rank, world_size=4, local_rank=rank, job_id="t", rdzv_round=0,
