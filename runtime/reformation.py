@@ -182,14 +182,14 @@ class Reformation:
                             "step are not used")
             if rt._tiers.memory is not None:
                 rt._tiers.memory.discard_from(suspect)
-        self.parked_for = reason
+        self.parked_for = reason  # while set, a restore counts as one of an in-place re-formation
         try:
             outcome, live = self.sync_live_state(None if suspect is not None else rt.step)
+            if outcome == "none" and rt._tiers.manager is not None:  # no trusted live state: every rank is here
+                live = rt._tiers.restore()
+                outcome = "restored"
         finally:
             self.parked_for = None
-        if outcome == "none" and rt._tiers.manager is not None:  # no trusted live state: every rank is here
-            live = rt._tiers.restore()
-            outcome = "restored"
         self.took_peer_stats = self.took_peer_stats and outcome != "restored"
         if (rt._tiers.interval is not None and outcome in ("agreed", "broadcast") and _is_loss(reason)
                 and not self.took_peer_stats):
