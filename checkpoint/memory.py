@@ -78,7 +78,6 @@ import os
 import pickle
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -93,7 +92,7 @@ from trainguard.checkpoint.gpusnap import GpuCopies
 from trainguard.checkpoint.localplan import LocalPlan
 from trainguard.checkpoint.slots import (  # noqa: F401 - the slot format's names, re-exported here
     _COMMIT_OFFSET, _HEADER, ALIGN, HEADER_BYTES, SLOTS, Header, MemoryTierError, _align,
-    _commit, _numel, _seal, _Slot, _write, _zero_commit, check_fits, folder_bytes, host_available_bytes, node_bytes,
+    _commit, _numel, _seal, _Slot, _write, checksum, checksum_threads, _zero_commit, check_fits, folder_bytes, host_available_bytes, node_bytes,
     parity_buffers, slot_bytes)
 
 ANY_RANK = -1
@@ -574,6 +573,10 @@ class MemoryTier:
                                   f"checkpoint.memory_interval_steps=0 (TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS)")
         self.directory = directory
         self.local_world_size = local_world_size
+        self.waited_s = 0.0
+        """Seconds the guarded optimizer's ``step()`` waited for snapshots' copies, in all (the part of a
+        snapshot's cost :attr:`SnapshotResult.seconds` does not hold: it is paid at the next step)."""
+        self._threads = checksum_threads(local_world_size)  # the slots' checksum (slots.checksum)
         self.max_bytes = max_bytes
         self.copies = copies
         """1: tier 0 only; 2: this rank also holds a buddy's replica (counted against the cap)."""
@@ -769,7 +772,7 @@ class MemoryTier:
         self._copied = threading.Event()
         commit = functools.partial(_copy_and_commit, target.mm, late_views, late_tensors, step=step,
                                    world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,
-                                   meta_bytes=len(meta), copied=self._copied, gpu_done=gpu_done,
+                                   meta_bytes=len(meta), threads=self._threads, copied=self._copied, gpu_done=gpu_done,
                                    device=self._gpu.device, fault_hook=self.fault_hook if gpu_done is not None else None)
         self._background(commit)
         return SnapshotResult(step=step, seconds=time.monotonic() - t0, nbytes=tensor_bytes + len(meta))
@@ -837,7 +840,7 @@ class MemoryTier:
             if self.fault_hook is not None:
                 self.fault_hook(step)
             _commit(target.mm, step=step, world_size=self.world_size, rank=self.rank, tensor_bytes=tensor_bytes,
-                    meta_bytes=len(meta))
+                    meta_bytes=len(meta), threads=self._threads)
         self.parity_seconds = time.monotonic() - t0
         return True
 
@@ -868,7 +871,7 @@ class MemoryTier:
                 raise MemoryTierError(f"the parity block's record ({len(pmeta)} bytes) does not fit its slot")
             target.mm[HEADER_BYTES + seg:HEADER_BYTES + seg + len(pmeta)] = pmeta
             with memoryview(target.mm) as mv, mv[HEADER_BYTES:HEADER_BYTES + seg + len(pmeta)] as data:
-                crc = zlib.crc32(data)
+                crc = checksum(data, self._threads)
             _seal(target.mm, Header(commit=0, step=step, world_size=self.world_size, rank=self.rank, tensor_bytes=seg,
                                     meta_bytes=len(pmeta), capacity=target.size - HEADER_BYTES, crc32=crc))
         finally:
@@ -973,15 +976,19 @@ class MemoryTier:
     def _wait_copied(self) -> None:
         """The guarded optimizer's step pre-hook: wait until the newest snapshot has read every tensor
         (not for its checksum and commit, which read only the slot); :meth:`settle` where it cannot tell."""
-        copied = self._copied
-        if copied is None:
-            self.settle()
-            return
-        while not copied.wait(0.05):
-            pending = self._committing
-            if pending is None or pending.done():  # the job ended without setting it: its error, if any
+        t0 = time.monotonic()
+        try:
+            copied = self._copied
+            if copied is None:
                 self.settle()
                 return
+            while not copied.wait(0.05):
+                pending = self._committing
+                if pending is None or pending.done():  # the job ended without setting it: its error, if any
+                    self.settle()
+                    return
+        finally:
+            self.waited_s += time.monotonic() - t0
 
     def _deferred(self, sig: Any, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Indices of ``tensors`` to copy now, and those the background thread may copy: CPU tensors that
@@ -1120,7 +1127,7 @@ class MemoryTier:
         if slot._mm is None:  # restored, not written by this process: map it
             slot.ensure(slot.size)
         view = memoryview(slot.mm)[HEADER_BYTES:HEADER_BYTES + h.tensor_bytes + h.meta_bytes]
-        if zlib.crc32(view) != h.crc32:
+        if checksum(view, self._threads) != h.crc32:
             view.release()
             return None
         return h.pack() + bytes(HEADER_BYTES - _HEADER.size), view
@@ -1149,7 +1156,7 @@ class MemoryTier:
             if h is None or not h.complete or h.rank != rank or HEADER_BYTES + h.tensor_bytes + h.meta_bytes > target.size:
                 raise MemoryTierError("a replica that is not a complete snapshot was refused")
             with memoryview(target.mm)[HEADER_BYTES:HEADER_BYTES + h.tensor_bytes + h.meta_bytes] as data:
-                if zlib.crc32(data) != h.crc32:
+                if checksum(data, self._threads) != h.crc32:
                     raise MemoryTierError("a replica that failed its checksum was refused")
             _seal(target.mm, dataclasses.replace(h, commit=0))
         finally:
@@ -1164,7 +1171,7 @@ class MemoryTier:
         that is not a complete snapshot (checked before any slot is touched)."""
         h = Header.unpack(blob[:_HEADER.size])
         data = memoryview(blob)[HEADER_BYTES:]
-        if h is None or not h.complete or len(data) != h.tensor_bytes + h.meta_bytes or zlib.crc32(data) != h.crc32:
+        if h is None or not h.complete or len(data) != h.tensor_bytes + h.meta_bytes or checksum(data, self._threads) != h.crc32:
             raise MemoryTierError("a replica that is not a complete snapshot was refused")
         target, view = self.receive_replica(h.rank, len(data))
         with view:
@@ -1175,7 +1182,7 @@ class MemoryTier:
         """Keep the snapshot of old ``rank`` rebuilt from parity (its data, checked segment by segment) as
         a replica in this node's folder (:meth:`write_replica`)."""
         h = Header(commit=step + 1, step=step, world_size=world_size, rank=rank, tensor_bytes=tensor_bytes,
-                   meta_bytes=len(data) - tensor_bytes, capacity=len(data), crc32=zlib.crc32(data))
+                   meta_bytes=len(data) - tensor_bytes, capacity=len(data), crc32=checksum(data, self._threads))
         return self.write_replica(h.pack() + bytes(HEADER_BYTES - _HEADER.size) + data)
 
     def _own_files(self) -> list[_Slot]:
@@ -1210,7 +1217,7 @@ class MemoryTier:
         :class:`MemoryTierError` when it is damaged or does not fit ``state``'s layout."""
         h = Header.unpack(blob[:_HEADER.size])
         data = blob[HEADER_BYTES:]
-        if h is None or not h.complete or zlib.crc32(data) != h.crc32:
+        if h is None or not h.complete or checksum(data, self._threads) != h.crc32:
             raise MemoryTierError("a snapshot received from a peer failed its checksum")
         meta = pickle.loads(data[h.tensor_bytes:])
         if layout(meta["skeleton"]) != layout(skeleton(materialise(state), [])):
@@ -1248,7 +1255,7 @@ class MemoryTier:
             h = Header.unpack(blob[:_HEADER.size]) if blob else None
             data = blob[HEADER_BYTES:] if blob else b""
             if (h is None or not h.complete or h.rank != r or h.world_size != old_world
-                    or len(data) != h.tensor_bytes + h.meta_bytes or zlib.crc32(data) != h.crc32):
+                    or len(data) != h.tensor_bytes + h.meta_bytes or checksum(data, self._threads) != h.crc32):
                 raise MemoryTierError(f"the snapshot of old rank {r} is missing or failed its checksum")
             metas[r], views[r] = _parse(h, data)
             steps.add((h.step, str(metas[r].get("world", ""))))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -35,12 +36,13 @@ ALIGN = 16
 """Byte alignment of every tensor in a slot."""
 
 
-MAGIC = b"TGMEM001"
+MAGIC = b"TGMEM002"
+"""Version 2: the data's checksum is :func:`checksum` (CRC32 of per-chunk CRC32s), not one CRC32."""
 
 
 _HEADER = struct.Struct("<8sQqqqQQQI")
 """magic, commit (step + 1 once complete, else 0), step, world size, rank, tensor bytes, skeleton bytes,
-data capacity, CRC32 of the data (tensors + skeleton)."""
+data capacity, :func:`checksum` of the data (tensors + skeleton)."""
 
 
 _COMMIT_OFFSET = 8
@@ -48,6 +50,47 @@ _COMMIT_OFFSET = 8
 
 _META_SLACK = 64 * 1024
 """Room for the skeleton to grow between snapshots (the cursor and RNG blobs change size a little)."""
+
+
+CHUNK_BYTES = 64 * 1024 * 1024
+""":func:`checksum`'s chunk: each is CRC32-ed on its own, by several threads at once."""
+
+
+def checksum_threads(local_world_size: int = 1) -> int:
+    """Threads one rank's :func:`checksum` uses: its share of this process's CPUs (8 at most)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // max(1, local_world_size)))
+
+
+def checksum(data: Any, threads: int = 1) -> int:
+    """The checksum of a slot's data: CRC32 of the little-endian CRC32s of its :data:`CHUNK_BYTES`
+    chunks, computed by up to ``threads`` threads (``zlib.crc32`` releases the GIL). One CRC32 over 15 GB
+    ran at 1.9 GB/s on the first GPU machine and held every snapshot's commit for 7.7 s (gpu-check of
+    2026-11-27); the chunks' CRCs in parallel scale with the CPUs. The value depends on the data only,
+    never on ``threads``."""
+    with memoryview(data) as mv, mv.cast("B") as flat:
+        n = len(flat)
+        chunks = max(1, -(-n // CHUNK_BYTES))
+        crcs = [0] * chunks
+
+        def run(first: int, step: int) -> None:
+            for i in range(first, chunks, step):
+                with flat[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES] as part:
+                    crcs[i] = zlib.crc32(part)
+
+        k = max(1, min(threads, chunks))
+        workers = [threading.Thread(target=run, args=(j, k), name=f"tg-checksum-{j}", daemon=True) for j in range(1, k)]
+        for w in workers:
+            w.start()
+        try:
+            run(0, k)
+        finally:
+            for w in workers:
+                w.join()
+    return zlib.crc32(struct.pack(f"<{chunks}I", *crcs))
 
 
 class MemoryTierError(CheckpointError):
@@ -272,7 +315,7 @@ class _Slot:
                 data = fh.read(n)
         except OSError:
             return None
-        if len(data) != n or zlib.crc32(data) != h.crc32:
+        if len(data) != n or checksum(data, checksum_threads()) != h.crc32:
             return None
         return h, data
 
@@ -302,11 +345,13 @@ def _write(mm: mmap.mmap, views: list[torch.Tensor], tensors: list[torch.Tensor]
     mm[HEADER_BYTES + tensor_bytes:HEADER_BYTES + tensor_bytes + len(meta)] = meta
 
 
-def _commit(mm: mmap.mmap, *, step: int, world_size: int, rank: int, tensor_bytes: int, meta_bytes: int) -> None:
-    """Checksum the data :func:`_write` wrote, then the header, the commit word last."""
+def _commit(mm: mmap.mmap, *, step: int, world_size: int, rank: int, tensor_bytes: int, meta_bytes: int,
+            threads: int = 1) -> None:
+    """Checksum the data :func:`_write` wrote (``threads``: :func:`checksum`'s), then the header, the
+    commit word last."""
     end = HEADER_BYTES + tensor_bytes + meta_bytes
     with memoryview(mm) as mv, mv[HEADER_BYTES:end] as data:
-        crc = zlib.crc32(data)  # releases the GIL: the training thread runs on meanwhile
+        crc = checksum(data, threads)  # releases the GIL: the training thread runs on meanwhile
     _seal(mm, Header(commit=0, step=step, world_size=world_size, rank=rank, tensor_bytes=tensor_bytes,
                      meta_bytes=meta_bytes, capacity=len(mm) - HEADER_BYTES, crc32=crc))
 

@@ -74,6 +74,7 @@ class CheckpointTiers:
         """Tier 0: steps between two snapshots, as agreed by the world at its last boundary (at least
         ``checkpoint.memory_interval_steps``; longer when ``memory_max_overhead`` asks)."""
         self.snapshot_mean_s: float | None = None
+        self._waited_seen = 0.0  # the tier's waited_s when the last snapshot was booked
         """Moving average of what this rank's snapshots block the training loop for."""
         self.interval: IntervalController | None = None
         self.persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
@@ -124,6 +125,7 @@ class CheckpointTiers:
                                              copies=2 if self.replicas_wanted else 1,
                                              replicated=self.replicated)
                     self.memory.parity_restore = self.parity_wanted
+                    self._waited_seen = 0.0
                 except MemoryTierError as e:
                     self.memory_refused(e)
                 hook = rt._faults.snapshot_written()
@@ -364,8 +366,12 @@ class CheckpointTiers:
             rep.replicate()
             if rep.failed is not None:
                 self.replicator = None
+        # The cost: the call, plus what the optimizer's step waited for the previous snapshot's copies
+        # (the guard; on a GPU the copy of the whole state runs beside forward and backward).
+        waited, self._waited_seen = mem.waited_s - self._waited_seen, mem.waited_s
+        cost = r.seconds + max(0.0, waited)
         m = self.snapshot_mean_s
-        self.snapshot_mean_s = r.seconds if m is None else 0.9 * m + 0.1 * r.seconds
+        self.snapshot_mean_s = cost if m is None else 0.9 * m + 0.1 * cost
         done = rep.last_step if rep is not None else mem.parity_step if mem.parity else None
         lag = rt.step - done if done is not None else None
         rt._metrics.observe_memory(r.seconds, mem.nbytes + mem.replica_bytes, lag, self.memory_every)

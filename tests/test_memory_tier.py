@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+import zlib
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch._dynamo  # noqa: F401  (imported lazily by get_state_dict, it sets 
 from tests.test_runtime_finish import train_loop
 from trainguard.agent.memtier import NodeSnapshots, node_dir
 from trainguard.checkpoint import memory as mem
+from trainguard.checkpoint import slots
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.discovery import StepRef
 from trainguard.checkpoint.manager import CheckpointManager
@@ -375,9 +377,11 @@ def test_guarded_parameters_are_copied_beside_the_next_forward_and_before_the_ne
     time.sleep(0.3)
     assert not stepped.is_set() and all(torch.equal(v, want_m[k]) for k, v in m.state_dict().items()
                                         if "running" not in k and "num_batches" not in k)
+    assert tier.waited_s == 0.0
     release.set()
     t.join(30)
     assert stepped.is_set() and not torch.equal(m[0].weight, want_m["0.weight"])
+    assert tier.waited_s >= 0.2  # the step's wait is booked: it is part of the snapshot's cost (tiers.py)
     m2 = copy.deepcopy(m)
     opt2 = torch.optim.AdamW(m2.parameters(), lr=0.01)
     trainer2 = TrainerState(seed=3)
@@ -670,3 +674,18 @@ def test_replicated_snapshots_restore_any_rank_at_any_world_size(tmp_path):
     assert trainer2.step == 4 and all(torch.equal(x, y) for x, y in zip(m2.state_dict().values(), m.state_dict().values()))
     new.invalidate_all()  # after a restore from storage: nothing in the folder is a candidate any more
     assert new.provides(_job()[3]) == []
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, slots.CHUNK_BYTES, slots.CHUNK_BYTES + 1, 3 * slots.CHUNK_BYTES - 7])
+def test_slot_checksum_is_the_same_for_any_thread_count_and_sees_a_flipped_byte_in_any_chunk(nbytes):
+    """The slots' checksum (CRC32 of per-chunk CRC32s) depends on the data only, however many threads
+    compute it, and a single flipped byte in the first or last chunk changes it."""
+    data = bytearray(os.urandom(min(nbytes, 4096)) * (nbytes // 4096 + 1))[:nbytes]
+    want = zlib.crc32(struct.pack(f"<{max(1, -(-nbytes // slots.CHUNK_BYTES))}I", *[
+        zlib.crc32(data[i:i + slots.CHUNK_BYTES]) for i in range(0, max(nbytes, 1), slots.CHUNK_BYTES)]))
+    got = {t: slots.checksum(data, t) for t in (1, 2, 3, 8)}
+    assert set(got.values()) == {want}, got
+    for pos in {0, nbytes - 1} if nbytes else set():
+        data[pos] ^= 0x01
+        assert slots.checksum(data, 4) != want
+        data[pos] ^= 0x01
