@@ -26,6 +26,8 @@ allocated elsewhere (a tier-0 slot's mapping) the same way. Nothing here has run
 
 from __future__ import annotations
 
+import os
+
 import copy
 import dataclasses
 import weakref
@@ -73,7 +75,65 @@ def layout_bytes(state: Any) -> int:
 def _register(ptr: int, nbytes: int) -> None:  # pragma: no cover - needs a GPU (docs/gpu.md)
     from torch.cuda import _pin_memory_utils
 
-    _pin_memory_utils.pin_memory(ptr, nbytes)
+    try:
+        _pin_memory_utils.pin_memory(ptr, nbytes)
+    except Exception:
+        _clear_last_cuda_error()
+        raise
+
+
+def _clear_last_cuda_error() -> None:  # pragma: no cover - needs a GPU
+    """Reset the CUDA runtime's last error after a failed ``cudaHostRegister``: left set, the next kernel
+    launch of this process raises it ("CUDA error: invalid argument" from ``torch.zeros``; gpu-check of
+    2026-11-27). torch binds no ``cudaGetLastError``, so it is called in the libcudart this process has
+    loaded already (best effort)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as fh:
+            path = next((ln.split()[-1] for ln in fh if "libcudart" in ln and ln.split()[-1].startswith("/")), None)
+        if path is not None:
+            ctypes.CDLL(path).cudaGetLastError()
+    except Exception:  # noqa: BLE001 - nothing more to do
+        pass
+
+
+PINNABLE_FS = frozenset({"tmpfs", "hugetlbfs"})
+"""File systems whose mapped pages ``cudaHostRegister`` can lock in place: shared memory. Linux refuses a
+long-term pin of a regular file's page cache (the registration fails with cudaErrorInvalidValue)."""
+
+
+def fs_type(path: str, mounts: str | None = None) -> str:
+    """The file system type of the mount holding ``path`` (the longest mount point that prefixes its real
+    path) in ``mounts`` (``/proc/self/mounts``'s text; read when None); "" when unknown."""
+    if mounts is None:
+        try:
+            with open("/proc/self/mounts") as fh:
+                mounts = fh.read()
+        except OSError:
+            return ""
+    real = os.path.realpath(path)
+    best, kind = -1, ""
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), parts[2]
+    return kind
+
+
+def pin_refusal(path: str, mounts: str | None = None) -> str | None:
+    """Why a mapping of the file ``path`` cannot be page-locked (None: it can be tried): it is not on a
+    shared-memory file system. The copies from a GPU then go through pageable memory, slower."""
+    kind = fs_type(path, mounts)
+    if kind in PINNABLE_FS:
+        return None
+    return (f"{os.path.dirname(path) or path} is on {kind or 'an unknown file system'}, not a tmpfs: its mapped "
+            "pages cannot be page-locked, so copies from the GPU go through pageable memory; put "
+            "checkpoint.memory_dir on a tmpfs such as /dev/shm (the default)")
 
 
 def _unregister(ptr: int) -> None:  # pragma: no cover - needs a GPU
@@ -168,11 +228,14 @@ class PinnedRegion:
     copies through a bounce buffer and the host waits). :meth:`release` unregisters (idempotent); a
     failed registration leaves it unpinned (:attr:`error` says why): the copies are then correct, slower."""
 
-    def __init__(self, buffer: Any) -> None:
+    def __init__(self, buffer: Any, *, refused: str | None = None) -> None:
         self._view = torch.frombuffer(buffer, dtype=torch.uint8)
         self.ptr, self.nbytes = self._view.data_ptr(), self._view.numel()
-        self.error: str | None = None
+        self.error: str | None = refused
+        """Why it is not page-locked (``refused``: not even tried, see :func:`pin_refusal`); None: it is."""
         self.pinned = False
+        if refused is not None:
+            return
         try:
             _register(self.ptr, self.nbytes)
             self.pinned = True

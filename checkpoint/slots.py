@@ -263,7 +263,8 @@ class _Slot:
         """Page-lock the mapping in place (once per mapping), for asynchronous copies from a GPU; returns
         why it could not be (the copies then go through pageable memory), else None."""
         if self._pin is None:
-            self._pin = pinned.PinnedRegion(self.mm)
+            refused = pinned.pin_refusal(self.path)
+            self._pin = pinned.PinnedRegion(self.mm, refused=refused)
         return self._pin.error
 
     def views(self, sig: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> list[torch.Tensor]:

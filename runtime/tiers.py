@@ -75,6 +75,7 @@ class CheckpointTiers:
         ``checkpoint.memory_interval_steps``; longer when ``memory_max_overhead`` asks)."""
         self.snapshot_mean_s: float | None = None
         self._waited_seen = 0.0  # the tier's waited_s when the last snapshot was booked
+        self._unpinned_logged = False
         """Moving average of what this rank's snapshots block the training loop for."""
         self.interval: IntervalController | None = None
         self.persisted: list[tuple[float, bool]] = []  # (persist seconds, ok) of async saves, from their callbacks
@@ -366,6 +367,10 @@ class CheckpointTiers:
             rep.replicate()
             if rep.failed is not None:
                 self.replicator = None
+        if mem.pin_error is not None and not self._unpinned_logged:
+            self._unpinned_logged = True
+            rt._log.warning("memory_tier_unpinned", reason=mem.pin_error,
+                            effect="tier-0 copies from the GPU go through pageable memory (slower, blocking)")
         # The cost: the call, plus what the optimizer's step waited for the previous snapshot's copies
         # (the guard; on a GPU the copy of the whole state runs beside forward and backward).
         waited, self._waited_seen = mem.waited_s - self._waited_seen, mem.waited_s

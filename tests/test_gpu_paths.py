@@ -319,6 +319,7 @@ def test_tier0_snapshot_of_gpu_state_copies_async_into_the_pinned_slot_without_d
     monkeypatch.setattr(pinned, "_register", lambda ptr, n: pins.append(("register", n)))
     monkeypatch.setattr(pinned, "_unregister", lambda ptr: pins.append(("unregister",)))
     monkeypatch.setattr(pinned, "bind_thread", lambda device, cuda=None: pins.append(("bind", str(device))))
+    monkeypatch.setattr(pinned, "pin_refusal", lambda path, mounts=None: None)  # as on a tmpfs
 
     def no_clone(self, *a, **k):
         raise AssertionError("a GPU tensor was cloned on the device")
@@ -360,6 +361,53 @@ def test_tier0_snapshot_of_gpu_state_copies_async_into_the_pinned_slot_without_d
     tier.settle()
     tier.close()
     assert [p[0] for p in pins].count("register") == 2 and [p[0] for p in pins].count("unregister") == 2  # a slot each
+
+
+MOUNTS = """overlay / overlay rw 0 0
+tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0
+/dev/nvme0n1p1 /data ext4 rw 0 0
+tmpfs /data/ram tmpfs rw 0 0
+hugetlbfs /mnt/huge hugetlbfs rw 0 0
+/dev/sdb1 /mnt/my\\040disk xfs rw 0 0
+"""
+
+
+@pytest.mark.parametrize(("path", "kind", "pinnable"), [
+    ("/dev/shm/trainguard-job-n0/rank-0.slot-0", "tmpfs", True),
+    ("/data/ram/x/slot", "tmpfs", True),           # the longest mount point wins
+    ("/data/ramdisk/slot", "ext4", False),         # a prefix of a name is not a mount point
+    ("/data/slot", "ext4", False),
+    ("/mnt/huge/slot", "hugetlbfs", True),
+    ("/mnt/my disk/slot", "xfs", False),           # /proc/mounts escapes a space as \\040
+    ("/tmp/slot", "overlay", False),
+])
+def test_a_slot_is_page_locked_only_on_shared_memory(path, kind, pinnable):
+    """cudaHostRegister of a regular file's mapping fails (cudaErrorInvalidValue, gpu-check of
+    2026-11-27) and left the error for the next kernel to raise: it is tried on tmpfs/hugetlbfs only."""
+    assert pinned.fs_type(path, MOUNTS) == kind
+    why = pinned.pin_refusal(path, MOUNTS)
+    assert (why is None) == pinnable
+    if not pinnable:
+        assert "checkpoint.memory_dir" in why and "/dev/shm" in why and kind in why
+
+
+def test_a_slot_off_shared_memory_is_not_registered_and_says_why(tmp_path, monkeypatch):
+    """The refusal is decided before any registration: the copies go through pageable memory and the
+    tier's ``pin_error`` names the setting to change."""
+    from trainguard.checkpoint.slots import _Slot
+
+    calls = []
+    monkeypatch.setattr(pinned, "_register", lambda ptr, n: calls.append(n))
+    monkeypatch.setattr(pinned, "fs_type", lambda path, mounts=None: "ext4")
+    slot = _Slot(str(tmp_path / "rank-0.slot-0"))
+    slot.ensure(1 << 16)
+    why = slot.pin()
+    assert calls == [] and why is not None and "ext4" in why and "checkpoint.memory_dir" in why
+    monkeypatch.setattr(pinned, "fs_type", lambda path, mounts=None: "tmpfs")
+    slot.close()
+    slot.ensure(1 << 16)
+    assert slot.pin() is None and calls == [1 << 16]
+    slot.close()
 
 
 # ---- item 4: no silent corruption after an aborted collective ------------------------------------

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
+import tempfile
 
 import pytest
 import torch
@@ -63,14 +65,24 @@ def test_three_in_place_nccl_reformations_leak_nothing_and_build_a_mesh_each_tim
     assert res["growth"] == {k: 0 for k in res["growth"]}, res
 
 
-def test_tier0_snapshot_of_gpu_state_loads_back_equal_without_gpu_memory_growth(tmp_path):
-    """A snapshot of GPU state copies into the page-locked slot, never into GPU memory: the next step's
-    peak is that of the same step without a snapshot (foreach AdamW's temporaries and the activations
-    are in both); the optimizer stepping right after does not reach the snapshot."""
+@pytest.fixture
+def shm_dir():
+    d = tempfile.mkdtemp(prefix="tg-gputest-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("where", ["shm", "disk"])
+def test_tier0_snapshot_of_gpu_state_loads_back_equal_without_gpu_memory_growth(tmp_path, shm_dir, where):
+    """A snapshot of GPU state copies into the slot, never into GPU memory: the next step's peak is that
+    of the same step without a snapshot (foreach AdamW's temporaries and the activations are in both);
+    the optimizer stepping right after does not reach the snapshot. On /dev/shm the slot is page-locked;
+    on a disk folder it cannot be (the registration is not even tried: a failed one left a CUDA error
+    that the next kernel raised), the copies go through pageable memory and CUDA keeps working."""
     model, opt = _trained(DEVICE, width=1024)
-    folder = tmp_path / "node"
-    folder.mkdir()
-    tier = MemoryTier(str(folder), rank=0, world_size=1, replicated=True)
+    folder = shm_dir if where == "shm" else str(tmp_path / "node")
+    os.makedirs(folder, exist_ok=True)
+    tier = MemoryTier(folder, rank=0, world_size=1, replicated=True)
     try:
         tier.guard(opt)
         state = {"model": ModelOptimizerState(model, opt)}
@@ -86,7 +98,11 @@ def test_tier0_snapshot_of_gpu_state_loads_back_equal_without_gpu_memory_growth(
 
         control = next_step_peak()
         tier.snapshot(7, state, world="w")
-        assert tier.pin_error is None, tier.pin_error
+        if where == "shm":
+            assert tier.pin_error is None, tier.pin_error
+        else:
+            assert "checkpoint.memory_dir" in tier.pin_error, tier.pin_error
+            torch.zeros(4, device=DEVICE).add_(1.0)  # no CUDA error left behind
         expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         with_snapshot = next_step_peak()
         tier.settle()
@@ -102,14 +118,12 @@ def test_tier0_snapshot_of_gpu_state_loads_back_equal_without_gpu_memory_growth(
 @pytest.mark.parametrize(("strategy", "extra", "tier0"), [
     ("ddp", [], False), ("fsdp", [], False), ("fsdp", [], True), ("fsdp", ["--precision", "bf16-mixed"], False),
 ], ids=["ddp", "fsdp", "fsdp-tier0", "fsdp-bf16"])
-def test_bundled_example_on_cuda_saves_and_resumes_exactly(tmp_path, strategy, extra, tier0):
+def test_bundled_example_on_cuda_saves_and_resumes_exactly(tmp_path, shm_dir, strategy, extra, tier0):
     """The bundled worker-API job on NCCL, world of 1: 6 steps committing every 2; then the same job
     restored from step 4 recomputes steps 5-6 with the losses of the uninterrupted run (bf16: within
     its rounding), and the checkpoint holds fp32 parameters whatever the compute precision."""
     ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
-    memory = str(tmp_path / "node") if tier0 else ""
-    if memory:
-        os.makedirs(memory)
+    memory = shm_dir if tier0 else ""  # on a tmpfs, as the agent's default memory_dir
     run_segment(1, strategy, ckpt, steps=6, interval=2, fence=1, loss_log=log, extra=[*E2E_SIZE, *extra],
                 timeout=240, memory_dir=memory)
     first = losses(log)
