@@ -161,8 +161,8 @@ class Physics:
 
 # ---- profiles -------------------------------------------------------------------------------------------
 # Measured on this machine by the replay (bench/spot_trace.py, 2026-11-27, tier0-ab run: medians) and the
-# step-agreement bench; what only a GPU cluster can measure is an assumption until bench/gpu_d2h.py and a
-# GPU replay measure it.
+# step-agreement bench and the GPU check (one H100); what only a GPU cluster can measure is an assumption
+# until a multi-GPU replay measures it.
 _REPLAY = "bench/spot_trace.py: replay 2026-11-27 (docs/results/spot/tier0-ab-2026-11-27.json), median"
 _GPU_ASSUMED = {
     "gpus_per_node": P(8, "assumption: 8-GPU nodes (p4d/p5, a3)"),
@@ -171,7 +171,8 @@ _GPU_ASSUMED = {
     "host_pipeline_bw_node": P(8 * GB, "assumption: 8 checkpoint threads (one per rank) at ~1 GB/s each "
                                        "(DCP serialisation + zlib CRC32); bench/spot_trace.py --validate measured "
                                        "48 MB/s behind training, 117 MB/s stopped, on the 2-core CPU machine"),
-    "d2h_bw_gpu": P(20 * GB, "assumption: 20 GB/s pinned D2H per GPU (bench/gpu_d2h.py measures it on a GPU)"),
+    "d2h_bw_gpu": P(54 * GB, "bench/gpu_check.py: d2h part, checkpoint staging 54.6 GB/s into the pinned arena "
+                             "(1.005 of cudaMemcpy) on one H100, 2026-11-27 (docs/results/gpu/)"),
     "network_bw_node": P(25 * GB, "assumption: 200 Gb/s effective node-to-node (EFA / GPUDirect-TCPX)"),
     "stage_fixed_s": P(0.012, f"{_REPLAY} periodic_overhead_s of a 1.9 MB state"),
     "save_fixed_s": P(0.10, f"{_REPLAY} periodic_persist_s of a 1.9 MB state"),
@@ -184,7 +185,8 @@ _GPU_ASSUMED = {
     "rendezvous_s": P(0.12, f"{_REPLAY} join_reformation_s (3 agents on loopback; not measured at 32 nodes)"),
     "start_rendezvous_s": P(1.4, "bench/spot_trace.py: --quick replay 2026-11-27, start_reformation_s"),
     "comm_init_s": P(5.0, "assumption: NCCL communicators for a new world of up to 256 GPUs"),
-    "comm_abort_s": P(5.0, "assumption: NCCL abort and CUDA stream/allocator recovery after a lost peer"),
+    "comm_abort_s": P(5.0, "assumption: NCCL abort and CUDA stream/allocator recovery after a lost peer at 256 "
+                           "GPUs; bench/gpu_check.py's reform part measured 1.0-3.4 s for a world of 1 on an H100"),
     "warmup_s": P(60.0, "assumption: boot to agent 20 s (image cached), imports + model build + CUDA init 40 s"),
     "step_overhead_s": P(0.00028, "bench/step_agreement.py: 0.28 ms per step (CPU/gloo; NCCL unmeasured)"),
     "spot_per_hour": P(39.33, "assumption: p5.48xlarge spot at 60 % below on-demand"),
