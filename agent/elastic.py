@@ -215,6 +215,15 @@ class _Executor(_DistributedRendezvousOpExecutor):
             self._state_holder.mark_dirty()
 
 
+def fresh_reads(handler: Any) -> None:
+    """torch serves the shared state from a 1 s cache between its own writes; a node polling every
+    :data:`POLL_INTERVAL_S` for a planned round must read fresh state (also used by
+    ``bench/control_plane.py``, which drives handlers as the agents do)."""
+    holder = getattr(handler, "_state_holder", None)
+    if holder is not None and getattr(holder, "_cache_duration", 0) > POLL_INTERVAL_S:
+        holder._cache_duration = POLL_INTERVAL_S
+
+
 def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None) -> RendezvousInfo:
     """``DynamicRendezvousHandler.next_rendezvous`` with :class:`_JoinOp` and :class:`_Executor`.
 
@@ -270,11 +279,7 @@ class ElasticAdapter:
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
             self.handler.next_rendezvous = self._next_rendezvous  # type: ignore[method-assign]
-            # torch serves the shared state from a 1 s cache between its own writes; a node polling
-            # every POLL_INTERVAL_S for a planned round must read fresh state.
-            holder = getattr(self.handler, "_state_holder", None)
-            if holder is not None and getattr(holder, "_cache_duration", 0) > POLL_INTERVAL_S:
-                holder._cache_duration = POLL_INTERVAL_S
+            fresh_reads(self.handler)
 
     # -- running -----------------------------------------------------------------------------------
     def run(self, body: Callable[[], RunResult]) -> RunResult:
@@ -502,5 +507,5 @@ class ElasticAdapter:
         self.handler.shutdown()
 
 
-__all__ = ["POLL_INTERVAL_S", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted", "World", "next_round",
+__all__ = ["POLL_INTERVAL_S", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted", "World", "fresh_reads", "next_round",
            "planned_complete"]
