@@ -45,6 +45,9 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROUND_TIMEOUT_S = 120.0
+"""A round not complete by then is reported as an error (the nodes left waiting are abandoned, and the
+remaining phases of that N are skipped): the bench never hangs."""
 
 
 # ---- the participants' process ----------------------------------------------------------------------
@@ -174,9 +177,11 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any]) ->
             # (keys go back as JSON strings; the driver turns them into ints)
             for t in threads:
                 t.start()
+            deadline = time.monotonic() + ROUND_TIMEOUT_S
             for t in threads:
-                t.join()
-            conn.send(out)
+                t.join(max(0.0, deadline - time.monotonic()))
+            conn.send({**{i: {"error": f"no round within {ROUND_TIMEOUT_S:g} s", "done": time.time()}
+                          for i in who if i in handlers}, **out})
         elif cmd == "leave":
             h = handlers.pop(arg)
             h._stop_heartbeats()
@@ -364,10 +369,13 @@ def _measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], server
     row: dict[str, Any] = {"nodes": n, "store": server.kind, "procs": len(c.conns)}
     try:
         everyone = list(range(n))
+        _note(row, "form")
         s0 = c.stats()
         r = c.round(everyone, {"members": [c.names[i] for i in everyone]})
         s1 = c.stats()
         row["form"] = {**r, **_ops(_delta(s0, s1))}
+        if r["n_errors"]:
+            return row
         time.sleep(1.0)
         a = c.stats()
         time.sleep(steady_s)
@@ -377,21 +385,25 @@ def _measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], server
                          "cas_lost_per_s": d["cas_lost"] / steady_s, "store_cpu": d["store_cpu_s"] / steady_s,
                          "client_cpu_per_node": d["cpu_s"] / steady_s / n}
         members = [c.names[i] for i in everyone]
-        # planned leave of the last node
+        _note(row, "leave")  # planned leave of the last node
         gone = everyone[-1]
         s0 = c.stats()
         c.call("leave", gone)
         rest = everyone[:-1]
         r = c.round(rest, {"members": members, "leaving": [c.names[gone]]})
         row["leave"] = {**r, **_ops(_delta(s0, c.stats()))}
-        # unannounced loss of another node
+        if r["n_errors"]:
+            return row
+        _note(row, "loss")  # unannounced loss of another node
         lost = rest[-1]
         s0 = c.stats()
         c.call("vanish", lost)
         rest2 = rest[:-1]
         r = c.round(rest2, {"members": [c.names[i] for i in rest], "lost": True})
         row["loss"] = {**r, **_ops(_delta(s0, c.stats()))}
-        # a join
+        if r["n_errors"]:
+            return row
+        _note(row, "join")
         new = c.add()
         s0 = c.stats()
         r = c.round([*rest2, new], {"members": [c.names[i] for i in rest2]})
@@ -399,6 +411,10 @@ def _measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], server
     finally:
         c.close()
     return row
+
+
+def _note(row: dict[str, Any], phase: str) -> None:
+    print(f"{row['store']} N={row['nodes']}: {phase}", file=sys.stderr, flush=True)
 
 
 def _ops(d: dict[str, float]) -> dict[str, float]:
@@ -478,6 +494,10 @@ def main() -> int:
             rows.append(row)
             print(f"{store} N={n}: done in {row['bench_s']:.1f} s", file=sys.stderr, flush=True)
     print(table(rows))
+    for r in rows:
+        for ph in ("form", "leave", "loss", "join"):
+            if r.get(ph, {}).get("n_errors"):
+                print(f"{r['store']} N={r['nodes']} {ph}: {r[ph]['n_errors']} nodes failed, e.g. {r[ph]['errors'][:1]}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"rows": rows, "load_avg": os.getloadavg(), "args": vars(a)}, fh, indent=1)
