@@ -82,11 +82,11 @@ from trainguard.checkpoint.errors import (
     SaveCancelled,
     StorageError,
 )
-from trainguard.checkpoint import parity, pinned
+from trainguard.checkpoint import pinned
 from trainguard.checkpoint.integrity import describe, root_causes
 from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, QUARANTINE_DIR, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.memory import (ANY_RANK, HEADER_BYTES, MemoryTier, SnapshotSource, blob_skeleton,
-                                          choose_sources, shards_needed)
+from trainguard.checkpoint.memory import MemoryTier, SnapshotSource
+from trainguard.checkpoint.nearest import NearestTiers
 from trainguard.checkpoint.restore import StepLoader
 from trainguard.checkpoint.staging import Stager
 from trainguard.checkpoint.storage import Storage, is_transient
@@ -479,7 +479,7 @@ class CheckpointManager:
         With ``memory`` (this rank's tier 0) and no ``step``: the newest step for which an intact
         in-memory snapshot of every rank exists — its own, or a buddy node's replica (tier 1), handed
         over point to point — is loaded instead, when storage holds no newer committed step
-        (:func:`~trainguard.checkpoint.memory.choose_sources`); :attr:`last_restored_tier` says which tier
+        (:func:`~trainguard.checkpoint.nearest.choose_sources`); :attr:`last_restored_tier` says which tier
         was used (``peer`` when any rank loaded a replica). The world's epoch is then based on the
         committed step that snapshot descends from.
 
@@ -500,7 +500,7 @@ class CheckpointManager:
         self.last_restored_tier = CheckpointTier.NONE
         self.last_restore_corrupt, self.last_restore_skipped = 0, None
         if memory is not None and step is None:
-            got = self._restore_memory(state, memory, plan.candidates[0][0].step if plan.candidates else None, t_start)
+            got = self._restore_nearest(state, memory, plan.candidates[0][0].step if plan.candidates else None, t_start)
             if got is not None:
                 return got
         candidates = [ref for ref, _ in plan.candidates]
@@ -830,269 +830,35 @@ class CheckpointManager:
 
     # -- internals: restore ---------------------------------------------------------------------
 
-    def _restore_memory(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
-                        t_start: float) -> int | None:
-        """Tiers 0 and 1 (a collective): agree on the newest step for which a snapshot of every rank exists
-        in some node's memory (its own, or a buddy's replica), hand the replicas to the ranks that lack
-        their own, load on every rank, claim the epoch. None when there is no such step newer than
-        storage's (or a load or transfer failed: storage next)."""
-        if memory.parity_restore:
-            self._rebuild_from_parity(memory)
-        try:
-            mine = memory.provides(state)
-        except Exception as e:  # noqa: BLE001 - an unreadable tier 0 is no reason to fail a restore
-            self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
-            mine = []
-        provided = self._group.all_gather(mine)
-        pick, sources, why = choose_sources(provided, world_size=self.world_size, newest_durable=newest_durable)
-        if pick is None:
-            got = self._restore_resharded(state, memory, newest_durable, t_start)
-            if got is not None:
-                return got
-            if self.rank == 0:
-                self._log.info("checkpoint_memory_skipped", reason=why, newest_durable=newest_durable)
+    def _restore_nearest(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
+                         t_start: float) -> int | None:
+        """Tiers 0 and 1 (a collective, :class:`~trainguard.checkpoint.nearest.NearestTiers`): when every
+        rank loaded an in-memory set, the world's base is the newest committed step it descends from and
+        the world claims its epoch; return the step. None: nothing was loaded (storage next)."""
+        got = NearestTiers(self._group, self._log).restore(state, memory, newest_durable)
+        if got.step is None:
             return None
-        chosen, world = pick
-        t0 = time.monotonic()
-        err: str | None = None
-        extra: dict[str, Any] = {}
-        received: bytes | None = None
-        moved = sorted(r for r, (p, _) in sources.items() if p != r)
-        try:
-            received = self._hand_over(memory, sources, moved, chosen, world)
-        except Exception as e:  # noqa: BLE001 - agreed below
-            err = describe(e)[:500]
-        if not any(self._group.all_gather(err)):
-            try:
-                _, src = sources[self.rank]
-                if received is None and src == self.rank:
-                    extra = memory.load(chosen, state, world=world)  # its own snapshot: the common case
-                else:
-                    blob = received if received is not None else memory.blob(src, chosen, world)
-                    extra = memory.load_blob(blob, state)
-            except Exception as e:  # noqa: BLE001 - agreed below; every rank then goes to storage
-                err = describe(e)[:500]
-        if not self._agreed_memory_load(memory, err, newest_durable, f"loading the in-memory snapshot of step {chosen}",
-                                        step=chosen):
-            return None
-        self._claim_from_memory(extra, CheckpointTier.PEER if moved else CheckpointTier.MEMORY)
-        replicated = any(src == ANY_RANK for _, src in sources.values())
-        self._log.info("checkpoint_restored", step=chosen, tier=self.last_restored_tier.value, world=world,
-                       epoch=self.epoch, from_peers={r: sources[r][0] for r in moved}, replicated=replicated,
-                       base_step=self._base.step if self._base else None, newest_durable=newest_durable,
-                       load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
-        return chosen
-
-    def _restore_resharded(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
-                           t_start: float) -> int | None:
-        """Tiers 0 and 1 at another world size (a collective): the newest step newer than storage's for which
-        the nodes' memory holds a snapshot of every rank of an earlier world of another size (own slots or
-        replicas), of DTensors (FSDP2, tensor parallelism) or ShardedTensors (ZeRO's ranges); old rank 0's
-        skeleton (the records of every rank's shards: global shapes, meshes, placements, offsets) goes to
-        every rank, which works out the old ranks whose shards
-        overlap its new ones; each receives those (point to point, from the lowest holder) and takes the
-        elements of its new shards (:meth:`MemoryTier.load_resharded`). None when there is no such set (storage next) or
-        loading it failed on some rank (its snapshots are invalidated)."""
-        try:
-            mine = memory.reshard_candidates(state)
-        except Exception as e:  # noqa: BLE001 - an unreadable tier is no reason to fail a restore
-            self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
-            mine = []
-        holders: dict[tuple[int, str, int], dict[int, int]] = {}
-        for provider, items in enumerate(self._group.all_gather(mine)):
-            for rank, step, world, old_world in items:
-                if 0 <= rank < old_world:
-                    holders.setdefault((step, world, old_world), {}).setdefault(rank, provider)
-        complete = [k for k, by in holders.items() if len(by) == k[2]
-                    and (newest_durable is None or k[0] > newest_durable)]
-        if not complete:
-            return None
-        step, world, old_world = max(complete)
-        by_rank = holders[(step, world, old_world)]
-        t0 = time.monotonic()
-        err: str | None = None
-        held: dict[int, bytes] = {}  # old rank 0's snapshot, read once by its holder: the layout, then sent
-        skel: Any = None
-        if by_rank[0] == self.rank:
-            try:
-                held[0] = memory.blob(0, step, world, world_size=old_world)
-                skel = blob_skeleton(held[0])
-            except Exception as e:  # noqa: BLE001 - agreed below
-                err = describe(e)[:500]
-        skel = next((s for s in self._group.all_gather(skel) if s is not None), None)
-        mine_needed: list[int] = []
-        if skel is None:
-            err = err or f"old rank 0's snapshot of step {step} could not be read on rank {by_rank[0]}"
-        else:
-            try:
-                mine_needed = sorted(shards_needed(state, old_world, self.rank, skel))
-            except Exception as e:  # noqa: BLE001 - agreed below
-                err = describe(e)[:500]
-        needed = self._group.all_gather(mine_needed)
-        blobs: dict[int, bytes] = {}
-        moved = 0
-        for r in range(old_world):  # each old shard to the ranks whose new shards overlap it, from its lowest holder
-            p = by_rank[r]
-            wanted = [q for q in range(self.world_size) if r in needed[q]]
-            blob: bytes | None = None
-            if self.rank == p and wanted:
-                try:
-                    blob = held.pop(r, None) or memory.blob(r, step, world, world_size=old_world)
-                except Exception as e:  # noqa: BLE001 - agreed below; the receivers get an empty blob
-                    err = describe(e)[:500]
-                if self.rank in wanted and blob is not None:
-                    blobs[r] = blob
-            for q in wanted:
-                if q == p:
-                    continue
-                if self.rank == p:
-                    self._send_blob(blob or b"", q)  # empty when it could not be read: the receiver fails, agreed below
-                elif self.rank == q and (got := self._recv_blob(p)) is not None:
-                    blobs[r] = got
-                moved += 1
-        extra: dict[str, Any] = {}
-        if err is None:
-            try:
-                extra = memory.load_resharded(blobs, state, old_world)
-            except Exception as e:  # noqa: BLE001 - agreed below
-                err = describe(e)[:500]
-        if not self._agreed_memory_load(memory, err, newest_durable,
-                                        f"resharding the in-memory snapshots of step {step} from {old_world} ranks",
-                                        step=step, old_world_size=old_world):
-            return None
-        self._claim_from_memory(extra, CheckpointTier.PEER)
-        self._log.info("checkpoint_restored", step=step, tier=self.last_restored_tier.value, world=world,
-                       epoch=self.epoch, resharded_from=old_world, from_ranks=by_rank, needed=mine_needed,
-                       transfers=moved,
-                       base_step=self._base.step if self._base else None, newest_durable=newest_durable,
-                       load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
-        return step
-
-    def _rebuild_from_parity(self, memory: MemoryTier) -> None:
-        """Tier 1 with parity (a collective): rebuild the snapshots of the ranks of a lost node from the
-        survivors' parity blocks and snapshots (:func:`~trainguard.checkpoint.parity.plan_rebuilds`), each
-        into a replica file on its rebuilder's node; the restore then finds them as buddy replicas. A
-        rebuild that fails is logged and left out (the restore then takes what is complete, or storage)."""
-        try:
-            mine = memory.parity_inventory()
-        except Exception as e:  # noqa: BLE001 - an unreadable tier 0 is no reason to fail a restore
-            self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
-            mine = {}
-        plan = parity.plan_rebuilds(self._group.all_gather(mine))
-        for rb in plan:
-            blobs: dict[int, bytes] = {}  # the snapshots this rank reads pieces of: each read (and checked) once
-            t0 = time.monotonic()
-            err: str | None = None
-            acc: torch.Tensor | None = None
-            out: list[bytes] = []
-            for k, (pieces, want_crc) in enumerate(rb.segments):
-                acc = torch.zeros(rb.seg, dtype=torch.uint8) if self.rank == rb.rebuilder else None
-                for piece in pieces:
-                    buf = None
-                    if self.rank == piece.provider:
-                        try:
-                            buf = self._parity_piece(memory, rb, piece, blobs)
-                        except Exception as e:  # noqa: BLE001 - sent empty: the rebuild fails, nothing hangs
-                            err = describe(e)[:500]
-                            buf = b""
-                        if piece.provider != rb.rebuilder:
-                            self._send_blob(buf, rb.rebuilder)
-                    elif self.rank == rb.rebuilder:
-                        buf = self._recv_blob(piece.provider) or b""
-                    if acc is not None and buf is not None:
-                        if len(buf) != rb.seg:
-                            err = err or f"a piece of old rank {piece.source} ({piece.kind}) could not be read"
-                        else:
-                            parity.xor_(acc, torch.frombuffer(bytearray(buf), dtype=torch.uint8))
-                if acc is not None and err is None:
-                    if parity.crc(acc) != want_crc:
-                        err = f"segment {k} of old rank {rb.rank} failed its checksum after the rebuild"
-                    out.append(acc.numpy().tobytes())
-            if self.rank != rb.rebuilder:
-                continue
-            if err is None:
-                data = b"".join(out)[:rb.tensor_bytes + rb.meta_bytes]
-                try:
-                    memory.write_rebuilt(rb.rank, rb.step, rb.world_size, rb.tensor_bytes, data)
-                except Exception as e:  # noqa: BLE001
-                    err = describe(e)[:500]
-            if err is None:
-                self._log.info("memory_parity_rebuilt", rank=rb.rank, step=rb.step, world=rb.world,
-                               nbytes=len(data), seconds=round(time.monotonic() - t0, 3))
-            else:
-                self._log.warning("memory_parity_rebuild_failed", rank=rb.rank, step=rb.step, error=err,
-                                  effect="the restore takes what is complete in memory, or storage")
-
-    def _parity_piece(self, memory: MemoryTier, rb: parity.Rebuild, piece: parity.Piece, blobs: dict[int, bytes]) -> bytes:
-        """This rank's input to a rebuilt segment, :attr:`~.Rebuild.seg` bytes (zero-padded); ``blobs``
-        keeps the snapshots read for the rebuild (several segments come from one)."""
-        if piece.kind == "block":
-            raw = memory.parity_block(piece.source, rb.step, rb.world)
-        else:
-            if piece.source not in blobs:
-                blobs[piece.source] = memory.blob(piece.source, rb.step, rb.world, world_size=rb.world_size)
-            blob = blobs[piece.source]
-            raw = blob[HEADER_BYTES + piece.segment * rb.seg:HEADER_BYTES + (piece.segment + 1) * rb.seg]
-        return bytes(raw[:rb.seg]).ljust(rb.seg, b"\0")
-
-    def _hand_over(self, memory: MemoryTier, sources: dict[int, tuple[int, int]], moved: list[int], step: int,
-                   world: str) -> bytes | None:
-        """Send the snapshots of ``moved`` ranks from their providers to them (point to point over the
-        checkpoint group, one rank after the other); return what this rank received, if anything."""
-        got: bytes | None = None
-        for r in moved:
-            p, src = sources[r]
-            if self.rank == p:
-                self._send_blob(memory.blob(src, step, world), r)
-            elif self.rank == r:
-                got = self._recv_blob(p)
-        return got
-
-    def _send_blob(self, payload: bytes, dst: int) -> None:
-        """Send ``payload`` to rank ``dst`` over the checkpoint group: its length, then (when not empty) it."""
-        dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=dst, group=self._pg)
-        if payload:
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=self._pg)
-
-    def _recv_blob(self, src: int) -> bytes | None:
-        """What :meth:`_send_blob` from rank ``src`` sent (None: an empty payload)."""
-        n = torch.zeros(1, dtype=torch.int64)
-        dist.recv(n, src=src, group=self._pg)
-        if not int(n.item()):
-            return None
-        buf = torch.empty(int(n.item()), dtype=torch.uint8)
-        dist.recv(buf, src=src, group=self._pg)
-        return buf.numpy().tobytes()
-
-    def _agreed_memory_load(self, memory: MemoryTier, err: str | None, newest_durable: int | None, what: str,
-                            **log: Any) -> bool:
-        """Whether every rank loaded the chosen in-memory set (``err``: this rank's failure). When some
-        rank did not: log it, invalidate the node's snapshots so that the set is never chosen again, and
-        return False (storage next), or raise :class:`CheckpointError` when storage has nothing to fall
-        back to (other ranks may have loaded it)."""
-        errors = [e for e in self._group.all_gather(err) if e]
-        if not errors:
-            return True
-        self._log.error("checkpoint_memory_load_failed", errors=errors[:4],
-                        effect="the snapshots of this set are invalidated on every rank", **log)
-        memory.invalidate_all()  # never chosen again: the next restore (or restart) goes to storage
-        if newest_durable is None:
-            raise CheckpointError(f"{what} failed on some ranks ({errors[0]}) after others may have loaded it, and "
-                                  f"storage holds no committed step to fall back to; the snapshots were invalidated, "
-                                  f"so the restarted workers start from step 0. Fix: none needed; set "
-                                  f"checkpoint.memory_interval_steps=0 (TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS) "
-                                  f"if it happens again")
-        return False
-
-    def _claim_from_memory(self, extra: dict[str, Any], tier: CheckpointTier) -> None:
-        """Every rank loaded an in-memory set: the world's base is the newest committed step it descends
-        from (its ``extra``), and the world claims its epoch."""
-        bases = [b for b in self._group.all_gather(extra.get("base")) if b is not None]
-        self._base = max(bases) if bases else None
+        self._base = got.base
         self.last_restored = None
         self.last_restored_repeats = 0
-        self.last_restored_tier = tier
+        self.last_restored_tier = got.tier
+        t_claim = time.monotonic()
         self._claim()
+        load_s = round(got.seconds + time.monotonic() - t_claim, 3)
+        base_step = self._base.step if self._base else None
+        if got.resharded_from is None:
+            self._log.info("checkpoint_restored", step=got.step, tier=got.tier.value, world=got.world,
+                           epoch=self.epoch, from_peers=got.from_peers, replicated=got.replicated,
+                           base_step=base_step, newest_durable=newest_durable,
+                           load_s=load_s, total_s=round(time.monotonic() - t_start, 3))
+        else:
+            self._log.info("checkpoint_restored", step=got.step, tier=got.tier.value, world=got.world,
+                           epoch=self.epoch, resharded_from=got.resharded_from, from_ranks=got.from_ranks,
+                           needed=list(got.needed), transfers=got.transfers,
+                           base_step=base_step, newest_durable=newest_durable,
+                           load_s=load_s, total_s=round(time.monotonic() - t_start, 3))
+        return got.step
+
 
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version

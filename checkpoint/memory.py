@@ -24,7 +24,7 @@ Completeness: agreement at restore time, no collective per snapshot
     Ranks never agree on that while training (that would add a collective per step): at restore
     every rank reports the snapshots it can hand out (:meth:`MemoryTier.provides`: its own, and the
     replicas of a buddy's, tier 1, see :mod:`trainguard.checkpoint.replica`) and the newest step for
-    which every rank's snapshot exists somewhere is chosen (:func:`choose_sources`), never a mix of
+    which every rank's snapshot exists somewhere is chosen (:func:`~trainguard.checkpoint.nearest.choose_sources`), never a mix of
     steps; a rank that lacks its own receives the replica from the rank holding it. Two slots suffice: a rank cannot
     start snapshot ``s + 2`` before every rank finished snapshot ``s + 1`` (the gradient all-reduce of
     step ``s + 2`` needs every rank, and a rank snapshots ``s + 1`` before it starts step ``s + 2``),
@@ -79,7 +79,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -90,8 +90,9 @@ from trainguard.checkpoint.gpusnap import GpuCopies
 from trainguard.checkpoint.lending import Lending, SnapshotSource
 from trainguard.checkpoint.localplan import LocalPlan
 from trainguard.checkpoint.memreshard import ReshardReads, fill_resharded, shards_needed  # noqa: F401 - re-exported
+from trainguard.checkpoint.nearest import choose_sources  # noqa: F401 - re-exported (restore planning)
 from trainguard.checkpoint.parityslots import _PARITY_META, ParitySlots  # noqa: F401 - re-exported
-from trainguard.checkpoint.replicaslots import ANY_RANK, ReplicaSlots
+from trainguard.checkpoint.replicaslots import ANY_RANK, ReplicaSlots  # noqa: F401 - ANY_RANK re-exported
 from trainguard.checkpoint.skeleton import (  # noqa: F401 - the skeleton's names, re-exported here
     Leaf, _has_local, _Leaf, _leaves, _load_data, _materialise_one, _parse, _Shards, _Tuple, _world_of, blob_skeleton,
     fill, layout, materialise, relaxed, skeleton)
@@ -99,42 +100,6 @@ from trainguard.checkpoint.slots import (  # noqa: F401 - the slot format's name
     _COMMIT_OFFSET, _HEADER, ALIGN, HEADER_BYTES, SLOTS, Header, MemoryTierError, _align,
     _commit, _numel, _seal, _Slot, _write, checksum, checksum_threads, _zero_commit, check_fits, folder_bytes, host_available_bytes, node_bytes,
     parity_buffers, slot_bytes)
-
-
-# ---- pure parts -------------------------------------------------------------------------------------
-
-
-def choose_sources(provided: Sequence[Sequence[tuple[int, int, str]]], *, world_size: int,
-                   newest_durable: int | None) -> tuple[tuple[int, str] | None, dict[int, tuple[int, int]], str]:
-    """Tiers 0 and 1: given the ``(rank, step, world)`` snapshots each current rank can hand out (its
-    own, the replicas its node holds for a buddy, and — replicated state, DDP — :data:`ANY_RANK`
-    snapshots that stand for every rank), the newest ``(step, world)`` for which *every* rank
-    ``0..world_size-1`` has a snapshot somewhere, and for each rank ``(provider, source rank)``: the rank
-    that hands it over (itself when it can: a local load; else the lowest rank holding one: a transfer)
-    and which snapshot (the rank's own or its replica, or :data:`ANY_RANK`). Never mixes steps or
-    worlds; only a step newer than ``newest_durable`` (storage) counts. Returns ``(pick, sources, why)``."""
-    holders: dict[tuple[int, str], dict[int, set[tuple[int, int]]]] = {}
-    for provider, items in enumerate(provided):
-        for rank, step, world in items:
-            targets = range(world_size) if rank == ANY_RANK else [rank] if 0 <= rank < world_size else []
-            for r in targets:
-                holders.setdefault((step, world), {}).setdefault(r, set()).add((provider, rank))
-    complete = [k for k, by_rank in holders.items() if len(by_rank) == world_size]
-    if not complete:
-        if not holders:
-            return None, {}, "no rank holds a snapshot"
-        best = max(holders, key=lambda k: (len(holders[k]), k[0]))
-        missing = sorted(set(range(world_size)) - set(holders[best]))
-        return None, {}, f"no step has a snapshot of every rank (step {best[0]} lacks ranks {missing[:8]})"
-    pick = max(complete)
-    if newest_durable is not None and pick[0] <= newest_durable:
-        return None, {}, f"storage holds committed step {newest_durable}, not older than the snapshots' {pick[0]}"
-    sources = {}
-    for r, options in holders[pick].items():
-        local = sorted(o for o in options if o[0] == r)
-        sources[r] = local[0] if local else min(options)
-    return pick, sources, "ok"
-
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
