@@ -4,7 +4,8 @@ This module orchestrates; the concepts live next to it: :mod:`~trainguard.checkp
 (claiming fencing epochs in the store), :mod:`~trainguard.checkpoint.discovery` (what a run holds,
 lineages, what garbage collection may delete), :mod:`~trainguard.checkpoint.integrity` (proven
 corrupt vs unreadable now), :mod:`~trainguard.checkpoint.restore` (verify and load one step),
-:mod:`~trainguard.checkpoint.staging` (the host copy), :mod:`~trainguard.checkpoint.collective`
+:mod:`~trainguard.checkpoint.staging` (the host copy), :mod:`~trainguard.checkpoint.retention` (what
+goes after a commit), :mod:`~trainguard.checkpoint.collective`
 (the checkpoint group; errors reach every rank), :mod:`~trainguard.checkpoint.storage` (all I/O) and
 :mod:`~trainguard.checkpoint.retry` (the one backoff policy).
 
@@ -27,27 +28,14 @@ Epochs (fencing)
     refuses every save without touching storage (it does not crash: a crash would restart it, and
     the restarted world would claim an even newer epoch and fence the other world in turn).
 
-In-flight rule
-    At most one save is in flight. ``save()`` (any kind, emergency included) first waits for the
-    in-flight save to finish — commit or fail — then stages; it never supersedes or abandons it, so a
-    save is never left half-committed and the staging buffers (one copy of the state, reused across
-    saves) are free again. A previous save's failure was logged (``checkpoint_save_failed``) and
-    does not stop the new save.
-
-Commit protocol (see :mod:`trainguard.checkpoint.manifest` for the layout)
-    1. rank 0 checks that this world's epoch is the newest (names only; a stale world writes nothing).
-    2. every rank writes its shard with ``dcp.save`` into ``step-<s>-e<epoch>/`` (durable,
-       size-verified, CRC32 computed in flight); rank 0 also writes DCP's ``.metadata``. A failing write
-       is retried as a whole save on every rank (agreed collectively) with backoff.
-    3. the file digests are gathered on rank 0, which re-checks the epoch and writes ``manifest.json``
-       last (atomic), recording the epoch. That write is the commit; the outcome is broadcast.
-    4. rank 0 garbage-collects by :func:`~trainguard.checkpoint.discovery.gc_plan`: proven-corrupt
-       steps are moved into ``quarantine/`` (the newest ``quarantine_keep`` stay there); deleted are
-       half-written ones older than a later commit of their epoch, and retention within the lineage of
-       this epoch (branches only after ``keep_last`` newer commits). Never raises.
+Saving
+    The in-flight rule, the commit protocol and retention: :mod:`~trainguard.checkpoint.durablesave`
+    (:class:`~trainguard.checkpoint.durablesave.DurableSave`, the save half of the manager) and
+    :mod:`~trainguard.checkpoint.retention`.
 
 Restore
-    Rank 0 lists the run (retrying what is unreadable now until ``restore_deadline_s``) and picks the
+    With the memory tier, the nodes' memory first (tiers 0 and 1: :mod:`~trainguard.checkpoint.nearest`),
+    storage when it holds no newer complete set. From storage: rank 0 lists the run (retrying what is unreadable now until ``restore_deadline_s``) and picks the
     restore lineage, newest first. Each step is verified (sizes, CRC32s; files split across ranks) and
     loaded with ``dcp.load`` (resharding). A *proven-corrupt* step is skipped
     (``checkpoint_restore_fallback``) and quarantined after the next commit; a step that is only
@@ -61,66 +49,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint.collective import Group
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.discovery import Scan, StepRef, gc_plan, quarantine_expired, scan_run
+from trainguard.checkpoint.discovery import Scan, StepRef, scan_run
+from trainguard.checkpoint.durablesave import DurableSave, FaultHook, SaveResult
 from trainguard.checkpoint.epochs import EpochRecord, check_owner, claim_epoch, new_record
-from trainguard.checkpoint.errors import (
-    CheckpointCorrupt,
-    CheckpointError,
-    FencedError,
-    InflightTimeout,
-    SaveCancelled,
-    StorageError,
-)
-from trainguard.checkpoint import pinned
-from trainguard.checkpoint.integrity import describe, root_causes
-from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, QUARANTINE_DIR, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.memory import MemoryTier, SnapshotSource
+from trainguard.checkpoint.errors import CheckpointCorrupt, CheckpointError, FencedError, InflightTimeout, StorageError
+from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.memory import MemoryTier
 from trainguard.checkpoint.nearest import NearestTiers
 from trainguard.checkpoint.restore import StepLoader
+from trainguard.checkpoint.retention import Retention
 from trainguard.checkpoint.staging import Stager
-from trainguard.checkpoint.storage import Storage, is_transient
+from trainguard.checkpoint.storage import Storage
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import CheckpointTier
 
 log = get_logger("trainguard.checkpoint")
-
-FaultHook = Callable[[str, int], None]
-"""``hook(point, step)``, called at ``before_write``, ``before_commit`` and ``after_commit`` of a save
-(every rank, on the thread that persists) and at ``before_manifest`` (rank 0, after the commit-time
-epoch check, right before the manifest is written). Tests raise or kill the process there."""
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    """What one committed save cost this rank (what the worker's checkpoint metrics record)."""
-
-    step: int
-    epoch: int
-    kind: str
-    nbytes: int
-    """Bytes this rank wrote (its shard; rank 0 also DCP's metadata)."""
-    total_bytes: int
-    """Bytes of the whole checkpoint (all ranks)."""
-    stage_s: float
-    """Copying the state into the staging buffers (seconds)."""
-    persist_s: float
-    """Writing, committing and cleaning up, from the end of staging (seconds)."""
-    blocked_s: float
-    """How long :meth:`CheckpointManager.save` blocked its caller: waiting for the previous save, plus
-    staging (seconds)."""
-    skipped: bool = False
-    """True when this epoch had already committed ``step``: nothing was written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +96,7 @@ class CheckpointInfo:
                    in_lineage=in_lineage)
 
 
-def _done(value: SaveResult) -> Future[SaveResult]:
-    f: Future[SaveResult] = Future()
-    f.set_result(value)
-    return f
-
-
-class CheckpointManager:
+class CheckpointManager(DurableSave):
     """Async sharded checkpoints of one run. See the module docstring for protocol and threading.
 
     Args:
@@ -221,8 +165,7 @@ class CheckpointManager:
         self._record: EpochRecord | None = None
         self._base: StepRef | None = base
         self._fenced: FencedError | None = None
-        self._corrupt: set[StepRef] = set()
-        self._corrupt_why: dict[StepRef, str] = {}
+        self._retention = Retention(self.storage, run_id, config)
         self.last_restore_corrupt = 0
         """Committed steps the last :meth:`restore` found proven corrupt (skipped; quarantined by the next
         commit's cleanup)."""
@@ -280,159 +223,6 @@ class CheckpointManager:
         """True once a newer epoch owns the run: this world's saves are refused until :meth:`new_world`."""
         return self._fenced is not None
 
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes held by the reusable staging buffers (about one copy of the saved tensors)."""
-        return self._stager.staging_bytes
-
-    @property
-    def staging_rebuilds(self) -> int:
-        """How often the staging buffers were (re)allocated."""
-        return self._stager.rebuilds
-
-    @property
-    def in_flight(self) -> int | None:
-        """The step being persisted in the background, if any."""
-        f = self._inflight
-        return self._inflight_step if f is not None and not f.done() else None
-
-    @property
-    def pending(self) -> Future[SaveResult] | None:
-        """The save persisting in the background (its result: a :class:`SaveResult`; its exception:
-        why it failed), or None. Callers may add done-callbacks."""
-        return self._inflight
-
-    def prepare_staging(self, state: dict[str, Any]) -> int:
-        """Allocate the staging buffers for ``state`` now, without saving (call after the first step,
-        once the optimizer state exists): the first save, which may be an emergency one, then does not
-        pay for a multi-GB page-locked allocation. Returns the staging bytes. Not a collective."""
-        self._check_open()
-        if self._inflight is None or self._inflight.done():  # never re-carve buffers a persist is reading
-            self._bind(state)
-            self._stager.prepare(state)
-        return self._stager.staging_bytes
-
-    def save(self, step: int, state: dict[str, Any], kind: str = "periodic", *,
-             block: bool | None = None, source: SnapshotSource | None = None) -> Future[SaveResult]:
-        """Checkpoint ``state`` as ``step`` (a collective: call on every rank).
-
-        Blocks while the previous save finishes (see the in-flight rule) and while ``state`` is copied
-        into the staging buffers; persisting and committing then run in the background unless
-        ``block`` (default: ``not config.async_save``). After return the caller may mutate the model.
-        ``state`` maps names to ``Stateful`` objects or plain state dicts.
-
-        Returns a future of the :class:`SaveResult`: already resolved when ``block`` (whose failure is
-        raised here instead), else resolved by the background thread. A fenced world gets a future
-        holding :class:`FencedError` (``block``: the error is raised) and nothing is written.
-
-        ``source``: the tier-0 snapshot of this very state (:meth:`MemoryTier.lend`, taken at this step
-        boundary): the tensors it holds are staged from it by the persist thread, so the caller blocks
-        only for the rest (:mod:`~trainguard.checkpoint.staging`). The manager releases it in any case.
-        """
-        try:
-            done = self._save(step, state, kind, block, source)
-        except BaseException:
-            if source is not None:
-                source.release()  # no copy out of it runs (or it ran and released it already)
-            raise
-        if source is not None and self._stager.deferred is None:
-            source.release()  # not used; else the copy out of it releases it
-        return done
-
-    def _save(self, step: int, state: dict[str, Any], kind: str, block: bool | None,
-              source: SnapshotSource | None) -> Future[SaveResult]:
-        self._stager.deferred = None
-        self._check_open()
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        sync = (not self.config.async_save) if block is None else block
-        t0 = time.monotonic()
-        self._finish_inflight()
-        t_wait = time.monotonic() - t0
-        if self._fenced is not None:
-            self.last_blocked_s, self.last_stage_s = t_wait, 0.0
-            refused = FencedError(str(self._fenced), epoch=self._fenced.epoch, newest_epoch=self._fenced.newest_epoch)
-            if sync:
-                raise refused
-            failed: Future[SaveResult] = Future()
-            failed.set_exception(refused)
-            return failed
-        if step in self._committed_here:
-            self._log.warning("checkpoint_step_exists", step=step, kind=kind, epoch=self.epoch,
-                              why="this world already committed that step; the committed copy is kept as it is")
-            prev = self._committed_here[step]
-            self.last_blocked_s, self.last_stage_s = t_wait, 0.0
-            return _done(SaveResult(step=step, epoch=prev.epoch, kind=kind, nbytes=0, total_bytes=prev.total_bytes,
-                                    stage_s=0.0, persist_s=0.0, blocked_s=t_wait, skipped=True))
-        self._bind(state)
-        t1 = time.monotonic()
-        staged = self._stager.stage(state, source)
-        ready, deferred, device = self._stager.ready, self._stager.deferred, self._stager.device
-        t2 = time.monotonic()
-        stage_s, blocked = t2 - t1, t2 - t0
-        self._log.info("checkpoint_staged", step=step, kind=kind, blocked_s=round(blocked, 6),
-                       stage_s=round(stage_s, 6), waited_inflight_s=round(t_wait, 6),
-                       staging_bytes=self._stager.staging_bytes, from_snapshot=self._stager.from_snapshot)
-        self.last_blocked_s, self.last_stage_s = blocked, stage_s
-        if sync:
-            return _done(self._persist(step, staged, kind, stage_s, blocked, ready, deferred, device))
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
-        self._inflight_step = step
-        self._cancel_why = None
-        self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready, deferred,
-                                               device)
-        return self._inflight
-
-    def guard(self, optimizer: Any) -> None:
-        """Let the next forward and backward run beside a save's GPU -> host copy of ``optimizer``'s
-        parameters and state: only ``optimizer.step()`` waits for it (GPU-side, a step pre-hook). Call
-        again when the optimizer object changes. Without it, the whole next step waits for the copy."""
-        self._stager.guard.attach(optimizer)
-
-    def order_after_copies(self) -> None:
-        """Make the compute stream wait (GPU-side) for a guarded save's copies now: before anything but
-        the guarded ``optimizer.step()`` changes the parameters or optimizer state (a restore, a
-        re-formation). A no-op on the CPU and when no copy is pending."""
-        self._stager.guard.release()
-
-    def cancel_inflight(self, why: str) -> bool:
-        """Give up the background save if its shards are still being written (thread-safe): it stops at
-        the next write slice, and :meth:`close` / :meth:`wait` return without waiting for the rest of
-        the upload. For a world that lost a peer: such a save can never commit (every rank writes, then
-        all agree), and waiting for a slow upload would keep this worker from the new world. A save past
-        its writes (rank 0 writing the manifest) is left to finish. True when a save was cancelled."""
-        f = self._inflight
-        if f is None or f.done():
-            return False
-        self._cancel_why = why
-        writer = self._writer
-        if writer is not None:
-            writer.cancel()
-        self._log.warning("checkpoint_inflight_cancelled", step=self._inflight_step, why=why,
-                          effect="its shard writes stop at the next slice; the last committed step stands")
-        return True
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """Wait for the in-flight save; return the newest step committed by this manager (or None).
-
-        Raises the in-flight save's error (:class:`StorageError`, :class:`FencedError`, ...) once, and
-        :class:`TimeoutError` if it is still running after ``timeout`` seconds (it keeps running).
-        """
-        f = self._inflight
-        if f is not None:
-            try:
-                f.result(timeout=timeout)
-            except FutureTimeout as e:
-                raise TimeoutError(f"checkpoint of step {self._inflight_step} to {self.url} still in flight "
-                                   f"after {timeout}s") from e
-            finally:
-                if f.done():
-                    self._inflight = None
-                    self._inflight_step = None
-        return self._last_committed
 
     def latest(self) -> int | None:
         """The newest committed step of the restore lineage, or None (a collective when world_size > 1)."""
@@ -536,8 +326,7 @@ class CheckpointManager:
             problems.append(f"step {ref.step} (epoch {ref.epoch}): {verdict.reason}")
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
             if verdict.status == "corrupt":
-                self._corrupt.add(ref)
-                self._corrupt_why[ref] = verdict.reason
+                self._retention.mark_corrupt(ref, verdict.reason)
                 self.last_restore_corrupt += 1
                 self.last_restore_skipped = max(self.last_restore_skipped or 0, ref.step)
                 self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch,
@@ -655,179 +444,6 @@ class CheckpointManager:
 
     # -- internals: save ------------------------------------------------------------------------
 
-    def _finish_inflight(self) -> None:
-        """Wait for the in-flight save, at most :attr:`inflight_timeout_s` (then :class:`InflightTimeout`;
-        it keeps running and stays in flight); its failure was logged (and a fence recorded) by ``_persist``."""
-        f = self._inflight
-        if f is None:
-            return
-        try:
-            f.result(timeout=self.inflight_timeout_s)
-        except FutureTimeout:
-            raise InflightTimeout(f"the background save of step {self._inflight_step} to {self.url} is still running "
-                                  f"after {self.inflight_timeout_s:g}s (a peer gone from its collectives, or storage "
-                                  f"not answering). The last committed step stands") from None
-        except Exception:  # noqa: BLE001 - already logged by _persist
-            pass
-        self._inflight = None
-        self._inflight_step = None
-
-    def _persist(self, step: int, staged: dict[str, Any], kind: str, stage_s: float, blocked_s: float,
-                 ready: Any = None, deferred: Callable[[], None] | None = None,
-                 device: Any = None) -> SaveResult:
-        """Claim if needed, write, commit and clean up one staged state (background thread, or caller).
-        ``ready``: the event of the staging copies (GPU) on ``device`` (made this thread's current
-        device first); ``deferred``: the copies out of a snapshot (:mod:`~trainguard.checkpoint.staging`),
-        run here first; the buffers are read only after both."""
-        t0 = time.monotonic()
-        pinned.bind_thread(device)
-        if ready is not None:
-            ready.synchronize()  # this save's copies only: not a device-wide synchronize
-        ref: StepRef | None = None
-        try:
-            if deferred is not None:
-                deferred()  # releases the snapshot's slot, also when it fails (then the save fails)
-                stage_s += time.monotonic() - t0
-                t0 = time.monotonic()  # persisting starts after the staging copy
-            if self._record is None:
-                self._claim()
-            assert self._record is not None
-            ref = StepRef(step, self._record.epoch)
-            self._on_rank0(self._check_owner)
-            self._fault("before_write", step)
-            digests = self._write_shards(ref, staged)
-            gathered = self._group.all_gather((self.rank, digests))
-            files = tuple(FileEntry(path=name, size=size, crc32=crc, rank=r)
-                          for r, d in gathered for name, (size, crc) in sorted(d.items()))
-            self._fault("before_commit", step)
-            self._on_rank0(lambda: self._commit(ref, kind, files))
-        except FencedError as e:
-            self._set_fenced(e)
-            raise
-        except Exception as e:
-            where = self.storage.url_of(f"{self.run_id}/{ref.name}") if ref else self.url
-            self._log.error("checkpoint_save_failed", step=step, kind=kind, url=where, error=describe(e),
-                            elapsed_s=round(time.monotonic() - t0, 3), last_committed=self._last_committed)
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"checkpoint of step {step} to {where} failed: {describe(e)}. "
-                                  f"The previous committed step is untouched") from e
-        self._last_committed = step
-        self._base = ref
-        nbytes = sum(size for size, _ in digests.values())
-        total = sum(f.size for f in files)
-        self._fault("after_commit", step)
-        if self.rank == 0:
-            self._cleanup(ref)
-        result = SaveResult(step=step, epoch=ref.epoch, kind=kind, nbytes=nbytes, total_bytes=total, stage_s=stage_s,
-                            persist_s=time.monotonic() - t0, blocked_s=blocked_s)
-        self._committed_here[step] = result
-        self._log.info("checkpoint_committed", step=step, kind=kind, epoch=ref.epoch,
-                       url=self.storage.url_of(f"{self.run_id}/{ref.name}"), bytes=total, rank_bytes=nbytes,
-                       files=len(files), stage_s=round(stage_s, 6), persist_s=round(result.persist_s, 3))
-        return result
-
-    def _write_shards(self, ref: StepRef, staged: dict[str, Any]) -> dict[str, tuple[int, int]]:
-        """``dcp.save`` with whole-save retries agreed by all ranks; return this rank's file digests."""
-        rel = f"{self.run_id}/{ref.name}"
-        backoff = self.storage.backoff
-        start = time.monotonic()
-        attempt = 0
-        while True:
-            attempt += 1
-            writer = self.storage.dcp_writer(rel)
-            self._writer = writer
-            err: BaseException | None = None
-            try:
-                if self._cancel_why is not None:
-                    writer.cancel()
-                dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
-            except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-                err = e
-            finally:
-                self._writer = None
-            if err is None:
-                return writer.digests
-            if writer.is_cancelled:  # no retry, and no collective: the world it was taken in is gone
-                raise SaveCancelled(f"the save of step {ref.step} to {self.storage.url_of(rel)} was cancelled: "
-                                    f"{self._cancel_why}. Nothing was committed; the previous committed step stands")
-            elapsed = time.monotonic() - start
-            delay = backoff.delay(attempt)
-            transient = all(is_transient(c) for c in root_causes(err))
-            want_retry = transient and backoff.allows(attempt, elapsed, delay)
-            retry = all(self._group.all_gather(want_retry))
-            self._log.warning("storage_retry", op="dcp_save", url=self.storage.url_of(rel), attempt=attempt,
-                              max_attempts=backoff.attempts, elapsed_s=round(elapsed, 3), transient=transient,
-                              error=describe(err)[:500], giving_up=not retry)
-            if not retry:
-                raise StorageError(f"writing the shards of step {ref.step} to {self.storage.url_of(rel)} failed after "
-                                   f"{attempt} attempt(s) in {elapsed:.1f}s: {describe(err)}. The previous committed "
-                                   f"step is untouched. Fix: check the storage endpoint and credentials; raise "
-                                   f"checkpoint.retry_attempts / retry_deadline_s for flaky storage",
-                                   transient=transient) from (err if isinstance(err, Exception) else None)
-            time.sleep(delay)
-
-    def _commit(self, ref: StepRef, kind: str, files: tuple[FileEntry, ...]) -> None:
-        """Rank 0: re-check the epoch, then write the manifest (the commit point)."""
-        self._check_owner()
-        self._fault("before_manifest", ref.step)
-        m = Manifest(run_id=self.run_id, step=ref.step, world_size=self.world_size, strategy=self.strategy,
-                     epoch=ref.epoch, kind=kind, files=files, versions=_versions(), **now_fields())
-        rel = f"{self.run_id}/{ref.name}"
-        self.storage.fsync_dir(rel)
-        self.storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", m.to_json())
-        self.storage.fsync_dir(self.run_id)
-
-    def _cleanup(self, committed: StepRef) -> None:
-        """Rank 0, after a commit: delete what :func:`gc_plan` allows. Never raises. Skipped once the
-        save was cancelled (:meth:`cancel_inflight`: the worker waits for it to park; the next commit
-        collects what this one would have)."""
-        if self._cancel_why is not None:
-            self._log.info("checkpoint_gc_skipped", reason="cancelled", why=self._cancel_why)
-            return
-        try:
-            scan = scan_run(self.storage, self.run_id)
-            assert self._record is not None
-            if scan.newest_epoch > self._record.epoch:
-                self._log.info("checkpoint_gc_skipped", reason="a newer epoch exists", newest_epoch=scan.newest_epoch)
-                return
-            protected = {committed} | ({self._base} if self._base else set())
-            for d in gc_plan(scan, epoch=self._record.epoch, keep_last=self.config.keep_last, protected=protected,
-                             proven_corrupt=self._corrupt):
-                if self._cancel_why is not None:
-                    self._log.info("checkpoint_gc_skipped", reason="cancelled", why=self._cancel_why)
-                    return
-                rel = f"{self.run_id}/{d.ref.name}"
-                if d.reason == "corrupt":
-                    self._quarantine(d.ref, scan)
-                    continue
-                if d.ref in scan.committed:
-                    # Manifest first: the step disappears from discovery atomically, then its files go.
-                    self.storage.remove(f"{rel}/{MANIFEST_NAME}")
-                self.storage.remove(rel, recursive=True)
-                event = "checkpoint_retention_deleted" if d.reason == "retention" else "checkpoint_garbage_collected"
-                self._log.info(event, step=d.ref.step, saved_epoch=d.ref.epoch, reason=d.reason,
-                               keep_last=self.config.keep_last)
-            for ref in quarantine_expired(scan, keep=self.config.quarantine_keep):
-                self.storage.remove(f"{self.run_id}/{QUARANTINE_DIR}/{ref.name}", recursive=True)
-                self._log.info("checkpoint_quarantine_expired", step=ref.step, saved_epoch=ref.epoch,
-                               quarantine_keep=self.config.quarantine_keep)
-        except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail a committed save
-            self._log.warning("checkpoint_cleanup_failed", error=describe(e))
-
-    def _quarantine(self, ref: StepRef, scan: Scan) -> None:
-        """Rank 0: move a proven-corrupt step into ``<run_id>/quarantine/`` (the evidence stays; discovery
-        never restores it). Its manifest goes last, so it never looks committed in two places."""
-        src = f"{self.run_id}/{ref.name}"
-        dst = f"{self.run_id}/{QUARANTINE_DIR}/{ref.name}"
-        self.storage.move_tree(src, dst, last=MANIFEST_NAME)
-        self._corrupt.discard(ref)
-        scan.quarantined = sorted({*scan.quarantined, ref})
-        why = scan.invalid.get(ref) or self._corrupt_why.pop(ref, "")
-        self._log.warning("checkpoint_quarantined", step=ref.step, saved_epoch=ref.epoch, reason="corrupt",
-                          why=why[:1000], url=self.storage.url_of(dst), quarantine_keep=self.config.quarantine_keep,
-                          verify=f"trainguard checkpoints verify {self.storage.url_of(self.run_id)} {ref.step}")
-
     # -- internals: restore ---------------------------------------------------------------------
 
     def _restore_nearest(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
@@ -860,14 +476,6 @@ class CheckpointManager:
         return got.step
 
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        tg = version("trainguard")
-    except PackageNotFoundError:
-        tg = "unknown"
-    return {"trainguard": tg, "torch": torch.__version__, "python": __import__("platform").python_version()}
 
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "FaultHook", "SaveResult", "Scan", "StepRef", "scan_run"]
