@@ -15,17 +15,15 @@ holds, and the load); choosing the set and moving the snapshots between ranks is
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from trainguard.checkpoint import reshard
 from trainguard.checkpoint.skeleton import (Leaf, _intact, _is_dtensor, _is_sharded, _load_into, _local, _parse,
                                             _Shards, _Tuple, layout, materialise, relaxed, skeleton)
-from trainguard.checkpoint.slots import HEADER_BYTES, _HEADER, Header, MemoryTierError, checksum
+from trainguard.checkpoint.slots import HEADER_BYTES, _HEADER, Header, MemoryTierError, TierState, checksum
 
-if TYPE_CHECKING:
-    from trainguard.checkpoint.slots import _Slot
 
 def _old_indices(leaf: Leaf, rank: int, old_world: int, shape: tuple[int, ...]) -> reshard.Indices | None:
     """The global indices old ``rank`` held of the tensor at ``leaf`` of an old skeleton (global ``shape``):
@@ -202,18 +200,9 @@ def fill_resharded(cur: Any, skel: Any, views: dict[int, list[torch.Tensor]], ol
     return skel
 
 
-class ReshardReads:
+class ReshardReads(TierState):
     """The resharding reads of :class:`~trainguard.checkpoint.memory.MemoryTier` (a mixin: the state it
     reads is the tier's; it writes no slot)."""
-
-    rank: int
-    world_size: int
-    _threads: int
-    _last: Any
-
-    if TYPE_CHECKING:
-        def settle(self) -> None: ...
-        def _node_files(self) -> list[_Slot]: ...
 
     def reshard_candidates(self, state: dict[str, Any]) -> list[tuple[int, int, str, int]]:
         """``(rank, step, world, world_size)`` of every intact sharded snapshot in this node's folder (the

@@ -30,18 +30,15 @@ from trainguard.checkpoint import parity, pinned
 from trainguard.checkpoint.gpusnap import GpuCopies
 from trainguard.checkpoint.skeleton import _intact
 from trainguard.checkpoint.slots import (_COMMIT_OFFSET, ALIGN, HEADER_BYTES, SLOTS, Header, MemoryTierError, _commit,
-                                         _seal, _Slot, _write, checksum)
+                                         _seal, _Slot, TierState, _write, checksum)
 
 _PARITY_META = 4096
 """Room after a parity block for its record (world, members, each contributor's lengths and CRC32)."""
 
-class ParitySlots:
+class ParitySlots(TierState):
     """Tier 1 as parity in :class:`~trainguard.checkpoint.memory.MemoryTier` (a mixin: the group, the
     own slot and the background thread are the tier's)."""
 
-    directory: str
-    rank: int
-    world_size: int
     fault_hook: Any
     parity_failed: str | None
     parity_step: int | None
@@ -54,17 +51,11 @@ class ParitySlots:
     _guarded: Any
     _gpu: GpuCopies
     _sig: Any
-    _newest: int | None
-    _last: Any
-    _threads: int
-    _replica_sizes: dict[str, int]
 
     if TYPE_CHECKING:
-        def settle(self) -> None: ...
         def _attach(self, rank: int, world_size: int, parity: tuple[Any, list[int], int] | None = None) -> None: ...
         def _background(self, job: Any) -> None: ...
         def _guarded_ptrs(self, sig: Any) -> set[int]: ...
-        def _node_files(self) -> list[_Slot]: ...
 
     @property
     def parity(self) -> bool:

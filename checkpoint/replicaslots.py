@@ -21,31 +21,21 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.checkpoint.skeleton import _intact, _load_data, _world_of, layout, materialise, skeleton
 from trainguard.checkpoint.slots import (_COMMIT_OFFSET, _HEADER, HEADER_BYTES, SLOTS, Header, MemoryTierError,
-                                         _seal, _Slot, checksum)
+                                         _seal, _Slot, TierState, checksum)
 
 ANY_RANK = -1
 """The rank of a *replicated* snapshot (DDP: every rank holds the whole model and optimizer state) in
 :meth:`MemoryTier.provides`: it restores any rank of a world of any size."""
 
-class ReplicaSlots:
+class ReplicaSlots(TierState):
     """Tier 1 of :class:`~trainguard.checkpoint.memory.MemoryTier`: the replicas it keeps for a buddy and
     the snapshots it hands out (a mixin: the folder, slots and rank are the tier's)."""
 
-    directory: str
-    rank: int
-    world_size: int
     replicated: bool
-    _slots: list[_Slot]
-    _newest: int | None
-    _last: Any
-    _threads: int
-    _replica_sizes: dict[str, int]
 
     if TYPE_CHECKING:
-        def settle(self) -> None: ...
         def available(self, state: dict[str, Any]) -> list[tuple[int, str]]: ...
         def _own_files(self) -> list[_Slot]: ...
-        def _node_files(self) -> list[_Slot]: ...
 
     def blob(self, rank: int, step: int, world: str, world_size: int | None = None) -> bytes:
         """A complete slot (header + data) of ``rank``'s snapshot of ``step`` by ``world``: this rank's
