@@ -1,7 +1,8 @@
 """The checkpoint process group's collectives, and the rule that every error reaches every rank.
 
 :class:`Group` wraps the (gloo) group the checkpoint manager uses: ``broadcast`` and ``all_gather`` of
-picklable objects, and :meth:`Group.on_rank0`, which runs a function on rank 0 only and hands every
+picklable objects, point to point bytes (:meth:`Group.send_bytes` / :meth:`Group.recv_bytes`), and
+:meth:`Group.on_rank0`, which runs a function on rank 0 only and hands every
 rank its result *or the same exception* — so a storage failure on rank 0 never leaves the other ranks
 waiting in a collective. With one rank (no ``torch.distributed``) nothing is collective.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.errors import (
@@ -69,6 +71,22 @@ class Group:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
+
+    def send_bytes(self, payload: bytes, dst: int) -> None:
+        """Send ``payload`` to rank ``dst``: its length, then (when not empty) it."""
+        dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=dst, group=self.pg)
+        if payload:
+            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=self.pg)
+
+    def recv_bytes(self, src: int) -> bytes | None:
+        """What :meth:`send_bytes` from rank ``src`` sent (None: an empty payload)."""
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.recv(n, src=src, group=self.pg)
+        if not int(n.item()):
+            return None
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.recv(buf, src=src, group=self.pg)
+        return buf.numpy().tobytes()
 
     def on_rank0(self, fn: Callable[[], Any], *, url: str = "") -> Any:
         """Run ``fn`` on rank 0 only; every rank gets its result, or raises the same error.

@@ -4,7 +4,8 @@ This module orchestrates; the concepts live next to it: :mod:`~trainguard.checkp
 (claiming fencing epochs in the store), :mod:`~trainguard.checkpoint.discovery` (what a run holds,
 lineages, what garbage collection may delete), :mod:`~trainguard.checkpoint.integrity` (proven
 corrupt vs unreadable now), :mod:`~trainguard.checkpoint.restore` (verify and load one step),
-:mod:`~trainguard.checkpoint.staging` (the host copy), :mod:`~trainguard.checkpoint.collective`
+:mod:`~trainguard.checkpoint.staging` (the host copy), :mod:`~trainguard.checkpoint.retention` (what
+goes after a commit), :mod:`~trainguard.checkpoint.collective`
 (the checkpoint group; errors reach every rank), :mod:`~trainguard.checkpoint.storage` (all I/O) and
 :mod:`~trainguard.checkpoint.retry` (the one backoff policy).
 
@@ -27,27 +28,14 @@ Epochs (fencing)
     refuses every save without touching storage (it does not crash: a crash would restart it, and
     the restarted world would claim an even newer epoch and fence the other world in turn).
 
-In-flight rule
-    At most one save is in flight. ``save()`` (any kind, emergency included) first waits for the
-    in-flight save to finish — commit or fail — then stages; it never supersedes or abandons it, so a
-    save is never left half-committed and the staging buffers (one copy of the state, reused across
-    saves) are free again. A previous save's failure was logged (``checkpoint_save_failed``) and
-    does not stop the new save.
-
-Commit protocol (see :mod:`trainguard.checkpoint.manifest` for the layout)
-    1. rank 0 checks that this world's epoch is the newest (names only; a stale world writes nothing).
-    2. every rank writes its shard with ``dcp.save`` into ``step-<s>-e<epoch>/`` (durable,
-       size-verified, CRC32 computed in flight); rank 0 also writes DCP's ``.metadata``. A failing write
-       is retried as a whole save on every rank (agreed collectively) with backoff.
-    3. the file digests are gathered on rank 0, which re-checks the epoch and writes ``manifest.json``
-       last (atomic), recording the epoch. That write is the commit; the outcome is broadcast.
-    4. rank 0 garbage-collects by :func:`~trainguard.checkpoint.discovery.gc_plan`: proven-corrupt
-       steps are moved into ``quarantine/`` (the newest ``quarantine_keep`` stay there); deleted are
-       half-written ones older than a later commit of their epoch, and retention within the lineage of
-       this epoch (branches only after ``keep_last`` newer commits). Never raises.
+Saving
+    The in-flight rule, the commit protocol and retention: :mod:`~trainguard.checkpoint.durablesave`
+    (:class:`~trainguard.checkpoint.durablesave.DurableSave`, the save half of the manager) and
+    :mod:`~trainguard.checkpoint.retention`.
 
 Restore
-    Rank 0 lists the run (retrying what is unreadable now until ``restore_deadline_s``) and picks the
+    With the memory tier, the nodes' memory first (tiers 0 and 1: :mod:`~trainguard.checkpoint.nearest`),
+    storage when it holds no newer complete set. From storage: rank 0 lists the run (retrying what is unreadable now until ``restore_deadline_s``) and picks the
     restore lineage, newest first. Each step is verified (sizes, CRC32s; files split across ranks) and
     loaded with ``dcp.load`` (resharding). A *proven-corrupt* step is skipped
     (``checkpoint_restore_fallback``) and quarantined after the next commit; a step that is only
@@ -61,66 +49,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint.collective import Group
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.discovery import Scan, StepRef, gc_plan, quarantine_expired, scan_run
+from trainguard.checkpoint.discovery import Scan, StepRef, scan_run
+from trainguard.checkpoint.durablesave import DurableSave, FaultHook, SaveResult
 from trainguard.checkpoint.epochs import EpochRecord, check_owner, claim_epoch, new_record
-from trainguard.checkpoint.errors import (
-    CheckpointCorrupt,
-    CheckpointError,
-    FencedError,
-    InflightTimeout,
-    SaveCancelled,
-    StorageError,
-)
-from trainguard.checkpoint import parity, pinned
-from trainguard.checkpoint.integrity import describe, root_causes
-from trainguard.checkpoint.manifest import KINDS, MANIFEST_NAME, QUARANTINE_DIR, FileEntry, Manifest, now_fields
-from trainguard.checkpoint.memory import (ANY_RANK, HEADER_BYTES, MemoryTier, SnapshotSource, blob_skeleton,
-                                          choose_sources, shards_needed)
+from trainguard.checkpoint.errors import CheckpointCorrupt, CheckpointError, FencedError, InflightTimeout, StorageError
+from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.memory import MemoryTier
+from trainguard.checkpoint.nearest import NearestTiers
 from trainguard.checkpoint.restore import StepLoader
+from trainguard.checkpoint.retention import Retention
 from trainguard.checkpoint.staging import Stager
-from trainguard.checkpoint.storage import Storage, is_transient
+from trainguard.checkpoint.storage import Storage
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import CheckpointTier
 
 log = get_logger("trainguard.checkpoint")
-
-FaultHook = Callable[[str, int], None]
-"""``hook(point, step)``, called at ``before_write``, ``before_commit`` and ``after_commit`` of a save
-(every rank, on the thread that persists) and at ``before_manifest`` (rank 0, after the commit-time
-epoch check, right before the manifest is written). Tests raise or kill the process there."""
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    """What one committed save cost this rank (what the worker's checkpoint metrics record)."""
-
-    step: int
-    epoch: int
-    kind: str
-    nbytes: int
-    """Bytes this rank wrote (its shard; rank 0 also DCP's metadata)."""
-    total_bytes: int
-    """Bytes of the whole checkpoint (all ranks)."""
-    stage_s: float
-    """Copying the state into the staging buffers (seconds)."""
-    persist_s: float
-    """Writing, committing and cleaning up, from the end of staging (seconds)."""
-    blocked_s: float
-    """How long :meth:`CheckpointManager.save` blocked its caller: waiting for the previous save, plus
-    staging (seconds)."""
-    skipped: bool = False
-    """True when this epoch had already committed ``step``: nothing was written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +96,7 @@ class CheckpointInfo:
                    in_lineage=in_lineage)
 
 
-def _done(value: SaveResult) -> Future[SaveResult]:
-    f: Future[SaveResult] = Future()
-    f.set_result(value)
-    return f
-
-
-class CheckpointManager:
+class CheckpointManager(DurableSave):
     """Async sharded checkpoints of one run. See the module docstring for protocol and threading.
 
     Args:
@@ -221,8 +165,7 @@ class CheckpointManager:
         self._record: EpochRecord | None = None
         self._base: StepRef | None = base
         self._fenced: FencedError | None = None
-        self._corrupt: set[StepRef] = set()
-        self._corrupt_why: dict[StepRef, str] = {}
+        self._retention = Retention(self.storage, run_id, config)
         self.last_restore_corrupt = 0
         """Committed steps the last :meth:`restore` found proven corrupt (skipped; quarantined by the next
         commit's cleanup)."""
@@ -280,159 +223,6 @@ class CheckpointManager:
         """True once a newer epoch owns the run: this world's saves are refused until :meth:`new_world`."""
         return self._fenced is not None
 
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes held by the reusable staging buffers (about one copy of the saved tensors)."""
-        return self._stager.staging_bytes
-
-    @property
-    def staging_rebuilds(self) -> int:
-        """How often the staging buffers were (re)allocated."""
-        return self._stager.rebuilds
-
-    @property
-    def in_flight(self) -> int | None:
-        """The step being persisted in the background, if any."""
-        f = self._inflight
-        return self._inflight_step if f is not None and not f.done() else None
-
-    @property
-    def pending(self) -> Future[SaveResult] | None:
-        """The save persisting in the background (its result: a :class:`SaveResult`; its exception:
-        why it failed), or None. Callers may add done-callbacks."""
-        return self._inflight
-
-    def prepare_staging(self, state: dict[str, Any]) -> int:
-        """Allocate the staging buffers for ``state`` now, without saving (call after the first step,
-        once the optimizer state exists): the first save, which may be an emergency one, then does not
-        pay for a multi-GB page-locked allocation. Returns the staging bytes. Not a collective."""
-        self._check_open()
-        if self._inflight is None or self._inflight.done():  # never re-carve buffers a persist is reading
-            self._bind(state)
-            self._stager.prepare(state)
-        return self._stager.staging_bytes
-
-    def save(self, step: int, state: dict[str, Any], kind: str = "periodic", *,
-             block: bool | None = None, source: SnapshotSource | None = None) -> Future[SaveResult]:
-        """Checkpoint ``state`` as ``step`` (a collective: call on every rank).
-
-        Blocks while the previous save finishes (see the in-flight rule) and while ``state`` is copied
-        into the staging buffers; persisting and committing then run in the background unless
-        ``block`` (default: ``not config.async_save``). After return the caller may mutate the model.
-        ``state`` maps names to ``Stateful`` objects or plain state dicts.
-
-        Returns a future of the :class:`SaveResult`: already resolved when ``block`` (whose failure is
-        raised here instead), else resolved by the background thread. A fenced world gets a future
-        holding :class:`FencedError` (``block``: the error is raised) and nothing is written.
-
-        ``source``: the tier-0 snapshot of this very state (:meth:`MemoryTier.lend`, taken at this step
-        boundary): the tensors it holds are staged from it by the persist thread, so the caller blocks
-        only for the rest (:mod:`~trainguard.checkpoint.staging`). The manager releases it in any case.
-        """
-        try:
-            done = self._save(step, state, kind, block, source)
-        except BaseException:
-            if source is not None:
-                source.release()  # no copy out of it runs (or it ran and released it already)
-            raise
-        if source is not None and self._stager.deferred is None:
-            source.release()  # not used; else the copy out of it releases it
-        return done
-
-    def _save(self, step: int, state: dict[str, Any], kind: str, block: bool | None,
-              source: SnapshotSource | None) -> Future[SaveResult]:
-        self._stager.deferred = None
-        self._check_open()
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        sync = (not self.config.async_save) if block is None else block
-        t0 = time.monotonic()
-        self._finish_inflight()
-        t_wait = time.monotonic() - t0
-        if self._fenced is not None:
-            self.last_blocked_s, self.last_stage_s = t_wait, 0.0
-            refused = FencedError(str(self._fenced), epoch=self._fenced.epoch, newest_epoch=self._fenced.newest_epoch)
-            if sync:
-                raise refused
-            failed: Future[SaveResult] = Future()
-            failed.set_exception(refused)
-            return failed
-        if step in self._committed_here:
-            self._log.warning("checkpoint_step_exists", step=step, kind=kind, epoch=self.epoch,
-                              why="this world already committed that step; the committed copy is kept as it is")
-            prev = self._committed_here[step]
-            self.last_blocked_s, self.last_stage_s = t_wait, 0.0
-            return _done(SaveResult(step=step, epoch=prev.epoch, kind=kind, nbytes=0, total_bytes=prev.total_bytes,
-                                    stage_s=0.0, persist_s=0.0, blocked_s=t_wait, skipped=True))
-        self._bind(state)
-        t1 = time.monotonic()
-        staged = self._stager.stage(state, source)
-        ready, deferred, device = self._stager.ready, self._stager.deferred, self._stager.device
-        t2 = time.monotonic()
-        stage_s, blocked = t2 - t1, t2 - t0
-        self._log.info("checkpoint_staged", step=step, kind=kind, blocked_s=round(blocked, 6),
-                       stage_s=round(stage_s, 6), waited_inflight_s=round(t_wait, 6),
-                       staging_bytes=self._stager.staging_bytes, from_snapshot=self._stager.from_snapshot)
-        self.last_blocked_s, self.last_stage_s = blocked, stage_s
-        if sync:
-            return _done(self._persist(step, staged, kind, stage_s, blocked, ready, deferred, device))
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
-        self._inflight_step = step
-        self._cancel_why = None
-        self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready, deferred,
-                                               device)
-        return self._inflight
-
-    def guard(self, optimizer: Any) -> None:
-        """Let the next forward and backward run beside a save's GPU -> host copy of ``optimizer``'s
-        parameters and state: only ``optimizer.step()`` waits for it (GPU-side, a step pre-hook). Call
-        again when the optimizer object changes. Without it, the whole next step waits for the copy."""
-        self._stager.guard.attach(optimizer)
-
-    def order_after_copies(self) -> None:
-        """Make the compute stream wait (GPU-side) for a guarded save's copies now: before anything but
-        the guarded ``optimizer.step()`` changes the parameters or optimizer state (a restore, a
-        re-formation). A no-op on the CPU and when no copy is pending."""
-        self._stager.guard.release()
-
-    def cancel_inflight(self, why: str) -> bool:
-        """Give up the background save if its shards are still being written (thread-safe): it stops at
-        the next write slice, and :meth:`close` / :meth:`wait` return without waiting for the rest of
-        the upload. For a world that lost a peer: such a save can never commit (every rank writes, then
-        all agree), and waiting for a slow upload would keep this worker from the new world. A save past
-        its writes (rank 0 writing the manifest) is left to finish. True when a save was cancelled."""
-        f = self._inflight
-        if f is None or f.done():
-            return False
-        self._cancel_why = why
-        writer = self._writer
-        if writer is not None:
-            writer.cancel()
-        self._log.warning("checkpoint_inflight_cancelled", step=self._inflight_step, why=why,
-                          effect="its shard writes stop at the next slice; the last committed step stands")
-        return True
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """Wait for the in-flight save; return the newest step committed by this manager (or None).
-
-        Raises the in-flight save's error (:class:`StorageError`, :class:`FencedError`, ...) once, and
-        :class:`TimeoutError` if it is still running after ``timeout`` seconds (it keeps running).
-        """
-        f = self._inflight
-        if f is not None:
-            try:
-                f.result(timeout=timeout)
-            except FutureTimeout as e:
-                raise TimeoutError(f"checkpoint of step {self._inflight_step} to {self.url} still in flight "
-                                   f"after {timeout}s") from e
-            finally:
-                if f.done():
-                    self._inflight = None
-                    self._inflight_step = None
-        return self._last_committed
 
     def latest(self) -> int | None:
         """The newest committed step of the restore lineage, or None (a collective when world_size > 1)."""
@@ -479,7 +269,7 @@ class CheckpointManager:
         With ``memory`` (this rank's tier 0) and no ``step``: the newest step for which an intact
         in-memory snapshot of every rank exists — its own, or a buddy node's replica (tier 1), handed
         over point to point — is loaded instead, when storage holds no newer committed step
-        (:func:`~trainguard.checkpoint.memory.choose_sources`); :attr:`last_restored_tier` says which tier
+        (:func:`~trainguard.checkpoint.nearest.choose_sources`); :attr:`last_restored_tier` says which tier
         was used (``peer`` when any rank loaded a replica). The world's epoch is then based on the
         committed step that snapshot descends from.
 
@@ -500,7 +290,7 @@ class CheckpointManager:
         self.last_restored_tier = CheckpointTier.NONE
         self.last_restore_corrupt, self.last_restore_skipped = 0, None
         if memory is not None and step is None:
-            got = self._restore_memory(state, memory, plan.candidates[0][0].step if plan.candidates else None, t_start)
+            got = self._restore_nearest(state, memory, plan.candidates[0][0].step if plan.candidates else None, t_start)
             if got is not None:
                 return got
         candidates = [ref for ref, _ in plan.candidates]
@@ -536,8 +326,7 @@ class CheckpointManager:
             problems.append(f"step {ref.step} (epoch {ref.epoch}): {verdict.reason}")
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
             if verdict.status == "corrupt":
-                self._corrupt.add(ref)
-                self._corrupt_why[ref] = verdict.reason
+                self._retention.mark_corrupt(ref, verdict.reason)
                 self.last_restore_corrupt += 1
                 self.last_restore_skipped = max(self.last_restore_skipped or 0, ref.step)
                 self._log.error("checkpoint_restore_fallback", step=ref.step, saved_epoch=ref.epoch,
@@ -655,453 +444,38 @@ class CheckpointManager:
 
     # -- internals: save ------------------------------------------------------------------------
 
-    def _finish_inflight(self) -> None:
-        """Wait for the in-flight save, at most :attr:`inflight_timeout_s` (then :class:`InflightTimeout`;
-        it keeps running and stays in flight); its failure was logged (and a fence recorded) by ``_persist``."""
-        f = self._inflight
-        if f is None:
-            return
-        try:
-            f.result(timeout=self.inflight_timeout_s)
-        except FutureTimeout:
-            raise InflightTimeout(f"the background save of step {self._inflight_step} to {self.url} is still running "
-                                  f"after {self.inflight_timeout_s:g}s (a peer gone from its collectives, or storage "
-                                  f"not answering). The last committed step stands") from None
-        except Exception:  # noqa: BLE001 - already logged by _persist
-            pass
-        self._inflight = None
-        self._inflight_step = None
-
-    def _persist(self, step: int, staged: dict[str, Any], kind: str, stage_s: float, blocked_s: float,
-                 ready: Any = None, deferred: Callable[[], None] | None = None,
-                 device: Any = None) -> SaveResult:
-        """Claim if needed, write, commit and clean up one staged state (background thread, or caller).
-        ``ready``: the event of the staging copies (GPU) on ``device`` (made this thread's current
-        device first); ``deferred``: the copies out of a snapshot (:mod:`~trainguard.checkpoint.staging`),
-        run here first; the buffers are read only after both."""
-        t0 = time.monotonic()
-        pinned.bind_thread(device)
-        if ready is not None:
-            ready.synchronize()  # this save's copies only: not a device-wide synchronize
-        ref: StepRef | None = None
-        try:
-            if deferred is not None:
-                deferred()  # releases the snapshot's slot, also when it fails (then the save fails)
-                stage_s += time.monotonic() - t0
-                t0 = time.monotonic()  # persisting starts after the staging copy
-            if self._record is None:
-                self._claim()
-            assert self._record is not None
-            ref = StepRef(step, self._record.epoch)
-            self._on_rank0(self._check_owner)
-            self._fault("before_write", step)
-            digests = self._write_shards(ref, staged)
-            gathered = self._group.all_gather((self.rank, digests))
-            files = tuple(FileEntry(path=name, size=size, crc32=crc, rank=r)
-                          for r, d in gathered for name, (size, crc) in sorted(d.items()))
-            self._fault("before_commit", step)
-            self._on_rank0(lambda: self._commit(ref, kind, files))
-        except FencedError as e:
-            self._set_fenced(e)
-            raise
-        except Exception as e:
-            where = self.storage.url_of(f"{self.run_id}/{ref.name}") if ref else self.url
-            self._log.error("checkpoint_save_failed", step=step, kind=kind, url=where, error=describe(e),
-                            elapsed_s=round(time.monotonic() - t0, 3), last_committed=self._last_committed)
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"checkpoint of step {step} to {where} failed: {describe(e)}. "
-                                  f"The previous committed step is untouched") from e
-        self._last_committed = step
-        self._base = ref
-        nbytes = sum(size for size, _ in digests.values())
-        total = sum(f.size for f in files)
-        self._fault("after_commit", step)
-        if self.rank == 0:
-            self._cleanup(ref)
-        result = SaveResult(step=step, epoch=ref.epoch, kind=kind, nbytes=nbytes, total_bytes=total, stage_s=stage_s,
-                            persist_s=time.monotonic() - t0, blocked_s=blocked_s)
-        self._committed_here[step] = result
-        self._log.info("checkpoint_committed", step=step, kind=kind, epoch=ref.epoch,
-                       url=self.storage.url_of(f"{self.run_id}/{ref.name}"), bytes=total, rank_bytes=nbytes,
-                       files=len(files), stage_s=round(stage_s, 6), persist_s=round(result.persist_s, 3))
-        return result
-
-    def _write_shards(self, ref: StepRef, staged: dict[str, Any]) -> dict[str, tuple[int, int]]:
-        """``dcp.save`` with whole-save retries agreed by all ranks; return this rank's file digests."""
-        rel = f"{self.run_id}/{ref.name}"
-        backoff = self.storage.backoff
-        start = time.monotonic()
-        attempt = 0
-        while True:
-            attempt += 1
-            writer = self.storage.dcp_writer(rel)
-            self._writer = writer
-            err: BaseException | None = None
-            try:
-                if self._cancel_why is not None:
-                    writer.cancel()
-                dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
-            except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-                err = e
-            finally:
-                self._writer = None
-            if err is None:
-                return writer.digests
-            if writer.is_cancelled:  # no retry, and no collective: the world it was taken in is gone
-                raise SaveCancelled(f"the save of step {ref.step} to {self.storage.url_of(rel)} was cancelled: "
-                                    f"{self._cancel_why}. Nothing was committed; the previous committed step stands")
-            elapsed = time.monotonic() - start
-            delay = backoff.delay(attempt)
-            transient = all(is_transient(c) for c in root_causes(err))
-            want_retry = transient and backoff.allows(attempt, elapsed, delay)
-            retry = all(self._group.all_gather(want_retry))
-            self._log.warning("storage_retry", op="dcp_save", url=self.storage.url_of(rel), attempt=attempt,
-                              max_attempts=backoff.attempts, elapsed_s=round(elapsed, 3), transient=transient,
-                              error=describe(err)[:500], giving_up=not retry)
-            if not retry:
-                raise StorageError(f"writing the shards of step {ref.step} to {self.storage.url_of(rel)} failed after "
-                                   f"{attempt} attempt(s) in {elapsed:.1f}s: {describe(err)}. The previous committed "
-                                   f"step is untouched. Fix: check the storage endpoint and credentials; raise "
-                                   f"checkpoint.retry_attempts / retry_deadline_s for flaky storage",
-                                   transient=transient) from (err if isinstance(err, Exception) else None)
-            time.sleep(delay)
-
-    def _commit(self, ref: StepRef, kind: str, files: tuple[FileEntry, ...]) -> None:
-        """Rank 0: re-check the epoch, then write the manifest (the commit point)."""
-        self._check_owner()
-        self._fault("before_manifest", ref.step)
-        m = Manifest(run_id=self.run_id, step=ref.step, world_size=self.world_size, strategy=self.strategy,
-                     epoch=ref.epoch, kind=kind, files=files, versions=_versions(), **now_fields())
-        rel = f"{self.run_id}/{ref.name}"
-        self.storage.fsync_dir(rel)
-        self.storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", m.to_json())
-        self.storage.fsync_dir(self.run_id)
-
-    def _cleanup(self, committed: StepRef) -> None:
-        """Rank 0, after a commit: delete what :func:`gc_plan` allows. Never raises. Skipped once the
-        save was cancelled (:meth:`cancel_inflight`: the worker waits for it to park; the next commit
-        collects what this one would have)."""
-        if self._cancel_why is not None:
-            self._log.info("checkpoint_gc_skipped", reason="cancelled", why=self._cancel_why)
-            return
-        try:
-            scan = scan_run(self.storage, self.run_id)
-            assert self._record is not None
-            if scan.newest_epoch > self._record.epoch:
-                self._log.info("checkpoint_gc_skipped", reason="a newer epoch exists", newest_epoch=scan.newest_epoch)
-                return
-            protected = {committed} | ({self._base} if self._base else set())
-            for d in gc_plan(scan, epoch=self._record.epoch, keep_last=self.config.keep_last, protected=protected,
-                             proven_corrupt=self._corrupt):
-                if self._cancel_why is not None:
-                    self._log.info("checkpoint_gc_skipped", reason="cancelled", why=self._cancel_why)
-                    return
-                rel = f"{self.run_id}/{d.ref.name}"
-                if d.reason == "corrupt":
-                    self._quarantine(d.ref, scan)
-                    continue
-                if d.ref in scan.committed:
-                    # Manifest first: the step disappears from discovery atomically, then its files go.
-                    self.storage.remove(f"{rel}/{MANIFEST_NAME}")
-                self.storage.remove(rel, recursive=True)
-                event = "checkpoint_retention_deleted" if d.reason == "retention" else "checkpoint_garbage_collected"
-                self._log.info(event, step=d.ref.step, saved_epoch=d.ref.epoch, reason=d.reason,
-                               keep_last=self.config.keep_last)
-            for ref in quarantine_expired(scan, keep=self.config.quarantine_keep):
-                self.storage.remove(f"{self.run_id}/{QUARANTINE_DIR}/{ref.name}", recursive=True)
-                self._log.info("checkpoint_quarantine_expired", step=ref.step, saved_epoch=ref.epoch,
-                               quarantine_keep=self.config.quarantine_keep)
-        except Exception as e:  # noqa: BLE001 - a failed cleanup must not fail a committed save
-            self._log.warning("checkpoint_cleanup_failed", error=describe(e))
-
-    def _quarantine(self, ref: StepRef, scan: Scan) -> None:
-        """Rank 0: move a proven-corrupt step into ``<run_id>/quarantine/`` (the evidence stays; discovery
-        never restores it). Its manifest goes last, so it never looks committed in two places."""
-        src = f"{self.run_id}/{ref.name}"
-        dst = f"{self.run_id}/{QUARANTINE_DIR}/{ref.name}"
-        self.storage.move_tree(src, dst, last=MANIFEST_NAME)
-        self._corrupt.discard(ref)
-        scan.quarantined = sorted({*scan.quarantined, ref})
-        why = scan.invalid.get(ref) or self._corrupt_why.pop(ref, "")
-        self._log.warning("checkpoint_quarantined", step=ref.step, saved_epoch=ref.epoch, reason="corrupt",
-                          why=why[:1000], url=self.storage.url_of(dst), quarantine_keep=self.config.quarantine_keep,
-                          verify=f"trainguard checkpoints verify {self.storage.url_of(self.run_id)} {ref.step}")
-
     # -- internals: restore ---------------------------------------------------------------------
 
-    def _restore_memory(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
-                        t_start: float) -> int | None:
-        """Tiers 0 and 1 (a collective): agree on the newest step for which a snapshot of every rank exists
-        in some node's memory (its own, or a buddy's replica), hand the replicas to the ranks that lack
-        their own, load on every rank, claim the epoch. None when there is no such step newer than
-        storage's (or a load or transfer failed: storage next)."""
-        if memory.parity_restore:
-            self._rebuild_from_parity(memory)
-        try:
-            mine = memory.provides(state)
-        except Exception as e:  # noqa: BLE001 - an unreadable tier 0 is no reason to fail a restore
-            self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
-            mine = []
-        provided = self._group.all_gather(mine)
-        pick, sources, why = choose_sources(provided, world_size=self.world_size, newest_durable=newest_durable)
-        if pick is None:
-            got = self._restore_resharded(state, memory, newest_durable, t_start)
-            if got is not None:
-                return got
-            if self.rank == 0:
-                self._log.info("checkpoint_memory_skipped", reason=why, newest_durable=newest_durable)
+    def _restore_nearest(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
+                         t_start: float) -> int | None:
+        """Tiers 0 and 1 (a collective, :class:`~trainguard.checkpoint.nearest.NearestTiers`): when every
+        rank loaded an in-memory set, the world's base is the newest committed step it descends from and
+        the world claims its epoch; return the step. None: nothing was loaded (storage next)."""
+        got = NearestTiers(self._group, self._log).restore(state, memory, newest_durable)
+        if got.step is None:
             return None
-        chosen, world = pick
-        t0 = time.monotonic()
-        err: str | None = None
-        extra: dict[str, Any] = {}
-        received: bytes | None = None
-        moved = sorted(r for r, (p, _) in sources.items() if p != r)
-        try:
-            received = self._hand_over(memory, sources, moved, chosen, world)
-        except Exception as e:  # noqa: BLE001 - agreed below
-            err = describe(e)[:500]
-        if not any(self._group.all_gather(err)):
-            try:
-                _, src = sources[self.rank]
-                if received is None and src == self.rank:
-                    extra = memory.load(chosen, state, world=world)  # its own snapshot: the common case
-                else:
-                    blob = received if received is not None else memory.blob(src, chosen, world)
-                    extra = memory.load_blob(blob, state)
-            except Exception as e:  # noqa: BLE001 - agreed below; every rank then goes to storage
-                err = describe(e)[:500]
-        if not self._agreed_memory_load(memory, err, newest_durable, f"loading the in-memory snapshot of step {chosen}",
-                                        step=chosen):
-            return None
-        self._claim_from_memory(extra, CheckpointTier.PEER if moved else CheckpointTier.MEMORY)
-        replicated = any(src == ANY_RANK for _, src in sources.values())
-        self._log.info("checkpoint_restored", step=chosen, tier=self.last_restored_tier.value, world=world,
-                       epoch=self.epoch, from_peers={r: sources[r][0] for r in moved}, replicated=replicated,
-                       base_step=self._base.step if self._base else None, newest_durable=newest_durable,
-                       load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
-        return chosen
-
-    def _restore_resharded(self, state: dict[str, Any], memory: MemoryTier, newest_durable: int | None,
-                           t_start: float) -> int | None:
-        """Tiers 0 and 1 at another world size (a collective): the newest step newer than storage's for which
-        the nodes' memory holds a snapshot of every rank of an earlier world of another size (own slots or
-        replicas), of DTensors (FSDP2, tensor parallelism) or ShardedTensors (ZeRO's ranges); old rank 0's
-        skeleton (the records of every rank's shards: global shapes, meshes, placements, offsets) goes to
-        every rank, which works out the old ranks whose shards
-        overlap its new ones; each receives those (point to point, from the lowest holder) and takes the
-        elements of its new shards (:meth:`MemoryTier.load_resharded`). None when there is no such set (storage next) or
-        loading it failed on some rank (its snapshots are invalidated)."""
-        try:
-            mine = memory.reshard_candidates(state)
-        except Exception as e:  # noqa: BLE001 - an unreadable tier is no reason to fail a restore
-            self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
-            mine = []
-        holders: dict[tuple[int, str, int], dict[int, int]] = {}
-        for provider, items in enumerate(self._group.all_gather(mine)):
-            for rank, step, world, old_world in items:
-                if 0 <= rank < old_world:
-                    holders.setdefault((step, world, old_world), {}).setdefault(rank, provider)
-        complete = [k for k, by in holders.items() if len(by) == k[2]
-                    and (newest_durable is None or k[0] > newest_durable)]
-        if not complete:
-            return None
-        step, world, old_world = max(complete)
-        by_rank = holders[(step, world, old_world)]
-        t0 = time.monotonic()
-        err: str | None = None
-        held: dict[int, bytes] = {}  # old rank 0's snapshot, read once by its holder: the layout, then sent
-        skel: Any = None
-        if by_rank[0] == self.rank:
-            try:
-                held[0] = memory.blob(0, step, world, world_size=old_world)
-                skel = blob_skeleton(held[0])
-            except Exception as e:  # noqa: BLE001 - agreed below
-                err = describe(e)[:500]
-        skel = next((s for s in self._group.all_gather(skel) if s is not None), None)
-        mine_needed: list[int] = []
-        if skel is None:
-            err = err or f"old rank 0's snapshot of step {step} could not be read on rank {by_rank[0]}"
-        else:
-            try:
-                mine_needed = sorted(shards_needed(state, old_world, self.rank, skel))
-            except Exception as e:  # noqa: BLE001 - agreed below
-                err = describe(e)[:500]
-        needed = self._group.all_gather(mine_needed)
-        blobs: dict[int, bytes] = {}
-        moved = 0
-        for r in range(old_world):  # each old shard to the ranks whose new shards overlap it, from its lowest holder
-            p = by_rank[r]
-            wanted = [q for q in range(self.world_size) if r in needed[q]]
-            blob: bytes | None = None
-            if self.rank == p and wanted:
-                try:
-                    blob = held.pop(r, None) or memory.blob(r, step, world, world_size=old_world)
-                except Exception as e:  # noqa: BLE001 - agreed below; the receivers get an empty blob
-                    err = describe(e)[:500]
-                if self.rank in wanted and blob is not None:
-                    blobs[r] = blob
-            for q in wanted:
-                if q == p:
-                    continue
-                if self.rank == p:
-                    self._send_blob(blob or b"", q)  # empty when it could not be read: the receiver fails, agreed below
-                elif self.rank == q and (got := self._recv_blob(p)) is not None:
-                    blobs[r] = got
-                moved += 1
-        extra: dict[str, Any] = {}
-        if err is None:
-            try:
-                extra = memory.load_resharded(blobs, state, old_world)
-            except Exception as e:  # noqa: BLE001 - agreed below
-                err = describe(e)[:500]
-        if not self._agreed_memory_load(memory, err, newest_durable,
-                                        f"resharding the in-memory snapshots of step {step} from {old_world} ranks",
-                                        step=step, old_world_size=old_world):
-            return None
-        self._claim_from_memory(extra, CheckpointTier.PEER)
-        self._log.info("checkpoint_restored", step=step, tier=self.last_restored_tier.value, world=world,
-                       epoch=self.epoch, resharded_from=old_world, from_ranks=by_rank, needed=mine_needed,
-                       transfers=moved,
-                       base_step=self._base.step if self._base else None, newest_durable=newest_durable,
-                       load_s=round(time.monotonic() - t0, 3), total_s=round(time.monotonic() - t_start, 3))
-        return step
-
-    def _rebuild_from_parity(self, memory: MemoryTier) -> None:
-        """Tier 1 with parity (a collective): rebuild the snapshots of the ranks of a lost node from the
-        survivors' parity blocks and snapshots (:func:`~trainguard.checkpoint.parity.plan_rebuilds`), each
-        into a replica file on its rebuilder's node; the restore then finds them as buddy replicas. A
-        rebuild that fails is logged and left out (the restore then takes what is complete, or storage)."""
-        try:
-            mine = memory.parity_inventory()
-        except Exception as e:  # noqa: BLE001 - an unreadable tier 0 is no reason to fail a restore
-            self._log.warning("checkpoint_memory_unreadable", error=describe(e)[:500])
-            mine = {}
-        plan = parity.plan_rebuilds(self._group.all_gather(mine))
-        for rb in plan:
-            blobs: dict[int, bytes] = {}  # the snapshots this rank reads pieces of: each read (and checked) once
-            t0 = time.monotonic()
-            err: str | None = None
-            acc: torch.Tensor | None = None
-            out: list[bytes] = []
-            for k, (pieces, want_crc) in enumerate(rb.segments):
-                acc = torch.zeros(rb.seg, dtype=torch.uint8) if self.rank == rb.rebuilder else None
-                for piece in pieces:
-                    buf = None
-                    if self.rank == piece.provider:
-                        try:
-                            buf = self._parity_piece(memory, rb, piece, blobs)
-                        except Exception as e:  # noqa: BLE001 - sent empty: the rebuild fails, nothing hangs
-                            err = describe(e)[:500]
-                            buf = b""
-                        if piece.provider != rb.rebuilder:
-                            self._send_blob(buf, rb.rebuilder)
-                    elif self.rank == rb.rebuilder:
-                        buf = self._recv_blob(piece.provider) or b""
-                    if acc is not None and buf is not None:
-                        if len(buf) != rb.seg:
-                            err = err or f"a piece of old rank {piece.source} ({piece.kind}) could not be read"
-                        else:
-                            parity.xor_(acc, torch.frombuffer(bytearray(buf), dtype=torch.uint8))
-                if acc is not None and err is None:
-                    if parity.crc(acc) != want_crc:
-                        err = f"segment {k} of old rank {rb.rank} failed its checksum after the rebuild"
-                    out.append(acc.numpy().tobytes())
-            if self.rank != rb.rebuilder:
-                continue
-            if err is None:
-                data = b"".join(out)[:rb.tensor_bytes + rb.meta_bytes]
-                try:
-                    memory.write_rebuilt(rb.rank, rb.step, rb.world_size, rb.tensor_bytes, data)
-                except Exception as e:  # noqa: BLE001
-                    err = describe(e)[:500]
-            if err is None:
-                self._log.info("memory_parity_rebuilt", rank=rb.rank, step=rb.step, world=rb.world,
-                               nbytes=len(data), seconds=round(time.monotonic() - t0, 3))
-            else:
-                self._log.warning("memory_parity_rebuild_failed", rank=rb.rank, step=rb.step, error=err,
-                                  effect="the restore takes what is complete in memory, or storage")
-
-    def _parity_piece(self, memory: MemoryTier, rb: parity.Rebuild, piece: parity.Piece, blobs: dict[int, bytes]) -> bytes:
-        """This rank's input to a rebuilt segment, :attr:`~.Rebuild.seg` bytes (zero-padded); ``blobs``
-        keeps the snapshots read for the rebuild (several segments come from one)."""
-        if piece.kind == "block":
-            raw = memory.parity_block(piece.source, rb.step, rb.world)
-        else:
-            if piece.source not in blobs:
-                blobs[piece.source] = memory.blob(piece.source, rb.step, rb.world, world_size=rb.world_size)
-            blob = blobs[piece.source]
-            raw = blob[HEADER_BYTES + piece.segment * rb.seg:HEADER_BYTES + (piece.segment + 1) * rb.seg]
-        return bytes(raw[:rb.seg]).ljust(rb.seg, b"\0")
-
-    def _hand_over(self, memory: MemoryTier, sources: dict[int, tuple[int, int]], moved: list[int], step: int,
-                   world: str) -> bytes | None:
-        """Send the snapshots of ``moved`` ranks from their providers to them (point to point over the
-        checkpoint group, one rank after the other); return what this rank received, if anything."""
-        got: bytes | None = None
-        for r in moved:
-            p, src = sources[r]
-            if self.rank == p:
-                self._send_blob(memory.blob(src, step, world), r)
-            elif self.rank == r:
-                got = self._recv_blob(p)
-        return got
-
-    def _send_blob(self, payload: bytes, dst: int) -> None:
-        """Send ``payload`` to rank ``dst`` over the checkpoint group: its length, then (when not empty) it."""
-        dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=dst, group=self._pg)
-        if payload:
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=self._pg)
-
-    def _recv_blob(self, src: int) -> bytes | None:
-        """What :meth:`_send_blob` from rank ``src`` sent (None: an empty payload)."""
-        n = torch.zeros(1, dtype=torch.int64)
-        dist.recv(n, src=src, group=self._pg)
-        if not int(n.item()):
-            return None
-        buf = torch.empty(int(n.item()), dtype=torch.uint8)
-        dist.recv(buf, src=src, group=self._pg)
-        return buf.numpy().tobytes()
-
-    def _agreed_memory_load(self, memory: MemoryTier, err: str | None, newest_durable: int | None, what: str,
-                            **log: Any) -> bool:
-        """Whether every rank loaded the chosen in-memory set (``err``: this rank's failure). When some
-        rank did not: log it, invalidate the node's snapshots so that the set is never chosen again, and
-        return False (storage next), or raise :class:`CheckpointError` when storage has nothing to fall
-        back to (other ranks may have loaded it)."""
-        errors = [e for e in self._group.all_gather(err) if e]
-        if not errors:
-            return True
-        self._log.error("checkpoint_memory_load_failed", errors=errors[:4],
-                        effect="the snapshots of this set are invalidated on every rank", **log)
-        memory.invalidate_all()  # never chosen again: the next restore (or restart) goes to storage
-        if newest_durable is None:
-            raise CheckpointError(f"{what} failed on some ranks ({errors[0]}) after others may have loaded it, and "
-                                  f"storage holds no committed step to fall back to; the snapshots were invalidated, "
-                                  f"so the restarted workers start from step 0. Fix: none needed; set "
-                                  f"checkpoint.memory_interval_steps=0 (TRAINGUARD_CHECKPOINT_MEMORY_INTERVAL_STEPS) "
-                                  f"if it happens again")
-        return False
-
-    def _claim_from_memory(self, extra: dict[str, Any], tier: CheckpointTier) -> None:
-        """Every rank loaded an in-memory set: the world's base is the newest committed step it descends
-        from (its ``extra``), and the world claims its epoch."""
-        bases = [b for b in self._group.all_gather(extra.get("base")) if b is not None]
-        self._base = max(bases) if bases else None
+        self._base = got.base
         self.last_restored = None
         self.last_restored_repeats = 0
-        self.last_restored_tier = tier
+        self.last_restored_tier = got.tier
+        t_claim = time.monotonic()
         self._claim()
+        load_s = round(got.seconds + time.monotonic() - t_claim, 3)
+        base_step = self._base.step if self._base else None
+        if got.resharded_from is None:
+            self._log.info("checkpoint_restored", step=got.step, tier=got.tier.value, world=got.world,
+                           epoch=self.epoch, from_peers=got.from_peers, replicated=got.replicated,
+                           base_step=base_step, newest_durable=newest_durable,
+                           load_s=load_s, total_s=round(time.monotonic() - t_start, 3))
+        else:
+            self._log.info("checkpoint_restored", step=got.step, tier=got.tier.value, world=got.world,
+                           epoch=self.epoch, resharded_from=got.resharded_from, from_ranks=got.from_ranks,
+                           needed=list(got.needed), transfers=got.transfers,
+                           base_step=base_step, newest_durable=newest_durable,
+                           load_s=load_s, total_s=round(time.monotonic() - t_start, 3))
+        return got.step
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        tg = version("trainguard")
-    except PackageNotFoundError:
-        tg = "unknown"
-    return {"trainguard": tg, "torch": torch.__version__, "python": __import__("platform").python_version()}
 
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "FaultHook", "SaveResult", "Scan", "StepRef", "scan_run"]

@@ -16,7 +16,7 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -368,3 +368,22 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+class TierState:
+    """What every part of :class:`~trainguard.checkpoint.memory.MemoryTier` reads of the tier (declared
+    once here; the tier sets it): its node folder, its rank in the world, its own slots and the newest
+    of them, the snapshot this process took last, the checksum threads, the replica files' sizes."""
+
+    directory: str
+    rank: int
+    world_size: int
+    _slots: list[_Slot]
+    _newest: int | None
+    _last: Any
+    _threads: int
+    _replica_sizes: dict[str, int]
+
+    if TYPE_CHECKING:
+        def settle(self) -> None: ...
+        def _node_files(self) -> list[_Slot]: ...

@@ -265,12 +265,14 @@ def test_runtime_never_branches_on_a_concrete_strategy():
     import inspect
 
     import trainguard.runtime as worker
+    import trainguard.checkpoint.durablesave as durablesave
     import trainguard.checkpoint.manager as manager
+    import trainguard.checkpoint.nearest as nearest
     import trainguard.checkpoint.state as state
 
     concrete = {"DDPStrategy", "FSDPStrategy", "DistributedDataParallel", "fully_shard", "FSDPModule",
                 "ddp", "fsdp"}
-    for mod in (worker, manager, state):
+    for mod in (worker, manager, durablesave, nearest, state):
         tree = ast.parse(inspect.getsource(mod))
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
