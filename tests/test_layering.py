@@ -85,6 +85,7 @@ def test_only_the_protocol_module_reads_or_writes_runtime_env_vars():
 AGENT_IMPORTS_ALLOWED = {
     # The control-plane bench drives the agents' own rendezvous path (issue 40) without their workers.
     os.path.join("bench", "control_plane.py"): {"trainguard.agent.config", "trainguard.agent.elastic",
+                                                "trainguard.agent.etcd_rendezvous",
                                                 "trainguard.agent.rendezvous"},
 }
 
