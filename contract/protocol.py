@@ -427,6 +427,14 @@ def _str(name: str, v: Any, *, limit: int = 200) -> str:
     return v[:limit]
 
 
+def _enum(name: str, cls: type[Enum], v: Any) -> Any:
+    """``cls(v)``, or a :class:`ProtocolError` naming the field and the values it takes."""
+    try:
+        return cls(v)
+    except ValueError:
+        raise ProtocolError(f"`{name}` must be one of {[m.value for m in cls]}, got {v!r}") from None
+
+
 class Message:
     """Base of the control messages: ``OP`` names it on the wire."""
 
@@ -518,12 +526,8 @@ class Parked(Message):
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Parked:
-        try:
-            reason = ParkReason(d.get("reason"))
-        except ValueError:
-            raise ProtocolError(f"`reason` must be one of {[r.value for r in ParkReason]}, got {d.get('reason')!r}") from None
         return cls(rank=_int("rank", d.get("rank"), minimum=-1), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
-                   step=_int("step", d.get("step"), minimum=0), reason=reason)
+                   step=_int("step", d.get("step"), minimum=0), reason=_enum("reason", ParkReason, d.get("reason")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -627,12 +631,8 @@ class Progress(Message):
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Progress:
-        try:
-            phase = Phase(d.get("phase"))
-        except ValueError:
-            raise ProtocolError(f"`phase` must be one of {[p.value for p in Phase]}, got {d.get('phase')!r}") from None
         return cls(rank=_int("rank", d.get("rank"), minimum=-1), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
-                   step=_int("step", d.get("step"), minimum=0), phase=phase, beat=_int("beat", d.get("beat"), minimum=0),
+                   step=_int("step", d.get("step"), minimum=0), phase=_enum("phase", Phase, d.get("phase")), beat=_int("beat", d.get("beat"), minimum=0),
                    progress=_int("progress", d.get("progress"), minimum=0), where=_str("where", d.get("where", "")))
 
 

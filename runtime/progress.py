@@ -19,12 +19,11 @@ tees), so the agent can log where a hung but running rank is before it ends it.
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
@@ -44,7 +43,7 @@ def _where(frame: object | None) -> tuple[tuple[int, int] | None, str]:
 class ProgressReporter:
     """Beats for one worker. ``rank`` and ``step`` are read from ``rank()`` and ``step()`` (both change
     with a re-formation), the phase set by the training thread
-    (:meth:`set_phase`, :meth:`phase`); ``send`` delivers a message (best effort). Thread-safe: the
+    (:meth:`set_phase`); ``send`` delivers a message (best effort). Thread-safe: the
     training thread only assigns attributes, the beat thread reads them."""
 
     def __init__(self, send: Callable[[proto.Progress], None], *, rank: Callable[[], int], local_rank: int,
@@ -65,15 +64,6 @@ class ProgressReporter:
 
     def set_phase(self, phase: proto.Phase) -> None:
         self.current = phase
-
-    @contextlib.contextmanager
-    def phase(self, phase: proto.Phase) -> Iterator[None]:
-        """``phase`` while the block runs, then the phase before it."""
-        before, self.current = self.current, phase
-        try:
-            yield
-        finally:
-            self.current = before
 
     def beat(self) -> proto.Progress:
         """The next heartbeat (counts progress since the previous one)."""

@@ -192,8 +192,18 @@ class Runtime:
         frozen; the collective the training thread waits in fails now and it parks (``peer_lost``)."""
         self._log.warning("collectives_aborted", step=self.step, why=why, done=rf.abort_collectives(self.device))
 
-    def _phase(self, phase: proto.Phase) -> contextlib.AbstractContextManager[None]:
-        return self._progress.phase(phase) if self._progress is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _phase(self, phase: proto.Phase) -> Iterator[None]:
+        """``phase`` while the block runs, then the phase of the worker's state at its end (a block may
+        change the state: a restore that joins a world, a save during which a peer is lost)."""
+        if self._progress is None:
+            yield
+            return
+        self._progress.set_phase(phase)
+        try:
+            yield
+        finally:
+            self._progress.set_phase(_PHASE_OF_STATE.get(self.worker_state, proto.Phase.STEP))
 
     def busy(self, why: str = "") -> contextlib.AbstractContextManager[None]:
         """Mark the block as legitimately long work outside the training step, e.g. an evaluation or a

@@ -98,6 +98,9 @@ class FakeAdapter:
     def round_store(self, round_):
         return self.store
 
+    def side_store(self, round_):
+        return self.store
+
     def endpoint_store(self):
         return None  # no census (as with etcd)
 
@@ -224,6 +227,29 @@ def test_success_closes_rendezvous(tmp_path):
     sup, fake, tr = make(tmp_path, [exited(0)])
     sup._loop()
     assert sup._finish() == 0 and fake.closed
+
+
+@pytest.mark.parametrize("where", ["start", "restart"])
+def test_a_node_joining_a_job_that_completed_exits_0_not_needed(tmp_path, where):
+    """Issue 37: a spare whose agent was joining (or rejoining after a restart) when the other nodes
+    finished and closed the rendezvous: exit 0 with one clear line, not supervisor_crashed / exit 1."""
+    from structlog.testing import capture_logs
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    sup, fake, tr = make(tmp_path, [exited(1)] if where == "restart" else [])
+
+    def closed(expected=None):
+        fake.calls.append(where)
+        raise RendezvousClosedError()
+
+    setattr(fake, where, closed)
+    with capture_logs() as logs:
+        result = sup._loop()
+    assert result.state.name == "SUCCEEDED"
+    assert tr[-1] is AgentState.SUCCEEDED and "stop" in fake.calls
+    lines = [e for e in logs if e["event"] == "job_already_complete"]
+    assert len(lines) == 1 and "not needed" in lines[0]["effect"]
+    assert sup._finish() == ExitCode.FINISHED == 0
 
 
 def test_a_failed_in_place_reformation_falls_back_to_a_restart_instead_of_crashing(tmp_path):
