@@ -498,6 +498,8 @@ class Supervisor:
                       fix="check the node (GPU, driver, disk, network) before starting its agent again")
             return self._leave("quarantined")
         self._observe("evicted", proto.EvictionCause.HANG.value)
+        if obs.remaining_restarts <= 0:  # as for any other failure with no restart left
+            return self.execute(Decision(Act.FAIL, "max_restarts_exhausted"), obs, self.adapter.poll())
         return self._restart(Decision(Act.RESTART, "worker_hang", consume_restart=True), obs)
 
     def _end_hung_workers(self, rank: int | None) -> None:
