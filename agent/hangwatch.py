@@ -161,7 +161,7 @@ class HangWatch:
                 return v, None
             a = hang_action(v, node=self.node_id, previous_hangs=self.hangs, now=now, cfg=self.cfg)
             self._acted = True
-            if v.culprit is None or v.culprit.node == self.node_id:
+            if v.culprit is not None and v.culprit.node == self.node_id:  # an unknown culprit is nobody's hang
                 self.hangs.append(now)
             return v, a
 

@@ -343,3 +343,20 @@ def test_watch_evicts_a_frozen_node_and_a_node_whose_agent_missed_a_heartbeat():
     assert b.evict(("A", "B"), peer_lost=True) == frozenset({"A"})
     assert b.evict(("A", "B"), peer_lost=False) == frozenset()
     assert store.check([PROGRESS_KEY + "B"])
+
+
+def test_a_hang_with_no_culprit_counts_against_no_node():
+    """Every node restarts its workers when nobody can be named; none of them moves towards quarantine."""
+    store, clock = DictStore(), Clock()
+    a, b = _pair(store, clock)
+    for _ in range(20):
+        _tick(clock, a, b)
+    for _ in range(int(CFG.min_s / CFG.heartbeat_interval_s) + 4):  # both beat, neither progresses
+        clock.t += CFG.heartbeat_interval_s
+        _tick.n += 1
+        for w, r in ((a, 0), (b, 1)):
+            w.on_progress(Progress(rank=r, local_rank=0, step=20, phase=S, beat=_tick.n, progress=7, where="t.py:1 m"))
+            w.exchange()
+    (va, aa), (vb, ab) = (a.check(), b.check())
+    assert va.hung and va.culprit is None and aa.act is HangAct.END_WORKERS and ab.act is HangAct.END_WORKERS
+    assert a.hangs == [] and b.hangs == []
