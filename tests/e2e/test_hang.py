@@ -49,8 +49,8 @@ def test_a_stopped_worker_is_named_ended_and_rejoins_while_its_peer_re_forms_in_
         hung = wait_until(lambda: b.events("hang_detected"), 120, "b's agent detects the hang")[0]
         assert hung["action"] == "end_workers" and hung["culprit_by"] == "heartbeat_stopped_first"
         assert hung["node"] == "b" and hung["phase"] in ("step", "agreement")
-        # its last beat (at most hang.heartbeat_interval_s old when it stopped: a few fast steps back)
-        assert isinstance(hung["rank"], int) and stopped_at - 10 <= hung["step"] <= stopped_at and hung["where"]
+        # its last beat (at most hang.heartbeat_interval_s old when it stopped; the step lines reach the log late)
+        assert isinstance(hung["rank"], int) and abs(hung["step"] - stopped_at) <= 10 and hung["where"]
         assert hung["stalled_s"] > hung["threshold_s"]
         seen_by_a = wait_until(lambda: a.events("hang_detected"), 60, "a sees it too")[0]
         assert seen_by_a["action"] == "watch" and seen_by_a["rank"] == hung["rank"]
