@@ -261,7 +261,8 @@ class _Executor(_DistributedRendezvousOpExecutor):
             self._state_holder.mark_dirty()
 
 
-def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None) -> RendezvousInfo:
+def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None,
+               evicted: list[str] | None = None) -> RendezvousInfo:
     """``DynamicRendezvousHandler.next_rendezvous`` with :class:`_JoinOp` and :class:`_Executor`.
 
     Same sequence as torch 2.13 (stop heartbeats, exit op, join op, start heartbeats, world, store),
@@ -272,7 +273,11 @@ def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None) -> Re
     executor = _Executor(handler._op_executor, POLL_INTERVAL_S, plan.evict if plan is not None else None)
     deadline = handler._get_deadline(handler._settings.timeout.join)
     executor.run(_RendezvousExitOp(), deadline)
-    executor.run(_JoinOp(abort, plan), deadline, handler._get_deadline)
+    try:
+        executor.run(_JoinOp(abort, plan), deadline, handler._get_deadline)
+    finally:
+        if evicted is not None:
+            evicted[:] = executor.evicted
     handler._start_heartbeats()
     rank, world_size = handler._get_world()
     store = handler._get_store()
@@ -331,6 +336,8 @@ class ElasticAdapter:
         self.handler: RendezvousHandler = spec.rdzv_handler
         self._abort = abort_rendezvous
         self._plan: Plan | None = None
+        self.evicted: list[str] = []
+        """Rendezvous ids the last round removed on evidence (:attr:`Plan.evict`)."""
         self._body: Callable[[], RunResult] | None = None
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
@@ -353,7 +360,7 @@ class ElasticAdapter:
 
     def _next_rendezvous(self) -> RendezvousInfo:
         plan, self._plan = self._plan, None
-        return next_round(self.handler, self._abort, plan)
+        return next_round(self.handler, self._abort, plan, self.evicted)
 
     @property
     def group(self) -> WorkerGroup:

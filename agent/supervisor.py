@@ -169,7 +169,8 @@ class Supervisor:
         self._run_started = time.monotonic()
         self.hangs: HangWatch | None = HangWatch(cfg.hang, node_name=cfg.agent.node_name) if cfg.hang.enabled else None
         """Hang detection (progress, not liveness): see :mod:`trainguard.agent.hangwatch`."""
-        self._quarantined = False
+        self._frozen_evicts: set[str] = set()
+        """Nodes this agent already counted as evicted for being frozen (their removal is no second count)."""
         os.makedirs(cfg.agent.state_dir, mode=0o700, exist_ok=True)
         self.control_path = proto.control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
         # The control socket first: `trainguard status` / `drain` find an agent that still waits for its store.
@@ -485,16 +486,16 @@ class Supervisor:
                                                    f"{v.stalled_s:.1f} s"))
             log.warning("collectives_abort_requested", workers=n, evict=sorted(a.evict),
                         effect="our workers park (peer lost); the re-formation evicts the frozen node")
-            self._observe("evicted", proto.EvictionCause.FROZEN.value, len(a.evict))
+            self._observe("evicted", proto.EvictionCause.FROZEN.value, len(a.evict - self._frozen_evicts))
+            self._frozen_evicts |= a.evict
             return None
         self._end_hung_workers(c.rank if local and c is not None else None)
         if a.act is HangAct.QUARANTINE:
-            self._quarantined = True
             self._observe("evicted", proto.EvictionCause.QUARANTINE.value)
             self._observe("set_quarantined", True)
             log.error("node_quarantined", node=self.cfg.agent.node_name, hangs=len(self.hangs.hangs),  # type: ignore[union-attr]
                       window_s=self.cfg.hang.quarantine_s,
-                      effect="this node leaves the job and stays out (exit 0); its peers re-form without it",
+                      effect="this node leaves the job and stays out (exit 3, drained); its peers re-form without it",
                       fix="check the node (GPU, driver, disk, network) before starting its agent again")
             return self._leave("quarantined")
         self._observe("evicted", proto.EvictionCause.HANG.value)
@@ -683,6 +684,9 @@ class Supervisor:
             return self._restart(Decision(Act.RESTART, "reform_failed", consume_restart=True),
                                  Observation(workers=WorkerStatus.UNKNOWN))
         t_rdzv = time.monotonic()
+        lost = [n for n in getattr(self.adapter, "evicted", ()) if n not in self._frozen_evicts]
+        if lost:  # a reset seen here and a missed heartbeat: removed without waiting for its keep-alive
+            self._observe("evicted", proto.EvictionCause.LOST.value, len(lost))
         with self._lock:
             self._parked.clear()
         self._send_worlds(world)

@@ -50,3 +50,20 @@ def test_unknown_ids_and_waiting_nodes():
 
 def test_a_plan_with_an_eviction_source_compares_by_membership():
     assert Plan(frozenset({"a"}), lost=True, evict=lambda: frozenset()) == Plan(frozenset({"a"}), lost=True)
+
+
+def test_the_join_executor_evicts_what_the_plan_names_once_and_never_itself():
+    from types import SimpleNamespace
+
+    from trainguard.agent.elastic import _Executor
+
+    st, settings, (a, b, c) = _state()
+    dirty = []
+    holder = SimpleNamespace(state=st, sync=lambda: None, mark_dirty=lambda: dirty.append(1))
+    ex = _Executor(SimpleNamespace(_node=a, _state_holder=holder, _settings=settings), 0.01,
+                   evict=lambda: frozenset({str(a), str(c)}))
+    ex._state = st
+    assert ex._evict() is True and ex.evicted == [str(c)] and dirty == [1]
+    assert a in st.participants and c not in st.participants
+    assert ex._evict() is False and dirty == [1]  # already gone: nothing written again
+    assert _Executor(SimpleNamespace(_node=a, _state_holder=holder, _settings=settings), 0.01)._evict() is False
