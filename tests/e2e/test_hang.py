@@ -93,3 +93,24 @@ def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path):
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
+
+
+from tests.e2e.test_ha_rendezvous import external_store  # noqa: E402,F401  (the fixture: a `trainguard store`)
+
+
+def test_a_node_that_joins_a_job_that_completed_exits_0_not_needed(tmp_path, external_store):  # noqa: F811
+    """A spare node whose agent joins when the job has completed (the rendezvous, in a store of its own,
+    is closed): exit 0 with one clear line, not exit 1 with supervisor_crashed."""
+    tmp = str(tmp_path)
+    extra = ["--set", "rendezvous.is_host=false", "--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}"]
+    done = ["--steps", "20", "--log-every", "5", "--step-sleep", "0.01", "--global-batch", "24"]
+    a = Node("a", tmp, external_store, nnodes="1:2", script=ELASTIC, script_args=done, extra=extra)
+    with running([a]) as nodes:
+        assert a.wait(180) == 0
+        b = Node("b", tmp, external_store, nnodes="1:2", script=ELASTIC, script_args=done, extra=extra)
+        nodes.append(b)
+        assert b.wait(180) == 0
+        line = wait_until(lambda: b.events("job_already_complete"), 10, "b's line")[0]
+        assert "not needed" in line["effect"]
+        assert not b.events("supervisor_crashed")
+        assert [e for e in b.events("agent_exit")][-1]["outcome"] == "succeeded"
