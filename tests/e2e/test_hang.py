@@ -30,9 +30,9 @@ def training(a, b):
     return a.worker_pids(), b.worker_pids()
 
 
-def two_nodes(tmp):
+def two_nodes(tmp, keep_alive_s=1):
     ep = f"127.0.0.1:{free_port()}"
-    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", "rendezvous.keep_alive_interval_s=1",
+    common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", f"rendezvous.keep_alive_interval_s={keep_alive_s}",
               "--set", "rendezvous.keep_alive_max_attempts=3", "--set", "checkpoint.interval=20"]
     a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=ARGS, extra=common)
     wait_listening(ep)
@@ -67,8 +67,12 @@ def test_a_stopped_worker_is_named_ended_and_rejoins_while_its_peer_re_forms_in_
         assert reformed, "a did not re-form in place"
 
 
-def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path):
-    a, b = two_nodes(str(tmp_path))
+@pytest.mark.parametrize("keep_alive_s,path", [(1, "member_lost"), (5, "hang")])
+def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path, keep_alive_s, path):
+    """keep-alive 1 s x 3 expires before the hang threshold (6 s): member_lost aborts; 5 s x 3 does not:
+    the hang watch names the frozen node, aborts and evicts it from the rendezvous before its keep-alive
+    expires."""
+    a, b = two_nodes(str(tmp_path), keep_alive_s)
     with running([a, b]):
         (pa,), (pb,) = training(a, b)
         for pid in (b.pid, pb):  # the whole node freezes: agent and worker, sockets open
@@ -87,6 +91,12 @@ def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path):
             assert [e for e in a.events("worker_reformed") if e.get("reason") == "peer_lost"]
             assert a.worker_pids() == [pa], "the survivor's worker was restarted"
             assert not [e for e in a.events("state_change") if e["new"] == "restarting"]
+            if path == "hang":
+                assert a.events("hang_detected") and not a.events("member_lost")
+                frozen = a.events("hang_detected")[0]["node_id"]
+                assert [e["nodes"] for e in a.events("member_evicted")] == [[frozen]]  # before its keep-alive expired
+            else:
+                assert a.events("member_lost")
         finally:
             for pid in (b.pid, pb):
                 try:
