@@ -358,5 +358,6 @@ def test_a_hang_with_no_culprit_counts_against_no_node():
             w.on_progress(Progress(rank=r, local_rank=0, step=20, phase=S, beat=_tick.n, progress=7, where="t.py:1 m"))
             w.exchange()
     (va, aa), (vb, ab) = (a.check(), b.check())
-    assert va.hung and va.culprit is None and aa.act is HangAct.END_WORKERS and ab.act is HangAct.END_WORKERS
+    assert va.hung and vb.hung and va.culprit is None and vb.culprit is None
+    assert aa.act is HangAct.END_WORKERS and ab.act is HangAct.END_WORKERS
     assert a.hangs == [] and b.hangs == []
