@@ -14,6 +14,7 @@ import socket
 import ssl
 from dataclasses import dataclass, field
 
+from trainguard.agent.hang import HangConfig
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.contract.configbase import FieldError, env_var_for, require, require_finite
@@ -349,6 +350,7 @@ class TrainguardConfig:
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    hang: HangConfig = field(default_factory=HangConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -359,4 +361,5 @@ SECTIONS: dict[str, type] = {
     "preemption": PreemptionConfig,
     "metrics": MetricsConfig,
     "cost": CostConfig,
+    "hang": HangConfig,
 }

@@ -61,6 +61,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousContext,
     _RendezvousExitOp,
     _RendezvousJoinOp,
+    _remove_participant_epilogue,
 )
 
 from trainguard.contract.log import get_logger
@@ -104,6 +105,10 @@ class Plan:
     lost: bool = False
     """A member vanished (which one, nobody said): only the members the rendezvous still sees alive
     (a keep-alive heartbeat in its state; the lost node's is dropped when it expires) are expected."""
+    evict: Callable[[], frozenset[str]] | None = field(default=None, compare=False)
+    """Asked at every poll of the join: rendezvous ids of nodes to remove from the rendezvous state now
+    (evidence that they are gone: :func:`trainguard.agent.hang.evictable`), instead of waiting for their
+    keep-alive to expire."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +174,51 @@ class _JoinOp(_RendezvousJoinOp):
         return super().__call__(ctx, deadline)
 
 
-class _Executor(_DistributedRendezvousOpExecutor):
-    """torch's op executor with a configurable poll interval (its loop, less the event records)."""
+def evict_nodes(state: Any, settings: Any, nodes: frozenset[str]) -> list[str]:
+    """Remove ``nodes`` (rendezvous ids) from the rendezvous ``state`` as torch's sanitizer removes a
+    node whose keep-alive expired (heartbeat, participant, wait and redundancy lists, then the epilogue
+    that advances a completed round nobody is left in). Returns the ids removed."""
+    removed, participant_removed = [], False
+    for node in [n for n in list(state.last_heartbeats) + list(state.participants) if str(n) in nodes]:
+        if node in state.last_heartbeats:
+            del state.last_heartbeats[node]
+        if node in state.participants:
+            del state.participants[node]
+            participant_removed = True
+        state.wait_list.discard(node)
+        state.redundancy_list.discard(node)
+        if str(node) not in removed:
+            removed.append(str(node))
+    if participant_removed:
+        _remove_participant_epilogue(state, settings)
+    return removed
 
-    def __init__(self, base: _DistributedRendezvousOpExecutor, poll_s: float) -> None:
+
+class _Executor(_DistributedRendezvousOpExecutor):
+    """torch's op executor with a configurable poll interval (its loop, less the event records), and
+    evictions on evidence (:attr:`Plan.evict`) before each step of the operation."""
+
+    def __init__(self, base: _DistributedRendezvousOpExecutor, poll_s: float,
+                 evict: Callable[[], frozenset[str]] | None = None) -> None:
         super().__init__(base._node, base._state_holder, base._settings)
         self.poll_s = poll_s
+        self.evict = evict
+        self.evicted: list[str] = []
+
+    def _evict(self) -> bool:
+        if self.evict is None:
+            return False
+        nodes = self.evict() - {str(self._node)}
+        if not nodes:
+            return False
+        removed = evict_nodes(self._state, self._settings, nodes)
+        if removed:
+            self.evicted += removed
+            log.warning("member_evicted", nodes=removed, round=self._state.round,
+                        cause="a collective failed here and the member's agent missed its heartbeat",
+                        effect="removed from the rendezvous now instead of after its keep-alive expiry")
+            self._state_holder.mark_dirty()
+        return bool(removed)
 
     def run(self, state_handler: Callable[[_RendezvousContext, float], _Action], deadline: float,
             update_deadline: Callable[[timedelta], float] | None = None) -> None:
@@ -182,6 +226,8 @@ class _Executor(_DistributedRendezvousOpExecutor):
         while action != _Action.FINISH:
             self._state_holder.sync()
             self._state = self._state_holder.state
+            if self._evict():
+                continue  # written back (compare-and-set) by the next sync, then the operation goes on
             action = state_handler(_RendezvousContext(self._node, self._state, self._settings), deadline)
             if action == _Action.FINISH:
                 continue
@@ -224,7 +270,8 @@ def fresh_reads(handler: Any) -> None:
         holder._cache_duration = POLL_INTERVAL_S
 
 
-def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None) -> RendezvousInfo:
+def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None,
+               evicted: list[str] | None = None) -> RendezvousInfo:
     """``DynamicRendezvousHandler.next_rendezvous`` with :class:`_JoinOp` and :class:`_Executor`.
 
     Same sequence as torch 2.13 (stop heartbeats, exit op, join op, start heartbeats, world, store),
@@ -232,10 +279,14 @@ def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None) -> Re
     see :mod:`trainguard.agent.supervisor`): rank 0 picks a fresh worker store port each round.
     """
     handler._stop_heartbeats()
-    executor = _Executor(handler._op_executor, POLL_INTERVAL_S)
+    executor = _Executor(handler._op_executor, POLL_INTERVAL_S, plan.evict if plan is not None else None)
     deadline = handler._get_deadline(handler._settings.timeout.join)
     executor.run(_RendezvousExitOp(), deadline)
-    executor.run(_JoinOp(abort, plan), deadline, handler._get_deadline)
+    try:
+        executor.run(_JoinOp(abort, plan), deadline, handler._get_deadline)
+    finally:
+        if evicted is not None:
+            evicted[:] = executor.evicted
     handler._start_heartbeats()
     rank, world_size = handler._get_world()
     store = handler._get_store()
@@ -266,6 +317,25 @@ class _Agent(LocalElasticAgent):
         return self._body()
 
 
+class _LockedStore:
+    """``set`` / ``check`` / ``get`` of a store, each under ``lock`` (see :meth:`ElasticAdapter.side_store`)."""
+
+    def __init__(self, store: Any, lock: Any) -> None:
+        self._store, self._lock = store, lock
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._store.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return bool(self._store.check(keys))
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._store.get(key)
+
+
 class ElasticAdapter:
     """The supervisor's handle on torch elastic. Not thread-safe: the supervisor thread owns it, except
     :meth:`leave` on a handler no other thread uses any more."""
@@ -275,6 +345,8 @@ class ElasticAdapter:
         self.handler: RendezvousHandler = spec.rdzv_handler
         self._abort = abort_rendezvous
         self._plan: Plan | None = None
+        self.evicted: list[str] = []
+        """Rendezvous ids the last round removed on evidence (:attr:`Plan.evict`)."""
         self._body: Callable[[], RunResult] | None = None
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
@@ -293,7 +365,7 @@ class ElasticAdapter:
 
     def _next_rendezvous(self) -> RendezvousInfo:
         plan, self._plan = self._plan, None
-        return next_round(self.handler, self._abort, plan)
+        return next_round(self.handler, self._abort, plan, self.evicted)
 
     @property
     def group(self) -> WorkerGroup:
@@ -369,6 +441,21 @@ class ElasticAdapter:
         """The store under round ``round_``'s prefix (the one the round's agents use)."""
         settings = self.handler._settings
         return dist.PrefixStore(f"torch.rendezvous.{settings.run_id}.{round_}", self.handler._store)
+
+    def side_store(self, round_: int) -> Any:
+        """A store under round ``round_``'s prefix for a thread other than the supervisor's (the hang
+        watch). A ``TCPStore`` client is not safe to share between threads that do not hold the
+        handler's lock (two requests in flight on one connection: one thread waited for an answer the
+        other had read, and the supervisor hung); for c10d this is a connection of its own, with a short
+        timeout; for other backends the round store, each call under the handler's lock."""
+        settings = self.handler._settings
+        old = getattr(self.handler, "_store", None)
+        host, port = getattr(old, "host", ""), int(getattr(old, "port", 0) or 0)
+        prefix = f"torch.rendezvous.{settings.run_id}.{round_}"
+        if isinstance(getattr(self.handler, "_backend", None), C10dRendezvousBackend) and host and port:
+            client = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=5))
+            return dist.PrefixStore(prefix, client)
+        return _LockedStore(self.round_store(round_), self.handler._heartbeat_lock)
 
     def poll(self) -> Poll:
         result = self._agent._monitor_workers(self.group)
@@ -507,5 +594,6 @@ class ElasticAdapter:
         self.handler.shutdown()
 
 
-__all__ = ["POLL_INTERVAL_S", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted", "World", "fresh_reads", "next_round",
+__all__ = ["POLL_INTERVAL_S", "RendezvousClosedError", "evict_nodes", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted",
+           "World", "fresh_reads", "next_round",
            "planned_complete"]

@@ -12,6 +12,8 @@
                                   +-------+--> RESIZING   (a peer drains / a node joins)
 
     RENDEZVOUS --> RESTARTING   (the rendezvous of an in-place re-formation failed: restart instead)
+    RENDEZVOUS --> SUCCEEDED    (the rendezvous is closed: the job completed on the other nodes; a node
+                                 that was joining is not needed, exit 0)
 
 * ``STARTING``: config loaded, watchers/exporter starting.
 * ``RENDEZVOUS``: waiting for the rendezvous round to close.
@@ -41,7 +43,7 @@ S = AgentState
 TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
     S.STARTING: frozenset({S.RENDEZVOUS, S.STOPPED, S.FAILED}),
     # RESTARTING: an in-place re-formation whose rendezvous failed falls back to a restart (consumed).
-    S.RENDEZVOUS: frozenset({S.RUNNING, S.DRAINING, S.RESTARTING, S.STOPPED, S.FAILED}),
+    S.RENDEZVOUS: frozenset({S.RUNNING, S.DRAINING, S.RESTARTING, S.STOPPED, S.FAILED, S.SUCCEEDED}),
     S.RUNNING: frozenset({S.DRAINING, S.RESIZING, S.RESTARTING, S.SUCCEEDED, S.FAILED, S.STOPPED}),
     S.DRAINING: frozenset({S.STOPPED, S.FAILED, S.RESIZING, S.RESTARTING}),
     S.RESIZING: frozenset({S.RENDEZVOUS, S.DRAINING, S.STOPPED, S.FAILED}),

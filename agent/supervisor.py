@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import threading
 import time
@@ -64,8 +65,10 @@ from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
 from trainguard.agent.decisions import Act, Asked, Decision, Observation, decide, park_reason
-from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, World
+from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, RendezvousClosedError, World
 from trainguard.agent.exitcodes import ExitCode, exit_code
+from trainguard.agent.hang import HangAct, HangAction, HangVerdict
+from trainguard.agent.hangwatch import HangWatch
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
 from trainguard.contract import protocol as proto
@@ -164,6 +167,10 @@ class Supervisor:
         self._joining_since = 0.0
         self.reform_enabled = cfg.workers.reform == "in-process"
         self._run_started = time.monotonic()
+        self.hangs: HangWatch | None = HangWatch(cfg.hang, node_name=cfg.agent.node_name) if cfg.hang.enabled else None
+        """Hang detection (progress, not liveness): see :mod:`trainguard.agent.hangwatch`."""
+        self._frozen_evicts: set[str] = set()
+        """Nodes this agent already counted as evicted for being frozen (their removal is no second count)."""
         os.makedirs(cfg.agent.state_dir, mode=0o700, exist_ok=True)
         self.control_path = proto.control_socket_path(cfg.agent.state_dir, cfg.agent.job_id)
         # The control socket first: `trainguard status` / `drain` find an agent that still waits for its store.
@@ -275,6 +282,10 @@ class Supervisor:
             if msg.rank == self._world.get("first_rank"):  # one report per node
                 self._observe("restored", msg.step)
             return None
+        if isinstance(msg, proto.Progress):
+            if self.hangs is not None:
+                self.hangs.on_progress(msg)
+            return None
         if isinstance(msg, proto.Hello):
             return None
         return proto.Reply(ok=False, error=f"op {msg.OP!r} is not a request to the agent")
@@ -319,6 +330,7 @@ class Supervisor:
             reform_timeout_s=cfg.workers.reform_timeout_s, standby=self._standby_start,
             pg_timeout_s=cfg.workers.pg_timeout_s, memory_dir=self.memory_dir,
             step_agreement=cfg.workers.step_agreement, step_agreement_period_s=cfg.workers.step_agreement_period_s,
+            progress_interval_s=cfg.hang.heartbeat_interval_s if self.hangs is not None else 0.0,
             log_format=workerenv.worker_log_format(cfg.workers, cfg.agent.log_format, rendered_format()),
         ).to_env()
         env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
@@ -442,6 +454,75 @@ class Supervisor:
                                                                   str(self.cfg.checkpoint.interval or ""),
                                                                   self.cfg.workers.nproc_per_node))
         self._interval_shared_at = 0.0
+        if self.hangs is not None:
+            try:
+                self.hangs.start_world(self.adapter.side_store(world.round), self.adapter.node_id, world.members)
+            except Exception as e:  # noqa: BLE001 - a static handler, a fake adapter: no hang detection
+                log.info("hang_watch_unavailable", error=f"{type(e).__name__}: {e}"[:200])
+
+    # ---- hangs (see agent/hang.py) --------------------------------------------------------------
+    def _watch_hangs(self, obs: Observation) -> tuple[bool, RunResult | None]:
+        """Ask the hang watch; act on a verdict this node must act on. (handled, the loop's result)."""
+        if (self.hangs is None or obs.workers is not WorkerStatus.HEALTHY or self._drain is not None
+                or obs.parked or self._asked is not Asked.NOTHING):
+            return False, None
+        verdict, action = self.hangs.check()
+        if action is None:
+            return False, None
+        return True, self._on_hang(verdict, action, obs)
+
+    def _on_hang(self, v: HangVerdict, a: HangAction, obs: Observation) -> RunResult | None:
+        c = v.culprit
+        local = c is not None and c.node == self.adapter.node_id
+        log.error("hang_detected", rank=c.rank if c else None, node=self.hangs.name_of(c.node) if c else None,  # type: ignore[union-attr]
+                  node_id=c.node if c else None, step=c.step if c else None, phase=c.phase.value if c else None,
+                  where=c.where if c else None, culprit_by=v.why, node_frozen=v.node_frozen,
+                  stalled_s=round(v.stalled_s, 3), threshold_s=round(v.threshold_s, 3), action=a.act.value)
+        self._observe("hang_detected", c.phase.value if c else "step", v.stalled_s)
+        if a.act is HangAct.WATCH:
+            return None
+        if a.act is HangAct.ABORT:  # the culprit's node is frozen: nobody there ends its workers
+            n = self.control.broadcast(proto.Abort(f"rank {c.rank} on a frozen node made no progress for "  # type: ignore[union-attr]
+                                                   f"{v.stalled_s:.1f} s"))
+            log.warning("collectives_abort_requested", workers=n, evict=sorted(a.evict),
+                        effect="our workers park (peer lost); the re-formation evicts the frozen node")
+            self._observe("evicted", proto.EvictionCause.FROZEN.value, len(a.evict - self._frozen_evicts))
+            self._frozen_evicts |= a.evict
+            return None
+        self._end_hung_workers(c.rank if local and c is not None else None)
+        if a.act is HangAct.QUARANTINE:
+            self._observe("evicted", proto.EvictionCause.QUARANTINE.value)
+            self._observe("set_quarantined", True)
+            log.error("node_quarantined", node=self.cfg.agent.node_name, hangs=len(self.hangs.hangs),  # type: ignore[union-attr]
+                      window_s=self.cfg.hang.quarantine_s,
+                      effect="this node leaves the job and stays out (exit 3, drained); its peers re-form without it",
+                      fix="check the node (GPU, driver, disk, network) before starting its agent again")
+            return self._leave("quarantined")
+        self._observe("evicted", proto.EvictionCause.HANG.value)
+        if obs.remaining_restarts <= 0:  # as for any other failure with no restart left
+            return self.execute(Decision(Act.FAIL, "max_restarts_exhausted"), obs, self.adapter.poll())
+        return self._restart(Decision(Act.RESTART, "worker_hang", consume_restart=True), obs)
+
+    def _end_hung_workers(self, rank: int | None) -> None:
+        """Dump the hung rank's stacks (faulthandler, when it can still run), then SIGKILL it: a
+        SIGSTOPped process never runs a SIGTERM handler, and its peers fail their collectives at once
+        (connection reset) and re-form in place. The node's other workers follow in the restart."""
+        pids = self.adapter.worker_pids()
+        local_rank = self.hangs.local_rank_of(rank) if rank is not None and self.hangs is not None else None
+        targets = [pids[local_rank]] if local_rank in pids else list(pids.values())
+        for pid in targets:
+            try:
+                os.kill(pid, proto.STACK_DUMP_SIGNAL)
+            except OSError:
+                pass
+        time.sleep(0.2)  # the dump is written by the process itself (not at all when it is stopped)
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        log.warning("hung_workers_ended", pids=targets, rank=rank,
+                    stacks="dumped to the worker's stderr (faulthandler), unless the process was stopped")
 
     def _share_interval(self) -> None:
         """Every keep-alive interval: the job's effective checkpoint interval on every node, and the
@@ -525,6 +606,13 @@ class Supervisor:
             n = self.control.broadcast(proto.Stop(proto.StopReason.RESIZE, None, d.reason))
             log.info("resize_requested_from_workers", workers=n, nodes_waiting=obs.nodes_waiting,
                      bound_s=round(self._resize_bound_s(), 1))
+            if d.reason == "member_lost" and self.hangs is not None and not self._joining:
+                # The member is gone (its keep-alive expired) and no socket of ours reset: a frozen or
+                # partitioned node. Our workers may wait in a collective with it that never fails on
+                # its own; abort it, so they park alive and re-form in place instead of being restarted.
+                n = self.control.broadcast(proto.Abort("a member of this world is gone (keep-alive expired)"))
+                log.warning("collectives_abort_requested", workers=n, reason=d.reason,
+                            effect="our workers park (peer lost) and re-form in place without the lost member")
             self._asked = Asked.RESIZE
             self._asked_at = time.monotonic()
         elif d.act is Act.CHECKPOINT:
@@ -573,8 +661,10 @@ class Supervisor:
         world = self._current
         if world is None:
             return None
-        return Plan(members=frozenset(world.members), leaving=self._leaving_members(world.members),
-                    lost=reason == proto.ParkReason.PEER_LOST.value)
+        lost = reason == proto.ParkReason.PEER_LOST.value
+        hangs, members = self.hangs, tuple(world.members)
+        return Plan(members=frozenset(world.members), leaving=self._leaving_members(world.members), lost=lost,
+                    evict=(lambda: hangs.evict(members, peer_lost=True)) if lost and hangs is not None else None)
 
     def _reform(self, reason: str) -> RunResult | None:
         """Every local worker is parked alive: re-form the rendezvous and hand them their new world."""
@@ -594,6 +684,9 @@ class Supervisor:
             return self._restart(Decision(Act.RESTART, "reform_failed", consume_restart=True),
                                  Observation(workers=WorkerStatus.UNKNOWN))
         t_rdzv = time.monotonic()
+        lost = [n for n in getattr(self.adapter, "evicted", ()) if n not in self._frozen_evicts]
+        if lost:  # a reset seen here and a missed heartbeat: removed without waiting for its keep-alive
+            self._observe("evicted", proto.EvictionCause.LOST.value, len(lost))
         with self._lock:
             self._parked.clear()
         self._send_worlds(world)
@@ -625,6 +718,8 @@ class Supervisor:
         self.adapter.terminate_workers(grace)
 
     def _restart(self, d: Decision, obs: Observation) -> RunResult | None:
+        if self.hangs is not None:
+            self.hangs.between_worlds()
         self.control.forget_workers()
         self._workers_gone()
         with self._lock:
@@ -658,6 +753,30 @@ class Supervisor:
         return None
 
     def _loop(self) -> RunResult:
+        try:
+            return self._run_loop()
+        except RendezvousClosedError:
+            return self._not_needed()
+
+    def _not_needed(self) -> RunResult:
+        """The rendezvous is closed: the job completed on its other nodes while this one was joining
+        (a spare, a node back from a preemption). Nothing failed: exit 0, or systemd restarts a node
+        into a job that is over, again and again."""
+        with torchlogs.expected_stop():
+            self.adapter.stop_workers()  # a joiner's standby workers, if any
+        self._workers_gone()
+        self._outcome = AgentState.SUCCEEDED
+        log.info("job_already_complete", node=self.cfg.agent.node_name, state=self.sm.state.value,
+                 effect="this node is not needed: the rendezvous is closed (the job completed on its other nodes); "
+                        "exit 0")
+        self.sm.to(AgentState.SUCCEEDED, reason="not_needed")
+        try:
+            ranks = self.adapter.world().global_ranks
+        except Exception:  # noqa: BLE001 - no world ever formed here
+            ranks = ()
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in ranks})
+
+    def _run_loop(self) -> RunResult:
         self.sm.to(AgentState.RENDEZVOUS)
         if self._drain is not None:
             return self._leave("drained_before_start")
@@ -673,6 +792,11 @@ class Supervisor:
             self._wake.clear()
             self._share_interval()
             obs, poll = self.observe()
+            handled, result = self._watch_hangs(obs)
+            if handled:
+                if result is not None:
+                    return result
+                continue
             d = decide(obs)
             if d.act is Act.WAIT:
                 continue
@@ -815,6 +939,8 @@ class Supervisor:
             "outcome": outcome.value, "exit_code": int(code), "meaning": code.label,
             "emergency_step": self._emergency_step, "error": self._emergency_error or None, "t": time.time()})
         self.control.close()
+        if self.hangs is not None:
+            self.hangs.close()
         self.snapshots.remove(outcome.value)  # the job is over for this node: its snapshots with it
         fields: dict[str, Any] = {"error": self._emergency_error} if code is ExitCode.WORK_LOST else {}
         (log.error if code in (ExitCode.FAILED, ExitCode.WORK_LOST) else log.info)(

@@ -18,6 +18,13 @@ Runs of the same scenario, side by side in one invocation:
 * **kill** -- three in-place agents; one node is SIGKILLed without notice (agent and worker): the
   survivors' collectives fail, the interrupted step is rolled back and they re-form at world size 2
   (``kill_*`` keys).
+* **hang_worker**, **freeze_node** (issue 37: dirty failures, nothing resets) -- three in-place agents
+  as in **kill**; c's worker is SIGSTOPped (a hung rank: its agent alive) or c's agent and worker are
+  (a frozen node). Figures side by side with the kill run: detection (the first agent line that acts:
+  ``hang_detected`` or ``collectives_abort_requested``), the first step of the re-formed world (a hung
+  rank's node restarts its worker and rejoins: world size 3; a frozen node is evicted: 2), steps lost,
+  whether the survivors' worker pids are unchanged, samples skipped/repeated (``hang_worker_*``,
+  ``freeze_node_*`` keys).
 * **etcd**, **etcd-kill** (with ``--rdzv c10d,etcd`` or ``--rdzv etcd``) -- the in-place and the kill
   runs again, with the rendezvous in etcd v3 instead of node a's c10d store: etcd started by the
   bench on 127.0.0.1 with TLS, ``--client-cert-auth`` and RBAC, the agents logging in as the job's
@@ -481,8 +488,10 @@ def run_kill(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list
         return {f"{prefix}{k}": v for k, v in _run_kill(a, d, procs, timeline, flags).items()}
 
 
-def _run_kill(a: argparse.Namespace, d: str, procs: list[Proc], timeline: list[tuple[float, str, str]],
-              flags: tuple[list[str], list[str], list[str]]) -> dict[str, Any]:
+def _three_nodes(a: argparse.Namespace, d: str, procs: list[Proc], timeline: list[tuple[float, str, str]],
+                 flags: tuple[list[str], list[str], list[str]]) -> tuple[list[Proc], str]:
+    """Nodes a (hosting the c10d store), b and c training in place with a sample log, until
+    ``--steps-before-notice`` steps at world size 3; returns them and the sample-log folder."""
     rdzv, rdzv_first, rdzv_others = flags
     samples = os.path.join(d, "samples")
     os.makedirs(samples)
@@ -491,13 +500,19 @@ def _run_kill(a: argparse.Namespace, d: str, procs: list[Proc], timeline: list[t
     common = ["--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval={a.baseline_ckpt_every}",
               "--set", "preemption.sources=signal"]
     agent = _agent_factory(d, rdzv, common, args, procs, timeline, nnodes="1:3")
-    res: dict[str, Any] = {}
     na = agent("a", rdzv_first)
     time.sleep(0.5)
-    nb, nc = agent("b", rdzv_others), agent("c", rdzv_others)
-    nodes = [na, nb, nc]
+    nodes = [na, agent("b", rdzv_others), agent("c", rdzv_others)]
     wait_until(lambda: first(steps_of(nodes), lambda t, e: e["world_size"] == 3 and e["step"] >= a.steps_before_notice),
                180, f"{a.steps_before_notice} steps at world size 3", procs=nodes)
+    return nodes, samples
+
+
+def _run_kill(a: argparse.Namespace, d: str, procs: list[Proc], timeline: list[tuple[float, str, str]],
+              flags: tuple[list[str], list[str], list[str]]) -> dict[str, Any]:
+    nodes, samples = _three_nodes(a, d, procs, timeline, flags)
+    na, nb, nc = nodes
+    res: dict[str, Any] = {}
     pid_start = worker_pid(na)
     t_kill = time.time()
     nc.kill()
@@ -519,13 +534,85 @@ def _run_kill(a: argparse.Namespace, d: str, procs: list[Proc], timeline: list[t
     say("bench", f"survivors at world size 2, step {ev['step']} ({res['kill_to_resume_s']:.2f} s after the kill)")
     wait_until(lambda: first(steps_of([na, nb]), lambda t, e: e["world_size"] == 2 and e["step"] >= ev["step"] + 10),
                120, "10 steps at world size 2", procs=[na, nb])
-    for n in (na, nb):
+    res.update({f"kill_{k}": v for k, v in _stop_and_account([na, nb], samples).items()})
+    return res
+
+
+def _stop_and_account(survivors: list[Proc], samples: str) -> dict[str, int]:
+    """Stop the survivors (a drain each) and check the sample log against the cursor's stream."""
+    for n in survivors:
         n.proc.send_signal(signal.SIGTERM)
-    for n in (na, nb):
+    for n in survivors:
         n.wait(60)
     steps = committed(samples)
     acc = account([steps[s]["ids"] for s in sorted(steps)], cursor_stream(max(steps), dataset_size()))
-    res.update(kill_skipped_samples=acc["skipped"], kill_repeated_samples=acc["repeated"])
+    return {"skipped_samples": acc["skipped"], "repeated_samples": acc["repeated"]}
+
+
+def run_fault(a: argparse.Namespace, work: str, procs: list[Proc], timeline: list[tuple[float, str, str]], *,
+              kind: str, rdzv: str = "c10d") -> dict[str, Any]:
+    """Three in-place agents; a dirty fault on node c (no reset): ``hang_worker`` SIGSTOPs c's worker
+    (its agent alive), ``freeze_node`` SIGSTOPs c's agent and worker (a frozen node)."""
+    d = os.path.join(work, f"trainguard-{kind}")
+    with rendezvous_for(rdzv, d) as flags:
+        return {f"{kind}_{k}": v for k, v in _run_fault(a, d, procs, timeline, flags, kind).items()}
+
+
+def _run_fault(a: argparse.Namespace, d: str, procs: list[Proc], timeline: list[tuple[float, str, str]],
+               flags: tuple[list[str], list[str], list[str]], kind: str) -> dict[str, Any]:
+    nodes, samples = _three_nodes(a, d, procs, timeline, flags)
+    na, nb, nc = nodes
+    res: dict[str, Any] = {}
+    pids = (worker_pid(na), worker_pid(nb))
+    culprit = worker_pid(nc)
+    stopped = [culprit] if kind == "hang_worker" else [nc.proc.pid, *descendants(nc.proc.pid)]
+    t_fault = time.time()
+    for pid in stopped:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGSTOP)
+    what = "c's worker SIGSTOPped (hung rank, agent alive)" if kind == "hang_worker" else "node c SIGSTOPped (agent and worker)"
+    say("bench", what)
+    timeline.append((t_fault, "bench", what))
+    try:
+        last_before = max(e["step"] for t, e in steps_of(nodes) if t <= t_fault)
+        # Detected: the first agent line that acts on it (hang_detected, or the abort after the keep-alive).
+        acting = ("hang_detected", "collectives_abort_requested")
+
+        def detected() -> list[tuple[float, str, dict[str, Any]]]:
+            return sorted((parse_ts(e) or t, n.name, e) for n in nodes for t, e in n.events()
+                          if e.get("event") in acting and t >= t_fault)
+
+        t_det, who, ev = wait_until(detected, 120, "the fault detected", procs=[na, nb])[0]
+        res["detect_s"] = round(t_det - t_fault, 3)
+        res["detected_by"] = ev.get("event") if ev.get("event") != "hang_detected" else f"hang_detected/{ev.get('action')}"
+        timeline.append((t_det, who, f"{ev.get('event')} {ev.get('action', ev.get('reason', ''))} "
+                                     f"rank={ev.get('rank')} phase={ev.get('phase')}"))
+        world = 3 if kind == "hang_worker" else 2  # a hung rank's node rejoins; a frozen node is evicted
+
+        def reformed() -> tuple[float, dict[str, Any]] | None:
+            marks = [parse_ts(e) or t for n in (na, nb) for t, e in n.events("reformed_in_place") if t >= t_fault]
+            if not marks:
+                return None
+            return first(steps_of([na, nb, nc]), lambda t, e: t > min(marks) and e["world_size"] == world)
+
+        t_resume, evs = wait_until(reformed, 120, f"the first step of the re-formed world ({world} ranks)", procs=[na, nb])
+        cont = _continued(na, world) + _continued(nb, world)
+        after = [e["step"] for t, e in cont if t >= t_fault]  # the script's line has no timestamp: its arrival
+        resumed_from = min(after) if after else evs["step"] - 1
+        res.update(to_resume_s=round(t_resume - t_fault, 3), lost_steps=max(0, last_before - resumed_from),
+                   same_worker_pids=pids[0] is not None and (worker_pid(na), worker_pid(nb)) == pids,
+                   world_size_after=world)
+        timeline.append((t_resume, "trainguard", f"step {evs['step']} at world size {world} (first of the re-formed world)"))
+        say("bench", f"{kind}: detected after {res['detect_s']:.2f} s, first step of the re-formed world "
+                     f"{res['to_resume_s']:.2f} s after the fault")
+        wait_until(lambda: first(steps_of([na, nb]), lambda t, e: e["world_size"] == world and e["step"] >= evs["step"] + 10),
+                   120, "10 more steps", procs=[na, nb])
+    finally:
+        for pid in stopped:  # a frozen node wakes up before it is stopped (SIGKILL reaches it either way)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+    nc.kill()
+    res.update(_stop_and_account([na, nb], samples))
     return res
 
 
@@ -652,12 +739,36 @@ ROWS = [
 SINGLE = [
     # (field, target text, predicate) of the runs without a baseline column
     ("fsdp_notice_to_resume_s", "<= 2.0", lambda v: v is not None and v <= 2.0),
-    ("kill_to_resume_s", "<= 10", lambda v: v is not None and v <= 10.0),
+    ("kill_to_resume_s", "<= 2", lambda v: v is not None and v <= 2.0),
     ("kill_lost_steps", "<= 1", lambda v: v is not None and v <= 1),
     ("kill_skipped_samples", "== 0", lambda v: v == 0),
     ("kill_repeated_samples", "== 0", lambda v: v == 0),
     ("kill_same_worker_pids", "true", lambda v: v is True),
 ]
+FAULTS = [
+    # (field, target text per kind {kind: (text, predicate)}); one column per fault kind, side by side
+    ("detect_s", {"hang_worker": ("<= 10", lambda v: v is not None and v <= 10.0), "freeze_node": ("", None),
+                  "kill": ("", None)}),
+    ("to_resume_s", {"hang_worker": ("<= 15", lambda v: v is not None and v <= 15.0),
+                     "freeze_node": ("<= 15", lambda v: v is not None and v <= 15.0),
+                     "kill": ("<= 2", lambda v: v is not None and v <= 2.0)}),
+    ("lost_steps", {"hang_worker": ("<= 1", lambda v: v is not None and v <= 1),
+                    "freeze_node": ("<= 1", lambda v: v is not None and v <= 1), "kill": ("<= 1", lambda v: v is not None and v <= 1)}),
+    ("same_worker_pids", {k: ("true", lambda v: v is True) for k in ("hang_worker", "freeze_node", "kill")}),
+    ("skipped_samples", {k: ("== 0", lambda v: v == 0) for k in ("hang_worker", "freeze_node", "kill")}),
+    ("repeated_samples", {k: ("== 0", lambda v: v == 0) for k in ("hang_worker", "freeze_node", "kill")}),
+    ("world_size_after", {k: ("", None) for k in ("hang_worker", "freeze_node", "kill")}),
+    ("detected_by", {k: ("", None) for k in ("hang_worker", "freeze_node", "kill")}),
+]
+"""The dirty-fault table (issue 37): the kill run's figures are its ``kill_*`` keys (``kill_to_resume_s``
+is the SIGKILL target of 2 s, ``kill_detected_s`` its detection)."""
+
+
+def fault_value(res: dict[str, Any], kind: str, field: str) -> Any:
+    if kind == "kill":
+        return res.get("kill_detected_s" if field == "detect_s" else f"kill_{field}",
+                       2 if field == "world_size_after" and "kill_to_resume_s" in res else None)
+    return res.get(f"{kind}_{field}")
 
 
 def fmt(v: Any) -> str:
@@ -686,7 +797,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="baseline only: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13's workaround for the "
                          "scale-up store bug, see agent/supervisor.py); default: torchrun as installed")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints, sample logs)")
-    ap.add_argument("--only", choices=["trainguard", "restart", "fsdp", "kill", "etcd", "etcd-kill", "baseline"],
+    ap.add_argument("--only", choices=["trainguard", "restart", "fsdp", "kill", "hang_worker", "freeze_node", "etcd",
+                                       "etcd-kill", "baseline"],
                     action="append", default=None, help="run only these sides (repeatable)")
     ap.add_argument("--rdzv", default="c10d", metavar="BACKENDS",
                     help="rendezvous backend(s) of the trainguard runs, comma-separated: c10d (default: node a hosts "
@@ -712,6 +824,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("restart", functools.partial(run_trainguard, reform="restart", prefix="restart_")),
                  ("fsdp", functools.partial(run_trainguard, strategy="fsdp", prefix="fsdp_")),
                  ("kill", run_kill),
+                 ("hang_worker", functools.partial(run_fault, kind="hang_worker")),
+                 ("freeze_node", functools.partial(run_fault, kind="freeze_node")),
                  ("etcd", functools.partial(run_trainguard, prefix="etcd_", rdzv="etcd")),
                  ("etcd-kill", functools.partial(run_kill, prefix="etcd_", rdzv="etcd")),
                  ("baseline", run_baseline))
@@ -760,6 +874,13 @@ def main(argv: list[str] | None = None) -> int:
             targets[field] = {"target": text, "value": res.get(field), "met": bool(ok(res.get(field)))}
     if "notice_to_resume_s" in res and "restart_notice_to_resume_s" in res:
         res["restart_over_inplace_resume_ratio"] = round(res["restart_notice_to_resume_s"] / res["notice_to_resume_s"], 2)
+    kinds = [k for k in ("kill", "hang_worker", "freeze_node") if any(fault_value(res, k, f) is not None for f, _ in FAULTS)]
+    for field, per_kind in FAULTS:
+        for k in kinds:
+            text, ok = per_kind[k]
+            v = fault_value(res, k, field)
+            if ok is not None and v is not None and f"{k}_{field}" not in targets:
+                targets[f"{k}_{field}"] = {"target": text, "value": v, "met": bool(ok(v))}
     res["targets"] = targets
     res["targets_met"] = all(t["met"] for t in targets.values()) and not errors
     if errors:
@@ -778,6 +899,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{'':>10}  {text}{'  ' + marks if marks else ''}")
     if "restart_over_inplace_resume_ratio" in res:
         print(f"restart path / in-place path, notice -> resume: {res['restart_over_inplace_resume_ratio']}x")
+    if kinds:  # the unplanned faults side by side (issue 37)
+        print(f"\n{'fault (3 nodes, on c)'.ljust(w)}  " + "  ".join(f"{k:>12}" for k in kinds) + "  targets")
+        for field, per_kind in FAULTS:
+            cells, marks = [], []
+            for k in kinds:
+                v = fault_value(res, k, field)
+                cells.append(f"{fmt(v):>12}")
+                text, ok = per_kind[k]
+                if ok is not None and v is not None:
+                    marks.append(f"{k} {text} {'ok' if ok(v) else 'MISSED'}")
+            print(f"{field.ljust(w)}  " + "  ".join(cells) + "  " + "; ".join(marks))
     print(f"targets met: {res['targets_met']}   leftover processes: {res['leftover_processes']}"
           + (f"   work folder kept: {work}" if a.keep else ""))
     if a.json:

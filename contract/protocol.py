@@ -30,6 +30,8 @@ Control channel (newline-delimited JSON objects over a Unix socket, one ``op`` e
   has re-formed the rendezvous it sends each parked worker its new rank, world size and store.
 * worker -> agent :class:`Committed`: a checkpoint committed (or, with ``saved=false``, could not be
   saved: the work since ``last_committed`` is lost); :class:`Restored`: the workers restored a step.
+* worker -> agent :class:`Progress`: a heartbeat with the worker's step and :class:`Phase` (hang
+  detection: progress, not liveness); agent -> worker :class:`Abort`: end the world's collectives now.
 * CLI -> agent :class:`DrainRequest`, :class:`StatusRequest`: one request, one :class:`Reply`.
 """
 
@@ -146,6 +148,38 @@ class WorkerStatus(str, Enum):
     """The process context reported something else (treated as a crash)."""
 
 
+class Phase(str, Enum):
+    """Where a worker is, as its progress heartbeat says (:class:`Progress`): the ``phase`` of hang logs
+    and of the ``trainguard_hangs_detected_total`` metric."""
+
+    STEP = "step"
+    """Training: forward, backward, the optimizer step (and the collectives inside them)."""
+    AGREEMENT = "agreement"
+    """Waiting for the step-boundary agreement of the flags (a collective)."""
+    SAVE = "save"
+    """Saving a checkpoint (bounded by its own storage deadline: never a hang)."""
+    RESTORE = "restore"
+    """Restoring a checkpoint or receiving the live state (bounded by its own deadlines: never a hang)."""
+    BUSY = "busy"
+    """The script said so (``Runtime.busy``): e.g. a rank-0-only evaluation between steps (never a hang)."""
+    PARKED = "parked"
+    """Between worlds (in-place re-formation; bounded by ``workers.reform_timeout_s``: never a hang)."""
+
+
+class EvictionCause(str, Enum):
+    """Why a node's workers were ended or a node removed from the world: the ``cause`` of eviction
+    logs and of ``trainguard_evictions_total``."""
+
+    HANG = "hang"
+    """Its rank hung (no progress, named the culprit): its agent ended its workers; they rejoin."""
+    FROZEN = "frozen"
+    """The node froze (its agent stopped publishing too): its peers removed it from the rendezvous."""
+    LOST = "lost"
+    """A collective failed (connection reset) and the node's agent missed a heartbeat: removed at once."""
+    QUARANTINE = "quarantine"
+    """Its rank hung twice within ``hang.quarantine_s``: the node left the job."""
+
+
 class NoticeSource(str, Enum):
     """Where a preemption notice came from: the ``source`` of notices, logs and metrics."""
 
@@ -241,6 +275,9 @@ class RuntimeEnv:
     """``json`` or ``console``: the format the worker's log lines are rendered in, as the agent's own
     (tee'd to the agent's output, they look alike); empty: decided on the worker's stderr, as under
     torchrun (``auto``, see :func:`trainguard.contract.log.configure`)."""
+    progress_interval_s: float = 0.0
+    """``hang.heartbeat_interval_s``: how often the worker sends :class:`Progress` (0: never; hang
+    detection off)."""
     inject_fault: str = ""
     """Fault injection for tests (``workers.env``): ``reform:<flag file>`` makes the next in-place
     re-formation fail in the worker once (the flag file records that it did), to exercise the fallback;
@@ -257,7 +294,7 @@ class RuntimeEnv:
     _RT_FIELDS: ClassVar[tuple[str, ...]] = ("job_id", "node", "agent_pid", "control_path", "round",
                                              "checkpoint", "pg_timeout_s", "reform", "reform_timeout_s", "standby",
                                              "memory_dir", "step_agreement", "step_agreement_period_s",
-                                             "log_format", "inject_fault")
+                                             "log_format", "progress_interval_s", "inject_fault")
 
     def to_env(self) -> dict[str, str]:
         """The ``TRAINGUARD_RT_*`` variables (torchelastic writes its own)."""
@@ -316,6 +353,7 @@ class RuntimeEnv:
             step_agreement=_step_agreement(get("step_agreement")),
             step_agreement_period_s=num(RT_PREFIX + "STEP_AGREEMENT_PERIOD_S", get("step_agreement_period_s"), float, 0.0),
             log_format=_log_format(get("log_format")),
+            progress_interval_s=num(RT_PREFIX + "PROGRESS_INTERVAL_S", get("progress_interval_s"), float, 0.0),
             inject_fault=get("inject_fault") or "",
             rank=num("RANK", env.get("RANK"), int, 0),
             local_rank=num("LOCAL_RANK", env.get("LOCAL_RANK"), int, 0),
@@ -387,6 +425,14 @@ def _str(name: str, v: Any, *, limit: int = 200) -> str:
     if not isinstance(v, str):
         raise ProtocolError(f"`{name}` must be a string, got {v!r}")
     return v[:limit]
+
+
+def _enum(name: str, cls: type[Enum], v: Any) -> Any:
+    """``cls(v)``, or a :class:`ProtocolError` naming the field and the values it takes."""
+    try:
+        return cls(v)
+    except ValueError:
+        raise ProtocolError(f"`{name}` must be one of {[m.value for m in cls]}, got {v!r}") from None
 
 
 class Message:
@@ -480,12 +526,8 @@ class Parked(Message):
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Parked:
-        try:
-            reason = ParkReason(d.get("reason"))
-        except ValueError:
-            raise ProtocolError(f"`reason` must be one of {[r.value for r in ParkReason]}, got {d.get('reason')!r}") from None
         return cls(rank=_int("rank", d.get("rank"), minimum=-1), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
-                   step=_int("step", d.get("step"), minimum=0), reason=reason)
+                   step=_int("step", d.get("step"), minimum=0), reason=_enum("reason", ParkReason, d.get("reason")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -571,6 +613,50 @@ class Committed(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Progress(Message):
+    """worker -> agent, every ``hang.heartbeat_interval_s`` from a daemon thread of the worker (a frozen
+    or SIGSTOPped process sends none): where the worker is. ``beat`` counts the heartbeats; ``progress``
+    counts the heartbeats at which the worker moved on (its step or phase changed, or its main thread
+    ran Python: the frame it executes changed), so a rank blocked in a collective beats without
+    progressing. ``where`` is the main thread's innermost Python frame (``file:line function``)."""
+
+    OP: ClassVar[str] = "progress"
+    rank: int
+    local_rank: int
+    step: int
+    phase: Phase
+    beat: int
+    progress: int
+    where: str = ""
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Progress:
+        return cls(rank=_int("rank", d.get("rank"), minimum=-1), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
+                   step=_int("step", d.get("step"), minimum=0), phase=_enum("phase", Phase, d.get("phase")), beat=_int("beat", d.get("beat"), minimum=0),
+                   progress=_int("progress", d.get("progress"), minimum=0), where=_str("where", d.get("where", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Message):
+    """agent -> worker: end this world's collectives now (a peer is hung or frozen: its sockets stay
+    open, so nothing fails by itself before the process-group timeout). The worker's blocked
+    collective fails, it parks (``peer_lost``) and re-forms in place around the culprit."""
+
+    OP: ClassVar[str] = "abort"
+    why: str = ""
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Abort:
+        return cls(why=_str("why", d.get("why", "")))
+
+
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+"""The signal a worker answers with a dump of every thread's Python stack on its stderr (faulthandler,
+installed by the runtime); the agent sends it to a hung rank before ending it, to log where it is. A
+SIGSTOPped process cannot run it: then the last ``where`` of its heartbeats is all there is."""
+
+
+@dataclass(frozen=True, slots=True)
 class DrainRequest(Message):
     """CLI -> agent: drain this node (``trainguard drain``)."""
 
@@ -621,7 +707,7 @@ class Reply(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.OP: m for m in (Hello, Stop, CheckpointNow, Parked, Joined, Reform, Committed, Restored,
-                                                         DrainRequest, StatusRequest, Reply)}
+                                                         Progress, Abort, DrainRequest, StatusRequest, Reply)}
 MAX_LINE = 64 * 1024
 """Longest accepted line (bytes); a longer one is a :class:`ProtocolError`."""
 
@@ -649,7 +735,7 @@ def decode(line: bytes | str) -> Message:
 
 
 __all__ = [
-    "EXIT_RESIZE", "EXIT_SUCCESS", "MESSAGES", "AgentState", "CheckpointKind", "CheckpointNow", "Committed",
+    "EXIT_RESIZE", "EXIT_SUCCESS", "MESSAGES", "STACK_DUMP_SIGNAL", "Abort", "AgentState", "EvictionCause", "Phase", "Progress", "CheckpointKind", "CheckpointNow", "Committed",
     "DrainRequest", "Joined", "ParkReason", "Parked", "Reform", "Restored",
     "ExitKind", "Hello", "Message", "NoticeSource", "ProtocolError", "Reply", "RuntimeEnv", "StatusRequest",
     "Stop", "StopReason", "WorkerStatus", "classify_exit", "control_socket_path", "decode", "encode",

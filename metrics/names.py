@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from trainguard.contract.protocol import AgentState, CheckpointKind, CheckpointTier, NoticeSource
+from trainguard.contract.protocol import AgentState, CheckpointKind, CheckpointTier, EvictionCause, NoticeSource, Phase
 
 PREFIX = "trainguard_"
 
@@ -46,6 +46,18 @@ preemption notice until a step completes again; ``resize`` a planned re-formatio
 ``recompute`` step time of steps later rolled back and recomputed; ``checkpoint`` time between the
 steps of a running job (saves blocking training, the per-step agreement); ``other`` downtime with no
 known cause."""
+
+HANG_PHASES: tuple[str, ...] = tuple(p.value for p in Phase)
+"""``phase`` label of detected hangs (:class:`~trainguard.contract.protocol.Phase`): where the culprit
+rank was (``step``, ``agreement``, ``save``, ``restore``, ``busy``, ``parked``)."""
+
+EVICTION_CAUSES: tuple[str, ...] = tuple(c.value for c in EvictionCause)
+"""``reason`` label of evictions (:class:`~trainguard.contract.protocol.EvictionCause`): ``hang`` a hung
+rank's workers ended by its agent; ``frozen`` a frozen node removed by its peers; ``lost`` a node whose
+connections reset and whose agent missed a heartbeat, removed at once; ``quarantine`` a node that hung
+twice within ``hang.quarantine_s`` and left."""
+
+HANG_DETECT_BUCKETS_S: tuple[float, ...] = (1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 MAX_DYNAMIC_LABEL_VALUES = 16
 """Beyond this many distinct values of one free-form label, further values are reported as ``other``."""

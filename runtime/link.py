@@ -27,6 +27,9 @@ class AgentLink:
         """Set by a :class:`~trainguard.contract.protocol.CheckpointNow` order until :meth:`take_checkpoint`."""
         self.deadline: float | None = None
         """Epoch seconds by which a draining node must be gone (from the agent's stop order)."""
+        self.on_abort: Callable[[str], None] | None = None
+        """Called on the listener thread when the agent orders an :class:`~trainguard.contract.protocol.Abort`
+        (the training thread may be blocked in a collective that only this can end)."""
         self._reform: proto.Reform | None = None
         self._reformed = threading.Event()
         self._send_lock = threading.Lock()
@@ -64,6 +67,12 @@ class AgentLink:
                     continue
                 if isinstance(msg, proto.Stop):
                     self._on_stop(msg)
+                elif isinstance(msg, proto.Abort):
+                    if self.on_abort is not None:
+                        try:
+                            self.on_abort(msg.why)
+                        except Exception as e:  # noqa: BLE001 - the listener must survive it
+                            log.warning("abort_failed", error=f"{type(e).__name__}: {e}"[:300])
                 elif isinstance(msg, proto.CheckpointNow):
                     self.checkpoint_reason = msg.why or "agent"
                 elif isinstance(msg, proto.Reform):
@@ -99,7 +108,7 @@ class AgentLink:
         reason, self.checkpoint_reason = self.checkpoint_reason, None
         return reason
 
-    def report(self, msg: proto.Committed | proto.Restored | proto.Parked | proto.Joined) -> None:
+    def report(self, msg: proto.Committed | proto.Restored | proto.Parked | proto.Joined | proto.Progress) -> None:
         """Tell the agent a checkpoint committed (or could not be saved) or was restored, that this
         worker parked or joined its world. Best effort: the agent may be gone."""
         try:

@@ -231,6 +231,18 @@ def end_world_connections() -> int:
     return ended
 
 
+def abort_collectives(device: torch.device) -> str:
+    """Make the collectives this process is blocked in fail now, from another thread (the agent's
+    :class:`~trainguard.contract.protocol.Abort`: a peer is hung or frozen, its sockets stay open and
+    nothing fails by itself before the process-group timeout). gloo: shut the world's connections
+    down (:func:`end_world_connections`); NCCL: abort the communicators. The training thread then
+    fails the collective as a lost peer and parks. Returns what was done."""
+    if dev.backend_for(device) == "nccl" and dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+        return "nccl_abort"
+    return f"gloo_connections_ended={end_world_connections()}"
+
+
 class Teardown(str, Enum):
     """How a world's process groups are ended (:func:`teardown_plan`)."""
 
@@ -344,5 +356,5 @@ def sync_live_state(step: int | None, tensors: dict[str, torch.Tensor], *,
     return "broadcast", newest
 
 
-__all__ = ["Teardown", "clear_dtensor_caches", "end_world_connections", "init_world", "is_peer_failure", "sync_live_state", "teardown_plan", "teardown_world", "to_host",
+__all__ = ["Teardown", "abort_collectives", "clear_dtensor_caches", "end_world_connections", "init_world", "is_peer_failure", "sync_live_state", "teardown_plan", "teardown_world", "to_host",
            "world_connections"]

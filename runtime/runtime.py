@@ -81,6 +81,7 @@ from trainguard.runtime.agreement import StepAgreement
 from trainguard.runtime.boundary import BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.faults import FaultHooks
+from trainguard.runtime.progress import ProgressReporter, install_stack_dump
 from trainguard.runtime.reformation import PARITY_ABANDON_S, Reformation
 from trainguard.runtime.session import AgentSession
 from trainguard.runtime.state import TRANSITIONS, WorkerState
@@ -91,6 +92,11 @@ from trainguard.strategies.batch import split
 log = get_logger("trainguard.worker")
 
 _GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
+
+
+_PHASE_OF_STATE = {WorkerState.PARKED: proto.Phase.PARKED, WorkerState.RESUMING: proto.Phase.RESTORE,
+                   WorkerState.STANDBY: proto.Phase.PARKED}
+"""The progress phase of a worker state (any other: ``step``)."""
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -105,7 +111,7 @@ class Runtime:
                  reform: bool = False, reform_timeout_s: float = 120.0, pg_timeout_s: float = 0.0,
                  standby: bool = False, local_world_size: int = 1, inject_fault: str = "",
                  device: torch.device | None = None, memory_dir: str = "", step_agreement: str = "overlapped",
-                 step_agreement_period_s: float = 0.0) -> None:
+                 step_agreement_period_s: float = 0.0, progress_interval_s: float = 0.0) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = dev.select_device(local_rank) if device is None else torch.device(device)
         """This worker's device: ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``. Move the
@@ -156,6 +162,8 @@ class Runtime:
         self._metrics: Any = None
         self._session = AgentSession(control_path, rank, local_rank)
         """The agent link, SIGTERM, the reports and the one exit."""
+        self._progress = self._start_progress(progress_interval_s)
+        """The progress heartbeat to the agent (hang detection), or None without an agent."""
         self._tiers = CheckpointTiers(self, memory_dir)
         """The checkpoint tiers of this world: durable manager, memory tier, replicas/parity, interval."""
         self._reform = Reformation(self)
@@ -165,6 +173,53 @@ class Runtime:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
     # ---- construction -------------------------------------------------------------------------
+    def _start_progress(self, interval_s: float) -> ProgressReporter | None:
+        """Beat :class:`~trainguard.contract.protocol.Progress` to the agent (hang detection) and answer
+        its :class:`~trainguard.contract.protocol.Abort` (see :mod:`~trainguard.runtime.progress`)."""
+        link = self._session.link
+        if link is None or interval_s <= 0:
+            return None
+        link.on_abort = self._abort_collectives
+        install_stack_dump()
+        reporter = ProgressReporter(self._session.report, rank=lambda: self.rank, local_rank=self.local_rank,
+                                    step=lambda: self.step, interval_s=interval_s)
+        reporter.set_phase(_PHASE_OF_STATE.get(self.worker_state, proto.Phase.STEP))
+        reporter.start()
+        return reporter
+
+    def _abort_collectives(self, why: str) -> None:
+        """The agent's :class:`~trainguard.contract.protocol.Abort` (listener thread): a peer is hung or
+        frozen; the collective the training thread waits in fails now and it parks (``peer_lost``)."""
+        self._log.warning("collectives_aborted", step=self.step, why=why, done=rf.abort_collectives(self.device))
+
+    @contextlib.contextmanager
+    def _phase(self, phase: proto.Phase) -> Iterator[None]:
+        """``phase`` while the block runs, then the phase of the worker's state at its end (a block may
+        change the state: a restore that joins a world, a save during which a peer is lost)."""
+        if self._progress is None:
+            yield
+            return
+        self._progress.set_phase(phase)
+        try:
+            yield
+        finally:
+            self._progress.set_phase(_PHASE_OF_STATE.get(self.worker_state, proto.Phase.STEP))
+
+    def busy(self, why: str = "") -> contextlib.AbstractContextManager[None]:
+        """Mark the block as legitimately long work outside the training step, e.g. an evaluation or a
+        save that only rank 0 runs between two steps (its peers wait in the next collective meanwhile)::
+
+            if rt.rank == 0:
+                with rt.busy("evaluation"):
+                    evaluate(model)
+
+        Hang detection never counts a rank that is busy (and still beats) as hung. Without it, a rank
+        whose main thread keeps running Python is busy too; this says so also while it waits in C code
+        (a long device sync, a blocking read). ``why`` is for the logs."""
+        if why and self._progress is not None:
+            self._log.info("busy", step=self.step, why=why)
+        return self._phase(proto.Phase.BUSY)
+
     def _group_connections(self) -> contextlib.AbstractContextManager[None]:
         """With a strategy that makes groups of its own (:attr:`Strategy.makes_groups`), record the gloo
         connections of the groups made inside (its device-mesh sub-groups), so
@@ -211,7 +266,8 @@ class Runtime:
                    control_path=rtenv.control_path, reform=reform, reform_timeout_s=rtenv.reform_timeout_s,
                    pg_timeout_s=rtenv.pg_timeout_s, standby=rtenv.standby, local_world_size=rtenv.local_world_size,
                    inject_fault=rtenv.inject_fault, device=device, memory_dir=rtenv.memory_dir,
-                   step_agreement=rtenv.step_agreement, step_agreement_period_s=rtenv.step_agreement_period_s)
+                   step_agreement=rtenv.step_agreement, step_agreement_period_s=rtenv.step_agreement_period_s,
+                   progress_interval_s=rtenv.progress_interval_s)
 
     @property
     def step_agreement(self) -> str:
@@ -313,13 +369,14 @@ class Runtime:
 
         When this worker joins a world re-formed in place, the state comes from a live peer instead
         (newer than any checkpoint, and no storage read)."""
-        self._tiers.settle()
-        if self.reform_enabled and step is None and self._group is not None:
-            outcome, live = self._reform.sync_live_state(None)
-            if outcome != "none":
-                self._log.info("worker_restored", step=self.step, source="peer", live_step=live)
-                return self.step
-        return self._tiers.restore(step)
+        with self._phase(proto.Phase.RESTORE):
+            self._tiers.settle()
+            if self.reform_enabled and step is None and self._group is not None:
+                outcome, live = self._reform.sync_live_state(None)
+                if outcome != "none":
+                    self._log.info("worker_restored", step=self.step, source="peer", live_step=live)
+                    return self.step
+            return self._tiers.restore(step)
 
     # ---- the step -------------------------------------------------------------------------------
     def next_batches(self) -> list[list[int]]:
@@ -403,6 +460,8 @@ class Runtime:
         if (self.worker_state, state) not in TRANSITIONS:
             self._log.warning("worker_state_unexpected", state=self.worker_state.value, to=state.value)
         self.worker_state = state
+        if getattr(self, "_progress", None) is not None:  # between worlds is no hang (bounded by workers.reform_timeout_s)
+            self._progress.set_phase(_PHASE_OF_STATE.get(state, proto.Phase.STEP))
 
     def _peer_failed(self, e: BaseException) -> bool:
         """Record a collective failure caused by a vanished peer (in-place mode); False for anything else."""
@@ -468,7 +527,8 @@ class Runtime:
         # it and act on it here, then issue this boundary's for the next one. Blocking, and the first
         # boundary of a world (nothing issued yet): exchange now and wait.
         try:
-            agreed, mine = self._agreement.await_flags(lambda ahead: self._local_flags(now, ahead))
+            with self._phase(proto.Phase.AGREEMENT):
+                agreed, mine = self._agreement.await_flags(lambda ahead: self._local_flags(now, ahead))
         except Exception as e:
             if not self._peer_failed(e):
                 raise
@@ -547,7 +607,8 @@ class Runtime:
         if self._tiers.interval is not None:
             self._tiers.interval.saved()
         try:
-            self._tiers.save(proto.CheckpointKind.NOTICE.value if save is SaveAsk.NOTICE else proto.CheckpointKind.PERIODIC.value)
+            with self._phase(proto.Phase.SAVE):
+                self._tiers.save(proto.CheckpointKind.NOTICE.value if save is SaveAsk.NOTICE else proto.CheckpointKind.PERIODIC.value)
         except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
             if not self._peer_failed(e):
                 raise
@@ -572,7 +633,8 @@ class Runtime:
         need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state is ReformState.CHECKPOINT
         if self._tiers.manager is not None and need_checkpoint:
             try:
-                seconds, result, committed = self._tiers.save_by(kind, deadline)
+                with self._phase(proto.Phase.SAVE):
+                    seconds, result, committed = self._tiers.save_by(kind, deadline)
             except SaveAbandoned as e:
                 self._abandon(why, e)
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
@@ -604,7 +666,8 @@ class Runtime:
                               effect="the next start begins from step 0")
         else:
             try:
-                seconds, result, committed = self._tiers.save_by(kind, deadline)
+                with self._phase(proto.Phase.SAVE):
+                    seconds, result, committed = self._tiers.save_by(kind, deadline)
                 self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                                before_deadline=deadline is None or time.time() <= deadline)
                 report = self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed)
@@ -659,6 +722,8 @@ class Runtime:
             self._tiers.manager.close()
         if self._tiers.memory is not None:
             self._tiers.memory.close()  # its commit thread; the slot files stay (the agent owns them)
+        if self._progress is not None:
+            self._progress.close()
         self._session.close()
         if self.strategy is not None:
             self.strategy.teardown()

@@ -98,6 +98,9 @@ class FakeAdapter:
     def round_store(self, round_):
         return self.store
 
+    def side_store(self, round_):
+        return self.store
+
     def endpoint_store(self):
         return None  # no census (as with etcd)
 
@@ -224,6 +227,29 @@ def test_success_closes_rendezvous(tmp_path):
     sup, fake, tr = make(tmp_path, [exited(0)])
     sup._loop()
     assert sup._finish() == 0 and fake.closed
+
+
+@pytest.mark.parametrize("where", ["start", "restart"])
+def test_a_node_joining_a_job_that_completed_exits_0_not_needed(tmp_path, where):
+    """Issue 37: a spare whose agent was joining (or rejoining after a restart) when the other nodes
+    finished and closed the rendezvous: exit 0 with one clear line, not supervisor_crashed / exit 1."""
+    from structlog.testing import capture_logs
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    sup, fake, tr = make(tmp_path, [exited(1)] if where == "restart" else [])
+
+    def closed(expected=None):
+        fake.calls.append(where)
+        raise RendezvousClosedError()
+
+    setattr(fake, where, closed)
+    with capture_logs() as logs:
+        result = sup._loop()
+    assert result.state.name == "SUCCEEDED"
+    assert tr[-1] is AgentState.SUCCEEDED and "stop" in fake.calls
+    lines = [e for e in logs if e["event"] == "job_already_complete"]
+    assert len(lines) == 1 and "not needed" in lines[0]["effect"]
+    assert sup._finish() == ExitCode.FINISHED == 0
 
 
 def test_a_failed_in_place_reformation_falls_back_to_a_restart_instead_of_crashing(tmp_path):
@@ -354,3 +380,71 @@ def test_a_joiner_warms_up_for_a_running_or_re_forming_worker_api_world(tmp_path
         assert sup._should_warm_up() is warm
     finally:
         sup.control.close()
+
+
+def _hang(node, rank=0):
+    from trainguard.agent.hang import HangVerdict, RankView
+    from trainguard.contract.protocol import Phase
+
+    c = RankView(rank, node, 60, Phase.STEP, "train.py:80 main", 100.0, 100.0, 100.0)
+    return HangVerdict(True, 7.0, 6.0, c, "heartbeat_stopped_first", False)
+
+
+@pytest.mark.parametrize("act,restarts,outcome,calls", [
+    ("end_workers", 2, AgentState.RUNNING, ["terminate(3)", "restart"]),
+    ("end_workers", 0, AgentState.FAILED, ["stop"]),
+    ("quarantine", 2, AgentState.STOPPED, ["leave", "stop"]),
+])
+def test_a_hang_here_is_dumped_killed_then_restarted_or_quarantined(tmp_path, monkeypatch, act, restarts, outcome, calls):
+    """The culprit's agent: SIGUSR2 (stacks), SIGKILL, then a worker_hang restart; with no restart left
+    it fails; a second hang within hang.quarantine_s leaves the job (exit 3, not restarted by systemd)."""
+    import signal as sig
+
+    from structlog.testing import capture_logs
+
+    from trainguard.agent import supervisor as sv
+    from trainguard.agent.decisions import Observation
+    from trainguard.agent.hang import HangAct, HangAction
+    from trainguard.contract.protocol import Phase, Progress
+
+    kills = []
+    monkeypatch.setattr(sv.os, "kill", lambda pid, s: kills.append((pid, s)))
+    monkeypatch.setattr(sv.time, "sleep", lambda s: None)
+    sup, fake, tr = make(tmp_path, [], max_restarts=restarts)
+    sup.sm.to(AgentState.RENDEZVOUS)
+    sup.sm.to(AgentState.RUNNING)
+    sup.hangs.start_world(fake.store, fake.node_id, (fake.node_id,), thread=False)
+    sup.hangs.on_progress(Progress(rank=0, local_rank=0, step=60, phase=Phase.STEP, beat=1, progress=1))
+    with capture_logs() as logs:
+        sup._on_hang(_hang(fake.node_id), HangAction(HangAct(act)),
+                     Observation(workers=WorkerStatus.HEALTHY, remaining_restarts=restarts))
+    assert kills == [(4242, sig.SIGUSR2), (4242, sig.SIGKILL)]
+    assert sup.sm.state is outcome and [c for c in fake.calls if c in calls] == calls
+    hung = [e for e in logs if e["event"] == "hang_detected"][0]
+    assert (hung["rank"], hung["step"], hung["phase"], hung["action"]) == (0, 60, "step", act)
+    if act == "quarantine":
+        assert [e for e in logs if e["event"] == "node_quarantined"]
+        assert sup._finish() == ExitCode.DRAINED == 3
+    elif restarts:
+        assert [e for e in logs if e["event"] == "state_change" and e["new"] == "restarting"][0]["reason"] == "worker_hang"
+    sup.control.close()
+
+
+def test_a_frozen_culprit_elsewhere_makes_this_node_abort_its_workers_collectives(tmp_path, monkeypatch):
+    from structlog.testing import capture_logs
+
+    from trainguard.agent import supervisor as sv
+    from trainguard.agent.decisions import Observation
+    from trainguard.agent.hang import HangAct, HangAction
+
+    monkeypatch.setattr(sv.os, "kill", lambda pid, s: pytest.fail("nothing is killed here"))
+    sup, fake, tr = make(tmp_path, [])
+    sent = []
+    monkeypatch.setattr(sup.control, "broadcast", lambda msg: sent.append(msg) or 1)
+    with capture_logs() as logs:
+        assert sup._on_hang(_hang("other_1_0"), HangAction(HangAct.ABORT, frozenset({"other_1_0"})),
+                            Observation(workers=WorkerStatus.HEALTHY, remaining_restarts=2)) is None
+    assert [type(m).__name__ for m in sent] == ["Abort"]
+    assert [e for e in logs if e["event"] == "collectives_abort_requested"][0]["evict"] == ["other_1_0"]
+    assert not fake.calls
+    sup.control.close()

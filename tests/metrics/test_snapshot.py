@@ -59,7 +59,7 @@ def test_snapshot_is_sane_and_documented() -> None:
     for name, fam in snap.items():
         assert name.startswith("trainguard_")
         assert {"node", "job_id"} <= set(fam["labels"]), name
-        assert set(fam["labels"]) <= {"node", "job_id", "gpu", "kind", "reason", "source", "state", "capacity", "currency", "tier"}, name
+        assert set(fam["labels"]) <= {"node", "job_id", "gpu", "kind", "reason", "source", "state", "capacity", "currency", "tier", "phase"}, name
         if fam["type"] == "counter":
             assert fam["samples"] == [name + "_total"], name
         for sample in fam["samples"]:

@@ -1,0 +1,329 @@
+"""Hang detection as values and pure decisions: progress, not liveness.
+
+Every worker beats :class:`~trainguard.contract.protocol.Progress` to its agent (step, phase, where;
+:mod:`trainguard.runtime.progress`), every agent publishes its ranks' beats in the job's store
+(:mod:`trainguard.agent.hangwatch`), and every agent folds what it sees into :class:`RankView` s with
+a :class:`Tracker` (times on the *observer's* monotonic clock: no clock is compared across nodes).
+This module decides, with no I/O and no clock of its own (the tests pass a fake one):
+
+* :func:`decide_hang` -> :class:`HangVerdict`: the job is hung when none of its ranks made progress
+  for ``max(hang.min_s, hang.step_factor x p99 of the recent step times)`` (``hang.warmup_s`` instead
+  of the p99 term until ``hang.min_steps`` step times are known). A rank progresses when its step or
+  phase changes or its main thread runs Python; one that is busy (``Runtime.busy``), saving, restoring
+  or between worlds, and still beats, always does. The culprit is the rank whose heartbeat stopped
+  first, else the one that sits somewhere else than the others (another phase, another frame: outside
+  the collective they wait in).
+* :func:`hang_action` -> :class:`HangAction`: what *this* node does about a verdict: end its own
+  workers (the culprit is here), stay out (the culprit is here a second time within
+  ``hang.quarantine_s``), abort its workers' collectives and evict the culprit's node (that node's agent
+  is frozen too: nobody there can act), or only watch (the culprit's agent acts).
+* :func:`evictable`: the members a re-formation after a lost peer removes from the rendezvous at
+  once, without waiting for their keep-alive to expire: their agent missed a heartbeat.
+* :class:`StepTimes`: the recent step times and their p99.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from trainguard.contract.configbase import require, require_finite
+from trainguard.contract.protocol import Phase
+
+ACTIVE_PHASES = frozenset({Phase.BUSY, Phase.SAVE, Phase.RESTORE, Phase.PARKED})
+"""Phases in which a rank that still beats is progressing by definition (each has its own bound)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class HangConfig:
+    """Hang detection (``hang`` section): progress, not liveness (see :mod:`trainguard.agent.hang`)."""
+
+    enabled: bool = True
+    """Detect hung ranks and frozen nodes and re-form around them (worker-API scripts)."""
+
+    heartbeat_interval_s: float = 0.5
+    """How often each worker beats its progress to its agent and each agent publishes its node's record
+    in the job's store. A rank or an agent silent for ``stale_beats`` intervals missed its heartbeat."""
+
+    stale_beats: int = 4
+    """Heartbeat intervals without a beat after which a rank (or a node's agent) counts as silent."""
+
+    min_s: float = 6.0
+    """Floor of the hang threshold: no rank progressed for at least this long. The threshold is
+    ``max(min_s, step_factor x p99 step time)``."""
+
+    step_factor: float = 3.0
+    """k of the hang threshold ``max(min_s, k x p99 of the recent step times)``: a 40 s step gives 120 s."""
+
+    min_steps: int = 5
+    """Step times needed before the p99 term applies; until then the threshold is ``max(min_s, warmup_s)``."""
+
+    warmup_s: float = 300.0
+    """The threshold's second term while fewer than ``min_steps`` step times are known (the first steps:
+    compilation, cache warm-up): a first step slower than this with no Python running is a hang."""
+
+    quarantine_s: float = 3600.0
+    """A node whose rank hangs twice within this many seconds stays out of the job (it leaves; exit 0)."""
+
+    def __post_init__(self) -> None:
+        require_finite(self.heartbeat_interval_s, "heartbeat_interval_s", positive=True,
+                       fix="use 0.5 (seconds between progress heartbeats)")
+        require(self.heartbeat_interval_s <= 10, "heartbeat_interval_s",
+                f"must be at most 10, got {self.heartbeat_interval_s}", "use 0.5: detection takes a few intervals")
+        require(isinstance(self.stale_beats, int) and self.stale_beats >= 2, "stale_beats",
+                f"must be an integer >= 2, got {self.stale_beats!r}", "use 4: one late heartbeat must not count as silence")
+        require_finite(self.min_s, "min_s", positive=True, fix="use 6 (seconds)")
+        require(self.min_s >= self.heartbeat_interval_s * self.stale_beats, "min_s",
+                f"must be at least heartbeat_interval_s x stale_beats "
+                f"({self.heartbeat_interval_s * self.stale_beats:g} s), got {self.min_s}",
+                "raise hang.min_s or lower hang.heartbeat_interval_s")
+        require_finite(self.step_factor, "step_factor", minimum=1.0,
+                       fix="use 3: a step up to 3x slower than the recent p99 is no hang")
+        require(isinstance(self.min_steps, int) and self.min_steps >= 1, "min_steps",
+                f"must be an integer >= 1, got {self.min_steps!r}", "use 5")
+        require_finite(self.warmup_s, "warmup_s", positive=True, fix="use 300: longer than your slowest first step")
+        require_finite(self.quarantine_s, "quarantine_s", minimum=0.0, fix="use 3600 (0: never quarantine)")
+
+    @property
+    def stale_s(self) -> float:
+        """Silence after which a rank or an agent counts as silent (hang detection)."""
+        return self.heartbeat_interval_s * self.stale_beats
+
+    @property
+    def missed_s(self) -> float:
+        """Silence after which an agent missed one heartbeat (eviction on evidence, with a reset seen)."""
+        return self.heartbeat_interval_s * 2
+
+
+# ---- what an observer sees ------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    """One rank as an observer sees it; times on the observer's monotonic clock."""
+
+    rank: int
+    node: str
+    """The rank's node (its rendezvous id)."""
+    step: int
+    phase: Phase
+    where: str
+    beat_at: float
+    """When its heartbeat counter last changed."""
+    progress_at: float
+    """When its progress counter last changed."""
+    agent_at: float
+    """When its node's agent last published (for local ranks: now)."""
+
+
+@dataclass(slots=True)
+class _Seen:
+    beat: int
+    progress: int
+    beat_at: float
+    progress_at: float
+
+
+class Tracker:
+    """Folds successive beats (local, or read from the store) into :class:`RankView` s: when each
+    rank's counters and each node's record last changed, on the caller's clock. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[int, tuple[str, int, Phase, str]] = {}
+        self._seen: dict[int, _Seen] = {}
+        self._agents: dict[str, tuple[int, float]] = {}
+
+    def reset(self) -> None:
+        """A new world: forget everything (ranks are numbered anew)."""
+        self._ranks.clear()
+        self._seen.clear()
+        self._agents.clear()
+
+    def agent(self, node: str, seq: int, now: float) -> None:
+        """Node ``node``'s agent published record number ``seq``."""
+        last = self._agents.get(node)
+        if last is None or last[0] != seq:
+            self._agents[node] = (seq, now)
+
+    def agent_at(self, node: str) -> float | None:
+        last = self._agents.get(node)
+        return None if last is None else last[1]
+
+    def beat(self, node: str, rank: int, step: int, phase: Phase, where: str, beat: int, progress: int,
+             now: float) -> None:
+        """One beat of ``rank`` (a repeated one, read again from an unchanged record, changes nothing)."""
+        self._ranks[rank] = (node, step, phase, where)
+        s = self._seen.get(rank)
+        if s is None:
+            self._seen[rank] = _Seen(beat, progress, now, now)
+            return
+        if beat != s.beat:
+            s.beat, s.beat_at = beat, now
+        if progress != s.progress:
+            s.progress, s.progress_at = progress, now
+
+    def views(self, now: float, local_node: str) -> list[RankView]:
+        out = []
+        for rank, (node, step, phase, where) in sorted(self._ranks.items()):
+            s = self._seen[rank]
+            agent_at = now if node == local_node else (self.agent_at(node) or s.beat_at)
+            out.append(RankView(rank, node, step, phase, where, s.beat_at, s.progress_at, agent_at))
+        return out
+
+
+class StepTimes:
+    """The recent step times of the job (seconds per step), from when the step counter advanced."""
+
+    def __init__(self, keep: int = 200) -> None:
+        self._times: deque[float] = deque(maxlen=keep)
+        self._last: tuple[int, float] | None = None
+
+    def observe(self, step: int, phase: Phase, now: float) -> None:
+        """The job's step is ``step`` in ``phase`` at ``now``. A time is taken only between two steps
+        trained back to back (a save, a restore, a busy block or a re-formation in between restarts the
+        clock: their length is no step time)."""
+        if phase in ACTIVE_PHASES:
+            self._last = None
+            return
+        if self._last is None or step < self._last[0]:
+            self._last = (step, now)
+            return
+        first, at = self._last
+        if step > first:
+            per = (now - at) / (step - first)
+            self._times.extend([per] * min(step - first, 8))
+            self._last = (step, now)
+
+    @property
+    def count(self) -> int:
+        return len(self._times)
+
+    def p99(self) -> float | None:
+        if not self._times:
+            return None
+        ordered = sorted(self._times)
+        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+# ---- the decisions ---------------------------------------------------------------------------------
+
+def hang_threshold(cfg: HangConfig, p99: float | None, known_steps: int) -> float:
+    """Pure: seconds without progress after which the job is hung."""
+    if p99 is None or known_steps < cfg.min_steps:
+        return max(cfg.min_s, cfg.warmup_s)
+    return max(cfg.min_s, cfg.step_factor * p99)
+
+
+@dataclass(frozen=True, slots=True)
+class HangVerdict:
+    hung: bool
+    stalled_s: float = 0.0
+    """Seconds since any rank of the job last progressed."""
+    threshold_s: float = 0.0
+    culprit: RankView | None = None
+    why: str = ""
+    """How the culprit was named: ``heartbeat_stopped_first``, ``outside_the_collective`` (a phase or a
+    frame the others are not in), or ``unknown``."""
+    node_frozen: bool = False
+    """The culprit's node's agent is silent too (a frozen node): nobody there can act."""
+
+
+def _effective_progress(r: RankView, now: float, stale_s: float) -> float:
+    if r.phase in ACTIVE_PHASES and now - r.beat_at <= stale_s:
+        return now  # busy, saving, restoring or between worlds, and alive: progressing right now
+    return r.progress_at
+
+
+def _odd_one_out(ranks: Sequence[RankView], key: str) -> RankView | None:
+    """The rank whose ``key`` (phase or where) no other rank shares while the others share one."""
+    if len(ranks) < 2:
+        return None
+    counts: dict[object, int] = {}
+    for r in ranks:
+        counts[getattr(r, key)] = counts.get(getattr(r, key), 0) + 1
+    alone = [r for r in ranks if counts[getattr(r, key)] == 1]
+    if len(alone) == 1 and max(counts.values()) >= max(1, len(ranks) - 1):
+        return alone[0]
+    return None
+
+
+def decide_hang(ranks: Sequence[RankView], now: float, cfg: HangConfig, p99: float | None,
+                known_steps: int) -> HangVerdict:
+    """Pure: whether the job whose ranks are ``ranks`` is hung at ``now``, and who the culprit is."""
+    if not ranks:
+        return HangVerdict(False)
+    stale_s = cfg.stale_s
+    last = max(_effective_progress(r, now, stale_s) for r in ranks)
+    stalled = max(0.0, now - last)
+    threshold = hang_threshold(cfg, p99, known_steps)
+    if stalled <= threshold:
+        return HangVerdict(False, stalled, threshold)
+    silent = [r for r in ranks if now - r.beat_at > stale_s]
+    culprit, why = None, "unknown"
+    if silent:
+        culprit, why = min(silent, key=lambda r: (r.beat_at, r.rank)), "heartbeat_stopped_first"
+    else:
+        odd = _odd_one_out(ranks, "phase") or _odd_one_out(ranks, "where")
+        if odd is not None:
+            culprit, why = odd, "outside_the_collective"
+    frozen = culprit is not None and now - culprit.agent_at > stale_s
+    return HangVerdict(True, stalled, threshold, culprit, why, frozen)
+
+
+class HangAct(str, Enum):
+    WATCH = "watch"
+    """The culprit is on another node whose agent acts: nothing to do here (the reset of its workers'
+    connections makes ours park)."""
+    END_WORKERS = "end_workers"
+    """The culprit is here: end this node's workers (stack dump first), restart them and rejoin."""
+    QUARANTINE = "quarantine"
+    """The culprit is here for the second time within ``hang.quarantine_s``: end the workers and leave."""
+    ABORT = "abort"
+    """The culprit's node is frozen: abort our workers' collectives; the re-formation evicts that node."""
+
+
+@dataclass(frozen=True, slots=True)
+class HangAction:
+    act: HangAct
+    evict: frozenset[str] = frozenset()
+    """Rendezvous ids of the nodes a re-formation should remove at once."""
+
+
+def hang_action(v: HangVerdict, *, node: str, previous_hangs: Iterable[float], now: float,
+                cfg: HangConfig) -> HangAction | None:
+    """Pure: what node ``node`` does about verdict ``v`` (None: not hung). ``previous_hangs``: when
+    (this node's clock) its own ranks were the culprit before."""
+    if not v.hung:
+        return None
+    c = v.culprit
+    if c is None or c.node == node:
+        # Unknown culprit: every node ends its own workers (the world restarts from its tiers).
+        recent = [t for t in previous_hangs if now - t <= cfg.quarantine_s]
+        if c is not None and recent and cfg.quarantine_s > 0:
+            return HangAction(HangAct.QUARANTINE)
+        return HangAction(HangAct.END_WORKERS)
+    if v.node_frozen:
+        return HangAction(HangAct.ABORT, evict=frozenset({c.node}))
+    return HangAction(HangAct.WATCH)
+
+
+def evictable(members: Iterable[str], agent_at: Mapping[str, float | None], now: float, stale_s: float,
+              *, me: str, peer_lost: bool) -> frozenset[str]:
+    """Pure: the members a re-formation removes from the rendezvous at once. Only after a lost peer
+    (``peer_lost``: a worker here saw a collective fail, e.g. a connection reset): the evidence is that
+    reset plus a missed heartbeat of the member's agent (silent for ``stale_s``), not the full keep-alive
+    expiry. A member never seen publishing is left to the keep-alive (no evidence either way)."""
+    if not peer_lost:
+        return frozenset()
+    out = set()
+    for m in members:
+        at = agent_at.get(m)
+        if m != me and at is not None and now - at > stale_s:
+            out.add(m)
+    return frozenset(out)
+
+
+__all__ = ["ACTIVE_PHASES", "HangAct", "HangAction", "HangConfig", "HangVerdict", "RankView", "StepTimes", "Tracker",
+           "decide_hang", "evictable", "hang_action", "hang_threshold"]

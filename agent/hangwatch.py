@@ -1,0 +1,188 @@
+"""The agent's side of hang detection: local beats in, the node's record out, peers' records in.
+
+:class:`HangWatch` is fed by the control thread (each local worker's
+:class:`~trainguard.contract.protocol.Progress`) and runs one daemon thread that, every
+``hang.heartbeat_interval_s``, publishes this node's record in the current round's store under
+:data:`PROGRESS_KEY` + the node's rendezvous id (a sequence number, which is this agent's heartbeat,
+and its ranks' last beats) and reads the records of the world's other members. A SIGSTOPped agent
+publishes nothing: its sequence number stops, and that is how its peers tell a frozen node from a hung
+worker whose agent still acts. The supervisor asks :meth:`HangWatch.check` each tick (the pure
+:func:`~trainguard.agent.hang.decide_hang` and :func:`~trainguard.agent.hang.hang_action` over what was
+seen) and :meth:`HangWatch.evict` during a re-formation after a lost peer.
+
+Keys live under the round's prefix: a new world starts with no records, and a record of a node that
+left is never read again. Every store call is best effort (the watch observes; the store's own
+outage handling is the supervisor's).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainguard.agent.hang import HangAction, HangConfig, HangVerdict, StepTimes, Tracker, decide_hang, evictable, hang_action
+from trainguard.contract import protocol as proto
+from trainguard.contract.log import get_logger
+
+log = get_logger("trainguard.agent.hangwatch")
+
+PROGRESS_KEY = "trainguard/progress/"
+"""+ rendezvous node id, in the round's store: that node's record (JSON: seq, ranks' last beats)."""
+
+
+def encode_record(node: str, seq: int, beats: list[proto.Progress], name: str = "") -> bytes:
+    return json.dumps({"node": node, "name": name, "seq": seq, "ranks": [
+        {"rank": b.rank, "step": b.step, "phase": b.phase.value, "where": b.where, "beat": b.beat, "progress": b.progress}
+        for b in beats]}).encode()
+
+
+def decode_record(raw: bytes) -> tuple[int, list[proto.Progress], str] | None:
+    """(seq, beats, node name) of a record, or None when it is malformed (a newer agent's extra keys are ignored)."""
+    try:
+        d = json.loads(raw)
+        beats = [proto.Progress(rank=int(r["rank"]), local_rank=0, step=int(r["step"]), phase=proto.Phase(r["phase"]),
+                                beat=int(r["beat"]), progress=int(r["progress"]), where=str(r.get("where", ""))[:200])
+                 for r in d["ranks"]]
+        return int(d["seq"]), beats, str(d.get("name", ""))[:200]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class HangWatch:
+    """One node's view of the job's progress. Thread-safe (the control thread feeds it, its own thread
+    publishes and reads, the supervisor thread asks)."""
+
+    def __init__(self, cfg: HangConfig, *, node_name: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.node_name = node_name
+        self._names: dict[str, str] = {}
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tracker = Tracker()
+        self._steps = StepTimes()
+        self._local: dict[int, proto.Progress] = {}
+        self._store: Any = None
+        self.node_id = ""
+        self._members: tuple[str, ...] = ()
+        self._seq = 0
+        self._acted = False
+        self._watching = False
+        self.hangs: list[float] = []
+        """When (monotonic) this node's own ranks were named the culprit (quarantine counts them)."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def on_progress(self, msg: proto.Progress) -> None:
+        """A local worker's beat (control thread)."""
+        now = self._clock()
+        with self._lock:
+            self._local[msg.local_rank] = msg
+            if self._watching and msg.rank >= 0:
+                self._tracker.beat(self.node_id, msg.rank, msg.step, msg.phase, msg.where, msg.beat, msg.progress, now)
+            if msg.local_rank == 0:
+                self._steps.observe(msg.step, msg.phase, now)
+
+    def start_world(self, store: Any, node_id: str, members: tuple[str, ...], *, thread: bool = True) -> None:
+        """A world formed: watch its members through ``store`` (the round's); starts the thread once
+        (``thread=False``: the caller drives :meth:`exchange`, as the tests do)."""
+        with self._lock:
+            self._tracker.reset()
+            self._local.clear()
+            self._store, self.node_id, self._members = store, node_id, tuple(members)
+            self._acted = False
+            self._watching = True
+        if thread and self._thread is None and self.cfg.enabled:
+            self._thread = threading.Thread(target=self._run, name="trainguard-hangwatch", daemon=True)
+            self._thread.start()
+
+    def between_worlds(self) -> None:
+        """This node's workers left the world (a restart): no verdict until the next one forms. The
+        node's record is still published (the agent's heartbeat: its peers must not evict a node that
+        restarts its workers to rejoin), with no ranks in it."""
+        with self._lock:
+            self._watching = False
+            self._local.clear()
+
+    # ---- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_interval_s):
+            try:
+                self.exchange()
+            except Exception as e:  # noqa: BLE001 - the watch observes; one failed exchange must not end it
+                log.debug("progress_exchange_failed", error=f"{type(e).__name__}: {e}"[:300])
+
+    def exchange(self) -> None:
+        """Publish this node's record and read the other members' (one round of the thread)."""
+        with self._lock:
+            store, me, members = self._store, self.node_id, self._members
+            if store is None:
+                return
+            self._seq += 1
+            raw = encode_record(me, self._seq, sorted(self._local.values(), key=lambda b: b.rank), self.node_name)
+        store.set(PROGRESS_KEY + me, raw)
+        for m in members:
+            if m == me or not store.check([PROGRESS_KEY + m]):
+                continue
+            rec = decode_record(bytes(store.get(PROGRESS_KEY + m)))
+            if rec is None:
+                continue
+            seq, beats, name = rec
+            now = self._clock()
+            with self._lock:
+                self._names[m] = name
+                if self._store is not store:  # a new world formed meanwhile
+                    return
+                self._tracker.agent(m, seq, now)
+                if self._watching:
+                    for b in beats:
+                        self._tracker.beat(m, b.rank, b.step, b.phase, b.where, b.beat, b.progress, now)
+
+    def close(self) -> None:
+        """Stop the thread (idempotent)."""
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2 * self.cfg.heartbeat_interval_s + 1.0)
+
+    # ---- questions ------------------------------------------------------------------------------
+    def check(self) -> tuple[HangVerdict, HangAction | None]:
+        """The verdict now, and what this node does about it: an action once per world (None else)."""
+        now = self._clock()
+        with self._lock:
+            if not self._watching:
+                return HangVerdict(False), None
+            views = self._tracker.views(now, self.node_id)
+            v = decide_hang(views, now, self.cfg, self._steps.p99(), self._steps.count)
+            if not v.hung or self._acted:
+                return v, None
+            a = hang_action(v, node=self.node_id, previous_hangs=self.hangs, now=now, cfg=self.cfg)
+            self._acted = True
+            if v.culprit is not None and v.culprit.node == self.node_id:  # an unknown culprit is nobody's hang
+                self.hangs.append(now)
+            return v, a
+
+    def name_of(self, node_id: str) -> str:
+        """The node name (``agent.node_name``) of a rendezvous id, as its record says (else the id)."""
+        if node_id == self.node_id:
+            return self.node_name or node_id
+        with self._lock:
+            return self._names.get(node_id) or node_id
+
+    def local_rank_of(self, rank: int) -> int | None:
+        with self._lock:
+            return next((b.local_rank for b in self._local.values() if b.rank == rank), None)
+
+    def evict(self, members: tuple[str, ...], *, peer_lost: bool) -> frozenset[str]:
+        """Members a re-formation removes from the rendezvous now (see :func:`~trainguard.agent.hang.evictable`)."""
+        now = self._clock()
+        with self._lock:
+            agent_at = {m: self._tracker.agent_at(m) for m in members}
+            me = self.node_id
+        return evictable(members, agent_at, now, self.cfg.missed_s, me=me, peer_lost=peer_lost)
+
+
+__all__ = ["PROGRESS_KEY", "HangWatch", "decode_record", "encode_record"]

@@ -1,0 +1,363 @@
+"""Hang detection: the pure decisions (agent/hang.py) as tables with a fake clock, and the watch
+(agent/hangwatch.py) over a shared in-memory store with a fake clock. No processes, no sleeps."""
+
+import pytest
+
+from trainguard.agent.configload import load_config
+from trainguard.agent.hang import (HangAct, HangConfig, RankView, StepTimes, Tracker, decide_hang, evictable,
+                                   hang_action, hang_threshold)
+from trainguard.agent.hangwatch import PROGRESS_KEY, HangWatch, decode_record, encode_record
+from trainguard.contract.configbase import ConfigError
+from trainguard.contract.protocol import Phase, Progress
+
+CFG = HangConfig()
+S, A, B, SV, R, P = Phase.STEP, Phase.AGREEMENT, Phase.BUSY, Phase.SAVE, Phase.RESTORE, Phase.PARKED
+
+
+def rv(rank, *, node="n0", step=60, phase=S, where="train.py:80 main", beat_at=0.0, progress_at=0.0, agent_at=None):
+    return RankView(rank, node, step, phase, where, beat_at, progress_at, beat_at if agent_at is None else agent_at)
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+
+def test_defaults_are_valid_and_the_threshold_follows_the_step_time():
+    assert hang_threshold(CFG, p99=0.05, known_steps=100) == CFG.min_s
+    assert hang_threshold(CFG, p99=40.0, known_steps=100) == 120.0  # a 40 s GPU step: k x p99
+    assert hang_threshold(CFG, p99=0.05, known_steps=2) == CFG.warmup_s  # too few steps known yet
+    assert hang_threshold(CFG, p99=None, known_steps=0) == CFG.warmup_s
+
+
+BAD = [
+    ("hang:\n  heartbeat_interval_s: 0\n", {}, "hang.heartbeat_interval_s", "must be > 0"),
+    ("", {"TRAINGUARD_HANG_MIN_S": "1"}, "hang.min_s", "at least heartbeat_interval_s x stale_beats"),
+    ("hang:\n  stale_beats: 1\n", {}, "hang.stale_beats", "must be an integer >= 2"),
+    ("hang:\n  step_factor: 0.5\n", {}, "hang.step_factor", "must be >= 1"),
+    ("", {"TRAINGUARD_HANG_QUARANTINE_S": "-1"}, "hang.quarantine_s", "must be >= 0"),
+    ("hang:\n  warmup_s: .nan\n", {}, "hang.warmup_s", "finite"),
+]
+
+
+@pytest.mark.parametrize("text,env,key,fragment", BAD, ids=[b[2] for b in BAD])
+def test_bad_hang_config_names_key_env_var_and_fix(tmp_path, text, env, key, fragment):
+    path = None
+    if text:
+        path = tmp_path / "agent.yaml"
+        path.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(path) if path else None, env)
+    msg = str(ei.value)
+    assert ei.value.key == key
+    assert f"({key} / TRAINGUARD_{key.upper().replace('.', '_')}): " in msg
+    assert fragment in msg
+
+
+# ---- decide_hang -----------------------------------------------------------------------------------
+# Ranks 0 and 1 on node n0/n1. t is the fake clock; the hung rank's beats stop at 100.
+
+HUNG_AT = 100.0
+T_AFTER = HUNG_AT + CFG.min_s + 1.0
+T_BEFORE = HUNG_AT + CFG.min_s - 1.0
+
+CASES = [
+    # id, ranks, now, p99, known steps, hung, culprit rank, why, node frozen
+    ("training", [rv(0, beat_at=T_AFTER, progress_at=T_AFTER), rv(1, node="n1", beat_at=T_AFTER, progress_at=T_AFTER)],
+     T_AFTER, 0.05, 100, False, None, "", False),
+    ("sigstop_before_threshold", [rv(0, beat_at=T_BEFORE, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT)],
+     T_BEFORE, 0.05, 100, False, None, "", False),
+    ("sigstop_worker", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_AFTER)],
+     T_AFTER, 0.05, 100, True, 1, "heartbeat_stopped_first", False),
+    ("frozen_node", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
+     T_AFTER, 0.05, 100, True, 1, "heartbeat_stopped_first", True),
+    ("first_silent_of_two", [rv(0, beat_at=HUNG_AT + 2, progress_at=HUNG_AT, agent_at=T_AFTER),
+                             rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_AFTER),
+                             rv(2, node="n2", beat_at=T_AFTER, progress_at=HUNG_AT)],
+     T_AFTER, 0.05, 100, True, 1, "heartbeat_stopped_first", False),
+    # a 40 s GPU step: nothing moves for 60 s (every rank in one kernel or its collective): no hang
+    ("gpu_40s_step", [rv(0, beat_at=160.0, progress_at=HUNG_AT), rv(1, node="n1", beat_at=160.0, progress_at=HUNG_AT)],
+     160.0, 40.0, 100, False, None, "", False),
+    ("gpu_step_stuck_past_k_p99", [rv(0, beat_at=230.0, progress_at=HUNG_AT), rv(1, node="n1", beat_at=230.0, progress_at=HUNG_AT)],
+     230.0, 40.0, 100, True, None, "unknown", False),
+    # a 5-minute rank-0-only evaluation, no API: rank 0 runs Python (progress), rank 1 waits in the collective
+    ("eval_5min_frames_move", [rv(0, beat_at=400.0, progress_at=400.0, where="eval.py:12 evaluate"),
+                               rv(1, node="n1", beat_at=400.0, progress_at=HUNG_AT)],
+     400.0, 0.05, 100, False, None, "", False),
+    # the same, rank 0 blocked in a device sync but inside rt.busy()
+    ("eval_5min_busy_api", [rv(0, phase=B, beat_at=400.0, progress_at=HUNG_AT), rv(1, node="n1", beat_at=400.0, progress_at=HUNG_AT)],
+     400.0, 0.05, 100, False, None, "", False),
+    ("busy_rank_frozen", [rv(0, phase=B, beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_AFTER), rv(1, node="n1", beat_at=T_AFTER, progress_at=HUNG_AT)],
+     T_AFTER, 0.05, 100, True, 0, "heartbeat_stopped_first", False),
+    ("long_save", [rv(0, phase=SV, beat_at=400.0, progress_at=HUNG_AT), rv(1, node="n1", phase=SV, beat_at=400.0, progress_at=HUNG_AT)],
+     400.0, 0.05, 100, False, None, "", False),
+    ("long_restore", [rv(0, phase=R, beat_at=400.0, progress_at=HUNG_AT), rv(1, node="n1", beat_at=400.0, progress_at=HUNG_AT)],
+     400.0, 0.05, 100, False, None, "", False),
+    ("between_worlds", [rv(0, phase=P, beat_at=400.0, progress_at=HUNG_AT), rv(1, node="n1", phase=P, beat_at=400.0, progress_at=HUNG_AT)],
+     400.0, 0.05, 100, False, None, "", False),
+    # every rank beats; two wait in the agreement, one sits in the step (a stuck data loader read)
+    ("outside_the_collective_phase", [rv(0, phase=A, beat_at=T_AFTER, progress_at=HUNG_AT),
+                                      rv(1, node="n1", beat_at=T_AFTER, progress_at=HUNG_AT, where="data.py:7 read"),
+                                      rv(2, node="n2", phase=A, beat_at=T_AFTER, progress_at=HUNG_AT)],
+     T_AFTER, 0.05, 100, True, 1, "outside_the_collective", False),
+    ("outside_the_collective_frame", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT),
+                                      rv(1, node="n1", beat_at=T_AFTER, progress_at=HUNG_AT, where="data.py:7 read"),
+                                      rv(2, node="n2", beat_at=T_AFTER, progress_at=HUNG_AT)],
+     T_AFTER, 0.05, 100, True, 1, "outside_the_collective", False),
+    ("warming_up", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT), rv(1, node="n1", beat_at=T_AFTER, progress_at=HUNG_AT)],
+     T_AFTER, 0.05, 2, False, None, "", False),
+    ("no_ranks", [], T_AFTER, 0.05, 100, False, None, "", False),
+]
+
+
+@pytest.mark.parametrize("ranks,now,p99,known,hung,culprit,why,frozen", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_decide_hang(ranks, now, p99, known, hung, culprit, why, frozen):
+    v = decide_hang(ranks, now, CFG, p99, known)
+    assert v.hung is hung
+    assert (v.culprit.rank if v.culprit else None) == culprit
+    assert v.why == why
+    assert v.node_frozen is frozen
+    if hung:
+        assert v.stalled_s > v.threshold_s
+
+
+def test_a_40s_step_and_a_5min_evaluation_stream_give_no_false_positive():
+    """A scripted run on a fake clock: 10 steps of 40 s, then a 5-minute rank-0-only evaluation (frames
+    move on rank 0, rank 1 waits in the collective), then 10 more steps; the watch is asked every 0.5 s.
+    The evaluation (no ``rt.busy``) counts as one long step: the threshold grows (conservative), and a
+    real stall past it is still detected."""
+    t, tr, times = 0.0, Tracker(), StepTimes()
+    beats = {0: [0, 0, 0], 1: [0, 0, 0]}  # beat, progress, step at the last beat
+    step, detections = 0, 0
+
+    def beat(rank, moved):
+        beats[rank][0] += 1
+        beats[rank][1] += 1 if moved or beats[rank][2] != step else 0
+        beats[rank][2] = step
+        tr.beat(f"n{rank}", rank, step, S, "train.py:1 main" if rank else "eval.py:3 run", beats[rank][0], beats[rank][1], t)
+
+    def run(seconds, rank0_moves, step_every):
+        nonlocal t, step, detections
+        end = t + seconds
+        while t < end:
+            t += 0.5
+            if step_every and t % step_every == 0:
+                step += 1
+            beat(0, rank0_moves)
+            beat(1, False)
+            tr.agent("n0", int(t * 2), t)
+            tr.agent("n1", int(t * 2), t)
+            times.observe(step, S, t)
+            detections += decide_hang(tr.views(t, "n0"), t, CFG, times.p99(), times.count).hung
+
+    run(400.0, False, 40.0)
+    assert times.count >= CFG.min_steps and 39.0 <= times.p99() <= 41.0
+    run(300.0, True, 0)
+    run(400.0, False, 40.0)
+    assert detections == 0
+    threshold = CFG.step_factor * times.p99()
+    run(threshold - 45.0, False, 0)  # a stall shorter than the threshold (the last step began <= 40 s earlier)
+    assert detections == 0
+    run(50.0, False, 0)  # past it (no frame moves, no step): detected
+    assert detections > 0
+
+
+# ---- hang_action -----------------------------------------------------------------------------------
+
+def _verdict(node, frozen=False, culprit=True):
+    ranks = [rv(0, node="me", beat_at=T_AFTER, progress_at=HUNG_AT),
+             rv(1, node=node, beat_at=HUNG_AT if culprit else T_AFTER, progress_at=HUNG_AT,
+                agent_at=HUNG_AT if frozen else T_AFTER)]
+    if not culprit:
+        ranks = [rv(0, node="me", beat_at=T_AFTER, progress_at=HUNG_AT), rv(1, node=node, beat_at=T_AFTER, progress_at=HUNG_AT)]
+    v = decide_hang(ranks, T_AFTER, CFG, 0.05, 100)
+    assert v.hung
+    return v
+
+
+ACTIONS = [
+    ("culprit_here", "me", False, True, [], HangAct.END_WORKERS, frozenset()),
+    ("culprit_here_again", "me", False, True, [T_AFTER - 600.0], HangAct.QUARANTINE, frozenset()),
+    ("culprit_here_long_ago", "me", False, True, [T_AFTER - 7200.0], HangAct.END_WORKERS, frozenset()),
+    ("culprit_elsewhere", "other", False, True, [], HangAct.WATCH, frozenset()),
+    ("culprit_node_frozen", "other", True, True, [], HangAct.ABORT, frozenset({"other"})),
+    ("culprit_unknown", "other", False, False, [], HangAct.END_WORKERS, frozenset()),
+]
+
+
+@pytest.mark.parametrize("node,frozen,culprit,previous,act,evict", [a[1:] for a in ACTIONS], ids=[a[0] for a in ACTIONS])
+def test_hang_action(node, frozen, culprit, previous, act, evict):
+    a = hang_action(_verdict(node, frozen, culprit), node="me", previous_hangs=previous, now=T_AFTER, cfg=CFG)
+    assert a is not None and a.act is act and a.evict == evict
+
+
+def test_no_action_without_a_hang():
+    v = decide_hang([rv(0, beat_at=1.0, progress_at=1.0)], 1.0, CFG, None, 0)
+    assert hang_action(v, node="n0", previous_hangs=[], now=1.0, cfg=CFG) is None
+
+
+def test_quarantine_off_with_zero_window():
+    cfg = HangConfig(quarantine_s=0.0)
+    a = hang_action(_verdict("me"), node="me", previous_hangs=[T_AFTER], now=T_AFTER, cfg=cfg)
+    assert a is not None and a.act is HangAct.END_WORKERS
+
+
+# ---- evictable -------------------------------------------------------------------------------------
+
+EVICT = [
+    ("reset_and_missed_heartbeat", {"a": 10.0, "b": 8.5}, True, {"b"}),
+    ("reset_but_heartbeat_fresh", {"a": 10.0, "b": 9.5}, True, set()),
+    ("no_reset_no_eviction", {"a": 10.0, "b": 1.0}, False, set()),
+    ("never_seen_is_left_to_the_keep_alive", {"a": 10.0, "b": None}, True, set()),
+    ("never_evicts_itself", {"a": 1.0, "b": 10.0}, True, set()),
+]
+
+
+@pytest.mark.parametrize("agent_at,lost,want", [e[1:] for e in EVICT], ids=[e[0] for e in EVICT])
+def test_evictable(agent_at, lost, want):
+    assert evictable(("a", "b"), agent_at, 10.0, CFG.missed_s, me="a", peer_lost=lost) == frozenset(want)
+
+
+# ---- step times and the tracker --------------------------------------------------------------------
+
+def test_step_times_skip_saves_busy_blocks_and_re_formations():
+    st = StepTimes()
+    for i, (step, phase) in enumerate([(1, S), (2, S), (3, S), (3, SV), (4, S), (5, S), (5, B), (6, S), (7, S)]):
+        st.observe(step, phase, float(i))
+    # 1->2, 2->3, 4->5, 6->7: one second each; the time spent saving or busy is no step time
+    assert st.count == 4 and st.p99() == 1.0
+
+
+def test_tracker_counts_a_record_read_again_as_no_news():
+    tr = Tracker()
+    tr.beat("n1", 1, 5, S, "w", beat=3, progress=2, now=1.0)
+    tr.beat("n1", 1, 5, S, "w", beat=3, progress=2, now=9.0)  # the same record, read again
+    tr.agent("n1", 7, 1.0)
+    tr.agent("n1", 7, 9.0)
+    (v,) = tr.views(9.0, "n0")
+    assert (v.beat_at, v.progress_at, v.agent_at) == (1.0, 1.0, 1.0)
+    tr.beat("n1", 1, 5, S, "w", beat=4, progress=2, now=10.0)  # beats, does not progress
+    (v,) = tr.views(10.0, "n0")
+    assert (v.beat_at, v.progress_at) == (10.0, 1.0)
+
+
+def test_record_codec_round_trip_and_garbage():
+    beats = [Progress(rank=3, local_rank=0, step=7, phase=A, beat=9, progress=4, where="x.py:1 f")]
+    seq, got, name = decode_record(encode_record("n1", 5, beats, "node-b"))
+    assert (seq, name) == (5, "node-b")
+    assert [(b.rank, b.step, b.phase, b.beat, b.progress, b.where) for b in got] == [(3, 7, A, 9, 4, "x.py:1 f")]
+    assert decode_record(b"{not json") is None
+    assert decode_record(b'{"seq": 1, "ranks": [{"rank": 0}]}') is None
+
+
+# ---- the watch: two nodes over one store, a fake clock ---------------------------------------------
+
+class DictStore:
+    def __init__(self):
+        self.d = {}
+
+    def set(self, k, v):
+        self.d[k] = v
+
+    def check(self, ks):
+        return all(k in self.d for k in ks)
+
+    def get(self, k):
+        return self.d[k]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _pair(store, clock):
+    a = HangWatch(CFG, node_name="node-a", clock=clock)
+    b = HangWatch(CFG, node_name="node-b", clock=clock)
+    a.start_world(store, "A", ("A", "B"), thread=False)  # the test drives exchange() itself
+    b.start_world(store, "B", ("A", "B"), thread=False)
+    return a, b
+
+
+def _tick(clock, a, b, *, a_worker=True, a_agent=True, b_agent=True, step=None):
+    clock.t += CFG.heartbeat_interval_s
+    _tick.n += 1
+    s = step if step is not None else _tick.n
+    if a_worker:
+        a.on_progress(Progress(rank=0, local_rank=0, step=s, phase=S, beat=_tick.n, progress=_tick.n, where="t.py:1 m"))
+    # b's worker waits in the collective once a's stops: it beats, no progress
+    b.on_progress(Progress(rank=1, local_rank=0, step=s, phase=S, beat=_tick.n,
+                           progress=_tick.n if a_worker else 10**6, where="t.py:1 m"))
+    for w, on in ((a, a_agent), (b, b_agent)):
+        if on:
+            w.exchange()
+
+
+_tick.n = 0
+
+
+def _run_until_action(clock, a, b, **kw):
+    """Tick until both watches acted; their first verdict and action each."""
+    got = {}
+    for _ in range(200):
+        _tick(clock, a, b, **kw)
+        for name, w in (("a", a), ("b", b)):
+            v, act = w.check()
+            if act is not None and name not in got:
+                got[name] = (v, act)
+        if len(got) == 2:
+            return got["a"], got["b"]
+    raise AssertionError(f"no hang detected by both: {got}")
+
+
+def test_watch_names_a_stopped_worker_and_its_agent_ends_it_then_quarantines_the_second_time():
+    store, clock = DictStore(), Clock()
+    a, b = _pair(store, clock)
+    for _ in range(20):  # training
+        _tick(clock, a, b)
+        assert a.check()[1] is None and b.check()[1] is None
+    stopped_at = clock.t
+    (va, aa), (vb, ab) = _run_until_action(clock, a, b, a_worker=False, step=20)
+    assert aa.act is HangAct.END_WORKERS and ab.act is HangAct.WATCH
+    assert va.culprit.rank == 0 and va.culprit.node == "A" and va.why == "heartbeat_stopped_first"
+    assert vb.culprit.rank == 0 and b.name_of(vb.culprit.node) == "node-a"
+    assert clock.t - stopped_at >= CFG.min_s
+    assert a.check()[1] is None  # once per world
+    # the next world: the same node hangs again within hang.quarantine_s
+    for w in (a, b):
+        w.start_world(store, w.node_id, ("A", "B"), thread=False)
+    for _ in range(20):
+        _tick(clock, a, b)
+    (_, aa), _ = _run_until_action(clock, a, b, a_worker=False, step=40)
+    assert aa.act is HangAct.QUARANTINE
+
+
+def test_watch_evicts_a_frozen_node_and_a_node_whose_agent_missed_a_heartbeat():
+    store, clock = DictStore(), Clock()
+    a, b = _pair(store, clock)
+    for _ in range(20):
+        _tick(clock, a, b)
+    assert b.evict(("A", "B"), peer_lost=True) == frozenset()
+    (_, aa), (vb, ab) = _run_until_action(clock, a, b, a_worker=False, a_agent=False, step=20)
+    assert ab.act is HangAct.ABORT and ab.evict == frozenset({"A"}) and vb.node_frozen
+    assert b.evict(("A", "B"), peer_lost=True) == frozenset({"A"})
+    assert b.evict(("A", "B"), peer_lost=False) == frozenset()
+    assert store.check([PROGRESS_KEY + "B"])
+
+
+def test_a_hang_with_no_culprit_counts_against_no_node():
+    """Every node restarts its workers when nobody can be named; none of them moves towards quarantine."""
+    store, clock = DictStore(), Clock()
+    a, b = _pair(store, clock)
+    for _ in range(20):
+        _tick(clock, a, b)
+    for _ in range(int(CFG.min_s / CFG.heartbeat_interval_s) + 4):  # both beat, neither progresses
+        clock.t += CFG.heartbeat_interval_s
+        _tick.n += 1
+        for w, r in ((a, 0), (b, 1)):
+            w.on_progress(Progress(rank=r, local_rank=0, step=20, phase=S, beat=_tick.n, progress=7, where="t.py:1 m"))
+            w.exchange()
+    (va, aa), (vb, ab) = (a.check(), b.check())
+    assert va.hung and vb.hung and va.culprit is None and vb.culprit is None
+    assert aa.act is HangAct.END_WORKERS and ab.act is HangAct.END_WORKERS
+    assert a.hangs == [] and b.hangs == []
