@@ -99,6 +99,9 @@ class Physics:
     detect_frozen_s: P
     detect_hang_s: P
     keep_alive_s: P
+    evict_s: P
+    """After a detected kill or hang: until the lost member leaves the rendezvous (eviction on evidence: a
+    connection reset plus a missed agent heartbeat). A frozen node's detection is the keep-alive itself."""
     """The rendezvous gives a lost member up after this long without its heartbeat."""
     rendezvous_s: P
     """A planned re-formation's control plane (the round, the store keys)."""
@@ -126,6 +129,14 @@ class Physics:
         return {FailureKind.KILL: self.detect_kill_s, FailureKind.FROZEN: self.detect_frozen_s,
                 FailureKind.HANG: self.detect_hang_s}[kind].value
 
+    def eviction_wait_s(self, kind: FailureKind) -> float:
+        """Seconds after the detection until the lost member is out of the rendezvous: a frozen node's
+        keep-alive expiry is its detection (whatever of it is left); a killed or hung member (its agent ends
+        it) goes on evidence (:attr:`evict_s`)."""
+        if kind is FailureKind.FROZEN:
+            return max(0.0, self.keep_alive_s.value - self.detect_s(kind))
+        return self.evict_s.value
+
     def costs(self, n: int, kind: FailureKind = FailureKind.FROZEN) -> ChangeCosts:
         """The costs of each change at a world of ``n`` nodes, for losses of ``kind``."""
         n = max(1, n)
@@ -147,7 +158,7 @@ class Physics:
             emergency_s=d(stage + persist), resize_checkpoint_s=d(stage + persist),
             reformation_s=d(self.rendezvous_s.value), join_reformation_s=d(self.rendezvous_s.value),
             start_reformation_s=d(self.start_rendezvous_s.value), cold_reformation_s=d(self.start_rendezvous_s.value),
-            failure_reformation_s=d(self.rendezvous_s.value + max(0.0, self.keep_alive_s.value - self.detect_s(kind))),
+            failure_reformation_s=d(self.rendezvous_s.value + self.eviction_wait_s(kind)),
             restore_s=d(init + rebuild), join_restore_s=d(init + held / net),
             failure_restore_s=d(self.comm_abort_s.value + init + rebuild),
             storage_restore_s=d(self.comm_abort_s.value + from_storage), cold_restore_s=d(from_storage),
@@ -178,10 +189,15 @@ _GPU_ASSUMED = {
     "save_fixed_s": P(0.10, f"{_REPLAY} periodic_persist_s of a 1.9 MB state"),
     "detect_notice_s": P(1.0, f"{_REPLAY} detect_notice_s"),
     "detect_kill_s": P(0.09, f"{_REPLAY} detect_failure_s (a SIGKILL: sockets reset)"),
-    "detect_frozen_s": P(6.0, "assumption: the rendezvous keep-alive (2 s x 3, the shipped defaults): a vanished "
-                              "VM resets nothing, the heartbeats decide"),
-    "detect_hang_s": P(60.0, "assumption: the progress timeout's floor on a GPU job"),
+    "detect_frozen_s": P(5.35, "bench/recovery.py: freeze_node detect_s 5.35 s and 4.46 s (two runs, "
+                               "docs/results/recovery-dirty-2026-11-27*.json, loaded CPU machine): the keep-alive "
+                               "(2 s x 3) bounds it; the hang watch evicts a frozen node within hang.min_s (6 s)"),
+    "detect_hang_s": P(6.69, "bench/recovery.py: hang_worker detect_s 6.69 s and 6.48 s (two runs, CPU); the "
+                             "threshold is max(hang.min_s 6 s, 3 x p99 step): a 1 s GPU step keeps it at 6 s"),
     "keep_alive_s": P(6.0, "assumption: rendezvous.keep_alive_interval_s 2 x keep_alive_max_attempts 3 (defaults)"),
+    "evict_s": P(0.9, "bench/recovery.py: kill -> first step of the re-formed world 0.99 s and 1.16 s with detection "
+                      "0.12 / 0.11 s (two runs, 2026-11-27, CPU): a member whose agent missed its 1 s heartbeat "
+                      "after a reset is evicted at once"),
     "rendezvous_s": P(0.12, f"{_REPLAY} join_reformation_s (3 agents on loopback; not measured at 32 nodes)"),
     "start_rendezvous_s": P(1.4, "bench/spot_trace.py: --quick replay 2026-11-27, start_reformation_s"),
     "comm_init_s": P(5.0, "assumption: NCCL communicators for a new world of up to 256 GPUs"),

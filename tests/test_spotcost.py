@@ -50,11 +50,16 @@ def test_save_and_restore_costs_are_bytes_over_bandwidth() -> None:
     assert rep.failure_restore_s.mean == pytest.approx(p.comm_abort_s.value + p.comm_init_s.value)
 
 
-@pytest.mark.parametrize("kind, detect, waits", [(FailureKind.KILL, 0.09, 6 - 0.09), (FailureKind.FROZEN, 6, 0)])
-def test_a_loss_waits_out_the_keep_alive_once(kind, detect, waits) -> None:
+@pytest.mark.parametrize("kind, detect, waits", [
+    (FailureKind.KILL, 0.09, 0.9),     # evicted on evidence (a reset + a missed agent heartbeat)
+    (FailureKind.HANG, 6.69, 0.9),     # the culprit's agent ends it: the same evidence
+    (FailureKind.FROZEN, 5.35, 0.65),  # the keep-alive's rest (6 s), never waited twice
+])
+def test_a_loss_is_out_of_the_rendezvous_after_its_eviction_wait(kind, detect, waits) -> None:
     c = GPU_7B_FSDP.costs(24, kind)
     assert GPU_7B_FSDP.detect_s(kind) == detect
     assert c.failure_reformation_s.mean == pytest.approx(GPU_7B_FSDP.rendezvous_s.value + waits)
+    assert GPU_7B_FSDP.detect_hang_s.measured and GPU_7B_FSDP.evict_s.measured
 
 
 def test_the_job_carries_layout_tier1_and_failure_kind() -> None:
