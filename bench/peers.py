@@ -194,6 +194,38 @@ class TorchftPeer(Peer):
         return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
 
 
+class NvrxPeer(Peer):
+    """nvidia-resiliency-ext's ``ft_launcher`` (torchrun's flags plus ``--ft-*``; heartbeats from the job,
+    a failure restarts the whole group, which restores the last ``torch.save`` checkpoint)."""
+
+    wheel_dir: str = ""
+    """An unpacked wheel (``--nvrx-wheel-dir``): 0.7.0 ships manylinux_2_39 cp312/cp314 wheels only; its
+    launcher is pure Python and runs on Python 3.11 from the unpacked folder (its dependencies installed)."""
+
+    def __init__(self, key: str, settings: str, ft: list[str]) -> None:
+        super().__init__(key, "nvrx_job.py", settings, "nvidia_resiliency_ext")
+        self.ft = ft
+
+    def missing(self) -> str | None:
+        if self.wheel_dir and os.path.isdir(os.path.join(self.wheel_dir, "nvidia_resiliency_ext")):
+            return None
+        if super().missing():
+            return ("not installed: nvidia-resiliency-ext 0.7.0 ships only manylinux_2_39 cp312/cp314 wheels (no pip "
+                    "install on glibc < 2.39 or Python 3.11); unpack one and pass --nvrx-wheel-dir (docs/benchmarks.md)")
+        return None
+
+    def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
+        # --nnodes 2:3, not 1:3: its barrier rendezvous completes a round with the first node at once and does
+        # not grow a running world, so with a minimum of 1 node a and b would train as two worlds of 1.
+        cmd = [*_torchrun(c["endpoint"], "peers", name, idx == 0, nnodes="2:3"), *self.ft, *self.job_args(d, a),
+               "--ckpt-dir", os.path.join(d, "ckpt")]
+        cmd[1:3] = ["-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
+        # One launcher per host address: its rendezvous closes on two participants from one address.
+        cmd[cmd.index("--local-addr") + 1] = f"127.0.0.{idx + 1}"
+        env = {**self.env, "PYTHONPATH": os.pathsep.join(p for p in (self.wheel_dir, os.environ.get("PYTHONPATH")) if p)}
+        return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
+
+
 def peers() -> list[Peer]:
     return [
         TorchrunPeer("torchrun", "torchrun_job.py", "torchrun 2.13 as installed, c10d, max-restarts 5"),
@@ -203,12 +235,14 @@ def peers() -> list[Peer]:
         TorchftPeer("torchft-fast", "heartbeat timeout 1 s, op timeout 5 s",
                     ["--quorum_tick_ms", "100", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000"],
                     {"TORCHFT_TIMEOUT_SEC": "5", "TORCHFT_QUORUM_TIMEOUT_SEC": "5"}),
+        NvrxPeer("nvrx", "ft_launcher 0.7.0 defaults (heartbeat timeouts unset)", []),
+        NvrxPeer("nvrx-fast", "rank heartbeat timeout 5 s, checked every 1 s",
+                 ["--ft-initial-rank-heartbeat-timeout", "60", "--ft-rank-heartbeat-timeout", "5",
+                  "--ft-workload-check-interval", "1"]),
     ]
 
 
 NOT_RUN = {
-    "nvidia-resiliency-ext": "not run: 0.7.0 ships only manylinux_2_39 cp312/cp314 wheels (glibc 2.36, Python 3.11 here); "
-                             "its pure-Python ft_launcher from the unpacked wheel is not wired into this harness yet",
     "dlrover": "not run: dlrover-run 0.6.1 fails on torch 2.13 (SubprocessHandler numa_options) and needs a launcher "
                "wrapper; not wired into this harness yet",
     "ray-train": "not run: not wired into this harness yet (TorchTrainer + FailureConfig; address='local')",
@@ -230,10 +264,12 @@ def steps(d: str) -> list[tuple[float, dict[str, Any]]]:
 
 
 def job_pid(node: Proc, script: str) -> int | None:
-    """The node's live training process (the one running the job script)."""
+    """The node's live training process: ``python [-u] <script> ...`` (not a helper the launcher forked,
+    such as ft_launcher's rank monitor, whose command line names the script only as an argument)."""
     for pid in descendants(node.proc.pid):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as fh:
-            if script.encode() in fh.read() and alive(pid):
+            args = [x.decode(errors="replace") for x in fh.read().split(b"\0")[1:]]
+            if next((x for x in args if not x.startswith("-")), None) == script and alive(pid):
                 return pid
     return None
 
@@ -422,11 +458,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recover-wait", type=float, default=120.0, help="bounded wait for a re-formed world (s)")
     ap.add_argument("--start-wait", type=float, default=180.0, help="bounded wait for the first steps at world size 2 (s)")
     ap.add_argument("--finish-wait", type=float, default=120.0, help="bounded wait for the job's end after recovery (s)")
+    ap.add_argument("--nvrx-wheel-dir", default="", metavar="DIR",
+                    help="an unpacked nvidia-resiliency-ext wheel (no wheel for this glibc/Python installs; see docs/benchmarks.md)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints)")
     a = ap.parse_args(argv)
     faults = [f.strip() for f in a.faults.split(",") if f.strip()]
     if not faults or any(f not in FAULTS for f in faults):
         ap.error(f"--faults: choose from {','.join(FAULTS)}; got {a.faults!r}")
+    NvrxPeer.wheel_dir = os.path.abspath(a.nvrx_wheel_dir) if a.nvrx_wheel_dir else ""
     known = peers()
     wanted = [k.strip() for k in a.peers.split(",")] if a.peers else [p.key for p in known]
     unknown = set(wanted) - {p.key for p in known} - set(NOT_RUN)

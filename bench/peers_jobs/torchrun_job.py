@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -13,8 +14,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 
 
-def main() -> None:
-    args = common.parser(__doc__).parse_args()
+def main(doc: str = __doc__, on_step: Callable[[], None] | None = None) -> None:
+    """The loop; ``on_step`` runs after every finished step (``nvrx_job.py``: the heartbeat)."""
+    args = common.parser(doc).parse_args()
     common.setup_torch()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -38,6 +40,8 @@ def main() -> None:
         opt.step()
         time.sleep(args.step_sleep)
         common.log_step(args.step_log, step, rank, world, gen, ids)
+        if on_step is not None:
+            on_step()
         if args.ckpt_dir and rank == 0 and step % args.ckpt_every == 0:
             os.makedirs(args.ckpt_dir, exist_ok=True)
             torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, path + ".tmp")
