@@ -496,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # one cell failing must not lose the others' figures
                     res["cells"].append({"peer": p.key, "fault": f, "recovered": False, "error": f"{type(e).__name__}: {e}"})
                     say("bench", f"{p.key}: {f} FAILED: {e}")
+                if a.json:  # after every cell: a long run stopped half-way keeps what it measured
+                    with open(a.json, "w") as fh:
+                        json.dump({**res, "partial": True}, fh, indent=1, sort_keys=True)
         for key, why in NOT_RUN.items():
             if a.peers is None or key in wanted:
                 res["peers"][key] = {"not_run": why}
