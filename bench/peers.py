@@ -3,9 +3,11 @@
 The job (``bench/peers_jobs/``: a 2-layer MLP on synthetic data, global batch 24, AdamW) is written once
 per peer's API: ``torchrun_job.py`` (plain DDP + ``torch.save`` every ``--ckpt-every`` steps),
 ``trainguard_job.py`` (the worker API; ``checkpoint.interval`` = ``--ckpt-every``), ``torchft_job.py``
-(Manager + its DDP and optimizer wrapper; heals from live peers). Local "nodes" of one worker each (gloo,
-CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start (``--nnodes 1:3`` where the peer has it; node a
-hosts the rendezvous), train ``--warm`` steps at world size 2, then one fault hits node b from outside:
+(Manager + its DDP and optimizer wrapper; heals from live peers), ``nvrx_job.py`` (the torchrun job plus
+nvidia-resiliency-ext heartbeats, under ``ft_launcher``). DLRover and Ray Train are listed as not run, with
+why. Local "nodes" of one worker each (gloo, CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start
+(``--nnodes 1:3`` where the peer has it; node a hosts the rendezvous), train ``--warm`` steps at world
+size 2, then one fault hits node b from outside:
 
 * ``kill_worker``: SIGKILL to b's training process.
 * ``kill_node``: SIGKILL to b's launcher and everything under it (process groups too: torch elastic starts
@@ -112,7 +114,8 @@ class Peer:
         return [i for s in range(1, max_step + 1) for i in common.global_batch(s)]
 
 
-def _torchrun(ep: str, rdzv_id: str, name: str, is_host: bool, nnodes: str = "1:3") -> list[str]:
+def _torchrun(ep: str, rdzv_id: str, is_host: bool, nnodes: str = "1:3") -> list[str]:
+    """A node's ``torchrun`` command up to the script (ft_launcher takes the same flags)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", ep, "--rdzv-id", rdzv_id,
             "--rdzv-conf", f"is_host={int(is_host)}", "--max-restarts", "5", "--local-addr", "127.0.0.1",
@@ -124,7 +127,7 @@ class TorchrunPeer(Peer):
     ``torch.save`` checkpoint."""
 
     def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
-        cmd = [*_torchrun(c["endpoint"], "peers", name, idx == 0), *self.job_args(d, a),
+        cmd = [*_torchrun(c["endpoint"], "peers", idx == 0), *self.job_args(d, a),
                "--ckpt-dir", os.path.join(d, "ckpt")]
         return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), self.env)
 
@@ -189,7 +192,7 @@ class TorchftPeer(Peer):
             lh.kill()
 
     def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
-        cmd = [*_torchrun(f"127.0.0.1:{free_port()}", f"peers-{name}", name, True, nnodes="1"), *self.job_args(d, a)]
+        cmd = [*_torchrun(f"127.0.0.1:{free_port()}", f"peers-{name}", True, nnodes="1"), *self.job_args(d, a)]
         env = {**self.env, "TORCHFT_LIGHTHOUSE": c["lighthouse"], "REPLICA_GROUP_ID": str(idx)}
         return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
 
@@ -217,7 +220,7 @@ class NvrxPeer(Peer):
     def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
         # --nnodes 2:3, not 1:3: its barrier rendezvous completes a round with the first node at once and does
         # not grow a running world, so with a minimum of 1 node a and b would train as two worlds of 1.
-        cmd = [*_torchrun(c["endpoint"], "peers", name, idx == 0, nnodes="2:3"), *self.ft, *self.job_args(d, a),
+        cmd = [*_torchrun(c["endpoint"], "peers", idx == 0, nnodes="2:3"), *self.ft, *self.job_args(d, a),
                "--ckpt-dir", os.path.join(d, "ckpt")]
         cmd[1:3] = ["-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
         # One launcher per host address: its rendezvous closes on two participants from one address.
@@ -352,6 +355,8 @@ def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace) -> dict[s
                                        interval=0.1)
             except BenchError:
                 res["note"] = f"not recovered within {a.recover_wait:.0f} s"
+                if max(e["step"] for _, e in steps(d)) >= a.steps:  # not a verdict on the peer: the run was short
+                    res["note"] = f"the job's {a.steps} steps ended first: raise --steps"
                 say("bench", f"{peer.key}: {fault}: {res['note']}")
             else:
                 old_steps = [e["step"] for t, e in steps(d) if (e["pid"], e["gen"]) in old]
