@@ -1,0 +1,55 @@
+"""``bench/peers.py`` in CI: the harness in a tiny configuration, with the two rows CI can run (plain
+torchrun and trainguard; the other peers are an optional extra the test command does not install) and one
+fault (a whole node SIGKILLed). Asserts the JSON's shape and that trainguard's job completed with every
+step committed once and every sample used once. No timed assertion: the figures are the bench's to report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import REPO, bench_module
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+CELL_KEYS = {"peer", "fault", "recovered", "completed", "last_step", "skipped", "repeated", "fault_at_step"}
+
+
+def test_peers_quick(tmp_path) -> None:
+    out = tmp_path / "peers.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "peers.py"), "--peers", "torchrun,trainguard",
+                           "--faults", "kill_node", "--steps", "80", "--warm", "10", "--recover-wait", "150",
+                           "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=580)
+    print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n")
+    report = json.loads(out.read_text())
+    assert set(report["peers"]) == {"torchrun", "trainguard"}, report["peers"]
+    assert report["faults"] == ["kill_node"]
+    cells = {(c["peer"], c["fault"]): c for c in report["cells"]}
+    assert set(cells) == {("torchrun", "kill_node"), ("trainguard", "kill_node")}
+    for cell in cells.values():
+        assert "error" not in cell, cell
+        assert CELL_KEYS <= set(cell), cell
+        assert cell["fault_at_step"] < 80, cell
+    tg = cells[("trainguard", "kill_node")]
+    assert tg["recovered"] and tg["world_after"] == 1, tg
+    assert tg["completed"] and tg["last_step"] == 80, tg
+    assert tg["every_step_once"], tg.get("every_step_once_error")
+    assert tg["skipped"] == 0 and tg["repeated"] == 0, tg
+    assert report["peers"]["trainguard"]["step_s"] is not None
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_table_reports_a_fault_never_recovered() -> None:
+    with bench_module("peers.py") as peers:
+        text = peers.table({"cells": [{"peer": "trainguard", "fault": "hang", "recovered": False,
+                                       "note": "not recovered within 120 s"}],
+                            "peers": {"trainguard": {"settings": "defaults", "step_s": 0.05},
+                                      "dlrover": {"not_run": "not installed"}}})
+    row = next(line for line in text.splitlines() if line.startswith("trainguard") and "hang" in line)
+    assert "never" in row and "not recovered within 120 s" in row
+    assert any(line.startswith("dlrover") and "not installed" in line for line in text.splitlines())
