@@ -14,6 +14,8 @@ import socket
 import ssl
 from dataclasses import dataclass, field
 
+from trainguard.agent.health import HealthConfig
+from trainguard.agent.straggler import StragglerConfig
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.contract.configbase import FieldError, env_var_for, require, require_finite
@@ -349,6 +351,8 @@ class TrainguardConfig:
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -359,4 +363,6 @@ SECTIONS: dict[str, type] = {
     "preemption": PreemptionConfig,
     "metrics": MetricsConfig,
     "cost": CostConfig,
+    "straggler": StragglerConfig,
+    "health": HealthConfig,
 }

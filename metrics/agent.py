@@ -43,6 +43,7 @@ from trainguard.metrics.config import CostConfig, MetricsConfig
 from trainguard.metrics.cost import cost_snapshot, resolve_price
 from trainguard.metrics.goodput import GoodputLedger, GoodputSnapshot
 from trainguard.metrics.gpu import GpuSampler
+from trainguard.metrics.straggler import StragglerMetrics
 
 log = get_logger("trainguard.metrics.agent")
 
@@ -215,6 +216,8 @@ class AgentMetrics:
                                        "1 when this agent hosts the c10d store of a job that may span several nodes "
                                        "(the store, and the job, die with this node; pytorch#67742).", registry=r)
         self._round_seen: int | None = None
+        self.straggler = StragglerMetrics(r)
+        """Straggler scores, evictions and re-admissions, GPU health (:mod:`trainguard.metrics.straggler`)."""
 
     # -- the owner's API ------------------------------------------------------------------------
     def set_state(self, state: Any) -> None:
