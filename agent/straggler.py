@@ -30,7 +30,7 @@ node's agent reads and carries out as a planned drain (:meth:`Supervisor.request
 When it starts again (systemd ``systemctl restart``, or the bench), it waits as a spare before it enters
 the rendezvous: out for ``straggler.cooldown_s`` after its eviction, then a self-test
 (:func:`selftest`, a timed fixed-size matrix-multiply micro-benchmark on the node's device) that must be
-within ``straggler.threshold`` of the other nodes' self-test times; failed, it waits another cool-down and
+within ``straggler.readmit_ratio`` of the other nodes' self-test times; failed, it waits another cool-down and
 tries again. A node evicted ``straggler.quarantine_after`` times within ``straggler.quarantine_window_s``
 is quarantined: the agent refuses to start (``straggler_quarantined``, an error line naming it).
 
@@ -101,8 +101,12 @@ class StragglerConfig:
     """The window of ``quarantine_after``."""
 
     selftest_s: float = 0.5
-    """Roughly how long the self-test micro-benchmark runs on a healthy node (its size is fixed at the
-    first run from this; the time it took is what is compared)."""
+    """Roughly how long the self-test micro-benchmark runs on a healthy node (five timed runs sized from
+    this; their median is what is compared)."""
+
+    readmit_ratio: float = 1.3
+    """An evicted node is re-admitted when its self-test time is at most this ratio of the median of the
+    other nodes' self-test times (taken when they started)."""
 
     def __post_init__(self) -> None:
         require(self.action in ACTIONS, "action", f"must be one of {list(ACTIONS)}, got {self.action!r}",
@@ -121,6 +125,7 @@ class StragglerConfig:
         require(self.quarantine_window_s > 0, "quarantine_window_s", f"must be > 0, got {self.quarantine_window_s}",
                 "e.g. 86400 (a day)")
         require(0 < self.selftest_s <= 60, "selftest_s", f"must be within (0, 60] s, got {self.selftest_s}", "e.g. 0.5")
+        require(self.readmit_ratio > 1.0, "readmit_ratio", f"must be > 1, got {self.readmit_ratio}", "e.g. 1.3")
 
 
 # ---- measure ----------------------------------------------------------------------------------
@@ -327,6 +332,6 @@ def decide_admission(*, now: float, evicted_at: Sequence[float], selftest_s: flo
                          wait_s=start + cfg.cooldown_s - now)
     if selftest_s is None:
         return Admission(AdmissionAct.SELFTEST, "cooldown_over")
-    if reference_s is not None and selftest_s > reference_s * cfg.threshold:
+    if reference_s is not None and selftest_s > reference_s * cfg.readmit_ratio:
         return Admission(AdmissionAct.WAIT, "selftest_failed", wait_s=cfg.cooldown_s)
     return Admission(AdmissionAct.ADMIT, "selftest_passed")

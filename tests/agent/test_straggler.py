@@ -111,12 +111,13 @@ def test_a_node_that_recovers_loses_its_sustain_time():
     ([800.0], None, None, None, AdmissionAct.SELFTEST, "cooldown_over"),
     ([800.0], 1.0, 0.9, None, AdmissionAct.ADMIT, "selftest_passed"),
     ([800.0], 2.0, 1.0, None, AdmissionAct.WAIT, "selftest_failed"),
+    ([800.0], 1.25, 1.0, None, AdmissionAct.ADMIT, "selftest_passed"),  # readmit_ratio, not the straggler threshold
     ([800.0], 2.0, None, None, AdmissionAct.ADMIT, "selftest_passed"),  # no reference: nothing to compare to
     ([800.0], None, 1.0, 950.0, AdmissionAct.WAIT, "selftest_failed"),  # a failed test restarts the cool-down
     ([100.0, 500.0, 800.0], 1.0, 1.0, None, AdmissionAct.QUARANTINE, "evicted 3 times within 86400 s"),
 ])
 def test_decide_admission(evicted_at, selftest, ref, failed_at, act, reason):
-    cfg = StragglerConfig(cooldown_s=120.0, threshold=1.3, quarantine_after=3)
+    cfg = StragglerConfig(cooldown_s=120.0, threshold=1.05, readmit_ratio=1.3, quarantine_after=3)
     a = decide_admission(now=1000.0, evicted_at=evicted_at, selftest_s=selftest, reference_s=ref, failed_at=failed_at, cfg=cfg)
     assert (a.act, a.reason) == (act, reason)
 
@@ -278,3 +279,12 @@ def test_config_defaults_and_direct_validation():
     assert cfg.straggler.action == "report" and cfg.straggler.enabled
     with pytest.raises(FieldError):
         StragglerConfig(threshold=1.0)
+
+
+def test_selftest_runs_the_fixed_workload_and_reports_the_median_run():
+    from trainguard.agent.stragglermon import selftest
+
+    ticks = iter(range(100))
+    seconds, reps = selftest(0.1, clock=lambda: float(next(ticks)) ** 2, reps=3, runs=3)
+    # runs read the clock at (0,1), (4,9), (16,25) with squares: durations 1, 5, 9 -> the median
+    assert (seconds, reps) == (5.0, 3)
