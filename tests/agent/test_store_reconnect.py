@@ -65,3 +65,24 @@ def test_other_backends_do_not_reconnect(tmp_path):
     ad = ElasticAdapter(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "s")), exit_barrier_timeout=5,
                         worker_env=dict, abort_rendezvous=lambda: False)
     assert ad.reconnect_store() is False
+
+
+def test_endpoint_store_is_the_c10d_store_and_none_elsewhere(tmp_path):
+    """The census and the straggler records live in the endpoint store: with torch's real c10d handler it
+    must be found (the handler keeps only the backend's name; the backend is its state holder's)."""
+    store = Store(str(tmp_path), "first")
+    a = adapter_for(store.endpoint, tmp_path, "a")
+    try:
+        s = a.endpoint_store()
+        assert s is not None
+        s.set("trainguard/probe", b"1")
+        assert bytes(s.get("trainguard/probe")) == b"1"
+    finally:
+        a.handler.shutdown()
+        store.stop()
+    cfg = RendezvousConfig(backend="static", endpoint="127.0.0.1:1", min_nodes=1, max_nodes=1)
+    spec = WorkerSpec(role="default", local_world_size=1, rdzv_handler=build_handler(cfg, "job"),
+                      entrypoint="/bin/true", args=())
+    ad = ElasticAdapter(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "s")), exit_barrier_timeout=5,
+                        worker_env=dict, abort_rendezvous=lambda: False)
+    assert ad.endpoint_store() is None
