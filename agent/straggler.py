@@ -100,9 +100,10 @@ class StragglerConfig:
     quarantine_window_s: float = 24 * HOUR_S
     """The window of ``quarantine_after``."""
 
-    selftest_s: float = 0.5
-    """Roughly how long the self-test micro-benchmark runs on a healthy node (five timed runs sized from
-    this; their median is what is compared)."""
+    selftest_reps: int = 200
+    """Size of the self-test: 256x256 float32 multiplies per timed run (five runs; their median is what is
+    compared). The same on every node of a job, so that the times compare (about 0.1 s a run on one CPU
+    core; milliseconds on a GPU)."""
 
     readmit_ratio: float = 1.3
     """An evicted node is re-admitted when its self-test time is at most this ratio of the median of the
@@ -124,7 +125,8 @@ class StragglerConfig:
         require(self.quarantine_after >= 1, "quarantine_after", f"must be >= 1, got {self.quarantine_after}", "e.g. 3")
         require(self.quarantine_window_s > 0, "quarantine_window_s", f"must be > 0, got {self.quarantine_window_s}",
                 "e.g. 86400 (a day)")
-        require(0 < self.selftest_s <= 60, "selftest_s", f"must be within (0, 60] s, got {self.selftest_s}", "e.g. 0.5")
+        require(1 <= self.selftest_reps <= 1_000_000, "selftest_reps", f"must be within 1..1000000, got {self.selftest_reps}",
+                "e.g. 200; the same on every node")
         require(self.readmit_ratio > 1.0, "readmit_ratio", f"must be > 1, got {self.readmit_ratio}", "e.g. 1.3")
 
 

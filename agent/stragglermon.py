@@ -183,11 +183,9 @@ class StragglerMonitor:
 _SELFTEST_N = 256
 
 
-def selftest(budget_s: float, device: str = "cpu", clock: Callable[[], float] = time.perf_counter,
-             reps: int | None = None, runs: int = 5) -> tuple[float, int]:
-    """Time a fixed matrix-multiply loop on ``device`` (``reps`` multiplies of 256x256 float32, sized
-    so that ``runs`` runs take about ``budget_s`` when None): the median of ``runs`` timed runs (robust to
-    a burst of load). Returns (seconds, reps)."""
+def selftest(reps: int, device: str = "cpu", clock: Callable[[], float] = time.perf_counter, runs: int = 5) -> float:
+    """Time a fixed matrix-multiply loop on ``device`` (``reps`` multiplies of 256x256 float32, the same
+    work on every node): the median of ``runs`` timed runs (robust to a burst of load), in seconds."""
     import torch
 
     a = torch.randn(_SELFTEST_N, _SELFTEST_N, device=device)
@@ -202,10 +200,7 @@ def selftest(budget_s: float, device: str = "cpu", clock: Callable[[], float] = 
             torch.cuda.synchronize()
         return clock() - t0
 
-    if reps is None:
-        one = max(run(4) / 4, 1e-6)
-        reps = max(4, int(budget_s / runs / one))
-    return statistics.median(run(reps) for _ in range(runs)), reps
+    return statistics.median(run(reps) for _ in range(runs))
 
 
 def wait_as_spare(store: Any, cfg: StragglerConfig, *, job_id: str, node: str, stop: Callable[[], bool],
@@ -221,7 +216,7 @@ def wait_as_spare(store: Any, cfg: StragglerConfig, *, job_id: str, node: str, s
     except Exception as e:  # noqa: BLE001 - admission is a hint, never a reason not to start
         log.info("straggler_unavailable", reason=f"{type(e).__name__}: {e}"[:300], effect="admitted without a check")
         return AdmissionAct.ADMIT
-    run = test if test is not None else (lambda: selftest(cfg.selftest_s, device)[0])
+    run = test if test is not None else (lambda: selftest(cfg.selftest_reps, device))
     tested: float | None = None
     failed_at: float | None = None
     said = None
