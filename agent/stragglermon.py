@@ -244,6 +244,7 @@ def wait_as_spare(store: Any, cfg: StragglerConfig, *, job_id: str, node: str, s
                 log.info("straggler_readmitted", **fields)
         if a.act is AdmissionAct.SELFTEST or (a.act is AdmissionAct.ADMIT and tested is None):
             tested = run()
+            log.info("straggler_selftest", node=node, seconds=round(tested, 4), reference_s=ref, reps=cfg.selftest_reps)
             try:
                 store.append(keys["nodes"], (node + "\n").encode())
                 store.set(keys["selftest"] + node, json.dumps({"seconds": tested, "unix_s": wall()}).encode())

@@ -58,13 +58,16 @@ def test_an_agent_reconnects_to_a_restarted_store_and_republishes_its_round(tmp_
         store.stop()
 
 
-def test_other_backends_do_not_reconnect(tmp_path):
+def static_adapter(tmp_path) -> ElasticAdapter:
     cfg = RendezvousConfig(backend="static", endpoint="127.0.0.1:1", min_nodes=1, max_nodes=1)
     spec = WorkerSpec(role="default", local_world_size=1, rdzv_handler=build_handler(cfg, "job"),
                       entrypoint="/bin/true", args=())
-    ad = ElasticAdapter(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "s")), exit_barrier_timeout=5,
-                        worker_env=dict, abort_rendezvous=lambda: False)
-    assert ad.reconnect_store() is False
+    return ElasticAdapter(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "s")), exit_barrier_timeout=5,
+                          worker_env=dict, abort_rendezvous=lambda: False)
+
+
+def test_other_backends_do_not_reconnect(tmp_path):
+    assert static_adapter(tmp_path).reconnect_store() is False
 
 
 def test_endpoint_store_is_the_c10d_store_and_none_elsewhere(tmp_path):
@@ -80,9 +83,4 @@ def test_endpoint_store_is_the_c10d_store_and_none_elsewhere(tmp_path):
     finally:
         a.handler.shutdown()
         store.stop()
-    cfg = RendezvousConfig(backend="static", endpoint="127.0.0.1:1", min_nodes=1, max_nodes=1)
-    spec = WorkerSpec(role="default", local_world_size=1, rdzv_handler=build_handler(cfg, "job"),
-                      entrypoint="/bin/true", args=())
-    ad = ElasticAdapter(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "s")), exit_barrier_timeout=5,
-                        worker_env=dict, abort_rendezvous=lambda: False)
-    assert ad.endpoint_store() is None
+    assert static_adapter(tmp_path).endpoint_store() is None
