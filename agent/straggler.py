@@ -30,7 +30,7 @@ node's agent reads and carries out as a planned drain (:meth:`Supervisor.request
 When it starts again (systemd ``systemctl restart``, or the bench), it waits as a spare before it enters
 the rendezvous: out for ``straggler.cooldown_s`` after its eviction, then a self-test
 (:func:`selftest`, a timed fixed-size matrix-multiply micro-benchmark on the node's device) that must be
-within ``straggler.readmit_ratio`` of the other nodes' self-test times; failed, it waits another cool-down and
+within ``straggler.readmit_ratio`` of the fastest of the other nodes' self-test times; failed, it waits another cool-down and
 tries again. A node evicted ``straggler.quarantine_after`` times within ``straggler.quarantine_window_s``
 is quarantined: the agent refuses to start (``straggler_quarantined``, an error line naming it).
 
@@ -106,7 +106,7 @@ class StragglerConfig:
     core; milliseconds on a GPU)."""
 
     readmit_ratio: float = 1.3
-    """An evicted node is re-admitted when its self-test time is at most this ratio of the median of the
+    """An evicted node is re-admitted when its self-test time is at most this ratio of the fastest of the
     other nodes' self-test times (taken when they started)."""
 
     def __post_init__(self) -> None:
@@ -320,7 +320,7 @@ def decide_admission(*, now: float, evicted_at: Sequence[float], selftest_s: flo
                      failed_at: float | None, cfg: StragglerConfig) -> Admission:
     """Pure: may this node (evicted as a straggler at ``evicted_at``, unix seconds) enter a world now?
 
-    ``selftest_s``: its self-test time this start (None: not run yet); ``reference_s``: the median of the
+    ``selftest_s``: its self-test time this start (None: not run yet); ``reference_s``: the fastest of the
     other nodes' self-test times (None: none known, the self-test passes); ``failed_at``: when its last
     self-test failed (None: none did)."""
     recent = [t for t in evicted_at if now - t < cfg.quarantine_window_s]

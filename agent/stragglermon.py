@@ -229,7 +229,10 @@ def wait_as_spare(store: Any, cfg: StragglerConfig, *, job_id: str, node: str, s
                     others.append(float(json.loads(raw)["seconds"]))
         except Exception:  # noqa: BLE001 - no reference: the self-test passes
             others = []
-        ref = statistics.median(others) if others else None
+        # The fastest of the others: a self-test taken under a burst of load reads slow, and a reference
+        # that is too slow would let a slow node back in (seen on a loaded host); too fast only costs a
+        # healthy node another cool-down.
+        ref = min(others) if others else None
         a = decide_admission(now=wall(), evicted_at=mine, selftest_s=tested, reference_s=ref, failed_at=failed_at, cfg=cfg)
         if (a.act, a.reason) != said:
             said = (a.act, a.reason)

@@ -20,7 +20,9 @@ Scenarios, side by side in one run:
   (the chaos bench's sample account: the sample log against the global cursor);
 * ``ten_percent``: 3 nodes, one stopped 10 % of each 100 ms, for ``--observe`` seconds: kept (the rule
   says the job is faster with it) and reported (``straggler_kept``);
-* ``no_straggler``: 3 nodes for ``--observe`` seconds: evictions (0 expected) and reports.
+* ``no_straggler``: 3 nodes for ``--observe`` seconds: evictions (0 expected) and reports;
+* ``gpu_xid``: n3's (fake, ``health.probe_file``) NVML reports XID 79: drained with an emergency
+  checkpoint (``evict_s``: from the XID to the drain), the survivors go on, every sample once.
 
 Run: ``OMP_NUM_THREADS=1 python bench/straggler.py [--observe 60] [--measure 30] [--json out.json]``.
 The figures are noisy on a loaded machine: the table says what the host's load was.
@@ -63,7 +65,7 @@ class _NoEmulator:
 class Node(chaos.Agent):
     """One ``trainguard run`` agent (chaos's reader and process handling; local checkpoints, no cloud)."""
 
-    def __init__(self, name: str, work: str, endpoint: str, nodes: str) -> None:  # noqa: D107 - see the class
+    def __init__(self, name: str, work: str, endpoint: str, nodes: str, extra: tuple[str, ...] = ()) -> None:  # noqa: D107
         self.name = name
         self.emu = _NoEmulator()
         self.state_dir = os.path.join(work, f"state-{name}")
@@ -73,9 +75,9 @@ class Node(chaos.Agent):
                "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "metrics.port=0",
                "--set", "rendezvous.is_host=false", "--set", "rendezvous.keep_alive_interval_s=1",
                "--set", "rendezvous.keep_alive_max_attempts=3", "--set", "preemption.sources=signal",
-               "--set", f"checkpoint.url={os.path.join(work, 'ckpt')}", "--set", "checkpoint.interval_steps=500",
+               "--set", f"checkpoint.url={os.path.join(work, 'ckpt')}", "--set", "checkpoint.interval_steps=100000",
                "--set", f"checkpoint.memory_dir={memory_root(work)}", "--set", "workers.max_restarts=100",
-               *[x for s in AGENT_SETS for x in ("--set", s)],
+               *[x for s in (*AGENT_SETS, *extra) for x in ("--set", s)],
                chaos.ELASTIC, *SCRIPT_ARGS, "--sample-log", os.path.join(work, "samples")]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
         env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"})
@@ -91,8 +93,9 @@ class Node(chaos.Agent):
 
 
 class Cluster:
-    def __init__(self, work: str, n: int) -> None:
+    def __init__(self, work: str, n: int, extra: dict[str, tuple[str, ...]] | None = None) -> None:
         self.work = work
+        self.extra = extra or {}
         os.makedirs(os.path.join(work, "samples"), exist_ok=True)
         self.store = chaos.Store(work)
         self.nodes: list[Node] = []
@@ -102,7 +105,7 @@ class Cluster:
             chaos.wait_for(lambda: node.events("straggler_selftest") or not node.running, 120)
 
     def add(self, name: str) -> Node:
-        node = Node(name, self.work, self.store.endpoint, "1:3")
+        node = Node(name, self.work, self.store.endpoint, "1:3", self.extra.get(name, ()))
         self.nodes.append(node)
         return node
 
@@ -161,6 +164,14 @@ class Row:
     samples_repeated: int | None = None
     sample_errors: list[str] = field(default_factory=list)
     observed_s: float = 0.0
+    steps_per_s_before: float | None = None
+    """half_speed: the world of 3 before the throttle."""
+    steps_per_s_throttled: float | None = None
+    """half_speed: the world of 3 from the throttle to the eviction."""
+    steps_per_s_readmitted: float | None = None
+    """half_speed: the world of 3 again, after the re-admission."""
+    load_avg: list[float] = field(default_factory=list)
+    """The host's 1-minute load average at the scenario's start and end (2 CPUs shared with other jobs)."""
     note: str = ""
 
 
@@ -221,7 +232,9 @@ def half_speed(work: str, measure: float) -> Row:
     throttle = None
     try:
         c.wait_training(3, 300, "a world of 3")
-        time.sleep(5)
+        t_before = time.time() + 5
+        time.sleep(5 + measure / 2)
+        row.steps_per_s_before = c.rate(t_before, time.time(), 3)
         n3 = c.nodes[2]
         target = {"node": n3}
         throttle = DutyCycleThrottler(lambda: node_tree(target["node"]), 0.5, 0.1).start()
@@ -233,12 +246,13 @@ def half_speed(work: str, measure: float) -> Row:
             straggler_lines(c, t_thr, row)
             return row
         row.evict_s = ev[0][0] - t_thr
+        row.steps_per_s_throttled = c.rate(t_thr, ev[0][0], 3)
         sus = [t for t, e in c.events("straggler_suspected", t_thr) if e["node"] == "n3"]
         row.detect_s = (sus[0] - t_thr) if sus else None
         chaos.say(f"n3 evicted after {row.evict_s:.1f} s")
         chaos.wait_for(lambda: not n3.running, 120)
         t_w2 = c.wait_training(2, 120, "the world of 2 after the eviction")
-        time.sleep(5)
+        time.sleep(15)
         t0 = time.time()
         time.sleep(measure)
         row.steps_per_s = c.rate(t0, time.time(), 2)
@@ -257,8 +271,14 @@ def half_speed(work: str, measure: float) -> Row:
         chaos.say(f"throttle removed; the self-test failed while throttled: {bool(failed)}")
         ok = chaos.wait_for(lambda: n3b.events("straggler_readmitted", t_restart), 180)
         if ok:
-            c.wait_training(3, 180, "the world of 3 after the re-admission")
-            row.readmit_s = time.time() - t_off
+            try:
+                c.wait_training(3, 180, "the world of 3 after the re-admission")
+                row.readmit_s = time.time() - t_off
+                t_back = time.time() + 5
+                time.sleep(5 + measure / 2)
+                row.steps_per_s_readmitted = c.rate(t_back, time.time(), 3)
+            except chaos.ChaosError as e:  # the row keeps what was measured
+                row.note = str(e)
         else:
             row.note = "not re-admitted within 180 s"
         row.observed_s = time.time() - t_w2
@@ -271,6 +291,40 @@ def half_speed(work: str, measure: float) -> Row:
     return row
 
 
+def gpu_xid(work: str, measure: float) -> Row:
+    """n3's GPU reports a fatal XID (a fake NVML: ``health.probe_file``): drained with an emergency
+    checkpoint, the survivors go on in place, no step lost or repeated."""
+    row = Row("gpu_xid", 3, "n3 fake NVML: XID 79")
+    probe = os.path.join(work, "gpus-n3.json")
+    with open(probe, "w") as fh:
+        json.dump([{"index": 0}], fh)
+    c = Cluster(work, 3, {"n3": (f"health.probe_file={probe}", "health.interval_s=0.5")})
+    try:
+        c.wait_training(3, 300, "a world of 3")
+        time.sleep(5)
+        t0 = time.time()
+        with open(probe + ".tmp", "w") as fh:
+            json.dump([{"index": 0, "xids": [79]}], fh)
+        os.replace(probe + ".tmp", probe)
+        n3 = c.nodes[2]
+        drained = chaos.wait_for(lambda: n3.events("gpu_health_drain", t0), 60)
+        committed = chaos.wait_for(lambda: [e for _, e in n3.events("checkpoint_committed_by_worker", t0)
+                                            if e.get("kind") == "emergency"], 60)
+        row.evict_s = (drained[0][0] - t0) if drained else None
+        row.evictions, row.evicted = (1, ["n3"]) if drained else (0, [])
+        row.note = "emergency checkpoint committed" if committed else "no emergency checkpoint"
+        chaos.wait_for(lambda: not n3.running, 120)
+        t_w2 = c.wait_training(2, 120, "the world of 2 after the drain")
+        time.sleep(measure)
+        row.steps_per_s = c.rate(t_w2, time.time(), 2)
+        row.observed_s = time.time() - t0
+        skipped, repeated, errors = chaos.sample_account(os.path.join(work, "samples"))
+        row.samples_skipped, row.samples_repeated, row.sample_errors = skipped, repeated, errors
+    finally:
+        c.close()
+    return row
+
+
 def fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
@@ -278,19 +332,24 @@ def fmt(v: Any, spec: str = ".2f") -> str:
 def table(rows: list[Row], load: tuple[float, float, float]) -> str:
     out = [f"host load average (1/5/15 min) at the end: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} on {os.cpu_count()} CPUs",
            f"{'scenario':<14}{'nodes':>6} {'steps/s':>8} {'evictions':>10} {'evicted':>8} {'detect_s':>9} {'evict_s':>8} "
-           f"{'readmit_s':>10} {'kept reports (reason)':<34} {'samples skip/rep':>16}"]
+           f"{'readmit_s':>10} {'kept reports (reason)':<34} {'samples skip/rep':>16} {'load 1m':>11}"]
     for r in rows:
         kept = ", ".join(f"{n}x{k}" for n, k in sorted(r.kept_reports.items()))
         kept = (kept + (f" ({'/'.join(r.kept_reasons)})" if r.kept_reasons else "")) or "-"
         samples = "-" if r.samples_skipped is None else f"{r.samples_skipped}/{r.samples_repeated}"
         out.append(f"{r.scenario:<14}{r.nodes:>6} {fmt(r.steps_per_s):>8} {r.evictions:>10} {','.join(r.evicted) or '-':>8} "
-                   f"{fmt(r.detect_s, '.1f'):>9} {fmt(r.evict_s, '.1f'):>8} {fmt(r.readmit_s, '.1f'):>10} {kept:<34} {samples:>16}"
+                   f"{fmt(r.detect_s, '.1f'):>9} {fmt(r.evict_s, '.1f'):>8} {fmt(r.readmit_s, '.1f'):>10} {kept:<34} {samples:>16} "
+                   f"{'/'.join(f'{x:.0f}' for x in r.load_avg) or '-':>11}"
                    + (f"  [{r.note}]" if r.note else ""))
     two = next((r for r in rows if r.scenario == "two_healthy"), None)
     half = next((r for r in rows if r.scenario == "half_speed"), None)
     if two and half and two.steps_per_s and half.steps_per_s:
         out.append(f"after the eviction: {half.steps_per_s:.2f} steps/s vs {two.steps_per_s:.2f} on 2 healthy nodes "
                    f"({half.steps_per_s / two.steps_per_s - 1:+.1%})")
+    if half is not None and half.steps_per_s_before:
+        out.append(f"half_speed, world of 3: {half.steps_per_s_before:.2f} steps/s before the throttle, "
+                   f"{fmt(half.steps_per_s_throttled)} throttled (until the eviction), "
+                   f"{fmt(half.steps_per_s_readmitted)} after the re-admission")
     if half is not None:
         out.append(f"re-admission: the self-test failed while throttled: {half.selftest_failed_while_throttled}; "
                    f"re-admitted {fmt(half.readmit_s, '.1f')} s after the throttle was removed")
@@ -306,9 +365,11 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     a = p.parse_args()
     root = tempfile.mkdtemp(prefix="tg-strag-", dir="/tmp")
-    runs = {"two_healthy": lambda w: two_healthy(w, a.measure), "half_speed": lambda w: half_speed(w, a.measure),
+    # half_speed first and two_healthy right after it: the steps/s they compare are measured minutes apart at most
+    runs = {"half_speed": lambda w: half_speed(w, a.measure), "two_healthy": lambda w: two_healthy(w, a.measure),
             "ten_percent": lambda w: observe(w, "ten_percent", 0.1, a.observe),
-            "no_straggler": lambda w: observe(w, "no_straggler", None, a.observe)}
+            "no_straggler": lambda w: observe(w, "no_straggler", None, a.observe),
+            "gpu_xid": lambda w: gpu_xid(w, a.measure / 3)}
     wanted = [s for s in runs if not a.only or s in a.only.split(",")]
     rows: list[Row] = []
     try:
@@ -316,10 +377,12 @@ def main() -> int:
             chaos.say(f"scenario {name}")
             work = os.path.join(root, name)
             os.makedirs(work)
+            load0 = os.getloadavg()[0]
             try:
                 rows.append(runs[name](work))
             except chaos.ChaosError as e:
                 rows.append(Row(name, 0, "", note=str(e)))
+            rows[-1].load_avg = [round(load0, 2), round(os.getloadavg()[0], 2)]
             chaos.say(f"done: {asdict(rows[-1])}")
     finally:
         if not a.keep:
