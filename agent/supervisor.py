@@ -685,7 +685,7 @@ class Supervisor:
             if admitted.value != "admit":
                 self._outcome = AgentState.STOPPED
                 self.sm.to(AgentState.STOPPED, reason="straggler_quarantined" if admitted.value == "quarantine" else "drained")
-                return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in self.adapter.group.workers})
+                return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.adapter.world().global_ranks})
         try:
             world = self._join_running_world() if self._should_warm_up() else self.adapter.start()
         except RendezvousAborted:
