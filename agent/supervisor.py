@@ -68,6 +68,7 @@ from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAbort
 from trainguard.agent.exitcodes import ExitCode, exit_code
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
+from trainguard.agent.straggler import AdmissionAct
 from trainguard.agent.stragglermon import StragglerMonitor, wait_as_spare
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger, rendered_format
@@ -682,9 +683,9 @@ class Supervisor:
                                      node=self.cfg.agent.node_name, stop=lambda: self._drain is not None,
                                      observer=self.observer)
             self._waiting_for = None
-            if admitted.value != "admit":
+            if admitted is not AdmissionAct.ADMIT:
                 self._outcome = AgentState.STOPPED
-                self.sm.to(AgentState.STOPPED, reason="straggler_quarantined" if admitted.value == "quarantine" else "drained")
+                self.sm.to(AgentState.STOPPED, reason="straggler_quarantined" if admitted is AdmissionAct.QUARANTINE else "drained")
                 return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.adapter.world().global_ranks})
         try:
             world = self._join_running_world() if self._should_warm_up() else self.adapter.start()
