@@ -100,6 +100,7 @@ class Cluster:
         self.store = chaos.Store(work)
         self.nodes: list[Node] = []
         self.gone: list[Node] = []
+        self.throttles: list[DutyCycleThrottler] = []
         for i in range(n):  # one at a time: on real nodes the start-up self-tests share no CPU
             node = self.add(f"n{i + 1}")
             chaos.wait_for(lambda: node.events("straggler_selftest") or not node.running, 120)
@@ -134,7 +135,15 @@ class Cluster:
             return None
         return (s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0])
 
+    def throttle(self, target: Any, fraction: float) -> DutyCycleThrottler:
+        """Throttle ``target()``'s node (its agent and workers) from now until :meth:`close` at the latest."""
+        t = DutyCycleThrottler(lambda: node_tree(target()), fraction, 0.1).start()
+        self.throttles.append(t)
+        return t
+
     def close(self) -> None:
+        for t in self.throttles:
+            t.stop()
         for a in self.all():
             a.close()
         self.store.stop()
@@ -175,6 +184,11 @@ class Row:
     note: str = ""
 
 
+def account_samples(row: Row, work: str) -> None:
+    """Every sample once: the chaos bench's account of the sample log against the global cursor."""
+    row.samples_skipped, row.samples_repeated, row.sample_errors = chaos.sample_account(os.path.join(work, "samples"))
+
+
 def straggler_lines(c: Cluster, since: float, row: Row) -> None:
     for _, e in c.events("straggler_kept", since):
         row.kept_reports[e["node"]] = row.kept_reports.get(e["node"], 0) + 1
@@ -188,40 +202,22 @@ def straggler_lines(c: Cluster, since: float, row: Row) -> None:
     row.evicted = [e["node"] for _, e in evicted]
 
 
-def two_healthy(work: str, measure: float) -> Row:
-    row = Row("two_healthy", 2, "none")
-    c = Cluster(work, 2)
+def observe(work: str, name: str, nodes: int, fraction: float | None, seconds: float) -> Row:
+    """``nodes`` nodes, the last one throttled by ``fraction`` (None: none), for ``seconds``."""
+    row = Row(name, nodes, f"n{nodes} stopped {fraction:.0%} of 100 ms" if fraction else "none")
+    c = Cluster(work, nodes)
     try:
-        c.wait_training(2, 300, "a world of 2")
-        time.sleep(5)
-        t0 = time.time()
-        time.sleep(measure)
-        row.steps_per_s = c.rate(t0, time.time(), 2)
-        row.observed_s = measure
-        straggler_lines(c, t0, row)
-    finally:
-        c.close()
-    return row
-
-
-def observe(work: str, name: str, fraction: float | None, seconds: float) -> Row:
-    row = Row(name, 3, f"n3 stopped {fraction:.0%} of 100 ms" if fraction else "none")
-    c = Cluster(work, 3)
-    throttle = None
-    try:
-        c.wait_training(3, 300, "a world of 3")
+        c.wait_training(nodes, 300, f"a world of {nodes}")
         time.sleep(5)
         t0 = time.time()
         if fraction:
-            n3 = c.nodes[2]
-            throttle = DutyCycleThrottler(lambda: node_tree(n3), fraction, 0.1).start()
+            last = c.nodes[-1]
+            c.throttle(lambda: last, fraction)
         time.sleep(seconds)
-        row.steps_per_s = c.rate(t0, time.time(), 3)
+        row.steps_per_s = c.rate(t0, time.time(), nodes)
         row.observed_s = seconds
         straggler_lines(c, t0, row)
     finally:
-        if throttle is not None:
-            throttle.stop()
         c.close()
     return row
 
@@ -229,7 +225,6 @@ def observe(work: str, name: str, fraction: float | None, seconds: float) -> Row
 def half_speed(work: str, measure: float) -> Row:
     row = Row("half_speed", 3, "n3 stopped 50% of 100 ms, then removed")
     c = Cluster(work, 3)
-    throttle = None
     try:
         c.wait_training(3, 300, "a world of 3")
         t_before = time.time() + 5
@@ -237,7 +232,7 @@ def half_speed(work: str, measure: float) -> Row:
         row.steps_per_s_before = c.rate(t_before, time.time(), 3)
         n3 = c.nodes[2]
         target = {"node": n3}
-        throttle = DutyCycleThrottler(lambda: node_tree(target["node"]), 0.5, 0.1).start()
+        throttle = c.throttle(lambda: target["node"], 0.5)
         t_thr = time.time()
         chaos.say("n3 throttled to half speed")
         ev = chaos.wait_for(lambda: [e for e in c.events("straggler_evicted", t_thr) if e[1]["node"] == "n3"], 180)
@@ -282,11 +277,8 @@ def half_speed(work: str, measure: float) -> Row:
         else:
             row.note = "not re-admitted within 180 s"
         row.observed_s = time.time() - t_w2
-        skipped, repeated, errors = chaos.sample_account(os.path.join(work, "samples"))
-        row.samples_skipped, row.samples_repeated, row.sample_errors = skipped, repeated, errors
+        account_samples(row, work)
     finally:
-        if throttle is not None:
-            throttle.stop()
         c.close()
     return row
 
@@ -318,8 +310,7 @@ def gpu_xid(work: str, measure: float) -> Row:
         time.sleep(measure)
         row.steps_per_s = c.rate(t_w2, time.time(), 2)
         row.observed_s = time.time() - t0
-        skipped, repeated, errors = chaos.sample_account(os.path.join(work, "samples"))
-        row.samples_skipped, row.samples_repeated, row.sample_errors = skipped, repeated, errors
+        account_samples(row, work)
     finally:
         c.close()
     return row
@@ -366,9 +357,9 @@ def main() -> int:
     a = p.parse_args()
     root = tempfile.mkdtemp(prefix="tg-strag-", dir="/tmp")
     # half_speed first and two_healthy right after it: the steps/s they compare are measured minutes apart at most
-    runs = {"half_speed": lambda w: half_speed(w, a.measure), "two_healthy": lambda w: two_healthy(w, a.measure),
-            "ten_percent": lambda w: observe(w, "ten_percent", 0.1, a.observe),
-            "no_straggler": lambda w: observe(w, "no_straggler", None, a.observe),
+    runs = {"half_speed": lambda w: half_speed(w, a.measure), "two_healthy": lambda w: observe(w, "two_healthy", 2, None, a.measure),
+            "ten_percent": lambda w: observe(w, "ten_percent", 3, 0.1, a.observe),
+            "no_straggler": lambda w: observe(w, "no_straggler", 3, None, a.observe),
             "gpu_xid": lambda w: gpu_xid(w, a.measure / 3)}
     wanted = [s for s in runs if not a.only or s in a.only.split(",")]
     rows: list[Row] = []
