@@ -15,6 +15,8 @@ import ssl
 from dataclasses import dataclass, field
 
 from trainguard.agent.hang import HangConfig
+from trainguard.agent.health import HealthConfig
+from trainguard.agent.straggler import StragglerConfig
 from trainguard.agent.watchers.config import PreemptionConfig
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.contract.configbase import FieldError, env_var_for, require, require_finite
@@ -351,6 +353,8 @@ class TrainguardConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     hang: HangConfig = field(default_factory=HangConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -362,4 +366,6 @@ SECTIONS: dict[str, type] = {
     "metrics": MetricsConfig,
     "cost": CostConfig,
     "hang": HangConfig,
+    "straggler": StragglerConfig,
+    "health": HealthConfig,
 }

@@ -144,6 +144,9 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
         else:
             notifier.status(text)
 
+    from trainguard.agent.health import HealthMonitor, open_probe
+
+    probe = open_probe(cfg.health)  # the pre-flight: a fatal GPU stops the start before any rendezvous
     metrics, exporter = _start_metrics(cfg)
     warn_foreign_runs(cfg, metrics)
     listeners = list(extra_listeners or [])
@@ -154,6 +157,11 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
     if exporter is not None:  # `trainguard status` finds the exporter through the control socket
         sup.control.status_extra["metrics_url"] = getattr(exporter, "url", None)
     services: list[Any] = [s for s in (metrics, exporter) if s is not None]
+    if probe is not None:  # a fatal GPU while training drains the node through the normal path
+        health = HealthMonitor(probe, cfg.health, lambda why: sup.drain_self("health", why),
+                               metrics.straggler if metrics is not None else None)
+        health.poll()
+        services.append(health.start())
     interval = watchdog_interval(env)
     if interval:
         # Pings only while the supervisor thread lives: a wedged agent is restarted by systemd.

@@ -431,8 +431,9 @@ class ElasticAdapter:
 
     def endpoint_store(self) -> Any:
         """The rendezvous store itself, not prefixed by the job (``c10d``: the ``TCPStore`` at the
-        endpoint, shared by every job that uses it); None for other backends."""
-        backend = getattr(self.handler, "_backend", None)
+        endpoint, shared by every job that uses it); None for other backends. The backend is the state
+        holder's (torch's handler keeps only its name)."""
+        backend = getattr(getattr(self.handler, "_state_holder", None), "_backend", None)
         if not isinstance(backend, C10dRendezvousBackend):
             return None
         return getattr(self.handler, "_store", None)

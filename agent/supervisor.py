@@ -71,6 +71,8 @@ from trainguard.agent.hang import HangAct, HangAction, HangVerdict
 from trainguard.agent.hangwatch import HangWatch
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
+from trainguard.agent.straggler import AdmissionAct
+from trainguard.agent.stragglermon import StragglerMonitor, wait_as_spare
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger, rendered_format
 from trainguard.contract.protocol import AgentState, WorkerStatus
@@ -166,6 +168,11 @@ class Supervisor:
         :class:`~trainguard.contract.protocol.Joined` yet: between worlds, never inside a collective."""
         self._joining_since = 0.0
         self.reform_enabled = cfg.workers.reform == "in-process"
+        self.straggler = (StragglerMonitor(cfg.straggler, job_id=cfg.agent.job_id, node=cfg.agent.node_name,
+                                           min_nodes=cfg.rendezvous.min_nodes, interval_s=cfg.rendezvous.keep_alive_interval_s,
+                                           request_drain=lambda why: self.drain_self("straggler", why),
+                                           observer=observer) if cfg.straggler.enabled else None)
+        """Straggler detection (:mod:`trainguard.agent.stragglermon`): fed by the workers' Pace reports."""
         self._run_started = time.monotonic()
         self.hangs: HangWatch | None = HangWatch(cfg.hang, node_name=cfg.agent.node_name) if cfg.hang.enabled else None
         """Hang detection (progress, not liveness): see :mod:`trainguard.agent.hangwatch`."""
@@ -224,6 +231,11 @@ class Supervisor:
                         deadline_in_s=round(deadline - time.time(), 1), node=self.cfg.agent.node_name)
         self._wake.set()
         return first
+
+    def drain_self(self, source: str, reason: str) -> bool:
+        """This node leaves the job by its own finding (``straggler`` eviction, ``health``): a planned
+        drain with ``preemption.default_deadline_s``."""
+        return self.request_drain(source, "drain", time.time() + self.cfg.preemption.default_deadline_s, reason)
 
     def checkpoint_supported(self) -> bool:
         """Whether a worker of this node uses the worker API (it can take an out-of-cycle checkpoint)."""
@@ -287,6 +299,10 @@ class Supervisor:
                 self.hangs.on_progress(msg)
             return None
         if isinstance(msg, proto.Hello):
+            return None
+        if isinstance(msg, proto.Pace):
+            if self.straggler is not None:
+                self.straggler.observe(msg)
             return None
         return proto.Reply(ok=False, error=f"op {msg.OP!r} is not a request to the agent")
 
@@ -780,6 +796,16 @@ class Supervisor:
         self.sm.to(AgentState.RENDEZVOUS)
         if self._drain is not None:
             return self._leave("drained_before_start")
+        if self.cfg.straggler.enabled and self.cfg.straggler.action == "evict":  # an evicted node waits as a spare
+            self._waiting_for = "straggler re-admission (cool-down and self-test)"
+            admitted = wait_as_spare(self.adapter.endpoint_store(), self.cfg.straggler, job_id=self.cfg.agent.job_id,
+                                     node=self.cfg.agent.node_name, stop=lambda: self._drain is not None,
+                                     observer=self.observer)
+            self._waiting_for = None
+            if admitted is not AdmissionAct.ADMIT:
+                self._outcome = AgentState.STOPPED
+                self.sm.to(AgentState.STOPPED, reason="straggler_quarantined" if admitted is AdmissionAct.QUARANTINE else "drained")
+                return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.adapter.world().global_ranks})
         try:
             world = self._join_running_world() if self._should_warm_up() else self.adapter.start()
         except RendezvousAborted:
@@ -791,6 +817,9 @@ class Supervisor:
             self._wake.wait(interval)
             self._wake.clear()
             self._share_interval()
+            if self.straggler is not None and self._current is not None and self._drain is None:
+                w = self._current
+                self.straggler.tick(self.adapter.endpoint_store(), round_=w.round, nodes=w.nodes, decides=0 in w.global_ranks)
             obs, poll = self.observe()
             handled, result = self._watch_hangs(obs)
             if handled:

@@ -657,6 +657,34 @@ SIGSTOPped process cannot run it: then the last ``where`` of its heartbeats is a
 
 
 @dataclass(frozen=True, slots=True)
+class Pace(Message):
+    """worker -> agent: this rank's local compute time of its recent steps (seconds each: step start to
+    arrival at the step boundary, minus the time blocked in the gradient synchronisation and in
+    ``rt.all_reduce``), sent at step agreements, at most :data:`MAX_PACE` values per message. The agent
+    keeps a window of them per local rank (:mod:`trainguard.agent.straggler`)."""
+
+    OP: ClassVar[str] = "pace"
+    rank: int
+    local_rank: int
+    step: int
+    """The step of the last value."""
+    compute_s: tuple[float, ...] = ()
+
+    MAX_PACE: ClassVar[int] = 64
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Pace:
+        raw = d.get("compute_s", [])
+        if not isinstance(raw, list) or len(raw) > cls.MAX_PACE:
+            raise ProtocolError(f"`compute_s` must be a list of at most {cls.MAX_PACE} numbers, got {raw!r}"[:300])
+        values = tuple(_finite("compute_s", v) for v in raw)
+        if any(v < 0 for v in values):  # type: ignore[operator]
+            raise ProtocolError(f"`compute_s` must hold no negative value, got {raw!r}"[:300])
+        return cls(rank=_int("rank", d.get("rank"), minimum=0), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
+                   step=_int("step", d.get("step"), minimum=0), compute_s=values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
 class DrainRequest(Message):
     """CLI -> agent: drain this node (``trainguard drain``)."""
 
@@ -707,7 +735,7 @@ class Reply(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.OP: m for m in (Hello, Stop, CheckpointNow, Parked, Joined, Reform, Committed, Restored,
-                                                         Progress, Abort, DrainRequest, StatusRequest, Reply)}
+                                                         Progress, Abort, Pace, DrainRequest, StatusRequest, Reply)}
 MAX_LINE = 64 * 1024
 """Longest accepted line (bytes); a longer one is a :class:`ProtocolError`."""
 
@@ -737,6 +765,6 @@ def decode(line: bytes | str) -> Message:
 __all__ = [
     "EXIT_RESIZE", "EXIT_SUCCESS", "MESSAGES", "STACK_DUMP_SIGNAL", "Abort", "AgentState", "EvictionCause", "Phase", "Progress", "CheckpointKind", "CheckpointNow", "Committed",
     "DrainRequest", "Joined", "ParkReason", "Parked", "Reform", "Restored",
-    "ExitKind", "Hello", "Message", "NoticeSource", "ProtocolError", "Reply", "RuntimeEnv", "StatusRequest",
+    "ExitKind", "Hello", "Message", "NoticeSource", "Pace", "ProtocolError", "Reply", "RuntimeEnv", "StatusRequest",
     "Stop", "StopReason", "WorkerStatus", "classify_exit", "control_socket_path", "decode", "encode",
 ]

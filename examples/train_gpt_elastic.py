@@ -42,6 +42,9 @@ def main() -> None:
     p.add_argument("--max-bytes", type=int, default=2_000_000)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--sample-sleep", type=float, default=0.0,
+                   help="emulated accelerator seconds per sample of this rank's share (slept in 2 ms slices, so a "
+                        "stopped process makes no progress in it; the straggler bench)")
     p.add_argument("--sample-log", default="")
     p.add_argument("--loss-log", default="")
     p.add_argument("--strategy", default="ddp", help="ddp | fsdp | deepspeed (ZeRO, see --zero-stage)")
@@ -90,6 +93,8 @@ def main() -> None:
                     loss = F.cross_entropy(model(x).reshape(-1, 256).float(), y.reshape(-1)) / len(micro)
                 rt.backward(loss)
                 total += loss.detach()
+            for _ in range(round(args.sample_sleep * len(ids) / 0.002)):
+                time.sleep(0.002)
         rt.optimizer_step(opt)
         opt.zero_grad(set_to_none=True)
         if args.step_sleep:

@@ -43,6 +43,7 @@ from trainguard.metrics.config import CostConfig, MetricsConfig
 from trainguard.metrics.cost import cost_snapshot, resolve_price
 from trainguard.metrics.goodput import GoodputLedger, GoodputSnapshot
 from trainguard.metrics.gpu import GpuSampler
+from trainguard.metrics.straggler import StragglerMetrics
 
 log = get_logger("trainguard.metrics.agent")
 
@@ -228,6 +229,8 @@ class AgentMetrics:
         self._m_quarantined = Gauge(P + "quarantined_nodes", "1 while this node is quarantined (its rank hung twice "
                                     "within hang.quarantine_s; it left the job): sum by job.", registry=r)
         self._round_seen: int | None = None
+        self.straggler = StragglerMetrics(r)
+        """Straggler scores, evictions and re-admissions, GPU health (:mod:`trainguard.metrics.straggler`)."""
 
     # -- the owner's API ------------------------------------------------------------------------
     def set_state(self, state: Any) -> None:

@@ -108,7 +108,8 @@ class AgentLink:
         reason, self.checkpoint_reason = self.checkpoint_reason, None
         return reason
 
-    def report(self, msg: proto.Committed | proto.Restored | proto.Parked | proto.Joined | proto.Progress) -> None:
+    def report(self, msg: proto.Committed | proto.Restored | proto.Parked | proto.Joined | proto.Progress
+               | proto.Pace) -> None:
         """Tell the agent a checkpoint committed (or could not be saved) or was restored, that this
         worker parked or joined its world. Best effort: the agent may be gone."""
         try:

@@ -82,6 +82,7 @@ from trainguard.runtime.boundary import BoundaryAct, Flags, SaveAsk, decide_boun
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.faults import FaultHooks
 from trainguard.runtime.progress import ProgressReporter, install_stack_dump
+from trainguard.runtime.pace import PaceMeter
 from trainguard.runtime.reformation import PARITY_ABANDON_S, Reformation
 from trainguard.runtime.session import AgentSession
 from trainguard.runtime.state import TRANSITIONS, WorkerState
@@ -152,6 +153,9 @@ class Runtime:
         self._optimizer: torch.optim.Optimizer | None = None
         self._trainer = TrainerState()
         self._timer = dev.StepTimer(self.device)
+        self._pace = PaceMeter()
+        """This rank's local compute per step (the straggler detector's input, reported to the agent)."""
+        self._sync_micro = True  # a script without rt.accumulating synchronises in every backward
         self.inflight_timeout_s = (pg_timeout_s or _GLOO_DEFAULT_TIMEOUT_S) + checkpoint.retry_deadline_s
         """Bound of waiting for the previous background save: its collectives are bounded by the process
         groups' timeout, its storage operations by ``checkpoint.retry_deadline_s``."""
@@ -396,6 +400,7 @@ class Runtime:
         assert self.strategy is not None and self._model is not None, "setup() first"
         # A step made void already skips the sync; its forward may still run a collective that fails.
         sync = contextlib.nullcontext() if self.worker_state is WorkerState.BROKEN else self.strategy.no_sync(self._model, last)
+        self._sync_micro = last  # its backward synchronises the gradients: time blocked on peers (runtime/pace.py)
         try:
             with sync:
                 yield
@@ -413,11 +418,15 @@ class Runtime:
         assert self.strategy is not None, "setup() first"
         if self.worker_state is WorkerState.BROKEN:
             return
+        t0 = time.monotonic()
         try:
             self.strategy.backward(loss)
         except Exception as e:
             if not self._peer_failed(e):
                 raise
+        finally:
+            if self._sync_micro:
+                self._pace.blocked(time.monotonic() - t0)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """``optimizer.step()`` (the one ``setup`` returned by default); with a loss scaler it unscales,
@@ -443,12 +452,15 @@ class Runtime:
         red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         # The default group runs on rt.device (NCCL takes GPU tensors only): a tensor elsewhere travels there.
         work = tensor if tensor.device == self.device else tensor.to(self.device)
+        t0 = time.monotonic()
         try:
             dist.all_reduce(work, op=red)
         except Exception as e:
             if not self._peer_failed(e):
                 raise
             return tensor
+        finally:
+            self._pace.blocked(time.monotonic() - t0)
         if op == "mean":
             work /= self.world_size
         if work is not tensor:
@@ -488,6 +500,7 @@ class Runtime:
                 self._reform.park(proto.ParkReason.PEER_LOST)
                 return True
             self._roll_back_step()
+            self._pace.discard_step()
             self._reform.park(proto.ParkReason.PEER_LOST)
             # The survivors agree on the newest live state (sync_live_state): a peer whose all-reduce
             # completed before the failure handed the finished step over, and it is not redone.
@@ -517,6 +530,7 @@ class Runtime:
             self._metrics.flush()
         self._metrics.sample_gpu_peak(now)
         self._agreement.observe_step(step_s)
+        self._pace.step_done(self.step, step_s)
         if self._tiers.interval is not None and self._tiers.manager is not None:
             self._tiers.interval.observe_step(step_s, persisting=self._tiers.manager.in_flight is not None)
         if between:
@@ -536,6 +550,9 @@ class Runtime:
             return True
         if not self._act(agreed, mine):
             return True
+        pace = self._pace.report(self.rank, self.local_rank)
+        if pace is not None:
+            self._session.report(pace)
         if self._agreement.overlapped:  # for the next multiple of the agreed stride
             self._agreement.issue(self.step, lambda ahead: self._local_flags(time.monotonic(), ahead))
         self._step_started = time.monotonic()

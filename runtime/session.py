@@ -60,7 +60,8 @@ class AgentSession:
         """The reason of an out-of-cycle checkpoint the agent asked for since the last call (or None)."""
         return self.link.take_checkpoint() if self.link is not None else None
 
-    def report(self, msg: proto.Committed | proto.Restored | proto.Parked | proto.Joined | proto.Progress) -> None:
+    def report(self, msg: proto.Committed | proto.Restored | proto.Parked | proto.Joined | proto.Progress
+               | proto.Pace) -> None:
         """Send ``msg`` to the agent; nothing without one."""
         if self.link is not None:
             self.link.report(msg)

@@ -58,10 +58,29 @@ def test_an_agent_reconnects_to_a_restarted_store_and_republishes_its_round(tmp_
         store.stop()
 
 
-def test_other_backends_do_not_reconnect(tmp_path):
+def static_adapter(tmp_path) -> ElasticAdapter:
     cfg = RendezvousConfig(backend="static", endpoint="127.0.0.1:1", min_nodes=1, max_nodes=1)
     spec = WorkerSpec(role="default", local_world_size=1, rdzv_handler=build_handler(cfg, "job"),
                       entrypoint="/bin/true", args=())
-    ad = ElasticAdapter(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "s")), exit_barrier_timeout=5,
-                        worker_env=dict, abort_rendezvous=lambda: False)
-    assert ad.reconnect_store() is False
+    return ElasticAdapter(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "s")), exit_barrier_timeout=5,
+                          worker_env=dict, abort_rendezvous=lambda: False)
+
+
+def test_other_backends_do_not_reconnect(tmp_path):
+    assert static_adapter(tmp_path).reconnect_store() is False
+
+
+def test_endpoint_store_is_the_c10d_store_and_none_elsewhere(tmp_path):
+    """The census and the straggler records live in the endpoint store: with torch's real c10d handler it
+    must be found (the handler keeps only the backend's name; the backend is its state holder's)."""
+    store = Store(str(tmp_path), "first")
+    a = adapter_for(store.endpoint, tmp_path, "a")
+    try:
+        s = a.endpoint_store()
+        assert s is not None
+        s.set("trainguard/probe", b"1")
+        assert bytes(s.get("trainguard/probe")) == b"1"
+    finally:
+        a.handler.shutdown()
+        store.stop()
+    assert static_adapter(tmp_path).endpoint_store() is None

@@ -32,6 +32,8 @@ def exposed_surface(tmp_path: Path, workers: Workers) -> dict[str, dict[str, obj
         assert p.wait(timeout=60) == 0
         m.sample(now=0.0)
         m.sample(now=1.0)
+        m.straggler.set_scores({"node-b": 1.0})  # straggler and GPU-health series exist once fed (issue 38)
+        m.straggler.set_gpu_health("GPU-0", "ok")
         surface: dict[str, dict[str, object]] = {}
         for fam in m.registry.collect():
             labels = sorted({k for s in fam.samples for k in s.labels} - {"le"})
@@ -59,7 +61,8 @@ def test_snapshot_is_sane_and_documented() -> None:
     for name, fam in snap.items():
         assert name.startswith("trainguard_")
         assert {"node", "job_id"} <= set(fam["labels"]), name
-        assert set(fam["labels"]) <= {"node", "job_id", "gpu", "kind", "reason", "source", "state", "capacity", "currency", "tier", "phase"}, name
+        assert set(fam["labels"]) <= {"node", "job_id", "gpu", "kind", "reason", "source", "state", "capacity", "currency", "tier",
+                                       "phase", "member", "cause"}, name
         if fam["type"] == "counter":
             assert fam["samples"] == [name + "_total"], name
         for sample in fam["samples"]:
