@@ -29,10 +29,9 @@ from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.straggler")
 
-CAUSE_STRAGGLER = "straggler"
-CAUSE_HEALTH = "gpu_health"
-EVICTION_CAUSES = (CAUSE_STRAGGLER, CAUSE_HEALTH)
-"""``cause`` label of ``trainguard_node_evictions_total``."""
+CAUSE_STRAGGLER = proto.EvictionCause.STRAGGLER.value
+CAUSE_HEALTH = proto.EvictionCause.GPU_HEALTH.value
+"""``reason`` labels of ``trainguard_evictions_total`` (and the ``cause`` of the eviction records)."""
 READMISSION_CAUSES = ("selftest_passed",)
 """``cause`` label of ``trainguard_node_readmissions_total``."""
 

@@ -178,6 +178,10 @@ class EvictionCause(str, Enum):
     """A collective failed (connection reset) and the node's agent missed a heartbeat: removed at once."""
     QUARANTINE = "quarantine"
     """Its rank hung twice within ``hang.quarantine_s``: the node left the job."""
+    STRAGGLER = "straggler"
+    """A sustained straggler the job is faster without: drained (counted by the deciding node)."""
+    GPU_HEALTH = "gpu_health"
+    """A fatal GPU condition (NVML): the node drained itself (counted by the sick node)."""
 
 
 class NoticeSource(str, Enum):

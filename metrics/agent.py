@@ -229,7 +229,7 @@ class AgentMetrics:
         self._m_quarantined = Gauge(P + "quarantined_nodes", "1 while this node is quarantined (its rank hung twice "
                                     "within hang.quarantine_s; it left the job): sum by job.", registry=r)
         self._round_seen: int | None = None
-        self.straggler = StragglerMetrics(r)
+        self.straggler = StragglerMetrics(r, self.evicted)
         """Straggler scores, evictions and re-admissions, GPU health (:mod:`trainguard.metrics.straggler`)."""
 
     # -- the owner's API ------------------------------------------------------------------------

@@ -55,7 +55,8 @@ EVICTION_CAUSES: tuple[str, ...] = tuple(c.value for c in EvictionCause)
 """``reason`` label of evictions (:class:`~trainguard.contract.protocol.EvictionCause`): ``hang`` a hung
 rank's workers ended by its agent; ``frozen`` a frozen node removed by its peers; ``lost`` a node whose
 connections reset and whose agent missed a heartbeat, removed at once; ``quarantine`` a node that hung
-twice within ``hang.quarantine_s`` and left."""
+twice within ``hang.quarantine_s`` and left; ``straggler`` a straggler drained (counted by the deciding node);
+``gpu_health`` a node drained for a fatal GPU condition (counted by that node)."""
 
 HANG_DETECT_BUCKETS_S: tuple[float, ...] = (1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 

@@ -6,8 +6,8 @@
   members have a series.
 * ``trainguard_straggler_seconds_total``: time this node spent in a world with a sustained straggler
   (kept or being evicted). Every node counts it: take ``max by (job_id)``.
-* ``trainguard_node_evictions_total{cause}``: evictions this agent made or took: ``straggler`` (counted
-  by the deciding node) or ``gpu_health`` (counted by the sick node).
+* evictions are counted in the agent's one ``trainguard_evictions_total{reason}`` (``straggler``: by the
+  deciding node; ``gpu_health``: by the sick node), beside the hang and loss evictions.
 * ``trainguard_node_readmissions_total{cause}``: this node entered a world again after an eviction
   (``selftest_passed``).
 * ``trainguard_gpu_health_state{gpu,state}``: 1 for each GPU's current health (``ok``, ``degraded``,
@@ -17,14 +17,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from trainguard.metrics import names
 
 P = names.PREFIX
-EVICTION_CAUSES: tuple[str, ...] = ("straggler", "gpu_health")
 READMISSION_CAUSES: tuple[str, ...] = ("selftest_passed",)
 GPU_HEALTH_STATES: tuple[str, ...] = ("ok", "degraded", "fatal")
 """The values of ``trainguard.agent.health.GpuHealth`` (a test keeps them equal)."""
@@ -35,20 +34,18 @@ MAX_MEMBERS = 256
 class StragglerMetrics:
     """Thread-safe (prometheus_client's own locks; the score set is replaced under one lock)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry,
+                 count_eviction: Callable[[str, int], None] | None = None) -> None:
         r = registry
+        self._count_eviction = count_eviction
         self._score = Gauge(P + "straggler_score", "Each member node's pace score: its local compute time per step "
                             "over the other nodes' median (1 is the rest's pace).", ["member"], registry=r)
         self._time = Counter(P + "straggler_seconds", "Time spent in a world with a sustained straggler (kept or "
                              "being evicted).", registry=r)
-        self._evictions = Counter(P + "node_evictions", "Nodes evicted, by cause (straggler: counted by the deciding "
-                                  "node; gpu_health: by the sick node).", ["cause"], registry=r)
         self._readmissions = Counter(P + "node_readmissions", "This node entered a world again after an eviction, "
                                      "by cause.", ["cause"], registry=r)
         self._health = Gauge(P + "gpu_health_state", "1 for each GPU's current health state, 0 for the others.",
                              ["gpu", "state"], registry=r)
-        for c in EVICTION_CAUSES:
-            self._evictions.labels(cause=c)
         for c in READMISSION_CAUSES:
             self._readmissions.labels(cause=c)
         self._lock = threading.Lock()
@@ -64,7 +61,9 @@ class StragglerMetrics:
             self._time.inc(seconds)
 
     def evicted(self, cause: str) -> None:
-        self._evictions.labels(cause=cause if cause in EVICTION_CAUSES else "other").inc()
+        """Counted in ``trainguard_evictions_total{reason}`` (:meth:`AgentMetrics.evicted`)."""
+        if self._count_eviction is not None:
+            self._count_eviction(cause, 1)
 
     def readmitted(self, cause: str) -> None:
         self._readmissions.labels(cause=cause if cause in READMISSION_CAUSES else "other").inc()
