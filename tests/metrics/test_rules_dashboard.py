@@ -128,6 +128,8 @@ def test_real_prometheus_gets_data_for_every_dashboard_and_alert_expression(
         m.set_state("rendezvous")
         m.set_world(2, 1, 1)
         m.set_checkpoint_interval(30.0)
+        m.straggler.set_scores({"node-a": 1.0, "node-b": 1.6})  # what the straggler monitor and NVML would set
+        m.straggler.set_gpu_health("GPU-0", "ok")
         prom = prometheus_factory([f"127.0.0.1:{ex.port}"], rule_files=[RULES])
         env = m.worker_env()
         prom.wait_for('up{job="trainguard"} == 1')  # watched from before the first step, as in production
