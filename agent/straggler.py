@@ -29,7 +29,8 @@ node's agent reads and carries out as a planned drain (:meth:`Supervisor.request
 **Re-admit** (:func:`decide_admission`, pure): an evicted node's agent exits like any drained one (exit 3).
 When it starts again (systemd ``systemctl restart``, or the bench), it waits as a spare before it enters
 the rendezvous: out for ``straggler.cooldown_s`` after its eviction, then a self-test
-(:func:`selftest`, a timed fixed-size matrix-multiply micro-benchmark on the node's device) that must be
+(``stragglermon.selftest_in_child``: a timed fixed-size matrix-multiply micro-benchmark on each of the
+node's GPUs, the slowest counting, or its CPU without GPUs; in a child process) that must be
 within ``straggler.readmit_ratio`` of the fastest of the other nodes' self-test times; failed, it waits another cool-down and
 tries again. A node evicted ``straggler.quarantine_after`` times within ``straggler.quarantine_window_s``
 is quarantined: the agent refuses to start (``straggler_quarantined``, an error line naming it).

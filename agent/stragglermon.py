@@ -202,20 +202,63 @@ def selftest(reps: int, device: str = "cpu", clock: Callable[[], float] = time.p
     return statistics.median(run(reps) for _ in range(runs))
 
 
+def selftest_devices(cuda_count: int) -> list[str]:
+    """Pure: the devices a node's self-test times: every GPU it sees (the slowest sets the node's time: a
+    throttled GPU is what makes a straggler), else the CPU."""
+    return [f"cuda:{i}" for i in range(max(0, cuda_count))] or ["cpu"]
+
+
+def selftest_node(reps: int, runs: int = 5) -> tuple[float, str]:
+    """:func:`selftest` on each of :func:`selftest_devices`: the slowest time and its device."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    times = {d: selftest(reps, d, runs=runs) for d in selftest_devices(count)}
+    slowest = max(times, key=lambda d: times[d])
+    return times[slowest], slowest
+
+
+SELFTEST_TIMEOUT_S = 300.0
+
+
+def selftest_in_child(reps: int, timeout_s: float = SELFTEST_TIMEOUT_S) -> float:
+    """:func:`selftest_node` in a child process, so that the CUDA contexts it makes on a GPU node go with
+    it (the agent holds no GPU memory; its workers start after). Falls back to the CPU in this process
+    when the child fails (logged)."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from trainguard.agent.stragglermon import selftest_node; "
+            "s, d = selftest_node(int(sys.argv[1])); print(json.dumps({'seconds': s, 'device': d}))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(reps)], capture_output=True, text=True,
+                             timeout=timeout_s, check=True)
+        rec = json.loads(out.stdout.strip().splitlines()[-1])
+        log.info("straggler_selftest_device", device=rec["device"], seconds=round(float(rec["seconds"]), 4))
+        return float(rec["seconds"])
+    except Exception as e:  # noqa: BLE001 - a self-test still runs, on this process's CPU
+        log.warning("straggler_selftest_child_failed", error=f"{type(e).__name__}: {e}"[:300],
+                    effect="the self-test runs on the agent's CPU")
+        return selftest(reps)
+
+
 def wait_as_spare(store: Any, cfg: StragglerConfig, *, job_id: str, node: str, stop: Callable[[], bool],
-                  device: str = "cpu", observer: Any = None, wall: Callable[[], float] = time.time,
+                  device: str = "auto", observer: Any = None, wall: Callable[[], float] = time.time,
                   sleep: Callable[[float], None] = time.sleep,
                   test: Callable[[], float] | None = None) -> AdmissionAct:
     """Before this node enters a world: wait out a straggler eviction's cool-down, pass the self-test,
     or be quarantined. Returns ``ADMIT`` or ``QUARANTINE`` (or ``WAIT`` when ``stop()`` became true).
-    Publishes this node's self-test time for the others' admissions. A store that cannot be read admits."""
+    Publishes this node's self-test time for the others' admissions. A store that cannot be read admits.
+    ``device`` ``auto``: :func:`selftest_in_child` (every GPU of the node, else the CPU); a device name:
+    :func:`selftest` on it in this process."""
     keys = _keys(job_id)
     try:
         mine = [e.unix_s for e in read_evictions(store, job_id) if e.node == node and e.cause == CAUSE_STRAGGLER]
     except Exception as e:  # noqa: BLE001 - admission is a hint, never a reason not to start
         log.info("straggler_unavailable", reason=f"{type(e).__name__}: {e}"[:300], effect="admitted without a check")
         return AdmissionAct.ADMIT
-    run = test if test is not None else (lambda: selftest(cfg.selftest_reps, device))
+    run = test if test is not None else ((lambda: selftest(cfg.selftest_reps, device)) if device != "auto"
+                                         else (lambda: selftest_in_child(cfg.selftest_reps)))
     tested: float | None = None
     failed_at: float | None = None
     said = None

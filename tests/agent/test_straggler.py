@@ -287,3 +287,29 @@ def test_selftest_runs_the_fixed_workload_and_reports_the_median_run():
     ticks = iter(range(100))
     # runs read the clock at (0,1), (4,9), (16,25) with squares: durations 1, 5, 9 -> the median
     assert selftest(3, clock=lambda: float(next(ticks)) ** 2, runs=3) == 5.0
+
+
+@pytest.mark.parametrize(("cuda_count", "want"), [(0, ["cpu"]), (1, ["cuda:0"]), (4, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"])])
+def test_the_self_test_times_every_gpu_of_the_node_else_its_cpu(cuda_count, want):
+    from trainguard.agent.stragglermon import selftest_devices
+
+    assert selftest_devices(cuda_count) == want
+
+
+def test_the_self_test_runs_in_a_child_process_and_times_the_cpu_here(monkeypatch):
+    """No CUDA context stays in the agent: the self-test runs in a child, which reports its device and
+    time (here, without a GPU: the CPU); a child that fails falls back to the agent's CPU."""
+    import subprocess
+
+    from trainguard.agent import stragglermon
+
+    seconds = stragglermon.selftest_in_child(5)
+    assert 0 < seconds < 60
+    calls = []
+    monkeypatch.setattr(stragglermon, "selftest", lambda reps, device="cpu", **k: calls.append((reps, device)) or 0.5)
+
+    def broken(*a, **k):
+        raise subprocess.CalledProcessError(1, a[0], output="", stderr="boom")
+
+    monkeypatch.setattr(subprocess, "run", broken)
+    assert stragglermon.selftest_in_child(7) == 0.5 and calls == [(7, "cpu")]
