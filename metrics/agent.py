@@ -43,6 +43,7 @@ from trainguard.metrics.config import CostConfig, MetricsConfig
 from trainguard.metrics.cost import cost_snapshot, resolve_price
 from trainguard.metrics.goodput import GoodputLedger, GoodputSnapshot
 from trainguard.metrics.gpu import GpuSampler
+from trainguard.metrics.hangs import HangMetrics
 from trainguard.metrics.straggler import StragglerMetrics
 
 log = get_logger("trainguard.metrics.agent")
@@ -119,7 +120,7 @@ class _Bounded:
             return v
 
 
-class AgentMetrics:
+class AgentMetrics(HangMetrics):
     """The node's metrics. See the module docstring.
 
     ``node``: the node's name (``node`` label on every series); ``job_id``: the training job's id
@@ -215,19 +216,7 @@ class AgentMetrics:
         self._m_store_in_agent = Gauge(P + "rendezvous_store_in_agent",
                                        "1 when this agent hosts the c10d store of a job that may span several nodes "
                                        "(the store, and the job, die with this node; pytorch#67742).", registry=r)
-        self._m_hangs = Counter(P + "hangs_detected", "Hangs this node detected (no rank of the job progressed for the "
-                                "hang threshold), by the culprit's phase; every node that sees one counts it: max by job.",
-                                ["phase"], registry=r)
-        for ph in names.HANG_PHASES:
-            self._m_hangs.labels(phase=ph)
-        self._m_hang_detect = Histogram(P + "hang_detection_seconds", "Time from the job's last progress to the hang "
-                                        "being detected.", buckets=names.HANG_DETECT_BUCKETS_S, registry=r)
-        self._m_evictions = Counter(P + "evictions", "Workers ended or nodes removed on evidence, by cause.", ["reason"],
-                                    registry=r)
-        for c in names.EVICTION_CAUSES:
-            self._m_evictions.labels(reason=c)
-        self._m_quarantined = Gauge(P + "quarantined_nodes", "1 while this node is quarantined (its rank hung twice "
-                                    "within hang.quarantine_s; it left the job): sum by job.", registry=r)
+        self._init_hang_metrics(r)
         self._round_seen: int | None = None
         self.straggler = StragglerMetrics(r, self.evicted)
         """Straggler scores, evictions and re-admissions, GPU health (:mod:`trainguard.metrics.straggler`)."""
@@ -269,21 +258,6 @@ class AgentMetrics:
         self._m_restarts.labels(reason=self._restart_reasons(reason)).inc()
         with self._lock:
             self.ledger.set_cause("restart")
-
-    def hang_detected(self, phase: str, seconds: float) -> None:
-        """A hang was detected, the culprit in ``phase``, ``seconds`` after the job's last progress."""
-        if phase in names.HANG_PHASES:
-            self._m_hangs.labels(phase=phase).inc()
-        if math.isfinite(seconds) and seconds >= 0:
-            self._m_hang_detect.observe(seconds)
-
-    def evicted(self, cause: str, count: int = 1) -> None:
-        """``count`` nodes (or a node's workers) evicted for ``cause`` (see names.EVICTION_CAUSES)."""
-        if cause in names.EVICTION_CAUSES and count > 0:
-            self._m_evictions.labels(reason=cause).inc(count)
-
-    def set_quarantined(self, quarantined: bool) -> None:
-        self._m_quarantined.set(1 if quarantined else 0)
 
     def notice(self, source: str) -> None:
         """A preemption notice arrived from ``source`` (``aws``, ``gcp``, ``azure``, ``signal``,
