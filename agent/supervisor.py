@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
+
 import sys
 import threading
 import time
@@ -64,28 +64,22 @@ from trainguard.agent.census import record as census_record
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
 from trainguard.agent.control import ControlServer
-from trainguard.agent.decisions import Act, Asked, Decision, Observation, decide, park_reason
+from trainguard.agent.decisions import Act, Asked, Decision, Observation, park_reason
 from trainguard.agent.elastic import ElasticAdapter, Plan, Poll, RendezvousAborted, RendezvousClosedError, World
 from trainguard.agent.exitcodes import ExitCode, exit_code
-from trainguard.agent.hang import HangAct, HangAction, HangVerdict
 from trainguard.agent.hangwatch import HangWatch
 from trainguard.agent.memtier import NodeSnapshots
 from trainguard.agent.states import StateMachine
-from trainguard.agent.straggler import AdmissionAct
-from trainguard.agent.stragglermon import StragglerMonitor, wait_as_spare
+from trainguard.agent.stragglermon import StragglerMonitor
+from trainguard.agent.supervisor_control import ControlOps
+from trainguard.agent.supervisor_hangs import HangActions
+from trainguard.agent.supervisor_join import WORKER_API_KEY, Joining
+from trainguard.agent.supervisor_signals import DRAIN_KEY, LEAVING_KEY, RoundSignals
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger, rendered_format
 from trainguard.contract.protocol import AgentState, WorkerStatus
 
 log = get_logger("trainguard.agent.supervisor")
-DRAIN_KEY = "trainguard/draining"
-"""Rendezvous-store key (under the round's prefix) a draining node increments, so its peers know why
-its workers went away."""
-LEAVING_KEY = "trainguard/leaving/"
-"""+ node id: a draining node's record (round store), so a planned re-formation does not wait for it."""
-WORKER_API_KEY = "trainguard/worker_api"
-"""Set in the round store once the round's workers use the worker API: a joining node then warms its
-workers up before it enters the rendezvous."""
 MEMBER_LOST_GRACE_S = 3.0
 """How long workers may run on after a member of their world is gone before the world restarts (API
 workers usually notice first, in their next collective, and park)."""
@@ -117,7 +111,7 @@ def worker_command(cfg: TrainguardConfig) -> tuple[str, tuple[str, ...]]:
     return sys.executable, (*shim, "--", *program, *w.args)
 
 
-class Supervisor:
+class Supervisor(ControlOps, RoundSignals, HangActions, Joining):
     """Owns one node's supervision: config, control socket, state machine, the elastic agent thread."""
 
     def __init__(self, cfg: TrainguardConfig, *, listeners: list[Any] | None = None, handler: Any = None,
@@ -254,74 +248,6 @@ class Supervisor:
     def drain(self) -> DrainRequest | None:
         return self._drain
 
-    def _on_control(self, msg: proto.Message) -> proto.Reply | None:
-        if isinstance(msg, proto.DrainRequest):
-            already = self._drain is not None
-            if self.on_manual_drain is not None:
-                self.on_manual_drain(msg.deadline_s, msg.reason)
-            else:
-                deadline_s = msg.deadline_s or self.cfg.preemption.default_deadline_s
-                self.request_drain("manual", "drain", time.time() + deadline_s, msg.reason)
-            return proto.Reply(ok=True, data={"already_draining": already})
-        if isinstance(msg, proto.StatusRequest):
-            return proto.Reply(ok=True, data=self.status())
-        if isinstance(msg, proto.Committed):
-            if not msg.saved and msg.rank == 0:
-                log.warning("checkpoint_not_saved", **exitcodes.not_saved_fields(msg, checkpoint_url=self.cfg.checkpoint.url))
-            if not msg.saved and msg.error and msg.kind is proto.CheckpointKind.EMERGENCY:
-                self._emergency_error = self._emergency_error or msg.error
-            log.info("checkpoint_committed_by_worker", step=msg.step, kind=msg.kind.value, rank=msg.rank, saved=msg.saved,
-                     bytes=msg.nbytes)
-            if msg.kind is proto.CheckpointKind.EMERGENCY and msg.saved:
-                self._emergency_step = msg.step
-            if msg.kind is proto.CheckpointKind.EMERGENCY and self._drain is not None:
-                self._emergency_committed = True
-                self._wake.set()
-            if msg.kind is proto.CheckpointKind.EMERGENCY and msg.saved and self.on_emergency_commit is not None:
-                self.on_emergency_commit()
-            return None
-        if isinstance(msg, proto.Parked):
-            with self._lock:
-                self._parked[msg.local_rank] = msg
-            log.info("worker_parked", local_rank=msg.local_rank, rank=msg.rank, step=msg.step, reason=msg.reason.value)
-            self._wake.set()
-            return None
-        if isinstance(msg, proto.Joined):
-            with self._lock:
-                self._joining.discard(msg.local_rank)
-            return None
-        if isinstance(msg, proto.Restored):
-            if msg.rank == self._world.get("first_rank"):  # one report per node
-                self._observe("restored", msg.step)
-            return None
-        if isinstance(msg, proto.Progress):
-            if self.hangs is not None:
-                self.hangs.on_progress(msg)
-            return None
-        if isinstance(msg, proto.Hello):
-            return None
-        if isinstance(msg, proto.Pace):
-            if self.straggler is not None:
-                self.straggler.observe(msg)
-            return None
-        return proto.Reply(ok=False, error=f"op {msg.OP!r} is not a request to the agent")
-
-    def status(self) -> dict[str, Any]:
-        d = self._drain
-        return {
-            "state": self.sm.state.value,
-            "node": self.cfg.agent.node_name,
-            "job_id": self.cfg.agent.job_id,
-            **{k: v for k, v in self._world.items() if k != "first_rank"},
-            "remaining_restarts": self.adapter.remaining_restarts if hasattr(self, "adapter") else None,
-            "draining": d is not None,
-            "drain_deadline": d.deadline if d else None,
-            "waiting_for": self._waiting_for,
-            "pid": os.getpid(),
-            "emergency_step": self._emergency_step,
-            "emergency_error": self._emergency_error or None,
-        }
-
     def _observe(self, method: str, *args: Any) -> None:
         if self.observer is None:
             return
@@ -358,67 +284,6 @@ class Supervisor:
         return env
 
     # ---- rendezvous-store records -------------------------------------------------------------
-    def _publish_drain(self) -> None:
-        store = self.adapter.store
-        if self._drain_published == self.adapter.round:
-            return
-        try:
-            if store is not None:
-                store.set(LEAVING_KEY + self.adapter.node_id, "1")
-                store.add(DRAIN_KEY, 1)
-                self._drain_published = self.adapter.round
-        except Exception as e:  # the store may be gone with its host; the drain goes on regardless
-            log.warning("drain_publish_failed", error=str(e))
-
-    def _leaving_members(self, members: tuple[str, ...]) -> frozenset[str]:
-        store = self.adapter.store
-        out = set()
-        for m in members:
-            try:
-                if store is not None and store.check([LEAVING_KEY + m]):
-                    out.add(m)
-                self._store_ok()
-            except Exception as e:
-                self._store_failed("leaving_members", e)
-        return frozenset(out)
-
-    def _mark_worker_api(self) -> None:
-        """Tell nodes that will join this world that its workers use the worker API (they warm up)."""
-        world = self._current
-        if world is None or self._marked_api_round == world.round or not self.control.api_workers():
-            return
-        try:
-            self.adapter.store.set(WORKER_API_KEY, "1")
-            self._marked_api_round = world.round
-            self._store_ok()
-        except Exception as e:
-            self._store_failed("mark_worker_api", e)
-
-    def _store_failed(self, op: str, e: BaseException) -> None:
-        """A rendezvous-store call failed: one warning per outage, not one per poll (the loop polls
-        every ``workers.monitor_interval_s``); :meth:`_store_ok` logs the end of it."""
-        self._store_failures += 1
-        if self._store_down_since is None:
-            self._store_down_since = time.monotonic()
-            log.warning("rendezvous_store_unreachable", op=op, error=f"{type(e).__name__}: {e}"[:300],
-                        effect="the workers train on; scale-up and member checks wait for the store (the agent "
-                               "reconnects once it answers again); the next membership change fails over to a "
-                               "restart if the store is still unreachable")
-        now = time.monotonic()
-        if now >= self._reconnect_at:  # a restarted store: a TCPStore client never reconnects by itself
-            self._reconnect_at = now + self.cfg.rendezvous.keep_alive_interval_s
-            try:
-                if self.adapter.reconnect_store():
-                    self._store_ok()
-            except Exception as err:  # noqa: BLE001 - retried at the next failed call
-                log.warning("rendezvous_store_reconnect_failed", error=f"{type(err).__name__}: {err}"[:300])
-
-    def _store_ok(self) -> None:
-        if self._store_down_since is not None:
-            log.info("rendezvous_store_reachable", down_s=round(time.monotonic() - self._store_down_since, 3),
-                     failed_calls=self._store_failures)
-            self._store_down_since, self._store_failures = None, 0
-
     def _member_lost(self, healthy: bool) -> bool:
         """A member of the current world is gone (checked every keep-alive interval) for longer than
         :data:`MEMBER_LOST_GRACE_S` while our workers run on (not while they are between worlds)."""
@@ -449,13 +314,6 @@ class Supervisor:
         # throw their state away. Bounded by the save's own storage deadline.
         return not (self._joining and now - self._joining_since < self.cfg.checkpoint.retry_deadline_s)
 
-    def _peer_draining(self) -> bool:
-        store = self.adapter.store
-        try:
-            return store is not None and store.check([DRAIN_KEY])
-        except Exception:
-            return False
-
     def _on_world(self, world: World) -> None:
         self._current = world
         self._member_lost_since = None
@@ -475,70 +333,6 @@ class Supervisor:
                 self.hangs.start_world(self.adapter.side_store(world.round), self.adapter.node_id, world.members)
             except Exception as e:  # noqa: BLE001 - a static handler, a fake adapter: no hang detection
                 log.info("hang_watch_unavailable", error=f"{type(e).__name__}: {e}"[:200])
-
-    # ---- hangs (see agent/hang.py) --------------------------------------------------------------
-    def _watch_hangs(self, obs: Observation) -> tuple[bool, RunResult | None]:
-        """Ask the hang watch; act on a verdict this node must act on. (handled, the loop's result)."""
-        if (self.hangs is None or obs.workers is not WorkerStatus.HEALTHY or self._drain is not None
-                or obs.parked or self._asked is not Asked.NOTHING):
-            return False, None
-        verdict, action = self.hangs.check()
-        if action is None:
-            return False, None
-        return True, self._on_hang(verdict, action, obs)
-
-    def _on_hang(self, v: HangVerdict, a: HangAction, obs: Observation) -> RunResult | None:
-        c = v.culprit
-        local = c is not None and c.node == self.adapter.node_id
-        log.error("hang_detected", rank=c.rank if c else None, node=self.hangs.name_of(c.node) if c else None,  # type: ignore[union-attr]
-                  node_id=c.node if c else None, step=c.step if c else None, phase=c.phase.value if c else None,
-                  where=c.where if c else None, culprit_by=v.why, node_frozen=v.node_frozen,
-                  stalled_s=round(v.stalled_s, 3), threshold_s=round(v.threshold_s, 3), action=a.act.value)
-        self._observe("hang_detected", c.phase.value if c else "step", v.stalled_s)
-        if a.act is HangAct.WATCH:
-            return None
-        if a.act is HangAct.ABORT:  # the culprit's node is frozen: nobody there ends its workers
-            n = self.control.broadcast(proto.Abort(f"rank {c.rank} on a frozen node made no progress for "  # type: ignore[union-attr]
-                                                   f"{v.stalled_s:.1f} s"))
-            log.warning("collectives_abort_requested", workers=n, evict=sorted(a.evict),
-                        effect="our workers park (peer lost); the re-formation evicts the frozen node")
-            self._observe("evicted", proto.EvictionCause.FROZEN.value, len(a.evict - self._frozen_evicts))
-            self._frozen_evicts |= a.evict
-            return None
-        self._end_hung_workers(c.rank if local and c is not None else None)
-        if a.act is HangAct.QUARANTINE:
-            self._observe("evicted", proto.EvictionCause.QUARANTINE.value)
-            self._observe("set_quarantined", True)
-            log.error("node_quarantined", node=self.cfg.agent.node_name, hangs=len(self.hangs.hangs),  # type: ignore[union-attr]
-                      window_s=self.cfg.hang.quarantine_s,
-                      effect="this node leaves the job and stays out (exit 3, drained); its peers re-form without it",
-                      fix="check the node (GPU, driver, disk, network) before starting its agent again")
-            return self._leave("quarantined")
-        self._observe("evicted", proto.EvictionCause.HANG.value)
-        if obs.remaining_restarts <= 0:  # as for any other failure with no restart left
-            return self.execute(Decision(Act.FAIL, "max_restarts_exhausted"), obs, self.adapter.poll())
-        return self._restart(Decision(Act.RESTART, "worker_hang", consume_restart=True), obs)
-
-    def _end_hung_workers(self, rank: int | None) -> None:
-        """Dump the hung rank's stacks (faulthandler, when it can still run), then SIGKILL it: a
-        SIGSTOPped process never runs a SIGTERM handler, and its peers fail their collectives at once
-        (connection reset) and re-form in place. The node's other workers follow in the restart."""
-        pids = self.adapter.worker_pids()
-        local_rank = self.hangs.local_rank_of(rank) if rank is not None and self.hangs is not None else None
-        targets = [pids[local_rank]] if local_rank in pids else list(pids.values())
-        for pid in targets:
-            try:
-                os.kill(pid, proto.STACK_DUMP_SIGNAL)
-            except OSError:
-                pass
-        time.sleep(0.2)  # the dump is written by the process itself (not at all when it is stopped)
-        for pid in targets:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        log.warning("hung_workers_ended", pids=targets, rank=rank,
-                    stacks="dumped to the worker's stderr (faulthandler), unless the process was stopped")
 
     def _share_interval(self) -> None:
         """Every keep-alive interval: the job's effective checkpoint interval on every node, and the
@@ -774,121 +568,6 @@ class Supervisor:
         except RendezvousClosedError:
             return self._not_needed()
 
-    def _not_needed(self) -> RunResult:
-        """The rendezvous is closed: the job completed on its other nodes while this one was joining
-        (a spare, a node back from a preemption). Nothing failed: exit 0, or systemd restarts a node
-        into a job that is over, again and again."""
-        with torchlogs.expected_stop():
-            self.adapter.stop_workers()  # a joiner's standby workers, if any
-        self._workers_gone()
-        self._outcome = AgentState.SUCCEEDED
-        log.info("job_already_complete", node=self.cfg.agent.node_name, state=self.sm.state.value,
-                 effect="this node is not needed: the rendezvous is closed (the job completed on its other nodes); "
-                        "exit 0")
-        self.sm.to(AgentState.SUCCEEDED, reason="not_needed")
-        try:
-            ranks = self.adapter.world().global_ranks
-        except Exception:  # noqa: BLE001 - no world ever formed here
-            ranks = ()
-        return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in ranks})
-
-    def _run_loop(self) -> RunResult:
-        self.sm.to(AgentState.RENDEZVOUS)
-        if self._drain is not None:
-            return self._leave("drained_before_start")
-        if self.cfg.straggler.enabled and self.cfg.straggler.action == "evict":  # an evicted node waits as a spare
-            self._waiting_for = "straggler re-admission (cool-down and self-test)"
-            admitted = wait_as_spare(self.adapter.endpoint_store(), self.cfg.straggler, job_id=self.cfg.agent.job_id,
-                                     node=self.cfg.agent.node_name, stop=lambda: self._drain is not None,
-                                     observer=self.observer)
-            self._waiting_for = None
-            if admitted is not AdmissionAct.ADMIT:
-                self._outcome = AgentState.STOPPED
-                self.sm.to(AgentState.STOPPED, reason="straggler_quarantined" if admitted is AdmissionAct.QUARANTINE else "drained")
-                return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.adapter.world().global_ranks})
-        try:
-            world = self._join_running_world() if self._should_warm_up() else self.adapter.start()
-        except RendezvousAborted:
-            return self._leave("drained_during_rendezvous")
-        self._on_world(world)
-        self.sm.to(AgentState.DRAINING if self._drain else AgentState.RUNNING)
-        interval = self.cfg.workers.monitor_interval_s
-        while True:
-            self._wake.wait(interval)
-            self._wake.clear()
-            self._share_interval()
-            if self.straggler is not None and self._current is not None and self._drain is None:
-                w = self._current
-                self.straggler.tick(self.adapter.endpoint_store(), round_=w.round, nodes=w.nodes, decides=0 in w.global_ranks)
-            obs, poll = self.observe()
-            handled, result = self._watch_hangs(obs)
-            if handled:
-                if result is not None:
-                    return result
-                continue
-            d = decide(obs)
-            if d.act is Act.WAIT:
-                continue
-            result = self.execute(d, obs, poll)
-            if result is not None:
-                return result
-
-    def _should_warm_up(self) -> bool:
-        """Whether this node joins a world of worker-API workers that runs, or re-forms (so that its
-        workers warm up first). A round still forming (the running world lost a member and its
-        survivors wait out the lost node's keep-alive) replaces a world whose workers used the worker
-        API when the round before it says so: a node that joined that round cold would make the
-        survivors wait for its workers' start, imports and model build (2 s in the spot-trace replay);
-        warm, it joins the round if it is still open, else the world it formed, as a planned join."""
-        if not self.reform_enabled or not hasattr(self.adapter, "peek"):
-            return False
-        try:
-            peek = self.adapter.peek()
-            if peek.this_node_participates:
-                return False
-            if peek.complete:
-                return bool(peek.participants) and self.adapter.round_store(peek.round).check([WORKER_API_KEY])
-            return peek.round > 0 and self.adapter.round_store(peek.round - 1).check([WORKER_API_KEY])
-        except Exception as e:  # a static handler, an unreachable store: start the usual way
-            log.info("warm_up_skipped", error=f"{type(e).__name__}: {e}"[:200])
-            return False
-
-    def _join_running_world(self) -> World:
-        """Start the workers in standby, wait until they are warm, then join (the running world
-        pauses for this node only now)."""
-        t0 = time.monotonic()
-        self._standby_start = True
-        self.adapter.start_standby()
-        deadline = t0 + self.cfg.workers.reform_timeout_s
-        n = self.cfg.workers.nproc_per_node
-        while time.monotonic() < deadline and self._drain is None:
-            with self._lock:
-                ready = sum(p.reason is proto.ParkReason.STANDBY for p in self._parked.values())
-            if ready >= n or self.adapter.poll().status is not WorkerStatus.HEALTHY:
-                break
-            self._wake.wait(0.05)
-            self._wake.clear()
-        warm_s = time.monotonic() - t0
-        if self._drain is not None:
-            raise RendezvousAborted("a drain arrived while the workers warmed up")
-        if self.adapter.poll().status is not WorkerStatus.HEALTHY or ready < n:
-            log.warning("warm_up_failed", ready=ready, nproc=n, seconds=round(warm_s, 3),
-                        effect="starting the workers the usual way")
-            self.adapter.stop_workers()
-            self._standby_start = False
-            with self._lock:
-                self._parked.clear()
-            return self.adapter.start()
-        log.info("joiner_warm", seconds=round(warm_s, 3), workers=n)
-        world = self.adapter.reform(None)
-        with self._lock:
-            self._parked.clear()
-        self._standby_start = False
-        self._send_worlds(world)
-        log.info("joined_running_world", warm_s=round(warm_s, 3), seconds=round(time.monotonic() - t0, 3),
-                 **world.log_fields())
-        return world
-
     def _leave(self, reason: str) -> RunResult:
         if self.sm.state != AgentState.DRAINING:
             self.sm.to(AgentState.DRAINING, reason=reason)
@@ -976,3 +655,6 @@ class Supervisor:
             "agent_exit", outcome=outcome.value, exit_code=int(code), meaning=code.label,
             uptime_s=round(time.monotonic() - self._run_started, 1), **fields)
         return int(code)
+
+
+__all__ = ["DRAIN_KEY", "LEAVING_KEY", "MEMBER_LOST_GRACE_S", "WORKER_API_KEY", "DrainRequest", "Supervisor", "worker_command"]

@@ -81,7 +81,8 @@ from trainguard.runtime.agreement import StepAgreement
 from trainguard.runtime.boundary import BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.faults import FaultHooks
-from trainguard.runtime.progress import ProgressReporter, install_stack_dump
+from trainguard.runtime.finishing import Finishing
+from trainguard.runtime.liveness import _PHASE_OF_STATE, Liveness
 from trainguard.runtime.pace import PaceMeter
 from trainguard.runtime.reformation import PARITY_ABANDON_S, Reformation
 from trainguard.runtime.session import AgentSession
@@ -95,16 +96,13 @@ log = get_logger("trainguard.worker")
 _GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
 
 
-_PHASE_OF_STATE = {WorkerState.PARKED: proto.Phase.PARKED, WorkerState.RESUMING: proto.Phase.RESTORE,
-                   WorkerState.STANDBY: proto.Phase.PARKED}
-"""The progress phase of a worker state (any other: ``step``)."""
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
-class Runtime:
+class Runtime(Liveness, Finishing):
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
 
     def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, checkpoint: CheckpointConfig,
@@ -177,53 +175,6 @@ class Runtime:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
     # ---- construction -------------------------------------------------------------------------
-    def _start_progress(self, interval_s: float) -> ProgressReporter | None:
-        """Beat :class:`~trainguard.contract.protocol.Progress` to the agent (hang detection) and answer
-        its :class:`~trainguard.contract.protocol.Abort` (see :mod:`~trainguard.runtime.progress`)."""
-        link = self._session.link
-        if link is None or interval_s <= 0:
-            return None
-        link.on_abort = self._abort_collectives
-        install_stack_dump()
-        reporter = ProgressReporter(self._session.report, rank=lambda: self.rank, local_rank=self.local_rank,
-                                    step=lambda: self.step, interval_s=interval_s)
-        reporter.set_phase(_PHASE_OF_STATE.get(self.worker_state, proto.Phase.STEP))
-        reporter.start()
-        return reporter
-
-    def _abort_collectives(self, why: str) -> None:
-        """The agent's :class:`~trainguard.contract.protocol.Abort` (listener thread): a peer is hung or
-        frozen; the collective the training thread waits in fails now and it parks (``peer_lost``)."""
-        self._log.warning("collectives_aborted", step=self.step, why=why, done=rf.abort_collectives(self.device))
-
-    @contextlib.contextmanager
-    def _phase(self, phase: proto.Phase) -> Iterator[None]:
-        """``phase`` while the block runs, then the phase of the worker's state at its end (a block may
-        change the state: a restore that joins a world, a save during which a peer is lost)."""
-        if self._progress is None:
-            yield
-            return
-        self._progress.set_phase(phase)
-        try:
-            yield
-        finally:
-            self._progress.set_phase(_PHASE_OF_STATE.get(self.worker_state, proto.Phase.STEP))
-
-    def busy(self, why: str = "") -> contextlib.AbstractContextManager[None]:
-        """Mark the block as legitimately long work outside the training step, e.g. an evaluation or a
-        save that only rank 0 runs between two steps (its peers wait in the next collective meanwhile)::
-
-            if rt.rank == 0:
-                with rt.busy("evaluation"):
-                    evaluate(model)
-
-        Hang detection never counts a rank that is busy (and still beats) as hung. Without it, a rank
-        whose main thread keeps running Python is busy too; this says so also while it waits in C code
-        (a long device sync, a blocking read). ``why`` is for the logs."""
-        if why and self._progress is not None:
-            self._log.info("busy", step=self.step, why=why)
-        return self._phase(proto.Phase.BUSY)
-
     def _group_connections(self) -> contextlib.AbstractContextManager[None]:
         """With a strategy that makes groups of its own (:attr:`Strategy.makes_groups`), record the gloo
         connections of the groups made inside (its device-mesh sub-groups), so
@@ -709,58 +660,3 @@ class Runtime:
         if self._metrics is not None:
             self._metrics.flush()
         self._session.exit(code)
-
-    def finish(self, barrier: bool = True) -> None:
-        """End of training: save the last step as a ``final`` checkpoint (every rank saves the same
-        step; skipped when that step is already saved or was just restored), wait for it and any
-        in-flight save, then close the agent link and the process group. A failed final save raises
-        after logging ``checkpoint_failed`` (the agent restarts the workers from the last commit)."""
-        self._tiers.settle()
-        if self._tiers.replicator is not None:  # its transfer runs on a group destroyed below
-            self._tiers.replicator.settle()
-        if self._metrics is not None:
-            self._metrics.flush()
-        failed = self._agreement.complete()  # every rank issued it at its last boundary
-        if failed is not None:
-            self._log.warning("step_agreement_failed", step=self.step, error=str(failed)[:300],
-                              effect="ignored at the end of training; the final save says whether the world is whole")
-        if self._tiers.manager is not None and self.strategy is not None and self.step > 0 and self._tiers.saved_step != self.step:
-            kind = proto.CheckpointKind.FINAL
-            try:
-                seconds, result = self._tiers.save(kind.value)
-                committed = self._tiers.note_committed(self._tiers.manager.wait())
-            except Exception as e:
-                self._metrics.observe_checkpoint(kind.value, None, None, 0.0, 0, self.step, False)
-                self._log.error("checkpoint_failed", step=self.step, kind=kind.value, error=str(e)[:500])
-                raise
-            self._log.info("checkpoint_committed", step=committed, kind=kind.value, seconds=round(seconds, 3))
-            self._session.report(self._session.committed(self.step, self.rank, kind, seconds, result, committed))
-        if self._tiers.manager is not None:
-            self._tiers.manager.close()
-        if self._tiers.memory is not None:
-            self._tiers.memory.close()  # its commit thread; the slot files stay (the agent owns them)
-        if self._progress is not None:
-            self._progress.close()
-        self._session.close()
-        if self.strategy is not None:
-            self.strategy.teardown()
-        if dist.is_initialized():
-            if barrier:
-                dist.barrier(**dev.barrier_kwargs(self.device))
-            dist.destroy_process_group()
-        self._release_groups()
-
-    def _release_groups(self) -> None:
-        """Drop this runtime's references to its process groups once they are destroyed, so that each
-        gloo group is freed here, its worker threads joined, while the interpreter is whole. Kept
-        until interpreter exit (a runtime object that outlives ``finish``), those threads were torn
-        down during finalization: a rank once aborted there after a clean finish ("terminate called
-        without an active exception", exit -6), most likely a worker releasing a finished exchange
-        whose tensor came from Python."""
-        self._group, self._tiers.replicator = None, None  # the pending exchange went at the start of finish
-        self._agreement.drop()
-        self._trainer.bind_checkpoint_group(None)
-        if self._tiers.manager is not None:
-            self._tiers.manager.release_group()
-        if self._tiers.memory is not None:
-            self._tiers.memory.release_parity()  # its exchange group (closed above: no exchange is running)
