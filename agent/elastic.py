@@ -21,6 +21,9 @@ thread:
   their world exists so that they warm up), :meth:`~ElasticAdapter.peek` and
   :meth:`~ElasticAdapter.round_store` (what a node sees of a running world before it joins).
 
+Tee'd worker output is written in whole lines (:func:`install_whole_line_tail`, over torch's
+``tail_log.tail_logfile``): torch writes a half-written line at once, and its rest behind a second header.
+
 Two changes to how the dynamic rendezvous joins (see :func:`next_round`), installed on the handler:
 
 * **Interruptible.** A drain that arrives while the node waits in a rendezvous makes the join
@@ -52,6 +55,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import tail_log as _tail_log
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -64,6 +68,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _remove_participant_epilogue,
 )
 
+from trainguard.agent.linetail import tail_whole_lines
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import WorkerStatus
 
@@ -336,6 +341,13 @@ class _LockedStore:
             return self._store.get(key)
 
 
+def install_whole_line_tail() -> None:
+    """Tee'd worker output reaches the agent's in whole lines (:mod:`trainguard.agent.linetail`):
+    torch's ``TailLog`` calls its module's ``tail_logfile``, which this replaces. Idempotent."""
+    if _tail_log.tail_logfile is not tail_whole_lines:
+        _tail_log.tail_logfile = tail_whole_lines
+
+
 class ElasticAdapter:
     """The supervisor's handle on torch elastic. Not thread-safe: the supervisor thread owns it, except
     :meth:`leave` on a handler no other thread uses any more."""
@@ -348,6 +360,7 @@ class ElasticAdapter:
         self.evicted: list[str] = []
         """Rendezvous ids the last round removed on evidence (:attr:`Plan.evict`)."""
         self._body: Callable[[], RunResult] | None = None
+        install_whole_line_tail()
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
             self.handler.next_rendezvous = self._next_rendezvous  # type: ignore[method-assign]
