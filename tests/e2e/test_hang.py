@@ -52,8 +52,6 @@ def test_a_stopped_worker_is_named_ended_and_rejoins_while_its_peer_re_forms_in_
         # its last beat (at most hang.heartbeat_interval_s old when it stopped; the step lines reach the log late)
         assert isinstance(hung["rank"], int) and abs(hung["step"] - stopped_at) <= 10 and hung["where"]
         assert hung["stalled_s"] > hung["threshold_s"]
-        seen_by_a = wait_until(lambda: a.events("hang_detected"), 60, "a sees it too")[0]
-        assert seen_by_a["action"] == "watch" and seen_by_a["rank"] == hung["rank"]
         assert wait_until(lambda: b.events("hung_workers_ended"), 30, "b ends its hung worker")[0]["pids"] == [pb]
         # The survivor's collective failed (b's worker ended): it re-forms in place, b restarts its worker
         # and rejoins; training goes on at world size 2 past the hung step.
@@ -65,6 +63,10 @@ def test_a_stopped_worker_is_named_ended_and_rejoins_while_its_peer_re_forms_in_
         assert [e for e in b.events("state_change") if e["new"] == "restarting"][0]["reason"] == "worker_hang"
         reformed = [e for e in a.events("worker_reformed") if e.get("reason") == "peer_lost"]
         assert reformed, "a did not re-form in place"
+        # a may see the stall too (its own threshold), or b may end its worker first and a's collective
+        # fails before then (a loaded machine): either way a only watches a hang that is not on its node.
+        for seen_by_a in a.events("hang_detected"):
+            assert seen_by_a["action"] == "watch" and seen_by_a["rank"] == hung["rank"], seen_by_a
 
 
 @pytest.mark.parametrize("keep_alive_s,path", [(1, "member_lost"), (5, "hang")])
