@@ -396,6 +396,7 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining):
             member_lost=member_lost,
             member_gone=drain is None and self._member_lost_since is not None,
             reform_in_place=self.reform_enabled,
+            world_nodes=self._current.nodes if self._current is not None else 1,
             resize_overdue=self._asked is Asked.RESIZE and time.monotonic() - self._asked_at > self._resize_bound_s(),
             emergency_committed=self._emergency_committed,
         )
@@ -527,7 +528,22 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining):
         log.warning("workers_terminating", reason=reason, grace_s=grace, pids=sorted(self.adapter.worker_pids().values()))
         self.adapter.terminate_workers(grace)
 
+    def _leave_to_rejoin(self, reason: str) -> bool:
+        """:attr:`Decision.rejoin`: out of the round now, before the stop and the backoff, so that the
+        other nodes' next round does not wait for this one. Whether it left."""
+        try:
+            left = self.adapter.leave(timeout_s=self.cfg.rendezvous.close_timeout_s)
+        except Exception as e:  # a store that does not answer: restart the usual way (the round waits)
+            log.warning("rejoin_leave_failed", reason=reason, error=f"{type(e).__name__}: {e}"[:300],
+                        effect="restarting the usual way: the other nodes wait for this node's workers")
+            return False
+        if left:
+            log.info("left_to_rejoin", reason=reason, node=self.cfg.agent.node_name,
+                     effect="the other nodes re-form in place without this node; it rejoins once its new workers are warm")
+        return left
+
     def _restart(self, d: Decision, obs: Observation) -> RunResult | None:
+        left = d.rejoin and self._leave_to_rejoin(d.reason)
         if self.hangs is not None:
             self.hangs.between_worlds()
         self.control.forget_workers()
@@ -554,7 +570,10 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining):
             return self._leave("drained_during_restart")
         self.sm.to(AgentState.RENDEZVOUS)
         try:
-            world = self.adapter.restart()
+            if left and self._should_warm_up():
+                world = self._join_running_world()
+            else:
+                world = self.adapter.restart()
         except RendezvousAborted:
             return self._leave("drained_during_rendezvous")
         self._on_world(world)
