@@ -78,10 +78,13 @@ def test_runtime_reports_compute_without_the_synchronising_backward(tmp_path, mo
 
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.runtime import runtime as runtime_mod
+    from trainguard.runtime import stepend
 
     clock = Clock()
     clock.t = 100.0
-    monkeypatch.setattr(runtime_mod, "time", types.SimpleNamespace(monotonic=clock, time=lambda: 1e9, sleep=lambda s: None))
+    fake_time = types.SimpleNamespace(monotonic=clock, time=lambda: 1e9, sleep=lambda s: None)
+    for mod in (runtime_mod, stepend):  # the facade's step API and the end of a step (its part)
+        monkeypatch.setattr(mod, "time", fake_time)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     previous = signal.getsignal(signal.SIGTERM)
     try:
