@@ -250,7 +250,7 @@ def test_drain_costs_are_upper_bounds_of_what_the_workers_measured(tmp_path, wor
 def test_hist_max_over_label_sets_and_past_the_last_bucket() -> None:
     from prometheus_client.metrics_core import Metric
 
-    from trainguard.metrics.agent import _hist_max
+    from trainguard.metrics.exposition import hist_max as _hist_max
 
     fam = Metric("x", "", "histogram")
     for kind, counts in (("periodic", (0, 2, 2)), ("emergency", (0, 0, 1))):  # buckets 1, 10, +Inf
