@@ -54,8 +54,6 @@ agent that has said ``agent_exit`` must not look hung, nor hold its metrics port
 PORT_BUSY_WAIT_S = FINAL_SCRAPE_MAX_WAIT_S + 2.0
 """How long :meth:`AgentMetrics.serve` retries a fixed ``metrics.port`` that is in use: the agent this
 one replaces may still be serving its final scrape."""
-STEP_QUANTILE = 0.99
-"""The share of a node's steps the drain lead's step bound covers (:meth:`AgentMetrics.drain_costs`)."""
 
 
 def _state_name(state: Any) -> str:
@@ -213,20 +211,9 @@ class AgentMetrics(HangMetrics):
         """A drain finished ``seconds`` after its notice (checkpoint committed, workers out)."""
         self._m_drain.observe(seconds)
 
-    def drain_costs(self) -> tuple[float | None, float | None]:
-        """``(step, longest checkpoint stage + persist)`` this node's workers measured, any checkpoint
-        kind, as upper bounds (the bucket holding the 99th percentile of the steps, the largest of the
-        checkpoints); None where nothing was measured. Reads the histogram files: for a notice, not for
-        every sample."""
-        fams = self._worker_families("histogram_*.db")
-        # A step: the 99th percentile (a first step that compiled or autotuned for a minute is no
-        # drain's step); a checkpoint: the longest (the emergency one must fit).
-        step = exposition.hist_max(fams, P + "step_duration_seconds", q=STEP_QUANTILE)
-        stage = exposition.hist_max(fams, P + "checkpoint_stage_duration_seconds")
-        persist = exposition.hist_max(fams, P + "checkpoint_persist_duration_seconds")
-        return step, None if stage is None and persist is None else (stage or 0.0) + (persist or 0.0)
-
     def set_drain_lead(self, seconds: float) -> None:
+        """The lead the agent sized at the last notice (``trainguard_drain_lead_seconds``; see
+        :mod:`trainguard.agent.lead`: the agent measures it from its workers' reports, not from here)."""
         self._m_drain_lead.set(seconds)
 
     def lost_work(self, seconds: float, steps: int, reason: str = "recompute") -> float:

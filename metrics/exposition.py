@@ -1,13 +1,12 @@
 """What a scrape of the agent's registry computes at that moment: the cost, goodput and GPU families
 (:func:`computed_families`), the job's stored newest commit as a floor under the workers' series
 (:func:`with_stored_commit`) and the ``node`` and ``job_id`` labels on every sample
-(:class:`NodeCollector`); plus reading values and histogram bounds out of the workers' families
-(:func:`values`, :func:`hist_max`). A part of :class:`~trainguard.metrics.agent.AgentMetrics`, which
+(:class:`NodeCollector`); plus reading values out of the workers' families
+(:func:`values`). A part of :class:`~trainguard.metrics.agent.AgentMetrics`, which
 copies its state under its lock and hands it here."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -110,31 +109,6 @@ def values(families: Iterable[Metric]) -> dict[str, float]:
                 continue
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
-
-
-def hist_max(families: Iterable[Metric], name: str, q: float = 1.0) -> float | None:
-    """An upper bound of the ``q`` quantile (default: the largest observation) of histogram ``name``,
-    the largest over its label sets: the smallest bucket bound that holds that share of the
-    observations (twice the largest finite bound when only ``+Inf`` does). None when nothing was
-    observed."""
-    series: dict[tuple[tuple[str, str], ...], list[tuple[float, float]]] = {}
-    for fam in families:
-        for s in fam.samples:
-            if s.name == name + "_bucket" and "le" in s.labels:
-                key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
-                series.setdefault(key, []).append((float(s.labels["le"]), s.value))
-    best: float | None = None
-    for buckets in series.values():
-        buckets.sort()
-        total = buckets[-1][1]
-        if total <= 0:
-            continue
-        finite = [le for le, _ in buckets if math.isfinite(le)]
-        v = next(le for le, n in buckets if n >= q * total)
-        if not math.isfinite(v):
-            v = 2 * max(finite, default=1.0)
-        best = v if best is None else max(best, v)
-    return best
 
 
 class NodeCollector:

@@ -87,6 +87,8 @@ AGENT_IMPORTS_ALLOWED = {
     os.path.join("bench", "control_plane.py"): {"trainguard.agent.config", "trainguard.agent.elastic",
                                                 "trainguard.agent.etcd_rendezvous",
                                                 "trainguard.agent.rendezvous"},
+    # The spot-trace simulation sizes the drain lead by the agents' own rule (auto_drain_lead).
+    os.path.join("bench", "spot_trace.py"): {"trainguard.agent.lead"},
 }
 
 

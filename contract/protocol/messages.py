@@ -239,7 +239,9 @@ class Pace(Message):
     """worker -> agent: this rank's local compute time of its recent steps (seconds each: step start to
     arrival at the step boundary, minus the time blocked in the gradient synchronisation and in
     ``rt.all_reduce``), sent at step agreements, at most :data:`MAX_PACE` values per message. The agent
-    keeps a window of them per local rank (:mod:`trainguard.agent.straggler`)."""
+    keeps a window of them per local rank (:mod:`trainguard.agent.straggler`). The same report carries what
+    the drain lead is sized from (:mod:`trainguard.agent.lead`): the whole time of the same steps and the
+    checkpoints this rank committed since its last report."""
 
     OP: ClassVar[str] = "pace"
     rank: int
@@ -247,19 +249,28 @@ class Pace(Message):
     step: int
     """The step of the last value."""
     compute_s: tuple[float, ...] = ()
+    step_s: tuple[float, ...] = ()
+    """The same steps' whole time, start to arrival at the boundary (waits on the peers included)."""
+    checkpoint_s: tuple[float, ...] = ()
+    """Stage + persist seconds of each checkpoint this rank committed since its last report (any kind)."""
 
     MAX_PACE: ClassVar[int] = 64
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> Pace:
-        raw = d.get("compute_s", [])
-        if not isinstance(raw, list) or len(raw) > cls.MAX_PACE:
-            raise ProtocolError(f"`compute_s` must be a list of at most {cls.MAX_PACE} numbers, got {raw!r}"[:300])
-        values = tuple(_finite("compute_s", v) for v in raw)
-        if any(v < 0 for v in values):  # type: ignore[operator]
-            raise ProtocolError(f"`compute_s` must hold no negative value, got {raw!r}"[:300])
         return cls(rank=_int("rank", d.get("rank"), minimum=0), local_rank=_int("local_rank", d.get("local_rank"), minimum=0),
-                   step=_int("step", d.get("step"), minimum=0), compute_s=values)  # type: ignore[arg-type]
+                   step=_int("step", d.get("step"), minimum=0), compute_s=cls._seconds(d, "compute_s"),
+                   step_s=cls._seconds(d, "step_s"), checkpoint_s=cls._seconds(d, "checkpoint_s"))
+
+    @classmethod
+    def _seconds(cls, d: dict[str, Any], name: str) -> tuple[float, ...]:
+        raw = d.get(name, [])
+        if not isinstance(raw, list) or len(raw) > cls.MAX_PACE:
+            raise ProtocolError(f"`{name}` must be a list of at most {cls.MAX_PACE} numbers, got {raw!r}"[:300])
+        values = tuple(_finite(name, v) for v in raw)
+        if any(v < 0 for v in values):  # type: ignore[operator]
+            raise ProtocolError(f"`{name}` must hold no negative value, got {raw!r}"[:300])
+        return values  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
