@@ -1,7 +1,10 @@
 """The one adapter over torch.distributed.elastic internals (STYLE §11).
 
-Every private name of torch elastic that trainguard relies on is used here and nowhere else, so a
-torch upgrade touches this file and tests fake :class:`ElasticAdapter`, not torch. Verified against
+Every private name of torch elastic that trainguard relies on is used here and in this module's one
+part, :mod:`trainguard.agent.elastic_join` (the rendezvous join), and nowhere else, so a torch upgrade
+touches these two files and tests fake :class:`ElasticAdapter`, not torch. The values handed to the
+supervisor (:class:`World`, :class:`Plan`, :class:`Peek`, :class:`Poll`) live in
+:mod:`trainguard.agent.elastic_types` and are re-exported here. Verified against
 torch 2.13's ``agent/server/api.py``, ``local_elastic_agent.py`` and ``rendezvous/dynamic_rendezvous.py``.
 
 What it offers the supervisor (:mod:`trainguard.agent.supervisor`), all called from the supervisor
@@ -47,7 +50,6 @@ import pickle
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -56,248 +58,18 @@ from torch.distributed.elastic.agent.server.api import RunResult, Worker, Worker
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing import tail_log as _tail_log
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    _Action,
-    _DistributedRendezvousOpExecutor,
-    _RendezvousContext,
-    _RendezvousExitOp,
-    _RendezvousJoinOp,
-    _remove_participant_epilogue,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 
+from trainguard.agent.elastic_join import _Executor, evict_nodes, fresh_reads, next_round, planned_complete  # noqa: F401 (re-exported)
+from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.linetail import tail_whole_lines
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import WorkerStatus
 
 log = get_logger("trainguard.agent.elastic")
-
-POLL_INTERVAL_S = 0.1
-"""How often a node waiting in the rendezvous re-reads the shared state (torch: 1 s)."""
-
-
-class RendezvousAborted(Exception):
-    """The node left the rendezvous before the round completed because it is draining."""
-
-
-@dataclass(frozen=True, slots=True)
-class World:
-    """What one rendezvous round gave this node."""
-
-    round: int
-    group_rank: int
-    nodes: int
-    world_size: int
-    global_ranks: tuple[int, ...]
-    master_addr: str = ""
-    master_port: int = 0
-    members: tuple[str, ...] = ()
-    """The rendezvous ids of the round's nodes, ordered by group rank."""
-
-    def log_fields(self) -> dict[str, Any]:
-        return {"round": self.round, "group_rank": self.group_rank, "nodes": self.nodes,
-                "world_size": self.world_size, "global_ranks": list(self.global_ranks)}
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """The world a re-formation starts from: its members and those announced as leaving."""
-
-    members: frozenset[str]
-    leaving: frozenset[str] = frozenset()
-    lost: bool = False
-    """A member vanished (which one, nobody said): only the members the rendezvous still sees alive
-    (a keep-alive heartbeat in its state; the lost node's is dropped when it expires) are expected."""
-    evict: Callable[[], frozenset[str]] | None = field(default=None, compare=False)
-    """Asked at every poll of the join: rendezvous ids of nodes to remove from the rendezvous state now
-    (evidence that they are gone: :func:`trainguard.agent.hang.evictable`), instead of waiting for their
-    keep-alive to expire."""
-
-
-@dataclass(frozen=True, slots=True)
-class Peek:
-    """The shared rendezvous state as this node last synced it (no change to it)."""
-
-    round: int
-    complete: bool
-    participants: tuple[str, ...]
-    waiting: int
-    this_node_participates: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Poll:
-    """One look at the local workers."""
-
-    status: WorkerStatus
-    exit_codes: tuple[int, ...] = ()
-    """Per local worker, when ``status`` is ``EXITED`` (0 for workers that succeeded)."""
-    failures: dict[int, Any] = field(default_factory=dict)
-    """Global rank -> elastic's ``ProcessFailure`` (for the failure summary)."""
-    result: Any = None
-    """Elastic's ``RunResult`` (returned from the run when the job ends)."""
-
-
-# ---- the rendezvous join, interruptible and with a planned size ----------------------------------
-
-def planned_complete(plan: Plan, participants: set[str], waiting: set[str], min_nodes: int, max_nodes: int,
-                     alive: set[str] | None = None) -> bool:
-    """Pure: whether a round being formed from ``plan`` has everyone it expects: the plan's members
-    that are not leaving (and, for a plan after a loss, that are ``alive``: a heartbeat in the
-    rendezvous state), plus every newcomer (a participant or waiting node that was no member)."""
-    members = plan.members & alive if plan.lost and alive is not None else plan.members
-    expected = (members - plan.leaving) | ((participants | waiting) - plan.members)
-    return min_nodes <= len(participants) <= max_nodes and bool(expected) and expected <= participants
-
-
-class _JoinOp(_RendezvousJoinOp):
-    """torch's join operation, plus: leave when ``abort()`` says so; complete as soon as ``plan``
-    is satisfied (:func:`planned_complete`)."""
-
-    def __init__(self, abort: Callable[[], bool], plan: Plan | None) -> None:
-        self.abort = abort
-        self.plan = plan
-
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
-        state = ctx.state
-        if self.abort():
-            if ctx.node in state.participants and not state.complete:
-                return _Action.REMOVE_FROM_PARTICIPANTS
-            if ctx.node in state.wait_list:
-                return _Action.REMOVE_FROM_WAIT_LIST
-            if ctx.node in state.redundancy_list:
-                return _Action.REMOVE_FROM_REDUNDANCY_LIST
-            if ctx.node not in state.participants:
-                raise RendezvousAborted("left the rendezvous before the round completed (draining)")
-        if self.plan is not None and not state.complete and ctx.node in state.participants and planned_complete(
-                self.plan, {str(n) for n in state.participants}, {str(n) for n in state.wait_list},
-                ctx.settings.min_nodes, ctx.settings.max_nodes,
-                alive={str(n) for n in state.last_heartbeats} if self.plan.lost else None):
-            return _Action.MARK_RENDEZVOUS_COMPLETE
-        return super().__call__(ctx, deadline)
-
-
-def evict_nodes(state: Any, settings: Any, nodes: frozenset[str]) -> list[str]:
-    """Remove ``nodes`` (rendezvous ids) from the rendezvous ``state`` as torch's sanitizer removes a
-    node whose keep-alive expired (heartbeat, participant, wait and redundancy lists, then the epilogue
-    that advances a completed round nobody is left in). Returns the ids removed."""
-    removed, participant_removed = [], False
-    for node in [n for n in list(state.last_heartbeats) + list(state.participants) if str(n) in nodes]:
-        if node in state.last_heartbeats:
-            del state.last_heartbeats[node]
-        if node in state.participants:
-            del state.participants[node]
-            participant_removed = True
-        state.wait_list.discard(node)
-        state.redundancy_list.discard(node)
-        if str(node) not in removed:
-            removed.append(str(node))
-    if participant_removed:
-        _remove_participant_epilogue(state, settings)
-    return removed
-
-
-class _Executor(_DistributedRendezvousOpExecutor):
-    """torch's op executor with a configurable poll interval (its loop, less the event records), and
-    evictions on evidence (:attr:`Plan.evict`) before each step of the operation."""
-
-    def __init__(self, base: _DistributedRendezvousOpExecutor, poll_s: float,
-                 evict: Callable[[], frozenset[str]] | None = None) -> None:
-        super().__init__(base._node, base._state_holder, base._settings)
-        self.poll_s = poll_s
-        self.evict = evict
-        self.evicted: list[str] = []
-
-    def _evict(self) -> bool:
-        if self.evict is None:
-            return False
-        nodes = self.evict() - {str(self._node)}
-        if not nodes:
-            return False
-        removed = evict_nodes(self._state, self._settings, nodes)
-        if removed:
-            self.evicted += removed
-            log.warning("member_evicted", nodes=removed, round=self._state.round,
-                        cause="a collective failed here and the member's agent missed its heartbeat",
-                        effect="removed from the rendezvous now instead of after its keep-alive expiry")
-            self._state_holder.mark_dirty()
-        return bool(removed)
-
-    def run(self, state_handler: Callable[[_RendezvousContext, float], _Action], deadline: float,
-            update_deadline: Callable[[timedelta], float] | None = None) -> None:
-        action = None
-        while action != _Action.FINISH:
-            self._state_holder.sync()
-            self._state = self._state_holder.state
-            if self._evict():
-                continue  # written back (compare-and-set) by the next sync, then the operation goes on
-            action = state_handler(_RendezvousContext(self._node, self._state, self._settings), deadline)
-            if action == _Action.FINISH:
-                continue
-            if action == _Action.ERROR_CLOSED:
-                raise RendezvousClosedError
-            if action == _Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError
-            if action == _Action.SYNC:
-                time.sleep(self.poll_s)
-                continue
-            if action == _Action.KEEP_ALIVE:
-                self._keep_alive()
-            elif action == _Action.ADD_TO_PARTICIPANTS:
-                self._add_to_participants()
-            elif action == _Action.ADD_TO_WAIT_LIST:
-                self._add_to_wait_list()
-            elif action == _Action.ADD_TO_REDUNDANCY_LIST:
-                self._add_to_redundancy_list()
-            elif action == _Action.REMOVE_FROM_PARTICIPANTS:
-                self._remove_from_participants()
-            elif action == _Action.REMOVE_FROM_WAIT_LIST:
-                self._remove_from_wait_list()
-            elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
-                self._remove_from_redundancy_list()
-                if update_deadline:
-                    deadline = update_deadline(self._settings.timeout.join)
-            elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
-                self._mark_rendezvous_complete()
-            elif action == _Action.MARK_RENDEZVOUS_CLOSED:
-                self._mark_rendezvous_closed()
-            self._state_holder.mark_dirty()
-
-
-def fresh_reads(handler: Any) -> None:
-    """torch serves the shared state from a 1 s cache between its own writes; a node polling every
-    :data:`POLL_INTERVAL_S` for a planned round must read fresh state (also used by
-    ``bench/control_plane.py``, which drives handlers as the agents do)."""
-    holder = getattr(handler, "_state_holder", None)
-    if holder is not None and getattr(holder, "_cache_duration", 0) > POLL_INTERVAL_S:
-        holder._cache_duration = POLL_INTERVAL_S
-
-
-def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None,
-               evicted: list[str] | None = None) -> RendezvousInfo:
-    """``DynamicRendezvousHandler.next_rendezvous`` with :class:`_JoinOp` and :class:`_Executor`.
-
-    Same sequence as torch 2.13 (stop heartbeats, exit op, join op, start heartbeats, world, store),
-    for the store-sharing-disabled case trainguard runs in (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
-    see :mod:`trainguard.agent.supervisor`): rank 0 picks a fresh worker store port each round.
-    """
-    handler._stop_heartbeats()
-    executor = _Executor(handler._op_executor, POLL_INTERVAL_S, plan.evict if plan is not None else None)
-    deadline = handler._get_deadline(handler._settings.timeout.join)
-    executor.run(_RendezvousExitOp(), deadline)
-    try:
-        executor.run(_JoinOp(abort, plan), deadline, handler._get_deadline)
-    finally:
-        if evicted is not None:
-            evicted[:] = executor.evicted
-    handler._start_heartbeats()
-    rank, world_size = handler._get_world()
-    store = handler._get_store()
-    info = RendezvousStoreInfo.build(rank, store, local_addr=handler._this_node.addr)
-    return RendezvousInfo(store, rank, world_size, info)
-
 
 # ---- elastic's agent with our loop ---------------------------------------------------------------
 
@@ -339,6 +111,10 @@ class _LockedStore:
     def get(self, key: str) -> bytes:
         with self._lock:
             return self._store.get(key)
+
+
+TORCH_TAIL_LOGFILE = _tail_log.tail_logfile
+"""torch's own ``tail_logfile``, as this module found it (what :func:`install_whole_line_tail` replaces)."""
 
 
 def install_whole_line_tail() -> None:

@@ -16,7 +16,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing import tail_log
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-from trainguard.agent.elastic import install_whole_line_tail
+from trainguard.agent.elastic import TORCH_TAIL_LOGFILE, install_whole_line_tail
 from trainguard.agent.linetail import LineJoiner, tail_whole_lines
 
 
@@ -70,6 +70,8 @@ def tee(tmp_path, whole: bool) -> list[str]:
     try:
         if whole:
             install_whole_line_tail()
+        else:  # torch's own (an agent built earlier in this process installed ours)
+            tail_log.tail_logfile = TORCH_TAIL_LOGFILE
         t = TailLog("default", {0: path}, dst, interval_sec=0.005).start()
         split_writer(path, 10, done)
         t.stop()
