@@ -287,10 +287,13 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
     # ---- rendezvous-store records -------------------------------------------------------------
     def _member_lost(self, healthy: bool) -> bool:
         """A member of the current world is gone (checked every keep-alive interval) for longer than
-        :data:`MEMBER_LOST_GRACE_S` while our workers run on (not while they are between worlds)."""
+        :data:`MEMBER_LOST_GRACE_S` while our workers run on (not while they are between worlds). This
+        node counts too, in a world of one as in a larger one: a node whose keep-alive lapsed (a loaded or
+        paused agent) was removed from its round and may already be replaced by a newer one; training on
+        alone would split the job in two."""
         world = self._current
         now = time.monotonic()
-        if world is None or not healthy or self._parked or len(world.members) < 2:
+        if world is None or not healthy or self._parked or not world.members:
             self._member_lost_since = None
             return False
         if now >= self._member_check_at:

@@ -347,6 +347,30 @@ def test_workers_between_worlds_are_asked_back_not_killed_when_a_member_goes(tmp
         sup.control.close()
 
 
+@pytest.mark.parametrize("peek, lost", [
+    (Peek(round=1, complete=True, participants=("a",), waiting=0, this_node_participates=True), False),
+    # its keep-alive lapsed: the rendezvous removed it, and another node may hold a newer round
+    (Peek(round=1, complete=True, participants=(), waiting=0, this_node_participates=False), True),
+    (Peek(round=2, complete=True, participants=("b",), waiting=0, this_node_participates=False), True),
+])
+def test_a_world_of_one_notices_it_left_its_round(tmp_path, monkeypatch, peek, lost):
+    """Seen with a 1 s x 2 keep-alive on a loaded machine: both nodes' keep-alives lapsed in turn, each
+    formed a world of one and trained on alone, two worlds of one job; only worlds of 2+ were checked."""
+    from trainguard.agent import supervisor as sup_mod
+
+    monkeypatch.setattr(sup_mod, "MEMBER_LOST_GRACE_S", 0.0)
+    sup, fake, _ = make(tmp_path, [])
+    fake.peek = lambda: peek
+    sup._current = World(round=1, group_rank=0, nodes=1, world_size=1, global_ranks=(0,), members=("a",))
+    try:
+        sup._member_check_at = 0.0
+        sup._member_lost(True)
+        time.sleep(0.01)
+        assert sup._member_lost(True) is lost
+    finally:
+        sup.control.close()
+
+
 class _KeyStore:
     def __init__(self, keys):
         self.keys = set(keys)
