@@ -323,8 +323,10 @@ class CaseResult:
     """packet_loss: packets the statistic rule dropped (counted after GRO: one may be several segments)."""
     evictions: list[str] = field(default_factory=list)
     """packet_loss: :data:`LOSS_EVICTIONS` events during the loss window (node: event): must stay empty."""
-    steps_per_s_before: float | None = None
     steps_per_s_during: float | None = None
+    steps_per_s_after: float | None = None
+    """packet_loss: the step rate over the loss window, and over the 30 s after healing (the baseline: the
+    window before a case may hold the previous case's recovery)."""
     note: str = ""
     log_excerpt: list[str] = field(default_factory=list)
 
@@ -603,8 +605,6 @@ def loss_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float
     evicted and training went on throughout (None: it did not)."""
     assert c.net is not None
     res.loss_p, res.loss_s = c.loss_p, c.loss_s
-    before = [e for t, e in c.steps(t_fault - 30) if t < t_fault and e.get("world_size") == res.world_before]
-    res.steps_per_s_before = round(len(before) / 30.0, 2)
     stalled = False
     next_say = time.time() + 60
     while time.time() < t_fault + c.loss_s:
@@ -630,6 +630,9 @@ def loss_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float
     if not at_full:
         res.note += f"world sizes during the loss: {sorted({e.get('world_size') for e in during})}; "
     t_next = wait_for(lambda: next((t for t, e in c.steps(t_heal) if e.get("world_size") == res.world_before), None), 60)
+    time.sleep(max(0.0, t_heal + 30 - time.time()))
+    after = [e for t, e in c.steps(t_heal) if t <= t_heal + 30 and e.get("world_size") == res.world_before]
+    res.steps_per_s_after = round(len(after) / 30.0, 2)
     return t_next if (during and at_full and not stalled and not res.evictions) else None
 
 
@@ -847,7 +850,7 @@ def row(r: CaseResult) -> str:
                 f"full size {r.rejoin_s} s after healing")
     elif r.kind == "packet_loss":
         out += (f"\n    {100 * (r.loss_p or 0):g} % loss for {r.loss_s:g} s: {len(r.evictions)} evictions, "
-                f"{r.dropped_packets} packets dropped, {r.steps_per_s_before} steps/s before, {r.steps_per_s_during} during")
+                f"{r.dropped_packets} packets dropped, {r.steps_per_s_during} steps/s during, {r.steps_per_s_after} after")
     return out
 
 
