@@ -129,6 +129,7 @@ class ControlServer:
     A worker that says :class:`~trainguard.contract.protocol.Hello` is registered until its connection
     closes; :meth:`broadcast` sends it orders. Every other message goes to ``on_request``; a reply it
     returns is sent back. A malformed message is answered with an error reply and logged, never fatal.
+    Each of :attr:`observers` sees every valid message first (on the connection's thread).
     """
 
     def __init__(self, path: str, on_request: Handler) -> None:
@@ -139,6 +140,9 @@ class ControlServer:
         self._closed = threading.Event()
         self.status_extra: dict[str, Any] = {"pid": os.getpid(), "socket": path}
         """Merged into every successful status reply (the daemon adds e.g. ``metrics_url``)."""
+        self.observers: list[Callable[[proto.Message], None]] = []
+        """Called with every valid message before ``on_request`` (the daemon adds the drain costs,
+        :class:`~trainguard.agent.lead.DrainCosts`); one that raises is logged and skipped."""
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         # One agent per socket: an exclusive lock held for the server's life decides between two agents
         # starting at once; a socket that still answers belongs to a live agent started otherwise.
@@ -265,6 +269,11 @@ class ControlServer:
             log.warning("control_bad_message", error=str(e), excerpt=line[:80].decode(errors="replace"))
             self._send(conn, proto.Reply(ok=False, error=f"bad request: {e}"))
             return
+        for observe in list(self.observers):
+            try:
+                observe(msg)
+            except Exception:  # noqa: BLE001 - an observer must not keep a message from the agent
+                log.exception("control_observer_failed", op=msg.OP)
         if isinstance(msg, proto.Hello):
             with self._lock:
                 self._workers[conn] = msg

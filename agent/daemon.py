@@ -15,7 +15,7 @@ from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.drain import DrainCoordinator
 from trainguard.agent.supervisor import Supervisor
 from trainguard.agent.watchers.config import PreemptionConfig
-from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead
+from trainguard.agent.lead import DrainCosts, auto_drain_lead
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import AgentState
 
@@ -80,9 +80,11 @@ def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list
     from trainguard.agent.watchers import acknowledge, build_watchers, manual_watcher, start_all
 
     watchers = build_watchers(cfg.preemption)
+    costs = DrainCosts()
+    sup.control.observers.append(costs.observe)  # the workers' reports: their steps and checkpoints
     coordinator = DrainCoordinator(
         sup, on_early_warning=cfg.preemption.on_early_warning,
-        drain_lead_s=drain_lead(cfg.preemption, metrics, cfg.workers.step_agreement_period_s),
+        drain_lead_s=drain_lead(cfg.preemption, costs, metrics, cfg.workers.step_agreement_period_s),
         train_through=cfg.preemption.train_through_notice, observer=metrics,
         acknowledge=(lambda n: acknowledge(watchers, n)) if cfg.preemption.azure_acknowledge else None)
     sup.on_emergency_commit = coordinator.on_emergency_commit
@@ -92,10 +94,12 @@ def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list
     return [_Stopper(lambda: _stop_watchers(watchers)), _Stopper(coordinator.close)]
 
 
-def drain_lead(pre: PreemptionConfig, metrics: Any, agreement_s: float = 0.0) -> float | Callable[[], tuple[float, str]]:
-    """``preemption.drain_lead_s``: the number, or for ``auto`` a provider that sizes the lead from the
-    node's measured step and checkpoint times (:func:`~trainguard.checkpoint.lead.auto_drain_lead`) at each
-    notice and exports it (``trainguard_drain_lead_seconds``). ``agreement_s``: the workers'
+def drain_lead(pre: PreemptionConfig, costs: DrainCosts, metrics: Any,
+               agreement_s: float = 0.0) -> float | Callable[[], tuple[float, str]]:
+    """``preemption.drain_lead_s``: the number, or for ``auto`` a provider that sizes the lead at each
+    notice (:func:`~trainguard.agent.lead.auto_drain_lead`) from the step and checkpoint times the node's
+    workers reported (``costs``, the agent's own :class:`~trainguard.agent.lead.DrainCosts`) and exports
+    it (``trainguard_drain_lead_seconds``; ``metrics`` only observe). ``agreement_s``: the workers'
     ``step_agreement_period_s`` (a stop waits for their next agreement)."""
     fixed = pre.fixed_drain_lead_s
     if fixed is not None:
@@ -104,13 +108,13 @@ def drain_lead(pre: PreemptionConfig, metrics: Any, agreement_s: float = 0.0) ->
         return fixed
 
     def lead() -> tuple[float, str]:
-        step_s, ckpt_s = metrics.drain_costs() if metrics is not None else (None, None)
-        out = auto_drain_lead(LeadCosts(step_s=step_s, checkpoint_s=ckpt_s, agreement_s=agreement_s),
-                              min_s=pre.drain_lead_min_s,
+        measured = costs.costs(agreement_s)
+        out = auto_drain_lead(measured, min_s=pre.drain_lead_min_s,
                               factor=pre.drain_lead_factor, unmeasured_s=pre.drain_lead_unmeasured_s)
         if metrics is not None:
             metrics.set_drain_lead(out[0])
-        log.info("drain_lead", seconds=round(out[0], 2), basis=out[1], step_s=step_s, checkpoint_s=ckpt_s)
+        log.info("drain_lead", seconds=round(out[0], 2), basis=out[1], step_s=measured.step_s,
+                 checkpoint_s=measured.checkpoint_s)
         return out
 
     return lead

@@ -84,6 +84,8 @@ class Observation:
     """A member of the current world is missing from the round, not yet for the grace period."""
     reform_in_place: bool = False
     """The workers re-form in place (``workers.reform: in-process``)."""
+    world_nodes: int = 1
+    """Nodes in this node's current world, itself included."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +98,22 @@ class Decision:
     handler: stop them with ``workers.failure_stop_grace_s``, not elastic's 30 s (a failure restart,
     one that consumes a restart, always does)."""
 
+    rejoin: bool = False
+    """A failure of this node's workers in a world of several nodes that re-form in place: leave the
+    round at once, so that the other nodes re-form without this one (their workers keep running), then
+    come back as a joiner whose new workers warm up before it enters; the others pause for it only then.
+    Otherwise they wait in the next round for this node's backoff and its new workers' start-up."""
+
     @property
     def short_stop(self) -> bool:
         """Stop the workers still running with the short grace before this restart."""
         return self.consume_restart or self.workers_may_be_stuck
+
+
+def rejoins(o: Observation) -> bool:
+    """Pure: whether a failure of this node's workers is handled by leaving and rejoining warm
+    (:attr:`Decision.rejoin`): the world re-forms in place and has other nodes to go on without it."""
+    return o.reform_in_place and o.world_nodes > 1 and not o.draining
 
 
 def decide(o: Observation) -> Decision:
@@ -115,7 +129,7 @@ def decide(o: Observation) -> Decision:
         if o.peer_draining and not o.api_workers:
             return Decision(Act.RESTART, "peer_drain", consume_restart=False)
         if o.remaining_restarts > 0:
-            return Decision(Act.RESTART, "worker_failure", consume_restart=True)
+            return Decision(Act.RESTART, "worker_failure", consume_restart=True, rejoin=rejoins(o))
         return Decision(Act.FAIL, "max_restarts_exhausted")
 
     # workers are running (or parked alive)

@@ -29,8 +29,9 @@ notices for the metrics, schedules delayed drains, and acknowledges notices at t
 ``StartRequests``) once the emergency checkpoint is committed. It never blocks the watcher threads.
 
 The drain lead (``preemption.drain_lead_s``) is fixed, or ``auto``:
-:func:`~trainguard.checkpoint.lead.auto_drain_lead` sizes it at
-each notice from what the node measured (its steps and its longest checkpoint), so a job whose emergency
+:func:`~trainguard.agent.lead.auto_drain_lead` sizes it at
+each notice from what the node's workers reported to the agent (its steps and its longest checkpoint:
+:class:`~trainguard.agent.lead.DrainCosts`), so a job whose emergency
 checkpoint takes a minute does not train through a 2-minute notice into a missed deadline, and one
 that checkpoints in a second does not idle out most of it.
 """
@@ -45,7 +46,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from trainguard.agent.watchers.base import Notice
-from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead
+from trainguard.agent.lead import LeadCosts, auto_drain_lead
 from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.drain")

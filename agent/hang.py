@@ -55,6 +55,13 @@ class HangConfig:
     """Floor of the hang threshold: no rank progressed for at least this long. The threshold is
     ``max(min_s, step_factor x p99 step time)``."""
 
+    silent_s: float = 4.0
+    """A rank whose heartbeat stopped this long, while the job made no progress this long either, is hung
+    without waiting for the threshold (past warm-up: ``min_steps`` step times known). Its heartbeat comes
+    from a thread that runs whatever the main thread does (a step, a collective, a 40 s kernel, an
+    evaluation): a rank that cannot send it is stopped (SIGSTOP, a kernel or hypervisor hang), not
+    busy. Between ``stale_beats`` heartbeat intervals and ``min_s``."""
+
     step_factor: float = 3.0
     """k of the hang threshold ``max(min_s, k x p99 of the recent step times)``: a 40 s step gives 120 s."""
 
@@ -80,6 +87,11 @@ class HangConfig:
                 f"must be at least heartbeat_interval_s x stale_beats "
                 f"({self.heartbeat_interval_s * self.stale_beats:g} s), got {self.min_s}",
                 "raise hang.min_s or lower hang.heartbeat_interval_s")
+        require_finite(self.silent_s, "silent_s", positive=True, fix="use 4 (seconds)")
+        require(self.heartbeat_interval_s * self.stale_beats <= self.silent_s <= self.min_s, "silent_s",
+                f"must be between heartbeat_interval_s x stale_beats ({self.heartbeat_interval_s * self.stale_beats:g} s) "
+                f"and min_s ({self.min_s:g} s), got {self.silent_s}",
+                "use 4, or raise hang.min_s / lower hang.heartbeat_interval_s")
         require_finite(self.step_factor, "step_factor", minimum=1.0,
                        fix="use 3: a step up to 3x slower than the recent p99 is no hang")
         require(isinstance(self.min_steps, int) and self.min_steps >= 1, "min_steps",
@@ -234,6 +246,7 @@ class HangVerdict:
     stalled_s: float = 0.0
     """Seconds since any rank of the job last progressed."""
     threshold_s: float = 0.0
+    """The bound crossed: :func:`hang_threshold`, or ``hang.silent_s`` when a stopped rank was named first."""
     culprit: RankView | None = None
     why: str = ""
     """How the culprit was named: ``heartbeat_stopped_first``, ``outside_the_collective`` (a phase or a
@@ -270,9 +283,13 @@ def decide_hang(ranks: Sequence[RankView], now: float, cfg: HangConfig, p99: flo
     last = max(_effective_progress(r, now, stale_s) for r in ranks)
     stalled = max(0.0, now - last)
     threshold = hang_threshold(cfg, p99, known_steps)
-    if stalled <= threshold:
-        return HangVerdict(False, stalled, threshold)
     silent = [r for r in ranks if now - r.beat_at > stale_s]
+    if stalled <= threshold:
+        # A stopped rank (no heartbeat) that stalls the job is hung without waiting out the threshold.
+        if not (known_steps >= cfg.min_steps and stalled > cfg.silent_s
+                and any(now - r.beat_at > cfg.silent_s for r in silent)):
+            return HangVerdict(False, stalled, threshold)
+        threshold = cfg.silent_s
     culprit, why = None, "unknown"
     if silent:
         culprit, why = min(silent, key=lambda r: (r.beat_at, r.rank)), "heartbeat_stopped_first"

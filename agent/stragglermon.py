@@ -88,12 +88,15 @@ class StragglerMonitor:
         """Publish, read, decide (every :attr:`interval_s`; other calls return None). ``decides``: this
         node hosts global rank 0 (it alone logs the decisions and evicts)."""
         now = self._clock()
+        if round_ != self._round:  # a new world: its members are scored afresh, none of the last one's shown
+            self._round, self._above = round_, {}
+            self.window.clear()
+            m = _metrics(self._observer)
+            if m is not None:
+                m.set_scores({})
         if now < self._next:
             return None
         self._next = now + self.interval_s
-        if round_ != self._round:
-            self._round, self._above = round_, {}
-            self.window.clear()
         if store is None:
             self._unavailable_once("the rendezvous backend has no shared store (straggler records need c10d)")
             return None

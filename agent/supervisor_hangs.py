@@ -11,7 +11,7 @@ import time
 
 from torch.distributed.elastic.agent.server.api import RunResult
 
-from trainguard.agent.decisions import Act, Asked, Decision, Observation
+from trainguard.agent.decisions import Act, Asked, Decision, Observation, rejoins
 from trainguard.agent.hang import HangAct, HangAction, HangVerdict
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
@@ -63,7 +63,7 @@ class HangActions:
         self._observe("evicted", proto.EvictionCause.HANG.value)
         if obs.remaining_restarts <= 0:  # as for any other failure with no restart left
             return self.execute(Decision(Act.FAIL, "max_restarts_exhausted"), obs, self.adapter.poll())
-        return self._restart(Decision(Act.RESTART, "worker_hang", consume_restart=True), obs)
+        return self._restart(Decision(Act.RESTART, "worker_hang", consume_restart=True, rejoin=rejoins(obs)), obs)
 
     def _end_hung_workers(self, rank: int | None) -> None:
         """Dump the hung rank's stacks (faulthandler, when it can still run), then SIGKILL it: a

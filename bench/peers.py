@@ -135,6 +135,11 @@ class TorchrunPeer(Peer):
 class TrainguardPeer(Peer):
     """``trainguard run`` agents (c10d hosted by node a, worker API, in-place re-formation)."""
 
+    def __init__(self, key: str, settings: str, options: tuple[str, ...] = ()) -> None:
+        super().__init__(key, "trainguard_job.py", settings, "trainguard.runtime")
+        self.options = options
+        """``--set key=value`` pairs beside the defaults (the fast row)."""
+
     def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
         samples = os.path.join(d, "samples")
         os.makedirs(samples, exist_ok=True)
@@ -147,6 +152,7 @@ class TrainguardPeer(Peer):
                "--set", f"checkpoint.url={os.path.join(d, 'ckpt')}", "--set", f"checkpoint.interval={a.ckpt_every}",
                "--set", "preemption.sources=signal", "--set", "preemption.train_through_notice=false",
                "--set", f"rendezvous.is_host={'true' if idx == 0 else 'false'}",
+               *[x for o in self.options for x in ("--set", o)],
                *self.job_args(d, a), "--sample-log", samples]
         return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), self.env)
 
@@ -232,7 +238,10 @@ class NvrxPeer(Peer):
 def peers() -> list[Peer]:
     return [
         TorchrunPeer("torchrun", "torchrun_job.py", "torchrun 2.13 as installed, c10d, max-restarts 5"),
-        TrainguardPeer("trainguard", "trainguard_job.py", "defaults, in-place re-formation", "trainguard.runtime"),
+        TrainguardPeer("trainguard", "defaults, in-place re-formation"),
+        TrainguardPeer("trainguard-fast", "heartbeats every 0.25 s, a stopped rank named after 1 s, keep-alive 1 s x 2",
+                       ("hang.heartbeat_interval_s=0.25", "hang.stale_beats=2", "hang.silent_s=1",
+                        "rendezvous.keep_alive_interval_s=1", "rendezvous.keep_alive_max_attempts=2")),
         TorchftPeer("torchft", "quickstart lighthouse (--quorum_tick_ms 100 --join_timeout_ms 10000), heartbeat 5 s",
                     ["--quorum_tick_ms", "100", "--join_timeout_ms", "10000"], {}),
         TorchftPeer("torchft-fast", "heartbeat timeout 1 s, op timeout 5 s",

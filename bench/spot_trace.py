@@ -64,7 +64,7 @@ from tests.emulators.aws import AwsImdsEmulator  # noqa: E402
 from tests.harness import memory_root  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout  # noqa: E402
 from trainguard.checkpoint.interval import AutoSettings, IntervalMode, IntervalPolicy  # noqa: E402
-from trainguard.checkpoint.lead import LeadCosts, auto_drain_lead  # noqa: E402
+from trainguard.agent.lead import LeadCosts, auto_drain_lead  # noqa: E402
 from bench import spotcost  # noqa: E402
 from bench import spotsim as sim  # noqa: E402
 from trainguard.contract.protocol import STEP_AGREEMENT_PERIOD_S  # noqa: E402

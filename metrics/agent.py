@@ -12,7 +12,7 @@
 and exposes all of it, plus the merged worker metrics, through :attr:`AgentMetrics.registry`, each
 series labelled ``node`` and ``job_id`` (``agent.job_id``: two training jobs scraped by one Prometheus
 job stay apart in ``by (job_id)``; Prometheus's own ``job`` label is the scrape job). Cost, goodput and GPU families are computed at scrape time, so they are
-exact at the moment Prometheus asks.
+exact at the moment Prometheus asks (:mod:`~trainguard.metrics.exposition`).
 
 Metrics observe the agent; they never steer it. No method raises on bad *observations*
 (unknown label values are normalised and bounded); only construction raises, on bad config.
@@ -23,24 +23,22 @@ lock, prometheus_client metrics by their own.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import math
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import GaugeMetricFamily, CounterMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.metrics_core import Metric
 
 from trainguard.contract.configbase import ConfigError
 from trainguard.contract.log import get_logger
-from trainguard.metrics import channel, names
+from trainguard.metrics import channel, exposition, names
 from trainguard.metrics.config import CostConfig, MetricsConfig
-from trainguard.metrics.cost import cost_snapshot, resolve_price
+from trainguard.metrics.cost import resolve_price
 from trainguard.metrics.goodput import GoodputLedger, GoodputSnapshot
 from trainguard.metrics.gpu import GpuSampler
 from trainguard.metrics.hangs import HangMetrics
@@ -61,63 +59,6 @@ one replaces may still be serving its final scrape."""
 def _state_name(state: Any) -> str:
     """Accept a plain string or an ``Enum`` member (its ``name``), lower-cased."""
     return str(getattr(state, "name", state)).lower()
-
-
-class _ReadWriteLock:
-    """Many concurrent readers (scrapes, the sampler) or one writer (compaction of dead workers).
-
-    Reads of the channel never wait for each other, only for a compaction, which is rare and short.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-
-    @contextlib.contextmanager
-    def read(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def write(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
-
-
-class _Bounded:
-    """Free-form label values, normalised, at most ``MAX_DYNAMIC_LABEL_VALUES`` distinct."""
-
-    def __init__(self, known: Iterable[str]) -> None:
-        self.seen = set(known)
-        self._lock = threading.Lock()
-
-    def __call__(self, value: str) -> str:
-        v = names.normalize_label(value)
-        with self._lock:
-            if v in self.seen:
-                return v
-            if len(self.seen) >= names.MAX_DYNAMIC_LABEL_VALUES:
-                return "other"
-            self.seen.add(v)
-            return v
 
 
 class AgentMetrics(HangMetrics):
@@ -142,7 +83,7 @@ class AgentMetrics(HangMetrics):
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.Lock()
-        self._channel_lock = _ReadWriteLock()  # reads of the channel dir vs. compaction
+        self._channel_lock = channel.ReadWriteLock()  # reads of the channel dir vs. compaction
         self._closed = False
         self._exporter: Any = None
         self._sampler: threading.Thread | None = None
@@ -173,7 +114,7 @@ class AgentMetrics(HangMetrics):
         self._gpu = GpuSampler(enabled=config.gpu, nvml=nvml)
         self._build_agent_metrics()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_NodeCollector(self))
+        self.registry.register(exposition.NodeCollector(self))
 
         if start_sampler and self.multiproc_dir is not None:
             self._sampler = threading.Thread(target=self._sample_loop, name="trainguard-metrics-sampler", daemon=True)
@@ -185,17 +126,17 @@ class AgentMetrics(HangMetrics):
         self._m_state = Gauge(P + "agent_state", "1 for the agent's current state, 0 for the others.", ["state"], registry=r)
         for s in names.AGENT_STATES:
             self._m_state.labels(state=s).set(1 if s == self._state else 0)
-        self._states = _Bounded(names.AGENT_STATES)
+        self._states = names.BoundedLabels(names.AGENT_STATES)
         self._m_world = Gauge(P + "world_size", "Worker processes in the current world (all nodes).", registry=r)
         self._m_nodes = Gauge(P + "nodes", "Nodes in the current world.", registry=r)
         self._m_round = Gauge(P + "rendezvous_round", "Current rendezvous round number.", registry=r)
         self._m_rounds = Counter(P + "rendezvous_rounds", "Rendezvous rounds this agent completed.", registry=r)
         self._m_restarts = Counter(P + "restarts", "Worker-group restarts by reason.", ["reason"], registry=r)
-        self._restart_reasons = _Bounded(names.RESTART_REASONS)
+        self._restart_reasons = names.BoundedLabels(names.RESTART_REASONS)
         for reason in names.RESTART_REASONS:
             self._m_restarts.labels(reason=reason)
         self._m_notices = Counter(P + "preemption_notices", "Preemption notices received, by source.", ["source"], registry=r)
-        self._sources = _Bounded(names.NOTICE_SOURCES)
+        self._sources = names.BoundedLabels(names.NOTICE_SOURCES)
         for src in names.NOTICE_SOURCES:
             self._m_notices.labels(source=src)
         self._m_drain = Histogram(P + "drain_duration_seconds", "Time from a preemption notice to the drain being done.",
@@ -270,20 +211,9 @@ class AgentMetrics(HangMetrics):
         """A drain finished ``seconds`` after its notice (checkpoint committed, workers out)."""
         self._m_drain.observe(seconds)
 
-    def drain_costs(self) -> tuple[float | None, float | None]:
-        """``(step, longest checkpoint stage + persist)`` this node's workers measured, any checkpoint
-        kind, as upper bounds (the bucket holding the 99th percentile of the steps, the largest of the
-        checkpoints); None where nothing was measured. Reads the histogram files: for a notice, not for
-        every sample."""
-        fams = self._worker_families("histogram_*.db")
-        # A step: the 99th percentile (a first step that compiled or autotuned for a minute is no
-        # drain's step); a checkpoint: the longest (the emergency one must fit).
-        step = _hist_max(fams, P + "step_duration_seconds", q=STEP_QUANTILE)
-        stage = _hist_max(fams, P + "checkpoint_stage_duration_seconds")
-        persist = _hist_max(fams, P + "checkpoint_persist_duration_seconds")
-        return step, None if stage is None and persist is None else (stage or 0.0) + (persist or 0.0)
-
     def set_drain_lead(self, seconds: float) -> None:
+        """The lead the agent sized at the last notice (``trainguard_drain_lead_seconds``; see
+        :mod:`trainguard.agent.lead`: the agent measures it from its workers' reports, not from here)."""
         self._m_drain_lead.set(seconds)
 
     def lost_work(self, seconds: float, steps: int, reason: str = "recompute") -> float:
@@ -488,7 +418,7 @@ class AgentMetrics(HangMetrics):
         if self.multiproc_dir is None:
             return
         # Counters and gauges only: histogram files are most of the bytes and not needed here.
-        vals = _values(self._worker_families(("counter_*.db", "gauge_*.db")))
+        vals = exposition.values(self._worker_families(("counter_*.db", "gauge_*.db")))
         t = self._clock() if now is None else now
         samples = vals.get(P + "samples_total", 0.0)
         tokens = vals.get(P + "tokens_total", 0.0)
@@ -543,63 +473,11 @@ class AgentMetrics(HangMetrics):
 
     # -- exposition -----------------------------------------------------------------------------
     def _computed(self, worker: list[Metric]) -> Iterator[Metric]:
-        vals = _values(worker)
         with self._lock:
             g = self.ledger.snapshot()
             rates = self._rates
-        c = cost_snapshot(g, self.price.per_hour, tokens=vals.get(P + "tokens_total", 0.0),
-                          samples=vals.get(P + "samples_total", 0.0))
-
-        yield CounterMetricFamily(P + "paid_seconds", "Paid time of this node since the agent started.", value=g.paid_s)
-        yield GaugeMetricFamily(P + "productive_seconds",
-                                "Paid time spent training steps that were kept (drops when a rollback is found).",
-                                value=g.productive_s)
-        m = CounterMetricFamily(P + "wasted_seconds", "Paid time not spent on kept training, by reason.", labels=["reason"])
-        for reason, s in g.wasted_s.items():
-            m.add_metric([reason], s)
-        yield m
-        yield CounterMetricFamily(P + "recomputed_steps", "Steps rolled back to a checkpoint and trained again.",
-                                  value=g.recomputed_steps)
-        yield GaugeMetricFamily(P + "goodput_ratio", "Productive time / paid time since the agent started (0..1).",
-                                value=g.goodput)
-        yield GaugeMetricFamily(P + "price_per_hour", "Price of this node per hour, in the currency of trainguard_pricing_info.",
-                                value=self.price.per_hour)
-        yield InfoMetricFamily(P + "pricing", "Where the node's price comes from.",
-                               value={"capacity": self.price.capacity, "currency": self.cost_config.currency,
-                                      "source": self.price.source.split(":", 1)[0]})
-        yield CounterMetricFamily(P + "cost", "Cost of this node since the agent started.", value=c.total)
-        m = CounterMetricFamily(P + "cost_wasted", "Cost of wasted time on this node, by reason.", labels=["reason"])
-        for reason, v in c.wasted.items():
-            m.add_metric([reason], v)
-        yield m
-        if c.per_million_tokens is not None:
-            yield GaugeMetricFamily(P + "cost_per_million_tokens", "This node's cost / its tokens x 1e6.",
-                                    value=c.per_million_tokens)
-        if c.per_thousand_samples is not None:
-            yield GaugeMetricFamily(P + "cost_per_thousand_samples", "This node's cost / its samples x 1e3.",
-                                    value=c.per_thousand_samples)
-        if rates is not None:
-            yield GaugeMetricFamily(P + "samples_per_second",
-                                    f"Samples/s on this node over the last {self.config.throughput_window_s:g} s.",
-                                    value=rates[0])
-            yield GaugeMetricFamily(P + "tokens_per_second",
-                                    f"Tokens/s on this node over the last {self.config.throughput_window_s:g} s.",
-                                    value=rates[1])
-        readings = self._gpu.read()
-        if readings:
-            used = GaugeMetricFamily(P + "gpu_memory_used_bytes", "GPU memory in use (NVML), per GPU.", labels=["gpu"])
-            total = GaugeMetricFamily(P + "gpu_memory_total_bytes", "GPU memory size (NVML), per GPU.", labels=["gpu"])
-            util = GaugeMetricFamily(P + "gpu_utilization_ratio",
-                                     "Fraction of the last sample period a kernel ran (NVML), per GPU.", labels=["gpu"])
-            for rd in readings:
-                used.add_metric([rd.label], rd.used_bytes)
-                total.add_metric([rd.label], rd.total_bytes)
-                if rd.utilization_ratio is not None:
-                    util.add_metric([rd.label], rd.utilization_ratio)
-            yield used
-            yield total
-            if util.samples:
-                yield util
+        return exposition.computed_families(worker, g, rates, price=self.price, currency=self.cost_config.currency,
+                                            window_s=self.config.throughput_window_s, read_gpu=self._gpu.read)
 
     def set_stored_commit(self, step: int, unix_s: float) -> None:
         """The job's newest committed step in the checkpoint store (read at agent start) and when it was
@@ -612,78 +490,14 @@ class AgentMetrics(HangMetrics):
     def _with_stored_commit(self, worker: list[Metric]) -> list[Metric]:
         with self._lock:
             stored = self._stored_commit
-        if stored is None:
-            return worker
-        want = {P + "checkpoint_last_committed_step": stored[0], P + "checkpoint_last_commit_timestamp_seconds": stored[1]}
-        for fam in worker:
-            if fam.name in want:
-                floor = want.pop(fam.name)
-                fam.samples[:] = [s._replace(value=max(s.value, floor)) for s in fam.samples]
-        docs = {P + "checkpoint_last_committed_step": "Step of the newest committed checkpoint.",
-                P + "checkpoint_last_commit_timestamp_seconds": "Unix time of the newest committed checkpoint."}
-        return worker + [GaugeMetricFamily(name, docs[name], value=v) for name, v in want.items()]
+        return exposition.with_stored_commit(worker, stored)
 
     def collect(self) -> Iterator[Metric]:
         """All families of this node, before the ``node`` and ``job_id`` labels are added (see
-        :class:`_NodeCollector`)."""
+        :class:`~trainguard.metrics.exposition.NodeCollector`)."""
         yield from self._inner.collect()
         worker = self._with_stored_commit(self._worker_families())
         yield from worker
         yield from self._computed(worker)
 
 
-def _values(families: Iterable[Metric]) -> dict[str, float]:
-    """Unlabelled sample values by sample name (labelled samples are summed)."""
-    out: dict[str, float] = {}
-    for fam in families:
-        for s in fam.samples:
-            if s.name.endswith("_bucket"):
-                continue
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
-
-
-STEP_QUANTILE = 0.99
-"""The share of a node's steps the drain lead's step bound covers (:meth:`AgentMetrics.drain_costs`)."""
-
-
-def _hist_max(families: Iterable[Metric], name: str, q: float = 1.0) -> float | None:
-    """An upper bound of the ``q`` quantile (default: the largest observation) of histogram ``name``,
-    the largest over its label sets: the smallest bucket bound that holds that share of the
-    observations (twice the largest finite bound when only ``+Inf`` does). None when nothing was
-    observed."""
-    series: dict[tuple[tuple[str, str], ...], list[tuple[float, float]]] = {}
-    for fam in families:
-        for s in fam.samples:
-            if s.name == name + "_bucket" and "le" in s.labels:
-                key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
-                series.setdefault(key, []).append((float(s.labels["le"]), s.value))
-    best: float | None = None
-    for buckets in series.values():
-        buckets.sort()
-        total = buckets[-1][1]
-        if total <= 0:
-            continue
-        finite = [le for le, _ in buckets if math.isfinite(le)]
-        v = next(le for le, n in buckets if n >= q * total)
-        if not math.isfinite(v):
-            v = 2 * max(finite, default=1.0)
-        best = v if best is None else max(best, v)
-    return best
-
-
-class _NodeCollector:
-    """Adds ``node`` and ``job_id`` to every sample and drops ``_created`` samples (noise in the text format)."""
-
-    def __init__(self, owner: AgentMetrics) -> None:
-        self._owner = owner
-
-    def collect(self) -> Iterator[Metric]:
-        node, job_id = self._owner.node, self._owner.job_id
-        for fam in self._owner.collect():
-            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-            for s in fam.samples:
-                if s.name.endswith("_created"):
-                    continue
-                out.samples.append(s._replace(labels={"node": node, "job_id": job_id, **s.labels}))
-            yield out

@@ -49,11 +49,14 @@ Threading: every function here is safe to call from any thread; none keeps state
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
 import struct
+import threading
 import time
+from collections.abc import Iterator
 
 ENV_VAR = "PROMETHEUS_MULTIPROC_DIR"
 """The variable prometheus_client reads (at import, in the worker) to enable multiprocess mode."""
@@ -194,3 +197,42 @@ def compact_dead(path: str, pid: int) -> int:
         os.remove(dead)
         folded += 1
     return folded
+
+
+class ReadWriteLock:
+    """Many concurrent readers (scrapes, the sampler) or one writer (compaction of dead workers).
+
+    Reads of the channel never wait for each other, only for a compaction, which is rare and short.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()

@@ -10,6 +10,8 @@ is in ``docs/metrics.md``; ``tests/metrics/snapshot_metrics.json`` freezes it.
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Iterable
 
 from trainguard.contract.protocol import AgentState, CheckpointKind, CheckpointTier, EvictionCause, NoticeSource, Phase
 
@@ -74,3 +76,21 @@ def normalize_label(value: str) -> str:
     """``"Worker-Failure"`` -> ``"worker_failure"``; anything unusable becomes ``other``."""
     v = re.sub(r"[^a-z0-9_]+", "_", str(value).strip().lower()).strip("_")
     return v if _LABEL_VALUE.match(v) else "other"
+
+
+class BoundedLabels:
+    """Free-form label values, normalised, at most :data:`MAX_DYNAMIC_LABEL_VALUES` distinct."""
+
+    def __init__(self, known: Iterable[str]) -> None:
+        self.seen = set(known)
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        v = normalize_label(value)
+        with self._lock:
+            if v in self.seen:
+                return v
+            if len(self.seen) >= MAX_DYNAMIC_LABEL_VALUES:
+                return "other"
+            self.seen.add(v)
+            return v

@@ -7,7 +7,11 @@
   :mod:`~trainguard.runtime.reformation` (park, join, live-state hand-over) over
   :mod:`~trainguard.runtime.reform` (process groups), :mod:`~trainguard.runtime.session` (the agent
   session: link, SIGTERM, reports, the exit), :mod:`~trainguard.runtime.tiers` (the checkpoint tiers
-  of one world);
+  of one world), :mod:`~trainguard.runtime.groups` (the first world, the side groups),
+  :mod:`~trainguard.runtime.stepend` (the end of a step: the boundary decision carried out),
+  :mod:`~trainguard.runtime.stopping` (a stop: its checkpoint, report, park or exit),
+  :mod:`~trainguard.runtime.liveness` (hang detection's heartbeats) and
+  :mod:`~trainguard.runtime.finishing` (the end of training);
 * :mod:`~trainguard.runtime.cursor` — the global sample cursor (exact data position at any world size);
 * :mod:`~trainguard.runtime.link` — the worker's end of the agent's control socket;
 * :mod:`~trainguard.runtime.shim` — orphan safety, the first code every worker process runs.

@@ -13,7 +13,8 @@ agreement is never in it (a step starts after its boundary). Strategies that als
 (FSDP's all-gathers) show some of the straggler's slowness on its peers as well: the score is then
 smaller than the true ratio, never larger (the detector errs towards keeping a node).
 
-**Where it goes.** The values are batched and sent to the agent as one
+**Where it goes.** The values (with each step's whole time and the checkpoints committed meanwhile, for
+the drain lead: :mod:`trainguard.agent.lead`) are batched and sent to the agent as one
 :class:`~trainguard.contract.protocol.Pace` report per step agreement (at most every
 :data:`REPORT_EVERY_S`), not per step; the agents share a window of them through the rendezvous store
 (:mod:`trainguard.agent.straggler` says why the store and not the flag all-reduce).
@@ -39,6 +40,8 @@ class PaceMeter:
         self._clock = clock
         self._blocked_s = 0.0
         self._pending: list[float] = []
+        self._pending_step: list[float] = []
+        self._checkpoints: list[float] = []  # appended by the persist thread (list.append), taken here
         self._last_step = 0
         self._sent_at = -float("inf")
 
@@ -52,9 +55,16 @@ class PaceMeter:
         compute = max(0.0, step_s - self._blocked_s)
         self._blocked_s = 0.0
         self._pending.append(compute)
+        self._pending_step.append(max(0.0, step_s))
         del self._pending[:-proto.Pace.MAX_PACE]  # an agent that never reads: keep the newest
+        del self._pending_step[:-proto.Pace.MAX_PACE]
         self._last_step = step
         return compute
+
+    def checkpoint_done(self, seconds: float) -> None:
+        """A checkpoint of this rank was committed after ``seconds`` of stage + persist (any thread: the
+        persist thread reports a background save here)."""
+        self._checkpoints.append(max(0.0, seconds))
 
     def discard_step(self) -> None:
         """The step in progress was rolled back (a peer vanished): its blocked time counts for nothing."""
@@ -68,4 +78,9 @@ class PaceMeter:
             return None
         self._sent_at = now
         values, self._pending = tuple(round(v, 6) for v in self._pending), []
-        return proto.Pace(rank=rank, local_rank=local_rank, step=self._last_step, compute_s=values)
+        steps, self._pending_step = tuple(round(v, 6) for v in self._pending_step), []
+        taken = len(self._checkpoints)  # the persist thread may append meanwhile: those go with the next report
+        checkpoints = tuple(round(v, 6) for v in self._checkpoints[:taken][-proto.Pace.MAX_PACE:])
+        del self._checkpoints[:taken]
+        return proto.Pace(rank=rank, local_rank=local_rank, step=self._last_step, compute_s=values, step_s=steps,
+                          checkpoint_s=checkpoints)

@@ -65,7 +65,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -78,16 +77,18 @@ from trainguard.contract.log import get_logger
 from trainguard.runtime import device as dev
 from trainguard.runtime import reform as rf
 from trainguard.runtime.agreement import StepAgreement
-from trainguard.runtime.boundary import BoundaryAct, Flags, SaveAsk, decide_boundary
 from trainguard.runtime.cursor import GlobalSampleCursor
 from trainguard.runtime.faults import FaultHooks
 from trainguard.runtime.finishing import Finishing
+from trainguard.runtime.groups import Groups, first_world
 from trainguard.runtime.liveness import _PHASE_OF_STATE, Liveness
 from trainguard.runtime.pace import PaceMeter
-from trainguard.runtime.reformation import PARITY_ABANDON_S, Reformation
+from trainguard.runtime.reformation import Reformation
 from trainguard.runtime.session import AgentSession
+from trainguard.runtime.stepend import StepEnd
 from trainguard.runtime.state import TRANSITIONS, WorkerState
-from trainguard.runtime.tiers import CheckpointTiers, SaveAbandoned
+from trainguard.runtime.stopping import Stopping
+from trainguard.runtime.tiers import CheckpointTiers
 from trainguard.strategies.base import ReformState, Strategy, get_strategy
 from trainguard.strategies.batch import split
 
@@ -96,13 +97,7 @@ log = get_logger("trainguard.worker")
 _GLOO_DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout for gloo (when pg_timeout_s is 0)
 
 
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1e3, 3)
-
-
-class Runtime(Liveness, Finishing):
+class Runtime(Groups, StepEnd, Stopping, Liveness, Finishing):
     """One worker's link to trainguard. Not thread-safe: the training loop owns it."""
 
     def __init__(self, *, rank: int, world_size: int, local_rank: int, job_id: str, checkpoint: CheckpointConfig,
@@ -174,23 +169,6 @@ class Runtime(Liveness, Finishing):
         if reform and not self._session.linked:
             self.reform_enabled = False  # in-place re-formation needs an agent to re-form the rendezvous
 
-    # ---- construction -------------------------------------------------------------------------
-    def _group_connections(self) -> contextlib.AbstractContextManager[None]:
-        """With a strategy that makes groups of its own (:attr:`Strategy.makes_groups`), record the gloo
-        connections of the groups made inside (its device-mesh sub-groups), so
-        that a rank that parks after a peer failure ends them too (:func:`rf.end_world_connections`): a
-        survivor blocked in a collective of such a group with this rank (model_parallel's tensor-parallel
-        all-reduce) fails it at once instead of waiting out the process-group timeout."""
-        if self.strategy is None or not self.strategy.makes_groups or dev.backend_for(self.device) != "gloo":
-            return contextlib.nullcontext()  # only a strategy's own groups: nothing else opened meanwhile is recorded
-        return rf.world_connections()
-
-    def _new_gloo_group(self) -> Any:
-        """A gloo side group with ``workers.pg_timeout_s`` (torch's default when unset)."""
-        kw: dict[str, Any] = {"timeout": timedelta(seconds=self.pg_timeout_s)} if self.pg_timeout_s > 0 else {}
-        with rf.world_connections():
-            return dist.new_group(backend="gloo", **kw)
-
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Runtime:
         """Initialise the process group from the torchelastic env (gloo on CPU, NCCL on GPU) and read
@@ -198,31 +176,7 @@ class Runtime(Liveness, Finishing):
 
         A standby worker (a joiner warming up before its world exists) makes no process group here:
         :meth:`setup` waits for the agent's :class:`~trainguard.contract.protocol.Reform` first."""
-        rtenv = proto.RuntimeEnv.from_env(env)
-        from trainguard.contract import log as tglog
-
-        tglog.configure(rtenv.log_format or "auto")  # the agent's format (its output tees ours), else by stderr
-        reform = rtenv.reform and rtenv.under_agent
-        device = dev.select_device(rtenv.local_rank)
-        dev.bind(device)  # before init_process_group, and before the script builds anything on the GPU
-        if not rtenv.standby and (rtenv.world_size > 1 or reform) and not dist.is_initialized():
-            if rtenv.under_agent and rtenv.master_addr:
-                # Every worker a trainguard agent starts joins through the arrival count that a re-formed
-                # worker's join waits on (reform.arrive): fresh and re-formed workers can share a world.
-                rf.init_world(rank=rtenv.rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
-                              local_world_size=rtenv.local_world_size, master_addr=rtenv.master_addr,
-                              master_port=rtenv.master_port, device=device, timeout_s=rtenv.pg_timeout_s)
-            else:
-                dist.init_process_group(dev.backend_for(device), **dev.init_kwargs(device, rtenv.pg_timeout_s))
-        rank = dist.get_rank() if dist.is_initialized() else (-1 if rtenv.standby else 0)
-        return cls(rank=rank, world_size=rtenv.world_size, local_rank=rtenv.local_rank,
-                   job_id=rtenv.job_id or rtenv.run_id or "trainguard", rdzv_id=rtenv.run_id,
-                   rdzv_round=rtenv.round, checkpoint=CheckpointConfig(**rtenv.checkpoint),
-                   control_path=rtenv.control_path, reform=reform, reform_timeout_s=rtenv.reform_timeout_s,
-                   pg_timeout_s=rtenv.pg_timeout_s, standby=rtenv.standby, local_world_size=rtenv.local_world_size,
-                   inject_fault=rtenv.inject_fault, device=device, memory_dir=rtenv.memory_dir,
-                   step_agreement=rtenv.step_agreement, step_agreement_period_s=rtenv.step_agreement_period_s,
-                   progress_interval_s=rtenv.progress_interval_s)
+        return cls(**first_world(env))
 
     @property
     def step_agreement(self) -> str:
@@ -442,221 +396,5 @@ class Runtime(Liveness, Finishing):
         a vanished peer interrupted it and the new world redoes it (with the same samples). A rank whose
         own optimizer step failed still gets True when another survivor finished that step: the new
         world continues from the newest live state, so the step counted for the job."""
-        assert self.cursor is not None, "setup() first"
-        stepped, self._stepped = self._stepped, False
-        if self.worker_state is WorkerState.BROKEN:
-            attempted = self.step + 1
-            if stepped:  # the optimizer step ran on this rank: the step happened; the new world agrees
-                self.step += 1
-                self._reform.park(proto.ParkReason.PEER_LOST)
-                return True
-            self._roll_back_step()
-            self._pace.discard_step()
-            self._reform.park(proto.ParkReason.PEER_LOST)
-            # The survivors agree on the newest live state (sync_live_state): a peer whose all-reduce
-            # completed before the failure handed the finished step over, and it is not redone.
-            if self.step < attempted:
-                return False
-            self._log.info("step_handed_over", step=attempted, reason="a survivor finished it before the failure")
-            return True
-        self.step += 1
-        now = time.monotonic()
-        step_s = now - self._step_started  # the step itself: what end_step does next is not part of it
-        if self._tiers.manager is not None and not self._tiers.staging_ready:
-            # After the first step the optimizer state exists: allocate the staging buffers now, so that
-            # the first save (perhaps an emergency one, against a deadline) does not pay for them.
-            self._tiers.staging_ready = True
-            self._tiers.manager.prepare_staging(self._state())
-        # Between two agreements nothing is exchanged or acted on; the step-time histogram waits in the process.
-        between = self._agreement.between(self.step)
-        # One rank per data-parallel share counts its samples, so the job's sum is the global batch.
-        per_rank = self.cursor.global_batch_size // self.dp_size if self._counts_samples else 0
-        if self._timer.cuda:  # host time says when work was queued: the GPU's events time the steps it finished
-            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, None, defer=True)
-            for seconds in self._timer.lap():
-                self._metrics.observe_step_time(seconds, defer=True)
-        else:
-            self._metrics.observe_step(self.step, per_rank, per_rank * self.tokens_per_sample, step_s, defer=True)
-        if not between:
-            self._metrics.flush()
-        self._metrics.sample_gpu_peak(now)
-        self._agreement.observe_step(step_s)
-        self._pace.step_done(self.step, step_s)
-        if self._tiers.interval is not None and self._tiers.manager is not None:
-            self._tiers.interval.observe_step(step_s, persisting=self._tiers.manager.in_flight is not None)
-        if between:
-            self._tiers.snapshot()
-            self._step_started = time.monotonic()
-            return True
-        # Overlapped: the exchange issued at the previous boundary has run beside the steps since; read
-        # it and act on it here, then issue this boundary's for the next one. Blocking, and the first
-        # boundary of a world (nothing issued yet): exchange now and wait.
-        try:
-            with self._phase(proto.Phase.AGREEMENT):
-                agreed, mine = self._agreement.await_flags(lambda ahead: self._local_flags(now, ahead))
-        except Exception as e:
-            if not self._peer_failed(e):
-                raise
-            self._reform.park(proto.ParkReason.PEER_LOST)  # the step itself completed on every survivor
-            return True
-        if not self._act(agreed, mine):
-            return True
-        pace = self._pace.report(self.rank, self.local_rank)
-        if pace is not None:
-            self._session.report(pace)
-        if self._agreement.overlapped:  # for the next multiple of the agreed stride
-            self._agreement.issue(self.step, lambda ahead: self._local_flags(time.monotonic(), ahead))
-        self._step_started = time.monotonic()
-        return True
+        return self._end_step()
 
-    def _local_flags(self, now: float, ahead: int) -> tuple[Flags, proto.StopReason]:
-        """This rank's side of the step-boundary agreement (:class:`~trainguard.runtime.boundary.Flags`)
-        and its own stop request in it. ``ahead``: the agreement is
-        acted on that many steps later (a periodic save is asked for the step it will be taken at)."""
-        due = (self._tiers.interval_step(now, ahead) if self._tiers.interval is not None and self._tiers.manager is not None
-               else False)
-        notice = self._session.take_checkpoint() if self._tiers.manager is not None else None
-        if notice is not None:
-            self._log.info("checkpoint_requested", step=self.step + ahead, reason=notice)
-        due = due or self._tiers.save_deferred
-        mine = self._session.request()
-        # A save started at this very boundary counts only when the flags are acted on at the next step;
-        # acted on ``ahead`` > 1 steps later (a stride), it has those steps to persist, and counting it
-        # would defer every other save of an interval as short as the stride.
-        inflight = self._tiers.manager.in_flight if self._tiers.manager is not None else None
-        overlapped = self.step_agreement == "overlapped"
-        every = self._tiers.interval.policy.steps if self._tiers.interval is not None and self._tiers.manager is not None else 0
-        flags = Flags(stop=mine, save=SaveAsk.NOTICE if notice is not None else SaveAsk(int(bool(due))),
-                      deadline=self._session.deadline(), busy=inflight is not None and (ahead <= 1 or inflight < self.step),
-                      overlapped=overlapped, blocking=not overlapped, stride=self._agreement.stride_proposal(every),
-                      memory_every=self._tiers.memory_proposal())
-        return flags, mine
-
-    def _act(self, agreed: Flags, mine: proto.StopReason) -> bool:
-        """Carry out what every rank agreed (the MAX of the flags) at this boundary, as
-        :func:`~trainguard.runtime.boundary.decide_boundary` decides: stop or re-form, then the snapshot
-        and the save. ``mine``: this rank's own stop request in that agreement. False when this worker
-        parked (and re-formed) meanwhile: the step is over for the caller."""
-        assert self.strategy is not None
-        d = decide_boundary(agreed, mine=mine, reform_in_place=self.reform_enabled, reform_state=self.strategy.reform_state,
-                            defer_when_busy=self.checkpoint_config.when_busy == "defer",
-                            save_deferred=self._tiers.save_deferred, mixed=self._agreement.mixed)
-        self._agreement.stride = d.stride
-        if agreed.memory_every != self._tiers.memory_every and self._tiers.memory is not None:
-            self._log.info("memory_interval_changed", step=self.step, interval_steps=agreed.memory_every,
-                           before=self._tiers.memory_every, snapshot_ms=_ms(self._tiers.snapshot_mean_s),
-                           step_ms=_ms(self._agreement.step_mean_s),
-                           max_overhead=self.checkpoint_config.memory_max_overhead)
-        self._tiers.memory_every = d.memory_every
-        if d.mixed and not self._agreement.mixed:
-            self._agreement.mixed = True
-            self._log.warning("step_agreement_mixed", step=self.step, configured=self.step_agreement,
-                              effect="this world agrees blocking; set workers.step_agreement alike on every node")
-        if d.save_deferred and not self._tiers.save_deferred:
-            self._log.info("checkpoint_deferred", step=self.step, reason="the previous save is still persisting")
-        self._tiers.save_deferred = d.save_deferred
-        if d.act is BoundaryAct.SURVIVE:
-            # The re-formation itself saves nothing where the state is handed over in memory: the periodic
-            # save agreed here is taken first, so that the step the new world continues from is durable.
-            if d.save and not self._periodic_save(d.save):
-                return False  # a peer vanished during it: re-formed already
-            self._survive(d.stop, d.deadline)  # this node stays: park and re-form in place
-            return False
-        if d.act is BoundaryAct.STOP:
-            self._stop(d.stop, d.deadline)  # exits with the resize code
-        self._tiers.snapshot()
-        if d.save:
-            return self._periodic_save(d.save)
-        return True
-
-    def _periodic_save(self, save: SaveAsk) -> bool:
-        """The periodic or out-of-cycle (notice) checkpoint agreed at this step.
-        False when a peer vanished during it (this worker parked and re-formed meanwhile)."""
-        if self._tiers.interval is not None:
-            self._tiers.interval.saved()
-        try:
-            with self._phase(proto.Phase.SAVE):
-                self._tiers.save(proto.CheckpointKind.NOTICE.value if save is SaveAsk.NOTICE else proto.CheckpointKind.PERIODIC.value)
-        except Exception as e:  # staging gathers over the ranks: a peer may vanish right here
-            if not self._peer_failed(e):
-                raise
-            self._reform.park(proto.ParkReason.PEER_LOST)
-            return False
-        return True
-
-    def _roll_back_step(self) -> None:
-        assert self.cursor is not None and self._optimizer is not None
-        if self._cursor_at_step_start is not None:
-            self.cursor.load_state_dict(self._cursor_at_step_start)
-        self._optimizer.zero_grad(set_to_none=True)
-        self._log.warning("step_rolled_back", step=self.step + 1, reason="peer_lost")
-
-    # ---- in-place re-formation ------------------------------------------------------------------
-    def _survive(self, why: proto.StopReason, deadline: float | None = None) -> None:
-        """A peer drains or a node joins: commit what durability needs, then park for the new world.
-        A save still running at the drain ``deadline`` is abandoned (see :meth:`CheckpointTiers.save_by`): the worker
-        exits with the resize code and the world restarts from the last commit."""
-        kind = why.checkpoint_kind.value
-        assert self.strategy is not None
-        need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state is ReformState.CHECKPOINT
-        if self._tiers.manager is not None and need_checkpoint:
-            try:
-                with self._phase(proto.Phase.SAVE):
-                    seconds, result, committed = self._tiers.save_by(kind, deadline)
-            except SaveAbandoned as e:
-                self._abandon(why, e)
-            self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
-                           before_deadline=deadline is None or time.time() <= deadline)
-            self._session.report(self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed))
-        self._reform.park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
-
-    def _abandon(self, why: proto.StopReason, e: SaveAbandoned) -> None:
-        """The deadline passed mid-save: the last committed checkpoint stands. Say how much work that
-        loses, tell the agent, and exit with the resize code (no cleanup: a thread may be stuck in a
-        collective with a vanished peer, and closing the manager would wait for it)."""
-        last = self._tiers.committed
-        self._metrics.observe_checkpoint(why.checkpoint_kind.value, None, None, 0.0, 0, self.step, False)
-        self._log.error("checkpoint_abandoned", step=self.step, kind=why.checkpoint_kind.value, reason=str(e),
-                        last_committed=last, lost_steps=self.step - (last or 0),
-                        effect="exiting with the resize code; the job resumes from the last committed step")
-        self._session.report(proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
-                                              last_committed=last, error=str(e)[:500]))
-        self._exit(proto.EXIT_RESIZE)
-
-    def _stop(self, why: proto.StopReason, deadline: float | None = None) -> None:
-        kind = why.checkpoint_kind.value
-        self._log.warning("worker_stopping", step=self.step, kind=kind,
-                          deadline_in_s=round(deadline - time.time(), 1) if deadline else None)
-        report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False)
-        if self._tiers.manager is None:
-            self._metrics.observe_checkpoint(kind, None, None, 0.0, 0, self.step, False)
-            self._log.warning("checkpoint_not_saved", step=self.step, kind=kind, reason="checkpoint.url is not set",
-                              effect="the next start begins from step 0")
-        else:
-            try:
-                with self._phase(proto.Phase.SAVE):
-                    seconds, result, committed = self._tiers.save_by(kind, deadline)
-                self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
-                               before_deadline=deadline is None or time.time() <= deadline)
-                report = self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed)
-            except SaveAbandoned as e:
-                self._abandon(why, e)
-            except Exception as e:  # the last committed checkpoint stands; say how much work that loses
-                last = self._tiers.committed  # local knowledge: asking rank 0 is a collective, and a peer may be gone
-                self._metrics.observe_checkpoint(kind, None, None, self._tiers.manager.last_blocked_s, 0, self.step, False)
-                self._log.error("checkpoint_failed", step=self.step, kind=kind, error=str(e)[:500], last_committed=last,
-                                lost_steps=self.step - (last or 0))
-                report = proto.Committed(step=self.step, kind=why.checkpoint_kind, rank=self.rank, saved=False,
-                                         last_committed=last, error=f"{type(e).__name__}: {e}"[:500])
-        self._session.report(report)
-        if self._tiers.manager is not None:
-            self._tiers.manager.close()
-        self._exit(proto.EXIT_RESIZE)
-
-    def _exit(self, code: int) -> None:
-        """The last local work, then :meth:`AgentSession.exit` (the process ends with ``code``)."""
-        if self._tiers.memory is not None and self._tiers.memory.parity:
-            self._tiers.memory.abandon(PARITY_ABANDON_S)  # a snapshot past its parity agreement finishes its local write
-        if self._metrics is not None:
-            self._metrics.flush()
-        self._session.exit(code)

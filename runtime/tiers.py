@@ -299,6 +299,7 @@ class CheckpointTiers:
                 rt._metrics.observe_checkpoint(kind, stage, None, blocked, 0, step, False)
             elif not r.skipped:
                 rt._metrics.observe_checkpoint(kind, r.stage_s, r.persist_s, r.blocked_s, r.nbytes, r.step, True)
+                rt._pace.checkpoint_done(r.stage_s + r.persist_s)  # reported to the agent (its drain lead)
             if background:
                 persisted.append((r.persist_s if r is not None else 0.0, r is not None and not r.skipped))
 

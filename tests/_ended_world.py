@@ -1,4 +1,4 @@
-"""One rank of ``tests/test_world_connections.py``: two gloo ranks, a DDP model on each (its reducer
+"""One rank of ``tests/runtime/test_world_connections.py``: two gloo ranks, a DDP model on each (its reducer
 keeps the default group alive), rank 1 blocked in an all-reduce rank 0 never joins; rank 0 parks."""
 
 from __future__ import annotations

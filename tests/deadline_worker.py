@@ -1,4 +1,4 @@
-"""One rank of the abandoned-emergency-save scenario (``tests/test_emergency_deadline.py``).
+"""One rank of the abandoned-emergency-save scenario (``tests/runtime/test_stopping.py``).
 
 Both ranks train one step and commit it. Rank 1 then freezes (SIGSTOP: its sockets stay open, no
 reset, no data — a peer that vanished without a TCP reset); rank 0 is asked to drain with a deadline

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from trainguard.checkpoint.lead import FACTOR, MIN_S, UNMEASURED_S
+from trainguard.agent.lead import FACTOR, MIN_S, UNMEASURED_S
 from trainguard.contract.configbase import require
 
 SOURCES = ("auto", "aws", "gcp", "azure", "signal", "none")
@@ -73,8 +73,8 @@ class PreemptionConfig:
     drain_lead_s: str = "auto"
     """Seconds before a scheduled event's start at which a delayed drain begins (Azure Reboot/Redeploy
     with ``on_early_warning: checkpoint``, and cloud terminations with ``train_through_notice``); events
-    closer than this drain at once. ``auto`` (the default) sizes it at each notice from what this node
-    measured: ``drain_lead_factor`` x (a step, the 99th percentile of its steps, + its longest checkpoint
+    closer than this drain at once. ``auto`` (the default) sizes it at each notice from what this node's
+    workers reported: ``drain_lead_factor`` x (a step, the 99th percentile of its steps, + its longest checkpoint
     stage + persist, any kind), at least ``drain_lead_min_s``; ``drain_lead_unmeasured_s`` before
     anything was measured. A number fixes it: keep it above the emergency checkpoint's time plus the leave."""
 

@@ -52,6 +52,24 @@ def test_decide(name, obs, act, reason, consume):
     assert d.consume_restart is consume
 
 
+REJOIN_CASES = [
+    # (name, observation, whether the restart leaves the round at once and rejoins warm)
+    ("in place, 2 nodes", Observation(W.EXITED, (-9,), remaining_restarts=1, reform_in_place=True, world_nodes=2), True),
+    ("in place, alone", Observation(W.EXITED, (-9,), remaining_restarts=1, reform_in_place=True, world_nodes=1), False),
+    ("restart mode, 2 nodes", Observation(W.EXITED, (-9,), remaining_restarts=1, world_nodes=2), False),
+    ("unknown state, in place, 3 nodes", Observation(W.UNKNOWN, remaining_restarts=1, reform_in_place=True, world_nodes=3), True),
+    ("resize exit never rejoins", Observation(W.EXITED, (R,), reform_in_place=True, world_nodes=2), False),
+    ("member lost restart never rejoins", Observation(W.HEALTHY, member_lost=True, reform_in_place=True, world_nodes=2), False),
+]
+
+
+@pytest.mark.parametrize("name,obs,rejoin", REJOIN_CASES, ids=[c[0] for c in REJOIN_CASES])
+def test_a_worker_failure_in_a_world_that_re_forms_in_place_leaves_and_rejoins_warm(name, obs, rejoin):
+    d = decide(obs)
+    assert d.act is Act.RESTART
+    assert d.rejoin is rejoin
+
+
 PARK_CASES = [
     # (the local workers' reasons, the node's re-formation reason)
     ((), None),

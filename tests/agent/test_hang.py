@@ -32,6 +32,8 @@ BAD = [
     ("", {"TRAINGUARD_HANG_MIN_S": "1"}, "hang.min_s", "at least heartbeat_interval_s x stale_beats"),
     ("hang:\n  stale_beats: 1\n", {}, "hang.stale_beats", "must be an integer >= 2"),
     ("hang:\n  step_factor: 0.5\n", {}, "hang.step_factor", "must be >= 1"),
+    ("hang:\n  silent_s: 1\n", {}, "hang.silent_s", "between heartbeat_interval_s x stale_beats"),
+    ("", {"TRAINGUARD_HANG_SILENT_S": "7"}, "hang.silent_s", "and min_s (6 s)"),
     ("", {"TRAINGUARD_HANG_QUARANTINE_S": "-1"}, "hang.quarantine_s", "must be >= 0"),
     ("hang:\n  warmup_s: .nan\n", {}, "hang.warmup_s", "finite"),
 ]
@@ -57,13 +59,33 @@ def test_bad_hang_config_names_key_env_var_and_fix(tmp_path, text, env, key, fra
 HUNG_AT = 100.0
 T_AFTER = HUNG_AT + CFG.min_s + 1.0
 T_BEFORE = HUNG_AT + CFG.min_s - 1.0
+T_SILENT = HUNG_AT + CFG.silent_s + 0.5  # a stopped rank: named at hang.silent_s, before the threshold
+T_NOT_SILENT = HUNG_AT + CFG.silent_s - 0.5
 
 CASES = [
     # id, ranks, now, p99, known steps, hung, culprit rank, why, node frozen
     ("training", [rv(0, beat_at=T_AFTER, progress_at=T_AFTER), rv(1, node="n1", beat_at=T_AFTER, progress_at=T_AFTER)],
      T_AFTER, 0.05, 100, False, None, "", False),
-    ("sigstop_before_threshold", [rv(0, beat_at=T_BEFORE, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT)],
+    ("sigstop_before_silent_s", [rv(0, beat_at=T_NOT_SILENT, progress_at=HUNG_AT),
+                                 rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_NOT_SILENT)],
+     T_NOT_SILENT, 0.05, 100, False, None, "", False),
+    ("sigstop_after_silent_s", [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
+                                rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
+     T_SILENT, 0.05, 100, True, 1, "heartbeat_stopped_first", False),
+    ("frozen_node_after_silent_s", [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
+                                    rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
+     T_SILENT, 0.05, 100, True, 1, "heartbeat_stopped_first", True),
+    # every rank beats, none progresses (all wait in one collective): only the threshold names a hang
+    ("all_beating_before_threshold", [rv(0, beat_at=T_BEFORE, progress_at=HUNG_AT), rv(1, node="n1", beat_at=T_BEFORE, progress_at=HUNG_AT)],
      T_BEFORE, 0.05, 100, False, None, "", False),
+    # warming up (fewer than min_steps step times): a silent rank waits for the warm-up threshold
+    ("silent_while_warming_up", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT),
+                                 rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_AFTER)],
+     T_AFTER, 0.05, 2, False, None, "", False),
+    # a silent rank while another runs a long evaluation inside rt.busy(): the job is progressing
+    ("silent_while_a_peer_is_busy", [rv(0, phase=B, beat_at=T_SILENT, progress_at=HUNG_AT),
+                                     rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
+     T_SILENT, 0.05, 100, False, None, "", False),
     ("sigstop_worker", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_AFTER)],
      T_AFTER, 0.05, 100, True, 1, "heartbeat_stopped_first", False),
     ("frozen_node", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
@@ -116,6 +138,7 @@ def test_decide_hang(ranks, now, p99, known, hung, culprit, why, frozen):
     assert v.node_frozen is frozen
     if hung:
         assert v.stalled_s > v.threshold_s
+        assert v.threshold_s == (CFG.silent_s if now == T_SILENT else hang_threshold(CFG, p99, known))
 
 
 def test_a_40s_step_and_a_5min_evaluation_stream_give_no_false_positive():
@@ -321,7 +344,9 @@ def test_watch_names_a_stopped_worker_and_its_agent_ends_it_then_quarantines_the
     assert aa.act is HangAct.END_WORKERS and ab.act is HangAct.WATCH
     assert va.culprit.rank == 0 and va.culprit.node == "A" and va.why == "heartbeat_stopped_first"
     assert vb.culprit.rank == 0 and b.name_of(vb.culprit.node) == "node-a"
-    assert clock.t - stopped_at >= CFG.min_s
+    # a stopped rank: named once it was silent hang.silent_s, before the progress threshold (min_s)
+    assert CFG.silent_s <= clock.t - stopped_at < CFG.min_s
+    assert va.threshold_s == CFG.silent_s
     assert a.check()[1] is None  # once per world
     # the next world: the same node hangs again within hang.quarantine_s
     for w in (a, b):

@@ -46,7 +46,7 @@ def test_wheel_builds_without_setuptools_warnings_and_ships_the_data(tmp_path):
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     assert "trainguard/metrics/dashboards/trainguard.json" in names
     assert any(n.startswith("trainguard/metrics/rules/") and n.endswith(".yml") for n in names)
-    assert "trainguard/contract/protocol.py" in names
+    assert {f"trainguard/contract/protocol/{m}.py" for m in ("__init__", "env", "fields", "messages", "values")} <= set(names)
     assert not [n for n in names if n.split("/")[0] in ("contract", "agent", "metrics", "runtime", "checkpoint", "strategies")]
 
 

@@ -313,3 +313,30 @@ def test_the_self_test_runs_in_a_child_process_and_times_the_cpu_here(monkeypatc
 
     monkeypatch.setattr(subprocess, "run", broken)
     assert stragglermon.selftest_in_child(7) == 0.5 and calls == [(7, "cpu")]
+
+
+def test_a_new_world_clears_the_last_worlds_scores_at_once():
+    """A member that left (drained, lost) is not exported as scored by the survivors until their next
+    decision: the first tick of a new round clears the scores, whatever the interval (seen in the
+    real-Prometheus dashboard test: a departed node's score stayed up to one interval)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from trainguard.metrics.straggler import StragglerMetrics
+
+    registry = CollectorRegistry()
+    store, clock, wall = FakeStore(), Clock(0.0), Clock(5000.0)
+    mons, _ = _nodes(store, clock, wall, StragglerConfig(min_samples=5), names=("a", "b"))
+    mons["a"]._observer = SimpleNamespace(straggler=StragglerMetrics(registry))
+    _run(mons, store, clock, wall, {"a": 0.1, "b": 0.1}, 8)
+
+    def members():
+        return {s.labels["member"] for m in registry.collect() if m.name == "trainguard_straggler_score"
+                for s in m.samples}
+
+    assert members() == {"a", "b"}
+    mons["a"].interval_s = 1e9
+    mons["a"]._next = clock.t + 1e9  # its next decision is far away
+    assert mons["a"].tick(store, round_=2, nodes=1, decides=True) is None
+    assert members() == set()

@@ -85,6 +85,13 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         # b knows it is being scraped periodically (it waits for one last scrape before it exits).
         prom.wait_for(f'count_over_time(up{{instance="{targets[1]}"}}[1m]) >= 3', timeout_s=10)
 
+        # The straggler panels score the members of the current world against each other: they have data
+        # while the world has 2 nodes, none once a is alone (checked below).
+        scored = [(e.where, e.expr) for e in dashboard_exprs()
+                  if "trainguard_straggler_score" in referenced_metrics(e.expr)]
+        assert scored, "the dashboard has a straggler score panel"
+        for where, expr in scored:
+            prom.wait_for(expr, timeout_s=60)
         # One drain of node b, as `trainguard drain` does it.
         reply = control.request(b.socket, DrainRequest(deadline_s=30))
         assert reply.ok, reply
@@ -116,7 +123,7 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
         failures = []
         deadline = time.monotonic() + 20
         for where, expr in checks:
-            if (where, expr) in gpu:
+            if (where, expr) in gpu or (where, expr) in scored:
                 continue
             try:
                 prom.wait_for(expr, timeout_s=max(1.0, deadline - time.monotonic()))
@@ -127,6 +134,8 @@ def test_dashboard_and_alert_queries_return_data_from_the_real_job(tmp_path, pro
             assert prom.query(expr) == [], f"the job is up, yet: {expr}"
         for where, expr in gpu:
             assert prom.query(expr) == [], f"{where}: GPU series on a machine without GPUs: {expr}"
+        # a is alone: it scores nobody, and exports no score of b, which left
+        assert prom.query('trainguard_straggler_score{node="a",member="b"}') == [], "a departed member is still scored"
         for n in (a, b):
             assert len(n.events("gpu_metrics_unavailable")) == 1, n.dump()
 

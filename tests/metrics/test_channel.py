@@ -228,37 +228,13 @@ def test_deferred_steps_write_what_the_ledger_reads_and_the_rest_at_the_flush() 
     assert f.step.calls[-1] == 4 and f.step_time.calls[-1] == 0.5 and len(f.last_step_ts.calls) == 2
 
 
-def test_drain_costs_are_upper_bounds_of_what_the_workers_measured(tmp_path, workers: Workers) -> None:
-    """``drain_lead_s: auto`` reads the node's longest step and checkpoint from the workers' histograms:
-    nothing before a worker measured anything; then the bucket bounds that hold the largest
-    observations (the producer's steps sleep 0.3 s: bucket 0.5; its checkpoints stage 0.01 s and
-    persist 0.05 s), dead workers' files included."""
+def test_the_drain_lead_the_agent_sized_is_exported(tmp_path) -> None:
+    """The agent sizes ``drain_lead_s: auto`` from its workers' reports (:class:`trainguard.agent.lead.DrainCosts`,
+    tests/agent/test_lead.py); the metrics only export the lead it chose."""
     m = AgentMetrics(MetricsConfig(port=0), CostConfig(), "node-a", run_dir=str(tmp_path), nvml=FakeNvml([]),
                      start_sampler=False)
     try:
-        assert m.drain_costs() == (None, None)
-        p = workers.start(m.worker_env(), "--steps", "2", "--step-time", "0.3", "--ckpt-every", "1")
-        assert p.wait(timeout=60) == 0
-        step_s, ckpt_s = m.drain_costs()
-        assert step_s == 0.5 and ckpt_s == pytest.approx(0.06)
         m.set_drain_lead(10.0)
         assert _values(m)["trainguard_drain_lead_seconds"][()] == 10.0
     finally:
         m.close()
-
-
-def test_hist_max_over_label_sets_and_past_the_last_bucket() -> None:
-    from prometheus_client.metrics_core import Metric
-
-    from trainguard.metrics.agent import _hist_max
-
-    fam = Metric("x", "", "histogram")
-    for kind, counts in (("periodic", (0, 2, 2)), ("emergency", (0, 0, 1))):  # buckets 1, 10, +Inf
-        for le, n in zip(("1.0", "10.0", "+Inf"), counts):
-            fam.add_sample("x_bucket", {"kind": kind, "le": le}, n)
-    assert _hist_max([fam], "x") == 20.0  # the emergency one is past 10 s: twice the last bound
-    assert _hist_max([fam], "y") is None
-    steps = Metric("s", "", "histogram")  # 499 steps under 0.1 s and a first one that compiled for 50 s
-    for le, n in zip(("0.1", "1.0", "60.0", "+Inf"), (499, 499, 500, 500)):
-        steps.add_sample("s_bucket", {"le": le}, n)
-    assert _hist_max([steps], "s", q=0.99) == 0.1 and _hist_max([steps], "s") == 60.0

@@ -40,7 +40,8 @@ def test_reports_batch_steps_at_most_every_interval():
     for s in range(1, 4):
         m.step_done(s, 0.1 * s)
     r = m.report(3, 1)
-    assert r == proto.Pace(rank=3, local_rank=1, step=3, compute_s=(0.1, 0.2, pytest.approx(0.3)))
+    assert r == proto.Pace(rank=3, local_rank=1, step=3, compute_s=(0.1, 0.2, pytest.approx(0.3)),
+                           step_s=(0.1, 0.2, pytest.approx(0.3)))
     m.step_done(4, 0.4)
     clock.t += REPORT_EVERY_S / 2
     assert m.report(3, 1) is None  # too soon: kept for the next one
@@ -56,9 +57,31 @@ def test_an_unread_backlog_keeps_the_newest():
     assert len(r.compute_s) == proto.Pace.MAX_PACE and r.compute_s[-1] == float(proto.Pace.MAX_PACE + 10)
 
 
+def test_checkpoints_go_with_the_next_report():
+    """The drain lead's inputs (agent/lead.py): each step's whole time and the checkpoints committed since
+    the last report (the persist thread adds them), once each."""
+    clock = Clock()
+    m = PaceMeter(clock)
+    m.checkpoint_done(4.0)
+    assert m.report(0, 0) is None  # no step yet: the checkpoint waits for the next report
+    m.blocked(0.5)
+    m.step_done(1, 1.5)
+    m.checkpoint_done(6.5)
+    r = m.report(0, 0)
+    assert r.compute_s == (1.0,) and r.step_s == (1.5,) and r.checkpoint_s == (4.0, 6.5)
+    clock.t += REPORT_EVERY_S
+    m.step_done(2, 0.5)
+    assert m.report(0, 0).checkpoint_s == ()
+
+
 def test_pace_message_round_trip_and_validation():
     msg = proto.Pace(rank=2, local_rank=0, step=9, compute_s=(0.25, 0.5))
     assert proto.decode(proto.encode(msg)) == msg
+    full = proto.Pace(rank=2, local_rank=0, step=9, compute_s=(0.25, 0.5), step_s=(0.5, 0.75), checkpoint_s=(3.0,))
+    assert proto.decode(proto.encode(full)) == full
+    for name in ("step_s", "checkpoint_s"):
+        with pytest.raises(proto.ProtocolError, match=name):
+            proto.decode('{"op":"pace","rank":0,"local_rank":0,"step":1,"%s":[-1]}' % name)
     for bad in ('{"op":"pace","rank":0,"local_rank":0,"step":1,"compute_s":[-1]}',
                 '{"op":"pace","rank":0,"local_rank":0,"step":1,"compute_s":"x"}',
                 '{"op":"pace","rank":0,"local_rank":0,"step":1,"compute_s":[' + ",".join(["1"] * 65) + "]}",
@@ -78,10 +101,13 @@ def test_runtime_reports_compute_without_the_synchronising_backward(tmp_path, mo
 
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.runtime import runtime as runtime_mod
+    from trainguard.runtime import stepend
 
     clock = Clock()
     clock.t = 100.0
-    monkeypatch.setattr(runtime_mod, "time", types.SimpleNamespace(monotonic=clock, time=lambda: 1e9, sleep=lambda s: None))
+    fake_time = types.SimpleNamespace(monotonic=clock, time=lambda: 1e9, sleep=lambda s: None)
+    for mod in (runtime_mod, stepend):  # the facade's step API and the end of a step (its part)
+        monkeypatch.setattr(mod, "time", fake_time)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     previous = signal.getsignal(signal.SIGTERM)
     try:
@@ -117,6 +143,7 @@ def test_runtime_reports_compute_without_the_synchronising_backward(tmp_path, mo
         # forward 1 + accumulating backward 0.5 + forward 1 + optimizer 0.2; the synchronising 3.0 is out;
         # a slow data loader (the 10 s after the first boundary) is the rank's own time
         assert paces[0].compute_s == (pytest.approx(2.7),) and paces[1].compute_s == (pytest.approx(12.7),)
+        assert paces[0].step_s == (pytest.approx(5.7),) and paces[1].step_s == (pytest.approx(15.7),)  # the whole steps
         rt.finish(barrier=False)
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.harness import free_port, run_ranks
-from tests.test_runtime_finish import committed
+from tests.runtime.test_finishing import committed
 
 
 ASK_AT = 4  # rank 1's stop request arrives during this step
@@ -98,7 +98,7 @@ def _run_two(tmp_path, mode: str, ckpt) -> list[dict]:
     """Both ranks of ``mode`` (see :func:`_rank`) to the end; what each reported."""
     outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
     port = free_port()
-    codes, logs = run_ranks("tests.test_step_agreement",
+    codes, logs = run_ranks("tests.runtime.test_agreement",
                             [[str(r), str(port), mode, str(ckpt), outs[r]] for r in range(2)], timeout=120)
     assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     return [json.load(open(o)) for o in outs]

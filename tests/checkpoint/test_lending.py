@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from tests.test_memory_tier import W, _job, _train, keep_sigterm_handler  # noqa: F401 - a fixture
-from tests.test_runtime_finish import train_loop
+from tests.checkpoint.test_memory import W, _job, _train, keep_sigterm_handler  # noqa: F401 - a fixture
+from tests.runtime.test_finishing import train_loop
 from trainguard.checkpoint import memory as mem
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
@@ -30,7 +30,7 @@ def test_the_save_stages_from_the_snapshot_in_the_persist_thread(tmp_path):
     own background half is done. Shown by changing the training tensors after the snapshot (which the
     runtime never does before such a save): the checkpoint holds the snapshot's values, and the save
     returned before any of them was copied."""
-    from tests.test_memory_tier import _held_pool
+    from tests.checkpoint.test_memory import _held_pool
 
     cfg = CheckpointConfig(url=f"memory://feeds-{os.getpid()}-{id(tmp_path)}", async_save=True)
     m, opt, trainer, state = _job()
@@ -214,7 +214,7 @@ def test_fsdp2_ranks_stage_their_dtensor_shards_from_the_snapshot(tmp_path):
     outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
     for r in range(2):
         os.makedirs(tmp_path / f"node{r}")
-    codes, logs = run_ranks("tests.test_memory_feeds_durable",
+    codes, logs = run_ranks("tests.checkpoint.test_lending",
                             [[str(r), "2", init, str(tmp_path / f"node{r}"), url, outs[r]] for r in range(2)], timeout=100)
     assert codes == [0, 0], "".join(log[-3000:] for log in logs)
     for o in outs:

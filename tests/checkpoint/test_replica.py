@@ -105,7 +105,7 @@ def test_a_replication_torn_by_a_kill_never_replaces_the_good_replica(tmp_path, 
     outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
     for f in folders:
         os.makedirs(f)
-    codes, logs = run_ranks("tests.test_replica_torn",
+    codes, logs = run_ranks("tests.checkpoint.test_replica",
                             [[str(r), str(port), folders[r], mode, outs[r], str(width)] for r in range(2)], timeout=150)
     survivor = 1 - victim
     assert codes[victim] == -signal.SIGKILL, logs[victim][-3000:]

@@ -242,7 +242,7 @@ def test_a_lost_node_is_rebuilt_from_parity(tmp_path, mode):
 
 def _run(phase: str, folders: list[str], outs: list[str], arg: str) -> tuple[list[int], list[str]]:
     port = free_port()
-    return run_ranks("tests.test_parity", [[phase, str(r), str(port), folders[r], arg, outs[r]] for r in range(3)],
+    return run_ranks("tests.checkpoint.test_parity", [[phase, str(r), str(port), folders[r], arg, outs[r]] for r in range(3)],
                      timeout=150)
 
 

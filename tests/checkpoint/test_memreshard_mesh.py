@@ -171,7 +171,7 @@ def _rank(role: str, rank: int, world: int, init: str, folder: str, out: str) ->
 def _run(tmp_path, role: str, world: int, folder: str) -> list[dict]:
     init = f"file://{tmp_path}/store-{role}"
     outs = [str(tmp_path / f"{role}{r}.json") for r in range(world)]
-    codes, logs = run_ranks("tests.test_memory_reshard_mesh", [[role, str(r), str(world), init, folder, outs[r]]
+    codes, logs = run_ranks("tests.checkpoint.test_memreshard_mesh", [[role, str(r), str(world), init, folder, outs[r]]
                                                                for r in range(world)], timeout=200)
     assert codes == [0] * world, "".join(log[-3000:] for log in logs)
     return [json.load(open(o)) for o in outs]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported lazily by get_state_dict, it sets TORCHINDUCTOR_CACHE_DIR)
 
-from tests.test_runtime_finish import train_loop
+from tests.runtime.test_finishing import train_loop
 from trainguard.agent.memtier import NodeSnapshots, node_dir
 from trainguard.checkpoint import memory as mem
 from trainguard.checkpoint import slots

@@ -103,7 +103,7 @@ def test_every_rank_snapshots_the_same_steps_at_the_interval_the_slowest_asks_fo
     for r in range(2):
         os.makedirs(tmp_path / f"node{r}")
         args.append([str(r), str(port), str(tmp_path / f"node{r}"), f"file://{tmp_path}/ckpt", outs[r]])
-    codes, logs = run_ranks("tests.test_memory_interval", args, timeout=100)
+    codes, logs = run_ranks("tests.checkpoint.test_memory_interval", args, timeout=100)
     assert codes == [0, 0], "".join(log[-3000:] for log in logs)
     got = [json.load(open(o)) for o in outs]
     assert got[0]["snapped"] == got[1]["snapped"], got  # the same steps on both ranks

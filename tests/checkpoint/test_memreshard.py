@@ -53,7 +53,7 @@ def _old_world(folder: str, ranks=(0, 1, 2)) -> None:
 def _run(tmp_path, folder: str, world: int = 2) -> list[dict]:
     init = f"file://{tmp_path}/store"
     outs = [str(tmp_path / f"r{r}.json") for r in range(world)]
-    codes, logs = run_ranks("tests.test_memory_reshard", [[str(r), str(world), init, folder, outs[r]]
+    codes, logs = run_ranks("tests.checkpoint.test_memreshard", [[str(r), str(world), init, folder, outs[r]]
                                                           for r in range(world)], timeout=90)
     assert codes == [0] * world, "".join(log[-3000:] for log in logs)
     return [json.load(open(o)) for o in outs]

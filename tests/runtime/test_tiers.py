@@ -19,7 +19,7 @@ def _rank(rank: int, init: str, strategy: str, tmp: str, out_path: str) -> None:
     import torch.distributed as dist
     from structlog.testing import capture_logs
 
-    from tests.test_runtime_finish import train_loop
+    from tests.runtime.test_finishing import train_loop
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.runtime import Runtime
 
@@ -53,7 +53,7 @@ def _rank(rank: int, init: str, strategy: str, tmp: str, out_path: str) -> None:
 def run(tmp_path, strategy):
     init = f"file://{tmp_path}/store-{strategy}"
     outs = [str(tmp_path / f"{strategy}-r{r}.json") for r in range(2)]
-    codes, logs = run_ranks("tests.test_replica_redundant",
+    codes, logs = run_ranks("tests.runtime.test_tiers",
                             [[str(r), init, strategy, str(tmp_path), outs[r]] for r in range(2)], timeout=90)
     assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
     return [json.load(open(o)) for o in outs]
