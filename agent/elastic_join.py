@@ -90,14 +90,25 @@ class _Executor(_DistributedRendezvousOpExecutor):
     evictions on evidence (:attr:`Plan.evict`) before each step of the operation."""
 
     def __init__(self, base: _DistributedRendezvousOpExecutor, poll_s: float,
-                 evict: Callable[[], frozenset[str]] | None = None) -> None:
+                 evict: Callable[[], frozenset[str]] | None = None, evict_round: int | None = None) -> None:
         super().__init__(base._node, base._state_holder, base._settings)
         self.poll_s = poll_s
         self.evict = evict
+        self.evict_round = evict_round
         self.evicted: list[str] = []
+        self._stale_noted = False
 
     def _evict(self) -> bool:
         if self.evict is None:
+            return False
+        if self.evict_round is not None and self._state.round != self.evict_round:
+            # The job moved on to another round (without this node, which was cut off): the evidence is
+            # about a world that no longer exists, and its members may be the live ones of the new round.
+            if not self._stale_noted:
+                self._stale_noted = True
+                log.info("eviction_skipped", evidence_round=self.evict_round, round=self._state.round,
+                         reason="the rendezvous moved on to another round since the evidence was gathered",
+                         effect="nobody is removed on this node's view; keep-alive expiry decides")
             return False
         nodes = self.evict() - {str(self._node)}
         if not nodes:
@@ -170,7 +181,8 @@ def next_round(handler: Any, abort: Callable[[], bool], plan: Plan | None,
     see :mod:`trainguard.agent.supervisor`): rank 0 picks a fresh worker store port each round.
     """
     handler._stop_heartbeats()
-    executor = _Executor(handler._op_executor, POLL_INTERVAL_S, plan.evict if plan is not None else None)
+    executor = _Executor(handler._op_executor, POLL_INTERVAL_S, plan.evict if plan is not None else None,
+                         plan.round if plan is not None else None)
     deadline = handler._get_deadline(handler._settings.timeout.join)
     executor.run(_RendezvousExitOp(), deadline)
     try:

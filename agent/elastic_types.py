@@ -50,6 +50,10 @@ class Plan:
     """Asked at every poll of the join: rendezvous ids of nodes to remove from the rendezvous state now
     (evidence that they are gone: :func:`trainguard.agent.hang.evictable`), instead of waiting for their
     keep-alive to expire."""
+    round: int | None = None
+    """The rendezvous round of the world the evidence is about: :attr:`evict` applies only while the
+    shared state is still at that round. A node cut off from the job (a partition) whose peers re-formed
+    without it must not remove them from their newer round on its stale view when it reconnects."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,6 +159,18 @@ class Tracker:
         if last is None or last[0] != seq:
             self._agents[node] = (seq, now)
 
+    def refresh_remote(self, me: str, now: float) -> None:
+        """This node could not read the others' records for a while (it was cut off): restart the clocks of
+        every other node's record and ranks at ``now``. Time this node could not observe is not their
+        silence; from here on an unchanged record counts again."""
+        for node, (seq, _) in list(self._agents.items()):
+            if node != me:
+                self._agents[node] = (seq, now)
+        for rank, (node, *_rest) in self._ranks.items():
+            s = self._seen.get(rank)
+            if node != me and s is not None:
+                s.beat_at = s.progress_at = now
+
     def agent_at(self, node: str) -> float | None:
         last = self._agents.get(node)
         return None if last is None else last[1]

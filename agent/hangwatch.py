@@ -13,6 +13,14 @@ seen) and :meth:`HangWatch.evict` during a re-formation after a lost peer.
 Keys live under the round's prefix: a new world starts with no records, and a record of a node that
 left is never read again. Every store call is best effort (the watch observes; the store's own
 outage handling is the supervisor's).
+
+A node that cannot reach the store (a partition cuts it off; its store calls hang) sees every peer
+fall silent at once. That is its own blindness, not their silence: while its own record has not reached
+the store for as long as the silence it would judge (``hang.stale_s`` for a verdict, a missed heartbeat
+for an eviction) the watch gives no verdict and evicts nobody, and once the store answers
+again the peers' clocks restart (``progress_view_rebased``). Before this, a node healed after a 30 s
+partition named a healthy peer of the majority "frozen" (53 s without progress, action ``abort``) from
+the records it had last read, and asked to evict it.
 """
 
 from __future__ import annotations
@@ -70,6 +78,8 @@ class HangWatch:
         self._seq = 0
         self._acted = False
         self._watching = False
+        self._answered_at: float | None = None
+        """When the store last took this node's own record (clock); None: not yet in this world."""
         self.hangs: list[float] = []
         """When (monotonic) this node's own ranks were named the culprit (quarantine counts them)."""
         self._stop = threading.Event()
@@ -95,6 +105,7 @@ class HangWatch:
             self._store, self.node_id, self._members = store, node_id, tuple(members)
             self._acted = False
             self._watching = True
+            self._answered_at = None
         if thread and self._thread is None and self.cfg.enabled:
             self._thread = threading.Thread(target=self._run, name="trainguard-hangwatch", daemon=True)
             self._thread.start()
@@ -123,7 +134,16 @@ class HangWatch:
                 return
             self._seq += 1
             raw = encode_record(me, self._seq, sorted(self._local.values(), key=lambda b: b.rank), self.node_name)
-        store.set(PROGRESS_KEY + me, raw)
+        store.set(PROGRESS_KEY + me, raw)  # hangs while this node is cut off from the store
+        now = self._clock()
+        with self._lock:
+            if self._store is not store:
+                return
+            if self._answered_at is not None and now - self._answered_at > self.cfg.stale_s:
+                log.info("progress_view_rebased", blind_s=round(now - self._answered_at, 3),
+                         cause="this node could not reach the store", effect="its peers' silence meanwhile is not counted")
+                self._tracker.refresh_remote(me, now)
+            self._answered_at = now
         for m in members:
             if m == me or not store.check([PROGRESS_KEY + m]):
                 continue
@@ -149,11 +169,17 @@ class HangWatch:
             t.join(timeout=2 * self.cfg.heartbeat_interval_s + 1.0)
 
     # ---- questions ------------------------------------------------------------------------------
+    def _blind(self, now: float, silence_s: float) -> bool:
+        """This node's own record has not reached the store for ``silence_s``: it cannot tell a peer
+        silent that long from its own blindness."""
+        return self._answered_at is not None and now - self._answered_at > silence_s
+
     def check(self) -> tuple[HangVerdict, HangAction | None]:
-        """The verdict now, and what this node does about it: an action once per world (None else)."""
+        """The verdict now, and what this node does about it: an action once per world (None else). No
+        verdict while this node is cut off from the store (its peers' silence is then its own blindness)."""
         now = self._clock()
         with self._lock:
-            if not self._watching:
+            if not self._watching or self._blind(now, self.cfg.stale_s):
                 return HangVerdict(False), None
             views = self._tracker.views(now, self.node_id)
             v = decide_hang(views, now, self.cfg, self._steps.p99(), self._steps.count)
@@ -180,6 +206,8 @@ class HangWatch:
         """Members a re-formation removes from the rendezvous now (see :func:`~trainguard.agent.hang.evictable`)."""
         now = self._clock()
         with self._lock:
+            if self._blind(now, self.cfg.missed_s):  # no evidence: this node could not see anyone
+                return frozenset()
             agent_at = {m: self._tracker.agent_at(m) for m in members}
             me = self.node_id
         return evictable(members, agent_at, now, self.cfg.missed_s, me=me, peer_lost=peer_lost)

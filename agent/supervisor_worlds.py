@@ -31,7 +31,8 @@ class Worlds:
         lost = reason == proto.ParkReason.PEER_LOST.value
         hangs, members = self.hangs, tuple(world.members)
         return Plan(members=frozenset(world.members), leaving=self._leaving_members(world.members), lost=lost,
-                    evict=(lambda: hangs.evict(members, peer_lost=True)) if lost and hangs is not None else None)
+                    evict=(lambda: hangs.evict(members, peer_lost=True)) if lost and hangs is not None else None,
+                    round=world.round)
 
     def _reform(self, reason: str) -> RunResult | None:
         """Every local worker is parked alive: re-form the rendezvous and hand them their new world."""

@@ -23,6 +23,19 @@ each, ``workers.reform`` left at its default, in-process) training ``examples/tr
   ``manifest.json``, rank 0's commit, for 3 s; the fault hits while it is held); the last two are
   numbered after the first 96 fault cases, so windows of the first four phases keep their numbers;
 * **targets**: the node whose worker is rank 0, or another one.
+* **network kinds** (issue 37; only when ``--only`` names them, phase ``step``, so the seeded matrix
+  keeps its numbers): ``partition`` (iptables DROP of everything but ``lo`` inside the target's network
+  namespace for ``--partition-s``, then healed) and ``packet_loss`` (``--loss-p``, 5 % by default, of the
+  target's incoming packets dropped at random for ``--loss-minutes``: must cause no eviction). They need
+  the cluster in network namespaces (``tests/fixtures/netns.py``: each agent in a namespace of its own on
+  a bridge, the store in the hub namespace; root, ``ip``, ``iptables``), where the S3 emulator, its fault
+  proxy and the metadata emulators (on the machine's 127.0.0.1) are out of reach: such a run checkpoints
+  to a ``file://`` folder, its agents watch signals only, and the kinds that need those servers
+  (``aws_notice``, ``storage_*``, ``metadata_*``) cannot be mixed in. Figures: a partition's seconds to
+  the majority's first step at the smaller world size, the minority's commits after the majority claimed
+  its newer epoch (must be 0), the seconds from healing to the first step at the full size again; packet
+  loss: evictions (``member_lost``, ``member_evicted``, ``hang_detected``, re-formations, rolled-back
+  steps, rendezvous rounds) over the whole loss window, and the step rate with and without loss.
 
 For every case: recovered (training at the expected world size again, past the step it was at when
 the fault hit; for storage faults also a commit after the fault cleared), time to recover, lost steps
@@ -59,6 +72,8 @@ sys.path.insert(0, REPO)
 from tests import samples as sample_log  # noqa: E402
 from tests.emulators import AwsImdsEmulator  # noqa: E402
 from tests.fixtures.http_faults import HttpFaultProxy  # noqa: E402
+from tests.fixtures.netns import HUB_ADDR, Netns  # noqa: E402
+from tests.fixtures.netns import unavailable as netns_unavailable  # noqa: E402
 from tests.fixtures.storage import make_bucket, s3_options, start_moto_server  # noqa: E402
 from tests.harness import alive, descendants, free_port, memory_root, wait_listening  # noqa: E402
 
@@ -93,8 +108,20 @@ KINDS = {k.name: k for k in [
     Kind("storage_503", False, False, 30), Kind("storage_stall", False, False, 35),
     Kind("storage_outage", False, False, 35), Kind("metadata_garbage", False, False, 20),
     Kind("metadata_hang", False, False, 20), Kind("scale_up", True, False, 60),
+    Kind("partition", False, False, 30), Kind("packet_loss", False, False, 30),
 ]}
-FAULTS = [k for k in KINDS if k != "scale_up"]
+NET_KINDS = ["partition", "packet_loss"]
+"""Kinds that need the cluster in network namespaces; not in the seeded matrix (``--only`` names them)."""
+NEEDS_LOCALHOST = ["aws_notice", "storage_503", "storage_stall", "storage_outage", "metadata_garbage", "metadata_hang"]
+"""Kinds that need the S3 fault proxy or a metadata emulator: servers a namespaced cluster cannot reach."""
+FAULTS = [k for k in KINDS if k not in ("scale_up", *NET_KINDS)]
+NET_PORT = 29400
+"""The store's port in the hub namespace (a namespace of this run's own: nothing else listens there)."""
+NET_SLOTS = 6
+"""Node namespaces a namespaced cluster creates; an agent takes a free one (a restarted cluster reuses them)."""
+LOSS_EVICTIONS = ("member_lost", "member_evicted", "hang_detected", "worker_reformed", "step_rolled_back",
+                  "collectives_abort_requested", "rendezvous_complete")
+"""Events that count as an eviction (or its start) during a ``packet_loss`` case: none may appear."""
 PHASES = ["step", "save", "rendezvous", "restore"]
 TIMED_PHASES = ["allreduce", "commit"]
 """Phases that need the bench to hold the cluster at a point (cases 97-144 of the full matrix)."""
@@ -141,18 +168,25 @@ class Agent:
     """One node: a ``trainguard run`` agent in a session of its own, its IMDS emulator, and a reader
     thread that parses each output line once (agent events and the worker's ``[default0]:`` lines)."""
 
-    def __init__(self, name: str, work: str, endpoint: str, storage_opts: dict[str, Any], url: str) -> None:
+    def __init__(self, name: str, work: str, endpoint: str, storage_opts: dict[str, Any], url: str,
+                 net: Netns | None = None, slot: str = "") -> None:
+        """``net``: the agent runs in namespace ``slot`` of ``net`` (its own address for gloo and the
+        rendezvous, signals as its only notices: its metadata emulator is out of reach)."""
         self.name = name
+        self.slot = slot
         self.emu = AwsImdsEmulator()
         self.state_dir = os.path.join(work, f"state-{name}")
         self.socket = os.path.join(self.state_dir, f"{JOB_ID}.sock")
-        cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:3", "--nproc-per-node", "1",
+        net_flags, net_env = net.agent_settings(slot) if net is not None else ([], {"GLOO_SOCKET_IFNAME": "lo"})
+        sources = "signal" if net is not None else "aws,signal"
+        cmd = [*(net.prefix(slot) if net is not None else []),
+               sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:3", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", JOB_ID, "--node-name", name,
                "--state-dir", self.state_dir, "--log-dir", os.path.join(work, f"logs-{name}"),
                "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "metrics.port=0",
                "--set", "rendezvous.is_host=false", "--set", "rendezvous.keep_alive_interval_s=1",
                "--set", "rendezvous.keep_alive_max_attempts=3",
-               "--set", "preemption.sources=aws,signal", "--set", f"preemption.aws_endpoint={self.emu.url}",
+               "--set", f"preemption.sources={sources}", "--set", f"preemption.aws_endpoint={self.emu.url}", *net_flags,
                "--set", "preemption.poll_interval_s=0.5",
                # a notice drains when it lands (in the phase the case targets), not the drain lead before its deadline
                "--set", "preemption.train_through_notice=false",
@@ -165,7 +199,7 @@ class Agent:
                "--set", "workers.max_restarts=1000",
                ELASTIC, *SCRIPT_ARGS, "--sample-log", os.path.join(work, "samples")]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **net_env,
                     "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                     "AWS_DEFAULT_REGION": "us-east-1",
                     "TRAINGUARD_CHECKPOINT_STORAGE_OPTIONS": json.dumps(storage_opts)})
@@ -223,16 +257,24 @@ class Agent:
 
 
 class Store:
-    def __init__(self, work: str, port: int | None = None) -> None:
-        self.port = port or free_port()
+    """``trainguard store`` on 127.0.0.1, or (``net``) in the hub namespace on the bridge address."""
+
+    def __init__(self, work: str, port: int | None = None, net: Netns | None = None) -> None:
+        self.net = net
+        self.host = HUB_ADDR if net is not None else "127.0.0.1"
+        self.port = port or (NET_PORT if net is not None else free_port())
         self._log = open(os.path.join(work, "store.log"), "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "trainguard.agent.cli", "store", "--host", "127.0.0.1",
-                                      "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
-        wait_listening(self.endpoint, 60)
+        self.proc = subprocess.Popen([*(net.prefix(None) if net is not None else []), sys.executable, "-m",
+                                      "trainguard.agent.cli", "store", "--host", self.host, "--port", str(self.port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        if net is None:
+            wait_listening(self.endpoint, 60)
+        elif not wait_for(lambda: net.reachable(None, self.host, self.port), 60):
+            raise ChaosError(f"the store in the hub namespace is not listening at {self.endpoint}")
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -265,6 +307,26 @@ class CaseResult:
     committed_lost: list[str] = field(default_factory=list)
     leftover_pids: list[str] = field(default_factory=list)
     cluster_restarted: bool = False
+    majority_resume_s: float | None = None
+    """partition: seconds from the fault to the majority's first step at the smaller world size."""
+    majority_epoch: int | None = None
+    """partition: the checkpoint epoch the majority claimed after the fault."""
+    minority_commits: list[str] = field(default_factory=list)
+    """partition: commits by the cut-off node after the majority claimed its epoch, under an epoch not newer
+    than it (before it rejoined): must stay empty."""
+    partition_s: float | None = None
+    rejoin_s: float | None = None
+    """partition: seconds from healing to the first step at the full world size again."""
+    loss_p: float | None = None
+    loss_s: float | None = None
+    dropped_packets: int | None = None
+    """packet_loss: packets the statistic rule dropped (counted after GRO: one may be several segments)."""
+    evictions: list[str] = field(default_factory=list)
+    """packet_loss: :data:`LOSS_EVICTIONS` events during the loss window (node: event): must stay empty."""
+    steps_per_s_during: float | None = None
+    steps_per_s_after: float | None = None
+    """packet_loss: the step rate over the loss window, and over the 30 s after healing (the baseline: the
+    window before a case may hold the previous case's recovery)."""
     note: str = ""
     log_excerpt: list[str] = field(default_factory=list)
 
@@ -320,19 +382,28 @@ def sample_account(folder: str) -> tuple[int, int, list[str]]:
 
 
 class Cluster:
-    def __init__(self, work: str, seed: int) -> None:
+    def __init__(self, work: str, seed: int, netns: bool = False, partition_s: float = 30.0, loss_s: float = 600.0,
+                 loss_p: float = 0.05) -> None:
         self.work = work
         self.rng = random.Random(seed)
         os.makedirs(os.path.join(work, "samples"), exist_ok=True)
-        self.moto = start_moto_server()
-        self.proxy = HttpFaultProxy(self.moto.port)
-        self.proxy._server.handle_error = lambda *a: None  # a SIGKILLed client's reset connection: expected
-        direct = s3_options(self.moto.endpoint)
-        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        self.url = f"s3://{make_bucket('s3', direct)}/ckpt"
-        self.opts = s3_options(self.proxy.endpoint)
-        self.scan_opts = direct  # the bench's own scans bypass the faults
-        self.store = Store(work)
+        self.partition_s, self.loss_s, self.loss_p = partition_s, loss_s, loss_p
+        self.net: Netns | None = None
+        self.moto = self.proxy = None
+        if netns:  # agents in namespaces of their own: S3 and its proxy are out of their reach
+            self.net = Netns([f"s{i}" for i in range(NET_SLOTS)])
+            self.url = os.path.join(work, "ckpt")
+            self.opts = self.scan_opts = {}
+        else:
+            self.moto = start_moto_server()
+            self.proxy = HttpFaultProxy(self.moto.port)
+            self.proxy._server.handle_error = lambda *a: None  # a SIGKILLed client's reset connection: expected
+            direct = s3_options(self.moto.endpoint)
+            os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+            self.url = f"s3://{make_bucket('s3', direct)}/ckpt"
+            self.opts = s3_options(self.proxy.endpoint)
+            self.scan_opts = direct  # the bench's own scans bypass the faults
+        self.store = Store(work, net=self.net)
         self.agents: list[Agent] = []
         self.gone: list[Agent] = []
         self.serial = 0
@@ -341,7 +412,12 @@ class Cluster:
     # -- membership -------------------------------------------------------------------------------
     def add(self) -> Agent:
         self.serial += 1
-        a = Agent(f"n{self.serial}", self.work, self.store.endpoint, self.opts, self.url)
+        slot = ""
+        if self.net is not None:  # a namespace no live agent holds
+            taken = {a.slot for a in self.live()}
+            slot = next(s for s in self.net.names if s not in taken)
+            self.net.heal(slot)
+        a = Agent(f"n{self.serial}", self.work, self.store.endpoint, self.opts, self.url, self.net, slot)
         self.agents.append(a)
         return a
 
@@ -403,9 +479,12 @@ class Cluster:
             a.close()
             self.gone.append(a)
         self.agents = []
-        kill_pids(set(strays(self.work)) - {self.moto.proc.pid})
+        kill_pids(set(strays(self.work)) - ({self.moto.proc.pid} if self.moto else set()))
         self.store.stop()
-        self.store = Store(self.work)
+        if self.net is not None:
+            for slot in self.net.names:
+                self.net.heal(slot)
+        self.store = Store(self.work, net=self.net)
         self.start()
 
     def start(self) -> None:
@@ -418,8 +497,12 @@ class Cluster:
         for a in self.agents:
             a.close()
         self.store.stop()
-        self.proxy.close()
-        self.moto.stop()
+        if self.proxy is not None:
+            self.proxy.close()
+        if self.moto is not None:
+            self.moto.stop()
+        if self.net is not None:
+            self.net.close()
 
 
 # ---------------------------------------------------------------------------------------- injection
@@ -453,7 +536,7 @@ def inject(c: Cluster, kind: str, node: Agent) -> float | None:
         port = c.store.port
         c.store.stop()
         time.sleep(1.0)
-        c.store = Store(c.work, port)
+        c.store = Store(c.work, port, c.net)
     elif kind.startswith("storage_"):
         if kind == "storage_503":
             c.proxy.fail(r"^(PUT|POST) ", status=503)
@@ -467,7 +550,90 @@ def inject(c: Cluster, kind: str, node: Agent) -> float | None:
         node.emu.misbehave("garbage", count=30)
     elif kind == "metadata_hang":
         node.emu.misbehave("hang", count=4, delay_s=6.0)
+    elif kind == "partition":
+        assert c.net is not None
+        c.net.partition(node.slot)
+    elif kind == "packet_loss":
+        assert c.net is not None
+        c.net.loss(node.slot, c.loss_p)
     return None
+
+
+def partition_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float | None:
+    """The cut-off ``node`` (partitioned at ``t_fault``): wait for the majority to train at the smaller size,
+    hold the partition ``c.partition_s`` in all, heal, wait for the full size again. Fills the partition
+    figures of ``res``; returns when the world trained at its full size again (None: it did not)."""
+    assert c.net is not None
+    k = KINDS["partition"]
+    res.partition_s = c.partition_s
+    others = [a for a in c.live() if a is not node]
+    smaller = res.world_before - 1
+
+    def first_step(nodes: list[Agent], world: int, since: float, past: int = -1) -> float | None:
+        ts = [t for a in nodes for t, e in a.events("train_step", since) if e.get("world_size") == world and e["step"] > past]
+        return min(ts) if ts else None
+
+    t_major = wait_for(lambda: first_step(others, smaller, t_fault), 3 * k.nominal_s)
+    if t_major is None:
+        res.note += f"the majority never trained at world size {smaller}; "
+    else:
+        res.majority_resume_s = round(t_major - t_fault, 2)
+    claims = wait_for(lambda: sorted((t, e["epoch"]) for a in others for t, e in a.events("checkpoint_epoch_claimed", t_fault)
+                                     if e.get("component") == "trainguard.checkpoint"), 30)
+    t_claim = claims[0][0] if claims else None
+    if claims:
+        res.majority_epoch = claims[0][1]
+    else:
+        res.note += "the majority claimed no epoch before the heal; "
+    time.sleep(max(0.0, t_fault + c.partition_s - time.time()))
+    at_heal = c.last_step()
+    c.net.heal(node.slot)
+    t_heal = time.time()
+    say(f"healed {node.name} {t_heal - t_fault:.1f} s after the partition")
+    t_back = wait_for(lambda: first_step(c.live(), res.world_before, t_heal, at_heal), 3 * k.nominal_s)
+    if t_back is not None:
+        res.rejoin_s = round(t_back - t_heal, 2)
+    if t_claim is not None:  # the cut-off node's commits under an epoch not newer than the majority's
+        res.minority_commits = [f"step {e['step']} epoch {e['epoch']}" for t, e in node.events("checkpoint_committed", t_claim)
+                                if e.get("component") == "trainguard.checkpoint" and e["epoch"] <= (res.majority_epoch or 0)]
+    return t_back if t_major is not None else None
+
+
+def loss_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float | None:
+    """``c.loss_p`` of ``node``'s incoming packets dropped from ``t_fault`` for ``c.loss_s``, then healed.
+    Fills the loss figures of ``res``; returns the first full-size step after healing when nothing was
+    evicted and training went on throughout (None: it did not)."""
+    assert c.net is not None
+    res.loss_p, res.loss_s = c.loss_p, c.loss_s
+    stalled = False
+    next_say = time.time() + 60
+    while time.time() < t_fault + c.loss_s:
+        time.sleep(min(5.0, max(0.0, t_fault + c.loss_s - time.time())))
+        if time.time() - t_fault > 30 and not c.steps(time.time() - 30):
+            stalled = True
+        if time.time() >= next_say:
+            next_say += 60
+            say(f"packet loss on {node.name}: {time.time() - t_fault:.0f} s, step {c.last_step()}")
+    counters = c.net.counters(node.slot)
+    c.net.heal(node.slot)
+    t_heal = time.time()
+    for line in counters.splitlines():
+        if "statistic" in line and line.split()[0].isdigit():
+            res.dropped_packets = int(line.split()[0])
+    during = [e for t, e in c.steps(t_fault) if t <= t_heal]
+    res.steps_per_s_during = round(len(during) / max(1e-9, t_heal - t_fault), 2)
+    res.evictions = [f"{a.name}: {name}" for a in c.agents + c.gone for name in LOSS_EVICTIONS
+                     for t, _ in a.events(name, t_fault) if t <= t_heal]
+    at_full = all(e.get("world_size") == res.world_before for e in during)
+    if stalled:
+        res.note += "no step for 30 s during the loss; "
+    if not at_full:
+        res.note += f"world sizes during the loss: {sorted({e.get('world_size') for e in during})}; "
+    t_next = wait_for(lambda: next((t for t, e in c.steps(t_heal) if e.get("world_size") == res.world_before), None), 60)
+    time.sleep(max(0.0, t_heal + 30 - time.time()))
+    after = [e for t, e in c.steps(t_heal) if t <= t_heal + 30 and e.get("world_size") == res.world_before]
+    res.steps_per_s_after = round(len(after) / 30.0, 2)
+    return t_next if (during and at_full and not stalled and not res.evictions) else None
 
 
 def pick(c: Cluster, target: str, pool: list[Agent] | None = None) -> Agent:
@@ -580,15 +746,19 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
             return None
         return max(t_step, max(commits) if clears_at is not None else 0.0)
 
-    hang_at = time.monotonic() + 3 * k.nominal_s
-    t_rec = None
-    while time.monotonic() < hang_at and t_rec is None:
-        t_rec = recovered()
+    if kind in NET_KINDS:
+        t_rec = (partition_case if kind == "partition" else loss_case)(c, node, res, t_fault)
+        res.hang = t_rec is None
+    else:
+        hang_at = time.monotonic() + 3 * k.nominal_s
+        t_rec = None
+        while time.monotonic() < hang_at and t_rec is None:
+            t_rec = recovered()
+            if t_rec is None:
+                time.sleep(0.25)
         if t_rec is None:
-            time.sleep(0.25)
-    if t_rec is None:
-        res.hang = True
-        t_rec = wait_for(recovered, 30)
+            res.hang = True
+            t_rec = wait_for(recovered, 30)
     if t_rec is not None:
         res.recovered = True
         res.recover_s = round(t_rec - t_fault, 2)
@@ -613,7 +783,8 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     skipped1, repeated1, errors1 = sample_account(os.path.join(c.work, "samples"))
     res.samples_skipped, res.samples_repeated = skipped1 - skipped0, repeated1 - repeated0
     res.sample_errors = [e for e in errors1 if e not in errors0]
-    if not res.recovered or res.hang or res.committed_lost or (k.planned and (res.samples_skipped or res.samples_repeated)):
+    if (not res.recovered or res.hang or res.committed_lost or res.minority_commits or res.evictions
+            or (k.planned and (res.samples_skipped or res.samples_repeated))):
         res.log_excerpt = [f"{a.name}: {line}" for a in c.live() + [node] for line in a.tail(12)]
     if not res.recovered:
         c.restart(f"case {index} ({kind} @ {phase}) did not recover")
@@ -624,7 +795,8 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
 def plan(seed: int, quick: bool, cap: int | None, skip: int = 0, only: str | None = None) -> list[tuple[str, str, str]]:
     """The fault cases: ``--quick``'s list, or every kind x phase x target in a seeded order, from
     ``skip`` on (so runs with the same seed and disjoint ``--skip``/``--cases`` windows add up to the
-    full matrix), narrowed to ``only`` (see :func:`select`)."""
+    full matrix), narrowed to ``only`` (see :func:`select`). The network kinds (:data:`NET_KINDS`, phase
+    ``step``) follow, each target once, only where ``only`` names them: the matrix keeps its numbers."""
     if quick:
         return list(QUICK)
     rng = random.Random(seed)
@@ -633,7 +805,21 @@ def plan(seed: int, quick: bool, cap: int | None, skip: int = 0, only: str | Non
     timed = [(k, p, t) for k in FAULTS for p in TIMED_PHASES for t in TARGETS]
     random.Random(seed + 1).shuffle(timed)
     cases = [c for c in (cases + timed)[skip:] if select(c, only)]
+    named = {pat.strip().partition("@")[0] for pat in (only or "").split(",")}
+    cases += [(k, "step", t) for k in NET_KINDS if k in named for t in TARGETS if select((k, "step", t), only)]
     return cases[:cap] if cap else cases
+
+
+def needs_netns(cases: list[tuple[str, str, str]]) -> bool:
+    """Whether ``cases`` need the cluster in network namespaces; SystemExit when they also need a server
+    only the machine's own namespace has (the S3 fault proxy, a metadata emulator)."""
+    if not any(k in NET_KINDS for k, _, _ in cases):
+        return False
+    clash = sorted({f"{k}@{p}" for k, p, _ in cases if k in NEEDS_LOCALHOST or p == "commit"})
+    if clash:
+        raise SystemExit(f"chaos: {NET_KINDS} run the agents in network namespaces, where the S3 fault proxy and "
+                         f"the metadata emulators are out of reach; run {clash} in another invocation")
+    return True
 
 
 def select(case: tuple[str, str, str], only: str | None) -> bool:
@@ -655,9 +841,17 @@ def select(case: tuple[str, str, str], only: str | None) -> bool:
 def row(r: CaseResult) -> str:
     rec = "yes" if r.recovered else "NO"
     t = f"{r.recover_s:.1f}" if r.recover_s is not None else "-"
-    return (f"{r.index:>3} {r.kind:<17} {r.phase:<10} {r.target:<5} {r.node:<4} {r.world_before}->{r.world_expected} "
-            f"{rec:<4} {t:>6} {r.lost_steps:>4} {r.samples_skipped:>5} {r.samples_repeated:>5} "
-            f"{len(r.committed_lost):>5} {len(r.leftover_pids):>5} {'HANG' if r.hang else '-':<4}")
+    out = (f"{r.index:>3} {r.kind:<17} {r.phase:<10} {r.target:<5} {r.node:<4} {r.world_before}->{r.world_expected} "
+           f"{rec:<4} {t:>6} {r.lost_steps:>4} {r.samples_skipped:>5} {r.samples_repeated:>5} "
+           f"{len(r.committed_lost):>5} {len(r.leftover_pids):>5} {'HANG' if r.hang else '-':<4}")
+    if r.kind == "partition":
+        out += (f"\n    partition {r.partition_s:g} s: majority at {r.world_before - 1} after {r.majority_resume_s} s "
+                f"(epoch {r.majority_epoch}), minority commits after it {len(r.minority_commits)}, "
+                f"full size {r.rejoin_s} s after healing")
+    elif r.kind == "packet_loss":
+        out += (f"\n    {100 * (r.loss_p or 0):g} % loss for {r.loss_s:g} s: {len(r.evictions)} evictions, "
+                f"{r.dropped_packets} packets dropped, {r.steps_per_s_during} steps/s during, {r.steps_per_s_after} after")
+    return out
 
 
 def main() -> int:
@@ -670,25 +864,31 @@ def main() -> int:
                                                  "(either side * ; kind 'planned': the kinds that give notice)")
     p.add_argument("--repeat", type=int, default=1, help="run the selected cases this many times over")
     p.add_argument("--budget-s", type=float, default=None, help="start no new fault case after this many seconds")
+    p.add_argument("--partition-s", type=float, default=30.0, help="partition: how long the node stays cut off")
+    p.add_argument("--loss-minutes", type=float, default=10.0, help="packet_loss: how long the loss lasts")
+    p.add_argument("--loss-p", type=float, default=0.05, help="packet_loss: share of the node's incoming packets dropped")
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs, sample log)")
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cases = plan(a.seed, a.quick, a.cases, a.skip, a.only) * max(1, a.repeat)
+    netns = needs_netns(cases)
+    if netns and (why := netns_unavailable()):
+        raise SystemExit(f"chaos: {NET_KINDS} need network namespaces: {why}")
     work = tempfile.mkdtemp(prefix="tg-chaos-")
 
     def stop(signum: int, _frame: Any) -> None:  # a SIGTERM (timeout, CI) still cleans up every process
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, stop)
-    cases = plan(a.seed, a.quick, a.cases, a.skip, a.only) * max(1, a.repeat)
-    say(f"work folder {work}; {len(cases)} fault cases, seed {a.seed}")
+    say(f"work folder {work}; {len(cases)} fault cases, seed {a.seed}{', agents in network namespaces' if netns else ''}")
     results: list[CaseResult] = []
     c: Cluster | None = None
     t_start = time.time()
     error = None
     done = 0
     try:
-        c = Cluster(work, a.seed)
+        c = Cluster(work, a.seed, netns, a.partition_s, 60 * a.loss_minutes, a.loss_p)
         c.start()
         for kind, phase, target in cases:
             if a.budget_s is not None and time.time() - t_start > a.budget_s:
@@ -729,6 +929,18 @@ def main() -> int:
         "median_recover_s": _median([r.recover_s for r in results if r.recover_s is not None]),
         "wall_s": round(time.time() - t_start, 1), "seed": a.seed, "skip": a.skip, "only": a.only, "planned_fault_cases": len(cases), "quick": a.quick, "error": error,
     }
+    if netns:
+        parts = [r for r in results if r.kind == "partition"]
+        losses = [r for r in results if r.kind == "packet_loss"]
+        summary.update({
+            "netns": True, "partition_s": a.partition_s,
+            "partition_majority_resume_s": [r.majority_resume_s for r in parts],
+            "partition_rejoin_s": [r.rejoin_s for r in parts],
+            "partition_minority_commits": sum(len(r.minority_commits) for r in parts),
+            "loss_p": a.loss_p, "loss_minutes": a.loss_minutes,
+            "packet_loss_evictions": sum(len(r.evictions) for r in losses),
+            "packet_loss_dropped_packets": [r.dropped_packets for r in losses],
+        })
     print("\n" + json.dumps(summary))
     if a.json:
         with open(a.json, "w") as fh:

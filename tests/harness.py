@@ -172,13 +172,15 @@ class Node:
 
     def __init__(self, name: str, tmp: str, endpoint: str, *, nnodes: str = "1:2", job: str = "job",
                  script_args: list[str] | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 script: str = EXAMPLE, backend: str = "c10d") -> None:
+                 script: str = EXAMPLE, backend: str = "c10d", prefix: list[str] | None = None) -> None:
+        """``prefix``: a command the agent runs under, e.g. ``ip netns exec <ns>`` (tests/fixtures/netns.py
+        ``Netns.prefix``); it must exec the agent, so that ``pid`` stays the agent's."""
         if LATE_NODES_S > 0 and name != "a":
             time.sleep(LATE_NODES_S)
         self.name = name
         self.log_path = os.path.join(tmp, f"{name}.log")
         self.state_dir = os.path.join(tmp, f"state-{name}")
-        cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
+        cmd = [*(prefix or []), sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
                "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-name", name,
                "--state-dir", self.state_dir, "--log-dir", os.path.join(tmp, f"logs-{name}"),
                "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "preemption.sources=signal", "--set", "metrics.port=0",

@@ -62,3 +62,18 @@ def test_seeded_windows_partition_the_matrix(chaos):
     assert chaos.plan(8, False, None) != full and sorted(chaos.plan(8, False, None)) == sorted(full)
     quick = chaos.plan(7, True, None)
     assert {k for k, _, _ in quick} == {"drain", "sigkill_worker", "sigkill_node", "metadata_garbage", "storage_503"}
+
+
+def test_network_kinds_run_only_when_named_and_never_beside_the_localhost_servers(chaos):
+    """``partition`` and ``packet_loss`` need the agents in network namespaces: the seeded matrix (and its
+    numbers) stays as it was, ``--only`` adds them (phase ``step``, each target), and a run that would
+    also need the S3 fault proxy or a metadata emulator (out of the namespaces' reach) is refused."""
+    assert not [c for c in chaos.plan(7, False, None) if c[0] in chaos.NET_KINDS]
+    assert chaos.plan(7, False, None, only="partition@*,packet_loss@step") == [
+        ("partition", "step", "rank0"), ("partition", "step", "peer"),
+        ("packet_loss", "step", "rank0"), ("packet_loss", "step", "peer")]
+    assert chaos.needs_netns(chaos.plan(7, False, None, only="partition@*,drain@step"))
+    assert not chaos.needs_netns(chaos.plan(7, False, None, only="drain@*"))
+    for clash in ("partition@*,storage_503@save", "packet_loss@*,drain@commit"):
+        with pytest.raises(SystemExit, match="network namespaces"):
+            chaos.needs_netns(chaos.plan(7, False, None, only=clash))

@@ -67,3 +67,24 @@ def test_the_join_executor_evicts_what_the_plan_names_once_and_never_itself():
     assert a in st.participants and c not in st.participants
     assert ex._evict() is False and dirty == [1]  # already gone: nothing written again
     assert _Executor(SimpleNamespace(_node=a, _state_holder=holder, _settings=settings), 0.01)._evict() is False
+
+
+def test_no_eviction_once_the_rendezvous_moved_on_to_another_round():
+    """A node cut off by a partition re-forms on its stale view when it reconnects: its peers' agents look
+    silent to it (it could not read them), but they re-formed without it in a newer round, where they are
+    the live members. Evidence about round 4 removes nobody from round 5."""
+    from types import SimpleNamespace
+
+    from trainguard.agent.elastic import _Executor
+
+    st, settings, (a, b, c) = _state()
+    st.round = 5  # b and c re-formed without a
+    del st.participants[a], st.last_heartbeats[a]
+    holder = SimpleNamespace(state=st, sync=lambda: None, mark_dirty=lambda: None)
+    ex = _Executor(SimpleNamespace(_node=a, _state_holder=holder, _settings=settings), 0.01,
+                   evict=lambda: frozenset({str(b), str(c)}), evict_round=4)
+    ex._state = st
+    assert ex._evict() is False and ex.evicted == []
+    assert set(st.participants) == {b, c} and set(st.last_heartbeats) == {b, c}
+    ex.evict_round = 5  # evidence about the round the state is at still applies
+    assert ex._evict() is True and ex.evicted == [str(b), str(c)]

@@ -319,8 +319,8 @@ def _tick(clock, a, b, *, a_worker=True, a_agent=True, b_agent=True, step=None):
 _tick.n = 0
 
 
-def _run_until_action(clock, a, b, **kw):
-    """Tick until both watches acted; their first verdict and action each."""
+def _run_until_action(clock, a, b, *, only=("a", "b"), **kw):
+    """Tick until both watches (those named in ``only``) acted; their first verdict and action each."""
     got = {}
     for _ in range(200):
         _tick(clock, a, b, **kw)
@@ -328,9 +328,9 @@ def _run_until_action(clock, a, b, **kw):
             v, act = w.check()
             if act is not None and name not in got:
                 got[name] = (v, act)
-        if len(got) == 2:
-            return got["a"], got["b"]
-    raise AssertionError(f"no hang detected by both: {got}")
+        if set(only) <= set(got):
+            return got.get("a"), got.get("b")
+    raise AssertionError(f"no hang detected by {only}: {got}")
 
 
 def test_watch_names_a_stopped_worker_and_its_agent_ends_it_then_quarantines_the_second_time():
@@ -363,7 +363,9 @@ def test_watch_evicts_a_frozen_node_and_a_node_whose_agent_missed_a_heartbeat():
     for _ in range(20):
         _tick(clock, a, b)
     assert b.evict(("A", "B"), peer_lost=True) == frozenset()
-    (_, aa), (vb, ab) = _run_until_action(clock, a, b, a_worker=False, a_agent=False, step=20)
+    # a's agent publishes nothing (frozen): its own watch, were it to run, is blind and names nobody
+    got_a, (vb, ab) = _run_until_action(clock, a, b, only=("b",), a_worker=False, a_agent=False, step=20)
+    assert got_a is None
     assert ab.act is HangAct.ABORT and ab.evict == frozenset({"A"}) and vb.node_frozen
     assert b.evict(("A", "B"), peer_lost=True) == frozenset({"A"})
     assert b.evict(("A", "B"), peer_lost=False) == frozenset()
@@ -386,3 +388,28 @@ def test_a_hang_with_no_culprit_counts_against_no_node():
     assert va.hung and vb.hung and va.culprit is None and vb.culprit is None
     assert aa.act is HangAct.END_WORKERS and ab.act is HangAct.END_WORKERS
     assert a.hangs == [] and b.hangs == []
+
+
+def test_a_node_cut_off_from_the_store_names_nobody_and_evicts_nobody_on_its_stale_view():
+    """A partition cuts b off from the store (its exchanges hang) while a's agent goes on elsewhere (its
+    record under this world's prefix stays unchanged, as after a re-formation without b). While cut off,
+    and right after the store answers again, b's view of a is no evidence: no verdict, no eviction. Only
+    silence b could observe counts."""
+    store, clock = DictStore(), Clock()
+    a, b = _pair(store, clock)
+    for _ in range(20):
+        _tick(clock, a, b)
+    for _ in range(3 * int(CFG.min_s / CFG.heartbeat_interval_s)):  # cut off: neither record moves in b's view
+        _tick(clock, a, b, a_worker=False, a_agent=False, b_agent=False, step=20)
+        v, act = b.check()
+        assert not v.hung and act is None
+        assert b.evict(("A", "B"), peer_lost=True) == frozenset()
+    clock.t += CFG.heartbeat_interval_s
+    b.exchange()  # the store answers again; a's record is as it was
+    assert b.check()[1] is None and b.evict(("A", "B"), peer_lost=True) == frozenset()
+    for _ in range(int(CFG.min_s / CFG.heartbeat_interval_s) + 4):  # now b sees a stay silent: evidence
+        clock.t += CFG.heartbeat_interval_s
+        b.on_progress(Progress(rank=1, local_rank=0, step=20, phase=S, beat=clock.t, progress=7, where="t.py:1 m"))
+        b.exchange()
+    v, act = b.check()
+    assert v.hung and v.node_frozen and act.act is HangAct.ABORT and act.evict == frozenset({"A"})
