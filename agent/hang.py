@@ -55,12 +55,15 @@ class HangConfig:
     """Floor of the hang threshold: no rank progressed for at least this long. The threshold is
     ``max(min_s, step_factor x p99 step time)``."""
 
-    silent_s: float = 4.0
+    silent_s: float = 6.0
     """A rank whose heartbeat stopped this long, while the job made no progress this long either, is hung
-    without waiting for the threshold (past warm-up: ``min_steps`` step times known). Its heartbeat comes
-    from a thread that runs whatever the main thread does (a step, a collective, a 40 s kernel, an
-    evaluation): a rank that cannot send it is stopped (SIGSTOP, a kernel or hypervisor hang), not
-    busy. Between ``stale_beats`` heartbeat intervals and ``min_s``."""
+    without waiting for the threshold (past warm-up: ``min_steps`` step times known); between
+    ``stale_beats`` heartbeat intervals and ``min_s`` (the default, ``min_s``, adds nothing to the
+    threshold). The heartbeat comes from a thread that runs beside a step, a kernel or an evaluation, so
+    a rank that cannot send it is usually stopped (SIGSTOP, a kernel or hypervisor hang). Not always: a C
+    call that holds the GIL while it waits (seen: DDP's parameter-shape check waiting for a joiner) and a
+    starved machine (load 6 on 2 cores) silence it too; set it below ``min_s`` only where such waits are
+    shorter (the peers bench's fast row: 1 s on an idle machine)."""
 
     step_factor: float = 3.0
     """k of the hang threshold ``max(min_s, k x p99 of the recent step times)``: a 40 s step gives 120 s."""
@@ -87,11 +90,11 @@ class HangConfig:
                 f"must be at least heartbeat_interval_s x stale_beats "
                 f"({self.heartbeat_interval_s * self.stale_beats:g} s), got {self.min_s}",
                 "raise hang.min_s or lower hang.heartbeat_interval_s")
-        require_finite(self.silent_s, "silent_s", positive=True, fix="use 4 (seconds)")
+        require_finite(self.silent_s, "silent_s", positive=True, fix="use 6 (= hang.min_s) or less")
         require(self.heartbeat_interval_s * self.stale_beats <= self.silent_s <= self.min_s, "silent_s",
                 f"must be between heartbeat_interval_s x stale_beats ({self.heartbeat_interval_s * self.stale_beats:g} s) "
                 f"and min_s ({self.min_s:g} s), got {self.silent_s}",
-                "use 4, or raise hang.min_s / lower hang.heartbeat_interval_s")
+                "use hang.min_s (6), or raise hang.min_s / lower hang.heartbeat_interval_s")
         require_finite(self.step_factor, "step_factor", minimum=1.0,
                        fix="use 3: a step up to 3x slower than the recent p99 is no hang")
         require(isinstance(self.min_steps, int) and self.min_steps >= 1, "min_steps",

@@ -59,22 +59,16 @@ def test_bad_hang_config_names_key_env_var_and_fix(tmp_path, text, env, key, fra
 HUNG_AT = 100.0
 T_AFTER = HUNG_AT + CFG.min_s + 1.0
 T_BEFORE = HUNG_AT + CFG.min_s - 1.0
-T_SILENT = HUNG_AT + CFG.silent_s + 0.5  # a stopped rank: named at hang.silent_s, before the threshold
-T_NOT_SILENT = HUNG_AT + CFG.silent_s - 0.5
+FAST = HangConfig(silent_s=4.0)  # hang.silent_s below min_s: a stopped rank is named before the threshold
+T_SILENT = HUNG_AT + FAST.silent_s + 0.5
+T_NOT_SILENT = HUNG_AT + FAST.silent_s - 0.5
 
 CASES = [
     # id, ranks, now, p99, known steps, hung, culprit rank, why, node frozen
     ("training", [rv(0, beat_at=T_AFTER, progress_at=T_AFTER), rv(1, node="n1", beat_at=T_AFTER, progress_at=T_AFTER)],
      T_AFTER, 0.05, 100, False, None, "", False),
-    ("sigstop_before_silent_s", [rv(0, beat_at=T_NOT_SILENT, progress_at=HUNG_AT),
-                                 rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_NOT_SILENT)],
-     T_NOT_SILENT, 0.05, 100, False, None, "", False),
-    ("sigstop_after_silent_s", [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
-                                rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
-     T_SILENT, 0.05, 100, True, 1, "heartbeat_stopped_first", False),
-    ("frozen_node_after_silent_s", [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
-                                    rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
-     T_SILENT, 0.05, 100, True, 1, "heartbeat_stopped_first", True),
+    ("sigstop_before_threshold", [rv(0, beat_at=T_BEFORE, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT)],
+     T_BEFORE, 0.05, 100, False, None, "", False),
     # every rank beats, none progresses (all wait in one collective): only the threshold names a hang
     ("all_beating_before_threshold", [rv(0, beat_at=T_BEFORE, progress_at=HUNG_AT), rv(1, node="n1", beat_at=T_BEFORE, progress_at=HUNG_AT)],
      T_BEFORE, 0.05, 100, False, None, "", False),
@@ -82,10 +76,6 @@ CASES = [
     ("silent_while_warming_up", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT),
                                  rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_AFTER)],
      T_AFTER, 0.05, 2, False, None, "", False),
-    # a silent rank while another runs a long evaluation inside rt.busy(): the job is progressing
-    ("silent_while_a_peer_is_busy", [rv(0, phase=B, beat_at=T_SILENT, progress_at=HUNG_AT),
-                                     rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
-     T_SILENT, 0.05, 100, False, None, "", False),
     ("sigstop_worker", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_AFTER)],
      T_AFTER, 0.05, 100, True, 1, "heartbeat_stopped_first", False),
     ("frozen_node", [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
@@ -138,7 +128,42 @@ def test_decide_hang(ranks, now, p99, known, hung, culprit, why, frozen):
     assert v.node_frozen is frozen
     if hung:
         assert v.stalled_s > v.threshold_s
-        assert v.threshold_s == (CFG.silent_s if now == T_SILENT else hang_threshold(CFG, p99, known))
+        assert v.threshold_s == hang_threshold(CFG, p99, known)
+
+
+SILENT_CASES = [
+    # id, config, ranks, now, hung, culprit rank, node frozen
+    ("default_waits_for_the_threshold", CFG, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
+                                             rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
+     T_SILENT, False, None, False),
+    ("before_silent_s", FAST, [rv(0, beat_at=T_NOT_SILENT, progress_at=HUNG_AT),
+                               rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_NOT_SILENT)],
+     T_NOT_SILENT, False, None, False),
+    ("after_silent_s", FAST, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
+                              rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
+     T_SILENT, True, 1, False),
+    ("frozen_node_after_silent_s", FAST, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
+                                          rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
+     T_SILENT, True, 1, True),
+    # a silent rank while another runs a long evaluation inside rt.busy(): the job is progressing
+    ("a_peer_is_busy", FAST, [rv(0, phase=B, beat_at=T_SILENT, progress_at=HUNG_AT),
+                              rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
+     T_SILENT, False, None, False),
+    ("while_warming_up", FAST, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
+                                rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
+     T_SILENT, None, None, False),
+]
+
+
+@pytest.mark.parametrize("cfg,ranks,now,hung,culprit,frozen", [c[1:] for c in SILENT_CASES], ids=[c[0] for c in SILENT_CASES])
+def test_a_stopped_rank_is_named_at_silent_s_when_set_below_min_s(cfg, ranks, now, hung, culprit, frozen):
+    known = 2 if hung is None else 100  # None: the warm-up case (fewer than min_steps step times known)
+    v = decide_hang(ranks, now, cfg, 0.05, known)
+    assert v.hung is bool(hung)
+    assert (v.culprit.rank if v.culprit else None) == culprit
+    assert v.node_frozen is frozen
+    if hung:
+        assert v.why == "heartbeat_stopped_first" and v.threshold_s == cfg.silent_s < v.stalled_s < cfg.min_s
 
 
 def test_a_40s_step_and_a_5min_evaluation_stream_give_no_false_positive():
@@ -344,9 +369,7 @@ def test_watch_names_a_stopped_worker_and_its_agent_ends_it_then_quarantines_the
     assert aa.act is HangAct.END_WORKERS and ab.act is HangAct.WATCH
     assert va.culprit.rank == 0 and va.culprit.node == "A" and va.why == "heartbeat_stopped_first"
     assert vb.culprit.rank == 0 and b.name_of(vb.culprit.node) == "node-a"
-    # a stopped rank: named once it was silent hang.silent_s, before the progress threshold (min_s)
-    assert CFG.silent_s <= clock.t - stopped_at < CFG.min_s
-    assert va.threshold_s == CFG.silent_s
+    assert clock.t - stopped_at >= CFG.min_s
     assert a.check()[1] is None  # once per world
     # the next world: the same node hangs again within hang.quarantine_s
     for w in (a, b):
