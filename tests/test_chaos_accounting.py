@@ -77,3 +77,38 @@ def test_network_kinds_run_only_when_named_and_never_beside_the_localhost_server
     for clash in ("partition@*,storage_503@save", "packet_loss@*,drain@commit"):
         with pytest.raises(SystemExit, match="network namespaces"):
             chaos.needs_netns(chaos.plan(7, False, None, only=clash))
+
+
+def test_dirty_kinds_run_only_when_named_and_need_no_namespaces(chaos):
+    """``hang_worker``, ``freeze_node`` and ``late_joiner`` (issue 37) leave the seeded matrix and ``--quick`` as
+    they were; ``--only`` adds them at phase ``step``, each target once (``late_joiner``: once, no target)."""
+    assert not [c for c in chaos.plan(7, False, None) + chaos.plan(7, True, None) if c[0] in chaos.DIRTY_KINDS]
+    cases = chaos.plan(7, False, None, only="hang_worker,freeze_node@step,late_joiner@*")
+    assert cases == [("hang_worker", "step", "rank0"), ("hang_worker", "step", "peer"),
+                     ("freeze_node", "step", "rank0"), ("freeze_node", "step", "peer"), ("late_joiner", "step", "-")]
+    assert not chaos.needs_netns(cases)
+    assert chaos.plan(7, False, None, only="hang_worker@save") == []  # named kinds run at phase step only
+    assert not chaos.KINDS["freeze_node"].removes  # SIGCONTed: it comes back (see the Kind's comment)
+
+
+def test_late_job_arguments_end_the_job_and_keep_the_rest(chaos, tmp_path):
+    late = chaos.script_args(chaos.LATE_STEPS)
+    assert late[late.index("--steps") + 1] == str(chaos.LATE_STEPS)
+    assert [a for i, a in enumerate(late) if i != late.index("--steps") + 1] == \
+        [a for i, a in enumerate(chaos.SCRIPT_ARGS) if i != chaos.SCRIPT_ARGS.index("--steps") + 1]
+    assert chaos.script_args() == chaos.SCRIPT_ARGS
+    assert chaos.samples_dir(str(tmp_path)) != chaos.samples_dir(str(tmp_path), chaos.LATE_JOB)
+
+
+@pytest.mark.parametrize("code,events,want", [
+    (0, [{"event": "job_already_complete"}, {"event": "state_change", "new": "succeeded", "reason": "not_needed"}],
+     "not_needed"),
+    (0, [{"event": "state_change", "new": "succeeded", "reason": "not_needed"}], "not_needed"),
+    (0, [{"event": "joined_running_world"}, {"event": "state_change", "new": "succeeded"}], "succeeded"),
+    (0, [{"event": "state_change", "new": "rendezvous"}], None),  # exit 0 without saying why: not accepted
+    (1, [{"event": "job_already_complete"}], None),
+    (None, [{"event": "job_already_complete"}], None),  # still running
+    (0, [], None),
+])
+def test_late_outcome(chaos, code, events, want):
+    assert chaos.late_outcome(code, events) == want
