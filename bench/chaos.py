@@ -970,7 +970,7 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     if (not res.recovered or res.hang or res.committed_lost or res.minority_commits or res.evictions or res.leftover_pids
             or (k.planned and (res.samples_skipped or res.samples_repeated))):
         res.log_excerpt = [f"{a.name}: {line}" for a in c.live() + [node] for line in a.tail(12)]
-    if not res.recovered:
+    if not res.recovered and kind != "late_joiner":  # the short job is not the cluster: nothing to restart
         c.restart(f"case {index} ({kind} @ {phase}) did not recover")
         res.cluster_restarted = True
     return res
