@@ -636,6 +636,18 @@ def inject(c: Cluster, kind: str, node: Agent) -> float | None:
     return None
 
 
+def epoch_claims(nodes: list[Agent], since: float) -> list[tuple[float, int]]:
+    """(time, epoch) of every checkpoint epoch ``nodes`` claimed from ``since`` on, oldest first."""
+    return sorted((t, e["epoch"]) for a in nodes for t, e in a.events("checkpoint_epoch_claimed", since)
+                  if e.get("component") == "trainguard.checkpoint")
+
+
+def stale_commits(node: Agent, since: float, epoch: int) -> list[str]:
+    """``node``'s commits from ``since`` on under an epoch not newer than ``epoch`` (the others' claim)."""
+    return [f"step {e['step']} epoch {e['epoch']}" for _, e in node.events("checkpoint_committed", since)
+            if e.get("component") == "trainguard.checkpoint" and e["epoch"] <= epoch]
+
+
 def partition_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float | None:
     """The cut-off ``node`` (partitioned at ``t_fault``): wait for the majority to train at the smaller size,
     hold the partition ``c.partition_s`` in all, heal, wait for the full size again. Fills the partition
@@ -655,8 +667,7 @@ def partition_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> 
         res.note += f"the majority never trained at world size {smaller}; "
     else:
         res.majority_resume_s = round(t_major - t_fault, 2)
-    claims = wait_for(lambda: sorted((t, e["epoch"]) for a in others for t, e in a.events("checkpoint_epoch_claimed", t_fault)
-                                     if e.get("component") == "trainguard.checkpoint"), 30)
+    claims = wait_for(lambda: epoch_claims(others, t_fault), 30)
     t_claim = claims[0][0] if claims else None
     if claims:
         res.majority_epoch = claims[0][1]
@@ -671,8 +682,7 @@ def partition_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> 
     if t_back is not None:
         res.rejoin_s = round(t_back - t_heal, 2)
     if t_claim is not None:  # the cut-off node's commits under an epoch not newer than the majority's
-        res.minority_commits = [f"step {e['step']} epoch {e['epoch']}" for t, e in node.events("checkpoint_committed", t_claim)
-                                if e.get("component") == "trainguard.checkpoint" and e["epoch"] <= (res.majority_epoch or 0)]
+        res.minority_commits = stale_commits(node, t_claim, res.majority_epoch or 0)
     return t_back if t_major is not None else None
 
 
@@ -690,8 +700,7 @@ def freeze_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> flo
         res.note += f"the survivors never trained at world size {smaller}; "
     else:
         res.majority_resume_s = round(t_major - t_fault, 2)
-    claims = wait_for(lambda: sorted((t, e["epoch"]) for a in others for t, e in a.events("checkpoint_epoch_claimed", t_fault)
-                                     if e.get("component") == "trainguard.checkpoint"), 30)
+    claims = wait_for(lambda: epoch_claims(others, t_fault), 30)
     t_claim = claims[0][0] if claims else None
     if claims:
         res.majority_epoch = claims[0][1]
@@ -712,8 +721,7 @@ def freeze_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> flo
     else:
         res.note += f"{node.name} exited {node.proc.returncode} after the SIGCONT instead of rejoining; "
     if t_claim is not None:
-        res.minority_commits = [f"step {e['step']} epoch {e['epoch']}" for t, e in node.events("checkpoint_committed", t_claim)
-                                if e.get("component") == "trainguard.checkpoint" and e["epoch"] <= (res.majority_epoch or 0)]
+        res.minority_commits = stale_commits(node, t_claim, res.majority_epoch or 0)
     return t_major
 
 
@@ -915,7 +923,8 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
             return None
         return max(t_step, max(commits) if clears_at is not None else 0.0)
 
-    custom = {"partition": partition_case, "packet_loss": loss_case, "freeze_node": freeze_case, "late_joiner": late_case}
+    custom = {"partition": partition_case, "packet_loss": loss_case, "freeze_node": freeze_case,
+              "late_joiner": late_case}
     if kind in custom:
         t_rec = custom[kind](c, node, res, t_fault)
         res.hang = res.hang or t_rec is None
@@ -955,8 +964,10 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     left = {p for p in pids_before if alive(p)} - c.pids()
     res.leftover_pids += [f"{p} {cmdline(p)[:120]}" for p in sorted(left)]
     if kind in DIRTY_KINDS:
+        nodes = dict.fromkeys(c.agents + c.gone + [node])
         res.dirty_events = [f"{a.name}: {name}" for t, a, name in sorted(
-            (t, a, name) for a in dict.fromkeys(c.agents + c.gone + [node]) for name in DIRTY_EVENTS for t, _ in a.events(name, t_fault))]
+            ((t, a, name) for a in nodes for name in DIRTY_EVENTS for t, _ in a.events(name, t_fault)),
+            key=lambda x: x[0])]
     after_committed = c.committed()
     res.committed_lost = [f"step {s} epoch {e}" for s, e in sorted(before_committed - after_committed)]
     skipped1, repeated1, errors1 = sample_account(os.path.join(c.work, "samples"))
@@ -967,7 +978,8 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
         res.samples_skipped += skipped
         res.samples_repeated += repeated
         res.sample_errors += [f"{LATE_JOB}: {e}" for e in errors]
-    if (not res.recovered or res.hang or res.committed_lost or res.minority_commits or res.evictions or res.leftover_pids
+    if (not res.recovered or res.hang or res.committed_lost or res.minority_commits or res.evictions
+            or res.leftover_pids
             or (k.planned and (res.samples_skipped or res.samples_repeated))):
         res.log_excerpt = [f"{a.name}: {line}" for a in c.live() + [node] for line in a.tail(12)]
     if not res.recovered and kind != "late_joiner":  # the short job is not the cluster: nothing to restart

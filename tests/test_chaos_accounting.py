@@ -112,3 +112,27 @@ def test_late_job_arguments_end_the_job_and_keep_the_rest(chaos, tmp_path):
 ])
 def test_late_outcome(chaos, code, events, want):
     assert chaos.late_outcome(code, events) == want
+
+
+class FakeAgent:
+    def __init__(self, evs):
+        self.evs = evs  # (time, event dict)
+
+    def events(self, name, since=0.0):
+        return [(t, e) for t, e in self.evs if t >= since and e.get("event") == name]
+
+
+def test_epoch_claims_and_stale_commits_of_a_cut_off_or_woken_node(chaos):
+    """partition and freeze_node: the others' first claim after the fault, and the node's commits under an
+    epoch not newer than it (the worker's ``trainguard.checkpoint`` lines only)."""
+    ck = "trainguard.checkpoint"
+    others = [FakeAgent([(5.0, {"event": "checkpoint_epoch_claimed", "epoch": 3, "component": ck})]),
+              FakeAgent([(4.0, {"event": "checkpoint_epoch_claimed", "epoch": 4, "component": ck}),
+                         (1.0, {"event": "checkpoint_epoch_claimed", "epoch": 2, "component": ck}),
+                         (6.0, {"event": "checkpoint_epoch_claimed", "epoch": 9, "component": "other"})])]
+    assert chaos.epoch_claims(others, 2.0) == [(4.0, 4), (5.0, 3)]
+    node = FakeAgent([(3.0, {"event": "checkpoint_committed", "step": 10, "epoch": 2, "component": ck}),
+                      (6.0, {"event": "checkpoint_committed", "step": 20, "epoch": 2, "component": ck}),
+                      (7.0, {"event": "checkpoint_committed", "step": 30, "epoch": 5, "component": ck}),
+                      (8.0, {"event": "checkpoint_committed", "step": 40, "epoch": 1, "component": "other"})])
+    assert chaos.stale_commits(node, 4.0, 4) == ["step 20 epoch 2"]
