@@ -158,8 +158,9 @@ class HangWatch:
                     return
                 self._tracker.agent(m, seq, now)
                 if self._watching:
-                    for b in beats:
-                        self._tracker.beat(m, b.rank, b.step, b.phase, b.where, b.beat, b.progress, now)
+                    for b in beats:  # a standby's beat (rank -1) is no rank of the world, as in on_progress
+                        if b.rank >= 0:
+                            self._tracker.beat(m, b.rank, b.step, b.phase, b.where, b.beat, b.progress, now)
 
     def close(self) -> None:
         """Stop the thread (idempotent)."""

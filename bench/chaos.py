@@ -36,6 +36,15 @@ each, ``workers.reform`` left at its default, in-process) training ``examples/tr
   its newer epoch (must be 0), the seconds from healing to the first step at the full size again; packet
   loss: evictions (``member_lost``, ``member_evicted``, ``hang_detected``, re-formations, rolled-back
   steps, rendezvous rounds) over the whole loss window, and the step rate with and without loss.
+* **dirty failures** (issue 37; only when ``--only`` names them, phase ``step``, like the network kinds):
+  ``hang_worker`` (SIGSTOP of the target's worker: its agent names the hang and ends the worker, the node
+  rejoins, the others re-form in place; recovery: the first step at the full size after it; the stopped
+  worker must not outlive the case), ``freeze_node`` (SIGSTOP of the target's agent and worker: the
+  survivors evict it and re-form in place, the recovery; after their epoch claim it is SIGCONTed, must
+  commit nothing under an epoch not newer than theirs, and rejoins) and ``late_joiner`` (a short job of
+  its own, ``LATE_STEPS`` steps on two nodes beside the cluster, and one more agent started as it ends:
+  every agent exits 0, the joiner with state ``succeeded`` or ``not_needed``; its sample log is counted
+  from step 1). Each case keeps what the agents logged about it (``dirty_events``).
 
 For every case: recovered (training at the expected world size again, past the step it was at when
 the fault hit; for storage faults also a commit after the fault cleared), time to recover, lost steps
@@ -85,6 +94,12 @@ SCRIPT_ARGS = ["--steps", "100000000", "--global-batch", str(GLOBAL_BATCH), "--m
                "--d-model", "32", "--layers", "2", "--max-bytes", "200000", "--log-every", "1", "--lr", "3e-3",
                "--step-sleep", "0.05"]
 CKPT_EVERY = 10
+LATE_JOB = "chaos-late"
+"""``late_joiner``'s job: two nodes beside the cluster (the same store, a rendezvous id of its own)."""
+LATE_STEPS = 60
+LATE_LEAD = 5
+"""``late_joiner``: the extra agent starts when the short job logs step ``LATE_STEPS - LATE_LEAD`` (its own
+start-up takes seconds: it reaches the store about when the job completes, before or after)."""
 STORAGE_FAULT_S = 8.0
 LEFTOVER_GRACE_S = 10.0
 T0 = time.time()
@@ -109,12 +124,30 @@ KINDS = {k.name: k for k in [
     Kind("storage_outage", False, False, 35), Kind("metadata_garbage", False, False, 20),
     Kind("metadata_hang", False, False, 20), Kind("scale_up", True, False, 60),
     Kind("partition", False, False, 30), Kind("packet_loss", False, False, 30),
+    # SIGSTOP of the node's worker: its agent names the hang, SIGKILLs it and restarts it; the node rejoins.
+    Kind("hang_worker", False, False, 40),
+    # SIGSTOP of agent and worker; the survivors evict it and re-form in place. After that (and the survivors'
+    # epoch claim) the bench SIGCONTs it rather than SIGKILLs it: a frozen node does wake up, with a stale
+    # world, and what it does then (no commit under an older epoch, rejoin) is the risk being tested, where a
+    # SIGKILL would make it a slow sigkill_node. It comes back, so it does not remove a node (`removes`
+    # False); the survivors' re-formation at the smaller size is the recovery, the rejoin a figure of its own.
+    Kind("freeze_node", False, False, 35),
+    # One more agent started as a short job of its own completes (the cluster's job never does): exit 0,
+    # state succeeded (it joined in time) or not_needed (the rendezvous was closed). Adds nothing for good.
+    Kind("late_joiner", True, False, 60),
 ]}
 NET_KINDS = ["partition", "packet_loss"]
 """Kinds that need the cluster in network namespaces; not in the seeded matrix (``--only`` names them)."""
+DIRTY_KINDS = ["hang_worker", "freeze_node", "late_joiner"]
+"""Issue 37's dirty failures: only when ``--only`` names them (phase ``step``), so the seeded matrix keeps
+its numbers and figures and ``--quick`` its time."""
+NAMED_KINDS = NET_KINDS + DIRTY_KINDS
+DIRTY_EVENTS = ("hang_detected", "hung_workers_ended", "collectives_abort_requested", "member_lost", "member_evicted",
+                "worker_reformed", "left_to_rejoin", "joined_running_world", "job_already_complete")
+"""What the agents log about a dirty failure, kept per case (node: event) for the report."""
 NEEDS_LOCALHOST = ["aws_notice", "storage_503", "storage_stall", "storage_outage", "metadata_garbage", "metadata_hang"]
 """Kinds that need the S3 fault proxy or a metadata emulator: servers a namespaced cluster cannot reach."""
-FAULTS = [k for k in KINDS if k not in ("scale_up", *NET_KINDS)]
+FAULTS = [k for k in KINDS if k not in ("scale_up", *NAMED_KINDS)]
 NET_PORT = 29400
 """The store's port in the hub namespace (a namespace of this run's own: nothing else listens there)."""
 NET_SLOTS = 6
@@ -134,6 +167,30 @@ QUICK = [("drain", "step", "peer"), ("sigkill_worker", "step", "peer"), ("sigkil
 
 class ChaosError(RuntimeError):
     pass
+
+
+def script_args(steps: int | None = None) -> list[str]:
+    """The job's arguments; ``steps``: a job that ends (``late_joiner``'s), instead of the cluster's endless one."""
+    return [str(steps) if steps is not None and i > 0 and SCRIPT_ARGS[i - 1] == "--steps" else a
+            for i, a in enumerate(SCRIPT_ARGS)]
+
+
+def samples_dir(work: str, job: str = JOB_ID) -> str:
+    return os.path.join(work, "samples" if job == JOB_ID else f"samples-{job}")
+
+
+def late_outcome(exit_code: int | None, events: list[dict[str, Any]]) -> str | None:
+    """How a late joiner ended: ``not_needed`` (the rendezvous was closed: ``job_already_complete``),
+    ``succeeded`` (it joined the running world and the job completed with it), None for anything else (a
+    non-zero exit, still running, or exit 0 without either line)."""
+    if exit_code != 0:
+        return None
+    if any(e.get("event") == "job_already_complete" for e in events):
+        return "not_needed"
+    ends = [e for e in events if e.get("event") == "state_change" and e.get("new") == "succeeded"]
+    if ends:
+        return "not_needed" if ends[-1].get("reason") == "not_needed" else "succeeded"
+    return None
 
 
 def say(text: str) -> None:
@@ -169,19 +226,21 @@ class Agent:
     thread that parses each output line once (agent events and the worker's ``[default0]:`` lines)."""
 
     def __init__(self, name: str, work: str, endpoint: str, storage_opts: dict[str, Any], url: str,
-                 net: Netns | None = None, slot: str = "") -> None:
+                 net: Netns | None = None, slot: str = "", job: str = JOB_ID, steps: int | None = None) -> None:
         """``net``: the agent runs in namespace ``slot`` of ``net`` (its own address for gloo and the
-        rendezvous, signals as its only notices: its metadata emulator is out of reach)."""
+        rendezvous, signals as its only notices: its metadata emulator is out of reach). ``job``/``steps``:
+        another job than the cluster's (its own rendezvous id and sample log) that ends after ``steps``
+        steps (``late_joiner``); the cluster's job never ends."""
         self.name = name
         self.slot = slot
         self.emu = AwsImdsEmulator()
         self.state_dir = os.path.join(work, f"state-{name}")
-        self.socket = os.path.join(self.state_dir, f"{JOB_ID}.sock")
+        self.socket = os.path.join(self.state_dir, f"{job}.sock")
         net_flags, net_env = net.agent_settings(slot) if net is not None else ([], {"GLOO_SOCKET_IFNAME": "lo"})
         sources = "signal" if net is not None else "aws,signal"
         cmd = [*(net.prefix(slot) if net is not None else []),
                sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:3", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", JOB_ID, "--node-name", name,
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-name", name,
                "--state-dir", self.state_dir, "--log-dir", os.path.join(work, f"logs-{name}"),
                "--monitor-interval", "0.2", "--set", "agent.log_format=json", "--set", "metrics.port=0",
                "--set", "rendezvous.is_host=false", "--set", "rendezvous.keep_alive_interval_s=1",
@@ -197,7 +256,7 @@ class Agent:
                # Every worker the bench SIGKILLs consumes a restart: a budget of 3 would end an agent after
                # its third (the budget working as designed, not a failed recovery).
                "--set", "workers.max_restarts=1000",
-               ELASTIC, *SCRIPT_ARGS, "--sample-log", os.path.join(work, "samples")]
+               ELASTIC, *script_args(steps), "--sample-log", samples_dir(work, job)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
         env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **net_env,
                     "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -308,15 +367,26 @@ class CaseResult:
     leftover_pids: list[str] = field(default_factory=list)
     cluster_restarted: bool = False
     majority_resume_s: float | None = None
-    """partition: seconds from the fault to the majority's first step at the smaller world size."""
+    """partition, freeze_node: seconds from the fault to the majority's first step at the smaller world size."""
     majority_epoch: int | None = None
-    """partition: the checkpoint epoch the majority claimed after the fault."""
+    """partition, freeze_node: the checkpoint epoch the majority claimed after the fault."""
     minority_commits: list[str] = field(default_factory=list)
-    """partition: commits by the cut-off node after the majority claimed its epoch, under an epoch not newer
-    than it (before it rejoined): must stay empty."""
+    """partition, freeze_node: commits by the cut-off (frozen) node after the majority claimed its epoch, under
+    an epoch not newer than it (before it rejoined): must stay empty."""
     partition_s: float | None = None
+    frozen_s: float | None = None
+    """freeze_node: seconds from the SIGSTOP to the SIGCONT."""
     rejoin_s: float | None = None
-    """partition: seconds from healing to the first step at the full world size again."""
+    """partition: seconds from healing (freeze_node: from the SIGCONT) to the first step at the full world
+    size again."""
+    dirty_events: list[str] = field(default_factory=list)
+    """hang_worker, freeze_node, late_joiner: :data:`DIRTY_EVENTS` logged from the fault on (node: event)."""
+    late_outcome: str | None = None
+    """late_joiner: ``succeeded`` or ``not_needed`` (:func:`late_outcome`); None: neither (a failure)."""
+    late_exit_codes: dict[str, int | None] = field(default_factory=dict)
+    """late_joiner: every agent of the short job, the joiner last: all must be 0."""
+    late_job_steps: int | None = None
+    """late_joiner: the last step the short job logged (it must be ``LATE_STEPS``)."""
     loss_p: float | None = None
     loss_s: float | None = None
     dropped_packets: int | None = None
@@ -406,19 +476,22 @@ class Cluster:
         self.store = Store(work, net=self.net)
         self.agents: list[Agent] = []
         self.gone: list[Agent] = []
+        self.extras: list[Agent] = []
+        """Agents of another job (``late_joiner``'s), not of the cluster."""
         self.serial = 0
         self.restarts = 0
 
     # -- membership -------------------------------------------------------------------------------
-    def add(self) -> Agent:
+    def add(self, job: str = JOB_ID, steps: int | None = None) -> Agent:
+        """A fresh node of the cluster, or (``job``) of another job, kept in :attr:`extras`."""
         self.serial += 1
         slot = ""
         if self.net is not None:  # a namespace no live agent holds
-            taken = {a.slot for a in self.live()}
+            taken = {a.slot for a in self.live() + self.extras}
             slot = next(s for s in self.net.names if s not in taken)
             self.net.heal(slot)
-        a = Agent(f"n{self.serial}", self.work, self.store.endpoint, self.opts, self.url, self.net, slot)
-        self.agents.append(a)
+        a = Agent(f"n{self.serial}", self.work, self.store.endpoint, self.opts, self.url, self.net, slot, job, steps)
+        (self.agents if job == JOB_ID else self.extras).append(a)
         return a
 
     def live(self) -> list[Agent]:
@@ -494,7 +567,7 @@ class Cluster:
         self.wait_training(3, 240, "the first world of 3")
 
     def close(self) -> None:
-        for a in self.agents:
+        for a in self.agents + self.extras:
             a.close()
         self.store.stop()
         if self.proxy is not None:
@@ -550,6 +623,10 @@ def inject(c: Cluster, kind: str, node: Agent) -> float | None:
         node.emu.misbehave("garbage", count=30)
     elif kind == "metadata_hang":
         node.emu.misbehave("hang", count=4, delay_s=6.0)
+    elif kind == "hang_worker":
+        kill_pids(node.workers(), signal.SIGSTOP)
+    elif kind == "freeze_node":
+        kill_pids(tree(node.proc.pid), signal.SIGSTOP)
     elif kind == "partition":
         assert c.net is not None
         c.net.partition(node.slot)
@@ -557,6 +634,18 @@ def inject(c: Cluster, kind: str, node: Agent) -> float | None:
         assert c.net is not None
         c.net.loss(node.slot, c.loss_p)
     return None
+
+
+def epoch_claims(nodes: list[Agent], since: float) -> list[tuple[float, int]]:
+    """(time, epoch) of every checkpoint epoch ``nodes`` claimed from ``since`` on, oldest first."""
+    return sorted((t, e["epoch"]) for a in nodes for t, e in a.events("checkpoint_epoch_claimed", since)
+                  if e.get("component") == "trainguard.checkpoint")
+
+
+def stale_commits(node: Agent, since: float, epoch: int) -> list[str]:
+    """``node``'s commits from ``since`` on under an epoch not newer than ``epoch`` (the others' claim)."""
+    return [f"step {e['step']} epoch {e['epoch']}" for _, e in node.events("checkpoint_committed", since)
+            if e.get("component") == "trainguard.checkpoint" and e["epoch"] <= epoch]
 
 
 def partition_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float | None:
@@ -578,8 +667,7 @@ def partition_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> 
         res.note += f"the majority never trained at world size {smaller}; "
     else:
         res.majority_resume_s = round(t_major - t_fault, 2)
-    claims = wait_for(lambda: sorted((t, e["epoch"]) for a in others for t, e in a.events("checkpoint_epoch_claimed", t_fault)
-                                     if e.get("component") == "trainguard.checkpoint"), 30)
+    claims = wait_for(lambda: epoch_claims(others, t_fault), 30)
     t_claim = claims[0][0] if claims else None
     if claims:
         res.majority_epoch = claims[0][1]
@@ -594,9 +682,89 @@ def partition_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> 
     if t_back is not None:
         res.rejoin_s = round(t_back - t_heal, 2)
     if t_claim is not None:  # the cut-off node's commits under an epoch not newer than the majority's
-        res.minority_commits = [f"step {e['step']} epoch {e['epoch']}" for t, e in node.events("checkpoint_committed", t_claim)
-                                if e.get("component") == "trainguard.checkpoint" and e["epoch"] <= (res.majority_epoch or 0)]
+        res.minority_commits = stale_commits(node, t_claim, res.majority_epoch or 0)
     return t_back if t_major is not None else None
+
+
+def freeze_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float | None:
+    """The frozen ``node`` (SIGSTOPped at ``t_fault``): wait for the survivors' first step at the smaller size
+    (the recovery, returned; None: none within 3x nominal) and their epoch claim, SIGCONT the node, wait for
+    the full size again and check the woken node committed nothing under an epoch not newer than theirs."""
+    k = KINDS["freeze_node"]
+    others = [a for a in c.live() if a is not node]
+    smaller = res.world_before - 1
+    t_major = wait_for(lambda: min([t for a in others for t, e in a.events("train_step", t_fault)
+                                    if e.get("world_size") == smaller and e["step"] > res.step_at_fault], default=None),
+                       3 * k.nominal_s)
+    if t_major is None:
+        res.note += f"the survivors never trained at world size {smaller}; "
+    else:
+        res.majority_resume_s = round(t_major - t_fault, 2)
+    claims = wait_for(lambda: epoch_claims(others, t_fault), 30)
+    t_claim = claims[0][0] if claims else None
+    if claims:
+        res.majority_epoch = claims[0][1]
+    else:
+        res.note += "the survivors claimed no epoch while it was frozen; "
+    at_cont = c.last_step()
+    kill_pids(tree(node.proc.pid), signal.SIGCONT)
+    t_cont = time.time()
+    res.frozen_s = round(t_cont - t_fault, 2)
+    say(f"SIGCONT {node.name} {res.frozen_s:.1f} s after the freeze")
+    t_back = wait_for(lambda: next((t for t, e in c.steps(t_cont) if e.get("world_size") == res.world_before
+                                    and e["step"] > at_cont), None), 3 * k.nominal_s)
+    if t_back is not None:
+        res.rejoin_s = round(t_back - t_cont, 2)
+    elif node.running:
+        res.hang = True
+        res.note += f"{node.name} neither rejoined nor exited within {3 * k.nominal_s:g} s of the SIGCONT; "
+    else:
+        res.note += f"{node.name} exited {node.proc.returncode} after the SIGCONT instead of rejoining; "
+    if t_claim is not None:
+        res.minority_commits = stale_commits(node, t_claim, res.majority_epoch or 0)
+    return t_major
+
+
+def start_late_job(c: Cluster, res: CaseResult) -> None:
+    """``late_joiner``'s short job: two agents of :data:`LATE_JOB` (``LATE_STEPS`` steps), up to step
+    ``LATE_STEPS - LATE_LEAD``."""
+    os.makedirs(samples_dir(c.work, LATE_JOB), exist_ok=True)
+    for _ in range(2):
+        c.add(LATE_JOB, LATE_STEPS)
+        time.sleep(1.0)
+    res.world_before = res.world_expected = len(c.extras)
+
+    def at() -> int:
+        return max((e["step"] for a in c.extras for _, e in a.events("train_step")), default=0)
+
+    if not wait_for(lambda: at() >= LATE_STEPS - LATE_LEAD, 240):
+        res.note += f"the short job did not reach step {LATE_STEPS - LATE_LEAD} within 240 s (at {at()}); "
+
+
+def late_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float | None:
+    """The late ``node`` (started at ``t_fault`` beside the short job): every agent of the short job must
+    exit 0, the joiner with state succeeded or not_needed. Returns the joiner's ``agent_exit`` (None: any
+    of that not within 3x nominal). Its processes are checked and closed here (they are not the cluster's)."""
+    k = KINDS["late_joiner"]
+    done = wait_for(lambda: not any(a.running for a in c.extras), 3 * k.nominal_s)
+    res.late_exit_codes = {a.name: a.proc.poll() for a in c.extras}
+    with node._lock:
+        res.late_outcome = late_outcome(node.proc.poll(), [e for _, e in node.ev])
+    res.late_job_steps = max((e["step"] for a in c.extras for _, e in a.events("train_step")), default=None)
+    if res.late_job_steps != LATE_STEPS:
+        res.note += f"the short job's last step was {res.late_job_steps}, not {LATE_STEPS}; "
+    exits = node.events("agent_exit")
+    t_exit = exits[-1][0] if exits else None
+    time.sleep(1.0)
+    markers = [samples_dir(c.work, LATE_JOB)] + [a.state_dir for a in c.extras]
+    left = sorted({p for m in markers for p in strays(m)})
+    res.leftover_pids += [f"{p} {cmdline(p)[:120]}" for p in left]
+    kill_pids(left)
+    for a in c.extras:
+        a.close()
+    c.extras = []
+    ok = done and res.late_outcome is not None and all(v == 0 for v in res.late_exit_codes.values())
+    return t_exit if ok else None
 
 
 def loss_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float | None:
@@ -710,17 +878,26 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
         res.step_at_fault = c.last_step()
         node = c.add()
         clears_at = None
+    elif kind == "late_joiner":  # the cluster trains on; a short job of its own beside it, then the joiner
+        start_late_job(c, res)
+        pids_before = c.pids()
+        res.step_at_fault = c.last_step()
+        t_fault = time.time()
+        node = c.add(LATE_JOB, LATE_STEPS)
+        clears_at = None
     else:
         node = prepare_phase(c, phase, target, res)
         res.world_before = len(c.live())
         pids_before = c.pids()
         res.step_at_fault = c.last_step()
+        stopped = node.workers() if kind == "hang_worker" else set()
         t_fault = time.time()
         clears_at = inject(c, kind, node)
         if kind == "drain":  # the clock starts when the CLI (a Python start-up) has handed the request over
             t_fault = time.time()
     res.node = node.name
-    res.world_expected = res.world_before + (1 if kind == "scale_up" else 0) - (1 if k.removes else 0)
+    if kind != "late_joiner":
+        res.world_expected = res.world_before + (1 if kind == "scale_up" else 0) - (1 if k.removes else 0)
     say(f"case {index}: {kind} @ {phase} on {node.name} ({target}), world {res.world_before} -> {res.world_expected}")
 
     def recovered() -> float | None:
@@ -746,9 +923,11 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
             return None
         return max(t_step, max(commits) if clears_at is not None else 0.0)
 
-    if kind in NET_KINDS:
-        t_rec = (partition_case if kind == "partition" else loss_case)(c, node, res, t_fault)
-        res.hang = t_rec is None
+    custom = {"partition": partition_case, "packet_loss": loss_case, "freeze_node": freeze_case,
+              "late_joiner": late_case}
+    if kind in custom:
+        t_rec = custom[kind](c, node, res, t_fault)
+        res.hang = res.hang or t_rec is None
     else:
         hang_at = time.monotonic() + 3 * k.nominal_s
         t_rec = None
@@ -776,17 +955,34 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     # leftovers: processes of the cluster before the fault that belong to no live node now
     time.sleep(0.5)
     wait_for(lambda: not ((pids_before - c.pids()) & {p for p in pids_before if alive(p)}), LEFTOVER_GRACE_S)
+    if kind == "hang_worker":  # the stopped worker must be gone (its agent ends it), not left behind
+        left_stopped = sorted(p for p in stopped if alive(p))
+        if left_stopped:
+            res.note += f"the stopped worker(s) {left_stopped} still alive after the case: SIGKILLed; "
+            res.leftover_pids += [f"{p} {cmdline(p)[:120]} (stopped)" for p in left_stopped]
+            kill_pids(left_stopped)
     left = {p for p in pids_before if alive(p)} - c.pids()
-    res.leftover_pids = [f"{p} {cmdline(p)[:120]}" for p in sorted(left)]
+    res.leftover_pids += [f"{p} {cmdline(p)[:120]}" for p in sorted(left)]
+    if kind in DIRTY_KINDS:
+        nodes = dict.fromkeys(c.agents + c.gone + [node])
+        res.dirty_events = [f"{a.name}: {name}" for t, a, name in sorted(
+            ((t, a, name) for a in nodes for name in DIRTY_EVENTS for t, _ in a.events(name, t_fault)),
+            key=lambda x: x[0])]
     after_committed = c.committed()
     res.committed_lost = [f"step {s} epoch {e}" for s, e in sorted(before_committed - after_committed)]
     skipped1, repeated1, errors1 = sample_account(os.path.join(c.work, "samples"))
     res.samples_skipped, res.samples_repeated = skipped1 - skipped0, repeated1 - repeated0
     res.sample_errors = [e for e in errors1 if e not in errors0]
+    if kind == "late_joiner":  # the short job's own log, from its step 1
+        skipped, repeated, errors = sample_account(samples_dir(c.work, LATE_JOB))
+        res.samples_skipped += skipped
+        res.samples_repeated += repeated
+        res.sample_errors += [f"{LATE_JOB}: {e}" for e in errors]
     if (not res.recovered or res.hang or res.committed_lost or res.minority_commits or res.evictions
+            or res.leftover_pids
             or (k.planned and (res.samples_skipped or res.samples_repeated))):
         res.log_excerpt = [f"{a.name}: {line}" for a in c.live() + [node] for line in a.tail(12)]
-    if not res.recovered:
+    if not res.recovered and kind != "late_joiner":  # the short job is not the cluster: nothing to restart
         c.restart(f"case {index} ({kind} @ {phase}) did not recover")
         res.cluster_restarted = True
     return res
@@ -795,8 +991,9 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
 def plan(seed: int, quick: bool, cap: int | None, skip: int = 0, only: str | None = None) -> list[tuple[str, str, str]]:
     """The fault cases: ``--quick``'s list, or every kind x phase x target in a seeded order, from
     ``skip`` on (so runs with the same seed and disjoint ``--skip``/``--cases`` windows add up to the
-    full matrix), narrowed to ``only`` (see :func:`select`). The network kinds (:data:`NET_KINDS`, phase
-    ``step``) follow, each target once, only where ``only`` names them: the matrix keeps its numbers."""
+    full matrix), narrowed to ``only`` (see :func:`select`). The kinds of :data:`NAMED_KINDS` (network and
+    dirty failures, phase ``step``) follow, each target once (``late_joiner``: once, no target), only where
+    ``only`` names them: the matrix keeps its numbers."""
     if quick:
         return list(QUICK)
     rng = random.Random(seed)
@@ -806,7 +1003,8 @@ def plan(seed: int, quick: bool, cap: int | None, skip: int = 0, only: str | Non
     random.Random(seed + 1).shuffle(timed)
     cases = [c for c in (cases + timed)[skip:] if select(c, only)]
     named = {pat.strip().partition("@")[0] for pat in (only or "").split(",")}
-    cases += [(k, "step", t) for k in NET_KINDS if k in named for t in TARGETS if select((k, "step", t), only)]
+    cases += [(k, "step", t) for k in NAMED_KINDS if k in named for t in (["-"] if k == "late_joiner" else TARGETS)
+              if select((k, "step", t), only)]
     return cases[:cap] if cap else cases
 
 
@@ -848,6 +1046,13 @@ def row(r: CaseResult) -> str:
         out += (f"\n    partition {r.partition_s:g} s: majority at {r.world_before - 1} after {r.majority_resume_s} s "
                 f"(epoch {r.majority_epoch}), minority commits after it {len(r.minority_commits)}, "
                 f"full size {r.rejoin_s} s after healing")
+    elif r.kind == "freeze_node":
+        out += (f"\n    frozen {r.frozen_s} s: survivors at {r.world_before - 1} after {r.majority_resume_s} s "
+                f"(epoch {r.majority_epoch}), its commits after it {len(r.minority_commits)}, "
+                f"full size {r.rejoin_s} s after SIGCONT")
+    elif r.kind == "late_joiner":
+        out += (f"\n    short job of {LATE_STEPS} steps (last logged {r.late_job_steps}): joiner {r.late_outcome}, "
+                f"exit codes {r.late_exit_codes}")
     elif r.kind == "packet_loss":
         out += (f"\n    {100 * (r.loss_p or 0):g} % loss for {r.loss_s:g} s: {len(r.evictions)} evictions, "
                 f"{r.dropped_packets} packets dropped, {r.steps_per_s_during} steps/s during, {r.steps_per_s_after} after")
@@ -929,6 +1134,17 @@ def main() -> int:
         "median_recover_s": _median([r.recover_s for r in results if r.recover_s is not None]),
         "wall_s": round(time.time() - t_start, 1), "seed": a.seed, "skip": a.skip, "only": a.only, "planned_fault_cases": len(cases), "quick": a.quick, "error": error,
     }
+    dirty = [r for r in results if r.kind in DIRTY_KINDS]
+    if dirty:
+        freezes = [r for r in dirty if r.kind == "freeze_node"]
+        lates = [r for r in dirty if r.kind == "late_joiner"]
+        summary.update({
+            "hang_worker_recover_s": [r.recover_s for r in dirty if r.kind == "hang_worker"],
+            "freeze_survivors_resume_s": [r.majority_resume_s for r in freezes],
+            "freeze_rejoin_s": [r.rejoin_s for r in freezes],
+            "freeze_stale_commits": sum(len(r.minority_commits) for r in freezes),
+            "late_joiner_outcomes": [r.late_outcome for r in lates],
+        })
     if netns:
         parts = [r for r in results if r.kind == "partition"]
         losses = [r for r in results if r.kind == "packet_loss"]

@@ -77,3 +77,62 @@ def test_network_kinds_run_only_when_named_and_never_beside_the_localhost_server
     for clash in ("partition@*,storage_503@save", "packet_loss@*,drain@commit"):
         with pytest.raises(SystemExit, match="network namespaces"):
             chaos.needs_netns(chaos.plan(7, False, None, only=clash))
+
+
+def test_dirty_kinds_run_only_when_named_and_need_no_namespaces(chaos):
+    """``hang_worker``, ``freeze_node`` and ``late_joiner`` (issue 37) leave the seeded matrix and ``--quick`` as
+    they were; ``--only`` adds them at phase ``step``, each target once (``late_joiner``: once, no target)."""
+    assert not [c for c in chaos.plan(7, False, None) + chaos.plan(7, True, None) if c[0] in chaos.DIRTY_KINDS]
+    cases = chaos.plan(7, False, None, only="hang_worker,freeze_node@step,late_joiner@*")
+    assert cases == [("hang_worker", "step", "rank0"), ("hang_worker", "step", "peer"),
+                     ("freeze_node", "step", "rank0"), ("freeze_node", "step", "peer"), ("late_joiner", "step", "-")]
+    assert not chaos.needs_netns(cases)
+    assert chaos.plan(7, False, None, only="hang_worker@save") == []  # named kinds run at phase step only
+    assert not chaos.KINDS["freeze_node"].removes  # SIGCONTed: it comes back (see the Kind's comment)
+
+
+def test_late_job_arguments_end_the_job_and_keep_the_rest(chaos, tmp_path):
+    late = chaos.script_args(chaos.LATE_STEPS)
+    assert late[late.index("--steps") + 1] == str(chaos.LATE_STEPS)
+    assert [a for i, a in enumerate(late) if i != late.index("--steps") + 1] == \
+        [a for i, a in enumerate(chaos.SCRIPT_ARGS) if i != chaos.SCRIPT_ARGS.index("--steps") + 1]
+    assert chaos.script_args() == chaos.SCRIPT_ARGS
+    assert chaos.samples_dir(str(tmp_path)) != chaos.samples_dir(str(tmp_path), chaos.LATE_JOB)
+
+
+@pytest.mark.parametrize("code,events,want", [
+    (0, [{"event": "job_already_complete"}, {"event": "state_change", "new": "succeeded", "reason": "not_needed"}],
+     "not_needed"),
+    (0, [{"event": "state_change", "new": "succeeded", "reason": "not_needed"}], "not_needed"),
+    (0, [{"event": "joined_running_world"}, {"event": "state_change", "new": "succeeded"}], "succeeded"),
+    (0, [{"event": "state_change", "new": "rendezvous"}], None),  # exit 0 without saying why: not accepted
+    (1, [{"event": "job_already_complete"}], None),
+    (None, [{"event": "job_already_complete"}], None),  # still running
+    (0, [], None),
+])
+def test_late_outcome(chaos, code, events, want):
+    assert chaos.late_outcome(code, events) == want
+
+
+class FakeAgent:
+    def __init__(self, evs):
+        self.evs = evs  # (time, event dict)
+
+    def events(self, name, since=0.0):
+        return [(t, e) for t, e in self.evs if t >= since and e.get("event") == name]
+
+
+def test_epoch_claims_and_stale_commits_of_a_cut_off_or_woken_node(chaos):
+    """partition and freeze_node: the others' first claim after the fault, and the node's commits under an
+    epoch not newer than it (the worker's ``trainguard.checkpoint`` lines only)."""
+    ck = "trainguard.checkpoint"
+    others = [FakeAgent([(5.0, {"event": "checkpoint_epoch_claimed", "epoch": 3, "component": ck})]),
+              FakeAgent([(4.0, {"event": "checkpoint_epoch_claimed", "epoch": 4, "component": ck}),
+                         (1.0, {"event": "checkpoint_epoch_claimed", "epoch": 2, "component": ck}),
+                         (6.0, {"event": "checkpoint_epoch_claimed", "epoch": 9, "component": "other"})])]
+    assert chaos.epoch_claims(others, 2.0) == [(4.0, 4), (5.0, 3)]
+    node = FakeAgent([(3.0, {"event": "checkpoint_committed", "step": 10, "epoch": 2, "component": ck}),
+                      (6.0, {"event": "checkpoint_committed", "step": 20, "epoch": 2, "component": ck}),
+                      (7.0, {"event": "checkpoint_committed", "step": 30, "epoch": 5, "component": ck}),
+                      (8.0, {"event": "checkpoint_committed", "step": 40, "epoch": 1, "component": "other"})])
+    assert chaos.stale_commits(node, 4.0, 4) == ["step 20 epoch 2"]

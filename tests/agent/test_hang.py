@@ -436,3 +436,27 @@ def test_a_node_cut_off_from_the_store_names_nobody_and_evicts_nobody_on_its_sta
         b.exchange()
     v, act = b.check()
     assert v.hung and v.node_frozen and act.act is HangAct.ABORT and act.evict == frozenset({"A"})
+
+
+def test_a_standby_beat_read_from_a_peer_is_no_rank_and_never_the_culprit():
+    """Chaos bench, issue 37 (hang_worker twice): b restarted its worker, which waited warm as a standby
+    (rank -1, parked) and published that beat; a read b's record while it still held it, right after the
+    world re-formed. A standby is no rank of the world (on_progress drops local ones): read from a peer's
+    record it must be dropped too, else it stays in the tracker, never beats again, and is named
+    "heartbeat_stopped_first" when a real rank hangs, so no agent ends the hung worker."""
+    store, clock = DictStore(), Clock()
+    a, b = _pair(store, clock)
+    for _ in range(20):
+        _tick(clock, a, b)
+    b.between_worlds()  # b's worker restarts and waits warm, a standby
+    clock.t += CFG.heartbeat_interval_s
+    b.on_progress(Progress(rank=-1, local_rank=0, step=0, phase=P, beat=1, progress=0, where="reform.py:141 arrive"))
+    b.exchange()
+    a.start_world(store, "A", ("A", "B"), thread=False)  # the new world; b's record still holds the standby beat
+    a.exchange()
+    b.start_world(store, "B", ("A", "B"), thread=False)
+    for _ in range(20):
+        _tick(clock, a, b)
+    (va, aa), (vb, ab) = _run_until_action(clock, a, b, a_worker=False, step=40)
+    assert aa.act is HangAct.END_WORKERS and ab.act is HangAct.WATCH
+    assert (va.culprit.rank, va.culprit.node) == (0, "A") and (vb.culprit.rank, vb.culprit.node) == (0, "A")
