@@ -42,8 +42,10 @@ class Finishing:
         if self._tiers.memory is not None:
             self._tiers.memory.close()  # its commit thread; the slot files stay (the agent owns them)
         if self._progress is not None:
-            self._progress.close()
-        self._session.close()
+            # The teardown waits on the peers (their final saves, the barrier): beating as busy, this rank
+            # is not named hung while it does (a loaded machine took longer than hang.silent_s, and the
+            # agent ended a worker that had finished its training).
+            self._progress.set_phase(proto.Phase.BUSY)
         if self.strategy is not None:
             self.strategy.teardown()
         if dist.is_initialized():
@@ -51,6 +53,9 @@ class Finishing:
                 dist.barrier(**dev.barrier_kwargs(self.device))
             dist.destroy_process_group()
         self._release_groups()
+        if self._progress is not None:
+            self._progress.close()
+        self._session.close()
 
     def _release_groups(self) -> None:
         """Drop this runtime's references to its process groups once they are destroyed, so that each

@@ -143,3 +143,28 @@ def test_process_groups_get_the_configured_timeout(monkeypatch):
     calls.clear()
     Runtime.from_env({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
     assert calls == [("init", {}), ("new_group", {"backend": "gloo"})]
+
+
+def test_finish_beats_as_busy_through_the_teardown_and_stops_after_it(tmp_path, monkeypatch):
+    """The teardown waits on the peers (the barrier): the rank beats as busy until its process group is
+    gone, so a slow end of training on a loaded machine is not named a hang (chaos late_joiner: the
+    agent ended a worker that had finished, then quarantined its node)."""
+    rt = train(str(tmp_path / "ck"), 3)
+    seen: list[tuple[str, object]] = []
+
+    class Reporter:
+        def set_phase(self, phase):
+            seen.append(("phase", phase))
+
+        def close(self):
+            seen.append(("close", dist_initialized()))
+
+    def dist_initialized():
+        return torch.distributed.is_initialized()
+
+    monkeypatch.setattr(rt, "_progress", Reporter())
+    real_teardown = rt.strategy.teardown
+    monkeypatch.setattr(rt.strategy, "teardown", lambda: (seen.append(("teardown", None)), real_teardown())[1])
+    rt.finish()
+    assert seen[0] == ("phase", proto.Phase.BUSY) and ("teardown", None) in seen
+    assert seen[-1] == ("close", False)  # stopped only once the process group is destroyed
