@@ -662,17 +662,8 @@ def partition_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> 
         ts = [t for a in nodes for t, e in a.events("train_step", since) if e.get("world_size") == world and e["step"] > past]
         return min(ts) if ts else None
 
-    t_major = wait_for(lambda: first_step(others, smaller, t_fault), 3 * k.nominal_s)
-    if t_major is None:
-        res.note += f"the majority never trained at world size {smaller}; "
-    else:
-        res.majority_resume_s = round(t_major - t_fault, 2)
-    claims = wait_for(lambda: epoch_claims(others, t_fault), 30)
-    t_claim = claims[0][0] if claims else None
-    if claims:
-        res.majority_epoch = claims[0][1]
-    else:
-        res.note += "the majority claimed no epoch before the heal; "
+    t_major, t_claim = resume_and_claim(others, smaller, t_fault, -1, res, 3 * k.nominal_s,
+                                        ("the majority", "before the heal"))
     time.sleep(max(0.0, t_fault + c.partition_s - time.time()))
     at_heal = c.last_step()
     c.net.heal(node.slot)
@@ -686,6 +677,26 @@ def partition_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> 
     return t_back if t_major is not None else None
 
 
+def resume_and_claim(others: list[Agent], smaller: int, t_fault: float, past: int, res: CaseResult, bound_s: float,
+                     words: tuple[str, str]) -> tuple[float | None, float | None]:
+    """The nodes left after a fault (``others``): when they first trained at world size ``smaller`` past step
+    ``past`` (``res.majority_resume_s``; None: not within ``bound_s``) and when they claimed a newer epoch
+    (``res.majority_epoch``; None: not within 30 s). ``words``: who they are and when, for the notes."""
+    who, when = words
+    t_major = wait_for(lambda: min([t for a in others for t, e in a.events("train_step", t_fault)
+                                    if e.get("world_size") == smaller and e["step"] > past], default=None), bound_s)
+    if t_major is None:
+        res.note += f"{who} never trained at world size {smaller}; "
+    else:
+        res.majority_resume_s = round(t_major - t_fault, 2)
+    claims = wait_for(lambda: epoch_claims(others, t_fault), 30)
+    if claims:
+        res.majority_epoch = claims[0][1]
+    else:
+        res.note += f"{who} claimed no epoch {when}; "
+    return t_major, claims[0][0] if claims else None
+
+
 def freeze_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float | None:
     """The frozen ``node`` (SIGSTOPped at ``t_fault``): wait for the survivors' first step at the smaller size
     (the recovery, returned; None: none within 3x nominal) and their epoch claim, SIGCONT the node, wait for
@@ -693,19 +704,8 @@ def freeze_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> flo
     k = KINDS["freeze_node"]
     others = [a for a in c.live() if a is not node]
     smaller = res.world_before - 1
-    t_major = wait_for(lambda: min([t for a in others for t, e in a.events("train_step", t_fault)
-                                    if e.get("world_size") == smaller and e["step"] > res.step_at_fault], default=None),
-                       3 * k.nominal_s)
-    if t_major is None:
-        res.note += f"the survivors never trained at world size {smaller}; "
-    else:
-        res.majority_resume_s = round(t_major - t_fault, 2)
-    claims = wait_for(lambda: epoch_claims(others, t_fault), 30)
-    t_claim = claims[0][0] if claims else None
-    if claims:
-        res.majority_epoch = claims[0][1]
-    else:
-        res.note += "the survivors claimed no epoch while it was frozen; "
+    t_major, t_claim = resume_and_claim(others, smaller, t_fault, res.step_at_fault, res, 3 * k.nominal_s,
+                                        ("the survivors", "while it was frozen"))
     at_cont = c.last_step()
     kill_pids(tree(node.proc.pid), signal.SIGCONT)
     t_cont = time.time()
