@@ -20,9 +20,10 @@ Scenarios, side by side in one invocation:
   rank finished before the kill minus the step the new world restored; ``worker_kill_resume_s``: from
   the kill until the new world finished its first step (the workers' own clock, from the sample log).
 * **worker_kill_inplace** -- the same kill with tier 0 on and ``workers.reform: in-process`` (the default for
-  worker-API jobs): the survivor keeps its live state and re-forms with the restarted worker, which takes
-  the state from it (``restore_tier`` ``peer``: a live peer, not a replica) instead of the whole world
-  restarting.
+  worker-API jobs): the killed worker's node leaves the round at once and the survivor re-forms without it,
+  from its own live state (``restore_tier`` ``live``: no restore; the new world's first step is the
+  resume), then the node rejoins warm and its new worker takes the state from the survivor. Before
+  2026-11-27 the survivor waited for the restarted worker (``restore_tier`` ``peer``).
 * **worker_kill_storage** (unless ``--no-baseline``) -- the same kill with tier 0 off and a periodic
   checkpoint in storage every ``--baseline-interval`` steps: today's path, the same figures.
 * **node_kill** -- three agents train the same job with FSDP2 (``--strategy fsdp``), a snapshot every
@@ -389,8 +390,12 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
         back = [e for n in nodes for e in n.events("worker_restored")]
         before = [r for r in samples.read(folder) if r["round"] in old_rounds]  # incl. what the survivor finished
         last = max(r["step"] for r in before)
-        tiers = sorted({e.get("source") for e in back}) or ["none"]
-        step = min((e["step"] for e in back), default=0)
+        # In place, the survivors may go on from their own live state without any restore (a failed
+        # worker's node leaves and rejoins warm later): the new world then continues from the step
+        # before its first one.
+        new_steps = [r["step"] for r in samples.read(folder) if r["round"] not in old_rounds]
+        tiers = sorted({e.get("source") for e in back}) or ["live"]
+        step = min((e["step"] for e in back), default=min(new_steps) - 1)
         steps_before = sorted({r["step"] for r in before if r.get("world_size") == size})
         done0 = sorted((r for r in before if r["rank"] == 0 and "t1" in r), key=lambda r: r["step"])  # not rolled back
         step_s = statistics.median(r2["t1"] - r1["t1"] for r1, r2 in zip(done0[-21:-1], done0[-20:]))
