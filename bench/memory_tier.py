@@ -393,9 +393,8 @@ def worker_kill(tmp: str, *, memory: bool, kill_at: int, baseline_interval: int,
         # In place, the survivors may go on from their own live state without any restore (a failed
         # worker's node leaves and rejoins warm later): the new world then continues from the step
         # before its first one.
-        new_steps = [r["step"] for r in samples.read(folder) if r["round"] not in old_rounds]
         tiers = sorted({e.get("source") for e in back}) or ["live"]
-        step = min((e["step"] for e in back), default=min(new_steps) - 1)
+        step = min((e["step"] for e in back), default=min(s for _, s in first) - 1)
         steps_before = sorted({r["step"] for r in before if r.get("world_size") == size})
         done0 = sorted((r for r in before if r["rank"] == 0 and "t1" in r), key=lambda r: r["step"])  # not rolled back
         step_s = statistics.median(r2["t1"] - r1["t1"] for r1, r2 in zip(done0[-21:-1], done0[-20:]))
