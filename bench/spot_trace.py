@@ -468,6 +468,10 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace, max_nodes: int | None = None) -> 
     res["step_s_mean_by_world_size"] = {str(k): round(statistics.fmean(v), 5) for k, v in sorted(step_s.items())}
     res["step_overhead_s"], res["between_steps_node_s"] = _between_steps(raw, rank0)
     res["in_place"] = any(ag.proc.events("reformed_in_place") for ag in raw.agents.values())
+    # Survivors of an abandoned emergency checkpoint re-formed in place (the runtime since 2026-11-29), or
+    # every worker exited and the world restarted from storage (before: the replays' JSON lacks the key).
+    abandoned = _events(raw, "checkpoint_abandoned")
+    res["abandon_in_place"] = all(ev.get("in_place") for _, _, ev in abandoned) if abandoned else True
     # Samples of the final lineage against the stream the job should have read.
     n = dataset_size()
     if torchrun:
@@ -970,6 +974,7 @@ def job_model(run: dict[str, Any], *, torchrun: bool, scale_k: int = 1, max_node
     c10d = {"last_call_s": TORCH_LAST_CALL_S, "max_nodes": max_nodes} if torchrun and max_nodes else {}
     return sim.JobModel(step_times=steps or ((1, 0.2),), samples_per_step=GLOBAL_BATCH, notices=not torchrun,
                         resize_checkpoint=not torchrun, in_place=bool(run.get("in_place")),
+                        abandon_in_place=bool(run.get("abandon_in_place", False)),
                         step_overhead_s=float(run.get("step_overhead_s") or 0.0), **c10d)
 
 

@@ -22,9 +22,12 @@ The model (fluid, event-driven; times in seconds, node-time in node-seconds):
 * An *announced* removal (a notice ``lead_s`` before the node goes): ``detect_notice_s`` later the
   world stops at a step, takes an emergency checkpoint (``checkpoint``, all old nodes), the leavers
   go, the rest re-form (``reformation``) and restart (``restore``: process start, imports, restore,
-  until the first step). If the node goes before the emergency checkpoint is done, it is a failure;
-  in place too, the whole world then rolls back to the newest commit and restores from storage (the
-  runtime abandons the save at the drain deadline and every worker exits).
+  until the first step). If the node goes before the emergency checkpoint is done, the runtime abandons
+  the save at the drain deadline; in place the survivors then re-form at once from what they hold in
+  memory, as after an unannounced loss without its detection (the leaver is known: it drained), where
+  the state survives the loss (replicated, or tier 1 covers it); otherwise the world rolls back to the
+  newest commit and restores from storage. (The runtime before 2026-11-29 made every worker exit and the
+  world always restarted from storage: ``JobModel.abandon_in_place=False`` models that.)
   Without notice handling (``JobModel.notices=False``) every removal is unannounced.
   With ``JobModel.drain_lead_s`` (``preemption.train_through_notice``) a notice with a longer lead
   takes an out-of-cycle checkpoint (``periodic_checkpoint``) at once and drains ``drain_lead_s``
@@ -366,6 +369,10 @@ class JobModel:
     """Nodes per parity group (``tier1`` ``PARITY``)."""
     unannounced_kind: FailureKind = FailureKind.KILL
     """What an unannounced removal is to the survivors (its detection cost)."""
+    abandon_in_place: bool = True
+    """With ``in_place``: survivors whose emergency checkpoint was abandoned at the drain deadline re-form
+    in place from memory where the state survives the loss (the runtime since 'abandoned in place'); False:
+    every worker exits and the world restarts from storage (the runtime before)."""
     drain_lead_s: float | None = None
     """``preemption.train_through_notice``: a notice further than this from its reclaim takes one
     out-of-cycle checkpoint (a periodic save's cost) and the world trains on until ``drain_lead_s``
@@ -868,11 +875,13 @@ class _Sim:
         # In place the survivors hold the state, training or re-forming, unless the world is restarting
         # from storage (after a rollback, or after every node drained) or the loss took a part of sharded
         # state that tier 1 does not cover. A leaver gone before the emergency checkpoint committed: the
-        # runtime abandons that save at the drain deadline and every worker exits, so the world restarts
-        # from the newest commit in storage (``checkpoint_abandoned``), survivors' memory or not.
+        # runtime abandons that save at the drain deadline (``checkpoint_abandoned``) and the survivors
+        # re-form in place at once (no detection: the leaver drained); with ``abandon_in_place=False``
+        # (the runtime before that) every worker exits and the world restarts from storage.
         in_memory = self.job.in_place and bool(rest) and not (self.new_failures or self.drained_out)
         abandoned = phase == "checkpoint" and self.phases[0].commit == "emergency"
-        from_storage = in_memory and (abandoned or not self.job.survives(self.world, lost))
+        from_storage = in_memory and ((abandoned and not self.job.abandon_in_place)
+                                      or not self.job.survives(self.world, lost))
         in_memory = in_memory and not from_storage
         if in_memory:
             if phase is None or phase == "checkpoint":
@@ -886,7 +895,7 @@ class _Sim:
         survivors = frozenset(n for n in self.world if n not in lost)
         c = self.c
         detect = {FailureKind.FROZEN: c.detect_frozen_s, FailureKind.HANG: c.detect_hang_s}.get(self.job.unannounced_kind)
-        end = self.now + (detect or c.detect_failure_s).draw(self.rng)
+        end = self.now if abandoned and self.job.abandon_in_place else self.now + (detect or c.detect_failure_s).draw(self.rng)
         # In place, a world that does not hold the state restores it from storage.
         storage = self.job.in_place and bool(rest) and not in_memory
         self._reform([_Phase("detection", end, survivors)], rest, "storage" if storage else "failure")

@@ -5,7 +5,10 @@ worker to do, once. Empty (the default) makes every hook a no-op.
 * ``reform:<flag file>``: the next in-place re-formation fails in this worker (:meth:`FaultHooks.fail_at`),
   to exercise the fallback (restart the world);
 * ``snapshot_written:<flag file>``: SIGKILL this worker once a tier-0 snapshot's data is written and
-  before its commit (its slot torn; :meth:`FaultHooks.snapshot_written`).
+  before its commit (its slot torn; :meth:`FaultHooks.snapshot_written`);
+* ``freeze_emergency_save:<flag file>``: SIGSTOP this worker as it starts its emergency checkpoint of a
+  drain (:meth:`FaultHooks.freeze_at`): a node that vanishes without a TCP reset in the middle of the
+  save, so that its peers' save collectives wait until the drain deadline and abandon it.
 
 The flag file records that the fault fired (so it fires once per job); a test may create it first to
 hold the fault back.
@@ -30,6 +33,15 @@ class FaultHooks:
         with open(self.flag, "w") as fh:
             fh.write(f"{point} failed in pid {os.getpid()}\n")
         raise RuntimeError(f"injected fault at {point} (inject_fault={self.spec!r})")
+
+    def freeze_at(self, point: str) -> None:
+        """SIGSTOP this process once at ``point`` when the spec is ``freeze_<point>:<flag>`` (it stays
+        stopped until someone sends SIGCONT or SIGKILL)."""
+        if self.point != f"freeze_{point}" or not self.flag or os.path.exists(self.flag):
+            return
+        with open(self.flag, "w") as fh:
+            fh.write(f"{point}: pid {os.getpid()} stopped\n")
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     def snapshot_written(self) -> Callable[[int], None] | None:
         """The tier's ``fault_hook`` (called with the step once a snapshot's data is written, before its

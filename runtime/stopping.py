@@ -18,8 +18,10 @@ class Stopping:
 
     def _survive(self, why: proto.StopReason, deadline: float | None = None) -> None:
         """A peer drains or a node joins: commit what durability needs, then park for the new world.
-        A save still running at the drain ``deadline`` is abandoned (see :meth:`CheckpointTiers.save_by`): the worker
-        exits with the resize code and the world restarts from the last commit."""
+        A save still running at the drain ``deadline`` is abandoned (see :meth:`CheckpointTiers.save_by`): the
+        survivors re-form in place as after an unannounced loss (:meth:`_abandoned_in_place`), keeping what
+        they hold in memory; a worker with no agent to re-form with exits with the resize code and the world
+        restarts from the last commit."""
         kind = why.checkpoint_kind.value
         assert self.strategy is not None
         need_checkpoint = why is proto.StopReason.DRAIN or self.strategy.reform_state is ReformState.CHECKPOINT
@@ -28,11 +30,31 @@ class Stopping:
                 with self._phase(proto.Phase.SAVE):
                     seconds, result, committed = self._tiers.save_by(kind, deadline)
             except SaveAbandoned as e:
-                self._abandon(why, e)
+                if not self._session.linked:  # no agent to hand it the next world: restart from the last commit
+                    self._abandon(why, e)
+                self._abandoned_in_place(why, e)
+                return
             self._log.info("checkpoint_committed", step=committed, kind=kind, seconds=round(seconds, 3),
                            before_deadline=deadline is None or time.time() <= deadline)
             self._session.report(self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed))
         self._reform.park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
+
+    def _abandoned_in_place(self, why: proto.StopReason, e: SaveAbandoned) -> None:
+        """A survivor's save was cut off at the drain deadline (the leaving node vanished mid-save, or
+        storage was too slow for the notice): the world this step ran in is treated as one that lost a
+        peer. Its live state of this step is whole on every survivor (the step's collectives finished
+        before the stop was agreed), so the survivors re-form in place from it (replicated state), or
+        from the nearest tier that covers the lost member's shards (tier 1, else storage): nothing is
+        rolled back that memory still holds, and no process restarts. The last committed step stands on
+        storage; the abandoned save never commits (its world's connections end with the park)."""
+        last = self._tiers.committed
+        if self._metrics is not None:
+            self._metrics.observe_checkpoint(why.checkpoint_kind.value, None, None, 0.0, 0, self.step, False)
+        self._log.warning("checkpoint_abandoned", step=self.step, kind=why.checkpoint_kind.value, reason=str(e),
+                          last_committed=last, in_place=True,
+                          effect="re-forming in place without the leaving node from the live state of this step "
+                                 "(the nearest tier where memory does not cover its shards)")
+        self._reform.park(proto.ParkReason.PEER_LOST)
 
     def _abandon(self, why: proto.StopReason, e: SaveAbandoned) -> None:
         """The deadline passed mid-save: the last committed checkpoint stands. Say how much work that
@@ -57,6 +79,8 @@ class Stopping:
             self._log.warning("checkpoint_not_saved", step=self.step, kind=kind, reason="checkpoint.url is not set",
                               effect="the next start begins from step 0")
         else:
+            if why is proto.StopReason.DRAIN:
+                self._faults.freeze_at("emergency_save")  # tests only (runtime/faults.py)
             try:
                 with self._phase(proto.Phase.SAVE):
                     seconds, result, committed = self._tiers.save_by(kind, deadline)

@@ -475,16 +475,17 @@ def test_sharded_state_without_tier1_restores_from_storage(tier1, recompute, res
     assert r.failures_seen == (0 if tier1 is Tier1.COPIES else 1)
 
 
-def test_an_emergency_checkpoint_cut_off_by_the_reclaim_restarts_the_world_from_storage() -> None:
-    """In place, b's notice comes 2 s before it goes (drain at 29 after 1 s of detection) and the
-    emergency checkpoint needs 5 s: b is gone at 30 with it unfinished. The runtime abandons the save at
-    the drain deadline and every worker exits, so the survivor does not keep its memory: the world rolls
-    back to the start (2 nodes x 29 s), a detects 30..31, re-forms 31..32 and restores from storage
-    32..36 (storage_restore_s, not failure_restore_s), then trains alone to 60."""
+def test_an_emergency_checkpoint_cut_off_by_the_reclaim_restarted_the_world_from_storage() -> None:
+    """The runtime before 2026-11-29 (``abandon_in_place=False``). In place, b's notice comes 2 s before it
+    goes (drain at 29 after 1 s of detection) and the emergency checkpoint needs 5 s: b is gone at 30 with
+    it unfinished. The runtime abandoned the save at the drain deadline and every worker exited, so the
+    survivor did not keep its memory: the world rolls back to the start (2 nodes x 29 s), a detects
+    30..31, re-forms 31..32 and restores from storage 32..36 (storage_restore_s, not failure_restore_s),
+    then trains alone to 60."""
     c = costs(detect_notice_s=1, emergency_s=5, detect_failure_s=1, failure_reformation_s=1, storage_restore_s=4,
               failure_restore_s=100, restore_s=100)
     r = simulate(trace((0, "add", "a"), (0, "add", "b"), (30, "remove", "b"), duration=60), c,
-                 JobModel(node_s_per_step=1, in_place=True), OFF, lead_s=2)
+                 JobModel(node_s_per_step=1, in_place=True, abandon_in_place=False), OFF, lead_s=2)
     check(r)
     assert r.waste_node_s["checkpoint"] == pytest.approx(2)        # the cut-off save, 29..30 on both
     assert r.waste_node_s["recompute"] == pytest.approx(58)
@@ -493,6 +494,36 @@ def test_an_emergency_checkpoint_cut_off_by_the_reclaim_restarts_the_world_from_
     assert r.waste_node_s["restore"] == pytest.approx(4)
     assert r.productive_node_s == pytest.approx(24)
     assert r.failures_seen == 1
+
+
+@pytest.mark.parametrize("state, tier1, survives", [
+    (StateLayout.REPLICATED, Tier1.NONE, True),
+    (StateLayout.SHARDED, Tier1.COPIES, True),
+    (StateLayout.SHARDED, Tier1.NONE, False),
+])
+def test_an_emergency_checkpoint_cut_off_by_the_reclaim_leaves_the_survivors_their_memory(state, tier1, survives) -> None:
+    """The runtime since 2026-11-29: the same cut-off save as above, but the survivor re-forms in place at
+    the drain deadline (30, no detection: the leaver drained) from what it holds, where that covers the
+    loss: re-forms 30..31 and restores from memory 31..31.5 (failure_restore_s), nothing rolled back. Sharded
+    state without tier 1 still rolls back to the start and restores from storage 31..35."""
+    c = costs(detect_notice_s=1, emergency_s=5, detect_failure_s=1, failure_reformation_s=1, storage_restore_s=4,
+              failure_restore_s=0.5, restore_s=100)
+    r = simulate(trace((0, "add", "a"), (0, "add", "b"), (30, "remove", "b"), duration=60), c,
+                 JobModel(node_s_per_step=1, in_place=True, state=state, tier1=tier1), OFF, lead_s=2)
+    check(r)
+    assert r.waste_node_s["checkpoint"] == pytest.approx(2)        # the cut-off save, 29..30 on both
+    assert r.waste_node_s["detection"] == 0
+    assert r.waste_node_s["reformation"] == pytest.approx(1)
+    if survives:
+        assert r.waste_node_s["recompute"] == 0
+        assert r.waste_node_s["restore"] == pytest.approx(0.5)
+        assert r.productive_node_s == pytest.approx(58 + 28.5)
+        assert r.failures_seen == 0
+    else:
+        assert r.waste_node_s["recompute"] == pytest.approx(58)
+        assert r.waste_node_s["restore"] == pytest.approx(4)
+        assert r.productive_node_s == pytest.approx(25)
+        assert r.failures_seen == 1
 
 
 def test_a_background_persist_slowing_the_steps_lengthens_the_auto_interval() -> None:
