@@ -472,6 +472,7 @@ def analyse(raw: ReplayRaw, scaled: sim.Trace, max_nodes: int | None = None) -> 
     # every worker exited and the world restarted from storage (before: the replays' JSON lacks the key).
     abandoned = _events(raw, "checkpoint_abandoned")
     res["abandon_in_place"] = all(ev.get("in_place") for _, _, ev in abandoned) if abandoned else True
+    res["abandoned_checkpoints"] = len({(ev.get("step"), ev.get("kind")) for _, _, ev in abandoned})
     # Samples of the final lineage against the stream the job should have read.
     n = dataset_size()
     if torchrun:
