@@ -15,7 +15,8 @@ thread:
   local workers (``_initialize_workers`` / ``_restart_workers``);
 * :meth:`~ElasticAdapter.poll` — one look at the workers (``_monitor_workers``);
 * :meth:`~ElasticAdapter.stop_workers`, :meth:`~ElasticAdapter.terminate_workers`,
-  :meth:`~ElasticAdapter.exit_barrier`, :meth:`~ElasticAdapter.consume_restart`;
+  :meth:`~ElasticAdapter.exit_barrier` (ours, not torch's: it waits only for the members still in the
+  round, :mod:`trainguard.agent.exitbarrier`), :meth:`~ElasticAdapter.consume_restart`;
 * :meth:`~ElasticAdapter.leave` — the planned leave: the handler's exit operation without closing
   the rendezvous (``DynamicRendezvousHandler.shutdown()`` would close it for every node);
 * :meth:`~ElasticAdapter.members`, :meth:`~ElasticAdapter.node_id`, :attr:`~ElasticAdapter.round`;
@@ -65,6 +66,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousE
 
 from trainguard.agent.elastic_join import _Executor, evict_nodes, fresh_reads, next_round, planned_complete  # noqa: F401 (re-exported)
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, Poll, RendezvousAborted, World
+from trainguard.agent.exitbarrier import (EXITED_KEY, FINISHED_KEY, ExitOutcome, LingerOutcome, RoundView, listens_here,
+                                          wait_for_exits, wait_for_members)
 from trainguard.agent.linetail import tail_whole_lines
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import WorkerStatus
@@ -136,6 +139,10 @@ class ElasticAdapter:
         self.evicted: list[str] = []
         """Rendezvous ids the last round removed on evidence (:attr:`Plan.evict`)."""
         self._body: Callable[[], RunResult] | None = None
+        self._joined: tuple[int, frozenset[str]] | None = None
+        """The round this node last joined and its members' rendezvous ids (what the exit barrier is about)."""
+        self._left: frozenset[str] = frozenset()
+        """Members the exit barrier saw leave the round without finishing (a store host waits for them)."""
         install_whole_line_tail()
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
@@ -154,7 +161,9 @@ class ElasticAdapter:
 
     def _next_rendezvous(self) -> RendezvousInfo:
         plan, self._plan = self._plan, None
-        return next_round(self.handler, self._abort, plan, self.evicted)
+        info = next_round(self.handler, self._abort, plan, self.evicted)
+        self._joined = (self.round, frozenset(self.members()))
+        return info
 
     @property
     def group(self) -> WorkerGroup:
@@ -270,8 +279,50 @@ class ElasticAdapter:
         if pc is not None:
             pc.close(signal.SIGTERM, max(1, int(round(grace_s))))
 
-    def exit_barrier(self) -> None:
-        self._agent._exit_barrier()
+    def exit_barrier(self) -> ExitOutcome | None:
+        """This node's workers finished: wait until every other member still in the round finished or left
+        it, or the round is over, within ``workers.exit_barrier_timeout_s``
+        (:func:`~trainguard.agent.exitbarrier.wait_for_members`; torch's own barrier waits for every
+        member, also one that left). A handler without shared state (static): torch's barrier."""
+        holder = getattr(self.handler, "_state_holder", None)
+        if holder is None or self._joined is None:
+            self._agent._exit_barrier()
+            return None
+        round_, members = self._joined
+        me = self.node_id
+        lock = self.handler._heartbeat_lock
+        store = _LockedStore(self.round_store(round_), lock)
+        self._agent._in_exit_barrier = True  # torch's health check reads it: the agent is alive, not stuck
+        try:
+            out = wait_for_members(
+                me, round_, members, mark_finished=lambda: store.set(FINISHED_KEY + me, b"1"), read=self._round_view,
+                finished=lambda nodes: frozenset(n for n in nodes if store.check([FINISHED_KEY + n])),
+                timeout_s=float(self._agent._exit_barrier_timeout), unreachable_limit_s=self._keep_alive_window_s(),
+                hosts_store=self.hosts_store())
+            self._left = frozenset(out.left)
+            return out
+        finally:
+            self._agent._in_exit_barrier = False
+
+    def _round_view(self) -> RoundView:
+        """Sync and read the shared rendezvous state (sanitized: expired keep-alives are gone)."""
+        holder = self.handler._state_holder
+        with self.handler._heartbeat_lock:
+            holder.sync()
+            st = holder.state
+            return RoundView(round=st.round, closed=bool(st.closed),
+                             participants=frozenset(str(n) for n in st.participants),
+                             known=frozenset(str(n) for n in st.last_heartbeats))
+
+    def _keep_alive_window_s(self) -> float:
+        settings = self.handler._settings
+        return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
+
+    def hosts_store(self) -> bool:
+        """Whether this agent's process hosts the c10d rendezvous store (listens on its port)."""
+        store = self.endpoint_store()
+        port = int(getattr(store, "port", 0) or 0)
+        return bool(port) and listens_here(port)
 
     @property
     def remaining_restarts(self) -> int:
@@ -379,9 +430,28 @@ class ElasticAdapter:
         log.info("rendezvous_left", seconds=round(time.monotonic() - started, 3))
         return True
 
-    def close(self) -> None:
-        """Close the rendezvous for every node (the job as a whole is over)."""
+    def close(self) -> LingerOutcome | None:
+        """Close the rendezvous for every node (the job as a whole is over), and say this node needs the
+        store no more (:data:`~trainguard.agent.exitbarrier.EXITED_KEY`). An agent that hosts the c10d
+        store then lingers until the other nodes the rendezvous knows, and the members its exit barrier
+        saw leave, have exited too (they learn from the store that the job is over:
+        :func:`~trainguard.agent.exitbarrier.wait_for_exits`), within ``workers.exit_barrier_timeout_s``."""
         self.handler.shutdown()
+        if getattr(self.handler, "_state_holder", None) is None or getattr(self.handler, "_store", None) is None:
+            return None
+        me = self.node_id
+        store = _LockedStore(dist.PrefixStore(f"trainguard.exit.{self.handler._settings.run_id}", self.handler._store),
+                             self.handler._heartbeat_lock)
+        try:
+            store.set(EXITED_KEY + me, b"1")
+        except Exception as e:  # noqa: BLE001 - the store may be gone; this node's keep-alive stopped anyway
+            log.info("exit_mark_failed", error=f"{type(e).__name__}: {e}"[:200])
+        if not self.hosts_store():
+            return None
+        return wait_for_exits(me, read=self._round_view,
+                              exited=lambda nodes: frozenset(n for n in nodes if store.check([EXITED_KEY + n])),
+                              timeout_s=float(self._agent._exit_barrier_timeout),
+                              unreachable_limit_s=self._keep_alive_window_s(), left=self._left)
 
 
 __all__ = ["POLL_INTERVAL_S", "RendezvousClosedError", "evict_nodes", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted",
