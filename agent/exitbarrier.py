@@ -227,10 +227,14 @@ def wait_for_members(me: str, round_: int, members: frozenset[str], *, mark_fini
             out = ExitOutcome(verdict.reason, round_, tuple(sorted(members - {me})), tuple(sorted(seen)),
                               tuple(sorted(verdict.left)), tuple(sorted(verdict.waiting_for)),
                               round(clock() - t0, 3))
-            (log.warning if out.reason in (ExitReason.TIMED_OUT, ExitReason.STORE_UNREACHABLE) else log.info)(
-                "exit_barrier_done", node_id=me, round=round_, reason=out.reason.value, waited_for=list(out.waited_for),
-                finished=list(out.finished), left=list(out.left), still_running=list(out.pending),
-                seconds=out.seconds, timeout_s=timeout_s, hosts_store=hosts_store)
+            barrier_fields = {"node_id": me, "round": round_, "reason": out.reason.value,
+                              "waited_for": list(out.waited_for), "finished": list(out.finished), "left": list(out.left),
+                              "still_running": list(out.pending), "seconds": out.seconds, "timeout_s": timeout_s,
+                              "hosts_store": hosts_store}
+            if out.reason in (ExitReason.TIMED_OUT, ExitReason.STORE_UNREACHABLE):
+                log.warning("exit_barrier_done", **barrier_fields)
+            else:
+                log.info("exit_barrier_done", **barrier_fields)
             return out
         sleep(poll_s)
 
@@ -275,10 +279,13 @@ def wait_for_exits(me: str, *, read: Callable[[], RoundView], exited: Callable[[
             assert verdict.reason is not None
             out = LingerOutcome(verdict.reason, tuple(sorted(ever | (left - {me}))), tuple(sorted(seen)),
                                 tuple(sorted(verdict.waiting_for)), round(clock() - t0, 3))
-            (log.warning if out.reason is not LingerReason.ALL_EXITED else log.info)(
-                "store_host_lingered", node_id=me, reason=out.reason.value, waited_for=list(out.waited_for),
-                exited=list(out.exited), still_there=list(out.pending), seconds=out.seconds, timeout_s=timeout_s,
-                effect="the store this agent hosts goes with it now")
+            linger_fields = {"node_id": me, "reason": out.reason.value, "waited_for": list(out.waited_for),
+                             "exited": list(out.exited), "still_there": list(out.pending), "seconds": out.seconds,
+                             "timeout_s": timeout_s, "effect": "the store this agent hosts goes with it now"}
+            if out.reason is LingerReason.ALL_EXITED:
+                log.info("store_host_lingered", **linger_fields)
+            else:
+                log.warning("store_host_lingered", **linger_fields)
             return out
         sleep(poll_s)
 
