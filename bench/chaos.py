@@ -95,7 +95,8 @@ SCRIPT_ARGS = ["--steps", "100000000", "--global-batch", str(GLOBAL_BATCH), "--m
                "--step-sleep", "0.05"]
 CKPT_EVERY = 10
 LATE_JOB = "chaos-late"
-"""``late_joiner``'s job: two nodes beside the cluster (the same store, a rendezvous id of its own)."""
+"""``late_joiner``'s job: two nodes beside the cluster (the same store, a rendezvous id of its own, one per
+case: :func:`late_job`)."""
 LATE_STEPS = 60
 LATE_LEAD = 5
 """``late_joiner``: the extra agent starts when the short job logs step ``LATE_STEPS - LATE_LEAD`` (its own
@@ -173,6 +174,12 @@ def script_args(steps: int | None = None) -> list[str]:
     """The job's arguments; ``steps``: a job that ends (``late_joiner``'s), instead of the cluster's endless one."""
     return [str(steps) if steps is not None and i > 0 and SCRIPT_ARGS[i - 1] == "--steps" else a
             for i, a in enumerate(SCRIPT_ARGS)]
+
+
+def late_job(index: int) -> str:
+    """The rendezvous id of case ``index``'s short job: one per case, for the job's end closes its rendezvous
+    in the store for good (a second case under the same id found it closed and ended at once)."""
+    return f"{LATE_JOB}-{index}"
 
 
 def samples_dir(work: str, job: str = JOB_ID) -> str:
@@ -726,11 +733,11 @@ def freeze_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> flo
 
 
 def start_late_job(c: Cluster, res: CaseResult) -> None:
-    """``late_joiner``'s short job: two agents of :data:`LATE_JOB` (``LATE_STEPS`` steps), up to step
+    """``late_joiner``'s short job: two agents of :func:`late_job` (``LATE_STEPS`` steps), up to step
     ``LATE_STEPS - LATE_LEAD``."""
-    os.makedirs(samples_dir(c.work, LATE_JOB), exist_ok=True)
+    os.makedirs(samples_dir(c.work, late_job(res.index)), exist_ok=True)
     for _ in range(2):
-        c.add(LATE_JOB, LATE_STEPS)
+        c.add(late_job(res.index), LATE_STEPS)
         time.sleep(1.0)
     res.world_before = res.world_expected = len(c.extras)
 
@@ -756,7 +763,7 @@ def late_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float
     exits = node.events("agent_exit")
     t_exit = exits[-1][0] if exits else None
     time.sleep(1.0)
-    markers = [samples_dir(c.work, LATE_JOB)] + [a.state_dir for a in c.extras]
+    markers = [samples_dir(c.work, late_job(res.index))] + [a.state_dir for a in c.extras]
     left = sorted({p for m in markers for p in strays(m)})
     res.leftover_pids += [f"{p} {cmdline(p)[:120]}" for p in left]
     kill_pids(left)
@@ -883,7 +890,7 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
         pids_before = c.pids()
         res.step_at_fault = c.last_step()
         t_fault = time.time()
-        node = c.add(LATE_JOB, LATE_STEPS)
+        node = c.add(late_job(index), LATE_STEPS)
         clears_at = None
     else:
         node = prepare_phase(c, phase, target, res)
@@ -974,10 +981,10 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     res.samples_skipped, res.samples_repeated = skipped1 - skipped0, repeated1 - repeated0
     res.sample_errors = [e for e in errors1 if e not in errors0]
     if kind == "late_joiner":  # the short job's own log, from its step 1
-        skipped, repeated, errors = sample_account(samples_dir(c.work, LATE_JOB))
+        skipped, repeated, errors = sample_account(samples_dir(c.work, late_job(index)))
         res.samples_skipped += skipped
         res.samples_repeated += repeated
-        res.sample_errors += [f"{LATE_JOB}: {e}" for e in errors]
+        res.sample_errors += [f"{late_job(index)}: {e}" for e in errors]
     if (not res.recovered or res.hang or res.committed_lost or res.minority_commits or res.evictions
             or res.leftover_pids
             or (k.planned and (res.samples_skipped or res.samples_repeated))):

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.harness import REPO, Node, free_port, running, wait_listening
+from tests.harness import REPO, Node, free_port, running, wait_listening, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 JOB = os.path.join(REPO, "tests", "e2e", "_end_of_job.py")
@@ -23,22 +23,31 @@ def ids_of(node, ids):
     return [i for i in ids if f"_{node.pid}_" in i]
 
 
-def test_finished_nodes_do_not_wait_for_a_member_that_restarted_and_it_exits_0_not_needed(tmp_path):
-    tmp = str(tmp_path)
+def three_nodes(tmp, c_end):
+    """a (hosting the store), b and c; a's and b's workers finish, c's do ``c_end`` once they have."""
     done = {n: os.path.join(tmp, f"done-{n}") for n in "ab"}
     ep = f"127.0.0.1:{free_port()}"
     extra = ["--set", f"workers.exit_barrier_timeout_s={BOUND_S}", "--set", "rendezvous.keep_alive_interval_s=1",
              "--set", "rendezvous.keep_alive_max_attempts=3", "--set", "workers.restart_backoff_s=0.2"]
     args = ["--steps", "20"]
-    a = Node("a", tmp, ep, nnodes="3:3", script=JOB, script_args=[*args, "--done-file", done["a"]], extra=extra)
-    with running([a]) as nodes:
+    nodes = [Node("a", tmp, ep, nnodes="3:3", script=JOB, script_args=[*args, "--done-file", done["a"]], extra=extra)]
+    try:
         wait_listening(ep)  # a hosts the store
         nodes.append(Node("b", tmp, ep, nnodes="3:3", script=JOB, script_args=[*args, "--done-file", done["b"]],
                           extra=extra))
         nodes.append(Node("c", tmp, ep, nnodes="3:3", script=JOB, extra=extra,
                           script_args=[*args, "--fail-after", f"{done['a']},{done['b']}",
-                                       "--fail-flag", os.path.join(tmp, "c-failed")]))
-        _, b, c = nodes
+                                       "--fail-flag", os.path.join(tmp, "c-failed"), *c_end]))
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return nodes
+
+
+def test_finished_nodes_do_not_wait_for_a_member_that_restarted_and_it_exits_0_not_needed(tmp_path):
+    with running(three_nodes(str(tmp_path), [])) as nodes:
+        a, b, c = nodes
         codes = {n.name: n.wait(240) for n in nodes}
         assert codes == {"a": 0, "b": 0, "c": 0}, codes
         assert len(c.events("failing_after_the_others_finished")) == 1
@@ -66,3 +75,24 @@ def test_finished_nodes_do_not_wait_for_a_member_that_restarted_and_it_exits_0_n
         assert linger["reason"] == "all_exited" and ids_of(c, linger["exited"]), linger
         assert linger["still_there"] == [] and linger["seconds"] < BOUND_S
         assert not b.events("store_host_lingered") and not c.events("store_host_lingered")
+
+
+def test_finished_nodes_wait_for_a_member_that_died_only_until_its_keep_alive_expired(tmp_path):
+    """c dies (agent and worker SIGKILLed) after a's and b's workers finished: it never marks itself
+    finished nor exited; a and b go once its keep-alive (1 s x 3) expired, and a, the store's host, waits
+    for it one keep-alive window more (it could have been between two rounds), not the bound."""
+    with running(three_nodes(str(tmp_path), ["--hold"])) as nodes:
+        a, b, c = nodes
+        wait_until(lambda: c.events("holding_after_the_others_finished"), 180, "c holding after a and b finished")
+        c.stop()
+        codes = {n.name: n.wait(240) for n in (a, b)}
+        assert codes == {"a": 0, "b": 0}, codes
+        for me, other in ((a, b), (b, a)):
+            (line,) = me.events("exit_barrier_done")
+            assert line["reason"] in ("members_done", "closed"), line
+            assert ids_of(other, line["finished"]) == line["finished"] != []
+            assert ids_of(c, line["left"]) == line["left"] != [] and line["still_running"] == [], line
+            assert line["seconds"] < BOUND_S
+        (linger,) = a.events("store_host_lingered")
+        assert linger["reason"] == "all_exited" and ids_of(c, linger["waited_for"]) and not ids_of(c, linger["exited"])
+        assert linger["still_there"] == [] and linger["seconds"] < BOUND_S, linger
