@@ -144,7 +144,7 @@ DIRTY_KINDS = ["hang_worker", "freeze_node", "late_joiner"]
 its numbers and figures and ``--quick`` its time."""
 NAMED_KINDS = NET_KINDS + DIRTY_KINDS
 DIRTY_EVENTS = ("hang_detected", "hung_workers_ended", "collectives_abort_requested", "member_lost", "member_evicted",
-                "worker_reformed", "left_to_rejoin", "joined_running_world", "job_already_complete")
+                "worker_reformed", "left_to_rejoin", "joined_running_world", "job_already_complete", "exit_barrier_done")
 """What the agents log about a dirty failure, kept per case (node: event) for the report."""
 NEEDS_LOCALHOST = ["aws_notice", "storage_503", "storage_stall", "storage_outage", "metadata_garbage", "metadata_hang"]
 """Kinds that need the S3 fault proxy or a metadata emulator: servers a namespaced cluster cannot reach."""
@@ -484,6 +484,8 @@ class Cluster:
         self.agents: list[Agent] = []
         self.gone: list[Agent] = []
         self.extras: list[Agent] = []
+        self.closed_extras: list[Agent] = []
+        """The agents of the last ``late_joiner`` case's short job, closed by it (the report reads their events)."""
         """Agents of another job (``late_joiner``'s), not of the cluster."""
         self.serial = 0
         self.restarts = 0
@@ -769,7 +771,7 @@ def late_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float
     kill_pids(left)
     for a in c.extras:
         a.close()
-    c.extras = []
+    c.closed_extras, c.extras = c.extras, []
     ok = done and res.late_outcome is not None and all(v == 0 for v in res.late_exit_codes.values())
     return t_exit if ok else None
 
@@ -971,7 +973,7 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     left = {p for p in pids_before if alive(p)} - c.pids()
     res.leftover_pids += [f"{p} {cmdline(p)[:120]}" for p in sorted(left)]
     if kind in DIRTY_KINDS:
-        nodes = dict.fromkeys(c.agents + c.gone + [node])
+        nodes = dict.fromkeys(c.agents + c.gone + [node] + (c.closed_extras if kind == "late_joiner" else []))
         res.dirty_events = [f"{a.name}: {name}" for t, a, name in sorted(
             ((t, a, name) for a in nodes for name in DIRTY_EVENTS for t, _ in a.events(name, t_fault)),
             key=lambda x: x[0])]
