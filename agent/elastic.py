@@ -66,8 +66,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousE
 
 from trainguard.agent.elastic_join import _Executor, evict_nodes, fresh_reads, next_round, planned_complete  # noqa: F401 (re-exported)
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, Poll, RendezvousAborted, World
-from trainguard.agent.exitbarrier import (EXITED_KEY, FINISHED_KEY, ExitOutcome, LingerOutcome, RoundView, listens_here,
-                                          wait_for_exits, wait_for_members)
+from trainguard.agent.exitbarrier import (EXITED_KEY, FINISHED_KEY, REJOINING_KEY, ExitOutcome, LingerOutcome, RoundView,
+                                          listens_here, wait_for_exits, wait_for_members)
 from trainguard.agent.linetail import tail_whole_lines
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import WorkerStatus
@@ -225,7 +225,7 @@ class ElasticAdapter:
             st = holder.state
             me = self.handler._this_node
             return Peek(round=st.round, complete=st.complete, participants=tuple(str(n) for n in st.participants),
-                        waiting=len(st.wait_list), this_node_participates=me in st.participants)
+                        waiting=len(st.wait_list), this_node_participates=me in st.participants, closed=bool(st.closed))
 
     def endpoint_store(self) -> Any:
         """The rendezvous store itself, not prefixed by the job (``c10d``: the ``TCPStore`` at the
@@ -413,15 +413,22 @@ class ElasticAdapter:
     def nodes_waiting(self) -> int:
         return self.handler.num_nodes_waiting()
 
-    def leave(self, timeout_s: float) -> bool:
+    def leave(self, timeout_s: float, rejoin: bool = False) -> bool:
         """Leave the participant set without closing the rendezvous; whether it was done.
 
         When the last participant of a completed round has left, the round advances and the
-        survivors, already waiting in their own join, form the next one at once.
+        survivors, already waiting in their own join, form the next one at once. ``rejoin``: this node
+        comes back (warm) and says so in the store first, so that an agent hosting the store does not
+        take it away meanwhile should the job end (:data:`~trainguard.agent.exitbarrier.REJOINING_KEY`).
         """
         executor = getattr(self.handler, "_op_executor", None)
         if executor is None:  # static rendezvous: nothing to leave
             return False
+        if rejoin:
+            try:
+                self._exit_store().set(REJOINING_KEY + self.node_id, b"1")
+            except Exception as e:  # noqa: BLE001 - best effort: the leave below says whether the store answers
+                log.info("rejoin_mark_failed", error=f"{type(e).__name__}: {e}"[:200])
         stop = getattr(self.handler, "_stop_heartbeats", None)
         if stop is not None:
             stop()
@@ -440,8 +447,7 @@ class ElasticAdapter:
         if getattr(self.handler, "_state_holder", None) is None or getattr(self.handler, "_store", None) is None:
             return None
         me = self.node_id
-        store = _LockedStore(dist.PrefixStore(f"trainguard.exit.{self.handler._settings.run_id}", self.handler._store),
-                             self.handler._heartbeat_lock)
+        store = self._exit_store()
         try:
             store.set(EXITED_KEY + me, b"1")
         except Exception as e:  # noqa: BLE001 - the store may be gone; this node's keep-alive stopped anyway
@@ -450,8 +456,14 @@ class ElasticAdapter:
             return None
         return wait_for_exits(me, read=self._round_view,
                               exited=lambda nodes: frozenset(n for n in nodes if store.check([EXITED_KEY + n])),
+                              rejoining=lambda nodes: frozenset(n for n in nodes if store.check([REJOINING_KEY + n])),
                               timeout_s=float(self._agent._exit_barrier_timeout),
                               unreachable_limit_s=self._keep_alive_window_s(), left=self._left)
+
+    def _exit_store(self) -> _LockedStore:
+        """The job's store for the end of the job (exited and rejoining marks), not tied to a round."""
+        return _LockedStore(dist.PrefixStore(f"trainguard.exit.{self.handler._settings.run_id}", self.handler._store),
+                            self.handler._heartbeat_lock)
 
 
 __all__ = ["POLL_INTERVAL_S", "RendezvousClosedError", "evict_nodes", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted",

@@ -30,9 +30,11 @@ store away while other nodes still need it: after closing the rendezvous it ling
 (:func:`wait_for_exits`, :func:`decide_linger`) until every other node the rendezvous state knows
 (participants, waiting and redundant nodes with a current keep-alive) has marked itself exited
 (:data:`EXITED_KEY`, written by every agent as it closes the rendezvous) or lost its keep-alive, within
-the same bound; one ``store_host_lingered`` line. The members its exit barrier saw leave count too, for
-one keep-alive window: one that restarts its workers is out of the rendezvous state for its backoff,
-and would find no store when it comes back. A node that only reaches the store after the host
+the same bound; one ``store_host_lingered`` line. The members its exit barrier saw leave count too: one
+that left to rejoin warm (:data:`REJOINING_KEY`) until it exited, within the bound (it is out of the
+rendezvous state for its backoff and its new workers' start-up, and would find no store when it comes
+back; while it warms up it looks for the closed rendezvous every second); any other for one keep-alive
+window. A node that only reaches the store after the host
 exited cannot be helped: that is why spot clusters run ``trainguard store`` on a node of its own.
 """
 
@@ -57,6 +59,11 @@ FINISHED_KEY = "trainguard/exit_barrier/finished/"
 EXITED_KEY = "trainguard/exit_barrier/exited/"
 """Under the job's exit prefix (:func:`trainguard.agent.elastic.ElasticAdapter.close`), + the node's
 rendezvous id: the agent closed the rendezvous and is about to exit (it needs the store no more)."""
+
+REJOINING_KEY = "trainguard/exit_barrier/rejoining/"
+"""Under the job's exit prefix, + the node's rendezvous id: the node left its round to come back warm
+(:meth:`trainguard.agent.elastic.ElasticAdapter.leave` with ``rejoin``): it is out of the rendezvous state
+for its backoff and its new workers' start-up, and will need the store again."""
 
 
 class ExitReason(str, Enum):
@@ -149,18 +156,18 @@ class LingerVerdict:
 
 def decide_linger(me: str, known: frozenset[str] | None, exited: frozenset[str], elapsed_s: float, timeout_s: float,
                   unreachable_s: float | None, unreachable_limit_s: float, left: frozenset[str] = frozenset(),
-                  grace_s: float = 0.0) -> LingerVerdict:
+                  grace_s: float = 0.0, rejoining: frozenset[str] = frozenset()) -> LingerVerdict:
     """Pure: whether the agent ``me`` that hosts the store may exit: every other node with a current
     keep-alive (``known``; None when the last read failed) marked itself ``exited``, and so did every
-    member of its last round that ``left`` it without finishing, for ``grace_s`` (one keep-alive window:
-    such a node is between leaving the round and joining the next one, a restart's backoff, and holds no
-    keep-alive meanwhile; one that died never comes back)."""
+    member of its last round that ``left`` it without finishing: for ``grace_s`` (one keep-alive window:
+    such a node may be between leaving the round and joining the next one, and holds no keep-alive
+    meanwhile; one that died never comes back), or, when it said it is ``rejoining``, until the bound."""
     if known is None:
         if unreachable_s is not None and unreachable_s >= unreachable_limit_s:
             return LingerVerdict(True, LingerReason.STORE_UNREACHABLE, frozenset())
         return LingerVerdict(elapsed_s >= timeout_s, LingerReason.TIMED_OUT if elapsed_s >= timeout_s else None,
                              frozenset())
-    pending = (known | (left if elapsed_s < grace_s else frozenset())) - {me} - exited
+    pending = (known | (left & rejoining) | (left if elapsed_s < grace_s else frozenset())) - {me} - exited
     if not pending:
         return LingerVerdict(True, LingerReason.ALL_EXITED, frozenset())
     if elapsed_s >= timeout_s:
@@ -250,15 +257,18 @@ class LingerOutcome:
 
 def wait_for_exits(me: str, *, read: Callable[[], RoundView], exited: Callable[[frozenset[str]], frozenset[str]],
                    timeout_s: float, unreachable_limit_s: float, left: frozenset[str] = frozenset(),
+                   rejoining: Callable[[frozenset[str]], frozenset[str]] = lambda nodes: frozenset(),
                    poll_s: float = POLL_S, clock: Callable[[], float] = time.monotonic,
                    sleep: Callable[[float], None] = time.sleep) -> LingerOutcome:
     """The linger of the agent ``me`` that hosts the store, after it closed the rendezvous: until every
-    other node with a current keep-alive, and every member of its last round that ``left`` it (for one
-    keep-alive window, ``unreachable_limit_s``), marked itself exited (:func:`decide_linger`). Logs one
+    other node with a current keep-alive, and every member of its last round that ``left`` it (those
+    ``rejoining`` says came back warm, within the bound; the others for one keep-alive window,
+    ``unreachable_limit_s``), marked itself exited (:func:`decide_linger`). Logs one
     ``store_host_lingered`` line."""
     t0 = clock()
     seen: frozenset[str] = frozenset()
     ever: frozenset[str] = frozenset()
+    back: frozenset[str] = frozenset()
     down_since: float | None = None
     while True:
         now = clock()
@@ -269,12 +279,14 @@ def wait_for_exits(me: str, *, read: Callable[[], RoundView], exited: Callable[[
             pending = (known | left) - {me} - seen
             if pending:
                 seen |= exited(frozenset(pending))
+            if left - back - seen:
+                back |= rejoining(frozenset(left - back - seen))
             down_since = None
         except Exception:  # noqa: BLE001 - this process hosts the store: only its own end breaks it
             known = None
             down_since = now if down_since is None else down_since
         verdict = decide_linger(me, known, seen, clock() - t0, timeout_s, _unreachable(down_since, clock()),
-                                unreachable_limit_s, left, unreachable_limit_s)
+                                unreachable_limit_s, left, unreachable_limit_s, back)
         if verdict.done:
             assert verdict.reason is not None
             out = LingerOutcome(verdict.reason, tuple(sorted(ever | (left - {me}))), tuple(sorted(seen)),
@@ -336,6 +348,6 @@ def listens_here(port: int, proc: str = "/proc/self") -> bool:
     return False
 
 
-__all__ = ["EXITED_KEY", "FINISHED_KEY", "POLL_S", "ExitOutcome", "ExitReason", "ExitVerdict", "LingerOutcome",
+__all__ = ["EXITED_KEY", "FINISHED_KEY", "POLL_S", "REJOINING_KEY", "ExitOutcome", "ExitReason", "ExitVerdict", "LingerOutcome",
            "LingerReason", "LingerVerdict", "RoundView", "decide_exit", "decide_linger", "listening_inodes",
            "listens_here", "wait_for_exits", "wait_for_members"]

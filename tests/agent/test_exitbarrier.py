@@ -65,7 +65,8 @@ def test_a_node_alone_in_its_round_waits_for_nobody():
 
 
 LINGER_CASES = [
-    # name, known, exited, elapsed, unreachable, left (grace 3 s) -> done, reason, waiting_for
+    # name, known, exited, elapsed, unreachable, left (grace 3 s; "c" rejoining in the cases that say so)
+    #   -> done, reason, waiting_for
     ("nobody else known", F("a"), F(), 0.0, None, F(), True, LingerReason.ALL_EXITED, F()),
     ("b and c still there", F("abc"), F(), 1.0, None, F(), False, None, F("bc")),
     ("b exited, c (a joiner) still there", F("abc"), F("b"), 1.0, None, F(), False, None, F("c")),
@@ -77,6 +78,9 @@ LINGER_CASES = [
     ("c left and never came back: one keep-alive window", F("ab"), F("b"), 3.0, None, F("c"), True,
      LingerReason.ALL_EXITED, F()),
     ("c left and came back (waiting in the next round)", F("abc"), F("b"), 3.0, None, F("c"), False, None, F("c")),
+    ("c left to rejoin, still warming up past the window", F("ab"), F("b"), 30.0, None, F("c"), False, None, F("c")),
+    ("c left to rejoin and exited", F("ab"), F("bc"), 30.0, None, F("c"), True, LingerReason.ALL_EXITED, F()),
+    ("c left to rejoin, bound reached", F("ab"), F("b"), 120.0, None, F("c"), True, LingerReason.TIMED_OUT, F("c")),
     ("unreadable, within the window", None, F(), 1.0, 1.0, F(), False, None, F()),
     ("unreadable past the window", None, F(), 4.0, 3.0, F(), True, LingerReason.STORE_UNREACHABLE, F()),
 ]
@@ -85,7 +89,8 @@ LINGER_CASES = [
 @pytest.mark.parametrize("name,known,exited,elapsed,unreachable,left,done,reason,waiting", LINGER_CASES,
                          ids=[c[0] for c in LINGER_CASES])
 def test_decide_linger(name, known, exited, elapsed, unreachable, left, done, reason, waiting):
-    verdict = decide_linger("a", known, exited, elapsed, 120.0, unreachable, 3.0, left, 3.0)
+    rejoining = F("c") if "to rejoin" in name else F()
+    verdict = decide_linger("a", known, exited, elapsed, 120.0, unreachable, 3.0, left, 3.0, rejoining)
     assert (verdict.done, verdict.reason, verdict.waiting_for) == (done, reason, waiting)
 
 
@@ -225,3 +230,17 @@ def test_listens_here_sees_a_socket_this_process_listens_on():
     with socket.socket() as other:  # a port nobody here listens on
         other.bind(("127.0.0.1", 0))
         assert not listens_here(other.getsockname()[1])
+
+
+def test_the_host_waits_for_a_member_that_left_to_rejoin_past_the_keep_alive_window():
+    """c left to rejoin warm (its mark says so): out of the rendezvous state for 5 s of warm-up, longer than
+    the keep-alive window; then it joins, sees the rendezvous closed and exits."""
+    clock = FakeClock()
+
+    def read():
+        return RoundView(round=3, closed=True, participants=F(), known=F("ab") if clock.t < 105.0 else F("abc"))
+
+    out = wait_for_exits("a", read=read, exited=lambda nodes: F(x for x in nodes if x == "b" or clock.t >= 105.5),
+                         rejoining=lambda nodes: nodes & F("c"), timeout_s=120.0, unreachable_limit_s=3.0,
+                         left=F("c"), clock=clock, sleep=clock.sleep)
+    assert out.reason is LingerReason.ALL_EXITED and out.exited == ("b", "c") and out.seconds == 5.5

@@ -23,8 +23,9 @@ def ids_of(node, ids):
     return [i for i in ids if f"_{node.pid}_" in i]
 
 
-def three_nodes(tmp, c_end):
-    """a (hosting the store), b and c; a's and b's workers finish, c's do ``c_end`` once they have."""
+def three_nodes(tmp, c_end, c_extra=()):
+    """a (hosting the store), b and c; a's and b's workers finish, c's do ``c_end`` once they have
+    (``c_extra``: more settings for c)."""
     done = {n: os.path.join(tmp, f"done-{n}") for n in "ab"}
     ep = f"127.0.0.1:{free_port()}"
     extra = ["--set", f"workers.exit_barrier_timeout_s={BOUND_S}", "--set", "rendezvous.keep_alive_interval_s=1",
@@ -35,7 +36,7 @@ def three_nodes(tmp, c_end):
         wait_listening(ep)  # a hosts the store
         nodes.append(Node("b", tmp, ep, nnodes="3:3", script=JOB, script_args=[*args, "--done-file", done["b"]],
                           extra=extra))
-        nodes.append(Node("c", tmp, ep, nnodes="3:3", script=JOB, extra=extra,
+        nodes.append(Node("c", tmp, ep, nnodes="3:3", script=JOB, extra=[*extra, *c_extra],
                           script_args=[*args, "--fail-after", f"{done['a']},{done['b']}",
                                        "--fail-flag", os.path.join(tmp, "c-failed"), *c_end]))
     except BaseException:
@@ -45,15 +46,22 @@ def three_nodes(tmp, c_end):
     return nodes
 
 
-def test_finished_nodes_do_not_wait_for_a_member_that_restarted_and_it_exits_0_not_needed(tmp_path):
-    with running(three_nodes(str(tmp_path), [])) as nodes:
+@pytest.mark.parametrize("backoff_s", [0.2, 5.0])
+def test_finished_nodes_do_not_wait_for_a_member_that_restarted_and_it_exits_0_not_needed(tmp_path, backoff_s):
+    """``backoff_s`` 5: c's restart backoff is longer than the keep-alive window (3 s), during which it is out of
+    the rendezvous state (it left to rejoin): a, hosting the store, waits for it all the same (its rejoin
+    mark), or c would come back to no store and fail."""
+    c_extra = ["--set", f"workers.restart_backoff_s={backoff_s}", "--set", f"workers.restart_backoff_max_s={backoff_s}"]
+    with running(three_nodes(str(tmp_path), [], c_extra)) as nodes:
         a, b, c = nodes
         codes = {n.name: n.wait(240) for n in nodes}
         assert codes == {"a": 0, "b": 0, "c": 0}, codes
         assert len(c.events("failing_after_the_others_finished")) == 1
 
         # c's workers failed after the others' finished: its agent restarted them, leaving the round.
-        assert [e for e in c.events("state_change") if e["new"] == "restarting"][0]["reason"] == "worker_failure"
+        restarting = [e for e in c.events("state_change") if e["new"] == "restarting"]
+        assert restarting[0]["reason"] == "worker_failure" and restarting[0]["backoff_s"] == backoff_s
+        assert c.events("left_to_rejoin")
         # a and b each waited for the two others: the other finished, c left; neither waited for c.
         for me, other in ((a, b), (b, a)):
             (line,) = me.events("exit_barrier_done")
