@@ -66,8 +66,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousE
 
 from trainguard.agent.elastic_join import _Executor, evict_nodes, fresh_reads, next_round, planned_complete  # noqa: F401 (re-exported)
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, Poll, RendezvousAborted, World
-from trainguard.agent.exitbarrier import (EXITED_KEY, FINISHED_KEY, REJOINING_KEY, ExitOutcome, LingerOutcome, RoundView,
-                                          listens_here, wait_for_exits, wait_for_members)
+from trainguard.agent.exitbarrier import (EXITED_KEY, FINISHED_KEY, REJOINING_KEY, ExitOutcome, LingerOutcome,
+                                          RoundView, listens_here, wait_for_exits, wait_for_members)
 from trainguard.agent.linetail import tail_whole_lines
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import WorkerStatus

@@ -34,8 +34,8 @@ the same bound; one ``store_host_lingered`` line. The members its exit barrier s
 that left to rejoin warm (:data:`REJOINING_KEY`) until it exited, within the bound (it is out of the
 rendezvous state for its backoff and its new workers' start-up, and would find no store when it comes
 back; while it warms up it looks for the closed rendezvous every second); any other for one keep-alive
-window. A node that only reaches the store after the host
-exited cannot be helped: that is why spot clusters run ``trainguard store`` on a node of its own.
+window. A node that only reaches the store after the host exited cannot be helped: that is why spot
+clusters run ``trainguard store`` on a node of its own.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ class ExitVerdict:
 
 
 def decide_exit(me: str, round_: int, members: frozenset[str], finished: frozenset[str], view: RoundView | None,
-                elapsed_s: float, timeout_s: float, unreachable_s: float | None, unreachable_limit_s: float) -> ExitVerdict:
+                elapsed_s: float, timeout_s: float, unreachable_s: float | None,
+                unreachable_limit_s: float) -> ExitVerdict:
     """Pure: whether node ``me``, whose workers finished in round ``round_`` of ``members``, stops waiting.
 
     ``finished``: the members seen marked finished; ``view``: the last read of the rendezvous state (None
@@ -235,9 +236,9 @@ def wait_for_members(me: str, round_: int, members: frozenset[str], *, mark_fini
                               tuple(sorted(verdict.left)), tuple(sorted(verdict.waiting_for)),
                               round(clock() - t0, 3))
             barrier_fields = {"node_id": me, "round": round_, "reason": out.reason.value,
-                              "waited_for": list(out.waited_for), "finished": list(out.finished), "left": list(out.left),
-                              "still_running": list(out.pending), "seconds": out.seconds, "timeout_s": timeout_s,
-                              "hosts_store": hosts_store}
+                              "waited_for": list(out.waited_for), "finished": list(out.finished),
+                              "left": list(out.left), "still_running": list(out.pending), "seconds": out.seconds,
+                              "timeout_s": timeout_s, "hosts_store": hosts_store}
             if out.reason in (ExitReason.TIMED_OUT, ExitReason.STORE_UNREACHABLE):
                 log.warning("exit_barrier_done", **barrier_fields)
             else:
@@ -348,6 +349,6 @@ def listens_here(port: int, proc: str = "/proc/self") -> bool:
     return False
 
 
-__all__ = ["EXITED_KEY", "FINISHED_KEY", "POLL_S", "REJOINING_KEY", "ExitOutcome", "ExitReason", "ExitVerdict", "LingerOutcome",
-           "LingerReason", "LingerVerdict", "RoundView", "decide_exit", "decide_linger", "listening_inodes",
-           "listens_here", "wait_for_exits", "wait_for_members"]
+__all__ = ["EXITED_KEY", "FINISHED_KEY", "POLL_S", "REJOINING_KEY", "ExitOutcome", "ExitReason", "ExitVerdict",
+           "LingerOutcome", "LingerReason", "LingerVerdict", "RoundView", "decide_exit", "decide_linger",
+           "listening_inodes", "listens_here", "wait_for_exits", "wait_for_members"]
