@@ -143,6 +143,8 @@ class ElasticAdapter:
         """The round this node last joined and its members' rendezvous ids (what the exit barrier is about)."""
         self._left: frozenset[str] = frozenset()
         """Members the exit barrier saw leave the round without finishing (a store host waits for them)."""
+        self._rejoin_marked = False
+        """This node's rejoin mark is up (:meth:`leave` with ``rejoin``) until it joins again or leaves for good."""
         install_whole_line_tail()
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
@@ -163,6 +165,8 @@ class ElasticAdapter:
         plan, self._plan = self._plan, None
         info = next_round(self.handler, self._abort, plan, self.evicted)
         self._joined = (self.round, frozenset(self.members()))
+        if self._rejoin_marked:  # back in a round: nobody needs to wait for this node on its mark any more
+            self._mark_rejoining(False)
         return info
 
     @property
@@ -424,11 +428,8 @@ class ElasticAdapter:
         executor = getattr(self.handler, "_op_executor", None)
         if executor is None:  # static rendezvous: nothing to leave
             return False
-        if rejoin:
-            try:
-                self._exit_store().set(REJOINING_KEY + self.node_id, b"1")
-            except Exception as e:  # noqa: BLE001 - best effort: the leave below says whether the store answers
-                log.info("rejoin_mark_failed", error=f"{type(e).__name__}: {e}"[:200])
+        if rejoin or self._rejoin_marked:  # a node that leaves for good takes an earlier mark down
+            self._mark_rejoining(rejoin)
         stop = getattr(self.handler, "_stop_heartbeats", None)
         if stop is not None:
             stop()
@@ -456,9 +457,19 @@ class ElasticAdapter:
             return None
         return wait_for_exits(me, read=self._round_view,
                               exited=lambda nodes: frozenset(n for n in nodes if store.check([EXITED_KEY + n])),
-                              rejoining=lambda nodes: frozenset(n for n in nodes if store.check([REJOINING_KEY + n])),
+                              rejoining=lambda nodes: frozenset(n for n in nodes if store.check([REJOINING_KEY + n])
+                                                                and store.get(REJOINING_KEY + n) == b"1"),
                               timeout_s=float(self._agent._exit_barrier_timeout),
                               unreachable_limit_s=self._keep_alive_window_s(), left=self._left)
+
+    def _mark_rejoining(self, on: bool) -> None:
+        """Up (``b"1"``) while this node is out of the rendezvous state between leaving to rejoin and its
+        next round; down (``b"0"``) once it is back, or leaves for good. Best effort."""
+        try:
+            self._exit_store().set(REJOINING_KEY + self.node_id, b"1" if on else b"0")
+        except Exception as e:  # noqa: BLE001 - the leave or the join that follows says whether the store answers
+            log.info("rejoin_mark_failed", error=f"{type(e).__name__}: {e}"[:200])
+        self._rejoin_marked = on
 
     def _exit_store(self) -> _LockedStore:
         """The job's store for the end of the job (exited and rejoining marks), not tied to a round."""

@@ -61,9 +61,10 @@ EXITED_KEY = "trainguard/exit_barrier/exited/"
 rendezvous id: the agent closed the rendezvous and is about to exit (it needs the store no more)."""
 
 REJOINING_KEY = "trainguard/exit_barrier/rejoining/"
-"""Under the job's exit prefix, + the node's rendezvous id: the node left its round to come back warm
-(:meth:`trainguard.agent.elastic.ElasticAdapter.leave` with ``rejoin``): it is out of the rendezvous state
-for its backoff and its new workers' start-up, and will need the store again."""
+"""Under the job's exit prefix, + the node's rendezvous id: ``1`` while the node, having left its round to
+come back warm (:meth:`trainguard.agent.elastic.ElasticAdapter.leave` with ``rejoin``), is out of the
+rendezvous state for its backoff and its new workers' start-up and will need the store again; ``0`` once
+it joined a round again or left for good."""
 
 
 class ExitReason(str, Enum):
