@@ -278,7 +278,9 @@ class WorkersConfig:
     """Copy worker stdout/stderr to the agent's stderr (prefixed with the rank) as well as the log files."""
 
     exit_barrier_timeout_s: float = 300.0
-    """On success, how long to wait for the other nodes' workers to finish."""
+    """On success, how long at most to wait for the other members of the round whose workers still run
+    (members that left the round are not waited for), and how long an agent that hosts the c10d store
+    waits for the other nodes to exit before it takes the store away."""
 
     pg_timeout_s: float = 600.0
     """Timeout of every process group the worker runtime builds (``init_process_group`` and its gloo

@@ -15,7 +15,8 @@ thread:
   local workers (``_initialize_workers`` / ``_restart_workers``);
 * :meth:`~ElasticAdapter.poll` — one look at the workers (``_monitor_workers``);
 * :meth:`~ElasticAdapter.stop_workers`, :meth:`~ElasticAdapter.terminate_workers`,
-  :meth:`~ElasticAdapter.exit_barrier`, :meth:`~ElasticAdapter.consume_restart`;
+  :meth:`~ElasticAdapter.exit_barrier` (ours, not torch's: it waits only for the members still in the
+  round, :mod:`trainguard.agent.exitbarrier`), :meth:`~ElasticAdapter.consume_restart`;
 * :meth:`~ElasticAdapter.leave` — the planned leave: the handler's exit operation without closing
   the rendezvous (``DynamicRendezvousHandler.shutdown()`` would close it for every node);
 * :meth:`~ElasticAdapter.members`, :meth:`~ElasticAdapter.node_id`, :attr:`~ElasticAdapter.round`;
@@ -65,6 +66,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousE
 
 from trainguard.agent.elastic_join import _Executor, evict_nodes, fresh_reads, next_round, planned_complete  # noqa: F401 (re-exported)
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, Poll, RendezvousAborted, World
+from trainguard.agent.exitbarrier import (EXITED_KEY, FINISHED_KEY, REJOINING_KEY, ExitOutcome, LingerOutcome,
+                                          RoundView, listens_here, wait_for_exits, wait_for_members)
 from trainguard.agent.linetail import tail_whole_lines
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import WorkerStatus
@@ -136,6 +139,12 @@ class ElasticAdapter:
         self.evicted: list[str] = []
         """Rendezvous ids the last round removed on evidence (:attr:`Plan.evict`)."""
         self._body: Callable[[], RunResult] | None = None
+        self._joined: tuple[int, frozenset[str]] | None = None
+        """The round this node last joined and its members' rendezvous ids (what the exit barrier is about)."""
+        self._left: frozenset[str] = frozenset()
+        """Members the exit barrier saw leave the round without finishing (a store host waits for them)."""
+        self._rejoin_marked = False
+        """This node's rejoin mark is up (:meth:`leave` with ``rejoin``) until it joins again or leaves for good."""
         install_whole_line_tail()
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
@@ -154,7 +163,11 @@ class ElasticAdapter:
 
     def _next_rendezvous(self) -> RendezvousInfo:
         plan, self._plan = self._plan, None
-        return next_round(self.handler, self._abort, plan, self.evicted)
+        info = next_round(self.handler, self._abort, plan, self.evicted)
+        self._joined = (self.round, frozenset(self.members()))
+        if self._rejoin_marked:  # back in a round: nobody needs to wait for this node on its mark any more
+            self._mark_rejoining(False)
+        return info
 
     @property
     def group(self) -> WorkerGroup:
@@ -216,7 +229,7 @@ class ElasticAdapter:
             st = holder.state
             me = self.handler._this_node
             return Peek(round=st.round, complete=st.complete, participants=tuple(str(n) for n in st.participants),
-                        waiting=len(st.wait_list), this_node_participates=me in st.participants)
+                        waiting=len(st.wait_list), this_node_participates=me in st.participants, closed=bool(st.closed))
 
     def endpoint_store(self) -> Any:
         """The rendezvous store itself, not prefixed by the job (``c10d``: the ``TCPStore`` at the
@@ -270,8 +283,50 @@ class ElasticAdapter:
         if pc is not None:
             pc.close(signal.SIGTERM, max(1, int(round(grace_s))))
 
-    def exit_barrier(self) -> None:
-        self._agent._exit_barrier()
+    def exit_barrier(self) -> ExitOutcome | None:
+        """This node's workers finished: wait until every other member still in the round finished or left
+        it, or the round is over, within ``workers.exit_barrier_timeout_s``
+        (:func:`~trainguard.agent.exitbarrier.wait_for_members`; torch's own barrier waits for every
+        member, also one that left). A handler without shared state (static): torch's barrier."""
+        holder = getattr(self.handler, "_state_holder", None)
+        if holder is None or self._joined is None:
+            self._agent._exit_barrier()
+            return None
+        round_, members = self._joined
+        me = self.node_id
+        lock = self.handler._heartbeat_lock
+        store = _LockedStore(self.round_store(round_), lock)
+        self._agent._in_exit_barrier = True  # torch's health check reads it: the agent is alive, not stuck
+        try:
+            out = wait_for_members(
+                me, round_, members, mark_finished=lambda: store.set(FINISHED_KEY + me, b"1"), read=self._round_view,
+                finished=lambda nodes: frozenset(n for n in nodes if store.check([FINISHED_KEY + n])),
+                timeout_s=float(self._agent._exit_barrier_timeout), unreachable_limit_s=self._keep_alive_window_s(),
+                hosts_store=self.hosts_store())
+            self._left = frozenset(out.left)
+            return out
+        finally:
+            self._agent._in_exit_barrier = False
+
+    def _round_view(self) -> RoundView:
+        """Sync and read the shared rendezvous state (sanitized: expired keep-alives are gone)."""
+        holder = self.handler._state_holder
+        with self.handler._heartbeat_lock:
+            holder.sync()
+            st = holder.state
+            return RoundView(round=st.round, closed=bool(st.closed),
+                             participants=frozenset(str(n) for n in st.participants),
+                             known=frozenset(str(n) for n in st.last_heartbeats))
+
+    def _keep_alive_window_s(self) -> float:
+        settings = self.handler._settings
+        return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
+
+    def hosts_store(self) -> bool:
+        """Whether this agent's process hosts the c10d rendezvous store (listens on its port)."""
+        store = self.endpoint_store()
+        port = int(getattr(store, "port", 0) or 0)
+        return bool(port) and listens_here(port)
 
     @property
     def remaining_restarts(self) -> int:
@@ -362,15 +417,19 @@ class ElasticAdapter:
     def nodes_waiting(self) -> int:
         return self.handler.num_nodes_waiting()
 
-    def leave(self, timeout_s: float) -> bool:
+    def leave(self, timeout_s: float, rejoin: bool = False) -> bool:
         """Leave the participant set without closing the rendezvous; whether it was done.
 
         When the last participant of a completed round has left, the round advances and the
-        survivors, already waiting in their own join, form the next one at once.
+        survivors, already waiting in their own join, form the next one at once. ``rejoin``: this node
+        comes back (warm) and says so in the store first, so that an agent hosting the store does not
+        take it away meanwhile should the job end (:data:`~trainguard.agent.exitbarrier.REJOINING_KEY`).
         """
         executor = getattr(self.handler, "_op_executor", None)
         if executor is None:  # static rendezvous: nothing to leave
             return False
+        if rejoin or self._rejoin_marked:  # a node that leaves for good takes an earlier mark down
+            self._mark_rejoining(rejoin)
         stop = getattr(self.handler, "_stop_heartbeats", None)
         if stop is not None:
             stop()
@@ -379,9 +438,43 @@ class ElasticAdapter:
         log.info("rendezvous_left", seconds=round(time.monotonic() - started, 3))
         return True
 
-    def close(self) -> None:
-        """Close the rendezvous for every node (the job as a whole is over)."""
+    def close(self) -> LingerOutcome | None:
+        """Close the rendezvous for every node (the job as a whole is over), and say this node needs the
+        store no more (:data:`~trainguard.agent.exitbarrier.EXITED_KEY`). An agent that hosts the c10d
+        store then lingers until the other nodes the rendezvous knows, and the members its exit barrier
+        saw leave, have exited too (they learn from the store that the job is over:
+        :func:`~trainguard.agent.exitbarrier.wait_for_exits`), within ``workers.exit_barrier_timeout_s``."""
         self.handler.shutdown()
+        if getattr(self.handler, "_state_holder", None) is None or getattr(self.handler, "_store", None) is None:
+            return None
+        me = self.node_id
+        store = self._exit_store()
+        try:
+            store.set(EXITED_KEY + me, b"1")
+        except Exception as e:  # noqa: BLE001 - the store may be gone; this node's keep-alive stopped anyway
+            log.info("exit_mark_failed", error=f"{type(e).__name__}: {e}"[:200])
+        if not self.hosts_store():
+            return None
+        return wait_for_exits(me, read=self._round_view,
+                              exited=lambda nodes: frozenset(n for n in nodes if store.check([EXITED_KEY + n])),
+                              rejoining=lambda nodes: frozenset(n for n in nodes if store.check([REJOINING_KEY + n])
+                                                                and store.get(REJOINING_KEY + n) == b"1"),
+                              timeout_s=float(self._agent._exit_barrier_timeout),
+                              unreachable_limit_s=self._keep_alive_window_s(), left=self._left)
+
+    def _mark_rejoining(self, on: bool) -> None:
+        """Up (``b"1"``) while this node is out of the rendezvous state between leaving to rejoin and its
+        next round; down (``b"0"``) once it is back, or leaves for good. Best effort."""
+        try:
+            self._exit_store().set(REJOINING_KEY + self.node_id, b"1" if on else b"0")
+        except Exception as e:  # noqa: BLE001 - the leave or the join that follows says whether the store answers
+            log.info("rejoin_mark_failed", error=f"{type(e).__name__}: {e}"[:200])
+        self._rejoin_marked = on
+
+    def _exit_store(self) -> _LockedStore:
+        """The job's store for the end of the job (exited and rejoining marks), not tied to a round."""
+        return _LockedStore(dist.PrefixStore(f"trainguard.exit.{self.handler._settings.run_id}", self.handler._store),
+                            self.handler._heartbeat_lock)
 
 
 __all__ = ["POLL_INTERVAL_S", "RendezvousClosedError", "evict_nodes", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted",

@@ -65,6 +65,8 @@ class Peek:
     participants: tuple[str, ...]
     waiting: int
     this_node_participates: bool
+    closed: bool = False
+    """The rendezvous is closed: the job is over (a node joining now is not needed)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
 from trainguard.agent import torchlogs
 from trainguard.agent.decisions import Act, decide
-from trainguard.agent.elastic import RendezvousAborted, World
+from trainguard.agent.elastic import RendezvousAborted, RendezvousClosedError, World
 from trainguard.agent.straggler import AdmissionAct
 from trainguard.agent.stragglermon import wait_as_spare
 from trainguard.contract import protocol as proto
@@ -105,6 +105,13 @@ class Joining:
             log.info("warm_up_skipped", error=f"{type(e).__name__}: {e}"[:200])
             return False
 
+    def _job_closed(self) -> bool:
+        """Whether the rendezvous is closed (the job is over); False when it cannot be read."""
+        try:
+            return bool(self.adapter.peek().closed)
+        except Exception:  # noqa: BLE001 - a static handler, a store that does not answer: the join will tell
+            return False
+
     def _join_running_world(self) -> World:
         """Start the workers in standby, wait until they are warm, then join (the running world
         pauses for this node only now)."""
@@ -113,11 +120,16 @@ class Joining:
         self.adapter.start_standby()
         deadline = t0 + self.cfg.workers.reform_timeout_s
         n = self.cfg.workers.nproc_per_node
+        look_at = t0 + 1.0
         while time.monotonic() < deadline and self._drain is None:
             with self._lock:
                 ready = sum(p.reason is proto.ParkReason.STANDBY for p in self._parked.values())
             if ready >= n or self.adapter.poll().status is not WorkerStatus.HEALTHY:
                 break
+            if time.monotonic() >= look_at:  # the job may end meanwhile: then this node is not needed
+                look_at = time.monotonic() + 1.0
+                if self._job_closed():
+                    raise RendezvousClosedError("the rendezvous closed while this node's workers warmed up")
             self._wake.wait(0.05)
             self._wake.clear()
         warm_s = time.monotonic() - t0

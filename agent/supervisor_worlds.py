@@ -89,7 +89,7 @@ class Worlds:
         """:attr:`Decision.rejoin`: out of the round now, before the stop and the backoff, so that the
         other nodes' next round does not wait for this one. Whether it left."""
         try:
-            left = self.adapter.leave(timeout_s=self.cfg.rendezvous.close_timeout_s)
+            left = self.adapter.leave(timeout_s=self.cfg.rendezvous.close_timeout_s, rejoin=True)
         except Exception as e:  # a store that does not answer: restart the usual way (the round waits)
             log.warning("rejoin_leave_failed", reason=reason, error=f"{type(e).__name__}: {e}"[:300],
                         effect="restarting the usual way: the other nodes wait for this node's workers")

@@ -95,7 +95,8 @@ SCRIPT_ARGS = ["--steps", "100000000", "--global-batch", str(GLOBAL_BATCH), "--m
                "--step-sleep", "0.05"]
 CKPT_EVERY = 10
 LATE_JOB = "chaos-late"
-"""``late_joiner``'s job: two nodes beside the cluster (the same store, a rendezvous id of its own)."""
+"""``late_joiner``'s job: two nodes beside the cluster (the same store, a rendezvous id of its own, one per
+case: :func:`late_job`)."""
 LATE_STEPS = 60
 LATE_LEAD = 5
 """``late_joiner``: the extra agent starts when the short job logs step ``LATE_STEPS - LATE_LEAD`` (its own
@@ -143,7 +144,7 @@ DIRTY_KINDS = ["hang_worker", "freeze_node", "late_joiner"]
 its numbers and figures and ``--quick`` its time."""
 NAMED_KINDS = NET_KINDS + DIRTY_KINDS
 DIRTY_EVENTS = ("hang_detected", "hung_workers_ended", "collectives_abort_requested", "member_lost", "member_evicted",
-                "worker_reformed", "left_to_rejoin", "joined_running_world", "job_already_complete")
+                "worker_reformed", "left_to_rejoin", "joined_running_world", "job_already_complete", "exit_barrier_done")
 """What the agents log about a dirty failure, kept per case (node: event) for the report."""
 NEEDS_LOCALHOST = ["aws_notice", "storage_503", "storage_stall", "storage_outage", "metadata_garbage", "metadata_hang"]
 """Kinds that need the S3 fault proxy or a metadata emulator: servers a namespaced cluster cannot reach."""
@@ -173,6 +174,12 @@ def script_args(steps: int | None = None) -> list[str]:
     """The job's arguments; ``steps``: a job that ends (``late_joiner``'s), instead of the cluster's endless one."""
     return [str(steps) if steps is not None and i > 0 and SCRIPT_ARGS[i - 1] == "--steps" else a
             for i, a in enumerate(SCRIPT_ARGS)]
+
+
+def late_job(index: int) -> str:
+    """The rendezvous id of case ``index``'s short job: one per case, for the job's end closes its rendezvous
+    in the store for good (a second case under the same id found it closed and ended at once)."""
+    return f"{LATE_JOB}-{index}"
 
 
 def samples_dir(work: str, job: str = JOB_ID) -> str:
@@ -477,6 +484,8 @@ class Cluster:
         self.agents: list[Agent] = []
         self.gone: list[Agent] = []
         self.extras: list[Agent] = []
+        self.closed_extras: list[Agent] = []
+        """The agents of the last ``late_joiner`` case's short job, closed by it (the report reads their events)."""
         """Agents of another job (``late_joiner``'s), not of the cluster."""
         self.serial = 0
         self.restarts = 0
@@ -726,11 +735,11 @@ def freeze_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> flo
 
 
 def start_late_job(c: Cluster, res: CaseResult) -> None:
-    """``late_joiner``'s short job: two agents of :data:`LATE_JOB` (``LATE_STEPS`` steps), up to step
+    """``late_joiner``'s short job: two agents of :func:`late_job` (``LATE_STEPS`` steps), up to step
     ``LATE_STEPS - LATE_LEAD``."""
-    os.makedirs(samples_dir(c.work, LATE_JOB), exist_ok=True)
+    os.makedirs(samples_dir(c.work, late_job(res.index)), exist_ok=True)
     for _ in range(2):
-        c.add(LATE_JOB, LATE_STEPS)
+        c.add(late_job(res.index), LATE_STEPS)
         time.sleep(1.0)
     res.world_before = res.world_expected = len(c.extras)
 
@@ -756,13 +765,13 @@ def late_case(c: Cluster, node: Agent, res: CaseResult, t_fault: float) -> float
     exits = node.events("agent_exit")
     t_exit = exits[-1][0] if exits else None
     time.sleep(1.0)
-    markers = [samples_dir(c.work, LATE_JOB)] + [a.state_dir for a in c.extras]
+    markers = [samples_dir(c.work, late_job(res.index))] + [a.state_dir for a in c.extras]
     left = sorted({p for m in markers for p in strays(m)})
     res.leftover_pids += [f"{p} {cmdline(p)[:120]}" for p in left]
     kill_pids(left)
     for a in c.extras:
         a.close()
-    c.extras = []
+    c.closed_extras, c.extras = c.extras, []
     ok = done and res.late_outcome is not None and all(v == 0 for v in res.late_exit_codes.values())
     return t_exit if ok else None
 
@@ -883,7 +892,7 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
         pids_before = c.pids()
         res.step_at_fault = c.last_step()
         t_fault = time.time()
-        node = c.add(LATE_JOB, LATE_STEPS)
+        node = c.add(late_job(index), LATE_STEPS)
         clears_at = None
     else:
         node = prepare_phase(c, phase, target, res)
@@ -964,7 +973,7 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     left = {p for p in pids_before if alive(p)} - c.pids()
     res.leftover_pids += [f"{p} {cmdline(p)[:120]}" for p in sorted(left)]
     if kind in DIRTY_KINDS:
-        nodes = dict.fromkeys(c.agents + c.gone + [node])
+        nodes = dict.fromkeys(c.agents + c.gone + [node] + (c.closed_extras if kind == "late_joiner" else []))
         res.dirty_events = [f"{a.name}: {name}" for t, a, name in sorted(
             ((t, a, name) for a in nodes for name in DIRTY_EVENTS for t, _ in a.events(name, t_fault)),
             key=lambda x: x[0])]
@@ -974,10 +983,10 @@ def run_case(c: Cluster, index: int, kind: str, phase: str, target: str) -> Case
     res.samples_skipped, res.samples_repeated = skipped1 - skipped0, repeated1 - repeated0
     res.sample_errors = [e for e in errors1 if e not in errors0]
     if kind == "late_joiner":  # the short job's own log, from its step 1
-        skipped, repeated, errors = sample_account(samples_dir(c.work, LATE_JOB))
+        skipped, repeated, errors = sample_account(samples_dir(c.work, late_job(index)))
         res.samples_skipped += skipped
         res.samples_repeated += repeated
-        res.sample_errors += [f"{LATE_JOB}: {e}" for e in errors]
+        res.sample_errors += [f"{late_job(index)}: {e}" for e in errors]
     if (not res.recovered or res.hang or res.committed_lost or res.minority_commits or res.evictions
             or res.leftover_pids
             or (k.planned and (res.samples_skipped or res.samples_repeated))):

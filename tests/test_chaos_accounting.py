@@ -97,7 +97,11 @@ def test_late_job_arguments_end_the_job_and_keep_the_rest(chaos, tmp_path):
     assert [a for i, a in enumerate(late) if i != late.index("--steps") + 1] == \
         [a for i, a in enumerate(chaos.SCRIPT_ARGS) if i != chaos.SCRIPT_ARGS.index("--steps") + 1]
     assert chaos.script_args() == chaos.SCRIPT_ARGS
-    assert chaos.samples_dir(str(tmp_path)) != chaos.samples_dir(str(tmp_path), chaos.LATE_JOB)
+    assert chaos.samples_dir(str(tmp_path)) != chaos.samples_dir(str(tmp_path), chaos.late_job(1))
+    # one rendezvous id per case: the first short job's end closes its rendezvous for good (--repeat 3 saw
+    # the second case's nodes find it closed at once and exit not_needed before training)
+    assert len({chaos.late_job(i) for i in range(1, 4)} | {chaos.JOB_ID}) == 4
+    assert len({chaos.samples_dir(str(tmp_path), chaos.late_job(i)) for i in range(1, 4)}) == 3
 
 
 @pytest.mark.parametrize("code,events,want", [

@@ -49,6 +49,8 @@ class FakeAdapter:
         self.on_poll = None
         self.abort_start = abort_start
         self.closed = False
+        self.left = []
+        """``rejoin`` of each leave."""
 
     def run(self, body):
         return body()
@@ -107,8 +109,9 @@ class FakeAdapter:
     def nodes_waiting(self):
         return self.waiting.pop(0) if self.waiting else 0
 
-    def leave(self, timeout_s):
+    def leave(self, timeout_s, rejoin=False):
         self.calls.append("leave")
+        self.left.append(rejoin)
         return True
 
     def reconnect_store(self):
@@ -250,6 +253,45 @@ def test_a_node_joining_a_job_that_completed_exits_0_not_needed(tmp_path, where)
     lines = [e for e in logs if e["event"] == "job_already_complete"]
     assert len(lines) == 1 and "not needed" in lines[0]["effect"]
     assert sup._finish() == ExitCode.FINISHED == 0
+
+
+def test_a_joiner_warming_up_learns_that_the_job_is_over_and_exits_0_not_needed(tmp_path):
+    """Issue 37: the rendezvous closes while a joiner's standby workers warm up (seconds under load): it
+    looks every second and ends then, not after its warm-up (an agent hosting the store waits for it)."""
+    from structlog.testing import capture_logs
+
+    sup, fake, tr = make(tmp_path, [])
+    fake.start_standby = lambda: fake.calls.append("standby")
+    fake.reform = lambda plan: fake.calls.append("reform")
+    looks = []
+
+    def peek():
+        looks.append(time.monotonic())
+        return Peek(round=1, complete=True, participants=("a",), waiting=0, this_node_participates=False,
+                    closed=len(looks) >= 2)
+
+    fake.peek = peek
+    sup._should_warm_up = lambda: True
+    with capture_logs() as logs:
+        result = sup._loop()
+    assert result.state.name == "SUCCEEDED" and fake.calls == ["standby", "stop"], fake.calls
+    assert len(looks) == 2 and looks[1] - looks[0] >= 0.9  # one look a second, the second saw it closed
+    assert [e["event"] for e in logs].count("job_already_complete") == 1
+    assert sup._finish() == ExitCode.FINISHED == 0
+
+
+def test_a_node_that_leaves_to_rejoin_says_so_and_a_drained_one_does_not(tmp_path):
+    """The rejoin mark keeps an agent that hosts the store from taking it away while this node warms up."""
+    sup, fake, tr = make(tmp_path, [exited(1), exited(0)])
+    fake.world = lambda: World(round=fake.round, group_rank=0, nodes=2, world_size=2, global_ranks=(0,))
+    sup._loop()
+    assert fake.left == [True] and fake.calls[-2:] == ["restart", "exit_barrier"], fake.calls
+    sup.control.close()
+    sup, fake, tr = make(tmp_path, [HEALTHY] * 3 + [exited(RESIZE)])
+    sup.request_drain("manual", "drain", time.time() + 30)
+    sup._loop()
+    assert fake.left == [False]
+    sup.control.close()
 
 
 def test_a_failed_in_place_reformation_falls_back_to_a_restart_instead_of_crashing(tmp_path):
