@@ -279,7 +279,9 @@ def _odd_one_out(ranks: Sequence[RankView], key: str) -> RankView | None:
 
 def decide_hang(ranks: Sequence[RankView], now: float, cfg: HangConfig, p99: float | None,
                 known_steps: int) -> HangVerdict:
-    """Pure: whether the job whose ranks are ``ranks`` is hung at ``now``, and who the culprit is."""
+    """Pure: whether the job whose ranks are ``ranks`` is hung at ``now``, and who the culprit is. A rank
+    whose last beat said it finished (``Phase.FINISHED``) is out of it: neither the culprit nor evidence."""
+    ranks = [r for r in ranks if r.phase is not Phase.FINISHED]
     if not ranks:
         return HangVerdict(False)
     stale_s = cfg.stale_s

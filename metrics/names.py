@@ -49,9 +49,10 @@ preemption notice until a step completes again; ``resize`` a planned re-formatio
 steps of a running job (saves blocking training, the per-step agreement); ``other`` downtime with no
 known cause."""
 
-HANG_PHASES: tuple[str, ...] = tuple(p.value for p in Phase)
+HANG_PHASES: tuple[str, ...] = tuple(p.value for p in Phase if p is not Phase.FINISHED)
 """``phase`` label of detected hangs (:class:`~trainguard.contract.protocol.Phase`): where the culprit
-rank was (``step``, ``agreement``, ``save``, ``restore``, ``busy``, ``parked``)."""
+rank was (``step``, ``agreement``, ``save``, ``restore``, ``busy``, ``parked``; a ``finished`` rank is
+never named hung)."""
 
 EVICTION_CAUSES: tuple[str, ...] = tuple(c.value for c in EvictionCause)
 """``reason`` label of evictions (:class:`~trainguard.contract.protocol.EvictionCause`): ``hang`` a hung

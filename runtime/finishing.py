@@ -42,10 +42,12 @@ class Finishing:
         if self._tiers.memory is not None:
             self._tiers.memory.close()  # its commit thread; the slot files stay (the agent owns them)
         if self._progress is not None:
-            # The teardown waits on the peers (their final saves, the barrier): beating as busy, this rank
-            # is not named hung while it does (a loaded machine took longer than hang.silent_s, and the
-            # agent ended a worker that had finished its training).
-            self._progress.set_phase(proto.Phase.BUSY)
+            # Training is over: the teardown waits on the peers (their final saves, the barrier), then the
+            # beats stop and the interpreter exits (over 6 s on a loaded machine). A finished rank is never
+            # named hung (the agent ended workers that had finished their training, and quarantined a node
+            # for it): say so now, and once more as the beats stop.
+            self._progress.set_phase(proto.Phase.FINISHED)
+            self._session.report(self._progress.beat())
         if self.strategy is not None:
             self.strategy.teardown()
         if dist.is_initialized():
@@ -54,7 +56,7 @@ class Finishing:
             dist.destroy_process_group()
         self._release_groups()
         if self._progress is not None:
-            self._progress.close()
+            self._progress.close(final=proto.Phase.FINISHED)
         self._session.close()
 
     def _release_groups(self) -> None:

@@ -89,8 +89,16 @@ class ProgressReporter:
             except Exception as e:  # noqa: BLE001 - a heartbeat that failed once must not end the thread
                 log.debug("progress_beat_failed", error=str(e)[:200])
 
-    def close(self) -> None:
+    def close(self, final: proto.Phase | None = None) -> None:
+        """Stop beating; with ``final``, send one last beat in that phase first (best effort), so that
+        the agent's view of this rank ends in it rather than in whatever the last timed beat carried."""
         self._stop.set()
+        if final is not None:
+            self.current = final
+            try:
+                self._send(self.beat())
+            except Exception as e:  # noqa: BLE001 - the link may be gone already
+                log.debug("progress_beat_failed", error=str(e)[:200])
 
 
 def install_stack_dump() -> bool:

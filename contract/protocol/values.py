@@ -125,6 +125,10 @@ class Phase(str, Enum):
     """The script said so (``Runtime.busy``): e.g. a rank-0-only evaluation between steps (never a hang)."""
     PARKED = "parked"
     """Between worlds (in-place re-formation; bounded by ``workers.reform_timeout_s``: never a hang)."""
+    FINISHED = "finished"
+    """Training is over (``Runtime.finish``): the final save is committed and the rank tears down and exits.
+    Its last beat says so before its beats stop; the agent never names it hung for its silence (the
+    interpreter's exit took over 6 s on a loaded machine), and its process exit is the agent's to watch."""
 
 
 class EvictionCause(str, Enum):

@@ -149,6 +149,22 @@ SILENT_CASES = [
     ("a_peer_is_busy", FAST, [rv(0, phase=B, beat_at=T_SILENT, progress_at=HUNG_AT),
                               rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
      T_SILENT, False, None, False),
+    # the job's end on a loaded machine: rank 1 finished (its last beat said so) and its interpreter takes
+    # seconds to exit; rank 0 still waits in the teardown's barrier. Neither is hung.
+    ("a_finished_rank_is_silent", FAST, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
+                                         rv(1, node="n1", phase=Phase.FINISHED, beat_at=HUNG_AT, progress_at=HUNG_AT,
+                                            agent_at=T_SILENT)],
+     T_SILENT, False, None, False),
+    ("every_rank_finished_long_ago", FAST, [rv(0, phase=Phase.FINISHED, beat_at=HUNG_AT, progress_at=HUNG_AT,
+                                               agent_at=T_SILENT + 600),
+                                            rv(1, node="n1", phase=Phase.FINISHED, beat_at=HUNG_AT, progress_at=HUNG_AT,
+                                               agent_at=T_SILENT + 600)],
+     T_SILENT + 600, False, None, False),
+    # a finished rank is no evidence either way: the stopped rank beside it is still named
+    ("a_finished_rank_beside_a_stopped_one", FAST,
+     [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT),
+      rv(2, node="n2", phase=Phase.FINISHED, beat_at=HUNG_AT - 1, progress_at=HUNG_AT - 1, agent_at=T_SILENT)],
+     T_SILENT, True, 1, False),
     ("while_warming_up", FAST, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
                                 rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
      T_SILENT, None, None, False),

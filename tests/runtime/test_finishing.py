@@ -145,10 +145,11 @@ def test_process_groups_get_the_configured_timeout(monkeypatch):
     assert calls == [("init", {}), ("new_group", {"backend": "gloo"})]
 
 
-def test_finish_beats_as_busy_through_the_teardown_and_stops_after_it(tmp_path, monkeypatch):
-    """The teardown waits on the peers (the barrier): the rank beats as busy until its process group is
-    gone, so a slow end of training on a loaded machine is not named a hang (chaos late_joiner: the
-    agent ended a worker that had finished, then quarantined its node)."""
+def test_finish_beats_as_finished_through_the_teardown_and_once_more_as_it_stops(tmp_path, monkeypatch):
+    """The teardown waits on the peers (the barrier), then the interpreter exits: the rank beats
+    ``finished`` from the moment its training is over (one beat sent at once), and once more as its beats
+    stop once the process group is gone, so a slow end of training on a loaded machine is never named a
+    hang (chaos late_joiner: the agent ended a worker that had finished, then quarantined its node)."""
     rt = train(str(tmp_path / "ck"), 3)
     seen: list[tuple[str, object]] = []
 
@@ -156,8 +157,12 @@ def test_finish_beats_as_busy_through_the_teardown_and_stops_after_it(tmp_path, 
         def set_phase(self, phase):
             seen.append(("phase", phase))
 
-        def close(self):
-            seen.append(("close", dist_initialized()))
+        def beat(self):
+            seen.append(("beat", None))
+            return proto.Progress(rank=0, local_rank=0, step=3, phase=proto.Phase.FINISHED, beat=1, progress=1, where="")
+
+        def close(self, final=None):
+            seen.append(("close", (final, dist_initialized())))
 
     def dist_initialized():
         return torch.distributed.is_initialized()
@@ -166,5 +171,5 @@ def test_finish_beats_as_busy_through_the_teardown_and_stops_after_it(tmp_path, 
     real_teardown = rt.strategy.teardown
     monkeypatch.setattr(rt.strategy, "teardown", lambda: (seen.append(("teardown", None)), real_teardown())[1])
     rt.finish()
-    assert seen[0] == ("phase", proto.Phase.BUSY) and ("teardown", None) in seen
-    assert seen[-1] == ("close", False)  # stopped only once the process group is destroyed
+    assert seen[:3] == [("phase", proto.Phase.FINISHED), ("beat", None), ("teardown", None)], seen
+    assert seen[-1] == ("close", (proto.Phase.FINISHED, False))  # stopped only once the process group is destroyed

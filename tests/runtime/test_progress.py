@@ -66,6 +66,19 @@ def test_the_heartbeat_thread_sends_until_closed():
     assert all(isinstance(m, Progress) for m in got)
 
 
+def test_closing_with_a_final_phase_sends_one_last_beat_in_it():
+    """``Runtime.finish`` closes the beats with ``finished``: the agent's last view of the rank is that it
+    finished, not the phase of the last timed beat (else its silence during the interpreter's exit names
+    it hung)."""
+    got = []
+    r = ProgressReporter(got.append, rank=lambda: 1, local_rank=0, step=lambda: 60, interval_s=3600)
+    r.set_phase(Phase.BUSY)
+    r.close()
+    assert got == []  # closing alone sends nothing
+    r.close(final=Phase.FINISHED)
+    assert [(m.phase, m.step, m.rank) for m in got] == [(Phase.FINISHED, 60, 1)]
+
+
 def test_progress_and_abort_round_trip_and_bad_phase_is_named():
     p = Progress(rank=0, local_rank=0, step=12, phase=Phase.AGREEMENT, beat=3, progress=2, where="a.py:1 f")
     assert decode(encode(p)) == p
