@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainguard.agent.hang import HangAction, HangConfig, HangVerdict, StepTimes, Tracker, decide_hang, evictable, hang_action
-from trainguard.agent.procstat import ProcSample, ProcState, classify, read_stat
+from trainguard.agent.procstat import ProcSample, ProcState, classify, held_since, read_stat
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
 
@@ -118,9 +118,11 @@ class HangWatch:
             for lr, (pid, cur) in samples.items():
                 last = self._procs.get(lr)
                 same = last is not None and last.pid == pid
-                state = classify(last.sample if same else None, cur, now - last.at if same else 0.0)  # type: ignore[union-attr]
-                since = last.since if same and last.state is state else now  # type: ignore[union-attr]
-                if not same or last.state is not state:  # type: ignore[union-attr]
+                prev = last if same else None
+                state = classify(prev.sample if prev else None, cur, now - prev.at if prev else 0.0)
+                since = held_since(prev.state if prev else None, prev.since if prev else now, prev.sample if prev else None,
+                                   state, cur, now)
+                if prev is None or prev.state is not state:
                     log.debug("worker_process_state", local_rank=lr, pid=pid, state=state.value,
                               kernel_state=cur.state if cur else None)
                 self._procs[lr] = _ProcSeen(pid, cur, now, state, since)

@@ -5,8 +5,10 @@ process (SIGSTOP, a frozen container) from one that runs C code holding the GIL 
 DDP's parameter-shape check waiting for a joiner) or one a loaded machine starves. The kernel can:
 
 * state ``T`` (stopped by a signal): the process cannot run at all, whatever its threads would do;
-  :data:`ProcState.STOPPED` is evidence enough for :func:`~trainguard.agent.hang.decide_hang` to name the
-  rank after ``hang.stopped_s`` instead of ``hang.silent_s``. (``t``, stopped by a tracer, is not: a
+  :data:`ProcState.STOPPED`, held with its CPU time standing still (:func:`held_since`: a duty-cycle
+  throttler's straggler reads ``T`` often but runs in between), is evidence enough for
+  :func:`~trainguard.agent.hang.decide_hang` to name the rank after ``hang.stopped_s`` instead of
+  ``hang.silent_s``. (``t``, stopped by a tracer, is not: a
   debugger at a breakpoint is a person at work.)
 * state ``R`` (running or runnable: busy in C, or starved) or CPU time advancing by at least half the
   wall time between two reads: :data:`ProcState.BUSY`, never named hung for its silence alone (the
@@ -88,4 +90,17 @@ def classify(prev: ProcSample | None, cur: ProcSample | None, elapsed_s: float, 
     return ProcState.IDLE
 
 
-__all__ = ["CLK_TCK", "ProcSample", "ProcState", "classify", "parse_stat", "read_stat"]
+def held_since(prev_state: ProcState | None, prev_since: float, prev: ProcSample | None, state: ProcState,
+               cur: ProcSample | None, now: float) -> float:
+    """Pure: since when the process has held ``state`` without a break, given the previous read's state,
+    its start and sample. A stop counts as unbroken only while the CPU time stands still: a process that
+    a duty-cycle throttler stops and continues (a straggler) may read ``T`` at every read, but it ran in
+    between, so its stop starts again at each read that shows CPU time spent."""
+    if prev_state is not state:
+        return now
+    if state is ProcState.STOPPED and (prev is None or cur is None or cur.cpu_ticks != prev.cpu_ticks):
+        return now
+    return prev_since
+
+
+__all__ = ["CLK_TCK", "ProcSample", "ProcState", "classify", "held_since", "parse_stat", "read_stat"]

@@ -12,7 +12,7 @@ import pytest
 
 from trainguard.agent.hang import HangAct, HangConfig
 from trainguard.agent.hangwatch import HangWatch
-from trainguard.agent.procstat import ProcSample, ProcState, classify, parse_stat, read_stat
+from trainguard.agent.procstat import ProcSample, ProcState, classify, held_since, parse_stat, read_stat
 from trainguard.contract.protocol import Phase, Progress
 
 TAIL = " 1 2 3 4 5 6 7 8 9 10 {ut} {st} 0 0 20 0 4 0 100 0 0"
@@ -55,6 +55,23 @@ def test_classify(prev, cur, elapsed, want):
     assert classify(prev, cur, elapsed, clk_tck=100) is want
 
 
+HELD = [
+    # id, previous state, its since, previous sample, state now, sample now, since (now = 10.0)
+    ("first_read", None, 0.0, None, ProcState.STOPPED, ProcSample("T", 5), 10.0),
+    ("state_changed", ProcState.IDLE, 2.0, ProcSample("S", 5), ProcState.STOPPED, ProcSample("T", 5), 10.0),
+    ("still_stopped_cpu_still", ProcState.STOPPED, 2.0, ProcSample("T", 5), ProcState.STOPPED, ProcSample("T", 5), 2.0),
+    # a duty-cycle throttler's straggler: T at both reads, but it ran in between
+    ("stopped_again_after_running", ProcState.STOPPED, 2.0, ProcSample("T", 5), ProcState.STOPPED, ProcSample("T", 9), 10.0),
+    ("still_idle", ProcState.IDLE, 2.0, ProcSample("S", 5), ProcState.IDLE, ProcSample("S", 6), 2.0),
+    ("still_busy", ProcState.BUSY, 2.0, ProcSample("R", 5), ProcState.BUSY, ProcSample("R", 90), 2.0),
+]
+
+
+@pytest.mark.parametrize("prev_state,prev_since,prev,state,cur,want", [h[1:] for h in HELD], ids=[h[0] for h in HELD])
+def test_held_since(prev_state, prev_since, prev, state, cur, want):
+    assert held_since(prev_state, prev_since, prev, state, cur, 10.0) == want
+
+
 # ---- real processes -------------------------------------------------------------------------------
 
 BEATING = """
@@ -69,7 +86,10 @@ def beat():
 threading.Thread(target=beat, daemon=True).start()
 time.sleep(0.5)
 print("ready", flush=True)
-if sys.argv[2] == "spin":
+if sys.argv[2] == "python":
+    while True:  # pure Python: it runs whenever it is not stopped
+        pass
+elif sys.argv[2] == "spin":
     # sre's matcher is C code that never releases the GIL: exponential backtracking keeps it there for ages
     re.match(r"(a+)+$", "a" * 64 + "b")
 else:
@@ -174,3 +194,40 @@ def test_the_watch_names_a_really_stopped_worker_after_stopped_s_not_silent_s(ch
     assert act is not None and act.act is HangAct.END_WORKERS
     assert v.why == "process_stopped" and v.threshold_s == cfg.stopped_s
     assert cfg.stopped_s < after <= cfg.stopped_s + 0.5 < cfg.silent_s
+
+
+def test_a_throttled_straggler_that_reads_stopped_at_every_tick_is_never_named(child):
+    """A duty-cycle throttler (the straggler bench's: stopped 80 % of each 100 ms) on a busy process, read
+    every 0.2 s (in step with the throttler's period, so most reads see T) while the job is stalled on a
+    fake clock: the stop never holds with the CPU time standing still, so hang.stopped_s never names it;
+    stopped for good, it is named."""
+    from tests.fixtures.throttle import DutyCycleThrottler
+
+    cfg = HangConfig()
+    t = [1000.0]
+    p, _ = child("python")
+    w = HangWatch(cfg, clock=lambda: t[0])
+    w.start_world(None, "A", ("A",), thread=False)
+    for i in range(1, 10):
+        t[0] += 0.2
+        w.on_progress(Progress(rank=0, local_rank=0, step=i, phase=Phase.STEP, beat=i, progress=i))
+        w.observe_procs({0: p.pid})
+    stopped_reads = 0
+    with DutyCycleThrottler(lambda: [p.pid], 0.8, 0.1):
+        for _ in range(20):  # 4 s of real time, 4 s of fake time without a beat: the job is stalled
+            time.sleep(0.2)
+            t[0] += 0.2
+            w.observe_procs({0: p.pid})
+            stopped_reads += read_stat(p.pid).state == "T"
+            v, act = w.check()
+            assert act is None or v.why != "process_stopped", v
+    assert stopped_reads >= 5  # the reads did see it stopped, often
+    os.kill(p.pid, signal.SIGSTOP)
+    _settle(lambda: read_stat(p.pid).state, "T")
+    for _ in range(10):
+        t[0] += 0.2
+        w.observe_procs({0: p.pid})
+        v, act = w.check()
+        if act is not None:
+            break
+    assert act is not None and v.why == "process_stopped"
