@@ -4,8 +4,9 @@ The job (``bench/peers_jobs/``: a 2-layer MLP on synthetic data, global batch 24
 per peer's API: ``torchrun_job.py`` (plain DDP + ``torch.save`` every ``--ckpt-every`` steps),
 ``trainguard_job.py`` (the worker API; ``checkpoint.interval`` = ``--ckpt-every``), ``torchft_job.py``
 (Manager + its DDP and optimizer wrapper; heals from live peers), ``nvrx_job.py`` (the torchrun job plus
-nvidia-resiliency-ext heartbeats, under ``ft_launcher``). DLRover and Ray Train are listed as not run, with
-why. Local "nodes" of one worker each (gloo, CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start
+nvidia-resiliency-ext heartbeats, under ``ft_launcher``), and the torchrun job under DLRover's ``dlrover-run``
+(``dlrover_launch.py``: a wrapper for torch 2.13, with its job master beside the nodes). Ray Train is listed as
+not run, with why. Local "nodes" of one worker each (gloo, CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start
 (``--nnodes 1:3`` where the peer has it; node a hosts the rendezvous), train ``--warm`` steps at world
 size 2, then one fault hits node b from outside:
 
@@ -24,7 +25,9 @@ Per peer x fault (every figure from the workers' own one-line-per-step log, ``co
 (process, generation) pair not seen before the fault, or at another world size; for ``join`` at world
 size 3), or ``null`` with ``recovered: false`` when none came within ``--recover-wait`` s;
 ``lost_steps`` (last step finished before the re-formation minus the step it resumed from);
-``world_after``; ``skipped`` / ``repeated`` samples against the job's own stream up to its last step
+``world_after``; for ``join`` also ``join_pause_s`` (the world's pause: its last step at world size 2 to its first at 3) and
+``join_startup_s`` (the rest: the new node's start-up until the world paused for it);
+``skipped`` / ``repeated`` samples against the job's own stream up to its last step
 (the global batch of every step rank 0 finished; trainguard: every attempt in its sample log that it did
 not roll back); ``completed`` (the job reached ``--steps``); trainguard's
 ``every_step_once`` (``tests/samples.py``: each step committed once, each id used once). Per peer,
@@ -238,6 +241,36 @@ class NvrxPeer(Peer):
         return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
 
 
+class DlroverPeer(Peer):
+    """DLRover's ``dlrover-run`` (its own ElasticTrainingAgent over torch elastic) with the plain torchrun job,
+    one launcher per node and its job master (``dlrover.python.master.main --platform local``) beside them,
+    as a multi-node job gets it; ``peers_jobs/dlrover_launch.py`` passes torch 2.13's ``numa_options``."""
+
+    def __init__(self, key: str, settings: str, extra: tuple[str, ...] = ()) -> None:
+        super().__init__(key, "torchrun_job.py", settings, "dlrover.trainer.torch.elastic_run")
+        self.extra = extra
+        """``dlrover-run`` flags beside the defaults (the fast row)."""
+
+    @contextlib.contextmanager
+    def cluster(self, d: str, a: argparse.Namespace) -> Any:
+        port = free_port()
+        master = Proc(f"{self.key}-master", [sys.executable, "-u", "-m", "dlrover.python.master.main", "--port", str(port),
+                                             "--node_num", "2", "--job_name", "peers", "--platform", "local"],
+                      os.path.join(d, "master.log"))
+        try:
+            yield {"master": f"127.0.0.1:{port}", "procs": [master]}
+        finally:
+            master.kill()
+
+    def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
+        cmd = [sys.executable, os.path.join(JOBS, "dlrover_launch.py"), "--nnodes", "1:3", "--nproc_per_node", "1",
+               "--max_restarts", "5", "--monitor_interval", str(MONITOR_INTERVAL), *self.extra, *self.job_args(d, a),
+               "--ckpt-dir", os.path.join(d, "ckpt")]
+        env = {**self.env, "DLROVER_MASTER_ADDR": c["master"], "NODE_ID": str(idx), "NODE_RANK": str(idx),
+               "NODE_NUM": "2", "JOB_NAME": "peers", "POD_IP": "127.0.0.1"}
+        return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
+
+
 def peers() -> list[Peer]:
     return [
         TorchrunPeer("torchrun", "torchrun_job.py", "torchrun 2.13 as installed, c10d, max-restarts 5"),
@@ -250,6 +283,10 @@ def peers() -> list[Peer]:
         TorchftPeer("torchft-fast", "heartbeat timeout 1 s, op timeout 5 s",
                     ["--quorum_tick_ms", "100", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000"],
                     {"TORCHFT_TIMEOUT_SEC": "5", "TORCHFT_QUORUM_TIMEOUT_SEC": "5"}),
+        DlroverPeer("dlrover", "dlrover-run 0.6.1 defaults (its master waits lastcall_timeout 60 s for max nodes), "
+                               "job master --platform local, torch.save every K steps"),
+        DlroverPeer("dlrover-fast", "--rdzv-conf lastcall_timeout=1 (its docs' knob: wait 1 s for more nodes)",
+                    ("--rdzv-conf", "lastcall_timeout=1")),
         NvrxPeer("nvrx", "ft_launcher 0.7.0 defaults (heartbeat timeouts unset)", []),
         NvrxPeer("nvrx-fast", "rank heartbeat timeout 5 s, checked every 1 s",
                  ["--ft-initial-rank-heartbeat-timeout", "60", "--ft-rank-heartbeat-timeout", "5",
@@ -258,9 +295,8 @@ def peers() -> list[Peer]:
 
 
 NOT_RUN = {
-    "dlrover": "not run: dlrover-run 0.6.1 fails on torch 2.13 (SubprocessHandler numa_options) and needs a launcher "
-               "wrapper; not wired into this harness yet",
-    "ray-train": "not run: not wired into this harness yet (TorchTrainer + FailureConfig; address='local')",
+    "ray-train": "not run: not installed with the peers extra and not wired into this harness yet (needs its own job "
+                 "under TorchTrainer + FailureConfig on a local cluster, address='local')",
 }
 """Peers of the issue this harness does not run yet, with why (each becomes a row of its own)."""
 
@@ -374,6 +410,11 @@ def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace, rep: int 
                 old_steps = [e["step"] for t, e in steps(d) if (e["pid"], e["gen"]) in old]
                 res.update(recovered=True, recover_s=round(t_rec - t_fault, 3), world_after=ev["world"],
                            resumed_from=ev["step"] - 1, lost_steps=max(0, max(old_steps) - (ev["step"] - 1)))
+                if fault == "join":  # the world's pause: its last step at the old size to the first at 3
+                    last2 = max((t for t, e in steps(d) if e["world"] == world_before and t < t_rec), default=None)
+                    if last2 is not None:
+                        res["join_pause_s"] = round(t_rec - last2, 3)
+                        res["join_startup_s"] = round(max(0.0, last2 - t_fault), 3)
                 say("bench", f"{peer.key}: {fault}: step {ev['step']} at world size {ev['world']} "
                              f"{res['recover_s']:.2f} s after the fault")
                 with contextlib.suppress(BenchError):  # the job's end (every live launcher exits)
@@ -431,7 +472,9 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             n = c.get("note") or c.get("error")
             if n and n not in notes:
                 notes.append(n)
-        out.append({"peer": peer, "fault": fault, "runs": len(cs), "recovered": len(rec),
+        pauses = sorted(c["join_pause_s"] for c in cs if c.get("join_pause_s") is not None)
+        extra = {"join_pause_s": round(statistics.median(pauses), 3)} if pauses else {}
+        out.append({**extra, "peer": peer, "fault": fault, "runs": len(cs), "recovered": len(rec),
                     "recover_s": round(statistics.median(rec), 3) if rec else None,
                     "recover_min_s": rec[0] if rec else None, "recover_max_s": rec[-1] if rec else None,
                     "lost_steps": worst("lost_steps"), "skipped": worst("skipped"), "repeated": worst("repeated"),
@@ -459,6 +502,10 @@ def table(res: dict[str, Any]) -> str:
         out.append(f"{row['peer']:<14} {row['fault']:<12} {rec:>9} {spread:>13} {row['recovered']:>3}/{n:<1} "
                    f"{fmt(row['lost_steps']):>5} {world:>6} {fmt(row['skipped']):>5} {fmt(row['repeated']):>5} "
                    f"{row['completed']:>3}/{n:<1}  {'; '.join(row['notes'])}")
+    for row in res.get("summary") or summarize(res["cells"]):
+        if row.get("join_pause_s") is not None and row["recover_s"] is not None:
+            out.append(f"{row['peer']} join: the world paused {row['join_pause_s']:.2f} s (its last step at 2 to its "
+                       f"first at 3) of {row['recover_s']:.2f} s; the rest is the new node's start-up (medians)")
     out.append("")
     out.append(f"{'peer':<14} {'step_s':>8} {'overhead':>9}  settings")
     for key, p in res["peers"].items():

@@ -78,3 +78,14 @@ def test_summary_gives_medians_spread_and_the_worst_run() -> None:
     assert "1.15" in row and "0.90-1.40" in row and "2/3" in row
     row = next(line for line in text.splitlines() if line.startswith("torchft"))
     assert "never" in row and "0/2" in row and "no start" in row
+    assert "join" not in text  # no join cell, no pause line
+
+
+def test_a_join_row_reports_the_worlds_pause() -> None:
+    cells = [{"peer": "trainguard", "fault": "join", "rep": r, "recovered": True, "recover_s": rec, "join_pause_s": pause,
+              "world_after": 3, "completed": True} for r, (rec, pause) in enumerate([(4.0, 0.5), (5.0, 0.7), (4.5, 0.6)])]
+    with bench_module("peers.py") as peers:
+        (row,) = peers.summarize(cells)
+        text = peers.table({"cells": cells, "peers": {}})
+    assert row["join_pause_s"] == 0.6 and row["recover_s"] == 4.5
+    assert "trainguard join: the world paused 0.60 s" in text and "of 4.50 s" in text
