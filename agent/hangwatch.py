@@ -32,7 +32,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainguard.agent.hang import HangAction, HangConfig, HangVerdict, StepTimes, Tracker, decide_hang, evictable, hang_action
+from trainguard.agent.hang import (HangAction, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang, evictable,
+                                   hang_action)
 from trainguard.agent.procstat import ProcSample, ProcState, classify, held_since, read_stat
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
@@ -226,7 +227,7 @@ class HangWatch:
                 self.hangs.append(now)
             return v, a
 
-    def _with_procs(self, views: list[Any]) -> list[Any]:
+    def _with_procs(self, views: list[RankView]) -> list[RankView]:
         """The local ranks' views with what the kernel says about their processes (under the lock)."""
         local_of = {b.rank: lr for lr, b in self._local.items()}
         out = []

@@ -150,7 +150,14 @@ def test_a_sigstopped_process_reads_stopped_and_running_again_after_sigcont(chil
 
 def test_a_c_call_holding_the_gil_silences_the_heartbeat_but_reads_busy(child):
     p, beats = child("spin")
-    time.sleep(0.3)  # the match has started
+    end = time.monotonic() + 20  # the match has started once the beat count stands (a loaded machine: a while)
+    last = _beat(beats)
+    while time.monotonic() < end:
+        time.sleep(0.3)
+        now = _beat(beats)
+        if now == last:
+            break
+        last = now
     a, b0, t0 = read_stat(p.pid), _beat(beats), time.monotonic()
     time.sleep(1.0)
     b, b1, t1 = read_stat(p.pid), _beat(beats), time.monotonic()
