@@ -12,7 +12,10 @@ This module decides, with no I/O and no clock of its own (the tests pass a fake 
   phase changes or its main thread runs Python; one that is busy (``Runtime.busy``), saving, restoring
   or between worlds, and still beats, always does. The culprit is the rank whose heartbeat stopped
   first, else the one that sits somewhere else than the others (another phase, another frame: outside
-  the collective they wait in).
+  the collective they wait in). A rank whose process the kernel reports stopped (its own agent reads
+  ``/proc``: :mod:`trainguard.agent.procstat`) for ``hang.stopped_s`` while the job stalls is hung at
+  once (``process_stopped``); one the kernel reports busy (running C code holding the GIL, or starved)
+  is never named for its silence alone.
 * :func:`hang_action` -> :class:`HangAction`: what *this* node does about a verdict: end its own
   workers (the culprit is here), stay out (the culprit is here a second time within
   ``hang.quarantine_s``), abort its workers' collectives and evict the culprit's node (that node's agent
@@ -30,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from trainguard.agent.procstat import ProcState
 from trainguard.contract.configbase import require, require_finite
 from trainguard.contract.protocol import Phase
 
@@ -65,6 +69,21 @@ class HangConfig:
     starved machine (load 6 on 2 cores) silence it too; set it below ``min_s`` only where such waits are
     shorter (the peers bench's fast row: 1 s on an idle machine)."""
 
+    stopped_s: float = 0.5
+    """A rank whose process the kernel reports stopped (state ``T`` in ``/proc/<pid>/stat``: SIGSTOP, a
+    frozen container) this long, while the job made no progress this long either, is hung, without waiting
+    for ``silent_s`` or the threshold. Only the rank's own agent can read it (its node's ``/proc``), and
+    that is the agent that ends the rank. A stopped process cannot be busy in C code or starved, so this
+    bound holds on a loaded machine too; a tracer's stop (``t``: a debugger) does not count. At most
+    ``silent_s``."""
+
+    frozen_s: float = 2.0
+    """A node whose agent published nothing this long, its ranks silent as long, while the job made no
+    progress this long either, is frozen: its peers abort their collectives and evict it without waiting
+    for ``silent_s`` or the rendezvous keep-alive. The agent is a process of its own that runs no user
+    code (no C call of the training script holds its GIL), so its silence is better evidence than a
+    worker's. Between ``stale_beats`` heartbeat intervals and ``silent_s``."""
+
     step_factor: float = 3.0
     """k of the hang threshold ``max(min_s, k x p99 of the recent step times)``: a 40 s step gives 120 s."""
 
@@ -95,6 +114,13 @@ class HangConfig:
                 f"must be between heartbeat_interval_s x stale_beats ({self.heartbeat_interval_s * self.stale_beats:g} s) "
                 f"and min_s ({self.min_s:g} s), got {self.silent_s}",
                 "use hang.min_s (6), or raise hang.min_s / lower hang.heartbeat_interval_s")
+        require_finite(self.stopped_s, "stopped_s", positive=True, fix="use 0.5 (seconds)")
+        require(self.stopped_s <= self.silent_s, "stopped_s", f"must be at most silent_s ({self.silent_s:g} s), got {self.stopped_s}",
+                "use 0.5: a stopped process is stronger evidence than a silent heartbeat")
+        require_finite(self.frozen_s, "frozen_s", positive=True, fix="use 2 (seconds)")
+        require(self.stale_s <= self.frozen_s <= self.silent_s, "frozen_s",
+                f"must be between heartbeat_interval_s x stale_beats ({self.stale_s:g} s) and silent_s "
+                f"({self.silent_s:g} s), got {self.frozen_s}", "use 2, or lower hang.heartbeat_interval_s")
         require_finite(self.step_factor, "step_factor", minimum=1.0,
                        fix="use 3: a step up to 3x slower than the recent p99 is no hang")
         require(isinstance(self.min_steps, int) and self.min_steps >= 1, "min_steps",
@@ -131,6 +157,10 @@ class RankView:
     """When its progress counter last changed."""
     agent_at: float
     """When its node's agent last published (for local ranks: now)."""
+    proc: ProcState = ProcState.UNKNOWN
+    """What the kernel says about the rank's process (local ranks only; :mod:`trainguard.agent.procstat`)."""
+    proc_since: float = 0.0
+    """Since when (observer's clock) ``proc`` has been what it is, without a break."""
 
 
 @dataclass(slots=True)
@@ -249,10 +279,12 @@ class HangVerdict:
     stalled_s: float = 0.0
     """Seconds since any rank of the job last progressed."""
     threshold_s: float = 0.0
-    """The bound crossed: :func:`hang_threshold`, or ``hang.silent_s`` when a stopped rank was named first."""
+    """The bound crossed: :func:`hang_threshold`, ``hang.stopped_s`` (a process the kernel reports stopped) or
+    ``hang.silent_s`` (a silent rank) when one was named before it."""
     culprit: RankView | None = None
     why: str = ""
-    """How the culprit was named: ``heartbeat_stopped_first``, ``outside_the_collective`` (a phase or a
+    """How the culprit was named: ``process_stopped`` (the kernel says so), ``node_silent`` (its agent and
+    ranks all silent for ``hang.frozen_s``), ``heartbeat_stopped_first``, ``outside_the_collective`` (a phase or a
     frame the others are not in), or ``unknown``."""
     node_frozen: bool = False
     """The culprit's node's agent is silent too (a frozen node): nobody there can act."""
@@ -289,21 +321,37 @@ def decide_hang(ranks: Sequence[RankView], now: float, cfg: HangConfig, p99: flo
     stalled = max(0.0, now - last)
     threshold = hang_threshold(cfg, p99, known_steps)
     silent = [r for r in ranks if now - r.beat_at > stale_s]
+    stopped = [r for r in ranks if r.proc is ProcState.STOPPED and now - r.proc_since > cfg.stopped_s]
+    quiet = {r.node for r in ranks if now - r.agent_at > cfg.frozen_s} - {r.node for r in ranks if now - r.beat_at <= cfg.frozen_s}
+    frozen = [r for r in ranks if r.node in quiet]
+    by_frozen = False
     if stalled <= threshold:
-        # A stopped rank (no heartbeat) that stalls the job is hung without waiting out the threshold.
-        if not (known_steps >= cfg.min_steps and stalled > cfg.silent_s
-                and any(now - r.beat_at > cfg.silent_s for r in silent)):
+        if stopped and stalled > cfg.stopped_s:
+            # The kernel says a rank cannot run, and the job waits: no need to wait out a silence.
+            threshold = cfg.stopped_s
+        elif frozen and stalled > cfg.frozen_s:
+            # A node's agent and its ranks all silent: the node is frozen (or cut off), nobody there acts.
+            threshold, by_frozen = cfg.frozen_s, True
+        elif (known_steps >= cfg.min_steps and stalled > cfg.silent_s
+              and any(now - r.beat_at > cfg.silent_s and r.proc is not ProcState.BUSY for r in silent)):
+            # A silent rank (no heartbeat) that stalls the job is hung without waiting out the threshold,
+            # unless the kernel says it runs (C code holding the GIL, or a starved machine).
+            threshold = cfg.silent_s
+        else:
             return HangVerdict(False, stalled, threshold)
-        threshold = cfg.silent_s
     culprit, why = None, "unknown"
-    if silent:
-        culprit, why = min(silent, key=lambda r: (r.beat_at, r.rank)), "heartbeat_stopped_first"
+    if stopped:
+        culprit, why = min(stopped, key=lambda r: (r.proc_since, r.rank)), "process_stopped"
+    elif by_frozen:
+        culprit, why = min(frozen, key=lambda r: (r.beat_at, r.rank)), "node_silent"
+    elif silent:
+        culprit, why = min(silent, key=lambda r: (r.proc is ProcState.BUSY, r.beat_at, r.rank)), "heartbeat_stopped_first"
     else:
         odd = _odd_one_out(ranks, "phase") or _odd_one_out(ranks, "where")
         if odd is not None:
             culprit, why = odd, "outside_the_collective"
-    frozen = culprit is not None and now - culprit.agent_at > stale_s
-    return HangVerdict(True, stalled, threshold, culprit, why, frozen)
+    node_frozen = culprit is not None and now - culprit.agent_at > stale_s
+    return HangVerdict(True, stalled, threshold, culprit, why, node_frozen)
 
 
 class HangAct(str, Enum):

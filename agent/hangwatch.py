@@ -25,13 +25,16 @@ the records it had last read, and asked to evict it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainguard.agent.hang import HangAction, HangConfig, HangVerdict, StepTimes, Tracker, decide_hang, evictable, hang_action
+from trainguard.agent.hang import (HangAction, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang, evictable,
+                                   hang_action)
+from trainguard.agent.procstat import ProcSample, ProcState, classify, held_since, read_stat
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
 
@@ -59,6 +62,15 @@ def decode_record(raw: bytes) -> tuple[int, list[proto.Progress], str] | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ProcSeen:
+    pid: int
+    sample: ProcSample | None
+    at: float
+    state: ProcState
+    since: float
+
+
 class HangWatch:
     """One node's view of the job's progress. Thread-safe (the control thread feeds it, its own thread
     publishes and reads, the supervisor thread asks)."""
@@ -72,6 +84,8 @@ class HangWatch:
         self._tracker = Tracker()
         self._steps = StepTimes()
         self._local: dict[int, proto.Progress] = {}
+        self._procs: dict[int, _ProcSeen] = {}
+        """Local rank -> what the kernel last said about its process (:meth:`observe_procs`)."""
         self._store: Any = None
         self.node_id = ""
         self._members: tuple[str, ...] = ()
@@ -96,6 +110,26 @@ class HangWatch:
             if msg.local_rank == 0:
                 self._steps.observe(msg.step, msg.phase, now)
 
+    def observe_procs(self, pids: Mapping[int, int], read: Callable[[int], ProcSample | None] = read_stat) -> None:
+        """Read this node's workers' ``/proc/<pid>/stat`` (local rank -> pid; the supervisor, every tick) and
+        keep each one's state and since when it has held it (:func:`~trainguard.agent.procstat.classify`)."""
+        samples = {lr: (pid, read(pid)) for lr, pid in pids.items()}
+        now = self._clock()
+        with self._lock:
+            for lr, (pid, cur) in samples.items():
+                last = self._procs.get(lr)
+                same = last is not None and last.pid == pid
+                prev = last if same else None
+                state = classify(prev.sample if prev else None, cur, now - prev.at if prev else 0.0)
+                since = held_since(prev.state if prev else None, prev.since if prev else now, prev.sample if prev else None,
+                                   state, cur, now)
+                if prev is None or prev.state is not state:
+                    log.debug("worker_process_state", local_rank=lr, pid=pid, state=state.value,
+                              kernel_state=cur.state if cur else None)
+                self._procs[lr] = _ProcSeen(pid, cur, now, state, since)
+            for lr in set(self._procs) - set(pids):
+                del self._procs[lr]
+
     def start_world(self, store: Any, node_id: str, members: tuple[str, ...], *, thread: bool = True) -> None:
         """A world formed: watch its members through ``store`` (the round's); starts the thread once
         (``thread=False``: the caller drives :meth:`exchange`, as the tests do)."""
@@ -117,6 +151,7 @@ class HangWatch:
         with self._lock:
             self._watching = False
             self._local.clear()
+            self._procs.clear()
 
     # ---- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -182,7 +217,7 @@ class HangWatch:
         with self._lock:
             if not self._watching or self._blind(now, self.cfg.stale_s):
                 return HangVerdict(False), None
-            views = self._tracker.views(now, self.node_id)
+            views = self._with_procs(self._tracker.views(now, self.node_id))
             v = decide_hang(views, now, self.cfg, self._steps.p99(), self._steps.count)
             if not v.hung or self._acted:
                 return v, None
@@ -191,6 +226,15 @@ class HangWatch:
             if v.culprit is not None and v.culprit.node == self.node_id:  # an unknown culprit is nobody's hang
                 self.hangs.append(now)
             return v, a
+
+    def _with_procs(self, views: list[RankView]) -> list[RankView]:
+        """The local ranks' views with what the kernel says about their processes (under the lock)."""
+        local_of = {b.rank: lr for lr, b in self._local.items()}
+        out = []
+        for v in views:
+            seen = self._procs.get(local_of.get(v.rank, -1)) if v.node == self.node_id else None
+            out.append(v if seen is None else dataclasses.replace(v, proc=seen.state, proc_since=seen.since))
+        return out
 
     def name_of(self, node_id: str) -> str:
         """The node name (``agent.node_name``) of a rendezvous id, as its record says (else the id)."""

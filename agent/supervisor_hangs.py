@@ -28,6 +28,7 @@ class HangActions:
         if (self.hangs is None or obs.workers is not WorkerStatus.HEALTHY or self._drain is not None
                 or obs.parked or self._asked is not Asked.NOTHING):
             return False, None
+        self.hangs.observe_procs(self.adapter.worker_pids())
         verdict, action = self.hangs.check()
         if action is None:
             return False, None
@@ -51,7 +52,7 @@ class HangActions:
             self._observe("evicted", proto.EvictionCause.FROZEN.value, len(a.evict - self._frozen_evicts))
             self._frozen_evicts |= a.evict
             return None
-        self._end_hung_workers(c.rank if local and c is not None else None)
+        self._end_hung_workers(c.rank if local and c is not None else None, stopped=v.why == "process_stopped")
         if a.act is HangAct.QUARANTINE:
             self._observe("evicted", proto.EvictionCause.QUARANTINE.value)
             self._observe("set_quarantined", True)
@@ -65,10 +66,11 @@ class HangActions:
             return self.execute(Decision(Act.FAIL, "max_restarts_exhausted"), obs, self.adapter.poll())
         return self._restart(Decision(Act.RESTART, "worker_hang", consume_restart=True, rejoin=rejoins(obs)), obs)
 
-    def _end_hung_workers(self, rank: int | None) -> None:
+    def _end_hung_workers(self, rank: int | None, *, stopped: bool = False) -> None:
         """Dump the hung rank's stacks (faulthandler, when it can still run), then SIGKILL it: a
         SIGSTOPped process never runs a SIGTERM handler, and its peers fail their collectives at once
-        (connection reset) and re-form in place. The node's other workers follow in the restart."""
+        (connection reset) and re-form in place. The node's other workers follow in the restart.
+        ``stopped``: the kernel says the rank is stopped, so no dump can come; it is not waited for."""
         pids = self.adapter.worker_pids()
         local_rank = self.hangs.local_rank_of(rank) if rank is not None and self.hangs is not None else None
         targets = [pids[local_rank]] if local_rank in pids else list(pids.values())
@@ -77,7 +79,8 @@ class HangActions:
                 os.kill(pid, proto.STACK_DUMP_SIGNAL)
             except OSError:
                 pass
-        time.sleep(0.2)  # the dump is written by the process itself (not at all when it is stopped)
+        if not stopped:
+            time.sleep(0.2)  # the dump is written by the process itself (not at all when it is stopped)
         for pid in targets:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -4,8 +4,9 @@ The job (``bench/peers_jobs/``: a 2-layer MLP on synthetic data, global batch 24
 per peer's API: ``torchrun_job.py`` (plain DDP + ``torch.save`` every ``--ckpt-every`` steps),
 ``trainguard_job.py`` (the worker API; ``checkpoint.interval`` = ``--ckpt-every``), ``torchft_job.py``
 (Manager + its DDP and optimizer wrapper; heals from live peers), ``nvrx_job.py`` (the torchrun job plus
-nvidia-resiliency-ext heartbeats, under ``ft_launcher``). DLRover and Ray Train are listed as not run, with
-why. Local "nodes" of one worker each (gloo, CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start
+nvidia-resiliency-ext heartbeats, under ``ft_launcher``), and the torchrun job under DLRover's ``dlrover-run``
+(``dlrover_launch.py``: a wrapper for torch 2.13, with its job master beside the nodes). Ray Train is listed as
+not run, with why. Local "nodes" of one worker each (gloo, CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start
 (``--nnodes 1:3`` where the peer has it; node a hosts the rendezvous), train ``--warm`` steps at world
 size 2, then one fault hits node b from outside:
 
@@ -24,7 +25,9 @@ Per peer x fault (every figure from the workers' own one-line-per-step log, ``co
 (process, generation) pair not seen before the fault, or at another world size; for ``join`` at world
 size 3), or ``null`` with ``recovered: false`` when none came within ``--recover-wait`` s;
 ``lost_steps`` (last step finished before the re-formation minus the step it resumed from);
-``world_after``; ``skipped`` / ``repeated`` samples against the job's own stream up to its last step
+``world_after``; for ``join`` also ``join_pause_s`` (the world's pause: its last step at world size 2 to its first at 3) and
+``join_startup_s`` (the rest: the new node's start-up until the world paused for it);
+``skipped`` / ``repeated`` samples against the job's own stream up to its last step
 (the global batch of every step rank 0 finished; trainguard: every attempt in its sample log that it did
 not roll back); ``completed`` (the job reached ``--steps``); trainguard's
 ``every_step_once`` (``tests/samples.py``: each step committed once, each id used once). Per peer,
@@ -32,8 +35,11 @@ not roll back); ``completed`` (the job reached ``--steps``); trainguard's
 against plain torchrun's.
 
 Peers are optional (``pip install 'trainguard[peers]'``); a peer that is not importable, or whose run
-cannot start, gets rows saying why. Run: ``OMP_NUM_THREADS=1 python bench/peers.py [--json PATH]
-[--png PATH] [--peers torchrun,trainguard,...] [--faults kill_node,...]``. Several minutes per peer,
+cannot start, gets rows saying why. ``--reps N`` runs the whole matrix N times (repetition by repetition, so that a load
+that drifts spreads over every peer alike); the table and the JSON's ``summary`` give per (peer, fault) the
+median ``recover_s`` of the runs that recovered, its min-max spread and how many did, and the worst run's
+lost / skipped / repeated; ``cells`` keeps every run. Run: ``OMP_NUM_THREADS=1 python bench/peers.py
+[--json PATH] [--png PATH] [--reps N] [--peers torchrun,trainguard,...] [--faults kill_node,...]``. Several minutes per peer,
 mostly the bounded waits of faults a peer does not recover from.
 """
 
@@ -235,18 +241,52 @@ class NvrxPeer(Peer):
         return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
 
 
+class DlroverPeer(Peer):
+    """DLRover's ``dlrover-run`` (its own ElasticTrainingAgent over torch elastic) with the plain torchrun job,
+    one launcher per node and its job master (``dlrover.python.master.main --platform local``) beside them,
+    as a multi-node job gets it; ``peers_jobs/dlrover_launch.py`` passes torch 2.13's ``numa_options``."""
+
+    def __init__(self, key: str, settings: str, extra: tuple[str, ...] = ()) -> None:
+        super().__init__(key, "torchrun_job.py", settings, "dlrover.trainer.torch.elastic_run")
+        self.extra = extra
+        """``dlrover-run`` flags beside the defaults (the fast row)."""
+
+    @contextlib.contextmanager
+    def cluster(self, d: str, a: argparse.Namespace) -> Any:
+        port = free_port()
+        master = Proc(f"{self.key}-master", [sys.executable, "-u", "-m", "dlrover.python.master.main", "--port", str(port),
+                                             "--node_num", "2", "--job_name", "peers", "--platform", "local"],
+                      os.path.join(d, "master.log"))
+        try:
+            yield {"master": f"127.0.0.1:{port}", "procs": [master]}
+        finally:
+            master.kill()
+
+    def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
+        cmd = [sys.executable, os.path.join(JOBS, "dlrover_launch.py"), "--nnodes", "1:3", "--nproc_per_node", "1",
+               "--max_restarts", "5", "--monitor_interval", str(MONITOR_INTERVAL), *self.extra, *self.job_args(d, a),
+               "--ckpt-dir", os.path.join(d, "ckpt")]
+        env = {**self.env, "DLROVER_MASTER_ADDR": c["master"], "NODE_ID": str(idx), "NODE_RANK": str(idx),
+               "NODE_NUM": "2", "JOB_NAME": "peers", "POD_IP": "127.0.0.1"}
+        return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
+
+
 def peers() -> list[Peer]:
     return [
         TorchrunPeer("torchrun", "torchrun_job.py", "torchrun 2.13 as installed, c10d, max-restarts 5"),
         TrainguardPeer("trainguard", "defaults, in-place re-formation"),
-        TrainguardPeer("trainguard-fast", "heartbeats every 0.25 s, a stopped rank named after 1 s, keep-alive 1 s x 3",
-                       ("hang.heartbeat_interval_s=0.25", "hang.stale_beats=2", "hang.silent_s=1",
+        TrainguardPeer("trainguard-fast", "heartbeats every 0.25 s, a silent rank or node named after 1 s, keep-alive 1 s x 3",
+                       ("hang.heartbeat_interval_s=0.25", "hang.stale_beats=2", "hang.silent_s=1", "hang.frozen_s=1",
                         "rendezvous.keep_alive_interval_s=1", "rendezvous.keep_alive_max_attempts=3")),
         TorchftPeer("torchft", "quickstart lighthouse (--quorum_tick_ms 100 --join_timeout_ms 10000), heartbeat 5 s",
                     ["--quorum_tick_ms", "100", "--join_timeout_ms", "10000"], {}),
         TorchftPeer("torchft-fast", "heartbeat timeout 1 s, op timeout 5 s",
                     ["--quorum_tick_ms", "100", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000"],
                     {"TORCHFT_TIMEOUT_SEC": "5", "TORCHFT_QUORUM_TIMEOUT_SEC": "5"}),
+        DlroverPeer("dlrover", "dlrover-run 0.6.1 defaults (its master waits lastcall_timeout 60 s for max nodes), "
+                               "job master --platform local, torch.save every K steps"),
+        DlroverPeer("dlrover-fast", "--rdzv-conf lastcall_timeout=1 (its docs' knob: wait 1 s for more nodes)",
+                    ("--rdzv-conf", "lastcall_timeout=1")),
         NvrxPeer("nvrx", "ft_launcher 0.7.0 defaults (heartbeat timeouts unset)", []),
         NvrxPeer("nvrx-fast", "rank heartbeat timeout 5 s, checked every 1 s",
                  ["--ft-initial-rank-heartbeat-timeout", "60", "--ft-rank-heartbeat-timeout", "5",
@@ -255,9 +295,8 @@ def peers() -> list[Peer]:
 
 
 NOT_RUN = {
-    "dlrover": "not run: dlrover-run 0.6.1 fails on torch 2.13 (SubprocessHandler numa_options) and needs a launcher "
-               "wrapper; not wired into this harness yet",
-    "ray-train": "not run: not wired into this harness yet (TorchTrainer + FailureConfig; address='local')",
+    "ray-train": "not run: not installed with the peers extra and not wired into this harness yet (needs its own job "
+                 "under TorchTrainer + FailureConfig on a local cluster, address='local')",
 }
 """Peers of the issue this harness does not run yet, with why (each becomes a row of its own)."""
 
@@ -320,10 +359,10 @@ def step_time(evs: list[tuple[float, dict[str, Any]]]) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
-def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace) -> dict[str, Any]:
-    d = os.path.join(work, peer.key, fault)
+def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace, rep: int = 0) -> dict[str, Any]:
+    d = os.path.join(work, peer.key, fault, f"rep-{rep}")
     os.makedirs(d)
-    res: dict[str, Any] = {"peer": peer.key, "fault": fault, "recovered": False}
+    res: dict[str, Any] = {"peer": peer.key, "fault": fault, "rep": rep, "recovered": False}
     nodes: list[Proc] = []
     stopped: list[int] = []
     evs: list[tuple[float, dict[str, Any]]] = []
@@ -371,6 +410,11 @@ def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace) -> dict[s
                 old_steps = [e["step"] for t, e in steps(d) if (e["pid"], e["gen"]) in old]
                 res.update(recovered=True, recover_s=round(t_rec - t_fault, 3), world_after=ev["world"],
                            resumed_from=ev["step"] - 1, lost_steps=max(0, max(old_steps) - (ev["step"] - 1)))
+                if fault == "join":  # the world's pause: its last step at the old size to the first at 3
+                    last2 = max((t for t, e in steps(d) if e["world"] == world_before and t < t_rec), default=None)
+                    if last2 is not None:
+                        res["join_pause_s"] = round(t_rec - last2, 3)
+                        res["join_startup_s"] = round(max(0.0, last2 - t_fault), 3)
                 say("bench", f"{peer.key}: {fault}: step {ev['step']} at world size {ev['world']} "
                              f"{res['recover_s']:.2f} s after the fault")
                 with contextlib.suppress(BenchError):  # the job's end (every live launcher exits)
@@ -407,6 +451,38 @@ def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace) -> dict[s
 
 
 # ---------------------------------------------------------------------------------------- report
+def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pure: one row per (peer, fault) over its repetitions, in the order first seen. ``recover_s`` the
+    median of the runs that recovered (``recover_min_s`` / ``recover_max_s`` their spread), ``recovered``
+    how many of ``runs`` did; ``lost_steps``, ``skipped``, ``repeated`` the worst run's; ``world_after``
+    the worlds seen; ``completed`` how many runs finished the job; ``notes`` each distinct note or error."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault((c["peer"], c["fault"]), []).append(c)
+    out = []
+    for (peer, fault), cs in groups.items():
+        rec = sorted(c["recover_s"] for c in cs if c.get("recovered") and c.get("recover_s") is not None)
+
+        def worst(key: str) -> int | None:
+            vals = [c[key] for c in cs if c.get(key) is not None]
+            return max(vals) if vals else None
+
+        notes = []
+        for c in cs:
+            n = c.get("note") or c.get("error")
+            if n and n not in notes:
+                notes.append(n)
+        pauses = sorted(c["join_pause_s"] for c in cs if c.get("join_pause_s") is not None)
+        extra = {"join_pause_s": round(statistics.median(pauses), 3)} if pauses else {}
+        out.append({**extra, "peer": peer, "fault": fault, "runs": len(cs), "recovered": len(rec),
+                    "recover_s": round(statistics.median(rec), 3) if rec else None,
+                    "recover_min_s": rec[0] if rec else None, "recover_max_s": rec[-1] if rec else None,
+                    "lost_steps": worst("lost_steps"), "skipped": worst("skipped"), "repeated": worst("repeated"),
+                    "world_after": sorted({c["world_after"] for c in cs if c.get("world_after") is not None}),
+                    "completed": sum(bool(c.get("completed")) for c in cs), "notes": notes})
+    return out
+
+
 def fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -414,13 +490,22 @@ def fmt(v: Any) -> str:
 
 
 def table(res: dict[str, Any]) -> str:
-    out = [f"{'peer':<14} {'fault':<12} {'recover_s':>10} {'lost':>5} {'world':>6} {'skip':>5} {'rep':>5} "
-           f"{'done':>5}  note"]
-    for cell in res["cells"]:
-        rec = fmt(cell.get("recover_s")) if cell.get("recovered") else "never"
-        out.append(f"{cell['peer']:<14} {cell['fault']:<12} {rec:>10} {fmt(cell.get('lost_steps')):>5} "
-                   f"{fmt(cell.get('world_after')):>6} {fmt(cell.get('skipped')):>5} {fmt(cell.get('repeated')):>5} "
-                   f"{fmt(cell.get('completed')):>5}  {cell.get('note', cell.get('error', ''))}")
+    """The matrix: one row per (peer, fault), the median of its repetitions with their spread and how many
+    recovered (``never`` when none did); lost / skip / rep the worst run's; ``done`` runs that finished."""
+    out = [f"{'peer':<14} {'fault':<12} {'recover_s':>9} {'spread':>13} {'rec':>5} {'lost':>5} {'world':>6} "
+           f"{'skip':>5} {'rep':>5} {'done':>5}  note"]
+    for row in res.get("summary") or summarize(res["cells"]):
+        n = row["runs"]
+        rec = fmt(float(row["recover_s"])) if row["recovered"] else "never"
+        spread = (f"{row['recover_min_s']:.2f}-{row['recover_max_s']:.2f}" if row["recovered"] > 1 else "-")
+        world = ",".join(str(w) for w in row["world_after"]) or "-"
+        out.append(f"{row['peer']:<14} {row['fault']:<12} {rec:>9} {spread:>13} {row['recovered']:>3}/{n:<1} "
+                   f"{fmt(row['lost_steps']):>5} {world:>6} {fmt(row['skipped']):>5} {fmt(row['repeated']):>5} "
+                   f"{row['completed']:>3}/{n:<1}  {'; '.join(row['notes'])}")
+    for row in res.get("summary") or summarize(res["cells"]):
+        if row.get("join_pause_s") is not None and row["recover_s"] is not None:
+            out.append(f"{row['peer']} join: the world paused {row['join_pause_s']:.2f} s (its last step at 2 to its "
+                       f"first at 3) of {row['recover_s']:.2f} s; the rest is the new node's start-up (medians)")
     out.append("")
     out.append(f"{'peer':<14} {'step_s':>8} {'overhead':>9}  settings")
     for key, p in res["peers"].items():
@@ -441,18 +526,27 @@ def plot(res: dict[str, Any], path: str) -> str | None:
         return "matplotlib not installed"
     keys = [k for k, p in res["peers"].items() if "not_run" not in p]
     faults = res["faults"]
-    fig, ax = plt.subplots(figsize=(10, 4))
+    rows = {(r["peer"], r["fault"]): r for r in res.get("summary") or summarize(res["cells"])}
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / max(1, len(keys))
     for i, k in enumerate(keys):
         for j, f in enumerate(faults):
-            cell = next((c for c in res["cells"] if c["peer"] == k and c["fault"] == f), None)
-            if cell is None or "error" in cell:
+            row = rows.get((k, f))
+            if row is None:
                 continue
-            v = cell["recover_s"] if cell.get("recovered") else res["recover_wait_s"]
-            ax.bar(j + i * width, v, width, color=f"C{i}", hatch=None if cell.get("recovered") else "//",
-                   label=k if j == 0 else None)
+            x = j + i * width
+            if row["recovered"]:
+                v = row["recover_s"]
+                ax.bar(x, v, width, color=f"C{i}", label=k if j == 0 else None)
+                if row["recovered"] > 1:
+                    ax.errorbar(x, v, yerr=[[v - row["recover_min_s"]], [row["recover_max_s"] - v]], color="black",
+                                capsize=2, linewidth=0.8)
+            else:
+                ax.bar(x, res["recover_wait_s"], width, color=f"C{i}", hatch="//", alpha=0.4,
+                       label=k if j == 0 else None)
     ax.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(faults))], faults)
-    ax.set_ylabel("fault -> next step (s); hatched: never")
+    ax.set_yscale("log")
+    ax.set_ylabel("fault -> next step (s, log); median, min-max; hatched: never")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -474,11 +568,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--finish-wait", type=float, default=120.0, help="bounded wait for the job's end after recovery (s)")
     ap.add_argument("--nvrx-wheel-dir", default="", metavar="DIR",
                     help="an unpacked nvidia-resiliency-ext wheel (no wheel for this glibc/Python installs; see docs/benchmarks.md)")
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of every cell (the table gives medians and spread)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints)")
     a = ap.parse_args(argv)
     faults = [f.strip() for f in a.faults.split(",") if f.strip()]
     if not faults or any(f not in FAULTS for f in faults):
         ap.error(f"--faults: choose from {','.join(FAULTS)}; got {a.faults!r}")
+    if a.reps < 1:
+        ap.error(f"--reps: at least 1, got {a.reps}")
     NvrxPeer.wheel_dir = os.path.abspath(a.nvrx_wheel_dir) if a.nvrx_wheel_dir else ""
     known = peers()
     wanted = [k.strip() for k in a.peers.split(",")] if a.peers else [p.key for p in known]
@@ -489,13 +586,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     work = tempfile.mkdtemp(prefix="tg-bench-peers-")
     load = os.getloadavg()
-    res: dict[str, Any] = {"faults": faults, "steps": a.steps, "warm": a.warm, "ckpt_every": a.ckpt_every,
+    res: dict[str, Any] = {"faults": faults, "reps": a.reps, "steps": a.steps, "warm": a.warm, "ckpt_every": a.ckpt_every,
                            "step_sleep_s": a.step_sleep, "recover_wait_s": a.recover_wait,
                            "global_batch": common.GLOBAL_BATCH, "nodes": "2 (+1 joining), 1 worker each, gloo, CPU",
                            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpus": os.cpu_count(),
                            "loadavg_start": [round(x, 2) for x in load], "peers": {}, "cells": []}
     print(f"peers benchmark: work folder {work}; load average {load[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     try:
+        runnable = []
         for p in known:
             if p.key not in wanted:
                 continue
@@ -503,16 +601,22 @@ def main(argv: list[str] | None = None) -> int:
             res["peers"][p.key] = {"settings": p.settings}
             if why:
                 res["peers"][p.key]["not_run"] = why
-                continue
-            for f in faults:
-                try:
-                    res["cells"].append(run_cell(p, f, work, a))
-                except Exception as e:  # one cell failing must not lose the others' figures
-                    res["cells"].append({"peer": p.key, "fault": f, "recovered": False, "error": f"{type(e).__name__}: {e}"})
-                    say("bench", f"{p.key}: {f} FAILED: {e}")
-                if a.json:  # after every cell: a long run stopped half-way keeps what it measured
-                    with open(a.json, "w") as fh:
-                        json.dump({**res, "partial": True}, fh, indent=1, sort_keys=True)
+            else:
+                runnable.append(p)
+        # Repetition by repetition over the whole matrix: a load that drifts over the run spreads over
+        # every peer alike instead of landing on one.
+        for rep in range(a.reps):
+            for p in runnable:
+                for f in faults:
+                    try:
+                        res["cells"].append(run_cell(p, f, work, a, rep))
+                    except Exception as e:  # one cell failing must not lose the others' figures
+                        res["cells"].append({"peer": p.key, "fault": f, "rep": rep, "recovered": False,
+                                             "error": f"{type(e).__name__}: {e}"})
+                        say("bench", f"{p.key}: {f} FAILED: {e}")
+                    if a.json:  # after every cell: a long run stopped half-way keeps what it measured
+                        with open(a.json, "w") as fh:
+                            json.dump({**res, "partial": True}, fh, indent=1, sort_keys=True)
         for key, why in NOT_RUN.items():
             if a.peers is None or key in wanted:
                 res["peers"][key] = {"not_run": why}
@@ -529,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in res["peers"].values():
         if base and p.get("step_s"):
             p["overhead_pct"] = round(100 * (p["step_s"] / base - 1), 1)
+    res["summary"] = summarize(res["cells"])
     res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print()
     print(table(res))

@@ -179,6 +179,8 @@ class Row:
     """half_speed: the world of 3 from the throttle to the eviction."""
     steps_per_s_readmitted: float | None = None
     """half_speed: the world of 3 again, after the re-admission."""
+    hangs: list[str] = field(default_factory=list)
+    """Every ``hang_detected`` line of the scenario (``node:culprit_by/action``): a false hang where nothing hung."""
     load_avg: list[float] = field(default_factory=list)
     """The host's 1-minute load average at the scenario's start and end (2 CPUs shared with other jobs)."""
     note: str = ""
@@ -197,6 +199,7 @@ def straggler_lines(c: Cluster, since: float, row: Row) -> None:
     for ev in ("straggler_suspected", "straggler_kept", "straggler_evicted"):
         for _, e in c.events(ev, since):
             row.max_score[e["node"]] = max(row.max_score.get(e["node"], 0.0), float(e.get("score") or 0))
+    row.hangs = [f"{e.get('node')}:{e.get('culprit_by')}/{e.get('action')}" for _, e in c.events("hang_detected", since)]
     evicted = c.events("straggler_evicted", since)
     row.evictions = len(evicted)
     row.evicted = [e["node"] for _, e in evicted]
@@ -331,7 +334,7 @@ def table(rows: list[Row], load: tuple[float, float, float]) -> str:
         out.append(f"{r.scenario:<14}{r.nodes:>6} {fmt(r.steps_per_s):>8} {r.evictions:>10} {','.join(r.evicted) or '-':>8} "
                    f"{fmt(r.detect_s, '.1f'):>9} {fmt(r.evict_s, '.1f'):>8} {fmt(r.readmit_s, '.1f'):>10} {kept:<34} {samples:>16} "
                    f"{'/'.join(f'{x:.0f}' for x in r.load_avg) or '-':>11}"
-                   + (f"  [{r.note}]" if r.note else ""))
+                   + (f"  [{r.note}]" if r.note else "") + (f"  hangs: {', '.join(r.hangs)}" if r.hangs else ""))
     two = next((r for r in rows if r.scenario == "two_healthy"), None)
     half = next((r for r in rows if r.scenario == "half_speed"), None)
     if two and half and two.steps_per_s and half.steps_per_s:

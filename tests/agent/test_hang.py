@@ -6,6 +6,7 @@ import pytest
 from trainguard.agent.configload import load_config
 from trainguard.agent.hang import (HangAct, HangConfig, RankView, StepTimes, Tracker, decide_hang, evictable,
                                    hang_action, hang_threshold)
+from trainguard.agent.procstat import ProcState
 from trainguard.agent.hangwatch import PROGRESS_KEY, HangWatch, decode_record, encode_record
 from trainguard.contract.configbase import ConfigError
 from trainguard.contract.protocol import Phase, Progress
@@ -14,8 +15,10 @@ CFG = HangConfig()
 S, A, B, SV, R, P = Phase.STEP, Phase.AGREEMENT, Phase.BUSY, Phase.SAVE, Phase.RESTORE, Phase.PARKED
 
 
-def rv(rank, *, node="n0", step=60, phase=S, where="train.py:80 main", beat_at=0.0, progress_at=0.0, agent_at=None):
-    return RankView(rank, node, step, phase, where, beat_at, progress_at, beat_at if agent_at is None else agent_at)
+def rv(rank, *, node="n0", step=60, phase=S, where="train.py:80 main", beat_at=0.0, progress_at=0.0, agent_at=None,
+       proc=ProcState.UNKNOWN, proc_since=0.0):
+    return RankView(rank, node, step, phase, where, beat_at, progress_at, beat_at if agent_at is None else agent_at,
+                    proc, proc_since)
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -33,6 +36,10 @@ BAD = [
     ("hang:\n  stale_beats: 1\n", {}, "hang.stale_beats", "must be an integer >= 2"),
     ("hang:\n  step_factor: 0.5\n", {}, "hang.step_factor", "must be >= 1"),
     ("hang:\n  silent_s: 1\n", {}, "hang.silent_s", "between heartbeat_interval_s x stale_beats"),
+    ("hang:\n  stopped_s: 0\n", {}, "hang.stopped_s", "must be > 0"),
+    ("", {"TRAINGUARD_HANG_STOPPED_S": "7"}, "hang.stopped_s", "at most silent_s (6 s)"),
+    ("hang:\n  frozen_s: 1\n", {}, "hang.frozen_s", "between heartbeat_interval_s x stale_beats (2 s)"),
+    ("", {"TRAINGUARD_HANG_FROZEN_S": "6.5"}, "hang.frozen_s", "and silent_s (6 s)"),
     ("", {"TRAINGUARD_HANG_SILENT_S": "7"}, "hang.silent_s", "and min_s (6 s)"),
     ("", {"TRAINGUARD_HANG_QUARANTINE_S": "-1"}, "hang.quarantine_s", "must be >= 0"),
     ("hang:\n  warmup_s: .nan\n", {}, "hang.warmup_s", "finite"),
@@ -67,7 +74,8 @@ CASES = [
     # id, ranks, now, p99, known steps, hung, culprit rank, why, node frozen
     ("training", [rv(0, beat_at=T_AFTER, progress_at=T_AFTER), rv(1, node="n1", beat_at=T_AFTER, progress_at=T_AFTER)],
      T_AFTER, 0.05, 100, False, None, "", False),
-    ("sigstop_before_threshold", [rv(0, beat_at=T_BEFORE, progress_at=HUNG_AT), rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT)],
+    ("sigstop_before_threshold", [rv(0, beat_at=T_BEFORE, progress_at=HUNG_AT),
+                                  rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_BEFORE)],
      T_BEFORE, 0.05, 100, False, None, "", False),
     # every rank beats, none progresses (all wait in one collective): only the threshold names a hang
     ("all_beating_before_threshold", [rv(0, beat_at=T_BEFORE, progress_at=HUNG_AT), rv(1, node="n1", beat_at=T_BEFORE, progress_at=HUNG_AT)],
@@ -142,9 +150,6 @@ SILENT_CASES = [
     ("after_silent_s", FAST, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
                               rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
      T_SILENT, True, 1, False),
-    ("frozen_node_after_silent_s", FAST, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
-                                          rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
-     T_SILENT, True, 1, True),
     # a silent rank while another runs a long evaluation inside rt.busy(): the job is progressing
     ("a_peer_is_busy", FAST, [rv(0, phase=B, beat_at=T_SILENT, progress_at=HUNG_AT),
                               rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT)],
@@ -180,6 +185,100 @@ def test_a_stopped_rank_is_named_at_silent_s_when_set_below_min_s(cfg, ranks, no
     assert v.node_frozen is frozen
     if hung:
         assert v.why == "heartbeat_stopped_first" and v.threshold_s == cfg.silent_s < v.stalled_s < cfg.min_s
+
+
+T_FROZEN = HUNG_AT + CFG.frozen_s + 0.5
+
+FROZEN_CASES = [
+    # id, ranks, now, hung, culprit rank
+    ("frozen_node_named_after_frozen_s", [rv(0, beat_at=T_FROZEN, progress_at=HUNG_AT),
+                                          rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
+     T_FROZEN, True, 1),
+    ("frozen_node_not_yet", [rv(0, beat_at=T_FROZEN - 1, progress_at=HUNG_AT),
+                             rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
+     T_FROZEN - 1, False, None),
+    # its agent silent, but the job still progresses (rank 0 evaluates alone): nothing to evict yet
+    ("frozen_node_job_progresses", [rv(0, beat_at=T_FROZEN, progress_at=T_FROZEN - 0.2),
+                                    rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
+     T_FROZEN, False, None),
+    # a hung worker whose agent still publishes is no frozen node (its own agent acts, at silent_s or earlier)
+    ("worker_silent_agent_alive", [rv(0, beat_at=T_FROZEN, progress_at=HUNG_AT),
+                                   rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_FROZEN)],
+     T_FROZEN, False, None),
+    # the first of two silent nodes whose agent went quiet is named, not the earlier-silent worker elsewhere
+    ("frozen_node_beside_a_silent_worker", [rv(0, node="n0", beat_at=HUNG_AT - 1, progress_at=HUNG_AT, agent_at=T_FROZEN),
+                                            rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT),
+                                            rv(2, node="n2", beat_at=T_FROZEN, progress_at=HUNG_AT)],
+     T_FROZEN, True, 1),
+]
+
+
+@pytest.mark.parametrize("ranks,now,hung,culprit", [c[1:] for c in FROZEN_CASES], ids=[c[0] for c in FROZEN_CASES])
+def test_a_node_whose_agent_and_ranks_are_silent_is_named_frozen_at_frozen_s(ranks, now, hung, culprit):
+    v = decide_hang(ranks, now, CFG, 0.05, 100)
+    assert v.hung is hung
+    assert (v.culprit.rank if v.culprit else None) == culprit
+    if hung:
+        assert v.why == "node_silent" and v.node_frozen and v.threshold_s == CFG.frozen_s < v.stalled_s < CFG.silent_s
+        a = hang_action(v, node="n2", previous_hangs=[], now=now, cfg=CFG)
+        assert a.act is HangAct.ABORT and a.evict == frozenset({"n1"})
+
+
+T_STOP = HUNG_AT + CFG.stopped_s + 0.3
+STOP, BUSY_C, IDLE = ProcState.STOPPED, ProcState.BUSY, ProcState.IDLE
+
+PROC_CASES = [
+    # id, config, ranks, now, known steps, hung, culprit rank, why, threshold
+    ("stopped_named_after_stopped_s", CFG, [rv(0, beat_at=T_STOP, progress_at=HUNG_AT),
+                                            rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_STOP,
+                                               proc=STOP, proc_since=HUNG_AT)],
+     T_STOP, 100, True, 1, "process_stopped", CFG.stopped_s),
+    ("stopped_not_yet_stopped_s", CFG, [rv(0, beat_at=T_STOP, progress_at=HUNG_AT),
+                                        rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_STOP,
+                                           proc=STOP, proc_since=T_STOP - CFG.stopped_s + 0.1)],
+     T_STOP, 100, False, None, "", None),
+    # stopped while the others still progress (a rank-0-only evaluation elsewhere): the job is not stalled
+    ("stopped_but_the_job_progresses", CFG, [rv(0, beat_at=T_STOP, progress_at=T_STOP - 0.1),
+                                             rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_STOP,
+                                                proc=STOP, proc_since=HUNG_AT)],
+     T_STOP, 100, False, None, "", None),
+    # a stopped process is stopped during warm-up too
+    ("stopped_while_warming_up", CFG, [rv(0, beat_at=T_STOP, progress_at=HUNG_AT),
+                                       rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_STOP,
+                                          proc=STOP, proc_since=HUNG_AT)],
+     T_STOP, 2, True, 1, "process_stopped", CFG.stopped_s),
+    # the stopped rank is named before an earlier-silent one whose process the kernel says runs
+    ("stopped_before_silent", CFG, [rv(0, beat_at=HUNG_AT - 1, progress_at=HUNG_AT, proc=BUSY_C, proc_since=HUNG_AT - 1),
+                                    rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_AFTER,
+                                       proc=STOP, proc_since=HUNG_AT)],
+     T_AFTER, 100, True, 1, "process_stopped", CFG.min_s),
+    # silent but the kernel says it runs (C code holding the GIL, or starved): not named at silent_s ...
+    ("busy_in_c_not_named_at_silent_s", FAST, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
+                                               rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT,
+                                                  proc=BUSY_C, proc_since=HUNG_AT)],
+     T_SILENT, 100, False, None, "", None),
+    # ... a sleeping one is, as without /proc
+    ("idle_silent_named_at_silent_s", FAST, [rv(0, beat_at=T_SILENT, progress_at=HUNG_AT),
+                                             rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_SILENT,
+                                                proc=IDLE, proc_since=HUNG_AT)],
+     T_SILENT, 100, True, 1, "heartbeat_stopped_first", FAST.silent_s),
+    # ... and the job's threshold still bounds a busy one (an endless C loop is a hang)
+    ("busy_in_c_past_the_threshold", FAST, [rv(0, beat_at=T_AFTER, progress_at=HUNG_AT),
+                                            rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_AFTER,
+                                               proc=BUSY_C, proc_since=HUNG_AT)],
+     T_AFTER, 100, True, 1, "heartbeat_stopped_first", FAST.min_s),
+]
+
+
+@pytest.mark.parametrize("cfg,ranks,now,known,hung,culprit,why,threshold", [c[1:] for c in PROC_CASES],
+                         ids=[c[0] for c in PROC_CASES])
+def test_what_the_kernel_says_about_a_local_rank(cfg, ranks, now, known, hung, culprit, why, threshold):
+    v = decide_hang(ranks, now, cfg, 0.05, known)
+    assert v.hung is hung
+    assert (v.culprit.rank if v.culprit else None) == culprit
+    assert v.why == why
+    if hung:
+        assert v.threshold_s == threshold < v.stalled_s
 
 
 def test_a_40s_step_and_a_5min_evaluation_stream_give_no_false_positive():

@@ -30,10 +30,12 @@ def training(a, b):
     return a.worker_pids(), b.worker_pids()
 
 
-def two_nodes(tmp, keep_alive_s=1):
+def two_nodes(tmp, keep_alive_s=1, frozen_s=None):
     ep = f"127.0.0.1:{free_port()}"
     common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", f"rendezvous.keep_alive_interval_s={keep_alive_s}",
               "--set", "rendezvous.keep_alive_max_attempts=3", "--set", "checkpoint.interval=20"]
+    if frozen_s is not None:
+        common += ["--set", f"hang.frozen_s={frozen_s}"]
     a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=ARGS, extra=common)
     wait_listening(ep)
     b = Node("b", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=ARGS, extra=common)
@@ -47,7 +49,9 @@ def test_a_stopped_worker_is_named_ended_and_rejoins_while_its_peer_re_forms_in_
         os.kill(pb, signal.SIGSTOP)  # b's rank hangs; b's agent is alive
         stopped_at = max(e["step"] for e in steps(a, b))
         hung = wait_until(lambda: b.events("hang_detected"), 120, "b's agent detects the hang")[0]
-        assert hung["action"] == "end_workers" and hung["culprit_by"] == "heartbeat_stopped_first"
+        # b's agent reads its worker's /proc: stopped (state T), named after hang.stopped_s
+        assert hung["action"] == "end_workers" and hung["culprit_by"] == "process_stopped"
+        assert hung["threshold_s"] == 0.5
         assert hung["node"] == "b" and hung["phase"] in ("step", "agreement")
         # its last beat (at most hang.heartbeat_interval_s old when it stopped; the step lines reach the log late)
         assert isinstance(hung["rank"], int) and abs(hung["step"] - stopped_at) <= 10 and hung["where"]
@@ -69,12 +73,12 @@ def test_a_stopped_worker_is_named_ended_and_rejoins_while_its_peer_re_forms_in_
             assert seen_by_a["action"] == "watch" and seen_by_a["rank"] == hung["rank"], seen_by_a
 
 
-@pytest.mark.parametrize("keep_alive_s,path", [(1, "member_lost"), (5, "hang")])
-def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path, keep_alive_s, path):
-    """keep-alive 1 s x 3 expires before the hang threshold (6 s): member_lost aborts; 5 s x 3 does not:
-    the hang watch names the frozen node, aborts and evicts it from the rendezvous before its keep-alive
-    expires."""
-    a, b = two_nodes(str(tmp_path), keep_alive_s)
+@pytest.mark.parametrize("keep_alive_s,frozen_s,path", [(1, 6, "member_lost"), (5, None, "hang")])
+def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path, keep_alive_s, frozen_s, path):
+    """keep-alive 1 s x 3 expires before hang.frozen_s set to 6 s: member_lost aborts; 5 s x 3 does not
+    expire before the default hang.frozen_s (2 s): the hang watch names the frozen node (its agent and
+    rank silent), aborts and evicts it from the rendezvous before its keep-alive expires."""
+    a, b = two_nodes(str(tmp_path), keep_alive_s, frozen_s)
     with running([a, b]):
         (pa,), (pb,) = training(a, b)
         for pid in (b.pid, pb):  # the whole node freezes: agent and worker, sockets open
@@ -95,6 +99,7 @@ def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path, 
             assert not [e for e in a.events("state_change") if e["new"] == "restarting"]
             if path == "hang":
                 assert a.events("hang_detected") and not a.events("member_lost")
+                assert a.events("hang_detected")[0]["culprit_by"] == "node_silent"
                 frozen = a.events("hang_detected")[0]["node_id"]
                 assert [e["nodes"] for e in a.events("member_evicted")] == [[frozen]]  # before its keep-alive expired
             else:

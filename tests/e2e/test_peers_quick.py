@@ -53,3 +53,39 @@ def test_table_reports_a_fault_never_recovered() -> None:
     row = next(line for line in text.splitlines() if line.startswith("trainguard") and "hang" in line)
     assert "never" in row and "not recovered within 120 s" in row
     assert any(line.startswith("dlrover") and "not installed" in line for line in text.splitlines())
+
+
+def test_summary_gives_medians_spread_and_the_worst_run() -> None:
+    cells = [
+        {"peer": "trainguard", "fault": "hang", "rep": 0, "recovered": True, "recover_s": 1.4, "lost_steps": 0,
+         "skipped": 0, "repeated": 0, "world_after": 1, "completed": True},
+        {"peer": "trainguard", "fault": "hang", "rep": 1, "recovered": True, "recover_s": 0.9, "lost_steps": 1,
+         "skipped": 0, "repeated": 24, "world_after": 1, "completed": True},
+        {"peer": "trainguard", "fault": "hang", "rep": 2, "recovered": False, "note": "not recovered within 120 s",
+         "skipped": 0, "repeated": 0, "completed": False},
+        {"peer": "torchft", "fault": "hang", "rep": 0, "recovered": False, "error": "BenchError: no start"},
+        {"peer": "torchft", "fault": "hang", "rep": 1, "recovered": False, "error": "BenchError: no start"},
+    ]
+    with bench_module("peers.py") as peers:
+        tg, ft = peers.summarize(cells)
+        text = peers.table({"cells": cells, "peers": {"trainguard": {"settings": "defaults"}}})
+    assert (tg["peer"], tg["runs"], tg["recovered"]) == ("trainguard", 3, 2)
+    assert tg["recover_s"] == 1.15 and (tg["recover_min_s"], tg["recover_max_s"]) == (0.9, 1.4)
+    assert (tg["lost_steps"], tg["repeated"], tg["world_after"], tg["completed"]) == (1, 24, [1], 2)
+    assert tg["notes"] == ["not recovered within 120 s"]
+    assert (ft["recovered"], ft["recover_s"], ft["notes"]) == (0, None, ["BenchError: no start"])
+    row = next(line for line in text.splitlines() if line.startswith("trainguard"))
+    assert "1.15" in row and "0.90-1.40" in row and "2/3" in row
+    row = next(line for line in text.splitlines() if line.startswith("torchft"))
+    assert "never" in row and "0/2" in row and "no start" in row
+    assert "join" not in text  # no join cell, no pause line
+
+
+def test_a_join_row_reports_the_worlds_pause() -> None:
+    cells = [{"peer": "trainguard", "fault": "join", "rep": r, "recovered": True, "recover_s": rec, "join_pause_s": pause,
+              "world_after": 3, "completed": True} for r, (rec, pause) in enumerate([(4.0, 0.5), (5.0, 0.7), (4.5, 0.6)])]
+    with bench_module("peers.py") as peers:
+        (row,) = peers.summarize(cells)
+        text = peers.table({"cells": cells, "peers": {}})
+    assert row["join_pause_s"] == 0.6 and row["recover_s"] == 4.5
+    assert "trainguard join: the world paused 0.60 s" in text and "of 4.50 s" in text
