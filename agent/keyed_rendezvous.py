@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -109,7 +110,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._members: tuple[str, ...] | None = None
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self._hb_kv: Kv | None = None
+        self._hb_kv: Kv = make_kv()  # made now: TCPStore clients connecting while others call stalled those 5 s
         self._lease_raw: bytes | None = None
 
     # -- RendezvousHandler ---------------------------------------------------------------------------
@@ -143,14 +144,12 @@ class KeyedRendezvousHandler(RendezvousHandler):
         if self._hb_thread is not None and self._hb_thread.is_alive():
             return
         self._hb_stop.clear()
-        self._hb_kv = self._hb_kv or self._make_kv()
         self._hb_kv.beat(self.node)
         self._hb_thread = threading.Thread(target=self._beat, name=f"keyed-rdzv-hb-{self.node}", daemon=True)
         self._hb_thread.start()
 
     def _beat(self) -> None:
         kv = self._hb_kv
-        assert kv is not None
         while not self._hb_stop.wait(self._keep_alive_s):
             try:
                 kv.beat(self.node)
@@ -168,8 +167,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         """The planned leave: one ``leave`` entry and a dead heartbeat; the rendezvous stays open."""
         self.stop_heartbeats()
         self._kv.announce(Entry(self.node, LEAVE, self.round))
-        if self._hb_kv is not None:
-            self._hb_kv.unbeat(self.node)
+        self._hb_kv.unbeat(self.node)
 
     # -- the round -----------------------------------------------------------------------------------
     def _cur(self) -> int:
@@ -322,43 +320,67 @@ class KeyedRendezvousHandler(RendezvousHandler):
         return list(self._members)
 
 
-def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float = 60.0) -> KeyedRendezvousHandler:
-    """The keyed handler on a ``TCPStore`` at ``host:port`` (``trainguard store``); a client per thread."""
+def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float = 60.0,
+                is_host: bool = False) -> KeyedRendezvousHandler:
+    """The keyed handler on a ``TCPStore`` at ``host:port`` (``trainguard store``, or this agent's own
+    when ``is_host``): two connections, one for the handler's calls and the round stores, one for the
+    heartbeat thread."""
     from trainguard.agent.membership_kv import TcpKv
 
     def client() -> Any:
         return dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=timeout_s))
 
-    base = client()
+    server = None
+    if is_host:
+        server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                               timeout=timedelta(seconds=timeout_s))
+    base = server if server is not None else client()
+    clients = iter([base])
 
     def make_kv() -> Kv:
-        return TcpKv(dist.PrefixStore(f"trainguard.keyed.{run_id}", client()), cfg.keep_alive_interval_s,
-                     cfg.keep_alive_max_attempts)
+        return TcpKv(dist.PrefixStore(f"trainguard.keyed.{run_id}", next(clients, None) or client()),
+                     cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
 
-    return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or "127.0.0.1", settings=_settings(cfg),
+    return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
                                   keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
                                   make_kv=make_kv, store=base, backend="keyed-c10d")
 
 
 def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
     """The keyed handler on etcd v3 under ``<prefix>/<job>/k/``; the round stores under ``.../store/``."""
-    from trainguard.agent.etcd_client import EtcdClient
-    from trainguard.agent.etcd_rendezvous import EtcdStore, job_prefix, settings_from
+    from trainguard.agent.etcd_rendezvous import EtcdStore, connect
     from trainguard.agent.membership_kv import EtcdKv
 
-    prefix = job_prefix(cfg, run_id)
-    client = EtcdClient(settings_from(cfg))
+    client, prefix = connect(cfg, run_id)
 
     def make_kv() -> Kv:
         return EtcdKv(client, prefix + "k/", cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
 
-    return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or "127.0.0.1", settings=_settings(cfg),
+    return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
                                   keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
                                   make_kv=make_kv, store=EtcdStore(client, prefix), backend="keyed-etcd-v3")
+
+
+def create_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
+    """The keyed handler for a ``rendezvous`` config: on etcd v3 (``backend: etcd``) or on the ``TCPStore`` at
+    ``endpoint`` (``backend: c10d``; ``is_host`` as torch's rule: unset = host when the endpoint is an address
+    of this machine and the port is free, else connect)."""
+    if cfg.backend == "etcd":
+        return etcd_handler(cfg, run_id)
+    from trainguard.agent.preflight import is_local_address
+
+    host, _, port = cfg.endpoint.rpartition(":")
+    host = host.strip("[]")
+    if cfg.is_host is None and is_local_address(host):
+        try:
+            return tcp_handler(cfg, run_id, host=host, port=int(port), is_host=True)
+        except (RuntimeError, OSError):  # another agent on this machine hosts it
+            pass
+    return tcp_handler(cfg, run_id, host=host, port=int(port), is_host=bool(cfg.is_host))
 
 
 def _settings(cfg: Any) -> Settings:
     return Settings(cfg.min_nodes, cfg.max_nodes, cfg.last_call_timeout_s)
 
 
-__all__ = ["ALIVE_EVERY_S", "KeyedRendezvousHandler", "etcd_handler", "node_id", "tcp_handler"]
+__all__ = ["ALIVE_EVERY_S", "KeyedRendezvousHandler", "create_handler", "etcd_handler", "node_id", "tcp_handler"]
