@@ -100,7 +100,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def __init__(self, *, run_id: str, addr: str, settings: Settings, keep_alive_s: float, join_timeout_s: float,
                  make_kv: Callable[[], Kv], store: Any, backend: str, poll_s: float = POLL_INTERVAL_S) -> None:
-        self._run_id, self._addr, self._settings = run_id, addr, settings
+        self._run_id, self._addr, self._limits = run_id, addr, settings
         self._keep_alive_s, self._join_timeout_s, self._poll_s = keep_alive_s, join_timeout_s, poll_s
         self._make_kv, self._store, self._backend = make_kv, store, backend
         self.node = node_id(addr)
@@ -289,7 +289,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         if entries or now - dec.alive_at >= ALIVE_EVERY_S:
             pool = set(dec.prev.members) | set(dec.prev.spares) | set(wants.joined) | set(expect)
             dec.alive, dec.alive_at = self._kv.alive(pool), now
-        d = decide(dec.prev, wants, dec.alive, self._settings, now, dec.min_since, expect)
+        d = decide(dec.prev, wants, dec.alive, self._limits, now, dec.min_since, expect)
         dec.min_since = d.min_since
         if d.action is not Action.PUBLISH:
             return False
