@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from trainguard.agent.elastic_types import POLL_INTERVAL_S, Plan, RendezvousAborted
+from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, RendezvousAborted
 from trainguard.agent.membership import (
     EVICT,
     JOIN,
@@ -310,6 +310,38 @@ class KeyedRendezvousHandler(RendezvousHandler):
         return True
 
     # -- what the agent reads ------------------------------------------------------------------------
+    @property
+    def endpoint_store(self) -> Any:
+        """The ``TCPStore`` at the endpoint (keyed on ``c10d``; census and straggler keys), else None."""
+        return self._store if isinstance(self._store, dist.TCPStore) else None
+
+    def round_store(self, round_: int) -> Any:
+        """The store of round ``round_``'s agents (the prefix torch's handler uses, too)."""
+        return dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", self._store)
+
+    def side_store(self, round_: int) -> Any:
+        """:meth:`round_store` for another thread: on a ``TCPStore``, a connection of its own (a client is not
+        safe to share between threads), with a short timeout; the etcd store is thread-safe."""
+        if not isinstance(self._store, dist.TCPStore):
+            return self.round_store(round_)
+        client = dist.TCPStore(self._store.host, self._store.port, is_master=False, multi_tenant=True,
+                               timeout=timedelta(seconds=5))
+        return dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", client)
+
+    def peek(self) -> Peek:
+        """The newest round, its members and the announcements since this node's round, without joining:
+        O(1) reads while the newest round is this node's (its members are cached), else one record."""
+        cur = self._cur()
+        if cur == self.round:
+            members = tuple(self.members())
+        elif cur >= 0:
+            raw = self._kv.get(f"r/{cur}/rec")
+            members = Record.decode(raw).members if raw else ()
+        else:
+            members = ()
+        return Peek(round=cur, complete=cur >= 0, participants=members, waiting=self.num_nodes_waiting(),
+                    this_node_participates=self.node in members)
+
     def members(self) -> list[str]:
         """The node ids of the current round by group rank (one read of the round's record, cached)."""
         if self.round < 0:

@@ -203,8 +203,9 @@ def decide(prev: Record, wants: Wants, alive: frozenset[str], settings: Settings
     """Pure: the next round from the previous record, the folded log and who is alive.
 
     Candidates are the previous round's spares and the nodes that announced, alive, not leaving, not
-    evicted: the previous members first in their old order (a survivor keeps its relative rank, rank 0
-    stays where it can), then newcomers in order of announcement. The round is published
+    evicted: the previous members first, then newcomers in order of announcement (who gets in when there
+    are more than ``max_nodes``). The members' group ranks follow :func:`node_order`, as torch's dynamic
+    rendezvous orders them (so both protocols give the same ranks). The round is published
 
     * at once when ``max_nodes`` candidates are there (the rest stay spares);
     * as soon as everyone *expected* is there and at least ``min_nodes``: expected are the previous
@@ -220,16 +221,30 @@ def decide(prev: Record, wants: Wants, alive: frozenset[str], settings: Settings
     have = frozenset(cands)
     missing = tuple(sorted(expected - have))
     if len(cands) >= settings.max_nodes:
-        return Decision(Action.PUBLISH, tuple(cands[:settings.max_nodes]), tuple(cands[settings.max_nodes:]),
+        return Decision(Action.PUBLISH, ranked(cands[:settings.max_nodes]), tuple(cands[settings.max_nodes:]),
                         min_since, "max_nodes")
     if len(cands) < settings.min_nodes:
         return Decision(Action.WAIT, min_since=None, reason="below min_nodes", missing=missing)
     since = now if min_since is None else min_since
     if expected and not missing:
-        return Decision(Action.PUBLISH, tuple(cands), (), since, "everyone expected is there")
+        return Decision(Action.PUBLISH, ranked(cands), (), since, "everyone expected is there")
     if now - since >= settings.last_call_s:
-        return Decision(Action.PUBLISH, tuple(cands), (), since, "last call")
+        return Decision(Action.PUBLISH, ranked(cands), (), since, "last call")
     return Decision(Action.WAIT, min_since=since, reason="last call", missing=missing)
+
+
+def node_order(node: str) -> tuple[str, int, int, str]:
+    """Pure: the sort key of a node id ``addr_pid_n``: address, then pid and local id as numbers (torch
+    sorts its ``_NodeDesc(addr, pid, local_id)`` so); an id of another shape sorts by its text."""
+    addr, pid, local = (node.rsplit("_", 2) + ["", ""])[:3]
+    if pid.isdigit() and local.isdigit():
+        return addr, int(pid), int(local), ""
+    return node, -1, -1, node
+
+
+def ranked(nodes: Iterable[str]) -> tuple[str, ...]:
+    """The members by group rank (:func:`node_order`)."""
+    return tuple(sorted(nodes, key=node_order))
 
 
 def assignment(raw: bytes) -> tuple[int, int]:
@@ -249,4 +264,4 @@ def new_entries(consumed: int, seq: int) -> Sequence[int]:
 
 __all__ = ["Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
            "Wants", "assignment", "decide", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
-           "new_entries", "parse_lease"]
+           "new_entries", "node_order", "parse_lease", "ranked"]

@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from trainguard.agent.config import RendezvousConfig
 from trainguard.agent.elastic_types import Plan, RendezvousAborted
 from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler, etcd_handler, tcp_handler
-from trainguard.agent.membership import Go, Record, encode_assignment, parse_lease
+from trainguard.agent.membership import Go, Record, encode_assignment, parse_lease, ranked
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,8 +114,8 @@ def test_form_leave_loss_join(job):
     out = job.round([a, b], Plan(members=frozenset(a.members())))
     t.join(30)
     assert sizes({**out, **joined}) == [(0, 3), (1, 3), (2, 3)]
-    assert joined[e.node][0] == 2  # the newcomer goes last; the members keep their ranks
-    assert [out[a.node][0], out[b.node][0]] == [a.members().index(a.node), a.members().index(b.node)]
+    ranks = {**{n: r for n, (r, _) in out.items()}, e.node: joined[e.node][0]}
+    assert tuple(n for n, _ in sorted(ranks.items(), key=lambda kv: kv[1])) == ranked(ranks) == tuple(a.members())
 
 
 def test_spares_beyond_max_nodes_are_carried_and_take_a_leavers_place(job):

@@ -88,7 +88,14 @@ DECIDE = [
     ("first: max_nodes at once", NO_RECORD, Wants(tuple("abcde")), frozenset("abcde"), 0.0, None, frozenset(),
      Action.PUBLISH, tuple("abcd"), ("e",), "max_nodes"),
     ("first: the plan names everyone", NO_RECORD, Wants(("b", "a", "c")), ABCD, 0.0, None, frozenset("abc"),
-     Action.PUBLISH, ("b", "a", "c"), (), "everyone expected is there"),
+     Action.PUBLISH, ("a", "b", "c"), (), "everyone expected is there"),
+    ("ranks as torch's: by address, pid, local id", NO_RECORD,
+     Wants(("10.0.0.2_7_0", "10.0.0.10_99_0", "10.0.0.2_10_1", "10.0.0.2_10_0")),
+     frozenset({"10.0.0.2_7_0", "10.0.0.10_99_0", "10.0.0.2_10_1", "10.0.0.2_10_0"}), 0.0, None,
+     frozenset({"10.0.0.2_7_0", "10.0.0.10_99_0", "10.0.0.2_10_1", "10.0.0.2_10_0"}),
+     Action.PUBLISH, ("10.0.0.10_99_0", "10.0.0.2_7_0", "10.0.0.2_10_0", "10.0.0.2_10_1"), (), "max_nodes"),
+    ("max_nodes: members before newcomers get in", rec("c", "d", "e"), Wants(("a", "c", "d", "e", "b")),
+     frozenset("abcde"), 0.0, None, frozenset(), Action.PUBLISH, ("a", "c", "d", "e"), ("b",), "max_nodes"),
     ("first: a planned node missing", NO_RECORD, Wants(("a", "b")), ABCD, 0.0, None, frozenset("abc"),
      Action.WAIT, (), (), "last call"),
     # a planned leave: the survivors, no timeout; ranks keep their order
@@ -106,8 +113,8 @@ DECIDE = [
     ("a live member never comes back: last call", rec("a", "b", "c"), Wants(("a", "b")), frozenset("abc"), 3.0, 1.0,
      frozenset(), Action.PUBLISH, ("a", "b"), (), "last call"),
     # a join: the members come back, the newcomer goes last
-    ("join", rec("a", "b"), Wants(("e", "b", "a")), frozenset("abe"), 0.0, None, frozenset(),
-     Action.PUBLISH, ("a", "b", "e"), (), "everyone expected is there"),
+    ("join", rec("b", "c"), Wants(("a", "c", "b")), frozenset("abc"), 0.0, None, frozenset(),
+     Action.PUBLISH, ("a", "b", "c"), (), "everyone expected is there"),
     ("a dead joiner is no candidate", rec("a", "b"), Wants(("e", "b", "a")), frozenset("ab"), 0.0, None, frozenset(),
      Action.PUBLISH, ("a", "b"), (), "everyone expected is there"),
     # spares carried by the record take a leaver's place
