@@ -330,10 +330,22 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def peek(self) -> Peek:
         """The newest round, its members and the announcements since this node's round, without joining:
-        O(1) reads while the newest round is this node's (its members are cached), else one record."""
+        O(1) reads while the newest round is this node's (its members are cached), else one record.
+
+        Liveness in a running world is watched as a ring: each member reads the heartbeat of the next one
+        by rank (one key) and, when it expired, marks it in ``r/<round>/lost``; every member reads that
+        mark. So a member whose agent died is missing from ``participants`` here on every node within a
+        keep-alive interval of its expiry, for O(1) reads per node (torch's state holds every heartbeat)."""
         cur = self._cur()
-        if cur == self.round:
+        if cur == self.round and cur >= 0:
             members = tuple(self.members())
+            if self.node in members and len(members) > 1:
+                nxt = members[(members.index(self.node) + 1) % len(members)]
+                if not self._kv.alive([nxt]):
+                    self._kv.set(f"r/{cur}/lost", nxt.encode())
+            lost = self._kv.get(f"r/{cur}/lost")
+            if lost:
+                members = tuple(m for m in members if m != lost.decode())
         elif cur >= 0:
             raw = self._kv.get(f"r/{cur}/rec")
             members = Record.decode(raw).members if raw else ()

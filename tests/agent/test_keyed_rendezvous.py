@@ -181,3 +181,21 @@ def test_closed(job):
     assert a.is_closed()
     with pytest.raises(RendezvousClosedError):
         a.next_round(lambda: False, None)
+
+
+def test_peek_sees_a_dead_member_through_the_ring(job):
+    """Each member reads only the next member's heartbeat; the one that finds it expired marks it, and
+    every member's peek leaves it out (what the supervisor's member-lost check compares with its world)."""
+    nodes = [job.node() for _ in range(3)]
+    job.round(nodes, Plan(members=frozenset(h.node for h in nodes)))
+    order = nodes[0].members()
+    dead = next(h for h in nodes if h.node == order[1])
+    before = next(h for h in nodes if h.node == order[0])  # its predecessor in the ring
+    other = next(h for h in nodes if h.node == order[2])
+    assert set(other.peek().participants) == set(order)
+    dead.stop_heartbeats()
+    time.sleep(2.5)  # 1 s x 2 attempts: expired
+    assert set(other.peek().participants) == set(order)  # not other's neighbour: nothing marked yet
+    assert dead.node not in before.peek().participants
+    p = other.peek()
+    assert dead.node not in p.participants and p.round == other.round and p.this_node_participates
