@@ -6,9 +6,10 @@ The keys and why: :mod:`trainguard.agent.membership` (the decisions, pure); the 
 
 1. heartbeat (a thread writes ``hb/<node>`` every ``keep_alive_interval_s``; on etcd it renews the
    node's lease) and announce ``join`` in the log, against the newest round ``cur``;
-2. block on ``r/<cur+1>/go`` (TCPStore: in the server; etcd: a watch), every
-   ``keep_alive_interval_s`` looking at the decider's lease ``lead`` (one key, and its holder's
-   heartbeat): vacant or its holder dead -> take it (compare-and-set, a new term);
+2. wait for ``r/<cur+1>/go`` (TCPStore: ``check`` every 0.25 s; etcd: a watch), every
+   ``keep_alive_interval_s x (keep_alive_max_attempts - 1)`` looking at the decider's lease ``lead``
+   (one key, and its holder's heartbeat): vacant or its holder dead -> take it (compare-and-set, a new
+   term);
 3. as the decider (the lease holder), every :data:`~trainguard.agent.elastic_types.POLL_INTERVAL_S`:
    read the new log entries and the candidates' heartbeats, :func:`~trainguard.agent.membership.decide`;
    to publish, write each member's assignment under the round and term, the round's record, then create
@@ -99,9 +100,13 @@ class KeyedRendezvousHandler(RendezvousHandler):
     :meth:`leave` and :meth:`stop_heartbeats`."""
 
     def __init__(self, *, run_id: str, addr: str, settings: Settings, keep_alive_s: float, join_timeout_s: float,
-                 make_kv: Callable[[], Kv], store: Any, backend: str, poll_s: float = POLL_INTERVAL_S) -> None:
+                 make_kv: Callable[[], Kv], store: Any, backend: str, poll_s: float = POLL_INTERVAL_S,
+                 look_s: float | None = None) -> None:
         self._run_id, self._addr, self._limits = run_id, addr, settings
         self._keep_alive_s, self._join_timeout_s, self._poll_s = keep_alive_s, join_timeout_s, poll_s
+        self._look_s = keep_alive_s if look_s is None else look_s
+        """How often a node waiting in the rendezvous looks at the lease, ``cur``, the close mark and its
+        evidence (between looks it only waits for ``go``)."""
         self._make_kv, self._store, self._backend = make_kv, store, backend
         self.node = node_id(addr)
         self._kv = make_kv()
@@ -207,7 +212,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
                 if now >= deadline:
                     raise RendezvousTimeoutError(f"no round within rendezvous.join_timeout_s={self._join_timeout_s:g} s")
                 if now >= next_look:
-                    next_look = now + self._keep_alive_s
+                    next_look = now + self._look_s
                     if self.is_closed():
                         raise RendezvousClosedError
                     cur = self._cur()
@@ -231,7 +236,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
                         continue
                     self._kv.wait(f"r/{target}/go", self._poll_s)
                 else:
-                    self._kv.wait(f"r/{target}/go", max(0.01, min(self._keep_alive_s, next_look - time.monotonic())))
+                    self._kv.wait(f"r/{target}/go", max(0.01, next_look - time.monotonic()))
         finally:
             self._release_lease()
 
@@ -387,7 +392,8 @@ def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float
 
     return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
                                   keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
-                                  make_kv=make_kv, store=base, backend="keyed-c10d")
+                                  make_kv=make_kv, store=base, backend="keyed-c10d",
+                                  look_s=_look_s(cfg))
 
 
 def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
@@ -402,7 +408,8 @@ def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
 
     return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
                                   keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
-                                  make_kv=make_kv, store=EtcdStore(client, prefix), backend="keyed-etcd-v3")
+                                  make_kv=make_kv, store=EtcdStore(client, prefix), backend="keyed-etcd-v3",
+                                  look_s=_look_s(cfg))
 
 
 def create_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
@@ -421,6 +428,12 @@ def create_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
         except (RuntimeError, OSError):  # another agent on this machine hosts it
             pass
     return tcp_handler(cfg, run_id, host=host, port=int(port), is_host=bool(cfg.is_host))
+
+
+def _look_s(cfg: Any) -> float:
+    """A waiting node looks at the decider's lease every ``interval x (attempts - 1)``: a dead decider is
+    not seen before its heartbeat expires anyway, and at 1,024 nodes on etcd every look is a request."""
+    return float(cfg.keep_alive_interval_s * max(1, cfg.keep_alive_max_attempts - 1))
 
 
 def _settings(cfg: Any) -> Settings:

@@ -197,7 +197,7 @@ class Node:
         self._job = job
         penv.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                      "TRAINGUARD_CHECKPOINT_MEMORY_DIR": self.memory_root, **(env or {})})
-        if RDZV_PROTOCOL:  # the end-to-end suite on the other rendezvous protocol (issue 40)
+        if RDZV_PROTOCOL and backend in ("c10d", "etcd"):  # the suite on another rendezvous protocol (issue 40)
             penv.setdefault("TRAINGUARD_RENDEZVOUS_PROTOCOL", RDZV_PROTOCOL)
         self._fh = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=penv, cwd=REPO)
