@@ -2,13 +2,17 @@
 against a real ``trainguard store`` or etcd (plain or TLS) - how forming and re-forming a world, and the keep-alives, grow
 with the number of nodes.
 
-    OMP_NUM_THREADS=1 python bench/control_plane.py [--nodes 8,32,128] [--stores tcp,etcd,etcd-tls]
-                                                    [--procs 4] [--steady-s 10] [--json out.json]
+    OMP_NUM_THREADS=1 python bench/control_plane.py [--nodes 8,32,128,512,1024] [--stores tcp,etcd,etcd-tls]
+        [--protocols dynamic,keyed] [--baseline-max tcp=128,etcd=128] [--procs 4] [--steady-s 10]
+        [--json out.json] [--plot out.png]
 
-Each simulated node is one rendezvous handler built by the agent's own code (``build_handler`` from a
-``RendezvousConfig``, joined with ``next_round`` and a :class:`~trainguard.agent.elastic.Plan`, left with
-the exit operation as ``ElasticAdapter.leave`` does), running on a thread; the nodes are spread over
-``--procs`` processes. No workers, no training: only the control plane. Per N, side by side:
+Each simulated node is one rendezvous handler built by the agent's own code, for ``--protocols``:
+``dynamic`` (today's default, the baseline: ``build_handler`` from a ``RendezvousConfig``, joined with
+``next_round`` and a :class:`~trainguard.agent.elastic.Plan`, left with the exit operation as
+``ElasticAdapter.leave`` does; run up to ``--baseline-max`` nodes per store, where it fails or takes
+minutes) and ``keyed`` (``rendezvous.protocol: keyed``, :mod:`trainguard.agent.keyed_rendezvous`: joined
+with its ``next_round`` and the same plan, left with its ``leave``), running on a thread; the nodes are
+spread over ``--procs`` processes. No workers, no training: only the control plane. Per N, side by side:
 
 ==================  ================================================================================
 form_s              all N join a fresh rendezvous (the plan names them all): go -> the last node's
@@ -18,16 +22,20 @@ loss_s              one node vanishes (its keep-alive stops, it never leaves); t
                     a lost-member plan: includes the keep-alive expiry (the detection bound,
                     ``keep_alive_interval_s x keep_alive_max_attempts``)
 join_s              a new node joins the N-1: all re-form with it
-store ops / bytes   get_state / set_state calls of the c10d rendezvous backend and the bytes moved,
-                    per membership change and per second at steady state (keep-alives only); CAS
-                    retries (a set_state that lost the race)
+store ops / bytes   dynamic: get_state / set_state calls of the rendezvous backend and the state bytes
+                    moved; keyed: every store request on the wire (TCPStore calls with keys, prefix and
+                    values; etcd gateway calls with their JSON, base64 and all: pessimistic next to the
+                    baseline); per membership change and per second at steady state (keep-alives only);
+                    CAS lost (a compare-and-set that did not write)
 state_bytes         the pickled rendezvous state's size after forming
 store_cpu           the store process's CPU seconds per wall second at steady state
 client_cpu          the simulating processes' CPU seconds per wall second, per node (the simulator
                     itself: a figure that grows with it is the machine, not the store)
 ==================  ================================================================================
 
-The table ends with the fitted growth exponent of each figure (slope of log figure over log N).
+The table ends with the fitted growth exponent of each figure (slope of log figure over log N); the
+JSON holds every row, the exponents, the load average and the commit; ``--plot`` draws bytes per leave
+and per join, keep-alive bytes per second and the re-form seconds over N (log-log).
 """
 
 from __future__ import annotations
