@@ -21,7 +21,8 @@ leave_s             one node leaves (planned); the other N-1 re-form with the pl
 loss_s              one node vanishes (its keep-alive stops, it never leaves); the others re-form with
                     a lost-member plan: includes the keep-alive expiry (the detection bound,
                     ``keep_alive_interval_s x keep_alive_max_attempts``)
-join_s              a new node joins the N-1: all re-form with it
+join_s              a new node joins the N-1: it enters the rendezvous 1 s before them (as in the agents,
+                    which re-form because a node waits); seconds from the members' start
 store ops / bytes   dynamic: get_state / set_state calls of the rendezvous backend and the state bytes
                     moved; keyed: every store request on the wire (TCPStore calls with keys, prefix and
                     values; etcd gateway calls with their JSON, base64 and all: pessimistic next to the
@@ -234,6 +235,8 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any], pr
     counters = _Counters()
     (_instrument_keyed if keyed else _instrument)(counters)
     handlers: dict[int, Any] = {}
+    started: dict[int, threading.Thread] = {}
+    out: dict[int, Any] = {}
 
     def make(i: int) -> None:
         cfg = RendezvousConfig(endpoint=endpoint, local_addr=f"n{i}", **cfg_kw)
@@ -261,20 +264,23 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any], pr
             for i in arg:
                 make(i)
             conn.send({i: name(i) for i in arg})
-        elif cmd == "join":
+        elif cmd == "join":  # start joining; "collect" waits for the outcome
             plan_kw, who = arg
             plan = Plan(members=frozenset(plan_kw["members"]), leaving=frozenset(plan_kw.get("leaving", ())),
                         lost=bool(plan_kw.get("lost", False)))
-            out: dict[int, Any] = {}
-            threads = [threading.Thread(target=join, args=(i, plan, out), daemon=True) for i in who if i in handlers]
-            # (keys go back as JSON strings; the driver turns them into ints)
-            for t in threads:
-                t.start()
+            for i in who:
+                if i in handlers:
+                    started[i] = threading.Thread(target=join, args=(i, plan, out), daemon=True)
+                    started[i].start()
+            conn.send(True)
+        elif cmd == "collect":
             deadline = time.monotonic() + ROUND_TIMEOUT_S
-            for t in threads:
-                t.join(max(0.0, deadline - time.monotonic()))
-            conn.send({**{i: {"error": f"no round within {ROUND_TIMEOUT_S:g} s", "done": time.time()}
-                          for i in who if i in handlers}, **out})
+            for i in arg:
+                if i in started:
+                    started[i].join(max(0.0, deadline - time.monotonic()))
+            # (keys go back as JSON strings; the driver turns them into ints)
+            conn.send({i: out.pop(i, {"error": f"no round within {ROUND_TIMEOUT_S:g} s", "done": time.time()})
+                       for i in arg if started.pop(i, None) is not None})
         elif cmd == "leave":
             h = handlers.pop(arg)
             if keyed:
@@ -346,14 +352,29 @@ class Cluster:
         self._make([i])
         return i
 
-    def round(self, who: list[int], plan: dict[str, Any]) -> dict[str, Any]:
-        """All of ``who`` join with ``plan``; seconds from go to the last completion."""
-        t0 = time.time()
+    def _start(self, who: list[int], plan: dict[str, Any]) -> dict[int, list[int]]:
         by: dict[int, list[int]] = {}
         for i in who:
             by.setdefault(self.owner[i], []).append(i)
         for p, these in by.items():
             self.conns[p].send(("join", (plan, these)))
+        for p in by:
+            self.conns[p].recv()
+        return by
+
+    def round(self, who: list[int], plan: dict[str, Any], first: list[int] = (), lead_s: float = 1.0) -> dict[str, Any]:
+        """All of ``who`` join with ``plan``; seconds from go to the last completion. ``first`` (a joiner)
+        start ``lead_s`` before the others, who go then: as in the agents, where the members re-form
+        because a node is waiting (``num_nodes_waiting``), not at the same instant as it."""
+        early = self._start(list(first), plan) if first else {}
+        if first:
+            time.sleep(lead_s)
+        t0 = time.time()
+        by = self._start([i for i in who if i not in first], plan)
+        for p, these in early.items():
+            by.setdefault(p, []).extend(these)
+        for p, these in by.items():
+            self.conns[p].send(("collect", these))
         out: dict[int, Any] = {}
         for p in by:
             out.update(self.conns[p].recv())
@@ -505,7 +526,7 @@ def _measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], server
         _note(row, "join")
         new = c.add()
         s0 = c.stats()
-        r = c.round([*rest2, new], {"members": [c.names[i] for i in rest2]})
+        r = c.round([*rest2, new], {"members": [c.names[i] for i in rest2]}, first=[new])
         row["join"] = {**r, **_ops(_delta(s0, c.stats()))}
     finally:
         c.close()
