@@ -24,6 +24,7 @@ from trainguard.contract.protocol import STEP_AGREEMENT_PERIOD_S, STEP_AGREEMENT
 from trainguard.metrics.config import CostConfig, MetricsConfig
 
 RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
+RDZV_PROTOCOLS = ("dynamic", "keyed")
 ETCD_ONLY_KEYS = ("ca_file", "cert_file", "key_file", "server_name", "username", "password", "password_file")
 """TLS and authentication settings; only the ``etcd`` backend has them (a TCPStore has neither)."""
 LOG_FORMATS = ("auto", "json", "console")
@@ -75,6 +76,13 @@ class RendezvousConfig:
     backend: str = "c10d"
     """``c10d`` (TCPStore at ``endpoint``), ``etcd`` (etcd's v3 API, with TLS and authentication),
     ``etcd-v2`` (deprecated: etcd's v2 API, ``--enable-v2=true``, gone in etcd 3.6) or ``static``."""
+
+    protocol: str = "dynamic"
+    """How the nodes agree on each round. ``dynamic``: torch's dynamic rendezvous (one shared state with
+    every node's heartbeat behind one compare-and-set key: O(N^2) store bytes per membership change, fine
+    up to a few dozen nodes). ``keyed``: trainguard's (per-node heartbeat keys, one fenced decider that
+    publishes each round; O(N) bytes per change, for large jobs; ``c10d`` or ``etcd``; opt-in while the
+    end-to-end suite runs on ``dynamic``, see docs/rendezvous.md#sizing-the-store-for-large-jobs)."""
 
     endpoint: str = "127.0.0.1:29400"
     """``host:port`` of the rendezvous store (c10d) or of etcd; for ``etcd`` a comma-separated list of
@@ -145,6 +153,11 @@ class RendezvousConfig:
     def __post_init__(self) -> None:
         require(self.backend in RDZV_BACKENDS, "backend", f"must be one of {list(RDZV_BACKENDS)}, got {self.backend!r}",
                 "use 'c10d' (with `trainguard store` for spot clusters) or 'etcd'")
+        require(self.protocol in RDZV_PROTOCOLS, "protocol", f"must be one of {list(RDZV_PROTOCOLS)}, got {self.protocol!r}",
+                "use 'dynamic' (torch's rendezvous) or 'keyed' (for large jobs)")
+        require(self.protocol == "dynamic" or self.backend in ("c10d", "etcd"), "protocol",
+                f"'keyed' runs on the c10d or etcd backend, not on {self.backend!r}",
+                "set backend to 'c10d' (with `trainguard store`) or 'etcd', or protocol to 'dynamic'")
         require(self.min_nodes >= 1, "min_nodes", f"must be >= 1, got {self.min_nodes}", "set min_nodes to at least 1")
         require(self.max_nodes >= self.min_nodes, "max_nodes",
                 f"max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})",

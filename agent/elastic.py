@@ -68,6 +68,7 @@ from trainguard.agent.elastic_join import _Executor, evict_nodes, fresh_reads, n
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.exitbarrier import (EXITED_KEY, FINISHED_KEY, REJOINING_KEY, ExitOutcome, LingerOutcome,
                                           RoundView, listens_here, wait_for_exits, wait_for_members)
+from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler
 from trainguard.agent.linetail import tail_whole_lines
 from trainguard.contract.log import get_logger
 from trainguard.contract.protocol import WorkerStatus
@@ -147,7 +148,11 @@ class ElasticAdapter:
         """This node's rejoin mark is up (:meth:`leave` with ``rejoin``) until it joins again or leaves for good."""
         install_whole_line_tail()
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
-        if hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
+        self.keyed = isinstance(self.handler, KeyedRendezvousHandler)
+        """``rendezvous.protocol: keyed``: trainguard's own handler, interruptible and planned by itself."""
+        if self.keyed:
+            self.handler.next_rendezvous = self._next_keyed  # type: ignore[method-assign]
+        elif hasattr(self.handler, "_op_executor"):  # the dynamic handler (c10d, etcd-v2, etcd): interruptible
             self.handler.next_rendezvous = self._next_rendezvous  # type: ignore[method-assign]
             fresh_reads(self.handler)
 
@@ -168,6 +173,11 @@ class ElasticAdapter:
         if self._rejoin_marked:  # back in a round: nobody needs to wait for this node on its mark any more
             self._mark_rejoining(False)
         return info
+
+    def _next_keyed(self) -> RendezvousInfo:
+        plan, self._plan = self._plan, None
+        self.evicted.clear()
+        return self.handler.next_round(self._abort, plan, self.evicted)  # type: ignore[attr-defined]
 
     @property
     def group(self) -> WorkerGroup:
@@ -222,7 +232,10 @@ class ElasticAdapter:
         wg.state = WorkerState.HEALTHY
 
     def peek(self) -> Peek:
-        """Sync and read the shared rendezvous state without joining."""
+        """Sync and read the shared rendezvous state without joining. Keyed: the newest round and its
+        members (two small reads while that round is this node's), the announcements since it."""
+        if self.keyed:
+            return self.handler.peek()  # type: ignore[attr-defined]
         holder = self.handler._state_holder
         with self.handler._heartbeat_lock:  # the keep-alive timer thread syncs the same holder
             holder.sync()
@@ -235,6 +248,8 @@ class ElasticAdapter:
         """The rendezvous store itself, not prefixed by the job (``c10d``: the ``TCPStore`` at the
         endpoint, shared by every job that uses it); None for other backends. The backend is the state
         holder's (torch's handler keeps only its name)."""
+        if self.keyed:
+            return self.handler.endpoint_store  # type: ignore[attr-defined]
         backend = getattr(getattr(self.handler, "_state_holder", None), "_backend", None)
         if not isinstance(backend, C10dRendezvousBackend):
             return None
@@ -242,6 +257,8 @@ class ElasticAdapter:
 
     def round_store(self, round_: int) -> Any:
         """The store under round ``round_``'s prefix (the one the round's agents use)."""
+        if self.keyed:
+            return self.handler.round_store(round_)  # type: ignore[attr-defined]
         settings = self.handler._settings
         return dist.PrefixStore(f"torch.rendezvous.{settings.run_id}.{round_}", self.handler._store)
 
@@ -251,6 +268,8 @@ class ElasticAdapter:
         handler's lock (two requests in flight on one connection: one thread waited for an answer the
         other had read, and the supervisor hung); for c10d this is a connection of its own, with a short
         timeout; for other backends the round store, each call under the handler's lock."""
+        if self.keyed:
+            return self.handler.side_store(round_)  # type: ignore[attr-defined]
         settings = self.handler._settings
         old = getattr(self.handler, "_store", None)
         host, port = getattr(old, "host", ""), int(getattr(old, "port", 0) or 0)
@@ -352,8 +371,8 @@ class ElasticAdapter:
         handler = self.handler
         holder = getattr(handler, "_state_holder", None)
         backend = getattr(holder, "_backend", None)
-        if not isinstance(backend, C10dRendezvousBackend) or getattr(handler, "_store", None) is None:
-            return False
+        if self.keyed or not isinstance(backend, C10dRendezvousBackend) or getattr(handler, "_store", None) is None:
+            return False  # (keyed: a restarted store lost every node's keys; not handled yet)
         old = handler._store
         host = getattr(old, "host", "")
         port = int(getattr(old, "port", 0) or 0)
@@ -400,16 +419,22 @@ class ElasticAdapter:
     @property
     def round(self) -> int:
         """The rendezvous round this node last joined; -1 if unknown."""
+        if self.keyed:
+            return int(self.handler.round)  # type: ignore[attr-defined]
         state = getattr(getattr(self.handler, "_state_holder", None), "state", None)
         return int(getattr(state, "round", -1))
 
     @property
     def node_id(self) -> str:
         """This node's identity in the rendezvous (``addr_pid_localid``)."""
+        if self.keyed:
+            return str(self.handler.node)  # type: ignore[attr-defined]
         return str(getattr(self.handler, "_this_node", ""))
 
     def members(self) -> list[str]:
         """The node ids of the current round's participants, by group rank (from the last sync)."""
+        if self.keyed:
+            return self.handler.members()  # type: ignore[attr-defined]
         state = getattr(getattr(self.handler, "_state_holder", None), "state", None)
         parts = getattr(state, "participants", {}) or {}
         return [str(n) for n, _ in sorted(parts.items(), key=lambda kv: kv[1])]
@@ -425,6 +450,11 @@ class ElasticAdapter:
         comes back (warm) and says so in the store first, so that an agent hosting the store does not
         take it away meanwhile should the job end (:data:`~trainguard.agent.exitbarrier.REJOINING_KEY`).
         """
+        if self.keyed:  # one announcement and a dead heartbeat
+            started = time.monotonic()
+            self.handler.leave()  # type: ignore[attr-defined]
+            log.info("rendezvous_left", seconds=round(time.monotonic() - started, 3))
+            return True
         executor = getattr(self.handler, "_op_executor", None)
         if executor is None:  # static rendezvous: nothing to leave
             return False

@@ -438,7 +438,14 @@ def preflight(settings: EtcdSettings, prefix: str, deadline: float) -> None:
 def create_handler(cfg: RendezvousConfig, params: RendezvousParameters) -> DynamicRendezvousHandler:
     """The dynamic rendezvous handler on etcd v3 for ``params.run_id``; raises :class:`EtcdSetupError`
     when etcd cannot be used as configured (after at most ``join_timeout_s``)."""
-    prefix = job_prefix(cfg, params.run_id)
+    client, prefix = connect(cfg, params.run_id)
+    return create_dynamic_handler(EtcdStore(client, prefix), EtcdRendezvousBackend(client, prefix), params)
+
+
+def connect(cfg: RendezvousConfig, run_id: str) -> tuple[EtcdClient, str]:
+    """The checked client and the job's prefix (:func:`preflight`, the security warnings, ``etcd_connected``),
+    for either rendezvous protocol; raises :class:`EtcdSetupError` as :func:`create_handler` does."""
+    prefix = job_prefix(cfg, run_id)
     settings = settings_from(cfg)
     started = time.monotonic()
     try:
@@ -455,9 +462,8 @@ def create_handler(cfg: RendezvousConfig, params: RendezvousParameters) -> Dynam
                     risk="anyone who reaches etcd can rewrite this job's rendezvous; set rendezvous.username")
     log.info("etcd_connected", endpoints=list(settings.endpoints), tls=settings.tls, client_cert=bool(settings.cert_file),
              user=settings.username or None, prefix=prefix, seconds=round(time.monotonic() - started, 3))
-    client = EtcdClient(settings)
-    return create_dynamic_handler(EtcdStore(client, prefix), EtcdRendezvousBackend(client, prefix), params)
+    return EtcdClient(settings), prefix
 
 
-__all__ = ["BACKEND_NAME", "EtcdRendezvousBackend", "EtcdSetupError", "EtcdStore", "create_handler", "explain",
+__all__ = ["BACKEND_NAME", "EtcdRendezvousBackend", "EtcdSetupError", "EtcdStore", "connect", "create_handler", "explain",
            "job_prefix", "preflight", "read_password", "settings_from"]

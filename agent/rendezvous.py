@@ -22,7 +22,12 @@ log = get_logger("trainguard.agent.rendezvous")
 
 
 def build_handler(cfg: RendezvousConfig, run_id: str) -> RendezvousHandler:
-    """Create the torch elastic rendezvous handler for ``cfg``."""
+    """Create the rendezvous handler for ``cfg``: torch's dynamic one, or with ``protocol: keyed`` ours
+    (:mod:`trainguard.agent.keyed_rendezvous`)."""
+    if cfg.protocol == "keyed":
+        from trainguard.agent.keyed_rendezvous import create_handler as create_keyed_handler
+
+        return create_keyed_handler(cfg, run_id)
     extra: dict[str, Any] = {
         "join_timeout": cfg.join_timeout_s,
         "last_call_timeout": cfg.last_call_timeout_s,

@@ -84,7 +84,7 @@ from tests.fixtures.http_faults import HttpFaultProxy  # noqa: E402
 from tests.fixtures.netns import HUB_ADDR, Netns  # noqa: E402
 from tests.fixtures.netns import unavailable as netns_unavailable  # noqa: E402
 from tests.fixtures.storage import make_bucket, s3_options, start_moto_server  # noqa: E402
-from tests.harness import alive, descendants, free_port, memory_root, wait_listening  # noqa: E402
+from tests.harness import RDZV_PROTOCOL, alive, descendants, free_port, memory_root, wait_listening  # noqa: E402
 
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
 GLOBAL_BATCH = 24
@@ -265,6 +265,8 @@ class Agent:
                "--set", "workers.max_restarts=1000",
                ELASTIC, *script_args(steps), "--sample-log", samples_dir(work, job)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+        if RDZV_PROTOCOL:  # TG_TEST_RDZV_PROTOCOL=keyed: the chaos bench on the other rendezvous protocol
+            env["TRAINGUARD_RENDEZVOUS_PROTOCOL"] = RDZV_PROTOCOL
         env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **net_env,
                     "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                     "AWS_DEFAULT_REGION": "us-east-1",

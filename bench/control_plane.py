@@ -2,13 +2,17 @@
 against a real ``trainguard store`` or etcd (plain or TLS) - how forming and re-forming a world, and the keep-alives, grow
 with the number of nodes.
 
-    OMP_NUM_THREADS=1 python bench/control_plane.py [--nodes 8,32,128] [--stores tcp,etcd,etcd-tls]
-                                                    [--procs 4] [--steady-s 10] [--json out.json]
+    OMP_NUM_THREADS=1 python bench/control_plane.py [--nodes 8,32,128,512,1024] [--stores tcp,etcd,etcd-tls]
+        [--protocols dynamic,keyed] [--baseline-max tcp=128,etcd=128] [--procs 4] [--steady-s 10]
+        [--json out.json] [--plot out.png]
 
-Each simulated node is one rendezvous handler built by the agent's own code (``build_handler`` from a
-``RendezvousConfig``, joined with ``next_round`` and a :class:`~trainguard.agent.elastic.Plan`, left with
-the exit operation as ``ElasticAdapter.leave`` does), running on a thread; the nodes are spread over
-``--procs`` processes. No workers, no training: only the control plane. Per N, side by side:
+Each simulated node is one rendezvous handler built by the agent's own code, for ``--protocols``:
+``dynamic`` (today's default, the baseline: ``build_handler`` from a ``RendezvousConfig``, joined with
+``next_round`` and a :class:`~trainguard.agent.elastic.Plan`, left with the exit operation as
+``ElasticAdapter.leave`` does; run up to ``--baseline-max`` nodes per store, where it fails or takes
+minutes) and ``keyed`` (``rendezvous.protocol: keyed``, :mod:`trainguard.agent.keyed_rendezvous`: joined
+with its ``next_round`` and the same plan, left with its ``leave``), running on a thread; the nodes are
+spread over ``--procs`` processes. No workers, no training: only the control plane. Per N, side by side:
 
 ==================  ================================================================================
 form_s              all N join a fresh rendezvous (the plan names them all): go -> the last node's
@@ -17,17 +21,22 @@ leave_s             one node leaves (planned); the other N-1 re-form with the pl
 loss_s              one node vanishes (its keep-alive stops, it never leaves); the others re-form with
                     a lost-member plan: includes the keep-alive expiry (the detection bound,
                     ``keep_alive_interval_s x keep_alive_max_attempts``)
-join_s              a new node joins the N-1: all re-form with it
-store ops / bytes   get_state / set_state calls of the c10d rendezvous backend and the bytes moved,
-                    per membership change and per second at steady state (keep-alives only); CAS
-                    retries (a set_state that lost the race)
+join_s              a new node joins the N-1: it enters the rendezvous 1 s before them (as in the agents,
+                    which re-form because a node waits); seconds from the members' start
+store ops / bytes   dynamic: get_state / set_state calls of the rendezvous backend and the state bytes
+                    moved; keyed: every store request on the wire (TCPStore calls with keys, prefix and
+                    values; etcd gateway calls with their JSON, base64 and all: pessimistic next to the
+                    baseline); per membership change and per second at steady state (keep-alives only);
+                    CAS lost (a compare-and-set that did not write)
 state_bytes         the pickled rendezvous state's size after forming
 store_cpu           the store process's CPU seconds per wall second at steady state
 client_cpu          the simulating processes' CPU seconds per wall second, per node (the simulator
                     itself: a figure that grows with it is the machine, not the store)
 ==================  ================================================================================
 
-The table ends with the fitted growth exponent of each figure (slope of log figure over log N).
+The table ends with the fitted growth exponent of each figure (slope of log figure over log N); the
+JSON holds every row, the exponents, the load average and the commit; ``--plot`` draws bytes per leave
+and per join, keep-alive bytes per second and the re-form seconds over N (log-log).
 """
 
 from __future__ import annotations
@@ -95,6 +104,80 @@ def _count(cls: Any, counters: _Counters) -> None:
     cls.set_state = set_state
 
 
+def _size(v: Any) -> int:
+    """Bytes of keys and values in a store call's arguments or result (ints count 8)."""
+    if v is None or isinstance(v, bool):
+        return 0
+    if isinstance(v, (bytes, bytearray, str)):
+        return len(v)
+    if isinstance(v, (int, float)):
+        return 8
+    if isinstance(v, (list, tuple)):
+        return sum(_size(x) for x in v)
+    return 0
+
+
+class _CountingStore:
+    """A ``TCPStore`` client (under its ``PrefixStore``) whose requests are counted: one per call, the bytes
+    of keys (with the job's prefix) and values both ways; a ``compare_set`` that did not write is a lost CAS."""
+
+    def __init__(self, store: Any, prefix_len: int, counters: _Counters) -> None:
+        self._store, self._plen, self._c = store, prefix_len, counters
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._store, name)
+
+        def call(*args: Any) -> Any:
+            out = fn(*args)
+            keys = args[0] if args and isinstance(args[0], list) else args[:1]
+            with self._c.lock:
+                self._c.gets += 1
+                self._c.bytes += _size(args) + _size(out) + self._plen * len(keys)
+                if name == "compare_set" and bytes(out) != bytes(args[2]):
+                    self._c.cas_lost += 1
+            return out
+
+        return call
+
+
+def _instrument_keyed(counters: _Counters) -> None:
+    """Count the keyed rendezvous's store requests on the wire: TCPStore calls (:class:`_CountingStore`,
+    installed per handler by :func:`_count_keyed_handler`) and etcd gateway calls (request and answer JSON,
+    base64 and all: pessimistic next to the dynamic baseline's state bytes; a watch counts its request)."""
+    from trainguard.agent.etcd_client import EtcdClient
+
+    call0, watch0 = EtcdClient.call, EtcdClient.wait_for_change
+
+    def call(self: Any, method: str, body: dict[str, Any], **kw: Any) -> Any:
+        out = call0(self, method, body, **kw)
+        with counters.lock:
+            counters.gets += 1
+            counters.bytes += len(json.dumps(body)) + len(json.dumps(out))
+            if method == "kv/txn" and body.get("compare") and not out.get("succeeded", False):
+                counters.cas_lost += 1
+        return out
+
+    def watch(self: Any, prefix: bytes, after: int, timeout_s: float) -> bool:
+        with counters.lock:
+            counters.gets += 1
+            counters.bytes += 2 * len(prefix) + 64
+        return watch0(self, prefix, after, timeout_s)
+
+    EtcdClient.call, EtcdClient.wait_for_change = call, watch  # type: ignore[method-assign]
+
+
+def _count_keyed_handler(h: Any, counters: _Counters) -> None:
+    from trainguard.agent.membership_kv import TcpKv
+
+    def wrap(kv: Any) -> Any:
+        if isinstance(kv, TcpKv):
+            kv.store = _CountingStore(kv.store, len(f"trainguard.keyed.{h.get_run_id()}/"), counters)
+        return kv
+
+    wrap(h._kv)
+    wrap(h._hb_kv)
+
+
 class _Lines:
     """The participants' side of the command channel: JSON lines on stdin / the original stdout (whatever
     else prints - log lines - goes to stderr)."""
@@ -118,9 +201,10 @@ class _Lines:
 class _Proc:
     """The driver's side: one participants' process (``--participants``), commands as JSON lines."""
 
-    def __init__(self, endpoint: str, run_id: str, cfg_kw: dict[str, Any]) -> None:
+    def __init__(self, endpoint: str, run_id: str, cfg_kw: dict[str, Any], protocol: str = "dynamic") -> None:
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--participants",
-                                   json.dumps({"endpoint": endpoint, "run_id": run_id, "cfg": cfg_kw})],
+                                   json.dumps({"endpoint": endpoint, "run_id": run_id, "cfg": cfg_kw,
+                                               "protocol": protocol})],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
 
     def send(self, obj: Any) -> None:
@@ -138,26 +222,38 @@ class _Proc:
             k.isdigit() for k in out) else out
 
 
-def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any]) -> None:
+def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any], protocol: str = "dynamic") -> None:
     """Host participants; obey the driver's commands on ``conn``."""
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from trainguard.agent.config import RendezvousConfig
     from trainguard.agent.elastic import Plan, fresh_reads, next_round
+    from trainguard.agent.keyed_rendezvous import create_handler as create_keyed
     from trainguard.agent.rendezvous import build_handler
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 
+    keyed = protocol == "keyed"
     counters = _Counters()
-    _instrument(counters)
+    (_instrument_keyed if keyed else _instrument)(counters)
     handlers: dict[int, Any] = {}
+    started: dict[int, threading.Thread] = {}
+    out: dict[int, Any] = {}
 
     def make(i: int) -> None:
         cfg = RendezvousConfig(endpoint=endpoint, local_addr=f"n{i}", **cfg_kw)
+        if keyed:
+            handlers[i] = create_keyed(cfg, run_id)
+            _count_keyed_handler(handlers[i], counters)
+            return
         handlers[i] = build_handler(cfg, run_id)
         fresh_reads(handlers[i])  # as ElasticAdapter does
 
+    def name(i: int) -> str:
+        return handlers[i].node if keyed else str(handlers[i]._this_node)
+
     def join(i: int, plan: Any, out: dict[int, Any]) -> None:
         try:
-            info = next_round(handlers[i], lambda: False, plan)
+            h = handlers[i]
+            info = h.next_round(lambda: False, plan) if keyed else next_round(h, lambda: False, plan)
             out[i] = {"done": time.time(), "rank": info.rank, "world": info.world_size}
         except Exception as e:  # noqa: BLE001 - reported to the parent
             out[i] = {"error": f"{type(e).__name__}: {e}"[:300], "done": time.time()}
@@ -167,28 +263,35 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any]) ->
         if cmd == "make":
             for i in arg:
                 make(i)
-            conn.send({i: str(handlers[i]._this_node) for i in arg})
-        elif cmd == "join":
+            conn.send({i: name(i) for i in arg})
+        elif cmd == "join":  # start joining; "collect" waits for the outcome
             plan_kw, who = arg
             plan = Plan(members=frozenset(plan_kw["members"]), leaving=frozenset(plan_kw.get("leaving", ())),
                         lost=bool(plan_kw.get("lost", False)))
-            out: dict[int, Any] = {}
-            threads = [threading.Thread(target=join, args=(i, plan, out), daemon=True) for i in who if i in handlers]
-            # (keys go back as JSON strings; the driver turns them into ints)
-            for t in threads:
-                t.start()
+            for i in who:
+                if i in handlers:
+                    started[i] = threading.Thread(target=join, args=(i, plan, out), daemon=True)
+                    started[i].start()
+            conn.send(True)
+        elif cmd == "collect":
             deadline = time.monotonic() + ROUND_TIMEOUT_S
-            for t in threads:
-                t.join(max(0.0, deadline - time.monotonic()))
-            conn.send({**{i: {"error": f"no round within {ROUND_TIMEOUT_S:g} s", "done": time.time()}
-                          for i in who if i in handlers}, **out})
+            for i in arg:
+                if i in started:
+                    started[i].join(max(0.0, deadline - time.monotonic()))
+            # (keys go back as JSON strings; the driver turns them into ints)
+            conn.send({i: out.pop(i, {"error": f"no round within {ROUND_TIMEOUT_S:g} s", "done": time.time()})
+                       for i in arg if started.pop(i, None) is not None})
         elif cmd == "leave":
             h = handlers.pop(arg)
-            h._stop_heartbeats()
-            h._op_executor.run(_RendezvousExitOp(), time.monotonic() + 60)
+            if keyed:
+                h.leave()
+            else:
+                h._stop_heartbeats()
+                h._op_executor.run(_RendezvousExitOp(), time.monotonic() + 60)
             conn.send(True)
         elif cmd == "vanish":  # a frozen node: its heartbeats stop, it never leaves
-            handlers.pop(arg)._stop_heartbeats()
+            h = handlers.pop(arg)
+            h.stop_heartbeats() if keyed else h._stop_heartbeats()
             conn.send(True)
         elif cmd == "stats":
             t = os.times()
@@ -196,7 +299,7 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any]) ->
         elif cmd == "stop":
             for h in handlers.values():
                 try:
-                    h._stop_heartbeats()
+                    h.stop_heartbeats() if keyed else h._stop_heartbeats()
                 except Exception:  # noqa: BLE001
                     pass
             conn.send(True)
@@ -220,14 +323,14 @@ def _cpu_of(pid: int) -> float:
 class Cluster:
     """N simulated nodes over ``procs`` processes, one store."""
 
-    def __init__(self, n: int, procs: int, cfg_kw: dict[str, Any], store: Any) -> None:
+    def __init__(self, n: int, procs: int, cfg_kw: dict[str, Any], store: Any, protocol: str = "dynamic") -> None:
         self.server = store
         cfg_kw = {**cfg_kw, **store.cfg}
         self.run_id = f"cp-{n}-{os.getpid()}"
         self.next_id = n
         self.owner: dict[int, int] = {}
         procs = max(1, min(procs, n))
-        self.conns = [_Proc(store.endpoint, self.run_id, cfg_kw) for _ in range(procs)]
+        self.conns = [_Proc(store.endpoint, self.run_id, cfg_kw, protocol) for _ in range(procs)]
         for i in range(n):
             self.owner[i] = i % procs
         self.names: dict[int, str] = {}
@@ -249,14 +352,29 @@ class Cluster:
         self._make([i])
         return i
 
-    def round(self, who: list[int], plan: dict[str, Any]) -> dict[str, Any]:
-        """All of ``who`` join with ``plan``; seconds from go to the last completion."""
-        t0 = time.time()
+    def _start(self, who: list[int], plan: dict[str, Any]) -> dict[int, list[int]]:
         by: dict[int, list[int]] = {}
         for i in who:
             by.setdefault(self.owner[i], []).append(i)
         for p, these in by.items():
             self.conns[p].send(("join", (plan, these)))
+        for p in by:
+            self.conns[p].recv()
+        return by
+
+    def round(self, who: list[int], plan: dict[str, Any], first: list[int] = (), lead_s: float = 1.0) -> dict[str, Any]:
+        """All of ``who`` join with ``plan``; seconds from go to the last completion. ``first`` (a joiner)
+        start ``lead_s`` before the others, who go then: as in the agents, where the members re-form
+        because a node is waiting (``num_nodes_waiting``), not at the same instant as it."""
+        early = self._start(list(first), plan) if first else {}
+        if first:
+            time.sleep(lead_s)
+        t0 = time.time()
+        by = self._start([i for i in who if i not in first], plan)
+        for p, these in early.items():
+            by.setdefault(p, []).extend(these)
+        for p, these in by.items():
+            self.conns[p].send(("collect", these))
         out: dict[int, Any] = {}
         for p in by:
             out.update(self.conns[p].recv())
@@ -351,22 +469,24 @@ def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: b[k] - a.get(k, 0) for k in b}
 
 
-def measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], store: str = "tcp") -> dict[str, Any]:
+def measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], store: str = "tcp",
+            protocol: str = "dynamic") -> dict[str, Any]:
     """One N on a fresh ``store`` (:class:`StoreServer`): form, steady keep-alives, a planned leave, an
-    unannounced loss, a join."""
+    unannounced loss, a join; ``protocol``: ``dynamic`` (torch's handler, today's default) or ``keyed``."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="tg-cp-") as folder:
         server = StoreServer(store, folder)
         try:
-            return _measure(n, procs, steady_s, cfg_kw, server)
+            return _measure(n, procs, steady_s, cfg_kw, server, protocol)
         finally:
             server.close()
 
 
-def _measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], server: StoreServer) -> dict[str, Any]:
-    c = Cluster(n, procs, cfg_kw, server)
-    row: dict[str, Any] = {"nodes": n, "store": server.kind, "procs": len(c.conns)}
+def _measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], server: StoreServer,
+             protocol: str = "dynamic") -> dict[str, Any]:
+    c = Cluster(n, procs, cfg_kw, server, protocol)
+    row: dict[str, Any] = {"nodes": n, "store": server.kind, "protocol": protocol, "procs": len(c.conns)}
     try:
         everyone = list(range(n))
         _note(row, "form")
@@ -406,7 +526,7 @@ def _measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], server
         _note(row, "join")
         new = c.add()
         s0 = c.stats()
-        r = c.round([*rest2, new], {"members": [c.names[i] for i in rest2]})
+        r = c.round([*rest2, new], {"members": [c.names[i] for i in rest2]}, first=[new])
         row["join"] = {**r, **_ops(_delta(s0, c.stats()))}
     finally:
         c.close()
@@ -414,7 +534,7 @@ def _measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], server
 
 
 def _note(row: dict[str, Any], phase: str) -> None:
-    print(f"{row['store']} N={row['nodes']}: {phase}", file=sys.stderr, flush=True)
+    print(f"{row['store']}/{row.get('protocol', 'dynamic')} N={row['nodes']}: {phase}", file=sys.stderr, flush=True)
 
 
 def _ops(d: dict[str, float]) -> dict[str, float]:
@@ -440,18 +560,52 @@ COLUMNS = [("form s", ("form", "seconds")), ("leave s", ("leave", "seconds")), (
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """One block per store: a line per N, then the fitted growth exponent of each column."""
-    head = ["store", "N", *[c[0] for c in COLUMNS]]
+    """One block per store and protocol: a line per N, then the fitted growth exponent of each column."""
+    head = ["store", "protocol", "N", *[c[0] for c in COLUMNS]]
     lines = [" | ".join(f"{h:>14}" for h in head)]
-    for store in dict.fromkeys(r.get("store", "tcp") for r in rows):
-        these = [r for r in rows if r.get("store", "tcp") == store]
+    for key in dict.fromkeys((r.get("store", "tcp"), r.get("protocol", "dynamic")) for r in rows):
+        these = [r for r in rows if (r.get("store", "tcp"), r.get("protocol", "dynamic")) == key]
         for r in these:
-            vals = [store, str(r["nodes"])] + [_fmt(r.get(a, {}).get(b)) for _, (a, b) in COLUMNS]
+            vals = [*key, str(r["nodes"])] + [_fmt(r.get(a, {}).get(b)) for _, (a, b) in COLUMNS]
             lines.append(" | ".join(f"{v:>14}" for v in vals))
-        exps = [store, "exponent"] + [_fmt(fit_exponent([r["nodes"] for r in these], [r.get(a, {}).get(b) for r in these]))
-                                      for _, (a, b) in COLUMNS]
+        exps = [*key, "exponent"] + [_fmt(exponent(these, a, b)) for _, (a, b) in COLUMNS]
         lines.append(" | ".join(f"{v:>14}" for v in exps))
     return "\n".join(lines)
+
+
+def exponent(rows: list[dict[str, Any]], phase: str, figure: str) -> float | None:
+    """The fitted growth exponent of ``rows[*][phase][figure]`` over N."""
+    return fit_exponent([r["nodes"] for r in rows], [r.get(phase, {}).get(figure) for r in rows])
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Log-log: bytes per planned leave and per join, steady keep-alive bytes per second, re-form seconds;
+    one line per store and protocol (matplotlib: ``pip install '.[bench]'``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("leave", "bytes", "store bytes per planned leave"), ("join", "bytes", "store bytes per join"),
+              ("steady", "bytes_per_s", "keep-alive bytes per second"), ("leave", "seconds", "re-form after a leave (s)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
+    for ax, (phase, figure, title) in zip(axes, panels):
+        for key in dict.fromkeys((r["store"], r.get("protocol", "dynamic")) for r in rows):
+            these = [r for r in rows if (r["store"], r.get("protocol", "dynamic")) == key and r.get(phase, {}).get(figure)]
+            if not these:
+                continue
+            e = exponent(these, phase, figure)
+            ax.plot([r["nodes"] for r in these], [r[phase][figure] for r in these], marker="o",
+                    linestyle="--" if key[1] == "dynamic" else "-",
+                    label=f"{key[0]} {key[1]}" + (f" (N^{e:.2f})" if e is not None else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("nodes")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _fmt(v: Any) -> str:
@@ -470,38 +624,65 @@ def main() -> int:
     ap.add_argument("--keep-alive-s", type=int, default=2, help="rendezvous.keep_alive_interval_s")
     ap.add_argument("--keep-alive-attempts", type=int, default=3, help="rendezvous.keep_alive_max_attempts")
     ap.add_argument("--stores", default="tcp", help="comma-separated: tcp, etcd, etcd-tls")
+    ap.add_argument("--protocols", default="dynamic,keyed",
+                    help="comma-separated: dynamic (torch's handler, the baseline), keyed (rendezvous.protocol: keyed)")
+    ap.add_argument("--baseline-max", default="tcp=128,etcd=128,etcd-tls=128",
+                    help="largest N the dynamic baseline runs at, per store (it fails or takes minutes beyond)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     ap.add_argument("--participants", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.participants:
         if REPO not in sys.path:
             sys.path.insert(0, REPO)
         spec = json.loads(a.participants)
-        _proc_main(_Lines(), spec["endpoint"], spec["run_id"], spec["cfg"])
+        _proc_main(_Lines(), spec["endpoint"], spec["run_id"], spec["cfg"], spec.get("protocol", "dynamic"))
         return 0
     ns = [int(x) for x in a.nodes.split(",") if x]
     if REPO not in sys.path:  # tests.fixtures.etcd starts etcd for the etcd stores
         sys.path.insert(0, REPO)
+    caps = {k: int(v) for k, v in (x.split("=") for x in a.baseline_max.split(",") if x)}
     rows = []
+    load_before = os.getloadavg()
     for store in [x for x in a.stores.split(",") if x]:
-        for n in ns:
-            cfg_kw = {"min_nodes": max(1, n - 2), "max_nodes": n + 1, "keep_alive_interval_s": a.keep_alive_s,
-                      "keep_alive_max_attempts": a.keep_alive_attempts, "join_timeout_s": 600.0,
-                      "last_call_timeout_s": 30.0}
-            t0 = time.monotonic()
-            row = measure(n, a.procs, a.steady_s, cfg_kw, store)
-            row["bench_s"] = time.monotonic() - t0
-            rows.append(row)
-            print(f"{store} N={n}: done in {row['bench_s']:.1f} s", file=sys.stderr, flush=True)
+        for protocol in [x for x in a.protocols.split(",") if x]:
+            for n in ns:
+                if protocol == "dynamic" and n > caps.get(store, n):
+                    continue
+                cfg_kw = {"min_nodes": max(1, n - 2), "max_nodes": n + 1, "keep_alive_interval_s": a.keep_alive_s,
+                          "keep_alive_max_attempts": a.keep_alive_attempts, "join_timeout_s": 600.0,
+                          "last_call_timeout_s": 30.0}
+                t0 = time.monotonic()
+                row = measure(n, a.procs, a.steady_s, cfg_kw, store, protocol)
+                row["bench_s"] = time.monotonic() - t0
+                row["load_avg"] = os.getloadavg()
+                rows.append(row)
+                print(f"{store}/{protocol} N={n}: done in {row['bench_s']:.1f} s, load {row['load_avg'][0]:.1f}",
+                      file=sys.stderr, flush=True)
     print(table(rows))
     for r in rows:
         for ph in ("form", "leave", "loss", "join"):
             if r.get(ph, {}).get("n_errors"):
-                print(f"{r['store']} N={r['nodes']} {ph}: {r[ph]['n_errors']} nodes failed, e.g. {r[ph]['errors'][:1]}")
+                print(f"{r['store']}/{r['protocol']} N={r['nodes']} {ph}: {r[ph]['n_errors']} nodes failed, "
+                      f"e.g. {r[ph]['errors'][:1]}")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"rows": rows, "load_avg": os.getloadavg(), "args": vars(a)}, fh, indent=1)
+            json.dump({"rows": rows, "load_avg_before": load_before, "load_avg": os.getloadavg(), "args": vars(a),
+                       "commit": _commit(), "exponents": {f"{s}/{p}/{ph}.{fig}": exponent(
+                           [r for r in rows if (r["store"], r["protocol"]) == (s, p)], ph, fig)
+                           for s, p in dict.fromkeys((r["store"], r["protocol"]) for r in rows)
+                           for _, (ph, fig) in COLUMNS}}, fh, indent=1)
+    if a.plot:
+        plot(rows, a.plot)
     return 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 if __name__ == "__main__":

@@ -167,6 +167,11 @@ def json_events(lines: list[str], name: str | None = None) -> list[dict[str, Any
     return out
 
 
+RDZV_PROTOCOL = os.environ.get("TG_TEST_RDZV_PROTOCOL", "")
+"""``TG_TEST_RDZV_PROTOCOL=keyed pytest tests/e2e/...``: every :class:`Node` runs with that
+``rendezvous.protocol`` (the agents otherwise get no ``TRAINGUARD_*`` variable of the test process)."""
+
+
 class Node:
     """One agent (``trainguard run``) standing in for one node."""
 
@@ -192,6 +197,8 @@ class Node:
         self._job = job
         penv.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                      "TRAINGUARD_CHECKPOINT_MEMORY_DIR": self.memory_root, **(env or {})})
+        if RDZV_PROTOCOL and backend in ("c10d", "etcd"):  # the suite on another rendezvous protocol (issue 40)
+            penv.setdefault("TRAINGUARD_RENDEZVOUS_PROTOCOL", RDZV_PROTOCOL)
         self._fh = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=penv, cwd=REPO)
         self.socket = os.path.join(self.state_dir, f"{job}.sock")

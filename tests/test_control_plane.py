@@ -1,6 +1,7 @@
 """``bench/control_plane.py`` (issue 40) in a tiny configuration: its simulated nodes drive the agents'
-real rendezvous path against a real ``trainguard store``, and every membership change forms the world
-the plan says (the figures themselves are the bench's, not asserted here)."""
+real rendezvous path (torch's dynamic one and the keyed protocol) against a real ``trainguard store`` and
+etcd with TLS, and every membership change forms the world the plan says (the figures themselves are the
+bench's, not asserted here)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 from bench.control_plane import fit_exponent, measure, table
 
 
+@pytest.mark.parametrize("protocol", ["dynamic", "keyed"])
 @pytest.mark.parametrize("store", ["tcp", "etcd-tls"])
-def test_four_simulated_nodes_form_leave_lose_and_join_worlds_of_the_planned_sizes(store):
+def test_four_simulated_nodes_form_leave_lose_and_join_worlds_of_the_planned_sizes(store, protocol):
     if store != "tcp" and shutil.which("etcd") is None:
         pytest.skip("etcd not installed (Debian package etcd-server; .ci/test installs it)")
     # keep-alive 5 s x 3: with 2 s x 2 the join phase failed twice under the suite's load, never alone ('no
@@ -21,7 +23,8 @@ def test_four_simulated_nodes_form_leave_lose_and_join_worlds_of_the_planned_siz
     # round completed (it then waits in the next round's wait list); not confirmed
     cfg = {"min_nodes": 2, "max_nodes": 5, "keep_alive_interval_s": 5, "keep_alive_max_attempts": 3,
            "join_timeout_s": 120.0, "last_call_timeout_s": 30.0}
-    row = measure(4, 2, 6.0, cfg, store)  # a steady window longer than one keep-alive interval
+    row = measure(4, 2, 6.0, cfg, store, protocol)  # a steady window longer than one keep-alive interval
+    assert row["protocol"] == protocol
     for phase, world in (("form", 4), ("leave", 3), ("loss", 2), ("join", 3)):
         assert row[phase]["n_errors"] == 0, (phase, row[phase]["errors"])
         assert row[phase]["world_sizes"] == [world], (phase, row[phase])

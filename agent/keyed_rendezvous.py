@@ -1,0 +1,443 @@
+"""``rendezvous.protocol: keyed``: trainguard's own rendezvous handler, O(N) store bytes per membership change.
+
+The keys and why: :mod:`trainguard.agent.membership` (the decisions, pure); the store I/O:
+:mod:`trainguard.agent.membership_kv`. This module is the executor: a torch ``RendezvousHandler`` whose
+:meth:`KeyedRendezvousHandler.next_round` does, on every node,
+
+1. heartbeat (a thread writes ``hb/<node>`` every ``keep_alive_interval_s``; on etcd it renews the
+   node's lease) and announce ``join`` in the log, against the newest round ``cur``;
+2. wait for ``r/<cur+1>/go`` (TCPStore: ``check`` every 0.25 s; etcd: a watch), every
+   ``keep_alive_interval_s x (keep_alive_max_attempts - 1)`` looking at the decider's lease ``lead``
+   (one key, and its holder's heartbeat): vacant or its holder dead -> take it (compare-and-set, a new
+   term);
+3. as the decider (the lease holder), every :data:`~trainguard.agent.elastic_types.POLL_INTERVAL_S`:
+   read the new log entries and the candidates' heartbeats, :func:`~trainguard.agent.membership.decide`;
+   to publish, write each member's assignment under the round and term, the round's record, then create
+   ``go`` (compare-and-set against absent: two deciders can never publish the same round; the loser's
+   assignments, under another term, are never read) and release the lease;
+4. once ``go`` exists, read its own assignment (one key): there -> its group rank and the world size;
+   absent -> it did not fit or came late: it announces again for the next round (spares that did not fit
+   ``max_nodes`` are carried by the record).
+
+A planned leave (:meth:`~KeyedRendezvousHandler.leave`) is one ``leave`` entry and a dead heartbeat: the
+decider completes the survivors' round without waiting for a timeout. Evidence that a member is gone
+(``Plan.evict``) is an ``evict`` entry about the round it was gathered in. A round's agents share the
+store under ``torch.rendezvous.<run_id>.<round>`` as with torch's handler (``MASTER_ADDR``/``PORT``,
+elastic's rank assignment, trainguard's drain record); fencing of checkpoints stays with the epochs
+claimed in the checkpoint store, independent of rounds.
+
+Log events: ``rendezvous_decider`` (this node took the lease: term), ``rendezvous_round_published``
+(round, nodes, reason, seconds), ``rendezvous_publish_lost`` (another decider's term published the round).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, RendezvousAborted
+from trainguard.agent.membership import (
+    EVICT,
+    JOIN,
+    LEAVE,
+    NO_RECORD,
+    Action,
+    Entry,
+    Go,
+    Lease,
+    Record,
+    Settings,
+    assignment,
+    decide,
+    encode_assignment,
+    fold,
+    lease_action,
+    parse_lease,
+)
+from trainguard.agent.membership_kv import Kv
+from trainguard.contract.log import get_logger
+
+log = get_logger("trainguard.agent.rendezvous")
+
+ALIVE_EVERY_S = 0.5
+"""The decider re-reads the candidates' heartbeats at most this often (and whenever the log grew)."""
+
+_local_ids = itertools.count()
+
+
+def node_id(addr: str) -> str:
+    """``addr_pid_n``: the shape of torch's node descriptors, unique per handler in a process."""
+    return f"{addr}_{os.getpid()}_{next(_local_ids)}"
+
+
+class _Decider:
+    """The decider's memory across polls of one round: the previous record, the log read so far."""
+
+    def __init__(self, target: int, prev: Record) -> None:
+        self.target, self.prev = target, prev
+        self.pos = prev.consumed
+        self.entries: list[Entry] = []
+        self.min_since: float | None = None
+        self.alive: frozenset[str] = frozenset()
+        self.alive_at = -1e9
+        self.started = time.monotonic()
+
+
+class KeyedRendezvousHandler(RendezvousHandler):
+    """See the module docstring. ``make_kv()`` builds one :class:`Kv` per thread that talks to the store
+    (this handler's calls, the heartbeat thread); ``store`` is the job's ``torch.distributed.Store`` under
+    which each round's store lives. Methods are called from one thread at a time (the supervisor's), except
+    :meth:`leave` and :meth:`stop_heartbeats`."""
+
+    def __init__(self, *, run_id: str, addr: str, settings: Settings, keep_alive_s: float, join_timeout_s: float,
+                 make_kv: Callable[[], Kv], store: Any, backend: str, poll_s: float = POLL_INTERVAL_S,
+                 look_s: float | None = None) -> None:
+        self._run_id, self._addr, self._limits = run_id, addr, settings
+        self._keep_alive_s, self._join_timeout_s, self._poll_s = keep_alive_s, join_timeout_s, poll_s
+        self._look_s = keep_alive_s if look_s is None else look_s
+        """How often a node waiting in the rendezvous looks at the lease, ``cur``, the close mark and its
+        evidence (between looks it only waits for ``go``)."""
+        self._make_kv, self._store, self._backend = make_kv, store, backend
+        self.node = node_id(addr)
+        self._kv = make_kv()
+        self.round = -1
+        self.consumed = 0
+        self._members: tuple[str, ...] | None = None
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._hb_kv: Kv = make_kv()  # made now: TCPStore clients connecting while others call stalled those 5 s
+        self._lease_raw: bytes | None = None
+
+    # -- RendezvousHandler ---------------------------------------------------------------------------
+    def get_backend(self) -> str:  # See base class.
+        return self._backend
+
+    def get_run_id(self) -> str:  # See base class.
+        return self._run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:  # See base class.
+        return self.next_round(lambda: False, None)
+
+    def is_closed(self) -> bool:  # See base class.
+        return self._kv.get("closed") is not None
+
+    def set_closed(self) -> None:  # See base class.
+        self._kv.set("closed", b"1")
+
+    def num_nodes_waiting(self) -> int:  # See base class.
+        """Announcements since the current round was decided (one small read): newcomers, or members that
+        went back to the rendezvous."""
+        return self._kv.pending(self.consumed)
+
+    def shutdown(self) -> bool:  # See base class.
+        self.set_closed()
+        self.stop_heartbeats()
+        return True
+
+    # -- heartbeats ----------------------------------------------------------------------------------
+    def start_heartbeats(self) -> None:
+        if self._hb_thread is not None and self._hb_thread.is_alive():
+            return
+        self._hb_stop.clear()
+        self._hb_kv.beat(self.node)
+        self._hb_thread = threading.Thread(target=self._beat, name=f"keyed-rdzv-hb-{self.node}", daemon=True)
+        self._hb_thread.start()
+
+    def _beat(self) -> None:
+        kv = self._hb_kv
+        while not self._hb_stop.wait(self._keep_alive_s):
+            try:
+                kv.beat(self.node)
+            except Exception as e:  # noqa: BLE001 - a missed beat is what the timeout is for; keep beating
+                log.warning("rendezvous_heartbeat_failed", node=self.node, error=f"{type(e).__name__}: {e}"[:200])
+
+    def stop_heartbeats(self) -> None:
+        self._hb_stop.set()
+        t, self._hb_thread = self._hb_thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(self._keep_alive_s + 5)
+
+    # -- leaving -------------------------------------------------------------------------------------
+    def leave(self) -> None:
+        """The planned leave: one ``leave`` entry and a dead heartbeat; the rendezvous stays open."""
+        self.stop_heartbeats()
+        self._kv.announce(Entry(self.node, LEAVE, self.round))
+        self._hb_kv.unbeat(self.node)
+
+    # -- the round -----------------------------------------------------------------------------------
+    def _cur(self) -> int:
+        raw = self._kv.get("cur")
+        return int(raw) if raw else -1
+
+    def next_round(self, abort: Callable[[], bool], plan: Plan | None, evicted: list[str] | None = None) -> RendezvousInfo:
+        """Join the next round (see the module docstring); :class:`RendezvousAborted` when ``abort()``
+        turns true first, ``RendezvousClosedError`` / ``RendezvousTimeoutError`` as torch's handler."""
+        self.start_heartbeats()
+        deadline = time.monotonic() + self._join_timeout_s
+        target = self._cur() + 1
+        self._kv.announce(Entry(self.node, JOIN, target - 1))
+        expect = (plan.members - plan.leaving) if plan is not None else frozenset()
+        reported: set[str] = set()
+        dec: _Decider | None = None
+        next_look = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if abort():
+                    self._kv.announce(Entry(self.node, LEAVE, target - 1))
+                    raise RendezvousAborted("left the rendezvous before the round completed (draining)")
+                got = self._kv.get(f"r/{target}/go")
+                if got is not None:
+                    go = Go.decode(got)
+                    mine = self._kv.get(f"r/{target}/{go.term}/a/{self.node}")
+                    if mine is not None and assignment(mine)[0] >= 0:
+                        return self._joined(target, go, mine)
+                    target += 1
+                    if mine is None:  # came late, or was thought dead: announce again for the next round
+                        self._kv.announce(Entry(self.node, JOIN, target - 1))
+                    # (a spare that did not fit max_nodes is carried by the record: no announcement, so the
+                    # running world does not see it as a node waiting to join)
+                    dec = None
+                    continue
+                if now >= deadline:
+                    raise RendezvousTimeoutError(f"no round within rendezvous.join_timeout_s={self._join_timeout_s:g} s")
+                if now >= next_look:
+                    next_look = now + self._look_s
+                    if self.is_closed():
+                        raise RendezvousClosedError
+                    cur = self._cur()
+                    if cur >= target:  # a round was published while this node looked elsewhere
+                        target = cur
+                        continue
+                    if plan is not None and plan.evict is not None and (plan.round is None or plan.round == target - 1):
+                        for victim in sorted(plan.evict() - {self.node} - reported):
+                            reported.add(victim)
+                            self._kv.announce(Entry(victim, EVICT, target - 1))
+                            if evicted is not None:
+                                evicted.append(victim)
+                            log.warning("member_evicted", nodes=[victim], round=target - 1,
+                                        cause="a collective failed here and the member's agent missed its heartbeat",
+                                        effect="announced as gone: the decider leaves it out of the next round")
+                    self._look_at_lease()
+                if self._lease_raw is not None:
+                    if dec is None or dec.target != target:
+                        dec = self._decider(target)
+                    if dec is not None and self._decide(dec, expect):
+                        continue
+                    self._kv.wait(f"r/{target}/go", self._poll_s)
+                else:
+                    self._kv.wait(f"r/{target}/go", max(0.01, next_look - time.monotonic()))
+        finally:
+            self._release_lease()
+
+    def _joined(self, target: int, go: Go, mine: bytes) -> RendezvousInfo:
+        rank, size = assignment(mine)
+        self.round, self.consumed, self._members = target, go.consumed, None
+        store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{target}", self._store)
+        info = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        return RendezvousInfo(store, rank, size, info)
+
+    def _look_at_lease(self) -> None:
+        raw = self._kv.get("lead")
+        term, holder = parse_lease(raw)
+        alive = bool(holder) and holder != self.node and holder in self._kv.alive([holder])
+        act = lease_action(self.node, holder, alive)
+        if act is Lease.HOLD:
+            self._lease_raw = raw
+        elif act is Lease.TAKE:
+            want = f"{term + 1} {self.node}".encode()
+            got = self._kv.create("lead", want) if raw is None else self._kv.swap("lead", raw, want)
+            self._lease_raw = want if got == want else None
+            if self._lease_raw is not None:
+                log.info("rendezvous_decider", node=self.node, term=term + 1, previous=holder or None)
+        else:
+            self._lease_raw = None
+
+    def _release_lease(self) -> None:
+        if self._lease_raw is None:
+            return
+        term, _ = parse_lease(self._lease_raw)
+        try:
+            self._kv.swap("lead", self._lease_raw, f"{term} -".encode())
+        except Exception:  # noqa: BLE001 - unreleased, the lease passes on once this node's heartbeat expires
+            pass
+        self._lease_raw = None
+
+    def _decider(self, target: int) -> _Decider | None:
+        cur = self._cur()
+        if cur >= target:
+            return None
+        if cur < 0:
+            return _Decider(target, NO_RECORD)
+        raw = self._kv.get(f"r/{cur}/rec")
+        if raw is None:
+            return None
+        prev = Record.decode(raw)
+        return _Decider(cur + 1, prev) if cur + 1 == target else None
+
+    def _decide(self, dec: _Decider, expect: frozenset[str]) -> bool:
+        """One poll of the decider; True when the round was published (by this node or another)."""
+        entries, dec.pos = self._kv.announcements(dec.pos)
+        dec.entries += entries
+        wants = fold(dec.entries, dec.prev.round)
+        now = time.monotonic()
+        if entries or now - dec.alive_at >= ALIVE_EVERY_S:
+            pool = set(dec.prev.members) | set(dec.prev.spares) | set(wants.joined) | set(expect)
+            dec.alive, dec.alive_at = self._kv.alive(pool), now
+        d = decide(dec.prev, wants, dec.alive, self._limits, now, dec.min_since, expect)
+        dec.min_since = d.min_since
+        if d.action is not Action.PUBLISH:
+            return False
+        term, _ = parse_lease(self._lease_raw)
+        t = dec.target
+        self._kv.set_many([(f"r/{t}/{term}/a/{n}", encode_assignment(i, len(d.members))) for i, n in enumerate(d.members)]
+                          + [(f"r/{t}/{term}/a/{n}", encode_assignment(-1, len(d.members))) for n in d.spares])
+        self._kv.set(f"r/{t}/rec", Record(t, d.members, d.spares, dec.pos, term).encode())
+        go = Go(term, len(d.members), dec.pos).encode()
+        if self._kv.create(f"r/{t}/go", go) == go:
+            self._kv.set("cur", str(t).encode())
+            log.info("rendezvous_round_published", round=t, nodes=len(d.members), spares=len(d.spares),
+                     reason=d.reason, term=term, seconds=round(now - dec.started, 3))
+        else:
+            log.warning("rendezvous_publish_lost", round=t, term=term,
+                        effect="another decider's term published this round; its assignments stand")
+        self._release_lease()
+        return True
+
+    # -- what the agent reads ------------------------------------------------------------------------
+    @property
+    def endpoint_store(self) -> Any:
+        """The ``TCPStore`` at the endpoint (keyed on ``c10d``; census and straggler keys), else None."""
+        return self._store if isinstance(self._store, dist.TCPStore) else None
+
+    def round_store(self, round_: int) -> Any:
+        """The store of round ``round_``'s agents (the prefix torch's handler uses, too)."""
+        return dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", self._store)
+
+    def side_store(self, round_: int) -> Any:
+        """:meth:`round_store` for another thread: on a ``TCPStore``, a connection of its own (a client is not
+        safe to share between threads), with a short timeout; the etcd store is thread-safe."""
+        if not isinstance(self._store, dist.TCPStore):
+            return self.round_store(round_)
+        client = dist.TCPStore(self._store.host, self._store.port, is_master=False, multi_tenant=True,
+                               timeout=timedelta(seconds=5))
+        return dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", client)
+
+    def peek(self) -> Peek:
+        """The newest round, its members and the announcements since this node's round, without joining:
+        O(1) reads while the newest round is this node's (its members are cached), else one record.
+
+        Liveness in a running world is watched as a ring: each member reads the heartbeat of the next one
+        by rank (one key) and, when it expired, marks it in ``r/<round>/lost``; every member reads that
+        mark. So a member whose agent died is missing from ``participants`` here on every node within a
+        keep-alive interval of its expiry, for O(1) reads per node (torch's state holds every heartbeat)."""
+        cur = self._cur()
+        if cur == self.round and cur >= 0:
+            members = tuple(self.members())
+            if self.node in members and len(members) > 1:
+                nxt = members[(members.index(self.node) + 1) % len(members)]
+                if not self._kv.alive([nxt]):
+                    self._kv.set(f"r/{cur}/lost", nxt.encode())
+            lost = self._kv.get(f"r/{cur}/lost")
+            if lost:
+                members = tuple(m for m in members if m != lost.decode())
+        elif cur >= 0:
+            raw = self._kv.get(f"r/{cur}/rec")
+            members = Record.decode(raw).members if raw else ()
+        else:
+            members = ()
+        return Peek(round=cur, complete=cur >= 0, participants=members, waiting=self.num_nodes_waiting(),
+                    this_node_participates=self.node in members)
+
+    def members(self) -> list[str]:
+        """The node ids of the current round by group rank (one read of the round's record, cached)."""
+        if self.round < 0:
+            return []
+        if self._members is None:
+            raw = self._kv.get(f"r/{self.round}/rec")
+            self._members = Record.decode(raw).members if raw else ()
+        return list(self._members)
+
+
+def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float = 60.0,
+                is_host: bool = False) -> KeyedRendezvousHandler:
+    """The keyed handler on a ``TCPStore`` at ``host:port`` (``trainguard store``, or this agent's own
+    when ``is_host``): two connections, one for the handler's calls and the round stores, one for the
+    heartbeat thread."""
+    from trainguard.agent.membership_kv import TcpKv
+
+    def client() -> Any:
+        return dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=timeout_s))
+
+    server = None
+    if is_host:
+        server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                               timeout=timedelta(seconds=timeout_s))
+    base = server if server is not None else client()
+    clients = iter([base])
+
+    def make_kv() -> Kv:
+        return TcpKv(dist.PrefixStore(f"trainguard.keyed.{run_id}", next(clients, None) or client()),
+                     cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
+
+    return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
+                                  keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
+                                  make_kv=make_kv, store=base, backend="keyed-c10d",
+                                  look_s=_look_s(cfg))
+
+
+def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
+    """The keyed handler on etcd v3 under ``<prefix>/<job>/k/``; the round stores under ``.../store/``."""
+    from trainguard.agent.etcd_rendezvous import EtcdStore, connect
+    from trainguard.agent.membership_kv import EtcdKv
+
+    client, prefix = connect(cfg, run_id)
+
+    def make_kv() -> Kv:
+        return EtcdKv(client, prefix + "k/", cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
+
+    return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
+                                  keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
+                                  make_kv=make_kv, store=EtcdStore(client, prefix), backend="keyed-etcd-v3",
+                                  look_s=_look_s(cfg))
+
+
+def create_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
+    """The keyed handler for a ``rendezvous`` config: on etcd v3 (``backend: etcd``) or on the ``TCPStore`` at
+    ``endpoint`` (``backend: c10d``; ``is_host`` as torch's rule: unset = host when the endpoint is an address
+    of this machine and the port is free, else connect)."""
+    if cfg.backend == "etcd":
+        return etcd_handler(cfg, run_id)
+    from trainguard.agent.preflight import is_local_address
+
+    host, _, port = cfg.endpoint.rpartition(":")
+    host = host.strip("[]")
+    if cfg.is_host is None and is_local_address(host):
+        try:
+            return tcp_handler(cfg, run_id, host=host, port=int(port), is_host=True)
+        except (RuntimeError, OSError):  # another agent on this machine hosts it
+            pass
+    return tcp_handler(cfg, run_id, host=host, port=int(port), is_host=bool(cfg.is_host))
+
+
+def _look_s(cfg: Any) -> float:
+    """A waiting node looks at the decider's lease every ``interval x (attempts - 1)``: a dead decider is
+    not seen before its heartbeat expires anyway, and at 1,024 nodes on etcd every look is a request."""
+    return float(cfg.keep_alive_interval_s * max(1, cfg.keep_alive_max_attempts - 1))
+
+
+def _settings(cfg: Any) -> Settings:
+    return Settings(cfg.min_nodes, cfg.max_nodes, cfg.last_call_timeout_s)
+
+
+__all__ = ["ALIVE_EVERY_S", "KeyedRendezvousHandler", "create_handler", "etcd_handler", "node_id", "tcp_handler"]

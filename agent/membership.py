@@ -1,0 +1,267 @@
+"""The keyed rendezvous protocol's decisions (``rendezvous.protocol: keyed``, issue 40), as pure functions.
+
+torch's dynamic rendezvous keeps its whole state (participants, wait list, every node's heartbeat) in one
+pickled value behind one compare-and-set key: every keep-alive and every join rewrites O(N) bytes and the
+N writers collide, so a membership change costs O(N^2) bytes (measured: N^2.7-3.1, ``docs/benchmarks.md``).
+The keyed protocol splits that state into keys that each have one writer:
+
+==========================  =======================================================================
+``hb/<node>``               the node's heartbeat, written by it alone: O(1) per keep-alive (TCPStore:
+                            its wall-clock time; etcd: a key on the node's own lease, renewed)
+``jseq``, ``j/<seq>``       the announcement log: a node that wants into the next round, leaves, or
+                            has evidence that a member is gone appends one entry (``add`` + ``set``)
+``lead``                    the decider's lease: ``"<term> <node>"``, taken by compare-and-set when it
+                            is vacant or its holder's heartbeat expired, released after publishing
+``r/<k>/<term>/a/<node>``   node's group rank and the world size in round ``k``, written by the decider
+``r/<k>/rec``               the whole record of round ``k`` (members by rank, spares carried, log
+                            position consumed): read by the next decider and by ``members()`` only
+``r/<k>/go``                created once (compare-and-set against absent): the fence, so two deciders
+                            can never publish the same round; the waiting nodes block on it
+``cur``                     the newest round published (a hint for nodes that arrive)
+==========================  =======================================================================
+
+So a change costs each node O(1) (its announcement, its wait on ``go``, its own assignment) and the
+decider O(N) (the log, the heartbeats, the assignments): O(N) bytes per change, O(N) bytes per keep-alive
+interval. This module holds what is decided: how an announcement log folds into who wants in
+(:func:`fold`), whether a heartbeat is fresh (:func:`heartbeat_alive`), whether a node takes the decider's
+lease (:func:`lease_action`) and what the next round is (:func:`decide`); the store I/O is
+:mod:`trainguard.agent.membership_kv`, the handler :mod:`trainguard.agent.keyed_rendezvous`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+JOIN, LEAVE, EVICT = "join", "leave", "evict"
+KINDS = (JOIN, LEAVE, EVICT)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One line of the announcement log: ``node`` wants into the round after ``base`` (``join``), leaves
+    (``leave``), or is gone on a peer's evidence about round ``base`` (``evict``)."""
+
+    node: str
+    kind: str
+    base: int
+
+    def encode(self) -> bytes:
+        return f"{self.kind} {self.base} {self.node}".encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Entry | None:
+        """None for a line that is not an entry (a torn or foreign write is skipped, never fatal)."""
+        parts = raw.decode(errors="replace").split(" ", 2)
+        if len(parts) != 3 or parts[0] not in KINDS:
+            return None
+        try:
+            return cls(parts[2], parts[0], int(parts[1]))
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """What the decider publishes for round ``round``: ``members`` by group rank, the ``spares`` that
+    announced and did not fit (``max_nodes``; carried into the next round without announcing again) and
+    ``consumed``, the log position up to which announcements were taken into account."""
+
+    round: int
+    members: tuple[str, ...]
+    spares: tuple[str, ...] = ()
+    consumed: int = 0
+    term: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps({"round": self.round, "members": list(self.members), "spares": list(self.spares),
+                           "consumed": self.consumed, "term": self.term}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Record:
+        d = json.loads(raw)
+        return cls(int(d["round"]), tuple(d["members"]), tuple(d.get("spares", ())), int(d.get("consumed", 0)),
+                   int(d.get("term", 0)))
+
+
+NO_RECORD = Record(round=-1, members=())
+"""Before the first round."""
+
+
+@dataclass(frozen=True, slots=True)
+class Go:
+    """The value of ``r/<k>/go``: which decider's term published round ``k``, its size, the log position."""
+
+    term: int
+    world_size: int
+    consumed: int
+
+    def encode(self) -> bytes:
+        return f"{self.term} {self.world_size} {self.consumed}".encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Go:
+        term, size, consumed = raw.decode().split()
+        return cls(int(term), int(size), int(consumed))
+
+
+@dataclass(frozen=True, slots=True)
+class Wants:
+    """The log folded: who wants into the next round (in order of first announcement), who leaves, who is
+    evicted on evidence about the previous round."""
+
+    joined: tuple[str, ...] = ()
+    leaving: frozenset[str] = frozenset()
+    evicted: frozenset[str] = frozenset()
+
+
+def fold(entries: Iterable[Entry], prev_round: int) -> Wants:
+    """Pure: the announcements read so far, in log order. A node's last ``join`` / ``leave`` counts (a node
+    that joined and then left is out; one that left and joins again is in). An ``evict`` counts only when
+    its evidence is about ``prev_round``: evidence about an older world says nothing of the live members of
+    a newer one (a node cut off by a partition must not evict the peers that re-formed without it)."""
+    order: dict[str, None] = {}
+    leaving: set[str] = set()
+    evicted: set[str] = set()
+    for e in entries:
+        if e.kind == JOIN:
+            order.setdefault(e.node, None)
+            leaving.discard(e.node)
+        elif e.kind == LEAVE:
+            order.pop(e.node, None)
+            leaving.add(e.node)
+        elif e.kind == EVICT and e.base == prev_round:
+            evicted.add(e.node)
+    return Wants(tuple(order), frozenset(leaving), frozenset(evicted))
+
+
+def heartbeat_alive(beat: float | None, now: float, interval_s: float, attempts: int) -> bool:
+    """Pure: a node whose last heartbeat (its wall-clock time, seconds) is ``interval_s x attempts`` old or
+    more is dead, as in torch's dynamic rendezvous (the same assumption: node clocks agree to well within
+    ``interval_s x (attempts - 1)``). None (never beat) or 0 (left) is dead."""
+    return bool(beat) and now - float(beat) < interval_s * attempts  # type: ignore[arg-type]
+
+
+class Lease(enum.Enum):
+    """What a node in the rendezvous does about the decider's lease (:func:`lease_action`)."""
+
+    HOLD = "hold"          # it holds the lease: it decides
+    TAKE = "take"          # the lease is vacant or its holder is dead: compare-and-set it to this node
+    FOLLOW = "follow"      # a live node holds it: wait for ``go``
+
+
+def parse_lease(raw: bytes | None) -> tuple[int, str]:
+    """``(term, holder)``; holder ``""`` when vacant (never taken, or released as ``"<term> -"``)."""
+    if not raw:
+        return 0, ""
+    term, _, holder = raw.decode(errors="replace").partition(" ")
+    try:
+        return int(term), ("" if holder == "-" else holder)
+    except ValueError:
+        return 0, ""
+
+
+def lease_action(me: str, holder: str, holder_alive: bool) -> Lease:
+    """Pure: take a vacant lease or one whose holder's heartbeat expired; hold one's own; else follow."""
+    if holder == me:
+        return Lease.HOLD
+    if not holder or not holder_alive:
+        return Lease.TAKE
+    return Lease.FOLLOW
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    min_nodes: int
+    max_nodes: int
+    last_call_s: float
+
+
+class Action(enum.Enum):
+    WAIT = "wait"
+    PUBLISH = "publish"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """:func:`decide`'s answer: publish ``members`` (by group rank) with ``spares`` carried, or wait;
+    ``min_since`` is the time ``min_nodes`` were first there (the last call runs from it)."""
+
+    action: Action
+    members: tuple[str, ...] = ()
+    spares: tuple[str, ...] = ()
+    min_since: float | None = None
+    reason: str = ""
+    missing: tuple[str, ...] = field(default=())
+    """Nodes expected and not there yet (for the log)."""
+
+
+def decide(prev: Record, wants: Wants, alive: frozenset[str], settings: Settings, now: float,
+           min_since: float | None, expect: frozenset[str] = frozenset()) -> Decision:
+    """Pure: the next round from the previous record, the folded log and who is alive.
+
+    Candidates are the previous round's spares and the nodes that announced, alive, not leaving, not
+    evicted: the previous members first, then newcomers in order of announcement (who gets in when there
+    are more than ``max_nodes``). The members' group ranks follow :func:`node_order`, as torch's dynamic
+    rendezvous orders them (so both protocols give the same ranks). The round is published
+
+    * at once when ``max_nodes`` candidates are there (the rest stay spares);
+    * as soon as everyone *expected* is there and at least ``min_nodes``: expected are the previous
+      members and ``expect`` (the decider's own plan) that are alive and neither leaving nor evicted, and
+      every candidate - a planned leave, a join, a loss once the lost node's heartbeat expired: no timeout;
+    * otherwise ``last_call_s`` after ``min_nodes`` candidates were first there (torch's last call).
+    """
+    gone = wants.leaving | wants.evicted
+    prev_order = {n: i for i, n in enumerate(prev.members)}
+    pool = [n for n in dict.fromkeys((*prev.spares, *wants.joined)) if n in alive and n not in gone]
+    cands = sorted(pool, key=lambda n: (0, prev_order[n]) if n in prev_order else (1, 0))
+    expected = ((frozenset(prev.members) | expect) & alive) - gone
+    have = frozenset(cands)
+    missing = tuple(sorted(expected - have))
+    if len(cands) >= settings.max_nodes:
+        return Decision(Action.PUBLISH, ranked(cands[:settings.max_nodes]), tuple(cands[settings.max_nodes:]),
+                        min_since, "max_nodes")
+    if len(cands) < settings.min_nodes:
+        return Decision(Action.WAIT, min_since=None, reason="below min_nodes", missing=missing)
+    since = now if min_since is None else min_since
+    if expected and not missing:
+        return Decision(Action.PUBLISH, ranked(cands), (), since, "everyone expected is there")
+    if now - since >= settings.last_call_s:
+        return Decision(Action.PUBLISH, ranked(cands), (), since, "last call")
+    return Decision(Action.WAIT, min_since=since, reason="last call", missing=missing)
+
+
+def node_order(node: str) -> tuple[str, int, int, str]:
+    """Pure: the sort key of a node id ``addr_pid_n``: address, then pid and local id as numbers (torch
+    sorts its ``_NodeDesc(addr, pid, local_id)`` so); an id of another shape sorts by its text."""
+    addr, pid, local = (node.rsplit("_", 2) + ["", ""])[:3]
+    if pid.isdigit() and local.isdigit():
+        return addr, int(pid), int(local), ""
+    return node, -1, -1, node
+
+
+def ranked(nodes: Iterable[str]) -> tuple[str, ...]:
+    """The members by group rank (:func:`node_order`)."""
+    return tuple(sorted(nodes, key=node_order))
+
+
+def assignment(raw: bytes) -> tuple[int, int]:
+    """``(group rank, world size)`` from ``r/<k>/<term>/a/<node>``."""
+    rank, size = raw.decode().split()
+    return int(rank), int(size)
+
+
+def encode_assignment(rank: int, size: int) -> bytes:
+    return f"{rank} {size}".encode()
+
+
+def new_entries(consumed: int, seq: int) -> Sequence[int]:
+    """The log positions not read yet: ``consumed + 1 .. seq`` (``add`` hands out 1, 2, ...)."""
+    return range(consumed + 1, seq + 1)
+
+
+__all__ = ["Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
+           "Wants", "assignment", "decide", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
+           "new_entries", "node_order", "parse_lease", "ranked"]

@@ -1,0 +1,264 @@
+"""The keyed rendezvous's store I/O (:mod:`trainguard.agent.membership` holds its decisions): one small
+interface, :class:`Kv`, over a ``TCPStore`` (``trainguard store``) or etcd v3, each with what the store does
+best.
+
+==================  =========================================  ===============================================
+operation           TCPStore (:class:`TcpKv`)                  etcd v3 (:class:`EtcdKv`)
+==================  =========================================  ===============================================
+heartbeat           ``set hb/<node>`` = wall-clock time        a key ``hb/<node>`` on the node's own lease
+                    (one small write per interval)             (TTL interval x attempts), renewed by
+                                                               ``lease/keepalive`` - no raft write
+who is alive        ``multi_get`` of the nodes' ``hb`` keys    one range over ``hb/`` (keys only): the key of
+                    (:func:`~.membership.heartbeat_alive`)     a dead node's expired lease is gone
+announce            ``add jseq 1`` then ``set j/<seq>``        ``put j/<kind>/<node>``; its ``mod_revision``
+                                                               orders the log
+read the log        ``multi_get`` of the new ``j/<seq>``       one range over ``j/`` with ``min_mod_revision``
+wait for a round    ``check`` every :data:`WAIT_POLL_S`         a watch on the key
+create-once         ``compare_set(key, "", value)``            a transaction comparing ``create_revision`` 0
+==================  =========================================  ===============================================
+
+Every method is one round trip or a fixed few (``set_many`` on etcd: one transaction per 100 keys). Not
+thread-safe: each thread that talks to the store has its own :class:`Kv` (a ``TCPStore`` client must not
+be shared by threads, see :meth:`trainguard.agent.elastic.ElasticAdapter.side_store`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol
+
+from trainguard.agent.etcd_wire import KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
+from trainguard.agent.membership import Entry, heartbeat_alive
+
+HOLE_SKIP_S = 5.0
+"""A log position handed out (``add``) whose entry is still missing after this long is skipped: its
+writer died between the two calls."""
+
+WAIT_POLL_S = 0.25
+"""TCPStore: how often a node waiting for a round looks for it (etcd: a watch)."""
+
+FEW = 4
+"""etcd: up to this many nodes' heartbeats are read key by key, more with one range over ``hb/``."""
+
+
+class Kv(Protocol):
+    """What the keyed rendezvous asks of a store. Keys are relative to the job's namespace."""
+
+    def get(self, key: str) -> bytes | None: ...
+    def set(self, key: str, value: bytes) -> None: ...
+    def set_many(self, items: Sequence[tuple[str, bytes]]) -> None: ...
+    def create(self, key: str, value: bytes) -> bytes:
+        """Write ``value`` only if ``key`` is absent; the value there afterwards (ours when we won)."""
+    def swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Compare-and-set an existing key; the value there afterwards."""
+    def wait(self, key: str, timeout_s: float) -> bool:
+        """Block until ``key`` exists (True) or ``timeout_s`` passed (False)."""
+    def announce(self, entry: Entry) -> None: ...
+    def announcements(self, after: int) -> tuple[list[Entry], int]:
+        """Log entries after position ``after``, in log order, and the position read up to."""
+    def pending(self, after: int) -> int:
+        """How many announcements came after position ``after`` (one small read)."""
+    def beat(self, node: str) -> None: ...
+    def unbeat(self, node: str) -> None:
+        """The node leaves: it is dead for everyone at once."""
+    def alive(self, nodes: Collection[str]) -> frozenset[str]: ...
+    def close(self) -> None: ...
+
+
+class TcpKv:
+    """:class:`Kv` on a ``TCPStore`` client (under a ``PrefixStore``: the job's namespace)."""
+
+    def __init__(self, store: Any, interval_s: float, attempts: int, clock: Any = time.time,
+                 poll_s: float = WAIT_POLL_S) -> None:
+        self.store, self.poll_s = store, poll_s
+        self.interval_s, self.attempts, self.clock = interval_s, attempts, clock
+        self._holes: dict[int, float] = {}
+
+    def get(self, key: str) -> bytes | None:
+        return bytes(self.store.get(key)) if self.store.check([key]) else None
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        if items:
+            self.store.multi_set([k for k, _ in items], [v for _, v in items])
+
+    def create(self, key: str, value: bytes) -> bytes:
+        return bytes(self.store.compare_set(key, b"", value))
+
+    def swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return bytes(self.store.compare_set(key, expected, desired))
+
+    def wait(self, key: str, timeout_s: float) -> bool:
+        # Polled, not TCPStore.wait: a wait that times out costs the client a cancel round trip, and with a
+        # few dozen clients doing so at once each stalled 5 s (torch 2.13, libuv or not; measured here).
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(self.poll_s, left))
+        return True
+
+    def announce(self, entry: Entry) -> None:
+        seq = int(self.store.add("jseq", 1))
+        self.store.set(f"j/{seq}", entry.encode())
+
+    def announcements(self, after: int) -> tuple[list[Entry], int]:
+        seq = int(self.store.add("jseq", 0))
+        keys = [f"j/{i}" for i in range(after + 1, seq + 1)]
+        if not keys:
+            return [], after
+        if self.store.check(keys):
+            raws: list[bytes | None] = [bytes(v) for v in self.store.multi_get(keys)]
+        else:  # a writer between its add and its set (or dead there): read what is there
+            raws = [self.get(k) for k in keys]
+        out, pos, now = [], after, time.monotonic()
+        for i, raw in zip(range(after + 1, seq + 1), raws):
+            if raw is None:
+                if now - self._holes.setdefault(i, now) < HOLE_SKIP_S:
+                    break
+            else:
+                entry = Entry.decode(raw)
+                if entry is not None:
+                    out.append(entry)
+            pos = i
+        return out, pos
+
+    def pending(self, after: int) -> int:
+        return max(0, int(self.store.add("jseq", 0)) - after)
+
+    def beat(self, node: str) -> None:
+        self.store.set(f"hb/{node}", f"{self.clock():.3f}".encode())
+
+    def unbeat(self, node: str) -> None:
+        self.store.set(f"hb/{node}", b"0")
+
+    def alive(self, nodes: Collection[str]) -> frozenset[str]:
+        nodes = list(nodes)
+        if not nodes:
+            return frozenset()
+        keys = [f"hb/{n}" for n in nodes]
+        if self.store.check(keys):
+            raws: list[bytes | None] = [bytes(v) for v in self.store.multi_get(keys)]
+        else:
+            raws = [self.get(k) for k in keys]
+        now = self.clock()
+        return frozenset(n for n, raw in zip(nodes, raws)
+                         if raw is not None and heartbeat_alive(_float(raw), now, self.interval_s, self.attempts))
+
+    def close(self) -> None:
+        pass
+
+
+def _float(raw: bytes) -> float | None:
+    try:
+        return float(raw)
+    except ValueError:
+        return None
+
+
+class EtcdKv:
+    """:class:`Kv` on etcd v3 (:class:`~trainguard.agent.etcd_client.EtcdClient`) under the job's prefix."""
+
+    def __init__(self, client: Any, prefix: str, interval_s: float, attempts: int) -> None:
+        self.client = client
+        self.prefix = prefix.encode()
+        self.ttl = max(2, int(round(interval_s * attempts)))
+        self._lease: int | None = None
+
+    def _k(self, key: str) -> bytes:
+        return self.prefix + key.encode()
+
+    def get(self, key: str) -> bytes | None:
+        kv, _ = self.client.get(self._k(key))
+        return None if kv is None else kv.value
+
+    def set(self, key: str, value: bytes) -> None:
+        self.client.put(self._k(key), value)
+
+    def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        for i in range(0, len(items), 100):  # etcd's --max-txn-ops is 128 by default
+            self.client.txn([], [op_put(self._k(k), v) for k, v in items[i:i + 100]])
+
+    def create(self, key: str, value: bytes) -> bytes:
+        k = self._k(key)
+        result = self.client.txn([cmp_absent(k)], [op_put(k, value)], [op_range(k)])
+        if result.succeeded:
+            return value
+        kvs = result.kvs(0)
+        return kvs[0].value if kvs else b""
+
+    def swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        k = self._k(key)
+        result = self.client.txn([cmp_value(k, expected)], [op_put(k, desired)], [op_range(k)])
+        if result.succeeded:
+            return desired
+        kvs = result.kvs(0)
+        return kvs[0].value if kvs else b""
+
+    def wait(self, key: str, timeout_s: float) -> bool:
+        k = self._k(key)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            kv, revision = self.client.get(k)
+            if kv is not None:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if not self.client.wait_for_change(k, revision, left):
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def announce(self, entry: Entry) -> None:
+        self.client.put(self._k(f"j/{entry.kind}/{entry.node}"), entry.encode())
+
+    def _log_range(self, after: int, count_only: bool) -> dict[str, Any]:
+        start = self._k("j/")
+        body: dict[str, Any] = {"key": b64(start), "range_end": b64(prefix_range_end(start)),
+                                "min_mod_revision": str(after + 1)}
+        if count_only:  # (etcd's count ignores min_mod_revision: the keys alone, without values)
+            body["keys_only"] = True
+        else:
+            body.update(sort_order="ASCEND", sort_target="MOD")
+        return self.client.call("kv/range", body)
+
+    def announcements(self, after: int) -> tuple[list[Entry], int]:
+        answer = self._log_range(after, False)
+        out = [e for e in (Entry.decode(KeyValue.from_json(kv).value) for kv in answer.get("kvs", [])) if e is not None]
+        return out, int(answer.get("header", {}).get("revision", after))
+
+    def pending(self, after: int) -> int:
+        return len(self._log_range(after, True).get("kvs", []))
+
+    def beat(self, node: str) -> None:
+        if self._lease is not None:
+            answer = self.client.call("lease/keepalive", {"ID": str(self._lease)})
+            if int(answer.get("result", answer).get("TTL", 0) or 0) > 0:
+                return
+        lease = int(self.client.call("lease/grant", {"TTL": str(self.ttl)})["ID"])
+        self.client.call("kv/put", {"key": b64(self._k(f"hb/{node}")), "value": b64(b"1"), "lease": str(lease)})
+        self._lease = lease
+
+    def unbeat(self, node: str) -> None:
+        if self._lease is not None:
+            self.client.call("lease/revoke", {"ID": str(self._lease)})
+            self._lease = None
+        self.client.delete(self._k(f"hb/{node}"))
+
+    def alive(self, nodes: Collection[str]) -> frozenset[str]:
+        if len(nodes) <= FEW:  # a follower looking at the decider's heartbeat: that key alone
+            return frozenset(n for n in nodes if self.client.get(self._k(f"hb/{n}"))[0] is not None)
+        start = self._k("hb/")
+        answer = self.client.call("kv/range", {"key": b64(start), "range_end": b64(prefix_range_end(start)),
+                                               "keys_only": True})
+        present = {unb64(kv.get("key"))[len(start):].decode() for kv in answer.get("kvs", [])}
+        return frozenset(n for n in nodes if n in present)
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["EtcdKv", "FEW", "HOLE_SKIP_S", "Kv", "TcpKv", "WAIT_POLL_S"]

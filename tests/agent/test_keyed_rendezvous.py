@@ -1,0 +1,201 @@
+"""The keyed rendezvous handler (``rendezvous.protocol: keyed``) on a real ``TCPStore`` and a real etcd: nodes
+are handlers on threads of this process. Form, planned leave, loss, join, spares beyond ``max_nodes``, the
+decider's lease passing on from a dead holder, the publish fence, abort and close."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+from trainguard.agent.config import RendezvousConfig
+from trainguard.agent.elastic_types import Plan, RendezvousAborted
+from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler, etcd_handler, tcp_handler
+from trainguard.agent.membership import Go, Record, encode_assignment, parse_lease, ranked
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Job:
+    """Handlers of one job on one store; every handler made is stopped at the end."""
+
+    def __init__(self, kind: str, endpoint: str, **cfg: Any) -> None:
+        base = {"min_nodes": 2, "max_nodes": 5, "keep_alive_interval_s": 1, "keep_alive_max_attempts": 2,
+                "last_call_timeout_s": 30.0, "join_timeout_s": 60.0, **cfg}
+        self.cfg = RendezvousConfig(backend="etcd" if kind == "etcd" else "c10d", endpoint=endpoint, **base)
+        self.kind = kind
+        self.made: list[KeyedRendezvousHandler] = []
+
+    def node(self) -> KeyedRendezvousHandler:
+        host, _, port = self.cfg.endpoint.rpartition(":")
+        h = etcd_handler(self.cfg, "job") if self.kind == "etcd" else tcp_handler(self.cfg, "job", host=host, port=int(port))
+        self.made.append(h)
+        return h
+
+    def round(self, who: list[KeyedRendezvousHandler], plan: Plan | None, timeout: float = 60.0) -> dict[str, tuple[int, int]]:
+        """Every node of ``who`` joins; node id -> (group rank, world size)."""
+        out: dict[str, Any] = {}
+
+        def run(h: KeyedRendezvousHandler) -> None:
+            try:
+                info = h.next_round(lambda: False, plan)
+                out[h.node] = (info.rank, info.world_size)
+            except Exception as e:  # noqa: BLE001 - the test reads it
+                out[h.node] = e
+
+        threads = [threading.Thread(target=run, args=(h,), daemon=True) for h in who]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in threads), "a node never got a round"
+        return out
+
+    def close(self) -> None:
+        for h in self.made:
+            h.stop_heartbeats()
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def job(request, tmp_path) -> Iterator[Job]:
+    if request.param == "tcp":
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+        j = Job("tcp", f"127.0.0.1:{server.port}")
+        yield j
+        j.close()
+        return
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd not installed (Debian package etcd-server)")
+    from tests.fixtures.etcd import start_etcd
+
+    with start_etcd(tmp_path / "etcd") as server:
+        j = Job("etcd", server.endpoint)
+        yield j
+        j.close()
+
+
+def sizes(out: dict[str, Any]) -> list[tuple[int, int]]:
+    assert all(isinstance(v, tuple) for v in out.values()), out
+    return sorted(out.values())
+
+
+def test_form_leave_loss_join(job):
+    a, b, c, d = (job.node() for _ in range(4))
+    names = frozenset(h.node for h in (a, b, c, d))
+    assert sizes(job.round([a, b, c, d], Plan(members=names))) == [(i, 4) for i in range(4)]
+    assert sorted(a.members()) == sorted(names) and a.members() == d.members()
+    assert a.num_nodes_waiting() == 0
+
+    d.leave()  # planned: the survivors' round completes without a timeout
+    assert sizes(job.round([a, b, c], Plan(members=names, leaving=frozenset([d.node])))) == [(i, 3) for i in range(3)]
+    assert d.node not in a.members()
+
+    c.stop_heartbeats()  # lost: its heartbeat expires (1 s x 2), then the round completes
+    t0 = time.monotonic()
+    assert sizes(job.round([a, b], Plan(members=frozenset(a.members()), lost=True))) == [(0, 2), (1, 2)]
+    assert time.monotonic() - t0 >= 1.0  # not before the lost node's heartbeat could have expired
+    assert set(a.members()) == {a.node, b.node}
+
+    e = job.node()
+    joined: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: joined.update(job.round([e], None)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:  # what the running world polls
+        time.sleep(0.05)
+    assert a.num_nodes_waiting() >= 1
+    out = job.round([a, b], Plan(members=frozenset(a.members())))
+    t.join(30)
+    assert sizes({**out, **joined}) == [(0, 3), (1, 3), (2, 3)]
+    ranks = {**{n: r for n, (r, _) in out.items()}, e.node: joined[e.node][0]}
+    assert tuple(n for n, _ in sorted(ranks.items(), key=lambda kv: kv[1])) == ranked(ranks) == tuple(a.members())
+
+
+def test_spares_beyond_max_nodes_are_carried_and_take_a_leavers_place(job):
+    job.cfg = dataclasses.replace(job.cfg, max_nodes=2)
+    a, b, s = job.node(), job.node(), job.node()
+    spare: dict[str, Any] = {}
+    out = job.round([a, b], Plan(members=frozenset([a.node, b.node])))
+    assert sizes(out) == [(0, 2), (1, 2)]
+    t = threading.Thread(target=lambda: spare.update(job.round([s], None)), daemon=True)
+    t.start()
+    # the spare announced itself; the running world re-forms with it, it does not fit, and is carried
+    deadline = time.monotonic() + 30
+    while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sizes(job.round([a, b], Plan(members=frozenset(a.members())))) == [(0, 2), (1, 2)]
+    time.sleep(0.5)
+    assert a.num_nodes_waiting() == 0, "a carried spare must not look like a node waiting to join"
+    assert not spare
+    b.leave()
+    assert sizes(job.round([a], Plan(members=frozenset(a.members()), leaving=frozenset([b.node])))) == [(0, 2)]
+    t.join(30)
+    assert spare == {s.node: (1, 2)}
+
+
+def test_a_dead_deciders_lease_passes_on(job):
+    dead, a, b = job.node(), job.node(), job.node()
+    dead.start_heartbeats()
+    dead._look_at_lease()  # it holds the lease, then dies without releasing it
+    assert dead._lease_raw is not None
+    held_term, _ = parse_lease(dead._lease_raw)
+    dead.stop_heartbeats()
+    dead._lease_raw = None
+    assert sizes(job.round([a, b], Plan(members=frozenset([a.node, b.node])))) == [(0, 2), (1, 2)]
+    raw = a._kv.get(f"r/{a.round}/rec")
+    assert raw is not None and Record.decode(raw).term > held_term
+
+
+def test_the_publish_fence_one_term_per_round(job):
+    """A decider whose term lost the race for ``go`` never has its assignments read: here another term
+    published round 0 first (assignments reversed), and every node takes that one."""
+    a, b = job.node(), job.node()
+    kv = a._kv
+    kv.set_many([(f"r/0/99/a/{b.node}", encode_assignment(0, 2)), (f"r/0/99/a/{a.node}", encode_assignment(1, 2))])
+    kv.set("r/0/rec", Record(0, (b.node, a.node), (), 0, 99).encode())
+    assert kv.create("r/0/go", Go(99, 2, 0).encode()) == Go(99, 2, 0).encode()
+    assert kv.create("r/0/go", Go(100, 2, 0).encode()) == Go(99, 2, 0).encode()  # a second publisher loses
+    out = job.round([a, b], Plan(members=frozenset([a.node, b.node])))
+    assert out == {b.node: (0, 2), a.node: (1, 2)}
+
+
+def test_abort_leaves_and_the_others_form_without_it(job):
+    a, b, c = job.node(), job.node(), job.node()
+    names = frozenset([a.node, b.node, c.node])
+    with pytest.raises(RendezvousAborted):
+        c.next_round(lambda: True, Plan(members=names))
+    c.stop_heartbeats()
+    assert sizes(job.round([a, b], Plan(members=names, leaving=frozenset([c.node])))) == [(0, 2), (1, 2)]
+
+
+def test_closed(job):
+    a = job.node()
+    a.set_closed()
+    assert a.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        a.next_round(lambda: False, None)
+
+
+def test_peek_sees_a_dead_member_through_the_ring(job):
+    """Each member reads only the next member's heartbeat; the one that finds it expired marks it, and
+    every member's peek leaves it out (what the supervisor's member-lost check compares with its world)."""
+    nodes = [job.node() for _ in range(3)]
+    job.round(nodes, Plan(members=frozenset(h.node for h in nodes)))
+    order = nodes[0].members()
+    dead = next(h for h in nodes if h.node == order[1])
+    before = next(h for h in nodes if h.node == order[0])  # its predecessor in the ring
+    other = next(h for h in nodes if h.node == order[2])
+    assert set(other.peek().participants) == set(order)
+    dead.stop_heartbeats()
+    time.sleep(2.5)  # 1 s x 2 attempts: expired
+    assert set(other.peek().participants) == set(order)  # not other's neighbour: nothing marked yet
+    assert dead.node not in before.peek().participants
+    p = other.peek()
+    assert dead.node not in p.participants and p.round == other.round and p.this_node_participates

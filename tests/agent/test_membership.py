@@ -1,0 +1,164 @@
+"""The keyed rendezvous's pure decisions (:mod:`trainguard.agent.membership`), as tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.agent.membership import (
+    EVICT,
+    JOIN,
+    LEAVE,
+    NO_RECORD,
+    Action,
+    Entry,
+    Go,
+    Lease,
+    Record,
+    Settings,
+    Wants,
+    assignment,
+    decide,
+    encode_assignment,
+    fold,
+    heartbeat_alive,
+    lease_action,
+    new_entries,
+    parse_lease,
+)
+
+S = Settings(min_nodes=2, max_nodes=4, last_call_s=2.0)
+ABCD = frozenset("abcd")
+
+
+def rec(*members: str, spares: tuple[str, ...] = (), round_: int = 3) -> Record:
+    return Record(round_, tuple(members), spares, consumed=10)
+
+
+@pytest.mark.parametrize(("entries", "prev_round", "want"), [
+    ([], 0, Wants()),
+    ([Entry("a", JOIN, 0), Entry("b", JOIN, 0)], 0, Wants(("a", "b"))),
+    ([Entry("a", JOIN, 0), Entry("a", JOIN, 1)], 0, Wants(("a",))),                        # announced twice: once
+    ([Entry("a", JOIN, 0), Entry("a", LEAVE, 0)], 0, Wants((), frozenset("a"))),             # joined, then drained
+    ([Entry("a", LEAVE, 0), Entry("a", JOIN, 0)], 0, Wants(("a",))),                         # left, came back
+    ([Entry("b", JOIN, 0), Entry("a", JOIN, 0), Entry("b", LEAVE, 0)], 0, Wants(("a",), frozenset("b"))),
+    ([Entry("c", EVICT, 4)], 4, Wants(evicted=frozenset("c"))),                              # evidence about this world
+    ([Entry("c", EVICT, 3)], 4, Wants()),                                                    # about an older world: ignored
+])
+def test_fold(entries, prev_round, want):
+    assert fold(entries, prev_round) == want
+
+
+@pytest.mark.parametrize(("beat", "now", "alive"), [
+    (100.0, 100.0, True),
+    (100.0, 105.9, True),      # interval 2 x 3 attempts: dead at 6 s
+    (100.0, 106.0, False),
+    (None, 100.0, False),      # never beat
+    (0.0, 100.0, False),       # left (its heartbeat was zeroed)
+])
+def test_heartbeat_alive(beat, now, alive):
+    assert heartbeat_alive(beat, now, 2.0, 3) is alive
+
+
+@pytest.mark.parametrize(("raw", "want"), [
+    (None, (0, "")), (b"", (0, "")), (b"3 node-a", (3, "node-a")), (b"4 -", (4, "")), (b"junk", (0, "")),
+])
+def test_parse_lease(raw, want):
+    assert parse_lease(raw) == want
+
+
+@pytest.mark.parametrize(("holder", "holder_alive", "want"), [
+    ("me", True, Lease.HOLD),
+    ("", False, Lease.TAKE),          # vacant
+    ("other", False, Lease.TAKE),     # its holder's heartbeat expired
+    ("other", True, Lease.FOLLOW),
+])
+def test_lease_action(holder, holder_alive, want):
+    assert lease_action("me", holder, holder_alive) is want
+
+
+# (prev record, wants, alive, now, min_since, expect) -> (action, members, spares, reason)
+DECIDE = [
+    # the first world, no plan: torch's last call after min_nodes
+    ("first: below min", NO_RECORD, Wants(("a",)), ABCD, 0.0, None, frozenset(),
+     Action.WAIT, (), (), "below min_nodes"),
+    ("first: min there, last call runs", NO_RECORD, Wants(("a", "b")), ABCD, 5.0, None, frozenset(),
+     Action.WAIT, (), (), "last call"),
+    ("first: last call over", NO_RECORD, Wants(("a", "b", "c")), ABCD, 7.0, 5.0, frozenset(),
+     Action.PUBLISH, ("a", "b", "c"), (), "last call"),
+    ("first: max_nodes at once", NO_RECORD, Wants(tuple("abcde")), frozenset("abcde"), 0.0, None, frozenset(),
+     Action.PUBLISH, tuple("abcd"), ("e",), "max_nodes"),
+    ("first: the plan names everyone", NO_RECORD, Wants(("b", "a", "c")), ABCD, 0.0, None, frozenset("abc"),
+     Action.PUBLISH, ("a", "b", "c"), (), "everyone expected is there"),
+    ("ranks as torch's: by address, pid, local id", NO_RECORD,
+     Wants(("10.0.0.2_7_0", "10.0.0.10_99_0", "10.0.0.2_10_1", "10.0.0.2_10_0")),
+     frozenset({"10.0.0.2_7_0", "10.0.0.10_99_0", "10.0.0.2_10_1", "10.0.0.2_10_0"}), 0.0, None,
+     frozenset({"10.0.0.2_7_0", "10.0.0.10_99_0", "10.0.0.2_10_1", "10.0.0.2_10_0"}),
+     Action.PUBLISH, ("10.0.0.10_99_0", "10.0.0.2_7_0", "10.0.0.2_10_0", "10.0.0.2_10_1"), (), "max_nodes"),
+    ("max_nodes: members before newcomers get in", rec("c", "d", "e"), Wants(("a", "c", "d", "e", "b")),
+     frozenset("abcde"), 0.0, None, frozenset(), Action.PUBLISH, ("a", "c", "d", "e"), ("b",), "max_nodes"),
+    ("first: a planned node missing", NO_RECORD, Wants(("a", "b")), ABCD, 0.0, None, frozenset("abc"),
+     Action.WAIT, (), (), "last call"),
+    # a planned leave: the survivors, no timeout; ranks keep their order
+    ("leave", rec("a", "b", "c", "d"), Wants(("c", "a", "b"), frozenset("d")), frozenset("abc"), 0.0, None, frozenset(),
+     Action.PUBLISH, ("a", "b", "c"), (), "everyone expected is there"),
+    ("leave, a survivor not back yet", rec("a", "b", "c", "d"), Wants(("a", "b"), frozenset("d")), frozenset("abc"),
+     0.0, None, frozenset(), Action.WAIT, (), (), "last call"),
+    # a loss: waits while the lost node's heartbeat holds, publishes once it expired
+    ("loss, heartbeat still fresh", rec("a", "b", "c"), Wants(("a", "b")), frozenset("abc"), 1.0, None, frozenset(),
+     Action.WAIT, (), (), "last call"),
+    ("loss, heartbeat expired", rec("a", "b", "c"), Wants(("a", "b")), frozenset("ab"), 1.5, 1.0, frozenset(),
+     Action.PUBLISH, ("a", "b"), (), "everyone expected is there"),
+    ("loss, evicted on evidence", rec("a", "b", "c"), Wants(("a", "b"), evicted=frozenset("c")), frozenset("abc"),
+     0.0, None, frozenset(), Action.PUBLISH, ("a", "b"), (), "everyone expected is there"),
+    ("a live member never comes back: last call", rec("a", "b", "c"), Wants(("a", "b")), frozenset("abc"), 3.0, 1.0,
+     frozenset(), Action.PUBLISH, ("a", "b"), (), "last call"),
+    # a join: the members come back, the newcomer goes last
+    ("join", rec("b", "c"), Wants(("a", "c", "b")), frozenset("abc"), 0.0, None, frozenset(),
+     Action.PUBLISH, ("a", "b", "c"), (), "everyone expected is there"),
+    ("a dead joiner is no candidate", rec("a", "b"), Wants(("e", "b", "a")), frozenset("ab"), 0.0, None, frozenset(),
+     Action.PUBLISH, ("a", "b"), (), "everyone expected is there"),
+    # spares carried by the record take a leaver's place
+    ("a spare replaces a leaver", rec("a", "b", "c", "d", spares=("e",)), Wants(("a", "b", "c"), frozenset("d")),
+     frozenset("abce"), 0.0, None, frozenset(), Action.PUBLISH, ("a", "b", "c", "e"), (), "max_nodes"),
+    ("below min after a loss", rec("a", "b"), Wants(("a",)), frozenset("a"), 0.0, None, frozenset(),
+     Action.WAIT, (), (), "below min_nodes"),
+]
+
+
+@pytest.mark.parametrize(("name", "prev", "wants", "alive", "now", "min_since", "expect", "action", "members", "spares",
+                          "reason"), DECIDE, ids=[c[0] for c in DECIDE])
+def test_decide(name, prev, wants, alive, now, min_since, expect, action, members, spares, reason):
+    d = decide(prev, wants, alive, S, now, min_since, expect)
+    assert (d.action, d.members, d.spares, d.reason) == (action, members, spares, reason)
+
+
+def test_decide_keeps_the_last_call_clock_and_resets_it_below_min():
+    d = decide(NO_RECORD, Wants(("a", "b")), ABCD, S, 5.0, None)
+    assert d.min_since == 5.0
+    assert decide(NO_RECORD, Wants(("a", "b")), ABCD, S, 6.0, d.min_since).min_since == 5.0
+    assert decide(NO_RECORD, Wants(("a",)), ABCD, S, 6.5, d.min_since).min_since is None
+
+
+def test_decide_names_who_is_missing():
+    d = decide(rec("a", "b", "c"), Wants(("a",)), frozenset("abc"), S, 0.0, None)
+    assert d.missing == ("b", "c")
+
+
+@pytest.mark.parametrize("value", [
+    Entry("10.0.0.5_123_0", JOIN, 4), Entry("n_1_2", LEAVE, -1), Entry("x", EVICT, 7),
+])
+def test_entry_round_trip(value):
+    assert Entry.decode(value.encode()) == value
+
+
+@pytest.mark.parametrize("raw", [b"", b"join", b"join x y", b"hello 1 a"])
+def test_entry_refuses_what_is_no_entry(raw):
+    assert Entry.decode(raw) is None
+
+
+def test_record_go_and_assignment_round_trip():
+    r = Record(5, ("a", "b"), ("c",), 42, 3)
+    assert Record.decode(r.encode()) == r
+    assert Go.decode(Go(3, 2, 42).encode()) == Go(3, 2, 42)
+    assert assignment(encode_assignment(1, 2)) == (1, 2)
+    assert list(new_entries(3, 6)) == [4, 5, 6] and list(new_entries(6, 6)) == []
