@@ -63,6 +63,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 
+from trainguard.agent import storecall
 from trainguard.agent.elastic_join import _Executor, evict_nodes, fresh_reads, next_round, planned_complete  # noqa: F401 (re-exported)
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.linetail import tail_whole_lines
@@ -283,6 +284,38 @@ class ElasticAdapter:
         return self._agent._remaining_restarts
 
     # -- rendezvous --------------------------------------------------------------------------------
+    def bound_store_calls(self, keep_alive_interval_s: float, keep_alive_max_attempts: int) -> bool:
+        """c10d: the rendezvous backend's calls give up after interval x attempts and reconnect, and the
+        handler's own client is renewed once the store answers again (issue 37,
+        :mod:`trainguard.agent.storecall`). False (nothing changed) for other backends."""
+        handler = self.handler
+        holder = getattr(handler, "_state_holder", None)
+        backend = getattr(holder, "_backend", None)
+        old = getattr(handler, "_store", None)
+        host, port = getattr(old, "host", ""), int(getattr(old, "port", 0) or 0)
+        if type(backend) is not C10dRendezvousBackend or not host or not port:
+            return False
+        bound = storecall.call_bound_s(keep_alive_interval_s, keep_alive_max_attempts)
+        retired: list[Any] = []  # replaced clients; the first may be the store server this agent hosts
+
+        def renew_handler_client() -> None:
+            timeout = getattr(handler._store, "timeout", None) or timedelta(seconds=60)
+            new = storecall.call_with_deadline(lambda: dist.TCPStore(
+                host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=bound)), bound, "connect")
+            new.set_timeout(timeout)
+            retired.append(handler._store)
+            del retired[1:-4]
+            handler._store = new
+            if self.group.store is not None:
+                self.group.store = dist.PrefixStore(f"torch.rendezvous.{handler._settings.run_id}.{self.round}", new)
+
+        client = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=bound))
+        with handler._heartbeat_lock:
+            holder._backend = storecall.BoundedC10dBackend(
+                client, handler._settings.run_id, host=host, port=port, bound_s=bound,
+                interval_s=keep_alive_interval_s, on_reconnected=renew_handler_client)
+        return True
+
     def reconnect_store(self) -> bool:
         """Reconnect to a c10d rendezvous store that restarted (``trainguard store`` under systemd).
 
@@ -311,7 +344,12 @@ class ElasticAdapter:
             return False
         new.set_timeout(timeout)
         run_id = handler._settings.run_id
-        fresh = C10dRendezvousBackend(new, run_id)
+        if isinstance(backend, storecall.BoundedC10dBackend):  # keep the bound on the new connection
+            fresh: C10dRendezvousBackend = storecall.BoundedC10dBackend(
+                new, run_id, host=host, port=port, bound_s=backend.bound_s, interval_s=backend.interval_s,
+                on_reconnected=backend.on_reconnected)
+        else:
+            fresh = C10dRendezvousBackend(new, run_id)
         with handler._heartbeat_lock:  # the keep-alive timer thread syncs the same holder
             # Every node's heartbeat is as stale as the outage is long (none could write): refresh them
             # all, or the first sync would drop the whole round as dead. A node that died meanwhile
