@@ -204,4 +204,80 @@ class BoundedC10dBackend(C10dRendezvousBackend):
                         effect="store calls give up after bound_s; a new connection after each backoff")
 
 
-__all__ = ["BoundedC10dBackend", "Link", "StoreCallTimeout", "call_with_deadline", "backoff_s", "call_bound_s", "may_connect", "on_failure", "on_success"]
+class ClientGuard:
+    """One client slot (the handler's client, or a thread's own) shared by every :class:`BoundedStore`
+    over it. A call that gave up leaves its client with a request in flight (the client holds its own
+    lock meanwhile: a second call on it would wait behind the first, or read its late answer), so from
+    then on calls fail at once until ``renew()`` put a new client in the slot, tried at most once per
+    :func:`backoff_s` (the backend's ``on_reconnected`` may renew the slot first)."""
+
+    def __init__(self, current: Callable[[], Any], renew: Callable[[], None], *, bound_s: float, interval_s: float,
+                 name: str) -> None:
+        self.current, self.renew, self.name = current, renew, name
+        self.bound_s, self.interval_s = float(bound_s), float(interval_s)
+        self.link = Link()
+        self.stuck: Any = None
+        self._lock = threading.Lock()
+
+    def call(self, view: Callable[[Any], Any], op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        client = self._usable()
+        t0 = time.monotonic()
+        try:
+            out = call_with_deadline(lambda: getattr(view(client), op)(*args, **kwargs), self.bound_s, op)
+        except StoreCallTimeout as exc:
+            with self._lock:
+                self.stuck = client
+                self._note_failure(op, exc, t0)
+            raise
+        ended = None
+        with self._lock:
+            self.link, ended = on_success(self.link, time.monotonic())
+        if ended is not None:
+            log.info("store_reconnected", client=self.name, down_s=round(ended, 3), bound_s=self.bound_s)
+        return out
+
+    def _usable(self) -> Any:
+        with self._lock:
+            client = self.current()
+            if self.stuck is None or client is not self.stuck:
+                return client
+            now = time.monotonic()
+            if not may_connect(self.link, now):
+                raise StoreCallTimeout(f"the {self.name} store client gave up a call; next connect in "
+                                       f"{self.link.next_connect_at - now:.1f} s")
+            try:
+                call_with_deadline(self.renew, self.bound_s, "connect")
+            except Exception as exc:  # noqa: BLE001 - not back yet
+                self._note_failure("connect", exc, now)
+                raise StoreCallTimeout(f"the {self.name} store client cannot reconnect: {exc}") from exc
+            self.stuck = None
+            return self.current()
+
+    def _note_failure(self, op: str, exc: BaseException, t0: float) -> None:
+        now = time.monotonic()
+        self.link, began = on_failure(self.link, now, self.interval_s, self.bound_s)
+        if began:
+            log.warning("store_unreachable", client=self.name, op=op, waited_s=round(now - t0, 3), bound_s=self.bound_s,
+                        error=f"{type(exc).__name__}: {exc}"[:300],
+                        effect="its calls fail at once until a new connection answers (tried after each backoff)")
+
+
+class BoundedStore:
+    """A store whose every method call (``set``, ``get``, ``check``, ``add``, ...) runs through a
+    :class:`ClientGuard`: on ``view(client)`` (a ``PrefixStore`` over it, or the client itself)."""
+
+    def __init__(self, guard: ClientGuard, view: Callable[[Any], Any] = lambda c: c) -> None:
+        self._guard, self._view = guard, view
+
+    def __getattr__(self, op: str) -> Callable[..., Any]:
+        if op.startswith("_"):
+            raise AttributeError(op)
+        return lambda *args, **kwargs: self._guard.call(self._view, op, args, kwargs)
+
+    @property
+    def unbounded(self) -> Any:
+        """The store itself, for code that needs a real ``torch.distributed.Store``."""
+        return self._view(self._guard.current())
+
+
+__all__ = ["BoundedC10dBackend", "BoundedStore", "ClientGuard", "Link", "StoreCallTimeout", "call_with_deadline", "backoff_s", "call_bound_s", "may_connect", "on_failure", "on_success"]

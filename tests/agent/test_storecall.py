@@ -170,3 +170,39 @@ def test_a_store_that_lost_the_round_is_not_read_as_an_empty_state(proxied_store
     with pytest.raises(RendezvousConnectionError, match="lost the round"):
         backend.get_state()
     assert not server.check(["torch.rendezvous.job2"]), "a reconnect wrote the sentinel into a restarted store"
+
+
+def test_a_guarded_client_gives_up_fails_fast_then_renews_after_the_heal(proxied_store):
+    from trainguard.agent.storecall import BoundedStore, ClientGuard, StoreCallTimeout
+
+    server, proxy = proxied_store
+    bound = 1.5
+    connect = lambda: dist.TCPStore("127.0.0.1", proxy.port, is_master=False, multi_tenant=True,  # noqa: E731
+                                    timeout=timedelta(seconds=bound))
+    slot = [connect()]
+    renewals = []
+
+    def renew():
+        renewals.append(slot[0])  # kept alive: a dropped client's thread may still be blocked in it
+        slot[0] = connect()
+    guard = ClientGuard(lambda: slot[0], renew, bound_s=bound, interval_s=0.5, name="test")
+    store = BoundedStore(guard, lambda c: dist.PrefixStore("p", c))
+    store.set("k", "v")
+    assert store.check(["k"]) and bytes(store.get("k")) == b"v"
+
+    proxy.cut()
+    t0 = time.monotonic()
+    with pytest.raises(StoreCallTimeout):
+        store.check(["k"])  # blocks forever on the bare client (tested by the probe in the module doc)
+    assert time.monotonic() - t0 < bound + 3.0
+    t0 = time.monotonic()
+    with pytest.raises(StoreCallTimeout, match="next connect in"):
+        store.get("k")  # the stuck client is not used again: fails at once
+    assert time.monotonic() - t0 < 0.5 and not renewals
+
+    proxy.heal()
+    time.sleep(max(0.0, guard.link.next_connect_at - time.monotonic()) + 0.01)
+    assert bytes(store.get("k")) == b"v"  # on a new connection
+    assert len(renewals) == 1 and guard.link == Link() and guard.stuck is None
+    store.add("n", 2)
+    assert int(bytes(server.get("p/n"))) == 2
