@@ -137,6 +137,7 @@ class ElasticAdapter:
         self.evicted: list[str] = []
         """Rendezvous ids the last round removed on evidence (:attr:`Plan.evict`)."""
         self._body: Callable[[], RunResult] | None = None
+        self._store_round = -1
         self._guard: storecall.ClientGuard | None = None
         """c10d with :meth:`bound_store_calls`: the handler client's guard."""
         install_whole_line_tail()
@@ -157,7 +158,9 @@ class ElasticAdapter:
 
     def _next_rendezvous(self) -> RendezvousInfo:
         plan, self._plan = self._plan, None
-        return next_round(self.handler, self._abort, plan, self.evicted)
+        info = next_round(self.handler, self._abort, plan, self.evicted)
+        self._store_round = self.round  # the round whose prefix info.store (the group's store) carries
+        return info
 
     @property
     def group(self) -> WorkerGroup:
@@ -341,7 +344,7 @@ class ElasticAdapter:
         del self._retired[1:-4]
         handler._store = new
         if self.group.store is not None:
-            self.group.store = dist.PrefixStore(f"torch.rendezvous.{handler._settings.run_id}.{self.round}", new)
+            self.group.store = dist.PrefixStore(f"torch.rendezvous.{handler._settings.run_id}.{self._store_round}", new)
 
     def reconnect_store(self) -> bool:
         """Reconnect to a c10d rendezvous store that restarted (``trainguard store`` under systemd).
@@ -407,7 +410,7 @@ class ElasticAdapter:
     def store(self) -> Any:
         """The current round's store (keys under the round's prefix), or None before the first round."""
         if self._guard is not None and self.group.store is not None:
-            return self.round_store(self.round)
+            return self.round_store(self._store_round)
         return self.group.store
 
     @property
