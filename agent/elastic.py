@@ -64,6 +64,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 
+from trainguard.agent import storecall
 from trainguard.agent.elastic_join import _Executor, evict_nodes, fresh_reads, next_round, planned_complete  # noqa: F401 (re-exported)
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.exitbarrier import (EXITED_KEY, FINISHED_KEY, REJOINING_KEY, ExitOutcome, LingerOutcome,
@@ -146,6 +147,9 @@ class ElasticAdapter:
         """Members the exit barrier saw leave the round without finishing (a store host waits for them)."""
         self._rejoin_marked = False
         """This node's rejoin mark is up (:meth:`leave` with ``rejoin``) until it joins again or leaves for good."""
+        self._store_round = -1
+        self._guard: storecall.ClientGuard | None = None
+        """c10d with :meth:`bound_store_calls`: the handler client's guard."""
         install_whole_line_tail()
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         self.keyed = isinstance(self.handler, KeyedRendezvousHandler)
@@ -169,6 +173,7 @@ class ElasticAdapter:
     def _next_rendezvous(self) -> RendezvousInfo:
         plan, self._plan = self._plan, None
         info = next_round(self.handler, self._abort, plan, self.evicted)
+        self._store_round = self.round  # the round whose prefix info.store (the group's store) carries
         self._joined = (self.round, frozenset(self.members()))
         if self._rejoin_marked:  # back in a round: nobody needs to wait for this node on its mark any more
             self._mark_rejoining(False)
@@ -253,14 +258,18 @@ class ElasticAdapter:
         backend = getattr(getattr(self.handler, "_state_holder", None), "_backend", None)
         if not isinstance(backend, C10dRendezvousBackend):
             return None
+        if self._guard is not None:
+            return storecall.BoundedStore(self._guard)
         return getattr(self.handler, "_store", None)
 
     def round_store(self, round_: int) -> Any:
         """The store under round ``round_``'s prefix (the one the round's agents use)."""
         if self.keyed:
             return self.handler.round_store(round_)  # type: ignore[attr-defined]
-        settings = self.handler._settings
-        return dist.PrefixStore(f"torch.rendezvous.{settings.run_id}.{round_}", self.handler._store)
+        prefix = f"torch.rendezvous.{self.handler._settings.run_id}.{round_}"
+        if self._guard is not None:
+            return storecall.BoundedStore(self._guard, lambda c: dist.PrefixStore(prefix, c))
+        return dist.PrefixStore(prefix, self.handler._store)
 
     def side_store(self, round_: int) -> Any:
         """A store under round ``round_``'s prefix for a thread other than the supervisor's (the hang
@@ -274,6 +283,16 @@ class ElasticAdapter:
         old = getattr(self.handler, "_store", None)
         host, port = getattr(old, "host", ""), int(getattr(old, "port", 0) or 0)
         prefix = f"torch.rendezvous.{settings.run_id}.{round_}"
+        if self._guard is not None:  # c10d: a client of its own, bounded and renewed like the handler's
+            slot = [self._connect(timedelta(seconds=5))]
+            retired: list[Any] = []
+
+            def renew() -> None:
+                retired[:] = [*retired[-3:], slot[0]]
+                slot[0] = self._connect(timedelta(seconds=5))
+            guard = storecall.ClientGuard(lambda: slot[0], renew, bound_s=self._bound_s, interval_s=self._bound_s / 3,
+                                          name="side")
+            return storecall.BoundedStore(guard, lambda c: dist.PrefixStore(prefix, c))
         if isinstance(getattr(self.handler, "_backend", None), C10dRendezvousBackend) and host and port:
             client = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=5))
             return dist.PrefixStore(prefix, client)
@@ -342,9 +361,11 @@ class ElasticAdapter:
         return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
 
     def hosts_store(self) -> bool:
-        """Whether this agent's process hosts the c10d rendezvous store (listens on its port)."""
-        store = self.endpoint_store()
-        port = int(getattr(store, "port", 0) or 0)
+        """Whether this agent's process hosts the c10d rendezvous store (listens on its port). The port is
+        the handler client's (the endpoint store may be a bounded wrapper: :meth:`bound_store_calls`)."""
+        if self.keyed or self.endpoint_store() is None:
+            return False
+        port = int(getattr(getattr(self.handler, "_store", None), "port", 0) or 0)
         return bool(port) and listens_here(port)
 
     @property
@@ -357,6 +378,49 @@ class ElasticAdapter:
         return self._agent._remaining_restarts
 
     # -- rendezvous --------------------------------------------------------------------------------
+    def bound_store_calls(self, keep_alive_interval_s: float, keep_alive_max_attempts: int) -> bool:
+        """c10d: every rendezvous-store call of this agent gives up after interval x attempts (issue 37,
+        :mod:`trainguard.agent.storecall`): the backend's state calls on a connection of their own that
+        reconnects, the supervisor's and the hang watch's calls through a :class:`~trainguard.agent.storecall.ClientGuard`
+        that renews the client after a call gave up. False (nothing changed) for other backends."""
+        handler = self.handler
+        holder = getattr(handler, "_state_holder", None)
+        backend = getattr(holder, "_backend", None)
+        old = getattr(handler, "_store", None)
+        host, port = getattr(old, "host", ""), int(getattr(old, "port", 0) or 0)
+        if type(backend) is not C10dRendezvousBackend or not host or not port:
+            return False
+        self._bound_s = bound = storecall.call_bound_s(keep_alive_interval_s, keep_alive_max_attempts)
+        self._endpoint = (host, port)
+        self._retired: list[Any] = []  # replaced clients; the first may be the store server this agent hosts
+        self._guard = storecall.ClientGuard(lambda: handler._store, self._renew_handler_client, bound_s=bound,
+                                            interval_s=keep_alive_interval_s, name="handler")
+        client = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=bound))
+        with handler._heartbeat_lock:
+            holder._backend = storecall.BoundedC10dBackend(
+                client, handler._settings.run_id, host=host, port=port, bound_s=bound,
+                interval_s=keep_alive_interval_s, on_reconnected=self._renew_handler_client)
+        return True
+
+    def _connect(self, timeout: timedelta) -> Any:
+        """A new client to the c10d endpoint, the connect bounded (its own timeout does not bound it)."""
+        host, port = self._endpoint
+        bound = self._bound_s
+        new = storecall.call_with_deadline(lambda: dist.TCPStore(
+            host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=bound)), bound, "connect")
+        new.set_timeout(timeout)
+        return new
+
+    def _renew_handler_client(self) -> None:
+        """Replace the handler's client (torch's rank assignment, the round store) with a new connection."""
+        handler = self.handler
+        new = self._connect(getattr(handler._store, "timeout", None) or timedelta(seconds=60))
+        self._retired.append(handler._store)
+        del self._retired[1:-4]
+        handler._store = new
+        if self.group.store is not None:
+            self.group.store = dist.PrefixStore(f"torch.rendezvous.{handler._settings.run_id}.{self._store_round}", new)
+
     def reconnect_store(self) -> bool:
         """Reconnect to a c10d rendezvous store that restarted (``trainguard store`` under systemd).
 
@@ -379,13 +443,19 @@ class ElasticAdapter:
         if not host or not port:
             return False
         timeout = getattr(old, "timeout", None) or timedelta(seconds=60)
+        run_id = handler._settings.run_id
         try:
-            new = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=min(timeout, timedelta(seconds=5)))
+            if isinstance(backend, storecall.BoundedC10dBackend):  # keep the bound on the new connection
+                new = self._connect(timeout)
+                fresh: C10dRendezvousBackend = storecall.call_with_deadline(lambda: storecall.BoundedC10dBackend(
+                    new, run_id, host=host, port=port, bound_s=backend.bound_s, interval_s=backend.interval_s,
+                    on_reconnected=backend.on_reconnected), backend.bound_s, "connect")
+            else:
+                new = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=min(timeout, timedelta(seconds=5)))
+                new.set_timeout(timeout)
+                fresh = C10dRendezvousBackend(new, run_id)
         except Exception:  # noqa: BLE001 - not back yet: the caller tries again later
             return False
-        new.set_timeout(timeout)
-        run_id = handler._settings.run_id
-        fresh = C10dRendezvousBackend(new, run_id)
         with handler._heartbeat_lock:  # the keep-alive timer thread syncs the same holder
             # Every node's heartbeat is as stale as the outage is long (none could write): refresh them
             # all, or the first sync would drop the whole round as dead. A node that died meanwhile
@@ -414,6 +484,8 @@ class ElasticAdapter:
     @property
     def store(self) -> Any:
         """The current round's store (keys under the round's prefix), or None before the first round."""
+        if self._guard is not None and self.group.store is not None:
+            return self.round_store(self._store_round)
         return self.group.store
 
     @property

@@ -212,6 +212,7 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
         else:
             self.adapter = ElasticAdapter(spec, logs, exit_barrier_timeout=cfg.workers.exit_barrier_timeout_s,
                                           worker_env=self.worker_env, abort_rendezvous=lambda: self._drain is not None)
+            self.adapter.bound_store_calls(cfg.rendezvous.keep_alive_interval_s, cfg.rendezvous.keep_alive_max_attempts)
 
     # ---- inputs from other threads ------------------------------------------------------------
     def request_drain(self, source: str, kind: str, deadline: float, reason: str = "") -> bool:

@@ -24,13 +24,19 @@ def adapter_for(endpoint: str, tmp_path, name: str) -> ElasticAdapter:
                           worker_env=dict, abort_rendezvous=lambda: False)
 
 
-def test_an_agent_reconnects_to_a_restarted_store_and_republishes_its_round(tmp_path):
+@pytest.mark.parametrize("bounded", [False, True], ids=["torch_backend", "bounded_store_calls"])
+def test_an_agent_reconnects_to_a_restarted_store_and_republishes_its_round(tmp_path, bounded):
     store = Store(str(tmp_path), "first")
     a = adapter_for(store.endpoint, tmp_path, "a")
+    if bounded:  # as the supervisor does for c10d (issue 37)
+        assert a.bound_store_calls(1, 3) is True
     joiner = None
     try:
         info = a.handler.next_rendezvous()  # round 0, this node alone
         a.group.store = info.store
+        if bounded:  # the supervisor's view of the round store: same keys as the group's, bounded
+            a.store.set("seen", "1")
+            assert info.store.get("seen") == b"1"
         before = a.peek()
         assert before.round == 0 and before.this_node_participates
         a.group.store.set("mark", "1")
@@ -46,6 +52,10 @@ def test_an_agent_reconnects_to_a_restarted_store_and_republishes_its_round(tmp_
         a.group.store.set("mark", "2")  # the running world's round store works again (keys are new)
         assert a.group.store.get("mark") == b"2"
         assert a.nodes_waiting() == 0
+        if bounded:
+            assert a.store.get("mark") == b"2"
+            from trainguard.agent.storecall import BoundedC10dBackend
+            assert isinstance(a.handler._state_holder._backend, BoundedC10dBackend)  # the bound survived
 
         # A node that starts against the restarted store sees the republished round, not an empty one.
         joiner = adapter_for(store.endpoint, tmp_path, "b")

@@ -151,6 +151,16 @@ def test_partition_one_of_three_majority_re_forms_minority_commits_nothing_then_
         rejoin_s = time.time() - t_heal
         print(f"world size 3 again {rejoin_s:.1f} s after healing")
         wait_until(lambda: len(rejoined()) >= 5, 60, "5 steps at world size 3 after healing")
+        # Its rendezvous-store calls gave up (bounded by keep-alive 1 s x 3) and it reconnected after the
+        # heal, within 3 bounds (agent/storecall.py) plus slack for a loaded machine: not TCP's backoff.
+        bound = 1 * 3
+        down = [e for e in victim.events("store_unreachable") if t_part <= ts(e) <= t_heal]
+        assert down and all(e["bound_s"] == bound for e in down), victim.events("store_unreachable")
+        back = [e for e in victim.events("store_reconnected") if ts(e) >= t_heal]
+        assert back, "the cut-off node's store calls never reconnected after the heal"
+        back_s = ts(back[0]) - t_heal
+        print(f"store reconnected {back_s:.1f} s after healing (down {back[0]['down_s']} s)")
+        assert back_s <= 3 * bound + 10, back_s
 
         # The minority's world never committed past the step the majority continued from; every commit
         # under an older epoch is older than the fork, and no epoch was claimed twice.

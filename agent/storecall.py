@@ -1,0 +1,283 @@
+"""Rendezvous-store calls bounded by the keep-alive, and a new connection after a call gave up (issue 37).
+
+A ``TCPStore`` client is one TCP connection. Cut off by a partition (packets dropped, no reset), a call
+waits for the store's read timeout (torch's c10d backend: ``read_timeout``, 60 s), and once the network
+heals the bytes still queued on that connection wait for TCP's retransmission backoff (the retransmission
+timeout doubles up to 120 s): the node came back 19-28 s after healing in the runs of 2026-11-27, but
+nothing bounded it. Worse, the client's timeout does not bound such a call at all (see
+:func:`call_with_deadline`): a ``get`` blocks until the connection answers or TCP gives up. Here the
+rendezvous backend's calls (the state sync of the keep-alive thread and of every rendezvous operation) use a
+connection of their own and give up after ``keep_alive_interval_s x keep_alive_max_attempts`` (the time
+after which the peers count this node dead anyway); a call that gave up drops its connection (a late
+answer would be read as the answer to the next request, and its queued bytes wait for TCP's backoff) and
+the next call after a backoff opens a new one, whose first packets go out at once when the network is
+back. Once the backend is back after an outage, the handler's own client (rank assignment of the next
+round, the round store) is replaced too (``on_reconnected``; wired by
+:meth:`~trainguard.agent.elastic.ElasticAdapter.bound_store_calls`).
+
+Bound after healing: a call in flight gives up within ``bound`` and the next connect is at most one
+backoff (capped at ``bound``) later; the connect itself is bounded by ``bound``. So the backend answers
+again at most ``3 x bound`` after the network healed (18 s with the defaults 2 s x 3), then the round is
+joined like any joiner's.
+
+The decisions (:func:`call_bound_s`, :func:`on_failure`, :func:`on_success`, :func:`may_connect`) are pure
+and table-tested; :class:`BoundedC10dBackend` carries them out."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+from trainguard.contract.log import get_logger
+
+log = get_logger("trainguard.agent.storecall")
+
+
+class StoreCallTimeout(TimeoutError):
+    """A store call did not answer within its bound (its thread is left to the dropped connection)."""
+
+
+def call_with_deadline(fn: Callable[[], Any], bound_s: float, what: str = "store call") -> Any:
+    """``fn()``, or :class:`StoreCallTimeout` after ``bound_s``. A ``TCPStore`` client's timeout does not
+    bound a call on a connection whose peer went silent: measured on torch 2.13 through a black-holing
+    proxy, ``get``, ``check``, ``add``, ``compare_set``, ``multi_get`` and the connect itself blocked past
+    a 1.5 s timeout (``get`` times out its wait, then blocks reading the cancel's answer); only ``set``
+    (no answer awaited) returned. So the call runs in a thread of its own, abandoned on timeout with its
+    connection (the caller drops the client); the thread ends when that socket answers or fails."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, name="trainguard-store-call", daemon=True)
+    t.start()
+    t.join(bound_s)
+    if t.is_alive():
+        raise StoreCallTimeout(f"{what} gave no answer within {bound_s:g} s")
+    if "exc" in box:
+        raise box["exc"]
+    return box.get("out")
+
+
+def call_bound_s(keep_alive_interval_s: float, keep_alive_max_attempts: int) -> float:
+    """How long one rendezvous-store call may wait: the peers count this node dead after as long."""
+    return float(keep_alive_interval_s) * int(keep_alive_max_attempts)
+
+
+@dataclass(frozen=True)
+class Link:
+    """The backend connection's health: when the outage began, how many calls failed in it, when the
+    next connect may be tried."""
+
+    down_since: float | None = None
+    failures: int = 0
+    next_connect_at: float = 0.0
+
+
+def backoff_s(failures: int, interval_s: float, bound_s: float) -> float:
+    """Wait before the next connect after ``failures`` failed calls: the keep-alive interval, doubling,
+    never more than ``bound_s`` (so a healed network is seen within one bound)."""
+    if failures <= 0:
+        return 0.0
+    return min(interval_s * 2 ** min(failures - 1, 30), bound_s)
+
+
+def on_failure(link: Link, now: float, interval_s: float, bound_s: float) -> tuple[Link, bool]:
+    """A call or a connect failed: the new state and whether this begins an outage (log it once)."""
+    failures = link.failures + 1
+    began = link.down_since is None
+    return Link(now if began else link.down_since, failures, now + backoff_s(failures, interval_s, bound_s)), began
+
+
+def on_success(link: Link, now: float) -> tuple[Link, float | None]:
+    """A call answered: the healthy state and, if an outage ended, how long it lasted."""
+    if link.down_since is None:
+        return link, None
+    return Link(), now - link.down_since
+
+
+def may_connect(link: Link, now: float) -> bool:
+    """Whether a call may open a new connection now (else it fails at once, without touching the network)."""
+    return now >= link.next_connect_at
+
+
+class BoundedC10dBackend(C10dRendezvousBackend):
+    """torch's c10d rendezvous backend (its public surface: ``get_state``/``set_state``) on a connection
+    of its own: each call gives up after ``bound_s`` (the client's timeout), a call that gave up drops the
+    connection, and a later call (after :func:`backoff_s`) opens a new one. A new connection to a store
+    that lost the rendezvous key (it restarted) counts as a failure too: republishing the round there is
+    the supervisor's reconnect (:meth:`~trainguard.agent.elastic.ElasticAdapter.reconnect_store`), never
+    an empty state read here. ``on_reconnected`` is called, outside the lock, when the store answers
+    again after an outage."""
+
+    def __init__(self, store: Any, run_id: str, *, host: str, port: int, bound_s: float, interval_s: float,
+                 on_reconnected: Callable[[], None] | None = None, connect: Callable[[], Any] | None = None) -> None:
+        super().__init__(store, run_id)  # the sentinel for a first round, as torch's backend writes it
+        self.run_id, self.host, self.port = run_id, host, int(port)
+        self.bound_s, self.interval_s = float(bound_s), float(interval_s)
+        self.on_reconnected = on_reconnected
+        self._connect_fn = connect or self._connect
+        self._lock = threading.Lock()
+        self._link = Link()
+        self._inner: C10dRendezvousBackend | None = C10dRendezvousBackend(store, run_id)
+
+    def _connect(self) -> Any:
+        timeout = timedelta(seconds=self.bound_s)
+        return dist.TCPStore(self.host, self.port, is_master=False, multi_tenant=True, timeout=timeout)
+
+    @property
+    def link(self) -> Link:
+        return self._link
+
+    @property
+    def connected(self) -> bool:
+        return self._inner is not None
+
+    def get_state(self) -> Any:
+        return self._bounded("get_state", lambda b: b.get_state())
+
+    def set_state(self, state: bytes, token: Any = None) -> Any:
+        return self._bounded("set_state", lambda b: b.set_state(state, token))
+
+    def _open(self) -> C10dRendezvousBackend:
+        client = self._connect_fn()
+        if not client.check(["torch.rendezvous." + self.run_id]):
+            raise RendezvousConnectionError("the rendezvous store answers but lost the round (it restarted); "
+                                            "the supervisor republishes it")
+        return C10dRendezvousBackend(client, self.run_id)
+
+    def _bounded(self, op: str, call: Callable[[C10dRendezvousBackend], Any]) -> Any:
+        ended = None
+        with self._lock:
+            t0 = time.monotonic()
+            if self._inner is None:
+                if not may_connect(self._link, t0):
+                    raise RendezvousConnectionError(
+                        f"the rendezvous store {self.host}:{self.port} is unreachable; next connect in "
+                        f"{self._link.next_connect_at - t0:.1f} s")
+                try:
+                    self._inner = call_with_deadline(self._open, self.bound_s, "connect")
+                except Exception as exc:  # noqa: BLE001 - any failure to connect counts the same
+                    self._failed("connect", exc, t0)
+                    raise RendezvousConnectionError(f"cannot reach the rendezvous store: {exc}") from exc
+            inner = self._inner
+            try:
+                try:
+                    out = call_with_deadline(lambda: call(inner), self.bound_s, op)
+                except StoreCallTimeout as exc:
+                    raise RendezvousConnectionError(str(exc)) from exc
+            except RendezvousConnectionError as exc:
+                # Drop the connection: its unanswered request would pair a late answer with the next
+                # call, and its queued bytes wait for TCP's retransmission backoff after a heal.
+                self._inner = None
+                self._failed(op, exc, t0)
+                raise
+            self._link, ended = on_success(self._link, time.monotonic())
+        if ended is not None:
+            log.info("store_reconnected", endpoint=f"{self.host}:{self.port}", down_s=round(ended, 3),
+                     bound_s=self.bound_s)
+            if self.on_reconnected is not None:
+                try:
+                    self.on_reconnected()
+                except Exception as exc:  # noqa: BLE001 - the supervisor's own reconnect covers it later
+                    log.warning("store_client_renew_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+        return out
+
+    def _failed(self, op: str, exc: BaseException, t0: float) -> None:
+        now = time.monotonic()
+        self._link, began = on_failure(self._link, now, self.interval_s, self.bound_s)
+        if began:
+            cause = exc.__cause__ or exc
+            log.warning("store_unreachable", endpoint=f"{self.host}:{self.port}", op=op,
+                        waited_s=round(now - t0, 3), bound_s=self.bound_s,
+                        error=f"{type(cause).__name__}: {cause}"[:300],
+                        effect="store calls give up after bound_s; a new connection after each backoff")
+
+
+class ClientGuard:
+    """One client slot (the handler's client, or a thread's own) shared by every :class:`BoundedStore`
+    over it. A call that gave up leaves its client with a request in flight (the client holds its own
+    lock meanwhile: a second call on it would wait behind the first, or read its late answer), so from
+    then on calls fail at once until ``renew()`` put a new client in the slot, tried at most once per
+    :func:`backoff_s` (the backend's ``on_reconnected`` may renew the slot first)."""
+
+    def __init__(self, current: Callable[[], Any], renew: Callable[[], None], *, bound_s: float, interval_s: float,
+                 name: str) -> None:
+        self.current, self.renew, self.name = current, renew, name
+        self.bound_s, self.interval_s = float(bound_s), float(interval_s)
+        self.link = Link()
+        self.stuck: Any = None
+        self._lock = threading.Lock()
+
+    def call(self, view: Callable[[Any], Any], op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        client = self._usable()
+        t0 = time.monotonic()
+        try:
+            out = call_with_deadline(lambda: getattr(view(client), op)(*args, **kwargs), self.bound_s, op)
+        except StoreCallTimeout as exc:
+            with self._lock:
+                self.stuck = client
+                self._note_failure(op, exc, t0)
+            raise
+        ended = None
+        with self._lock:
+            self.link, ended = on_success(self.link, time.monotonic())
+        if ended is not None:
+            log.info("store_reconnected", client=self.name, down_s=round(ended, 3), bound_s=self.bound_s)
+        return out
+
+    def _usable(self) -> Any:
+        with self._lock:
+            client = self.current()
+            if self.stuck is None or client is not self.stuck:
+                return client
+            now = time.monotonic()
+            if not may_connect(self.link, now):
+                raise StoreCallTimeout(f"the {self.name} store client gave up a call; next connect in "
+                                       f"{self.link.next_connect_at - now:.1f} s")
+            try:
+                call_with_deadline(self.renew, self.bound_s, "connect")
+            except Exception as exc:  # noqa: BLE001 - not back yet
+                self._note_failure("connect", exc, now)
+                raise StoreCallTimeout(f"the {self.name} store client cannot reconnect: {exc}") from exc
+            self.stuck = None
+            return self.current()
+
+    def _note_failure(self, op: str, exc: BaseException, t0: float) -> None:
+        now = time.monotonic()
+        self.link, began = on_failure(self.link, now, self.interval_s, self.bound_s)
+        if began:
+            log.warning("store_unreachable", client=self.name, op=op, waited_s=round(now - t0, 3), bound_s=self.bound_s,
+                        error=f"{type(exc).__name__}: {exc}"[:300],
+                        effect="its calls fail at once until a new connection answers (tried after each backoff)")
+
+
+class BoundedStore:
+    """A store whose every method call (``set``, ``get``, ``check``, ``add``, ...) runs through a
+    :class:`ClientGuard`: on ``view(client)`` (a ``PrefixStore`` over it, or the client itself)."""
+
+    def __init__(self, guard: ClientGuard, view: Callable[[Any], Any] = lambda c: c) -> None:
+        self._guard, self._view = guard, view
+
+    def __getattr__(self, op: str) -> Callable[..., Any]:
+        if op.startswith("_"):
+            raise AttributeError(op)
+        return lambda *args, **kwargs: self._guard.call(self._view, op, args, kwargs)
+
+    @property
+    def unbounded(self) -> Any:
+        """The store itself, for code that needs a real ``torch.distributed.Store``."""
+        return self._view(self._guard.current())
+
+
+__all__ = ["BoundedC10dBackend", "BoundedStore", "ClientGuard", "Link", "StoreCallTimeout", "call_with_deadline", "backoff_s", "call_bound_s", "may_connect", "on_failure", "on_success"]
