@@ -138,6 +138,8 @@ class ControlServer:
         self._lock = threading.Lock()
         self._workers: dict[socket.socket, proto.Hello] = {}
         self._closed = threading.Event()
+        self._serving: set[threading.Thread] = set()
+        """The threads serving a connection (one per worker or CLI client), until it closes."""
         self.status_extra: dict[str, Any] = {"pid": os.getpid(), "socket": path}
         """Merged into every successful status reply (the daemon adds e.g. ``metrics_url``)."""
         self.observers: list[Callable[[proto.Message], None]] = []
@@ -222,7 +224,10 @@ class ControlServer:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="trainguard-control-conn", daemon=True).start()
+            t = threading.Thread(target=self._serve, args=(conn,), name="trainguard-control-conn", daemon=True)
+            with self._lock:
+                self._serving.add(t)
+            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(1.0)
@@ -250,10 +255,28 @@ class ControlServer:
         finally:
             with self._lock:
                 self._workers.pop(conn, None)
+                self._serving.discard(threading.current_thread())
             try:
                 conn.close()
             except OSError:
                 pass
+
+    def settle(self, timeout_s: float = 1.0) -> bool:
+        """Wait (at most ``timeout_s``) until every connection's thread has handled what its peer sent and
+        seen it close. A worker's last report (its emergency checkpoint's ``committed``, sent just before
+        it exits) is otherwise lost when the agent closes the socket first: on a loaded machine the
+        serving thread had not run yet, and a drained node's ``checkpoint_not_saved`` line and its exit
+        record's error were missing. Call it once the workers are gone. True when all had ended."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                left = [t for t in self._serving if t.is_alive()]
+            if not left:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            left[0].join(min(remaining, 0.05))
 
     @staticmethod
     def _send(conn: socket.socket, reply: proto.Reply) -> None:

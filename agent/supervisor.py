@@ -535,6 +535,7 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
         return self._finish()
 
     def _finish(self) -> int:
+        self.control.settle()  # the workers' last reports are handled before the outcome is read from them
         outcome = self._outcome
         if self._error is not None or outcome is None:
             if not self.sm.state.terminal:

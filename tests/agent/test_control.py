@@ -171,3 +171,35 @@ def test_lock_file_is_removed_on_close_and_stale_ones_at_start_but_never_a_held_
     finally:
         os.close(fd)
 
+
+
+def test_settle_waits_until_a_departed_workers_last_reports_are_handled(tmp_path):
+    """A worker sends its last report (the emergency checkpoint's ``committed``) and exits at once; the
+    agent must handle it before it reads its outcome and closes the socket. ``settle`` returns once every
+    connection's thread has handled what its peer sent and seen it close (here each report takes 0.3 s to
+    handle, so the second is still unhandled when the client has gone)."""
+    import threading
+    import time
+
+    handled: list[proto.Message] = []
+    arrived = threading.Event()
+
+    def slow(msg: proto.Message) -> proto.Reply | None:
+        arrived.set()
+        time.sleep(0.3)
+        handled.append(msg)
+        return None
+
+    s = control.ControlServer(proto.control_socket_path(str(tmp_path), "job"), slow)
+    try:
+        reports = [proto.Committed(step=s_, kind=proto.CheckpointKind.EMERGENCY, rank=0, saved=False) for s_ in (7, 8)]
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(s.path)
+            c.sendall(b"".join(proto.encode(m) for m in reports))
+        assert arrived.wait(10)
+        assert len(handled) < 2  # the client is gone, its reports not all handled yet
+        assert s.settle(10.0) is True
+        assert [m.step for m in handled] == [7, 8]
+        assert s.settle(0.0) is True  # nothing left to wait for
+    finally:
+        s.close()
