@@ -39,6 +39,12 @@ class Stopping:
             self._session.report(self._session.committed(self.step, self.rank, why.checkpoint_kind, seconds, result, committed))
         self._reform.park(proto.ParkReason.DRAIN if why is proto.StopReason.DRAIN else proto.ParkReason.RESIZE)
 
+    def _abandoned(self, why: proto.StopReason) -> int | None:
+        """Count the abandoned save as a failed checkpoint; the last committed step (it stands)."""
+        if self._metrics is not None:
+            self._metrics.observe_checkpoint(why.checkpoint_kind.value, None, None, 0.0, 0, self.step, False)
+        return self._tiers.committed
+
     def _abandoned_in_place(self, why: proto.StopReason, e: SaveAbandoned) -> None:
         """A survivor's save was cut off at the drain deadline (the leaving node vanished mid-save, or
         storage was too slow for the notice): the world this step ran in is treated as one that lost a
@@ -47,9 +53,7 @@ class Stopping:
         from the nearest tier that covers the lost member's shards (tier 1, else storage): nothing is
         rolled back that memory still holds, and no process restarts. The last committed step stands on
         storage; the abandoned save never commits (its world's connections end with the park)."""
-        last = self._tiers.committed
-        if self._metrics is not None:
-            self._metrics.observe_checkpoint(why.checkpoint_kind.value, None, None, 0.0, 0, self.step, False)
+        last = self._abandoned(why)
         self._log.warning("checkpoint_abandoned", step=self.step, kind=why.checkpoint_kind.value, reason=str(e),
                           last_committed=last, in_place=True,
                           effect="re-forming in place without the leaving node from the live state of this step "
@@ -60,8 +64,7 @@ class Stopping:
         """The deadline passed mid-save: the last committed checkpoint stands. Say how much work that
         loses, tell the agent, and exit with the resize code (no cleanup: a thread may be stuck in a
         collective with a vanished peer, and closing the manager would wait for it)."""
-        last = self._tiers.committed
-        self._metrics.observe_checkpoint(why.checkpoint_kind.value, None, None, 0.0, 0, self.step, False)
+        last = self._abandoned(why)
         self._log.error("checkpoint_abandoned", step=self.step, kind=why.checkpoint_kind.value, reason=str(e),
                         last_committed=last, lost_steps=self.step - (last or 0),
                         effect="exiting with the resize code; the job resumes from the last committed step")
