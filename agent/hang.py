@@ -13,8 +13,8 @@ This module decides, with no I/O and no clock of its own (the tests pass a fake 
   or between worlds, and still beats, always does. The culprit is the rank whose heartbeat stopped
   first, else the one that sits somewhere else than the others (another phase, another frame: outside
   the collective they wait in). A rank whose process the kernel reports stopped (its own agent reads
-  ``/proc``: :mod:`trainguard.agent.procstat`) for ``hang.stopped_s`` while the job stalls is hung at
-  once (``process_stopped``); one the kernel reports busy (running C code holding the GIL, or starved)
+  ``/proc``: :mod:`trainguard.agent.procstat`) for ``hang.stopped_s`` is hung at once
+  (``process_stopped``: it takes part in no collective); one the kernel reports busy (running C code holding the GIL, or starved)
   is never named for its silence alone.
 * :func:`hang_action` -> :class:`HangAction`: what *this* node does about a verdict: end its own
   workers (the culprit is here), stay out (the culprit is here a second time within
@@ -69,13 +69,21 @@ class HangConfig:
     starved machine (load 6 on 2 cores) silence it too; set it below ``min_s`` only where such waits are
     shorter (the peers bench's fast row: 1 s on an idle machine)."""
 
-    stopped_s: float = 0.5
-    """A rank whose process the kernel reports stopped (state ``T`` in ``/proc/<pid>/stat``: SIGSTOP, a
-    frozen container) this long, while the job made no progress this long either, is hung, without waiting
-    for ``silent_s`` or the threshold. Only the rank's own agent can read it (its node's ``/proc``), and
-    that is the agent that ends the rank. A stopped process cannot be busy in C code or starved, so this
-    bound holds on a loaded machine too; a tracer's stop (``t``: a debugger) does not count. At most
-    ``silent_s``."""
+    stopped_s: float = 0.3
+    """A rank whose process the kernel reports stopped (state ``T`` in ``/proc/<pid>/stat``: SIGSTOP), its
+    CPU time standing still, this long is hung, without waiting for ``silent_s`` or the threshold: a stopped
+    process takes part in no collective, so the job stalls at its next one. (Waiting to see the stall too
+    would only add the time a peer's progress takes to reach this agent, up to two heartbeat intervals.)
+    Only the rank's own agent can read it (its node's ``/proc``), and that is the agent that ends the rank.
+    A stopped process cannot be busy in C code or starved, so this bound holds on a loaded machine too; a
+    tracer's stop (``t``: a debugger) does not count, nor a throttler's stops that the process runs between
+    (its CPU time advances). At most ``silent_s``. An operator who pauses a worker with SIGSTOP on purpose
+    should disable hang detection first (``hang.enabled: false``)."""
+
+    proc_poll_s: float = 0.1
+    """How often the agent reads its workers' ``/proc/<pid>/stat`` (the ``stopped_s`` evidence) between its
+    supervisor ticks, and acts as soon as a stop has lasted ``stopped_s``. 0: only at the supervisor's tick
+    (``workers.monitor_interval_s``). One small file read per local worker per poll."""
 
     frozen_s: float = 2.0
     """A node whose agent published nothing this long, its ranks silent as long, while the job made no
@@ -114,9 +122,13 @@ class HangConfig:
                 f"must be between heartbeat_interval_s x stale_beats ({self.heartbeat_interval_s * self.stale_beats:g} s) "
                 f"and min_s ({self.min_s:g} s), got {self.silent_s}",
                 "use hang.min_s (6), or raise hang.min_s / lower hang.heartbeat_interval_s")
-        require_finite(self.stopped_s, "stopped_s", positive=True, fix="use 0.5 (seconds)")
+        require_finite(self.stopped_s, "stopped_s", positive=True, fix="use 0.3 (seconds)")
         require(self.stopped_s <= self.silent_s, "stopped_s", f"must be at most silent_s ({self.silent_s:g} s), got {self.stopped_s}",
-                "use 0.5: a stopped process is stronger evidence than a silent heartbeat")
+                "use 0.3: a stopped process is stronger evidence than a silent heartbeat")
+        require_finite(self.proc_poll_s, "proc_poll_s", minimum=0.0, fix="use 0.1 (seconds; 0: at the supervisor's tick only)")
+        require(self.proc_poll_s <= self.stopped_s, "proc_poll_s",
+                f"must be at most stopped_s ({self.stopped_s:g} s), got {self.proc_poll_s}",
+                "use 0.1: a stop is seen a poll after it started")
         require_finite(self.frozen_s, "frozen_s", positive=True, fix="use 2 (seconds)")
         require(self.stale_s <= self.frozen_s <= self.silent_s, "frozen_s",
                 f"must be between heartbeat_interval_s x stale_beats ({self.stale_s:g} s) and silent_s "
@@ -326,8 +338,9 @@ def decide_hang(ranks: Sequence[RankView], now: float, cfg: HangConfig, p99: flo
     frozen = [r for r in ranks if r.node in quiet]
     by_frozen = False
     if stalled <= threshold:
-        if stopped and stalled > cfg.stopped_s:
-            # The kernel says a rank cannot run, and the job waits: no need to wait out a silence.
+        if stopped:
+            # The kernel says a rank cannot run: the job stalls at its next collective. No need to wait out
+            # a silence, nor for its peers' stall to reach this agent.
             threshold = cfg.stopped_s
         elif frozen and stalled > cfg.frozen_s:
             # A node's agent and its ranks all silent: the node is frozen (or cut off), nobody there acts.

@@ -8,7 +8,9 @@ and its ranks' last beats) and reads the records of the world's other members. A
 publishes nothing: its sequence number stops, and that is how its peers tell a frozen node from a hung
 worker whose agent still acts. The supervisor asks :meth:`HangWatch.check` each tick (the pure
 :func:`~trainguard.agent.hang.decide_hang` and :func:`~trainguard.agent.hang.hang_action` over what was
-seen) and :meth:`HangWatch.evict` during a re-formation after a lost peer.
+seen) and :meth:`HangWatch.evict` during a re-formation after a lost peer. Between its ticks a second
+thread (:meth:`HangWatch.watch_procs`) reads the local workers' ``/proc`` every ``hang.proc_poll_s`` and
+wakes the supervisor the moment a stopped worker's stop has lasted ``hang.stopped_s``.
 
 Keys live under the round's prefix: a new world starts with no records, and a record of a node that
 left is never read again. Every store call is best effort (the watch observes; the store's own
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -98,6 +101,11 @@ class HangWatch:
         """When (monotonic) this node's own ranks were named the culprit (quarantine counts them)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pids: dict[int, int] = {}
+        """Local rank -> pid, as the supervisor last gave them (the proc poll reads these)."""
+        self._woken: set[tuple[int, float]] = set()
+        """(local rank, stopped since) already announced to the supervisor by the proc poll."""
+        self._proc_thread: threading.Thread | None = None
 
     # ---- inputs ---------------------------------------------------------------------------------
     def on_progress(self, msg: proto.Progress) -> None:
@@ -116,6 +124,7 @@ class HangWatch:
         samples = {lr: (pid, read(pid)) for lr, pid in pids.items()}
         now = self._clock()
         with self._lock:
+            self._pids = dict(pids)
             for lr, (pid, cur) in samples.items():
                 last = self._procs.get(lr)
                 same = last is not None and last.pid == pid
@@ -152,6 +161,42 @@ class HangWatch:
             self._watching = False
             self._local.clear()
             self._procs.clear()
+
+    def watch_procs(self, wake: Callable[[], None]) -> None:
+        """Read the workers' ``/proc`` every ``hang.proc_poll_s`` between the supervisor's ticks, and call
+        ``wake`` (the supervisor's tick, at once) when a stop has lasted ``hang.stopped_s``: the
+        ``process_stopped`` verdict then comes at that bound, not up to a tick later. Starts once; no-op
+        with ``proc_poll_s`` 0, with hang detection off, or without ``/proc``."""
+        if (self._proc_thread is not None or not self.cfg.enabled or self.cfg.proc_poll_s <= 0
+                or not os.path.isdir("/proc/self")):
+            return
+        self._proc_thread = threading.Thread(target=self._poll_procs, args=(wake,), name="trainguard-procwatch", daemon=True)
+        self._proc_thread.start()
+
+    def _poll_procs(self, wake: Callable[[], None]) -> None:
+        while not self._stop.wait(self.cfg.proc_poll_s):
+            try:
+                with self._lock:
+                    pids = dict(self._pids) if self._watching else {}
+                if pids:
+                    self.observe_procs(pids)
+                    if self.stop_due():
+                        wake()
+            except Exception as e:  # noqa: BLE001 - one failed read must not end the poll
+                log.debug("proc_poll_failed", error=f"{type(e).__name__}: {e}"[:300])
+
+    def stop_due(self) -> bool:
+        """Whether a local worker's stop has just lasted ``hang.stopped_s`` (True once per stop): the moment
+        the supervisor should ask :meth:`check`."""
+        now = self._clock()
+        with self._lock:
+            if not self._watching or self._acted:
+                return False
+            due = {(lr, seen.since) for lr, seen in self._procs.items()
+                   if seen.state is ProcState.STOPPED and now - seen.since > self.cfg.stopped_s}
+            new = due - self._woken
+            self._woken |= new
+            return bool(new)
 
     # ---- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -200,9 +245,9 @@ class HangWatch:
     def close(self) -> None:
         """Stop the thread (idempotent)."""
         self._stop.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=2 * self.cfg.heartbeat_interval_s + 1.0)
+        for t in (self._thread, self._proc_thread):
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=2 * self.cfg.heartbeat_interval_s + 1.0)
 
     # ---- questions ------------------------------------------------------------------------------
     def _blind(self, now: float, silence_s: float) -> bool:

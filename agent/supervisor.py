@@ -513,6 +513,8 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
             finally:
                 self._wake.set()
 
+        if self.hangs is not None:  # a stopped worker is acted on the moment its stop lasted hang.stopped_s
+            self.hangs.watch_procs(self._wake.set)
         self._thread = threading.Thread(target=target, name="supervisor", daemon=True)
         self._thread.start()
 

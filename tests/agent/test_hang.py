@@ -237,11 +237,12 @@ PROC_CASES = [
                                         rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_STOP,
                                            proc=STOP, proc_since=T_STOP - CFG.stopped_s + 0.1)],
      T_STOP, 100, False, None, "", None),
-    # stopped while the others still progress (a rank-0-only evaluation elsewhere): the job is not stalled
-    ("stopped_but_the_job_progresses", CFG, [rv(0, beat_at=T_STOP, progress_at=T_STOP - 0.1),
-                                             rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_STOP,
-                                                proc=STOP, proc_since=HUNG_AT)],
-     T_STOP, 100, False, None, "", None),
+    # stopped while another rank still progresses (a rank-0-only evaluation elsewhere, or a peer's progress
+    # that has not reached this agent yet): named all the same, it takes part in no collective
+    ("stopped_while_another_rank_progresses", CFG, [rv(0, beat_at=T_STOP, progress_at=T_STOP - 0.1),
+                                                    rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_STOP,
+                                                       proc=STOP, proc_since=HUNG_AT)],
+     T_STOP, 100, True, 1, "process_stopped", CFG.stopped_s),
     # a stopped process is stopped during warm-up too
     ("stopped_while_warming_up", CFG, [rv(0, beat_at=T_STOP, progress_at=HUNG_AT),
                                        rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=T_STOP,
@@ -277,7 +278,9 @@ def test_what_the_kernel_says_about_a_local_rank(cfg, ranks, now, known, hung, c
     assert v.hung is hung
     assert (v.culprit.rank if v.culprit else None) == culprit
     assert v.why == why
-    if hung:
+    if hung and why == "process_stopped":  # the stop itself is the evidence: no stall of the job is waited for
+        assert v.threshold_s == threshold
+    elif hung:
         assert v.threshold_s == threshold < v.stalled_s
 
 

@@ -238,3 +238,37 @@ def test_a_throttled_straggler_that_reads_stopped_at_every_tick_is_never_named(c
         if act is not None:
             break
     assert act is not None and v.why == "process_stopped"
+
+
+def test_the_proc_poll_wakes_the_supervisor_once_per_stop_without_waiting_for_its_tick(child):
+    """``HangWatch.watch_procs``: with pids given once (the supervisor's last tick), the poll thread reads
+    ``/proc`` on its own and calls ``wake`` once a stop has lasted hang.stopped_s; a running process never
+    wakes it, and one stop wakes it once (the supervisor may be busy; the verdict is then its to ask)."""
+    cfg = HangConfig()
+    p, _ = child("sleep")
+    w = HangWatch(cfg)
+    w.start_world(None, "A", ("A",), thread=False)
+    w.on_progress(Progress(rank=0, local_rank=0, step=1, phase=Phase.STEP, beat=1, progress=1))
+    woken = []
+    w.observe_procs({0: p.pid})  # the supervisor's tick: from here the poll has the pid
+    w.watch_procs(lambda: woken.append(time.monotonic()))
+    try:
+        time.sleep(cfg.stopped_s + 5 * cfg.proc_poll_s)
+        assert woken == []  # sleeping, not stopped
+        os.kill(p.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _settle(lambda: len(woken), 1)
+        assert len(woken) == 1 and woken[0] - stopped_at > cfg.stopped_s
+        v, act = w.check()
+        assert act is not None and act.act is HangAct.END_WORKERS and v.why == "process_stopped"
+        time.sleep(cfg.stopped_s + 5 * cfg.proc_poll_s)
+        assert len(woken) == 1  # once per stop
+    finally:
+        w.close()
+
+
+def test_no_proc_poll_when_set_to_zero(child):
+    w = HangWatch(HangConfig(proc_poll_s=0.0))
+    w.watch_procs(lambda: None)
+    assert w._proc_thread is None
+    w.close()

@@ -11,6 +11,7 @@ import signal
 import pytest
 
 from tests.harness import REPO, Node, free_port, running, wait_listening, wait_until
+from trainguard.agent.hang import HangConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ELASTIC = os.path.join(REPO, "examples", "train_gpt_elastic.py")
@@ -51,11 +52,11 @@ def test_a_stopped_worker_is_named_ended_and_rejoins_while_its_peer_re_forms_in_
         hung = wait_until(lambda: b.events("hang_detected"), 120, "b's agent detects the hang")[0]
         # b's agent reads its worker's /proc: stopped (state T), named after hang.stopped_s
         assert hung["action"] == "end_workers" and hung["culprit_by"] == "process_stopped"
-        assert hung["threshold_s"] == 0.5
+        assert hung["threshold_s"] == HangConfig().stopped_s
         assert hung["node"] == "b" and hung["phase"] in ("step", "agreement")
         # its last beat (at most hang.heartbeat_interval_s old when it stopped; the step lines reach the log late)
         assert isinstance(hung["rank"], int) and abs(hung["step"] - stopped_at) <= 10 and hung["where"]
-        assert hung["stalled_s"] > hung["threshold_s"]
+        assert hung["stalled_s"] >= 0  # the stop is the evidence: the job's stall is not waited for
         assert wait_until(lambda: b.events("hung_workers_ended"), 30, "b ends its hung worker")[0]["pids"] == [pb]
         # The survivor's collective failed (b's worker ended): it re-forms in place, b restarts its worker
         # and rejoins; training goes on at world size 2 past the hung step.
