@@ -181,6 +181,29 @@ def census_warnings(me: JobRecord, same_job: JobRecord | None, others: list[JobR
     return out
 
 
+class _Outage:
+    """One ``census_unavailable`` line per outage, not one per keep-alive interval: the census is read and
+    written every interval, and a store that is down fails each of them. ``census_available`` says when
+    it answers again. Per process (one agent)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def failed(self, e: BaseException) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300],
+                     effect="no census hints until the store answers (logged once per outage)")
+
+    def answered(self) -> None:
+        if self.since is not None:
+            log.info("census_available", unavailable_s=round(time.monotonic() - self.since, 1))
+            self.since = None
+
+
+OUTAGE = _Outage()
+
+
 def _get(store: Any, key: str) -> bytes | None:
     return bytes(store.get(key)) if store.check([key]) else None
 
@@ -200,8 +223,9 @@ def check_census(store: Any, me: JobRecord) -> list[Finding]:
         store.set(RECORD_PREFIX + me.job_id, me.to_json())
         if me.job_id not in raw.decode(errors="replace").split("\n"):
             store.append(JOBS_KEY, (me.job_id + "\n").encode())
+        OUTAGE.answered()
     except Exception as e:  # noqa: BLE001 - a hint must never stop a rendezvous
-        log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300])
+        OUTAGE.failed(e)
         return []
     found = census_warnings(me, same, others)
     for f in found:
@@ -231,14 +255,17 @@ def share_interval(store: Any, job_id: str, node: str, *, decides: bool, metrics
             metrics.set_job_checkpoint_interval(None)
             seconds = float(metrics.checkpoint_interval_here())
             store.set(key, json.dumps({"seconds": seconds, "node": node}).encode())
+            OUTAGE.answered()
             return seconds
         if not store.check([key]):
+            OUTAGE.answered()
             return None
         seconds = float(json.loads(bytes(store.get(key)))["seconds"])
+        OUTAGE.answered()
         metrics.set_job_checkpoint_interval(seconds)
         return seconds
     except Exception as e:  # noqa: BLE001 - observing only
-        log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300])
+        OUTAGE.failed(e)
         return None
 
 
@@ -299,9 +326,10 @@ def share_status(store: Any, job_id: str, me: NodeStatus) -> list[NodeStatus]:
             k = f"{NODE_PREFIX}{job_id}/{n}"
             if store.check([k]) and (r := NodeStatus.from_json(bytes(store.get(k)))) is not None:
                 out.append(r)
+        OUTAGE.answered()
         return out
     except Exception as e:  # noqa: BLE001 - observing only
-        log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300])
+        OUTAGE.failed(e)
         return []
 
 

@@ -9,7 +9,7 @@ import pytest
 import structlog
 import torch.distributed as dist
 
-from trainguard.agent.census import JOBS_KEY, JobRecord, census_warnings, check_census
+from trainguard.agent.census import JOBS_KEY, OUTAGE, JobRecord, census_warnings, check_census
 
 
 def rec(job: str, mn: int, mx: int, nodes: int, node: str = "n") -> JobRecord:
@@ -74,6 +74,42 @@ def test_two_jobs_on_one_real_tcp_store():
     assert [(e["event"], e["job_id"], e["other_job"]) for e in errors] == [
         ("world_smaller_than_expected", "walk-job-l", "walk-job-1")]
     assert sorted(bytes(host.get(JOBS_KEY)).decode().split()) == ["walk-job-1", "walk-job-l"]
+
+
+@pytest.fixture(autouse=True)
+def _store_up():
+    OUTAGE.since = None  # the latch is per process: each test starts with the store answering
+    yield
+    OUTAGE.since = None
+
+
+def test_an_outage_is_one_line_and_its_end_another():
+    """Every keep-alive interval reads and writes the census: a store that is down fails each of them, and
+    used to log ``census_unavailable`` each time. Once per outage now, and ``census_available`` at its end."""
+    class Flaky:
+        down = True
+
+        def check(self, keys):
+            if self.down:
+                raise ConnectionResetError("store gone")
+            return False
+
+        def append(self, key, value):
+            pass
+
+        def set(self, key, value):
+            pass
+
+    store = Flaky()
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(5):
+            assert check_census(store, rec("a", 1, 1, 1)) == []
+        store.down = False
+        assert check_census(store, rec("a", 1, 1, 1)) == []
+        assert check_census(store, rec("a", 1, 1, 1)) == []
+        store.down = True
+        assert check_census(store, rec("a", 1, 1, 1)) == []
+    assert [e["event"] for e in logs] == ["census_unavailable", "census_available", "census_unavailable"]
 
 
 def test_a_store_that_fails_is_only_a_hint():
