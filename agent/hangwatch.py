@@ -119,12 +119,21 @@ class HangWatch:
                 self._steps.observe(msg.step, msg.phase, now)
 
     def observe_procs(self, pids: Mapping[int, int], read: Callable[[int], ProcSample | None] = read_stat) -> None:
-        """Read this node's workers' ``/proc/<pid>/stat`` (local rank -> pid; the supervisor, every tick) and
-        keep each one's state and since when it has held it (:func:`~trainguard.agent.procstat.classify`)."""
+        """This node's workers (local rank -> pid; the supervisor, every tick). With the proc poll running
+        (:meth:`watch_procs`) that thread alone reads them, at its own even pace: two readers a millisecond
+        apart would see no CPU tick between their reads and call a busy process idle. Without it, read
+        them now."""
+        with self._lock:
+            self._pids = dict(pids)
+        if self._proc_thread is None:
+            self._sample(pids, read)
+
+    def _sample(self, pids: Mapping[int, int], read: Callable[[int], ProcSample | None] = read_stat) -> None:
+        """Read the workers' ``/proc/<pid>/stat`` and keep each one's state and since when it has held it
+        (:func:`~trainguard.agent.procstat.classify`)."""
         samples = {lr: (pid, read(pid)) for lr, pid in pids.items()}
         now = self._clock()
         with self._lock:
-            self._pids = dict(pids)
             for lr, (pid, cur) in samples.items():
                 last = self._procs.get(lr)
                 same = last is not None and last.pid == pid
@@ -179,7 +188,7 @@ class HangWatch:
                 with self._lock:
                     pids = dict(self._pids) if self._watching else {}
                 if pids:
-                    self.observe_procs(pids)
+                    self._sample(pids)
                     if self.stop_due():
                         wake()
             except Exception as e:  # noqa: BLE001 - one failed read must not end the poll

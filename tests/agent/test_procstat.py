@@ -253,6 +253,9 @@ def test_the_proc_poll_wakes_the_supervisor_once_per_stop_without_waiting_for_it
     w.observe_procs({0: p.pid})  # the supervisor's tick: from here the poll has the pid
     w.watch_procs(lambda: woken.append(time.monotonic()))
     try:
+        reads = []
+        w.observe_procs({0: p.pid}, read=lambda pid: reads.append(pid))  # the poll reads alone from here:
+        assert reads == []  # a second reader a millisecond after it would see a busy process idle
         time.sleep(cfg.stopped_s + 5 * cfg.proc_poll_s)
         assert woken == []  # sleeping, not stopped
         os.kill(p.pid, signal.SIGSTOP)
