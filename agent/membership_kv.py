@@ -6,14 +6,18 @@ best.
 operation           TCPStore (:class:`TcpKv`)                  etcd v3 (:class:`EtcdKv`)
 ==================  =========================================  ===============================================
 heartbeat           ``set hb/<node>`` = wall-clock time        a key ``hb/<node>`` on the node's own lease
-                    (one small write per interval)             (TTL interval x attempts), renewed by
-                                                               ``lease/keepalive`` - no raft write
+                    (one small write per interval)             (TTL interval x attempts), renewed on the
+                                                               node's open gRPC ``LeaseKeepAlive`` stream
+                                                               (:mod:`~.etcd_lease`; the gateway's
+                                                               ``lease/keepalive`` without grpcio)
 who is alive        ``multi_get`` of the nodes' ``hb`` keys    one range over ``hb/`` (keys only): the key of
                     (:func:`~.membership.heartbeat_alive`)     a dead node's expired lease is gone
 announce            ``add jseq 1`` then ``set j/<seq>``        ``put j/<kind>/<node>``; its ``mod_revision``
                                                                orders the log
 read the log        ``multi_get`` of the new ``j/<seq>``       one range over ``j/`` with ``min_mod_revision``
-wait for a round    ``check`` every :data:`WAIT_POLL_S`         a watch on the key
+wait for a round    ``check`` every :data:`WAIT_POLL_S`         a watch on the key; its event carries the
+                                                               value (no read after it)
+read a few keys     one ``check`` + ``get`` per key             one transaction of range operations
 create-once         ``compare_set(key, "", value)``            a transaction comparing ``create_revision`` 0
 ==================  =========================================  ===============================================
 
@@ -28,7 +32,7 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
-from trainguard.agent.etcd_wire import KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
+from trainguard.agent.etcd_wire import EtcdError, KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
 from trainguard.agent.membership import Entry, heartbeat_alive
 
 HOLE_SKIP_S = 5.0
@@ -54,6 +58,10 @@ class Kv(Protocol):
         """Compare-and-set an existing key; the value there afterwards."""
     def wait(self, key: str, timeout_s: float) -> bool:
         """Block until ``key`` exists (True) or ``timeout_s`` passed (False)."""
+    def wait_value(self, key: str, timeout_s: float) -> bytes | None:
+        """Block until ``key`` exists: its value, or None when ``timeout_s`` passed."""
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys`` (None where absent), in one round trip where the store allows."""
     def announce(self, entry: Entry) -> None: ...
     def announcements(self, after: int) -> tuple[list[Entry], int]:
         """Log entries after position ``after``, in log order, and the position read up to."""
@@ -101,6 +109,12 @@ class TcpKv:
                 return False
             time.sleep(min(self.poll_s, left))
         return True
+
+    def wait_value(self, key: str, timeout_s: float) -> bytes | None:
+        return self.get(key) if self.wait(key, timeout_s) else None
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
 
     def announce(self, entry: Entry) -> None:
         seq = int(self.store.add("jseq", 1))
@@ -167,7 +181,11 @@ class EtcdKv:
         self.client = client
         self.prefix = prefix.encode()
         self.ttl = max(2, int(round(interval_s * attempts)))
+        self.interval_s = interval_s
         self._lease: int | None = None
+        self._stream: Any = None
+        """The node's lease stream (:class:`~trainguard.agent.etcd_lease.LeaseStream`), opened on the first
+        renewal; False when grpcio is missing (the gateway renews)."""
 
     def _k(self, key: str) -> bytes:
         return self.prefix + key.encode()
@@ -212,6 +230,32 @@ class EtcdKv:
             if not self.client.wait_for_change(k, revision, left):
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
+    def wait_value(self, key: str, timeout_s: float) -> bytes | None:
+        k = self._k(key)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            kv, revision = self.client.get(k)
+            if kv is not None:
+                return kv.value
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            written = self.client.watch_key(k, revision, left)  # the event carries the value: no read after it
+            if written is not None:
+                return written.value
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)  # (deleted, compacted, or the watch failed: read again)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        ks = [self._k(k) for k in keys]
+        result = self.client.txn([], [op_range(k) for k in ks])
+        out: list[bytes | None] = []
+        for i in range(len(ks)):
+            kvs = result.kvs(i)
+            out.append(kvs[0].value if kvs else None)
+        return out
+
     def announce(self, entry: Entry) -> None:
         self.client.put(self._k(f"j/{entry.kind}/{entry.node}"), entry.encode())
 
@@ -233,11 +277,24 @@ class EtcdKv:
     def pending(self, after: int) -> int:
         return len(self._log_range(after, True).get("kvs", []))
 
+    def _renew(self, lease: int) -> int:
+        """The lease's TTL after renewing it (<= 0: gone): on the gRPC stream, else through the gateway."""
+        if self._stream is None:
+            from trainguard.agent import etcd_lease
+
+            self._stream = (etcd_lease.LeaseStream(self.client.settings, self.client.auth_token)
+                            if etcd_lease.available() else False)
+        if self._stream:
+            try:
+                return self._stream.renew(lease, max(1.0, self.interval_s))
+            except EtcdError:
+                pass  # (the stream reopens on the next beat) this beat goes through the gateway
+        answer = self.client.call("lease/keepalive", {"ID": str(lease)})
+        return int(answer.get("result", answer).get("TTL", 0) or 0)
+
     def beat(self, node: str) -> None:
-        if self._lease is not None:
-            answer = self.client.call("lease/keepalive", {"ID": str(self._lease)})
-            if int(answer.get("result", answer).get("TTL", 0) or 0) > 0:
-                return
+        if self._lease is not None and self._renew(self._lease) > 0:
+            return
         lease = int(self.client.call("lease/grant", {"TTL": str(self.ttl)})["ID"])
         self.client.call("kv/put", {"key": b64(self._k(f"hb/{node}")), "value": b64(b"1"), "lease": str(lease)})
         self._lease = lease
@@ -258,7 +315,8 @@ class EtcdKv:
         return frozenset(n for n in nodes if n in present)
 
     def close(self) -> None:
-        pass
+        if self._stream:
+            self._stream.close()
 
 
 __all__ = ["EtcdKv", "FEW", "HOLE_SKIP_S", "Kv", "TcpKv", "WAIT_POLL_S"]
