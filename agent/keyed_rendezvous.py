@@ -44,6 +44,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, RendezvousAborted
 from trainguard.agent.membership import (
@@ -62,6 +63,7 @@ from trainguard.agent.membership import (
     encode_assignment,
     fold,
     lease_action,
+    master_of,
     parse_lease,
 )
 from trainguard.agent.membership_kv import Kv
@@ -166,6 +168,10 @@ class KeyedRendezvousHandler(RendezvousHandler):
         t, self._hb_thread = self._hb_thread, None
         if t is not None and t is not threading.current_thread():
             t.join(self._keep_alive_s + 5)
+        try:
+            self._hb_kv.close()  # etcd: its lease stream (reopened by the next beat)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
 
     # -- leaving -------------------------------------------------------------------------------------
     def leave(self) -> None:
@@ -185,70 +191,94 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self.start_heartbeats()
         deadline = time.monotonic() + self._join_timeout_s
         target = self._cur() + 1
-        self._kv.announce(Entry(self.node, JOIN, target - 1))
+        self._announce_join(target - 1)
         expect = (plan.members - plan.leaving) if plan is not None else frozenset()
         reported: set[str] = set()
         dec: _Decider | None = None
         next_look = 0.0
+        got: bytes | None = None  # r/<target>/go, once seen
         try:
             while True:
                 now = time.monotonic()
                 if abort():
                     self._kv.announce(Entry(self.node, LEAVE, target - 1))
                     raise RendezvousAborted("left the rendezvous before the round completed (draining)")
-                got = self._kv.get(f"r/{target}/go")
+                if got is None and now >= next_look:
+                    # One look (one round trip on etcd): the close mark, the newest round, the lease, the round.
+                    next_look = now + self._look_s
+                    closed, cur_raw, lead_raw, got = self._kv.get_many(["closed", "cur", "lead", f"r/{target}/go"])
+                    if got is None:
+                        if closed is not None:
+                            raise RendezvousClosedError
+                        cur = int(cur_raw) if cur_raw else -1
+                        if cur >= target:  # a round was published while this node looked elsewhere
+                            target = cur
+                            continue
+                        self._report_evictions(plan, target, reported, evicted)
+                        self._lease_from(lead_raw)
                 if got is not None:
                     go = Go.decode(got)
+                    got = None
                     mine = self._kv.get(f"r/{target}/{go.term}/a/{self.node}")
                     if mine is not None and assignment(mine)[0] >= 0:
                         return self._joined(target, go, mine)
                     target += 1
                     if mine is None:  # came late, or was thought dead: announce again for the next round
-                        self._kv.announce(Entry(self.node, JOIN, target - 1))
+                        self._announce_join(target - 1)
                     # (a spare that did not fit max_nodes is carried by the record: no announcement, so the
                     # running world does not see it as a node waiting to join)
                     dec = None
                     continue
                 if now >= deadline:
                     raise RendezvousTimeoutError(f"no round within rendezvous.join_timeout_s={self._join_timeout_s:g} s")
-                if now >= next_look:
-                    next_look = now + self._look_s
-                    if self.is_closed():
-                        raise RendezvousClosedError
-                    cur = self._cur()
-                    if cur >= target:  # a round was published while this node looked elsewhere
-                        target = cur
-                        continue
-                    if plan is not None and plan.evict is not None and (plan.round is None or plan.round == target - 1):
-                        for victim in sorted(plan.evict() - {self.node} - reported):
-                            reported.add(victim)
-                            self._kv.announce(Entry(victim, EVICT, target - 1))
-                            if evicted is not None:
-                                evicted.append(victim)
-                            log.warning("member_evicted", nodes=[victim], round=target - 1,
-                                        cause="a collective failed here and the member's agent missed its heartbeat",
-                                        effect="announced as gone: the decider leaves it out of the next round")
-                    self._look_at_lease()
                 if self._lease_raw is not None:
                     if dec is None or dec.target != target:
                         dec = self._decider(target)
                     if dec is not None and self._decide(dec, expect):
                         continue
-                    self._kv.wait(f"r/{target}/go", self._poll_s)
+                    got = self._kv.wait_value(f"r/{target}/go", self._poll_s)
                 else:
-                    self._kv.wait(f"r/{target}/go", max(0.01, next_look - time.monotonic()))
+                    got = self._kv.wait_value(f"r/{target}/go", max(0.01, next_look - time.monotonic()))
         finally:
             self._release_lease()
+
+    def _announce_join(self, base: int) -> None:
+        """``join`` for the round after ``base``, with a free port of this node's for its workers' rank 0."""
+        self._kv.announce(Entry(self.node, JOIN, base, get_free_port()))
+
+    def _report_evictions(self, plan: Plan | None, target: int, reported: set[str], evicted: list[str] | None) -> None:
+        if plan is None or plan.evict is None or not (plan.round is None or plan.round == target - 1):
+            return
+        for victim in sorted(plan.evict() - {self.node} - reported):
+            reported.add(victim)
+            self._kv.announce(Entry(victim, EVICT, target - 1))
+            if evicted is not None:
+                evicted.append(victim)
+            log.warning("member_evicted", nodes=[victim], round=target - 1,
+                        cause="a collective failed here and the member's agent missed its heartbeat",
+                        effect="announced as gone: the decider leaves it out of the next round")
 
     def _joined(self, target: int, go: Go, mine: bytes) -> RendezvousInfo:
         rank, size = assignment(mine)
         self.round, self.consumed, self._members = target, go.consumed, None
         store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{target}", self._store)
-        info = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        master = go.master_addr_port
+        if master is None:  # rank 0 announced no port (an older agent): read them from the store, as torch does
+            info = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        else:
+            # The decider named rank 0's address and the port it announced: nobody waits on the store for them.
+            # Rank 0 still writes them there (one node, two keys), for whatever reads the round's store.
+            if rank == 0:
+                store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, master[0].encode())
+                store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(master[1]).encode())
+            info = RendezvousStoreInfo(master[0], master[1])
         return RendezvousInfo(store, rank, size, info)
 
     def _look_at_lease(self) -> None:
-        raw = self._kv.get("lead")
+        self._lease_from(self._kv.get("lead"))
+
+    def _lease_from(self, raw: bytes | None) -> None:
+        """Take, hold or follow the decider's lease, whose value (read in this look) is ``raw``."""
         term, holder = parse_lease(raw)
         alive = bool(holder) and holder != self.node and holder in self._kv.alive([holder])
         act = lease_action(self.node, holder, alive)
@@ -303,7 +333,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._kv.set_many([(f"r/{t}/{term}/a/{n}", encode_assignment(i, len(d.members))) for i, n in enumerate(d.members)]
                           + [(f"r/{t}/{term}/a/{n}", encode_assignment(-1, len(d.members))) for n in d.spares])
         self._kv.set(f"r/{t}/rec", Record(t, d.members, d.spares, dec.pos, term).encode())
-        go = Go(term, len(d.members), dec.pos).encode()
+        go = Go(term, len(d.members), dec.pos, master_of(d.members, wants)).encode()
         if self._kv.create(f"r/{t}/go", go) == go:
             self._kv.set("cur", str(t).encode())
             log.info("rendezvous_round_published", round=t, nodes=len(d.members), spares=len(d.spares),

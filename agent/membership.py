@@ -42,23 +42,28 @@ KINDS = (JOIN, LEAVE, EVICT)
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One line of the announcement log: ``node`` wants into the round after ``base`` (``join``), leaves
-    (``leave``), or is gone on a peer's evidence about round ``base`` (``evict``)."""
+    (``leave``), or is gone on a peer's evidence about round ``base`` (``evict``). A ``join`` carries
+    ``port``, a free port of the node's: should it get group rank 0, the round's ``go`` names it as the
+    workers' ``MASTER_PORT``, so no member reads ``MASTER_ADDR`` / ``MASTER_PORT`` from the store (0: none,
+    as from an older agent; then the members read them as torch's handler does)."""
 
     node: str
     kind: str
     base: int
+    port: int = 0
 
     def encode(self) -> bytes:
-        return f"{self.kind} {self.base} {self.node}".encode()
+        tail = f" {self.port}" if self.port else ""
+        return f"{self.kind} {self.base} {self.node}{tail}".encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Entry | None:
         """None for a line that is not an entry (a torn or foreign write is skipped, never fatal)."""
-        parts = raw.decode(errors="replace").split(" ", 2)
-        if len(parts) != 3 or parts[0] not in KINDS:
+        parts = raw.decode(errors="replace").split(" ")
+        if len(parts) not in (3, 4) or parts[0] not in KINDS:
             return None
         try:
-            return cls(parts[2], parts[0], int(parts[1]))
+            return cls(parts[2], parts[0], int(parts[1]), int(parts[3]) if len(parts) == 4 else 0)
         except ValueError:
             return None
 
@@ -92,19 +97,29 @@ NO_RECORD = Record(round=-1, members=())
 
 @dataclass(frozen=True, slots=True)
 class Go:
-    """The value of ``r/<k>/go``: which decider's term published round ``k``, its size, the log position."""
+    """The value of ``r/<k>/go``: which decider's term published round ``k``, its size, the log position, and
+    where the workers of group rank 0 listen (``master``: ``"addr:port"`` from rank 0's ``join``; empty when
+    it announced none: the members then read ``MASTER_ADDR`` / ``MASTER_PORT`` from the round's store)."""
 
     term: int
     world_size: int
     consumed: int
+    master: str = ""
 
     def encode(self) -> bytes:
-        return f"{self.term} {self.world_size} {self.consumed}".encode()
+        tail = f" {self.master}" if self.master else ""
+        return f"{self.term} {self.world_size} {self.consumed}{tail}".encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Go:
-        term, size, consumed = raw.decode().split()
-        return cls(int(term), int(size), int(consumed))
+        term, size, consumed, *rest = raw.decode().split()
+        return cls(int(term), int(size), int(consumed), rest[0] if rest else "")
+
+    @property
+    def master_addr_port(self) -> tuple[str, int] | None:
+        """``(addr, port)`` of ``master``, None when absent or malformed."""
+        addr, _, port = self.master.rpartition(":")
+        return (addr.strip("[]"), int(port)) if addr and port.isdigit() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +130,11 @@ class Wants:
     joined: tuple[str, ...] = ()
     leaving: frozenset[str] = frozenset()
     evicted: frozenset[str] = frozenset()
+    ports: tuple[tuple[str, int], ...] = ()
+    """``(node, port)`` of the last ``join`` of each node that announced one with a port."""
+
+    def port_of(self, node: str) -> int:
+        return dict(self.ports).get(node, 0)
 
 
 def fold(entries: Iterable[Entry], prev_round: int) -> Wants:
@@ -125,16 +145,33 @@ def fold(entries: Iterable[Entry], prev_round: int) -> Wants:
     order: dict[str, None] = {}
     leaving: set[str] = set()
     evicted: set[str] = set()
+    ports: dict[str, int] = {}
     for e in entries:
         if e.kind == JOIN:
             order.setdefault(e.node, None)
             leaving.discard(e.node)
+            if e.port:
+                ports[e.node] = e.port
         elif e.kind == LEAVE:
             order.pop(e.node, None)
             leaving.add(e.node)
         elif e.kind == EVICT and e.base == prev_round:
             evicted.add(e.node)
-    return Wants(tuple(order), frozenset(leaving), frozenset(evicted))
+    return Wants(tuple(order), frozenset(leaving), frozenset(evicted), tuple(sorted(ports.items())))
+
+
+def master_of(members: Sequence[str], wants: Wants) -> str:
+    """Pure: ``"addr:port"`` of group rank 0 (``members[0]``; its address is the node id's, see
+    :func:`node_order`) from the port its ``join`` announced; empty when it announced none."""
+    if not members:
+        return ""
+    port = wants.port_of(members[0])
+    if not port:
+        return ""
+    addr = members[0].rsplit("_", 2)[0] if members[0].count("_") >= 2 else ""
+    if not addr:
+        return ""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
 def heartbeat_alive(beat: float | None, now: float, interval_s: float, attempts: int) -> bool:
@@ -264,4 +301,4 @@ def new_entries(consumed: int, seq: int) -> Sequence[int]:
 
 __all__ = ["Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
            "Wants", "assignment", "decide", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
-           "new_entries", "node_order", "parse_lease", "ranked"]
+           "master_of", "new_entries", "node_order", "parse_lease", "ranked"]

@@ -65,10 +65,18 @@ class _Counters:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.gets = self.sets = self.cas_lost = self.bytes = 0
+        self.kinds: dict[str, float] = {}
+        """``n:<call>`` -> requests, ``s:<call>`` -> seconds the callers spent in them (the profile of a phase:
+        ``<call>`` is the method and the kind of key, e.g. ``kv/range r/go``)."""
 
-    def snapshot(self) -> dict[str, int]:
+    def kind(self, call: str, seconds: float) -> None:
         with self.lock:
-            return {"gets": self.gets, "sets": self.sets, "cas_lost": self.cas_lost, "bytes": self.bytes}
+            self.kinds["n:" + call] = self.kinds.get("n:" + call, 0) + 1
+            self.kinds["s:" + call] = self.kinds.get("s:" + call, 0.0) + seconds
+
+    def snapshot(self) -> dict[str, float]:
+        with self.lock:
+            return {"gets": self.gets, "sets": self.sets, "cas_lost": self.cas_lost, "bytes": self.bytes, **self.kinds}
 
 
 def _instrument(counters: _Counters) -> None:
@@ -144,12 +152,15 @@ def _instrument_keyed(counters: _Counters) -> None:
     """Count the keyed rendezvous's store requests on the wire: TCPStore calls (:class:`_CountingStore`,
     installed per handler by :func:`_count_keyed_handler`) and etcd gateway calls (request and answer JSON,
     base64 and all: pessimistic next to the dynamic baseline's state bytes; a watch counts its request)."""
+    from trainguard.agent import etcd_lease
     from trainguard.agent.etcd_client import EtcdClient
 
-    call0, watch0 = EtcdClient.call, EtcdClient.wait_for_change
+    call0, watch0, renew0 = EtcdClient.call, EtcdClient._watch, etcd_lease.LeaseStream.renew
 
     def call(self: Any, method: str, body: dict[str, Any], **kw: Any) -> Any:
+        t0 = time.monotonic()
         out = call0(self, method, body, **kw)
+        counters.kind(f"{method} {_key_kind(body)}", time.monotonic() - t0)
         with counters.lock:
             counters.gets += 1
             counters.bytes += len(json.dumps(body)) + len(json.dumps(out))
@@ -157,13 +168,63 @@ def _instrument_keyed(counters: _Counters) -> None:
                 counters.cas_lost += 1
         return out
 
-    def watch(self: Any, prefix: bytes, after: int, timeout_s: float) -> bool:
-        with counters.lock:
-            counters.gets += 1
-            counters.bytes += 2 * len(prefix) + 64
-        return watch0(self, prefix, after, timeout_s)
+    def watch(self: Any, create: dict[str, Any], timeout_s: float) -> Any:
+        # The watch request, and what it answers (the event with the key and its value; 64 bytes without one).
+        t0 = time.monotonic()
+        out = None
+        try:
+            out = watch0(self, create, timeout_s)
+            return out
+        finally:
+            counters.kind(f"watch {_key_kind(create)}", time.monotonic() - t0)
+            with counters.lock:
+                counters.gets += 1
+                counters.bytes += len(json.dumps(create)) + (len(json.dumps(out)) if out else 64)
 
-    EtcdClient.call, EtcdClient.wait_for_change = call, watch  # type: ignore[method-assign]
+    def renew(self: Any, lease_id: int, timeout_s: float) -> int:
+        # A message each way on the open stream: the protobuf, its 5-byte gRPC prefix and a 9-byte HTTP/2 frame
+        # header (the response's ~30-byte header counted as 40).
+        t0 = time.monotonic()
+        try:
+            return renew0(self, lease_id, timeout_s)
+        finally:
+            counters.kind("grpc LeaseKeepAlive", time.monotonic() - t0)
+            with counters.lock:
+                counters.gets += 1
+                counters.bytes += len(etcd_lease.encode_keepalive(lease_id)) + 40 + 2 * (5 + 9)
+
+    EtcdClient.call, EtcdClient._watch = call, watch  # type: ignore[method-assign]
+    etcd_lease.LeaseStream.renew = renew  # type: ignore[method-assign]
+
+
+def _kind_of(key: bytes) -> str:
+    """The kind of a keyed-rendezvous key for the profile: ``r/go`` for ``.../k/r/3/go``, ``hb`` for ``.../k/hb/n1``,
+    ``store/MASTER_ADDR`` for a round store's key."""
+    text = key.decode(errors="replace")
+    for mark in ("/k/", "/store/"):
+        if mark in text:
+            rest = text.split(mark, 1)[1]
+            parts = [p for p in rest.split("/") if p and not p.lstrip("-").isdigit()]
+            if mark == "/store/":
+                return "store/" + (parts[-1] if parts else "")
+            return "/".join(parts[:2]) if parts and parts[0] == "r" else (parts[0] if parts else "")
+    return "other"
+
+
+def _key_kind(body: dict[str, Any]) -> str:
+    from trainguard.agent.etcd_wire import unb64
+
+    key = body.get("key")
+    if key is None:
+        ops = body.get("success") or body.get("compare") or []
+        if ops:
+            first = ops[0]
+            inner = first.get("request_put") or first.get("request_range") or first
+            key = inner.get("key")
+            if key is not None:
+                return f"{_kind_of(unb64(key))} x{len(body.get('success', []))}"
+        return "lease" if "ID" in body or "TTL" in body else "other"
+    return _kind_of(unb64(key))
 
 
 def _count_keyed_handler(h: Any, counters: _Counters) -> None:
@@ -538,7 +599,9 @@ def _note(row: dict[str, Any], phase: str) -> None:
 
 
 def _ops(d: dict[str, float]) -> dict[str, float]:
-    return {"ops": d["gets"] + d["sets"], "bytes": d["bytes"], "cas_lost": d["cas_lost"]}
+    profile = {k[2:]: {"requests": int(v), "client_s": round(d.get("s:" + k[2:], 0.0), 3)}
+               for k, v in sorted(d.items()) if k.startswith("n:") and v}
+    return {"ops": d["gets"] + d["sets"], "bytes": d["bytes"], "cas_lost": d["cas_lost"], "profile": profile}
 
 
 def fit_exponent(xs: list[float], ys: list[float]) -> float | None:
