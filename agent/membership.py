@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import json
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -294,11 +295,48 @@ def encode_assignment(rank: int, size: int) -> bytes:
     return f"{rank} {size}".encode()
 
 
+BUCKET_NODES = 16
+"""etcd: about this many nodes' assignments per bucket key (:func:`buckets_for`)."""
+
+MAX_BUCKETS = 120
+"""etcd: at most this many bucket keys, so that a round's buckets, its record, ``go`` and ``cur`` fit in one
+transaction under etcd's ``--max-txn-ops`` (128 by default)."""
+
+
+def buckets_for(max_nodes: int) -> int:
+    """Pure: how many bucket keys a round's assignments are spread over on etcd: ``max_nodes / 16``, at least
+    1, at most :data:`MAX_BUCKETS`. Every node of a job computes it from the same ``max_nodes``."""
+    return max(1, min(MAX_BUCKETS, -(-max_nodes // BUCKET_NODES)))
+
+
+def bucket_of(node: str, buckets: int) -> int:
+    """Pure: the bucket of ``node`` (CRC-32 of its id: the same in every process, unlike ``hash``)."""
+    return zlib.crc32(node.encode()) % buckets
+
+
+def encode_buckets(go: bytes, assignments: Sequence[tuple[str, bytes]], buckets: int) -> list[bytes]:
+    """Pure: the values of the ``buckets`` keys of a round on etcd: each holds ``go`` on its first line, then
+    ``"<node> <assignment>"`` for the nodes that hash to it (:func:`bucket_of`). A node watches its own bucket
+    key: the one event carries the round and its rank, O(N / buckets) bytes."""
+    lines: list[list[bytes]] = [[go] for _ in range(buckets)]
+    for node, value in assignments:
+        lines[bucket_of(node, buckets)].append(node.encode() + b" " + value)
+    return [b"\n".join(x) for x in lines]
+
+
+def decode_bucket(raw: bytes, node: str) -> tuple[Go, bytes | None]:
+    """Pure: ``(go, node's assignment or None when the round does not name it)`` from a bucket's value."""
+    first, *rest = raw.split(b"\n")
+    want = node.encode() + b" "
+    mine = next((line[len(want):] for line in rest if line.startswith(want)), None)
+    return Go.decode(first), mine
+
+
 def new_entries(consumed: int, seq: int) -> Sequence[int]:
     """The log positions not read yet: ``consumed + 1 .. seq`` (``add`` hands out 1, 2, ...)."""
     return range(consumed + 1, seq + 1)
 
 
-__all__ = ["Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
-           "Wants", "assignment", "decide", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
+__all__ = ["BUCKET_NODES", "MAX_BUCKETS", "Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
+           "Wants", "assignment", "bucket_of", "buckets_for", "decide", "decode_bucket", "encode_buckets", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
            "master_of", "new_entries", "node_order", "parse_lease", "ranked"]

@@ -23,6 +23,10 @@ from trainguard.agent.membership import (
     heartbeat_alive,
     lease_action,
     master_of,
+    bucket_of,
+    buckets_for,
+    decode_bucket,
+    encode_buckets,
     new_entries,
     parse_lease,
 )
@@ -190,3 +194,22 @@ def test_master_of(members, ports, master, addr_port):
     wants = Wants(joined=tuple(members), ports=tuple(sorted(ports.items())))
     assert master_of(members, wants) == master
     assert Go(1, len(members), 0, master).master_addr_port == addr_port
+
+
+@pytest.mark.parametrize(("max_nodes", "buckets"), [(1, 1), (16, 1), (17, 2), (1025, 65), (1920, 120), (100_000, 120)])
+def test_buckets_for(max_nodes, buckets):
+    assert buckets_for(max_nodes) == buckets
+
+
+def test_buckets_carry_go_and_each_nodes_assignment_once():
+    go = Go(3, 3, 17, "10.0.0.5:29500").encode()
+    nodes = [f"10.0.0.{i}_12_0" for i in range(40)]
+    assign = [(n, encode_assignment(i if i < 3 else -1, 3)) for i, n in enumerate(nodes)]
+    values = encode_buckets(go, assign, 4)
+    assert len(values) == 4 and all(v.split(b"\n")[0] == go for v in values)
+    for i, n in enumerate(nodes):
+        got_go, mine = decode_bucket(values[bucket_of(n, 4)], n)
+        assert got_go == Go(3, 3, 17, "10.0.0.5:29500") and assignment(mine) == ((i if i < 3 else -1), 3)
+    assert decode_bucket(values[0], "not_in_it_0") == (Go(3, 3, 17, "10.0.0.5:29500"), None)
+    assert decode_bucket(values[bucket_of("10.0.0.1_12_0", 4)], "10.0.0.1_12") [1] is None  # a prefix is no match
+    assert bucket_of("10.0.0.1_12_0", 4) == bucket_of("10.0.0.1_12_0", 4) and {bucket_of(n, 4) for n in nodes} == {0, 1, 2, 3}
