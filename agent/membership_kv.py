@@ -226,6 +226,7 @@ class EtcdKv:
         self.interval_s = interval_s
         self.renew_timeout_s = interval_s * max(1, attempts - 1)
         self._lease: int | None = None
+        self._stream_failures = 0
         self._stream: Any = None
         """The node's lease stream (:class:`~trainguard.agent.etcd_lease.LeaseStream`), opened on the first
         renewal; False when grpcio is missing (the gateway renews)."""
@@ -371,9 +372,16 @@ class EtcdKv:
                 # Up to interval x (attempts - 1): a renewal answered then is still within the TTL. (With 2 s, in a
                 # change at 1,024 simulated nodes under load 30, 520 renewals gave up, went through the gateway
                 # on top, and 192 leases expired.)
-                return self._stream.renew(lease, max(1.0, self.renew_timeout_s))
+                ttl = self._stream.renew(lease, max(1.0, self.renew_timeout_s))
+                self._stream_failures = 0
+                return ttl
             except EtcdError:
-                pass  # (the stream reopens on the next beat) this beat goes through the gateway
+                # (the stream reopens on the next beat) A first failure is a missed beat, which the TTL covers:
+                # sending it through the gateway at once doubled the requests of an etcd that was already slow
+                # (an overload fed itself, 53bb38a with 8 processes). A second in a row goes through the gateway.
+                self._stream_failures += 1
+                if self._stream_failures < 2:
+                    raise
         answer = self.client.call("lease/keepalive", {"ID": str(lease)})
         return int(answer.get("result", answer).get("TTL", 0) or 0)
 

@@ -71,3 +71,43 @@ def test_renewals_on_the_stream_keep_a_key_alive_past_its_ttl(etcd):
         stream.close()
         stream.close()
         client.close()
+
+
+class _Client:
+    def __init__(self):
+        self.calls = []
+
+    def call(self, method, body, **kw):
+        self.calls.append(method)
+        return {"result": {"TTL": "6"}} if method == "lease/keepalive" else {"ID": "7"}
+
+
+class _Stream:
+    def __init__(self, outcomes):
+        self.outcomes = list(outcomes)
+
+    def renew(self, lease_id, timeout_s):
+        out = self.outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+def test_a_first_stream_failure_is_a_missed_beat_a_second_goes_through_the_gateway():
+    from trainguard.agent.etcd_wire import EtcdError, EtcdFailure
+    from trainguard.agent.membership_kv import EtcdKv
+
+    down = EtcdError(EtcdFailure.UNAVAILABLE, "slow")
+    client = _Client()
+    kv = EtcdKv(client, "/p/", 2.0, 3)
+    kv._lease, kv._stream = 7, _Stream([6, down, down, 6, down])
+    kv.beat("n")  # on the stream
+    with pytest.raises(EtcdError):
+        kv.beat("n")  # a missed beat: the TTL covers it, no gateway request on top
+    assert client.calls == []
+    kv.beat("n")  # the second failure in a row: through the gateway
+    assert client.calls == ["lease/keepalive"]
+    kv.beat("n")  # the stream answers again
+    with pytest.raises(EtcdError):
+        kv.beat("n")
+    assert client.calls == ["lease/keepalive"]
