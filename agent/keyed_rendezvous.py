@@ -127,6 +127,8 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self.round = -1
         self._rank = -1
         """This node's group rank in ``round`` (-1: none yet)."""
+        self._looked: tuple[int, bytes | None] = (-2, None)
+        """``(cur, the record of round cur or None)`` as this node's first look in a round read them."""
         self.consumed = 0
         self._members: tuple[str, ...] | None = None
         self._hb_stop = threading.Event()
@@ -207,8 +209,12 @@ class KeyedRendezvousHandler(RendezvousHandler):
         # The announcement and the first look in one request on etcd: the newest round, the lease, and the round
         # this node expects next (so that its wait needs no read of it first). (A join's base is only for the
         # log's reader: this node's last round.)
-        closed, cur_raw, lead_raw, got = self._kv.enter(Entry(self.node, JOIN, self.round, get_free_port()),
-                                                        ["closed", "cur", "lead", f"r/{self.round + 1}/go"])
+        # A node that may take a vacant lease at once (below) reads its round's record in the same request:
+        # as the decider it needs it, and a read of its own then would wait behind every node's announcement.
+        takes = self._rank < FIRST_TAKERS and self.round >= 0
+        keys = ["closed", "cur", "lead", f"r/{self.round + 1}/go"] + ([f"r/{self.round}/rec"] if takes else [])
+        closed, cur_raw, lead_raw, got, *rec = self._kv.enter(Entry(self.node, JOIN, self.round, get_free_port()), keys)
+        self._looked = (int(cur_raw) if cur_raw else -1, rec[0] if rec and rec[0] is not None else None)
         if closed is not None:
             raise RendezvousClosedError
         target = (int(cur_raw) if cur_raw else -1) + 1
@@ -344,6 +350,16 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._lease_raw = None
 
     def _decider(self, target: int) -> _Decider | None:
+        # The newest round and its record as this node's first look read them, when they are the round before
+        # ``target`` (a round published since is fenced off anyway: its go exists, so this decider's publish
+        # loses); else read now.
+        seen_cur, seen_rec = self._looked
+        if seen_cur == target - 1 and (seen_cur < 0 or seen_rec is not None):
+            cur, raw = seen_cur, seen_rec
+            self._looked = (-2, None)  # once: a later decider's poll reads afresh
+            if cur < 0:
+                return _Decider(target, NO_RECORD)
+            return _Decider(target, Record.decode(raw)) if raw is not None else None
         cur = self._cur()
         if cur >= target:
             return None
