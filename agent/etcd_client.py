@@ -274,6 +274,11 @@ class EtcdClient:
             token = self._token = str(answer.get("token", ""))
         return token
 
+    def auth_token(self) -> str | None:
+        """The current auth token, authenticating first when needed (None without a username): for the
+        gRPC lease stream (:mod:`trainguard.agent.etcd_lease`), which sends it as ``token`` metadata."""
+        return self._ensure_token() if self.settings.username else None
+
     def authenticate(self) -> None:
         """Authenticate now (no-op without a username); raises :class:`EtcdError`."""
         if self.settings.username:
@@ -350,10 +355,25 @@ class EtcdClient:
     def wait_for_change(self, prefix: bytes, after_revision: int, timeout_s: float) -> bool:
         """Block until a key under ``prefix`` changes after ``after_revision`` (True) or
         ``timeout_s`` passes (False). One watch on a connection of its own, closed on return."""
+        body = {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix)), "start_revision": str(after_revision + 1)}
+        return self._watch(body, timeout_s) is not None
+
+    def watch_key(self, key: bytes, after_revision: int, timeout_s: float) -> KeyValue | None:
+        """Block until ``key`` is written after ``after_revision``: the key as written (the watch event
+        carries it: no read after it), or None when ``timeout_s`` passed, it was deleted or etcd compacted
+        the history (the caller reads again)."""
+        body = {"key": b64(key), "start_revision": str(after_revision + 1)}
+        result = self._watch(body, timeout_s)
+        for event in (result or {}).get("events", []):
+            if event.get("type", "PUT") == "PUT" and event.get("kv"):
+                return KeyValue.from_json(event["kv"])
+        return None
+
+    def _watch(self, create: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+        """The first watch result with events (or a compaction) for ``create``; None on timeout."""
         if timeout_s <= 0:
-            return False
-        body = {"create_request": {"key": b64(prefix), "range_end": b64(prefix_range_end(prefix)),
-                                   "start_revision": str(after_revision + 1)}}
+            return None
+        body = {"create_request": create}
         endpoint = self.settings.endpoints[self._preferred % len(self.settings.endpoints)]
         deadline = time.monotonic() + timeout_s
         for attempt in (1, 2):
@@ -374,20 +394,20 @@ class EtcdClient:
                                 self._token = None
                                 break
                             if result.get("compact_revision"):
-                                return True  # history compacted: the caller re-reads
+                                return result  # history compacted: the caller re-reads
                             raise EtcdError(failure, f"watch canceled: {reason}", endpoint=endpoint)
                         if result.get("events") or result.get("compact_revision"):
-                            return True
+                            return result
                     else:
-                        return False
+                        return None
                 except (OSError, http.client.HTTPException) as exc:
                     failure = failure_of_exception(exc)
                     if isinstance(exc, (socket.timeout, TimeoutError)) or failure.retryable:
-                        return False  # the caller re-reads; a real outage shows there
+                        return None  # the caller re-reads; a real outage shows there
                     raise EtcdError(failure, f"watch: {type(exc).__name__}: {exc}", endpoint=endpoint) from exc
             finally:
                 conn.close()
-        return False
+        return None
 
 
 def _stream(resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, deadline: float) -> Iterator[dict[str, Any]]:

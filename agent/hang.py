@@ -367,6 +367,21 @@ def decide_hang(ranks: Sequence[RankView], now: float, cfg: HangConfig, p99: flo
     return HangVerdict(True, stalled, threshold, culprit, why, node_frozen)
 
 
+def pick_verdict(local: HangVerdict, published: HangVerdict | None, node: str) -> HangVerdict:
+    """Pure: the verdict of a node that does not read every record (:mod:`trainguard.agent.hangwatch`).
+    ``local`` is :func:`decide_hang` over what it sees itself (its own ranks, with what the kernel says of
+    them), ``published`` the freshest verdict of a node that reads every record (None: none is fresh).
+    Its own kernel evidence counts first, as when every node read every record: a rank of its own that
+    the kernel reports stopped is named at ``hang.stopped_s`` by this node, the one that ends it. Anything
+    else needs the whole job: the published verdict; with none, no verdict (a culprit named from a partial
+    view could be the wrong one, and an unknown culprit would restart every node)."""
+    if local.hung and local.culprit is not None and local.culprit.node == node and local.why == "process_stopped":
+        return local
+    if published is not None:
+        return published
+    return HangVerdict(False, local.stalled_s, local.threshold_s)
+
+
 class HangAct(str, Enum):
     WATCH = "watch"
     """The culprit is on another node whose agent acts: nothing to do here (the reset of its workers'
@@ -421,4 +436,4 @@ def evictable(members: Iterable[str], agent_at: Mapping[str, float | None], now:
 
 
 __all__ = ["ACTIVE_PHASES", "HangAct", "HangAction", "HangConfig", "HangVerdict", "RankView", "StepTimes", "Tracker",
-           "decide_hang", "evictable", "hang_action", "hang_threshold"]
+           "decide_hang", "evictable", "hang_action", "hang_threshold", "pick_verdict"]

@@ -12,6 +12,17 @@ seen) and :meth:`HangWatch.evict` during a re-formation after a lost peer. Betwe
 thread (:meth:`HangWatch.watch_procs`) reads the local workers' ``/proc`` every ``hang.proc_poll_s`` and
 wakes the supervisor the moment a stopped worker's stop has lasted ``hang.stopped_s``.
 
+**O(N) per interval, not O(N^2)** (issue 40). Every agent publishes its record, but only the world's
+first :data:`READERS` members (by group rank) read every record (one ``multi_get``), decide with
+:func:`~trainguard.agent.hang.decide_hang` over the whole job as before, and publish the verdict under
+:data:`VERDICT_KEY` + their id (a small record: the verdict, its culprit, and the members whose agent missed
+a heartbeat in their view). Every other agent reads those :data:`READERS` verdicts and nothing else
+(:func:`~trainguard.agent.hang.pick_verdict`: its own kernel evidence about its own ranks first, then the
+freshest verdict). At 1,024 nodes that is ~3,000 store requests per interval instead of ~1,000,000. Two
+readers, so a frozen reader is named by the other one; when neither has published for ``hang.stale_s``
+(both silent: a double fault), every agent reads every record again until one does (O(N^2) for that
+while, as before). A world of up to :data:`READERS` + 1 nodes is watched as before (everyone reads all).
+
 Keys live under the round's prefix: a new world starts with no records, and a record of a node that
 left is never read again. Every store call is best effort (the watch observes; the store's own
 outage handling is the supervisor's).
@@ -36,7 +47,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainguard.agent.hang import (HangAction, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang, evictable,
-                                   hang_action)
+                                   hang_action, pick_verdict)
 from trainguard.agent.procstat import ProcSample, ProcState, classify, held_since, read_stat
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
@@ -45,6 +56,54 @@ log = get_logger("trainguard.agent.hangwatch")
 
 PROGRESS_KEY = "trainguard/progress/"
 """+ rendezvous node id, in the round's store: that node's record (JSON: seq, ranks' last beats)."""
+
+VERDICT_KEY = "trainguard/hangverdict/"
+"""+ a reader's rendezvous node id, in the round's store: its verdict over the whole job (:func:`encode_verdict`)."""
+
+READERS = 2
+"""How many members (the first by group rank) read every record and publish a verdict."""
+
+
+def encode_verdict(seq: int, v: HangVerdict, now: float, missed: Mapping[str, float]) -> bytes:
+    """A reader's verdict: ``seq`` (its heartbeat), the verdict with ages instead of its clock's times, and
+    ``missed``: member -> seconds its agent has been silent in the reader's view (only those silent for
+    ``hang.missed_s`` or more: normally none)."""
+    c = v.culprit
+    return json.dumps({"seq": seq, "hung": v.hung, "stalled_s": round(v.stalled_s, 3), "threshold_s": round(v.threshold_s, 3),
+                       "why": v.why, "node_frozen": v.node_frozen,
+                       "culprit": None if c is None else {"rank": c.rank, "node": c.node, "step": c.step,
+                                                          "phase": c.phase.value, "where": c.where,
+                                                          "silent_s": round(now - c.beat_at, 3)},
+                       "missed": {m: round(a, 3) for m, a in missed.items()}}).encode()
+
+
+def decode_verdict(raw: bytes, now: float) -> tuple[int, HangVerdict, dict[str, float]] | None:
+    """(seq, the verdict on the reader's ages placed on this node's clock ``now``, missed), None when malformed."""
+    try:
+        d = json.loads(raw)
+        c = d.get("culprit")
+        culprit = None
+        if c is not None:
+            at = now - float(c.get("silent_s", 0.0))
+            culprit = RankView(int(c["rank"]), str(c["node"]), int(c["step"]), proto.Phase(c["phase"]), str(c.get("where", ""))[:200],
+                               at, at, at)
+        v = HangVerdict(bool(d["hung"]), float(d["stalled_s"]), float(d["threshold_s"]), culprit, str(d.get("why", "")),
+                        bool(d.get("node_frozen", False)))
+        return int(d["seq"]), v, {str(m): float(a) for m, a in dict(d.get("missed", {})).items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _read_many(store: Any, keys: list[str]) -> list[bytes | None]:
+    """The values of ``keys`` (None where absent): one ``check`` and one ``multi_get`` when all are there."""
+    if not keys:
+        return []
+    if store.check(keys) and hasattr(store, "multi_get"):
+        try:
+            return [bytes(v) for v in store.multi_get(keys)]
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            pass
+    return [bytes(store.get(k)) if store.check([k]) else None for k in keys]
 
 
 def encode_record(node: str, seq: int, beats: list[proto.Progress], name: str = "") -> bytes:
@@ -97,6 +156,9 @@ class HangWatch:
         self._watching = False
         self._answered_at: float | None = None
         """When the store last took this node's own record (clock); None: not yet in this world."""
+        self._world_at = 0.0
+        self._verdicts: dict[str, tuple[int, float, HangVerdict, dict[str, float]]] = {}
+        """Reader -> (its seq, when it changed on this clock, its verdict, missed) as last read."""
         self.hangs: list[float] = []
         """When (monotonic) this node's own ranks were named the culprit (quarantine counts them)."""
         self._stop = threading.Event()
@@ -158,6 +220,8 @@ class HangWatch:
             self._acted = False
             self._watching = True
             self._answered_at = None
+            self._world_at = self._clock()
+            self._verdicts.clear()
         if thread and self._thread is None and self.cfg.enabled:
             self._thread = threading.Thread(target=self._run, name="trainguard-hangwatch", daemon=True)
             self._thread.start()
@@ -215,13 +279,36 @@ class HangWatch:
             except Exception as e:  # noqa: BLE001 - the watch observes; one failed exchange must not end it
                 log.debug("progress_exchange_failed", error=f"{type(e).__name__}: {e}"[:300])
 
+    def readers(self) -> tuple[str, ...]:
+        """The members that read every record and publish a verdict (all of them in a world of up to
+        :data:`READERS` + 1 nodes)."""
+        members = self._members
+        return members if len(members) <= READERS + 1 else members[:READERS]
+
+    def _fresh_verdict(self, now: float) -> tuple[HangVerdict, dict[str, float], float] | None:
+        """The verdict of the reader that published last, if one did within ``hang.stale_s`` (under the lock)."""
+        fresh = [(at, v, missed) for seq, at, v, missed in self._verdicts.values() if now - at <= self.cfg.stale_s]
+        if not fresh:
+            return None
+        at, v, missed = max(fresh, key=lambda x: x[0])
+        return v, missed, at
+
+    def _reads_all(self, now: float) -> bool:
+        """Whether this node reads every record this interval: it is a reader, or no reader has published a
+        verdict for ``hang.stale_s`` past the world's first ``hang.stale_s`` (under the lock)."""
+        if self.node_id in self.readers():
+            return True
+        return now - self._world_at > self.cfg.stale_s and self._fresh_verdict(now) is None
+
     def exchange(self) -> None:
-        """Publish this node's record and read the other members' (one round of the thread)."""
+        """Publish this node's record; a reader reads every member's and publishes its verdict, any other
+        node reads the readers' verdicts (one round of the thread)."""
         with self._lock:
             store, me, members = self._store, self.node_id, self._members
             if store is None:
                 return
             self._seq += 1
+            seq = self._seq
             raw = encode_record(me, self._seq, sorted(self._local.values(), key=lambda b: b.rank), self.node_name)
         store.set(PROGRESS_KEY + me, raw)  # hangs while this node is cut off from the store
         now = self._clock()
@@ -233,23 +320,54 @@ class HangWatch:
                          cause="this node could not reach the store", effect="its peers' silence meanwhile is not counted")
                 self._tracker.refresh_remote(me, now)
             self._answered_at = now
-        for m in members:
-            if m == me or not store.check([PROGRESS_KEY + m]):
-                continue
-            rec = decode_record(bytes(store.get(PROGRESS_KEY + m)))
+            reader = me in self.readers()
+            reads_all = self._reads_all(now)
+        if not reads_all:
+            self._read_verdicts(store)
+            return
+        others = [m for m in members if m != me]
+        for m, raw_rec in zip(others, _read_many(store, [PROGRESS_KEY + m for m in others])):
+            rec = None if raw_rec is None else decode_record(raw_rec)
             if rec is None:
                 continue
-            seq, beats, name = rec
+            seq_m, beats, name = rec
             now = self._clock()
             with self._lock:
                 self._names[m] = name
                 if self._store is not store:  # a new world formed meanwhile
                     return
-                self._tracker.agent(m, seq, now)
+                self._tracker.agent(m, seq_m, now)
                 if self._watching:
                     for b in beats:  # a standby's beat (rank -1) is no rank of the world, as in on_progress
                         if b.rank >= 0:
                             self._tracker.beat(m, b.rank, b.step, b.phase, b.where, b.beat, b.progress, now)
+        if reader:
+            now = self._clock()
+            with self._lock:
+                if self._store is not store:
+                    return
+                v = self._decide(now) if self._watching else HangVerdict(False)
+                missed = {m: now - at for m in others
+                          if (at := self._tracker.agent_at(m)) is not None and now - at > self.cfg.missed_s}
+            store.set(VERDICT_KEY + me, encode_verdict(seq, v, now, missed))
+        else:
+            self._read_verdicts(store)
+
+    def _read_verdicts(self, store: Any) -> None:
+        readers = [r for r in self.readers() if r != self.node_id]
+        raws = _read_many(store, [VERDICT_KEY + r for r in readers])
+        now = self._clock()
+        with self._lock:
+            if self._store is not store:
+                return
+            for r, raw in zip(readers, raws):
+                got = None if raw is None else decode_verdict(raw, now)
+                if got is None:
+                    continue
+                seq, v, missed = got
+                last = self._verdicts.get(r)
+                at = now if last is None or last[0] != seq else last[1]
+                self._verdicts[r] = (seq, at, v, missed)
 
     def close(self) -> None:
         """Stop the thread (idempotent)."""
@@ -264,15 +382,24 @@ class HangWatch:
         silent that long from its own blindness."""
         return self._answered_at is not None and now - self._answered_at > silence_s
 
+    def _decide(self, now: float) -> HangVerdict:
+        """decide_hang over every rank this node tracks (under the lock)."""
+        views = self._with_procs(self._tracker.views(now, self.node_id))
+        return decide_hang(views, now, self.cfg, self._steps.p99(), self._steps.count)
+
     def check(self) -> tuple[HangVerdict, HangAction | None]:
         """The verdict now, and what this node does about it: an action once per world (None else). No
-        verdict while this node is cut off from the store (its peers' silence is then its own blindness)."""
+        verdict while this node is cut off from the store (its peers' silence is then its own blindness).
+        A node that does not read every record takes a reader's verdict, unless its own ranks' kernel
+        evidence names one of them first (:func:`~trainguard.agent.hang.pick_verdict`)."""
         now = self._clock()
         with self._lock:
             if not self._watching or self._blind(now, self.cfg.stale_s):
                 return HangVerdict(False), None
-            views = self._with_procs(self._tracker.views(now, self.node_id))
-            v = decide_hang(views, now, self.cfg, self._steps.p99(), self._steps.count)
+            v = self._decide(now)
+            if not self._reads_all(now):
+                fresh = self._fresh_verdict(now)
+                v = pick_verdict(v, fresh[0] if fresh else None, self.node_id)
             if not v.hung or self._acted:
                 return v, None
             a = hang_action(v, node=self.node_id, previous_hangs=self.hangs, now=now, cfg=self.cfg)
@@ -302,14 +429,21 @@ class HangWatch:
             return next((b.local_rank for b in self._local.values() if b.rank == rank), None)
 
     def evict(self, members: tuple[str, ...], *, peer_lost: bool) -> frozenset[str]:
-        """Members a re-formation removes from the rendezvous now (see :func:`~trainguard.agent.hang.evictable`)."""
+        """Members a re-formation removes from the rendezvous now (see :func:`~trainguard.agent.hang.evictable`):
+        from this node's own view where it reads every record, else from a reader's ``missed``."""
         now = self._clock()
         with self._lock:
             if self._blind(now, self.cfg.missed_s):  # no evidence: this node could not see anyone
                 return frozenset()
-            agent_at = {m: self._tracker.agent_at(m) for m in members}
             me = self.node_id
+            if self._reads_all(now):
+                agent_at = {m: self._tracker.agent_at(m) for m in members}
+            else:
+                fresh = self._fresh_verdict(now)
+                missed, seen_at = (fresh[1], fresh[2]) if fresh else ({}, now)
+                agent_at = {m: seen_at - missed[m] for m in members if m in missed}
         return evictable(members, agent_at, now, self.cfg.missed_s, me=me, peer_lost=peer_lost)
 
 
-__all__ = ["PROGRESS_KEY", "HangWatch", "decode_record", "encode_record"]
+__all__ = ["PROGRESS_KEY", "READERS", "VERDICT_KEY", "HangWatch", "decode_record", "decode_verdict", "encode_record",
+           "encode_verdict"]

@@ -5,19 +5,25 @@ The keys and why: :mod:`trainguard.agent.membership` (the decisions, pure); the 
 :meth:`KeyedRendezvousHandler.next_round` does, on every node,
 
 1. heartbeat (a thread writes ``hb/<node>`` every ``keep_alive_interval_s``; on etcd it renews the
-   node's lease) and announce ``join`` in the log, against the newest round ``cur``;
-2. wait for ``r/<cur+1>/go`` (TCPStore: ``check`` every 0.25 s; etcd: a watch), every
-   ``keep_alive_interval_s x (keep_alive_max_attempts - 1)`` looking at the decider's lease ``lead``
-   (one key, and its holder's heartbeat): vacant or its holder dead -> take it (compare-and-set, a new
-   term);
+   node's lease on an open gRPC stream, :mod:`~trainguard.agent.etcd_lease`) and announce ``join`` in the
+   log with a free port of its own, reading at once (etcd: in the same transaction) the close mark, the
+   newest round ``cur`` and the decider's lease ``lead``;
+2. wait for round ``cur + 1`` (TCPStore: ``check`` of ``go`` every 0.25 s, then a read of its assignment;
+   etcd: a watch on the node's own bucket key, whose one event carries ``go`` and its rank), every
+   ``keep_alive_interval_s x (keep_alive_max_attempts - 1)`` looking at ``lead`` (one key, and its holder's
+   heartbeat): vacant or its holder dead -> take it (compare-and-set, a new term);
 3. as the decider (the lease holder), every :data:`~trainguard.agent.elastic_types.POLL_INTERVAL_S`:
    read the new log entries and the candidates' heartbeats, :func:`~trainguard.agent.membership.decide`;
-   to publish, write each member's assignment under the round and term, the round's record, then create
-   ``go`` (compare-and-set against absent: two deciders can never publish the same round; the loser's
-   assignments, under another term, are never read) and release the lease;
-4. once ``go`` exists, read its own assignment (one key): there -> its group rank and the world size;
-   absent -> it did not fit or came late: it announces again for the next round (spares that did not fit
-   ``max_nodes`` are carried by the record).
+   to publish (:meth:`~trainguard.agent.membership_kv.Kv.publish_round`): TCPStore: each member's
+   assignment under the round and term, the round's record, then ``go`` (compare-and-set against absent:
+   two deciders can never publish the same round; the loser's assignments, under another term, are never
+   read); etcd: one transaction, if ``go`` is absent and ``lead`` still this decider's, of the bucket keys
+   (``max_nodes / 16``, at most 120: each holds ``go`` and its nodes' assignments), the record, ``go`` and
+   ``cur``; then release the lease. ``go`` names rank 0's address and announced port: the workers'
+   ``MASTER_ADDR`` / ``MASTER_PORT``, so no member reads them from the round's store;
+4. with the round: its assignment there -> its group rank and the world size; absent -> it did not fit or
+   came late: it announces again for the next round (spares that did not fit ``max_nodes`` are carried by
+   the record).
 
 A planned leave (:meth:`~KeyedRendezvousHandler.leave`) is one ``leave`` entry and a dead heartbeat: the
 decider completes the survivors' round without waiting for a timeout. Evidence that a member is gone
@@ -44,6 +50,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, RendezvousAborted
 from trainguard.agent.membership import (
@@ -58,16 +65,23 @@ from trainguard.agent.membership import (
     Record,
     Settings,
     assignment,
+    buckets_for,
     decide,
     encode_assignment,
     fold,
     lease_action,
+    master_of,
     parse_lease,
 )
 from trainguard.agent.membership_kv import Kv
 from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.rendezvous")
+
+FIRST_TAKERS = 4
+"""At its first look in a round, only a node of group rank below this in the previous round (or a node with no
+round yet) takes a vacant decider's lease; the others look again ``interval x (attempts - 1)`` later. At 1,024
+nodes on etcd, every node taking it at once cost ~150 lost compare-and-sets per change."""
 
 ALIVE_EVERY_S = 0.5
 """The decider re-reads the candidates' heartbeats at most this often (and whenever the log grew)."""
@@ -111,6 +125,10 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self.node = node_id(addr)
         self._kv = make_kv()
         self.round = -1
+        self._rank = -1
+        """This node's group rank in ``round`` (-1: none yet)."""
+        self._looked: tuple[int, bytes | None] = (-2, None)
+        """``(cur, the record of round cur or None)`` as this node's first look in a round read them."""
         self.consumed = 0
         self._members: tuple[str, ...] | None = None
         self._hb_stop = threading.Event()
@@ -166,6 +184,10 @@ class KeyedRendezvousHandler(RendezvousHandler):
         t, self._hb_thread = self._hb_thread, None
         if t is not None and t is not threading.current_thread():
             t.join(self._keep_alive_s + 5)
+        try:
+            self._hb_kv.close()  # etcd: its lease stream (reopened by the next beat)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
 
     # -- leaving -------------------------------------------------------------------------------------
     def leave(self) -> None:
@@ -184,73 +206,127 @@ class KeyedRendezvousHandler(RendezvousHandler):
         turns true first, ``RendezvousClosedError`` / ``RendezvousTimeoutError`` as torch's handler."""
         self.start_heartbeats()
         deadline = time.monotonic() + self._join_timeout_s
-        target = self._cur() + 1
-        self._kv.announce(Entry(self.node, JOIN, target - 1))
+        # The announcement and the first look in one request on etcd: the newest round, the lease, and the round
+        # this node expects next (so that its wait needs no read of it first). (A join's base is only for the
+        # log's reader: this node's last round.)
+        # A node that may take a vacant lease at once (below) reads its round's record in the same request:
+        # as the decider it needs it, and a read of its own then would wait behind every node's announcement.
+        takes = self._rank < FIRST_TAKERS and self.round >= 0
+        keys = ["closed", "cur", "lead", f"r/{self.round + 1}/go"] + ([f"r/{self.round}/rec"] if takes else [])
+        closed, cur_raw, lead_raw, got, *rec = self._kv.enter(Entry(self.node, JOIN, self.round, get_free_port()), keys)
+        self._looked = (int(cur_raw) if cur_raw else -1, rec[0] if rec and rec[0] is not None else None)
+        if closed is not None:
+            raise RendezvousClosedError
+        target = (int(cur_raw) if cur_raw else -1) + 1
+        if target != self.round + 1:
+            got = None
         expect = (plan.members - plan.leaving) if plan is not None else frozenset()
         reported: set[str] = set()
         dec: _Decider | None = None
-        next_look = 0.0
+        if self._rank < FIRST_TAKERS:
+            self._lease_from(lead_raw, check_holder=False)
+        next_look = time.monotonic() + self._look_s
+        mine: bytes | None = None
         try:
             while True:
                 now = time.monotonic()
                 if abort():
                     self._kv.announce(Entry(self.node, LEAVE, target - 1))
                     raise RendezvousAborted("left the rendezvous before the round completed (draining)")
-                got = self._kv.get(f"r/{target}/go")
+                if got is None and now >= next_look:
+                    # One look (one round trip on etcd): the close mark, the newest round, the lease, the round.
+                    next_look = now + self._look_s
+                    closed, cur_raw, lead_raw, got = self._kv.get_many(["closed", "cur", "lead", f"r/{target}/go"])
+                    if got is None:
+                        if closed is not None:
+                            raise RendezvousClosedError
+                        cur = int(cur_raw) if cur_raw else -1
+                        if cur >= target:  # a round was published while this node looked elsewhere
+                            target = cur
+                            continue
+                        self._report_evictions(plan, target, reported, evicted)
+                        self._lease_from(lead_raw)
                 if got is not None:
                     go = Go.decode(got)
-                    mine = self._kv.get(f"r/{target}/{go.term}/a/{self.node}")
+                    got = None
+                    if mine is None:  # seen by a look: read this node's assignment
+                        _, mine = self._kv.wait_round(target, self.node, 0.0) or (go, None)
                     if mine is not None and assignment(mine)[0] >= 0:
                         return self._joined(target, go, mine)
                     target += 1
                     if mine is None:  # came late, or was thought dead: announce again for the next round
-                        self._kv.announce(Entry(self.node, JOIN, target - 1))
+                        self._announce_join(target - 1)
+                    mine = None
                     # (a spare that did not fit max_nodes is carried by the record: no announcement, so the
                     # running world does not see it as a node waiting to join)
                     dec = None
                     continue
                 if now >= deadline:
                     raise RendezvousTimeoutError(f"no round within rendezvous.join_timeout_s={self._join_timeout_s:g} s")
-                if now >= next_look:
-                    next_look = now + self._look_s
-                    if self.is_closed():
-                        raise RendezvousClosedError
-                    cur = self._cur()
-                    if cur >= target:  # a round was published while this node looked elsewhere
-                        target = cur
-                        continue
-                    if plan is not None and plan.evict is not None and (plan.round is None or plan.round == target - 1):
-                        for victim in sorted(plan.evict() - {self.node} - reported):
-                            reported.add(victim)
-                            self._kv.announce(Entry(victim, EVICT, target - 1))
-                            if evicted is not None:
-                                evicted.append(victim)
-                            log.warning("member_evicted", nodes=[victim], round=target - 1,
-                                        cause="a collective failed here and the member's agent missed its heartbeat",
-                                        effect="announced as gone: the decider leaves it out of the next round")
-                    self._look_at_lease()
                 if self._lease_raw is not None:
                     if dec is None or dec.target != target:
                         dec = self._decider(target)
                     if dec is not None and self._decide(dec, expect):
                         continue
-                    self._kv.wait(f"r/{target}/go", self._poll_s)
+                    got, mine = self._wait_round(target, self._poll_s)
                 else:
-                    self._kv.wait(f"r/{target}/go", max(0.01, next_look - time.monotonic()))
+                    got, mine = self._wait_round(target, max(0.01, next_look - time.monotonic()))
         finally:
             self._release_lease()
 
+    def _wait_round(self, target: int, timeout_s: float) -> tuple[bytes | None, bytes | None]:
+        """``(go, this node's assignment)`` of round ``target`` once published; ``(None, None)`` on timeout."""
+        out = self._kv.wait_round(target, self.node, timeout_s)
+        if out is None:
+            return None, None
+        return out[0].encode(), out[1]
+
+    def _announce_join(self, base: int) -> None:
+        """``join`` for the round after ``base``, with a free port of this node's for its workers' rank 0."""
+        self._kv.announce(Entry(self.node, JOIN, base, get_free_port()))
+
+    def _report_evictions(self, plan: Plan | None, target: int, reported: set[str], evicted: list[str] | None) -> None:
+        if plan is None or plan.evict is None or not (plan.round is None or plan.round == target - 1):
+            return
+        for victim in sorted(plan.evict() - {self.node} - reported):
+            reported.add(victim)
+            self._kv.announce(Entry(victim, EVICT, target - 1))
+            if evicted is not None:
+                evicted.append(victim)
+            log.warning("member_evicted", nodes=[victim], round=target - 1,
+                        cause="a collective failed here and the member's agent missed its heartbeat",
+                        effect="announced as gone: the decider leaves it out of the next round")
+
     def _joined(self, target: int, go: Go, mine: bytes) -> RendezvousInfo:
         rank, size = assignment(mine)
-        self.round, self.consumed, self._members = target, go.consumed, None
+        self.round, self._rank, self.consumed, self._members = target, rank, go.consumed, None
         store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{target}", self._store)
-        info = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        master = go.master_addr_port
+        if master is None:  # rank 0 announced no port (an older agent): read them from the store, as torch does
+            info = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        else:
+            # The decider named rank 0's address and the port it announced: nobody waits on the store for them.
+            # Rank 0 still writes them there (one node, two keys), for whatever reads the round's store.
+            if rank == 0:
+                store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, master[0].encode())
+                store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(master[1]).encode())
+            info = RendezvousStoreInfo(master[0], master[1])
         return RendezvousInfo(store, rank, size, info)
 
     def _look_at_lease(self) -> None:
-        raw = self._kv.get("lead")
+        self._lease_from(self._kv.get("lead"))
+
+    def _lease_from(self, raw: bytes | None, *, check_holder: bool = True) -> None:
+        """Take, hold or follow the decider's lease, whose value (read in this look) is ``raw``.
+        ``check_holder=False`` (a node's first look in a round): a holder is taken to be alive without reading
+        its heartbeat, one request less per node and change (on etcd at 1,024 nodes, ~1,000 of ~4,000); a
+        holder that died is seen at the next look, ``keep_alive_interval_s x (attempts - 1)`` later, when
+        its heartbeat has expired anyway."""
         term, holder = parse_lease(raw)
-        alive = bool(holder) and holder != self.node and holder in self._kv.alive([holder])
+        if not check_holder:  # (only nodes of group rank < FIRST_TAKERS get here: see next_round)
+            alive = bool(holder) and holder != self.node
+        else:
+            alive = bool(holder) and holder != self.node and holder in self._kv.alive([holder])
         act = lease_action(self.node, holder, alive)
         if act is Lease.HOLD:
             self._lease_raw = raw
@@ -274,6 +350,16 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._lease_raw = None
 
     def _decider(self, target: int) -> _Decider | None:
+        # The newest round and its record as this node's first look read them, when they are the round before
+        # ``target`` (a round published since is fenced off anyway: its go exists, so this decider's publish
+        # loses); else read now.
+        seen_cur, seen_rec = self._looked
+        if seen_cur == target - 1 and (seen_cur < 0 or seen_rec is not None):
+            cur, raw = seen_cur, seen_rec
+            self._looked = (-2, None)  # once: a later decider's poll reads afresh
+            if cur < 0:
+                return _Decider(target, NO_RECORD)
+            return _Decider(target, Record.decode(raw)) if raw is not None else None
         cur = self._cur()
         if cur >= target:
             return None
@@ -300,12 +386,12 @@ class KeyedRendezvousHandler(RendezvousHandler):
             return False
         term, _ = parse_lease(self._lease_raw)
         t = dec.target
-        self._kv.set_many([(f"r/{t}/{term}/a/{n}", encode_assignment(i, len(d.members))) for i, n in enumerate(d.members)]
-                          + [(f"r/{t}/{term}/a/{n}", encode_assignment(-1, len(d.members))) for n in d.spares])
-        self._kv.set(f"r/{t}/rec", Record(t, d.members, d.spares, dec.pos, term).encode())
-        go = Go(term, len(d.members), dec.pos).encode()
-        if self._kv.create(f"r/{t}/go", go) == go:
-            self._kv.set("cur", str(t).encode())
+        assigned = ([(n, encode_assignment(i, len(d.members))) for i, n in enumerate(d.members)]
+                    + [(n, encode_assignment(-1, len(d.members))) for n in d.spares])
+        go = Go(term, len(d.members), dec.pos, master_of(d.members, wants)).encode()
+        assert self._lease_raw is not None
+        if self._kv.publish_round(t, term, self._lease_raw, assigned, Record(t, d.members, d.spares, dec.pos, term).encode(),
+                                  go) == go:
             log.info("rendezvous_round_published", round=t, nodes=len(d.members), spares=len(d.spares),
                      reason=d.reason, term=term, seconds=round(now - dec.started, 3))
         else:
@@ -403,8 +489,10 @@ def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
 
     client, prefix = connect(cfg, run_id)
 
+    buckets = buckets_for(cfg.max_nodes)
+
     def make_kv() -> Kv:
-        return EtcdKv(client, prefix + "k/", cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
+        return EtcdKv(client, prefix + "k/", cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts, buckets)
 
     return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
                                   keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
@@ -440,4 +528,4 @@ def _settings(cfg: Any) -> Settings:
     return Settings(cfg.min_nodes, cfg.max_nodes, cfg.last_call_timeout_s)
 
 
-__all__ = ["ALIVE_EVERY_S", "KeyedRendezvousHandler", "create_handler", "etcd_handler", "node_id", "tcp_handler"]
+__all__ = ["ALIVE_EVERY_S", "FIRST_TAKERS", "KeyedRendezvousHandler", "create_handler", "etcd_handler", "node_id", "tcp_handler"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import json
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,23 +43,28 @@ KINDS = (JOIN, LEAVE, EVICT)
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One line of the announcement log: ``node`` wants into the round after ``base`` (``join``), leaves
-    (``leave``), or is gone on a peer's evidence about round ``base`` (``evict``)."""
+    (``leave``), or is gone on a peer's evidence about round ``base`` (``evict``). A ``join`` carries
+    ``port``, a free port of the node's: should it get group rank 0, the round's ``go`` names it as the
+    workers' ``MASTER_PORT``, so no member reads ``MASTER_ADDR`` / ``MASTER_PORT`` from the store (0: none,
+    as from an older agent; then the members read them as torch's handler does)."""
 
     node: str
     kind: str
     base: int
+    port: int = 0
 
     def encode(self) -> bytes:
-        return f"{self.kind} {self.base} {self.node}".encode()
+        tail = f" {self.port}" if self.port else ""
+        return f"{self.kind} {self.base} {self.node}{tail}".encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Entry | None:
         """None for a line that is not an entry (a torn or foreign write is skipped, never fatal)."""
-        parts = raw.decode(errors="replace").split(" ", 2)
-        if len(parts) != 3 or parts[0] not in KINDS:
+        parts = raw.decode(errors="replace").split(" ")
+        if len(parts) not in (3, 4) or parts[0] not in KINDS:
             return None
         try:
-            return cls(parts[2], parts[0], int(parts[1]))
+            return cls(parts[2], parts[0], int(parts[1]), int(parts[3]) if len(parts) == 4 else 0)
         except ValueError:
             return None
 
@@ -92,19 +98,29 @@ NO_RECORD = Record(round=-1, members=())
 
 @dataclass(frozen=True, slots=True)
 class Go:
-    """The value of ``r/<k>/go``: which decider's term published round ``k``, its size, the log position."""
+    """The value of ``r/<k>/go``: which decider's term published round ``k``, its size, the log position, and
+    where the workers of group rank 0 listen (``master``: ``"addr:port"`` from rank 0's ``join``; empty when
+    it announced none: the members then read ``MASTER_ADDR`` / ``MASTER_PORT`` from the round's store)."""
 
     term: int
     world_size: int
     consumed: int
+    master: str = ""
 
     def encode(self) -> bytes:
-        return f"{self.term} {self.world_size} {self.consumed}".encode()
+        tail = f" {self.master}" if self.master else ""
+        return f"{self.term} {self.world_size} {self.consumed}{tail}".encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Go:
-        term, size, consumed = raw.decode().split()
-        return cls(int(term), int(size), int(consumed))
+        term, size, consumed, *rest = raw.decode().split()
+        return cls(int(term), int(size), int(consumed), rest[0] if rest else "")
+
+    @property
+    def master_addr_port(self) -> tuple[str, int] | None:
+        """``(addr, port)`` of ``master``, None when absent or malformed."""
+        addr, _, port = self.master.rpartition(":")
+        return (addr.strip("[]"), int(port)) if addr and port.isdigit() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +131,11 @@ class Wants:
     joined: tuple[str, ...] = ()
     leaving: frozenset[str] = frozenset()
     evicted: frozenset[str] = frozenset()
+    ports: tuple[tuple[str, int], ...] = ()
+    """``(node, port)`` of the last ``join`` of each node that announced one with a port."""
+
+    def port_of(self, node: str) -> int:
+        return dict(self.ports).get(node, 0)
 
 
 def fold(entries: Iterable[Entry], prev_round: int) -> Wants:
@@ -125,16 +146,33 @@ def fold(entries: Iterable[Entry], prev_round: int) -> Wants:
     order: dict[str, None] = {}
     leaving: set[str] = set()
     evicted: set[str] = set()
+    ports: dict[str, int] = {}
     for e in entries:
         if e.kind == JOIN:
             order.setdefault(e.node, None)
             leaving.discard(e.node)
+            if e.port:
+                ports[e.node] = e.port
         elif e.kind == LEAVE:
             order.pop(e.node, None)
             leaving.add(e.node)
         elif e.kind == EVICT and e.base == prev_round:
             evicted.add(e.node)
-    return Wants(tuple(order), frozenset(leaving), frozenset(evicted))
+    return Wants(tuple(order), frozenset(leaving), frozenset(evicted), tuple(sorted(ports.items())))
+
+
+def master_of(members: Sequence[str], wants: Wants) -> str:
+    """Pure: ``"addr:port"`` of group rank 0 (``members[0]``; its address is the node id's, see
+    :func:`node_order`) from the port its ``join`` announced; empty when it announced none."""
+    if not members:
+        return ""
+    port = wants.port_of(members[0])
+    if not port:
+        return ""
+    addr = members[0].rsplit("_", 2)[0] if members[0].count("_") >= 2 else ""
+    if not addr:
+        return ""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
 def heartbeat_alive(beat: float | None, now: float, interval_s: float, attempts: int) -> bool:
@@ -257,11 +295,48 @@ def encode_assignment(rank: int, size: int) -> bytes:
     return f"{rank} {size}".encode()
 
 
+BUCKET_NODES = 16
+"""etcd: about this many nodes' assignments per bucket key (:func:`buckets_for`)."""
+
+MAX_BUCKETS = 120
+"""etcd: at most this many bucket keys, so that a round's buckets, its record, ``go`` and ``cur`` fit in one
+transaction under etcd's ``--max-txn-ops`` (128 by default)."""
+
+
+def buckets_for(max_nodes: int) -> int:
+    """Pure: how many bucket keys a round's assignments are spread over on etcd: ``max_nodes / 16``, at least
+    1, at most :data:`MAX_BUCKETS`. Every node of a job computes it from the same ``max_nodes``."""
+    return max(1, min(MAX_BUCKETS, -(-max_nodes // BUCKET_NODES)))
+
+
+def bucket_of(node: str, buckets: int) -> int:
+    """Pure: the bucket of ``node`` (CRC-32 of its id: the same in every process, unlike ``hash``)."""
+    return zlib.crc32(node.encode()) % buckets
+
+
+def encode_buckets(go: bytes, assignments: Sequence[tuple[str, bytes]], buckets: int) -> list[bytes]:
+    """Pure: the values of the ``buckets`` keys of a round on etcd: each holds ``go`` on its first line, then
+    ``"<node> <assignment>"`` for the nodes that hash to it (:func:`bucket_of`). A node watches its own bucket
+    key: the one event carries the round and its rank, O(N / buckets) bytes."""
+    lines: list[list[bytes]] = [[go] for _ in range(buckets)]
+    for node, value in assignments:
+        lines[bucket_of(node, buckets)].append(node.encode() + b" " + value)
+    return [b"\n".join(x) for x in lines]
+
+
+def decode_bucket(raw: bytes, node: str) -> tuple[Go, bytes | None]:
+    """Pure: ``(go, node's assignment or None when the round does not name it)`` from a bucket's value."""
+    first, *rest = raw.split(b"\n")
+    want = node.encode() + b" "
+    mine = next((line[len(want):] for line in rest if line.startswith(want)), None)
+    return Go.decode(first), mine
+
+
 def new_entries(consumed: int, seq: int) -> Sequence[int]:
     """The log positions not read yet: ``consumed + 1 .. seq`` (``add`` hands out 1, 2, ...)."""
     return range(consumed + 1, seq + 1)
 
 
-__all__ = ["Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
-           "Wants", "assignment", "decide", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
-           "new_entries", "node_order", "parse_lease", "ranked"]
+__all__ = ["BUCKET_NODES", "MAX_BUCKETS", "Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
+           "Wants", "assignment", "bucket_of", "buckets_for", "decide", "decode_bucket", "encode_buckets", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
+           "master_of", "new_entries", "node_order", "parse_lease", "ranked"]

@@ -6,18 +6,29 @@ best.
 operation           TCPStore (:class:`TcpKv`)                  etcd v3 (:class:`EtcdKv`)
 ==================  =========================================  ===============================================
 heartbeat           ``set hb/<node>`` = wall-clock time        a key ``hb/<node>`` on the node's own lease
-                    (one small write per interval)             (TTL interval x attempts), renewed by
-                                                               ``lease/keepalive`` - no raft write
+                    (one small write per interval)             (TTL interval x attempts), renewed on the
+                                                               node's open gRPC ``LeaseKeepAlive`` stream
+                                                               (:mod:`~.etcd_lease`; the gateway's
+                                                               ``lease/keepalive`` without grpcio)
 who is alive        ``multi_get`` of the nodes' ``hb`` keys    one range over ``hb/`` (keys only): the key of
                     (:func:`~.membership.heartbeat_alive`)     a dead node's expired lease is gone
 announce            ``add jseq 1`` then ``set j/<seq>``        ``put j/<kind>/<node>``; its ``mod_revision``
                                                                orders the log
 read the log        ``multi_get`` of the new ``j/<seq>``       one range over ``j/`` with ``min_mod_revision``
-wait for a round    ``check`` every :data:`WAIT_POLL_S`         a watch on the key
+publish a round     each member's assignment under the         one transaction, if ``go`` is absent and the
+                    decider's term, the record, then ``go``    lease still this decider's: ``max_nodes/16``
+                    (compare-and-set against absent), ``cur``  bucket keys (<= 120) of assignments, each
+                                                               with ``go`` in it, the record, ``go``, ``cur``
+wait for a round    ``check`` every :data:`WAIT_POLL_S`, then  a watch on the node's own bucket key: its one
+                    a ``get`` of its assignment                event carries the round and the node's rank
+read a few keys     one ``check`` + ``get`` per key             one transaction of range operations
 create-once         ``compare_set(key, "", value)``            a transaction comparing ``create_revision`` 0
 ==================  =========================================  ===============================================
 
-Every method is one round trip or a fixed few (``set_many`` on etcd: one transaction per 100 keys). Not
+Every method is one round trip or a fixed few (``set_many`` on etcd: one transaction per 100 keys). On etcd
+a waiting node makes ~3 requests per membership change (its look with its announcement in one transaction,
+the decider's heartbeat, the watch), where it made ~11 at 3621de7: at 1,024 nodes every gateway request costs etcd
+~0.3 ms of CPU, and the requests of a change were what a change waited for. Not
 thread-safe: each thread that talks to the store has its own :class:`Kv` (a ``TCPStore`` client must not
 be shared by threads, see :meth:`trainguard.agent.elastic.ElasticAdapter.side_store`).
 """
@@ -28,8 +39,8 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
-from trainguard.agent.etcd_wire import KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
-from trainguard.agent.membership import Entry, heartbeat_alive
+from trainguard.agent.etcd_wire import EtcdError, KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
+from trainguard.agent.membership import Entry, Go, bucket_of, decode_bucket, encode_buckets, heartbeat_alive
 
 HOLE_SKIP_S = 5.0
 """A log position handed out (``add``) whose entry is still missing after this long is skipped: its
@@ -54,7 +65,20 @@ class Kv(Protocol):
         """Compare-and-set an existing key; the value there afterwards."""
     def wait(self, key: str, timeout_s: float) -> bool:
         """Block until ``key`` exists (True) or ``timeout_s`` passed (False)."""
+    def wait_value(self, key: str, timeout_s: float) -> bytes | None:
+        """Block until ``key`` exists: its value, or None when ``timeout_s`` passed."""
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys`` (None where absent), in one round trip where the store allows."""
+    def publish_round(self, t: int, term: int, lease: bytes, assignments: Sequence[tuple[str, bytes]], record: bytes,
+                      go: bytes) -> bytes:
+        """The decider publishes round ``t``: every named node's assignment, the record, ``go`` (created once:
+        the fence) and ``cur``; the value of ``go`` afterwards (``go`` itself when this call published it)."""
+    def wait_round(self, t: int, node: str, timeout_s: float) -> tuple[Go, bytes | None] | None:
+        """Block until round ``t`` is published: its ``go`` and ``node``'s assignment (None: the round does not
+        name it), or None when ``timeout_s`` passed."""
     def announce(self, entry: Entry) -> None: ...
+    def enter(self, entry: Entry, keys: Sequence[str]) -> list[bytes | None]:
+        """Announce ``entry`` and read ``keys`` (etcd: one transaction; the reads may see the store before it)."""
     def announcements(self, after: int) -> tuple[list[Entry], int]:
         """Log entries after position ``after``, in log order, and the position read up to."""
     def pending(self, after: int) -> int:
@@ -101,6 +125,34 @@ class TcpKv:
                 return False
             time.sleep(min(self.poll_s, left))
         return True
+
+    def wait_value(self, key: str, timeout_s: float) -> bytes | None:
+        return self.get(key) if self.wait(key, timeout_s) else None
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def publish_round(self, t: int, term: int, lease: bytes, assignments: Sequence[tuple[str, bytes]], record: bytes,
+                      go: bytes) -> bytes:
+        # Assignments under the decider's term: a decider that loses the race for go wrote keys nobody reads.
+        self.set_many([(f"r/{t}/{term}/a/{n}", v) for n, v in assignments])
+        self.set(f"r/{t}/rec", record)
+        got = self.create(f"r/{t}/go", go)
+        if got == go:
+            self.set("cur", str(t).encode())
+        return got
+
+    def wait_round(self, t: int, node: str, timeout_s: float) -> tuple[Go, bytes | None] | None:
+        raw = self.wait_value(f"r/{t}/go", timeout_s)
+        if raw is None:
+            return None
+        go = Go.decode(raw)
+        return go, self.get(f"r/{t}/{go.term}/a/{node}")
+
+    def enter(self, entry: Entry, keys: Sequence[str]) -> list[bytes | None]:
+        out = self.get_many(keys)
+        self.announce(entry)
+        return out
 
     def announce(self, entry: Entry) -> None:
         seq = int(self.store.add("jseq", 1))
@@ -163,11 +215,21 @@ def _float(raw: bytes) -> float | None:
 class EtcdKv:
     """:class:`Kv` on etcd v3 (:class:`~trainguard.agent.etcd_client.EtcdClient`) under the job's prefix."""
 
-    def __init__(self, client: Any, prefix: str, interval_s: float, attempts: int) -> None:
+    def __init__(self, client: Any, prefix: str, interval_s: float, attempts: int, buckets: int = 1) -> None:
         self.client = client
+        self.buckets = buckets
+        """How many bucket keys carry a round's assignments (:func:`~.membership.buckets_for` of ``max_nodes``)."""
+        self._absent_at: dict[bytes, int] = {}
+        """Key -> a store revision at which :meth:`get_many` found it absent (a watch starts after it)."""
         self.prefix = prefix.encode()
         self.ttl = max(2, int(round(interval_s * attempts)))
+        self.interval_s = interval_s
+        self.renew_timeout_s = interval_s * max(1, attempts - 1)
         self._lease: int | None = None
+        self._stream_failures = 0
+        self._stream: Any = None
+        """The node's lease stream (:class:`~trainguard.agent.etcd_lease.LeaseStream`), opened on the first
+        renewal; False when grpcio is missing (the gateway renews)."""
 
     def _k(self, key: str) -> bytes:
         return self.prefix + key.encode()
@@ -212,6 +274,71 @@ class EtcdKv:
             if not self.client.wait_for_change(k, revision, left):
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
+    def wait_value(self, key: str, timeout_s: float) -> bytes | None:
+        k = self._k(key)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            kv, revision = self.client.get(k)
+            if kv is not None:
+                return kv.value
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            written = self.client.watch_key(k, revision, left)  # the event carries the value: no read after it
+            if written is not None:
+                return written.value
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)  # (deleted, compacted, or the watch failed: read again)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._read(keys, [])
+
+    def enter(self, entry: Entry, keys: Sequence[str]) -> list[bytes | None]:
+        return self._read(keys, [op_put(self._k(f"j/{entry.kind}/{entry.node}"), entry.encode())])
+
+    def _read(self, keys: Sequence[str], then: list[dict[str, Any]]) -> list[bytes | None]:
+        """``keys`` read in one transaction, with the operations ``then`` after the reads."""
+        ks = [self._k(k) for k in keys]
+        result = self.client.txn([], [op_range(k) for k in ks] + then)
+        out: list[bytes | None] = []
+        self._absent_at.clear()
+        for i, k in enumerate(ks):
+            kvs = result.kvs(i)
+            out.append(kvs[0].value if kvs else None)
+            if not kvs:
+                self._absent_at[k] = result.revision
+        return out
+
+    def publish_round(self, t: int, term: int, lease: bytes, assignments: Sequence[tuple[str, bytes]], record: bytes,
+                      go: bytes) -> bytes:
+        # One transaction: the buckets, the record, go and cur, if go is absent and this node still holds the
+        # lease. Atomic, so the bucket keys need no term (a node can watch its own before the round exists).
+        values = encode_buckets(go, assignments, self.buckets)
+        go_key, lead = self._k(f"r/{t}/go"), self._k("lead")
+        puts = [op_put(self._k(f"r/{t}/b/{i}"), v) for i, v in enumerate(values)]
+        puts += [op_put(self._k(f"r/{t}/rec"), record), op_put(go_key, go), op_put(self._k("cur"), str(t).encode())]
+        result = self.client.txn([cmp_absent(go_key), cmp_value(lead, lease)], puts, [op_range(go_key)])
+        if result.succeeded:
+            return go
+        kvs = result.kvs(0)
+        return kvs[0].value if kvs else b""  # (go absent: this node lost the lease; whoever holds it publishes)
+
+    def wait_round(self, t: int, node: str, timeout_s: float) -> tuple[Go, bytes | None] | None:
+        # A watch on this node's bucket key: its one event carries go and the node's assignment. When the last
+        # look found go absent (written in the same transaction as the buckets), the watch starts from that
+        # revision without reading the key first.
+        key = f"r/{t}/b/{bucket_of(node, self.buckets)}"
+        after = self._absent_at.get(self._k(f"r/{t}/go"))
+        if after is None:
+            raw = self.wait_value(key, timeout_s)
+        else:
+            written = self.client.watch_key(self._k(key), after, timeout_s)
+            raw = None if written is None else written.value
+            if raw is None:
+                self._absent_at.pop(self._k(f"r/{t}/go"), None)  # (timed out, or compacted: read first next time)
+        return None if raw is None else decode_bucket(raw, node)
+
     def announce(self, entry: Entry) -> None:
         self.client.put(self._k(f"j/{entry.kind}/{entry.node}"), entry.encode())
 
@@ -233,11 +360,34 @@ class EtcdKv:
     def pending(self, after: int) -> int:
         return len(self._log_range(after, True).get("kvs", []))
 
+    def _renew(self, lease: int) -> int:
+        """The lease's TTL after renewing it (<= 0: gone): on the gRPC stream, else through the gateway."""
+        if self._stream is None:
+            from trainguard.agent import etcd_lease
+
+            self._stream = (etcd_lease.LeaseStream(self.client.settings, self.client.auth_token)
+                            if etcd_lease.available() else False)
+        if self._stream:
+            try:
+                # Up to interval x (attempts - 1): a renewal answered then is still within the TTL. (With 2 s, in a
+                # change at 1,024 simulated nodes under load 30, 520 renewals gave up, went through the gateway
+                # on top, and 192 leases expired.)
+                ttl = self._stream.renew(lease, max(1.0, self.renew_timeout_s))
+                self._stream_failures = 0
+                return ttl
+            except EtcdError:
+                # (the stream reopens on the next beat) A first failure is a missed beat, which the TTL covers:
+                # sending it through the gateway at once doubled the requests of an etcd that was already slow
+                # (an overload fed itself, 53bb38a with 8 processes). A second in a row goes through the gateway.
+                self._stream_failures += 1
+                if self._stream_failures < 2:
+                    raise
+        answer = self.client.call("lease/keepalive", {"ID": str(lease)})
+        return int(answer.get("result", answer).get("TTL", 0) or 0)
+
     def beat(self, node: str) -> None:
-        if self._lease is not None:
-            answer = self.client.call("lease/keepalive", {"ID": str(self._lease)})
-            if int(answer.get("result", answer).get("TTL", 0) or 0) > 0:
-                return
+        if self._lease is not None and self._renew(self._lease) > 0:
+            return
         lease = int(self.client.call("lease/grant", {"TTL": str(self.ttl)})["ID"])
         self.client.call("kv/put", {"key": b64(self._k(f"hb/{node}")), "value": b64(b"1"), "lease": str(lease)})
         self._lease = lease
@@ -258,7 +408,8 @@ class EtcdKv:
         return frozenset(n for n in nodes if n in present)
 
     def close(self) -> None:
-        pass
+        if self._stream:
+            self._stream.close()
 
 
 __all__ = ["EtcdKv", "FEW", "HOLE_SKIP_S", "Kv", "TcpKv", "WAIT_POLL_S"]

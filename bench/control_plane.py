@@ -65,10 +65,18 @@ class _Counters:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.gets = self.sets = self.cas_lost = self.bytes = 0
+        self.kinds: dict[str, float] = {}
+        """``n:<call>`` -> requests, ``s:<call>`` -> seconds the callers spent in them (the profile of a phase:
+        ``<call>`` is the method and the kind of key, e.g. ``kv/range r/go``)."""
 
-    def snapshot(self) -> dict[str, int]:
+    def kind(self, call: str, seconds: float) -> None:
         with self.lock:
-            return {"gets": self.gets, "sets": self.sets, "cas_lost": self.cas_lost, "bytes": self.bytes}
+            self.kinds["n:" + call] = self.kinds.get("n:" + call, 0) + 1
+            self.kinds["s:" + call] = self.kinds.get("s:" + call, 0.0) + seconds
+
+    def snapshot(self) -> dict[str, float]:
+        with self.lock:
+            return {"gets": self.gets, "sets": self.sets, "cas_lost": self.cas_lost, "bytes": self.bytes, **self.kinds}
 
 
 def _instrument(counters: _Counters) -> None:
@@ -144,12 +152,15 @@ def _instrument_keyed(counters: _Counters) -> None:
     """Count the keyed rendezvous's store requests on the wire: TCPStore calls (:class:`_CountingStore`,
     installed per handler by :func:`_count_keyed_handler`) and etcd gateway calls (request and answer JSON,
     base64 and all: pessimistic next to the dynamic baseline's state bytes; a watch counts its request)."""
+    from trainguard.agent import etcd_lease
     from trainguard.agent.etcd_client import EtcdClient
 
-    call0, watch0 = EtcdClient.call, EtcdClient.wait_for_change
+    call0, watch0, renew0 = EtcdClient.call, EtcdClient._watch, etcd_lease.LeaseStream.renew
 
     def call(self: Any, method: str, body: dict[str, Any], **kw: Any) -> Any:
+        t0 = time.monotonic()
         out = call0(self, method, body, **kw)
+        counters.kind(f"{method} {_key_kind(body)}", time.monotonic() - t0)
         with counters.lock:
             counters.gets += 1
             counters.bytes += len(json.dumps(body)) + len(json.dumps(out))
@@ -157,13 +168,63 @@ def _instrument_keyed(counters: _Counters) -> None:
                 counters.cas_lost += 1
         return out
 
-    def watch(self: Any, prefix: bytes, after: int, timeout_s: float) -> bool:
-        with counters.lock:
-            counters.gets += 1
-            counters.bytes += 2 * len(prefix) + 64
-        return watch0(self, prefix, after, timeout_s)
+    def watch(self: Any, create: dict[str, Any], timeout_s: float) -> Any:
+        # The watch request, and what it answers (the event with the key and its value; 64 bytes without one).
+        t0 = time.monotonic()
+        out = None
+        try:
+            out = watch0(self, create, timeout_s)
+            return out
+        finally:
+            counters.kind(f"watch {_key_kind(create)}", time.monotonic() - t0)
+            with counters.lock:
+                counters.gets += 1
+                counters.bytes += len(json.dumps(create)) + (len(json.dumps(out)) if out else 64)
 
-    EtcdClient.call, EtcdClient.wait_for_change = call, watch  # type: ignore[method-assign]
+    def renew(self: Any, lease_id: int, timeout_s: float) -> int:
+        # A message each way on the open stream: the protobuf, its 5-byte gRPC prefix and a 9-byte HTTP/2 frame
+        # header (the response's ~30-byte header counted as 40).
+        t0 = time.monotonic()
+        try:
+            return renew0(self, lease_id, timeout_s)
+        finally:
+            counters.kind("grpc LeaseKeepAlive", time.monotonic() - t0)
+            with counters.lock:
+                counters.gets += 1
+                counters.bytes += len(etcd_lease.encode_keepalive(lease_id)) + 40 + 2 * (5 + 9)
+
+    EtcdClient.call, EtcdClient._watch = call, watch  # type: ignore[method-assign]
+    etcd_lease.LeaseStream.renew = renew  # type: ignore[method-assign]
+
+
+def _kind_of(key: bytes) -> str:
+    """The kind of a keyed-rendezvous key for the profile: ``r/go`` for ``.../k/r/3/go``, ``hb`` for ``.../k/hb/n1``,
+    ``store/MASTER_ADDR`` for a round store's key."""
+    text = key.decode(errors="replace")
+    for mark in ("/k/", "/store/"):
+        if mark in text:
+            rest = text.split(mark, 1)[1]
+            parts = [p for p in rest.split("/") if p and not p.lstrip("-").isdigit()]
+            if mark == "/store/":
+                return "store/" + (parts[-1] if parts else "")
+            return "/".join(parts[:2]) if parts and parts[0] == "r" else (parts[0] if parts else "")
+    return "other"
+
+
+def _key_kind(body: dict[str, Any]) -> str:
+    from trainguard.agent.etcd_wire import unb64
+
+    key = body.get("key")
+    if key is None:
+        ops = body.get("success") or body.get("compare") or []
+        if ops:
+            first = ops[0]
+            inner = first.get("request_put") or first.get("request_range") or first
+            key = inner.get("key")
+            if key is not None:
+                return f"{_kind_of(unb64(key))} x{len(body.get('success', []))}"
+        return "lease" if "ID" in body or "TTL" in body else "other"
+    return _kind_of(unb64(key))
 
 
 def _count_keyed_handler(h: Any, counters: _Counters) -> None:
@@ -538,7 +599,95 @@ def _note(row: dict[str, Any], phase: str) -> None:
 
 
 def _ops(d: dict[str, float]) -> dict[str, float]:
-    return {"ops": d["gets"] + d["sets"], "bytes": d["bytes"], "cas_lost": d["cas_lost"]}
+    profile = {k[2:]: {"requests": int(v), "client_s": round(d.get("s:" + k[2:], 0.0), 3)}
+               for k, v in sorted(d.items()) if k.startswith("n:") and v}
+    return {"ops": d["gets"] + d["sets"], "bytes": d["bytes"], "cas_lost": d["cas_lost"], "profile": profile}
+
+
+# ---- the hang watch's store load (issue 40, part 2) --------------------------------------------------
+
+class _HangStore:
+    """An in-memory store that counts the hang watch's requests and their bytes (keys and values both ways):
+    what one exchange of every node costs the store, without a store to saturate."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, bytes] = {}
+        self.ops = self.bytes = 0
+
+    def set(self, k: str, v: bytes) -> None:
+        self.ops += 1
+        self.bytes += len(k) + len(v)
+        self.d[k] = v
+
+    def check(self, ks: list[str]) -> bool:
+        self.ops += 1
+        self.bytes += sum(len(k) for k in ks)
+        return all(k in self.d for k in ks)
+
+    def get(self, k: str) -> bytes:
+        self.ops += 1
+        self.bytes += len(k) + len(self.d[k])
+        return self.d[k]
+
+    def multi_get(self, ks: list[str]) -> list[bytes]:
+        self.ops += 1
+        self.bytes += sum(len(k) + len(self.d[k]) for k in ks)
+        return [self.d[k] for k in ks]
+
+
+def _exchange_3621de7(store: Any, me: str, members: list[str], seq: int, raw: bytes) -> None:
+    """The hang watch's exchange as it was at 3621de7 (its store calls only): its record, then every other
+    member's, a ``check`` and a ``get`` each."""
+    from trainguard.agent.hangwatch import PROGRESS_KEY
+
+    store.set(PROGRESS_KEY + me, raw)
+    for m in members:
+        if m != me and store.check([PROGRESS_KEY + m]):
+            store.get(PROGRESS_KEY + m)
+
+
+def hang_load(n: int, mode: str, intervals: int = 6) -> dict[str, Any]:
+    """Store requests and bytes per second of the hang watch of ``n`` nodes (one rank each, node ids of the
+    agents' shape), ``mode`` ``3621de7`` (every node reads every record) or ``now`` (this code: readers and
+    verdicts); the last of ``intervals`` exchanges of every node is counted, ops/s = that / the interval."""
+    from trainguard.agent.hang import HangConfig
+    from trainguard.agent.hangwatch import HangWatch, encode_record
+    from trainguard.contract import protocol as proto
+
+    cfg = HangConfig()
+    store = _HangStore()
+    names = [f"10.0.{i // 250}.{i % 250}_4242_0" for i in range(n)]
+    clock = [1000.0]
+    watches = [HangWatch(cfg, node_name=f"node-{i}", clock=lambda: clock[0]) for i in range(n)]
+    for w, m in zip(watches, names):
+        w.start_world(store, m, tuple(names), thread=False)
+    cpu0 = time.process_time()
+    for k in range(1, intervals + 1):
+        clock[0] += cfg.heartbeat_interval_s
+        if k == intervals:
+            ops0, bytes0 = store.ops, store.bytes
+        for r, (w, m) in enumerate(zip(watches, names)):
+            beat = proto.Progress(rank=r, local_rank=0, step=k, phase=proto.Phase.STEP, beat=k, progress=k,
+                                  where="train.py:80 main")
+            if mode == "3621de7":
+                _exchange_3621de7(store, m, names, k, encode_record(m, k, [beat], f"node-{r}"))
+            else:
+                w.on_progress(beat)
+                w.exchange()
+    ops, nbytes = store.ops - ops0, store.bytes - bytes0
+    return {"nodes": n, "mode": mode, "ops_per_interval": ops, "bytes_per_interval": nbytes,
+            "ops_per_s": ops / cfg.heartbeat_interval_s, "bytes_per_s": nbytes / cfg.heartbeat_interval_s,
+            "interval_s": cfg.heartbeat_interval_s, "sim_cpu_s": round(time.process_time() - cpu0, 2)}
+
+
+def hang_table(rows: list[dict[str, Any]]) -> str:
+    head = ["N", "mode", "ops/interval", "ops/s", "bytes/s", "sim cpu s"]
+    lines = [" | ".join(f"{h:>14}" for h in head)]
+    for r in rows:
+        vals = [r["nodes"], r["mode"], r["ops_per_interval"], _fmt(float(r["ops_per_s"])), _fmt(float(r["bytes_per_s"])),
+                r["sim_cpu_s"]]
+        lines.append(" | ".join(f"{v!s:>14}" for v in vals))
+    return "\n".join(lines)
 
 
 def fit_exponent(xs: list[float], ys: list[float]) -> float | None:
@@ -628,6 +777,8 @@ def main() -> int:
                     help="comma-separated: dynamic (torch's handler, the baseline), keyed (rendezvous.protocol: keyed)")
     ap.add_argument("--baseline-max", default="tcp=128,etcd=128,etcd-tls=128",
                     help="largest N the dynamic baseline runs at, per store (it fails or takes minutes beyond)")
+    ap.add_argument("--hang-nodes", default="",
+                    help="comma-separated N: also count the hang watch's store load (3621de7's exchange and this one's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     ap.add_argument("--participants", default="", help=argparse.SUPPRESS)
@@ -659,7 +810,11 @@ def main() -> int:
                 rows.append(row)
                 print(f"{store}/{protocol} N={n}: done in {row['bench_s']:.1f} s, load {row['load_avg'][0]:.1f}",
                       file=sys.stderr, flush=True)
+    hang_rows = [hang_load(n, mode) for n in (int(x) for x in a.hang_nodes.split(",") if x) for mode in ("3621de7", "now")]
     print(table(rows))
+    if hang_rows:
+        print()
+        print(hang_table(hang_rows))
     for r in rows:
         for ph in ("form", "leave", "loss", "join"):
             if r.get(ph, {}).get("n_errors"):
@@ -667,7 +822,7 @@ def main() -> int:
                       f"e.g. {r[ph]['errors'][:1]}")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"rows": rows, "load_avg_before": load_before, "load_avg": os.getloadavg(), "args": vars(a),
+            json.dump({"rows": rows, "hang_watch": hang_rows, "load_avg_before": load_before, "load_avg": os.getloadavg(), "args": vars(a),
                        "commit": _commit(), "exponents": {f"{s}/{p}/{ph}.{fig}": exponent(
                            [r for r in rows if (r["store"], r["protocol"]) == (s, p)], ph, fig)
                            for s, p in dict.fromkeys((r["store"], r["protocol"]) for r in rows)

@@ -4,10 +4,11 @@
 import pytest
 
 from trainguard.agent.configload import load_config
-from trainguard.agent.hang import (HangAct, HangConfig, RankView, StepTimes, Tracker, decide_hang, evictable,
-                                   hang_action, hang_threshold)
+from trainguard.agent.hang import (HangAct, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang, evictable,
+                                   hang_action, hang_threshold, pick_verdict)
 from trainguard.agent.procstat import ProcState
-from trainguard.agent.hangwatch import PROGRESS_KEY, HangWatch, decode_record, encode_record
+from trainguard.agent.hangwatch import (PROGRESS_KEY, VERDICT_KEY, HangWatch, decode_record, decode_verdict, encode_record,
+                                        encode_verdict)
 from trainguard.contract.configbase import ConfigError
 from trainguard.contract.protocol import Phase, Progress
 
@@ -578,3 +579,140 @@ def test_a_standby_beat_read_from_a_peer_is_no_rank_and_never_the_culprit():
     (va, aa), (vb, ab) = _run_until_action(clock, a, b, a_worker=False, step=40)
     assert aa.act is HangAct.END_WORKERS and ab.act is HangAct.WATCH
     assert (va.culprit.rank, va.culprit.node) == (0, "A") and (vb.culprit.rank, vb.culprit.node) == (0, "A")
+
+
+# ---- O(N): readers publish verdicts, the others read them (issue 40) -------------------------------
+
+_STOPPED_HERE = HangVerdict(True, 1.0, 0.5, rv(3, node="me"), "process_stopped")
+_SILENT_HERE = HangVerdict(True, 7.0, 6.0, rv(3, node="me"), "heartbeat_stopped_first")
+_PUBLISHED = HangVerdict(True, 7.0, 6.0, rv(9, node="far"), "heartbeat_stopped_first")
+_QUIET = HangVerdict(False, 1.0, 6.0)
+PICKS = [
+    ("own_stopped_rank_first", _STOPPED_HERE, _PUBLISHED, _STOPPED_HERE),
+    ("own_stopped_rank_without_a_verdict", _STOPPED_HERE, None, _STOPPED_HERE),
+    ("a_partial_view_names_nobody_else", _SILENT_HERE, _QUIET, _QUIET),
+    ("the_published_verdict", _QUIET, _PUBLISHED, _PUBLISHED),
+    ("no_fresh_verdict_no_verdict", _SILENT_HERE, None, HangVerdict(False, 7.0, 6.0)),
+    ("stopped_elsewhere_is_the_readers_call", HangVerdict(True, 1.0, 0.5, rv(3, node="x"), "process_stopped"), _QUIET, _QUIET),
+]
+
+
+@pytest.mark.parametrize("local,published,want", [p[1:] for p in PICKS], ids=[p[0] for p in PICKS])
+def test_pick_verdict(local, published, want):
+    assert pick_verdict(local, published, "me") == want
+
+
+def test_verdict_codec_round_trip_on_the_readers_clock_and_garbage():
+    v = HangVerdict(True, 7.25, 6.0, rv(9, node="far", step=12, where="t.py:3 f", beat_at=90.0), "heartbeat_stopped_first", True)
+    seq, got, missed = decode_verdict(encode_verdict(4, v, 100.0, {"far": 10.0}), 500.0)
+    assert seq == 4 and missed == {"far": 10.0}
+    assert (got.hung, got.stalled_s, got.why, got.node_frozen) == (True, 7.25, "heartbeat_stopped_first", True)
+    assert (got.culprit.rank, got.culprit.node, got.culprit.step, got.culprit.where, got.culprit.beat_at) == (9, "far", 12, "t.py:3 f", 490.0)
+    assert decode_verdict(encode_verdict(1, HangVerdict(False), 0.0, {}), 0.0)[1].culprit is None
+    assert decode_verdict(b"{", 0.0) is None and decode_verdict(b'{"seq": 1}', 0.0) is None
+
+
+class CountingStore(DictStore):
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def check(self, ks):
+        self.reads += 1
+        return super().check(ks)
+
+    def get(self, k):
+        self.reads += 1
+        return super().get(k)
+
+    def multi_get(self, ks):
+        self.reads += 1
+        return [self.d[k] for k in ks]
+
+
+def _world(store, clock, n):
+    names = [f"N{i}" for i in range(n)]
+    ws = [HangWatch(CFG, node_name=f"node-{i}", clock=clock) for i in range(n)]
+    for w, m in zip(ws, names):
+        w.start_world(store, m, tuple(names), thread=False)
+    return ws
+
+
+def _tick_all(clock, ws, *, stopped=None, frozen=(), step=None):
+    """Every node's rank beats; rank ``stopped`` neither beats nor progresses (the others wait in the
+    collective: they beat, no progress); the agents in ``frozen`` publish nothing."""
+    clock.t += CFG.heartbeat_interval_s
+    _tick.n += 1
+    for r, w in enumerate(ws):
+        if r != stopped and r not in frozen:
+            w.on_progress(Progress(rank=r, local_rank=0, step=step if step is not None else _tick.n, phase=S, beat=_tick.n,
+                                   progress=_tick.n if stopped is None else 10**6, where="t.py:1 m"))
+    for r, w in enumerate(ws):
+        if r not in frozen:
+            w.exchange()
+
+
+def test_only_the_readers_read_every_record_the_others_read_two_verdicts():
+    store, clock = CountingStore(), Clock()
+    ws = _world(store, clock, 8)
+    assert ws[0].readers() == ("N0", "N1") and _world(DictStore(), clock, 3)[0].readers() == ("N0", "N1", "N2")
+    for _ in range(10):
+        _tick_all(clock, ws)
+    before = store.reads
+    _tick_all(clock, ws)
+    # per interval: each reader one check + one multi_get of the 7 others' records; each of the 6 others one
+    # check + one multi_get of the 2 verdicts (a reader with no other reader's verdict to read has one key less)
+    assert store.reads - before == 2 * 2 + 6 * 2
+    assert all(VERDICT_KEY + r in store.d for r in ("N0", "N1"))
+    assert all(w.check()[1] is None for w in ws)
+
+
+def test_a_culprit_far_away_is_named_on_every_node_through_the_readers_verdict():
+    store, clock = DictStore(), Clock()
+    ws = _world(store, clock, 6)
+    for _ in range(20):
+        _tick_all(clock, ws)
+    got = {}
+    for _ in range(100):
+        _tick_all(clock, ws, stopped=5, step=20)
+        for i, w in enumerate(ws):
+            v, act = w.check()
+            if act is not None:
+                got[i] = (v, act)
+        if len(got) == 6:
+            break
+    assert got[5][1].act is HangAct.END_WORKERS and got[5][0].culprit.node == "N5"
+    assert all(got[i][1].act is HangAct.WATCH and got[i][0].culprit.node == "N5" for i in range(5))
+
+
+def test_a_frozen_node_is_aborted_and_evicted_by_every_node_and_both_readers_frozen_fall_back_to_reading_all():
+    store, clock = DictStore(), Clock()
+    ws = _world(store, clock, 6)
+    for _ in range(20):
+        _tick_all(clock, ws)
+    assert ws[3].evict(tuple(w.node_id for w in ws), peer_lost=True) == frozenset()
+    got = {}
+    for _ in range(100):  # node 4 frozen: its agent and its rank silent
+        _tick_all(clock, ws, stopped=4, frozen=(4,), step=20)
+        for i, w in enumerate(ws):
+            if i != 4 and (a := w.check()[1]) is not None:
+                got[i] = a
+        if len(got) == 5:
+            break
+    assert all(a.act is HangAct.ABORT and a.evict == frozenset({"N4"}) for a in got.values())
+    members = tuple(w.node_id for w in ws)
+    assert ws[3].evict(members, peer_lost=True) == frozenset({"N4"})
+    # both readers frozen: no fresh verdict past hang.stale_s, so the others read every record themselves
+    ws = _world(store, clock, 6)
+    for _ in range(20):
+        _tick_all(clock, ws)
+    got = {}
+    for _ in range(100):
+        _tick_all(clock, ws, stopped=0, frozen=(0, 1), step=40)
+        for i in range(2, 6):
+            if (a := ws[i].check()[1]) is not None:
+                got[i] = a
+        if len(got) == 4:
+            break
+    assert all(a.act is HangAct.ABORT and a.evict in (frozenset({"N0"}), frozenset({"N1"})) for a in got.values())
+    assert ws[3].evict(members, peer_lost=True) == frozenset({"N0", "N1"})

@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from trainguard.agent.config import RendezvousConfig
 from trainguard.agent.elastic_types import Plan, RendezvousAborted
 from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler, etcd_handler, tcp_handler
-from trainguard.agent.membership import Go, Record, encode_assignment, parse_lease, ranked
+from trainguard.agent.membership import Go, Record, assignment, encode_assignment, parse_lease, ranked
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,15 +155,22 @@ def test_a_dead_deciders_lease_passes_on(job):
 
 def test_the_publish_fence_one_term_per_round(job):
     """A decider whose term lost the race for ``go`` never has its assignments read: here another term
-    published round 0 first (assignments reversed), and every node takes that one."""
+    published round 0 first (assignments reversed), and every node takes that one. (TCPStore: assignments
+    under the term, ``go`` created once; etcd: one transaction if ``go`` is absent and the lease is the
+    decider's.)"""
     a, b = job.node(), job.node()
     kv = a._kv
-    kv.set_many([(f"r/0/99/a/{b.node}", encode_assignment(0, 2)), (f"r/0/99/a/{a.node}", encode_assignment(1, 2))])
-    kv.set("r/0/rec", Record(0, (b.node, a.node), (), 0, 99).encode())
-    assert kv.create("r/0/go", Go(99, 2, 0).encode()) == Go(99, 2, 0).encode()
-    assert kv.create("r/0/go", Go(100, 2, 0).encode()) == Go(99, 2, 0).encode()  # a second publisher loses
-    out = job.round([a, b], Plan(members=frozenset([a.node, b.node])))
-    assert out == {b.node: (0, 2), a.node: (1, 2)}
+    lease = b"99 " + b.node.encode()
+    assert kv.create("lead", lease) == lease
+    first, second = Go(99, 2, 0).encode(), Go(100, 2, 0).encode()
+    rec = Record(0, (b.node, a.node), (), 0, 99).encode()
+    assert kv.publish_round(0, 99, lease, [(b.node, encode_assignment(0, 2)), (a.node, encode_assignment(1, 2))], rec,
+                            first) == first
+    assert kv.publish_round(0, 100, lease, [(a.node, encode_assignment(0, 2)), (b.node, encode_assignment(1, 2))], rec,
+                            second) == first  # a second publisher loses
+    for n, rank in ((b, 0), (a, 1)):
+        go, mine = n._kv.wait_round(0, n.node, 5.0)
+        assert go == Go(99, 2, 0) and assignment(mine) == (rank, 2)
 
 
 def test_abort_leaves_and_the_others_form_without_it(job):

@@ -22,6 +22,11 @@ from trainguard.agent.membership import (
     fold,
     heartbeat_alive,
     lease_action,
+    master_of,
+    bucket_of,
+    buckets_for,
+    decode_bucket,
+    encode_buckets,
     new_entries,
     parse_lease,
 )
@@ -146,12 +151,17 @@ def test_decide_names_who_is_missing():
 
 @pytest.mark.parametrize("value", [
     Entry("10.0.0.5_123_0", JOIN, 4), Entry("n_1_2", LEAVE, -1), Entry("x", EVICT, 7),
+    Entry("10.0.0.5_123_0", JOIN, 4, 29500),
 ])
 def test_entry_round_trip(value):
     assert Entry.decode(value.encode()) == value
 
 
-@pytest.mark.parametrize("raw", [b"", b"join", b"join x y", b"hello 1 a"])
+def test_an_entry_without_a_port_is_an_older_agents_join():
+    assert Entry.decode(b"join 3 n_1_0") == Entry("n_1_0", JOIN, 3, 0)
+
+
+@pytest.mark.parametrize("raw", [b"", b"join", b"join x y", b"hello 1 a", b"join 1 a p", b"join 1 a 2 3"])
 def test_entry_refuses_what_is_no_entry(raw):
     assert Entry.decode(raw) is None
 
@@ -160,5 +170,46 @@ def test_record_go_and_assignment_round_trip():
     r = Record(5, ("a", "b"), ("c",), 42, 3)
     assert Record.decode(r.encode()) == r
     assert Go.decode(Go(3, 2, 42).encode()) == Go(3, 2, 42)
+    assert Go.decode(Go(3, 2, 42, "10.0.0.5:29500").encode()) == Go(3, 2, 42, "10.0.0.5:29500")
+    assert Go.decode(b"3 2 42") == Go(3, 2, 42, "")  # from an older decider
     assert assignment(encode_assignment(1, 2)) == (1, 2)
     assert list(new_entries(3, 6)) == [4, 5, 6] and list(new_entries(6, 6)) == []
+
+
+def test_fold_keeps_each_joiners_last_port():
+    w = fold([Entry("a", JOIN, 0, 100), Entry("b", JOIN, 0), Entry("a", JOIN, 0, 101), Entry("c", JOIN, 0, 7),
+              Entry("c", LEAVE, 0)], 0)
+    assert w.port_of("a") == 101 and w.port_of("b") == 0 and w.joined == ("a", "b")
+
+
+@pytest.mark.parametrize(("members", "ports", "master", "addr_port"), [
+    (("10.0.0.5_12_0", "10.0.0.6_9_0"), {"10.0.0.5_12_0": 29500}, "10.0.0.5:29500", ("10.0.0.5", 29500)),
+    (("node_a_12_0",), {"node_a_12_0": 7}, "node_a:7", ("node_a", 7)),         # an address with "_" in it
+    (("fd00::1_12_0",), {"fd00::1_12_0": 7}, "[fd00::1]:7", ("fd00::1", 7)),     # IPv6
+    (("10.0.0.5_12_0", "x_1_0"), {"x_1_0": 5}, "", None),                        # rank 0 announced no port
+    (("plain",), {"plain": 5}, "", None),                                         # not an addr_pid_n id
+    ((), {}, "", None),
+])
+def test_master_of(members, ports, master, addr_port):
+    wants = Wants(joined=tuple(members), ports=tuple(sorted(ports.items())))
+    assert master_of(members, wants) == master
+    assert Go(1, len(members), 0, master).master_addr_port == addr_port
+
+
+@pytest.mark.parametrize(("max_nodes", "buckets"), [(1, 1), (16, 1), (17, 2), (1025, 65), (1920, 120), (100_000, 120)])
+def test_buckets_for(max_nodes, buckets):
+    assert buckets_for(max_nodes) == buckets
+
+
+def test_buckets_carry_go_and_each_nodes_assignment_once():
+    go = Go(3, 3, 17, "10.0.0.5:29500").encode()
+    nodes = [f"10.0.0.{i}_12_0" for i in range(40)]
+    assign = [(n, encode_assignment(i if i < 3 else -1, 3)) for i, n in enumerate(nodes)]
+    values = encode_buckets(go, assign, 4)
+    assert len(values) == 4 and all(v.split(b"\n")[0] == go for v in values)
+    for i, n in enumerate(nodes):
+        got_go, mine = decode_bucket(values[bucket_of(n, 4)], n)
+        assert got_go == Go(3, 3, 17, "10.0.0.5:29500") and assignment(mine) == ((i if i < 3 else -1), 3)
+    assert decode_bucket(values[0], "not_in_it_0") == (Go(3, 3, 17, "10.0.0.5:29500"), None)
+    assert decode_bucket(values[bucket_of("10.0.0.1_12_0", 4)], "10.0.0.1_12") [1] is None  # a prefix is no match
+    assert bucket_of("10.0.0.1_12_0", 4) == bucket_of("10.0.0.1_12_0", 4) and {bucket_of(n, 4) for n in nodes} == {0, 1, 2, 3}
