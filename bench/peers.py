@@ -116,6 +116,10 @@ class Peer:
     def notice(self, node: Proc) -> None:
         node.proc.send_signal(signal.SIGTERM)
 
+    def worker(self, node: Proc, d: str) -> int | None:
+        """The node's live training process (the target of ``kill_worker`` and ``hang``)."""
+        return job_pid(node, os.path.join(JOBS, self.script))
+
     def expected(self, max_step: int) -> list[int]:
         return [i for s in range(1, max_step + 1) for i in common.global_batch(s)]
 
@@ -271,6 +275,61 @@ class DlroverPeer(Peer):
         return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
 
 
+class RayPeer(Peer):
+    """Ray Train 2.60 (``TorchTrainer``, its V2 API) on a local Ray cluster of real raylets on loopback: node a
+    is the driver, which starts the head raylet (GCS included) as its child; nodes b and c are ``ray start
+    --address ... --block`` raylets of their own (``peers_jobs/ray_job.py``), one CPU each, one worker each.
+    A failure restarts the whole worker group from the last ``ray.train`` checkpoint (``FailureConfig``)."""
+
+    def __init__(self, key: str, settings: str, workers: str, env: dict[str, str], resize_every: float = 60.0) -> None:
+        super().__init__(key, "ray_job.py", settings, "ray.train.torch", env)
+        self.workers = workers
+        """``ScalingConfig(num_workers)``: ``2`` fixed, or ``MIN:MAX`` for Ray's elastic training."""
+        self.resize_every = resize_every
+
+    @contextlib.contextmanager
+    def cluster(self, d: str, a: argparse.Namespace) -> Any:
+        # Short and fresh per run: Ray keeps its sockets under it (a unix socket path is limited to 107
+        # bytes) and its "current cluster" file, so no run finds another's cluster.
+        tmp = tempfile.mkdtemp(prefix="tgray-", dir="/tmp")
+        try:
+            yield {"address": f"127.0.0.1:{free_port()}", "temp_dir": tmp}
+        finally:
+            # Ray renames its processes (``ray::DashboardAgent``) and some outlive their raylet's tree kill:
+            # every process of this run's nodes carries the marker in its environment.
+            for pid in {*strays(tmp), *self.marked(tmp)}:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def marked(tmp: str) -> list[int]:
+        """Live processes whose environment holds ``TG_BENCH_RAY=<tmp>`` (set on each node's launcher)."""
+        mark = f"TG_BENCH_RAY={tmp}".encode()
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as fh:
+                    if mark in fh.read().split(b"\0") and alive(int(entry)):
+                        out.append(int(entry))
+        return out
+
+    def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
+        cmd = [sys.executable, os.path.join(JOBS, "ray_job.py"), "--role", "head" if idx == 0 else "node",
+               "--address", c["address"], "--temp-dir", c["temp_dir"], "--workers", self.workers,
+               "--resize-every", str(self.resize_every), *self.job_args(d, a)[1:]]
+        # Ray's workers are forked by the raylet and inherit its environment: they import common from here.
+        env = {**self.env, "PYTHONPATH": os.pathsep.join(p for p in (JOBS, os.environ.get("PYTHONPATH")) if p),
+               "RAY_USAGE_STATS_ENABLED": "0", "TG_BENCH_RAY": c["temp_dir"]}
+        return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
+
+    def worker(self, node: Proc, d: str) -> int | None:
+        """Ray renames its worker processes (``ray::RayTrainWorker...``): the node's training process is the
+        raylet's descendant that has written step lines (``common.log_step`` records its pid)."""
+        logged = {e["pid"] for _, e in steps(d)}
+        return next((p for p in descendants(node.proc.pid) if p in logged and alive(p)), None)
+
+
 def peers() -> list[Peer]:
     return [
         TorchrunPeer("torchrun", "torchrun_job.py", "torchrun 2.13 as installed, c10d, max-restarts 5"),
@@ -291,13 +350,17 @@ def peers() -> list[Peer]:
         NvrxPeer("nvrx-fast", "rank heartbeat timeout 5 s, checked every 1 s",
                  ["--ft-initial-rank-heartbeat-timeout", "60", "--ft-rank-heartbeat-timeout", "5",
                   "--ft-workload-check-interval", "1"]),
+        RayPeer("ray-train", "Ray Train 2.60 defaults: num_workers=2 fixed, FailureConfig(max_failures=5), worker "
+                             "health check timeout 600 s, GCS node health check 3 s x 5", "2", {}),
+        RayPeer("ray-train-fast", "elastic num_workers=(1, 3), resize checked every 5 s; worker health check timeout "
+                                  "5 s, polled every 1 s; GCS node health check 1 s x 3",
+                "1:3", {"RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": "5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1",
+                        "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+                        "RAY_health_check_timeout_ms": "1000"}, resize_every=5.0),
     ]
 
 
-NOT_RUN = {
-    "ray-train": "not run: not installed with the peers extra and not wired into this harness yet (needs its own job "
-                 "under TorchTrainer + FailureConfig on a local cluster, address='local')",
-}
+NOT_RUN: dict[str, str] = {}
 """Peers of the issue this harness does not run yet, with why (each becomes a row of its own)."""
 
 
@@ -329,11 +392,10 @@ def tree(node: Proc) -> list[int]:
     return [node.proc.pid, *descendants(node.proc.pid)]
 
 
-def inject(peer: Peer, fault: str, nb: Proc) -> list[int]:
+def inject(peer: Peer, fault: str, nb: Proc, d: str) -> list[int]:
     """Apply ``fault`` to node b; returns the pids it stopped (SIGCONT'd at the end)."""
-    script = os.path.join(JOBS, peer.script)
     if fault in ("kill_worker", "hang"):
-        pid = wait_until(lambda: job_pid(nb, script), 10, "node b's training process")
+        pid = wait_until(lambda: peer.worker(nb, d), 10, "node b's training process")
         os.kill(pid, signal.SIGKILL if fault == "kill_worker" else signal.SIGSTOP)
         return [pid] if fault == "hang" else []
     if fault == "kill_node":
@@ -381,7 +443,7 @@ def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace, rep: int 
                 live = list(nodes)
             else:
                 t_fault = time.time()
-                stopped = inject(peer, fault, nodes[1])
+                stopped = inject(peer, fault, nodes[1], d)
                 live = [nodes[0]]  # node b's launcher may also live on (or come back): its end is not waited for
             say("bench", f"{peer.key}: {fault} on node {'c' if fault == 'join' else 'b'}")
             before = [(t, e) for t, e in steps(d) if t <= t_fault]
