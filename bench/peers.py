@@ -5,15 +5,19 @@ per peer's API: ``torchrun_job.py`` (plain DDP + ``torch.save`` every ``--ckpt-e
 ``trainguard_job.py`` (the worker API; ``checkpoint.interval`` = ``--ckpt-every``), ``torchft_job.py``
 (Manager + its DDP and optimizer wrapper; heals from live peers), ``nvrx_job.py`` (the torchrun job plus
 nvidia-resiliency-ext heartbeats, under ``ft_launcher``), and the torchrun job under DLRover's ``dlrover-run``
-(``dlrover_launch.py``: a wrapper for torch 2.13, with its job master beside the nodes). Ray Train is listed as
-not run, with why. Local "nodes" of one worker each (gloo, CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start
+(``dlrover_launch.py``: a wrapper for torch 2.13, with its job master beside the nodes), and ``ray_job.py``
+(Ray Train's ``TorchTrainer`` with ``FailureConfig``, a ``ray.train`` checkpoint every ``--ckpt-every`` steps; each
+node a raylet of its own on loopback, node a also the driver and the head; a failure restarts the whole worker
+group). Local "nodes" of one worker each (gloo, CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start
 (``--nnodes 1:3`` where the peer has it; node a hosts the rendezvous), train ``--warm`` steps at world
 size 2, then one fault hits node b from outside:
 
 * ``kill_worker``: SIGKILL to b's training process.
 * ``kill_node``: SIGKILL to b's launcher and everything under it (process groups too: torch elastic starts
-  workers in sessions of their own).
-* ``hang``: SIGSTOP to b's training process (a hung worker: sockets stay open).
+  workers in sessions of their own). Ray: b's launcher is its ``ray start --block``, so the raylet and its
+  workers go (the GCS on node a learns it from its node health check).
+* ``hang``: SIGSTOP to b's training process (a hung worker: sockets stay open; Ray's renamed worker
+  process is found by the pid its step lines carry).
 * ``freeze``: SIGSTOP to b's launcher and its workers (a frozen node).
 * ``notice``: a planned notice. trainguard: SIGTERM to b's agent, its signal notice path
   (``preemption.sources=signal``, ``train_through_notice=false`` so the drain starts at the notice);
