@@ -299,6 +299,10 @@ class RayPeer(Peer):
         try:
             yield {"address": f"127.0.0.1:{free_port()}", "temp_dir": tmp}
         finally:
+            if a.keep:  # Ray Train's controller and worker logs (its restart decisions, with times)
+                with contextlib.suppress(OSError):
+                    shutil.copytree(os.path.join(tmp, "session_latest", "logs"), os.path.join(d, "ray-logs"),
+                                    ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
             # Ray renames its processes (``ray::DashboardAgent``) and some outlive their raylet's tree kill:
             # every process of this run's nodes carries the marker in its environment.
             for pid in {*strays(tmp), *self.marked(tmp)}:
