@@ -21,7 +21,8 @@ size 2, then one fault hits node b from outside:
 * ``freeze``: SIGSTOP to b's launcher and its workers (a frozen node).
 * ``notice``: a planned notice. trainguard: SIGTERM to b's agent, its signal notice path
   (``preemption.sources=signal``, ``train_through_notice=false`` so the drain starts at the notice);
-  the peers: SIGTERM to b's launcher, which is what a spot reclaim gives them.
+  the peers: SIGTERM to b's launcher, which is what a spot reclaim gives them (Ray: its ``ray start --block``,
+  which drains the node with reason preemption, up to 30 s, before it stops the node's processes).
 * ``join``: a third node c starts (the clock starts with its launcher).
 
 Per peer x fault (every figure from the workers' own one-line-per-step log, ``common.log_step``):
