@@ -5,19 +5,24 @@ per peer's API: ``torchrun_job.py`` (plain DDP + ``torch.save`` every ``--ckpt-e
 ``trainguard_job.py`` (the worker API; ``checkpoint.interval`` = ``--ckpt-every``), ``torchft_job.py``
 (Manager + its DDP and optimizer wrapper; heals from live peers), ``nvrx_job.py`` (the torchrun job plus
 nvidia-resiliency-ext heartbeats, under ``ft_launcher``), and the torchrun job under DLRover's ``dlrover-run``
-(``dlrover_launch.py``: a wrapper for torch 2.13, with its job master beside the nodes). Ray Train is listed as
-not run, with why. Local "nodes" of one worker each (gloo, CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start
+(``dlrover_launch.py``: a wrapper for torch 2.13, with its job master beside the nodes), and ``ray_job.py``
+(Ray Train's ``TorchTrainer`` with ``FailureConfig``, a ``ray.train`` checkpoint every ``--ckpt-every`` steps; each
+node a raylet of its own on loopback, node a also the driver and the head; a failure restarts the whole worker
+group). Local "nodes" of one worker each (gloo, CPU, ``OMP_NUM_THREADS=1``) on 127.0.0.1: nodes a and b start
 (``--nnodes 1:3`` where the peer has it; node a hosts the rendezvous), train ``--warm`` steps at world
 size 2, then one fault hits node b from outside:
 
 * ``kill_worker``: SIGKILL to b's training process.
 * ``kill_node``: SIGKILL to b's launcher and everything under it (process groups too: torch elastic starts
-  workers in sessions of their own).
-* ``hang``: SIGSTOP to b's training process (a hung worker: sockets stay open).
+  workers in sessions of their own). Ray: b's launcher is its ``ray start --block``, so the raylet and its
+  workers go (the GCS on node a learns it from its node health check).
+* ``hang``: SIGSTOP to b's training process (a hung worker: sockets stay open; Ray's renamed worker
+  process is found by the pid its step lines carry).
 * ``freeze``: SIGSTOP to b's launcher and its workers (a frozen node).
 * ``notice``: a planned notice. trainguard: SIGTERM to b's agent, its signal notice path
   (``preemption.sources=signal``, ``train_through_notice=false`` so the drain starts at the notice);
-  the peers: SIGTERM to b's launcher, which is what a spot reclaim gives them.
+  the peers: SIGTERM to b's launcher, which is what a spot reclaim gives them (Ray: its ``ray start --block``,
+  which drains the node with reason preemption, up to 30 s, before it stops the node's processes).
 * ``join``: a third node c starts (the clock starts with its launcher).
 
 Per peer x fault (every figure from the workers' own one-line-per-step log, ``common.log_step``):
@@ -115,6 +120,10 @@ class Peer:
 
     def notice(self, node: Proc) -> None:
         node.proc.send_signal(signal.SIGTERM)
+
+    def worker(self, node: Proc, d: str) -> int | None:
+        """The node's live training process (the target of ``kill_worker`` and ``hang``)."""
+        return job_pid(node, os.path.join(JOBS, self.script))
 
     def expected(self, max_step: int) -> list[int]:
         return [i for s in range(1, max_step + 1) for i in common.global_batch(s)]
@@ -271,6 +280,65 @@ class DlroverPeer(Peer):
         return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
 
 
+class RayPeer(Peer):
+    """Ray Train 2.60 (``TorchTrainer``, its V2 API) on a local Ray cluster of real raylets on loopback: node a
+    is the driver, which starts the head raylet (GCS included) as its child; nodes b and c are ``ray start
+    --address ... --block`` raylets of their own (``peers_jobs/ray_job.py``), one CPU each, one worker each.
+    A failure restarts the whole worker group from the last ``ray.train`` checkpoint (``FailureConfig``)."""
+
+    def __init__(self, key: str, settings: str, workers: str, env: dict[str, str], resize_every: float = 60.0) -> None:
+        super().__init__(key, "ray_job.py", settings, "ray.train.torch", env)
+        self.workers = workers
+        """``ScalingConfig(num_workers)``: ``2`` fixed, or ``MIN:MAX`` for Ray's elastic training."""
+        self.resize_every = resize_every
+
+    @contextlib.contextmanager
+    def cluster(self, d: str, a: argparse.Namespace) -> Any:
+        # Short and fresh per run: Ray keeps its sockets under it (a unix socket path is limited to 107
+        # bytes) and its "current cluster" file, so no run finds another's cluster.
+        tmp = tempfile.mkdtemp(prefix="tgray-", dir="/tmp")
+        try:
+            yield {"address": f"127.0.0.1:{free_port()}", "temp_dir": tmp}
+        finally:
+            if a.keep:  # Ray Train's controller and worker logs (its restart decisions, with times)
+                with contextlib.suppress(OSError):
+                    shutil.copytree(os.path.join(tmp, "session_latest", "logs"), os.path.join(d, "ray-logs"),
+                                    ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
+            # Ray renames its processes (``ray::DashboardAgent``) and some outlive their raylet's tree kill:
+            # every process of this run's nodes carries the marker in its environment.
+            for pid in {*strays(tmp), *self.marked(tmp)}:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def marked(tmp: str) -> list[int]:
+        """Live processes whose environment holds ``TG_BENCH_RAY=<tmp>`` (set on each node's launcher)."""
+        mark = f"TG_BENCH_RAY={tmp}".encode()
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as fh:
+                    if mark in fh.read().split(b"\0") and alive(int(entry)):
+                        out.append(int(entry))
+        return out
+
+    def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
+        cmd = [sys.executable, os.path.join(JOBS, "ray_job.py"), "--role", "head" if idx == 0 else "node",
+               "--address", c["address"], "--temp-dir", c["temp_dir"], "--workers", self.workers,
+               "--resize-every", str(self.resize_every), *self.job_args(d, a)[1:]]
+        # Ray's workers are forked by the raylet and inherit its environment: they import common from here.
+        env = {**self.env, "PYTHONPATH": os.pathsep.join(p for p in (JOBS, os.environ.get("PYTHONPATH")) if p),
+               "RAY_USAGE_STATS_ENABLED": "0", "TG_BENCH_RAY": c["temp_dir"]}
+        return Proc(f"{self.key}-{name}", cmd, os.path.join(d, f"{name}.log"), env)
+
+    def worker(self, node: Proc, d: str) -> int | None:
+        """Ray renames its worker processes (``ray::RayTrainWorker...``): the node's training process is the
+        raylet's descendant that has written step lines (``common.log_step`` records its pid)."""
+        logged = {e["pid"] for _, e in steps(d)}
+        return next((p for p in descendants(node.proc.pid) if p in logged and alive(p)), None)
+
+
 def peers() -> list[Peer]:
     return [
         TorchrunPeer("torchrun", "torchrun_job.py", "torchrun 2.13 as installed, c10d, max-restarts 5"),
@@ -291,13 +359,17 @@ def peers() -> list[Peer]:
         NvrxPeer("nvrx-fast", "rank heartbeat timeout 5 s, checked every 1 s",
                  ["--ft-initial-rank-heartbeat-timeout", "60", "--ft-rank-heartbeat-timeout", "5",
                   "--ft-workload-check-interval", "1"]),
+        RayPeer("ray-train", "Ray Train 2.60 defaults: num_workers=2 fixed, FailureConfig(max_failures=5), worker "
+                             "health check timeout 600 s, GCS node health check 3 s x 5", "2", {}),
+        RayPeer("ray-train-fast", "elastic num_workers=(1, 3), resize checked every 5 s; worker health check timeout "
+                                  "5 s, polled every 1 s; GCS node health check 1 s x 3",
+                "1:3", {"RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": "5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1",
+                        "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+                        "RAY_health_check_timeout_ms": "1000"}, resize_every=5.0),
     ]
 
 
-NOT_RUN = {
-    "ray-train": "not run: not installed with the peers extra and not wired into this harness yet (needs its own job "
-                 "under TorchTrainer + FailureConfig on a local cluster, address='local')",
-}
+NOT_RUN: dict[str, str] = {}
 """Peers of the issue this harness does not run yet, with why (each becomes a row of its own)."""
 
 
@@ -329,11 +401,10 @@ def tree(node: Proc) -> list[int]:
     return [node.proc.pid, *descendants(node.proc.pid)]
 
 
-def inject(peer: Peer, fault: str, nb: Proc) -> list[int]:
+def inject(peer: Peer, fault: str, nb: Proc, d: str) -> list[int]:
     """Apply ``fault`` to node b; returns the pids it stopped (SIGCONT'd at the end)."""
-    script = os.path.join(JOBS, peer.script)
     if fault in ("kill_worker", "hang"):
-        pid = wait_until(lambda: job_pid(nb, script), 10, "node b's training process")
+        pid = wait_until(lambda: peer.worker(nb, d), 10, "node b's training process")
         os.kill(pid, signal.SIGKILL if fault == "kill_worker" else signal.SIGSTOP)
         return [pid] if fault == "hang" else []
     if fault == "kill_node":
@@ -381,7 +452,7 @@ def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace, rep: int 
                 live = list(nodes)
             else:
                 t_fault = time.time()
-                stopped = inject(peer, fault, nodes[1])
+                stopped = inject(peer, fault, nodes[1], d)
                 live = [nodes[0]]  # node b's launcher may also live on (or come back): its end is not waited for
             say("bench", f"{peer.key}: {fault} on node {'c' if fault == 'join' else 'b'}")
             before = [(t, e) for t, e in steps(d) if t <= t_fault]

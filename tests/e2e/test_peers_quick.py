@@ -89,3 +89,21 @@ def test_a_join_row_reports_the_worlds_pause() -> None:
         text = peers.table({"cells": cells, "peers": {}})
     assert row["join_pause_s"] == 0.6 and row["recover_s"] == 4.5
     assert "trainguard join: the world paused 0.60 s" in text and "of 4.50 s" in text
+
+
+def test_ray_run_processes_are_found_by_their_environment(tmp_path) -> None:
+    """Ray renames its processes and some outlive their raylet's tree: the Ray rows sweep what carries the
+    run's marker in its environment, and only that."""
+    mark = str(tmp_path / "tgray-x")
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, "TG_BENCH_RAY": mark})
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={**os.environ, "TG_BENCH_RAY": mark + "-other"})
+    try:
+        with bench_module("peers.py") as peers:
+            found = peers.RayPeer.marked(mark)
+        assert mine.pid in found and other.pid not in found, found
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait(10)
