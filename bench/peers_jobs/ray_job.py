@@ -20,7 +20,6 @@ come from the environment (``RAY_TRAIN_*``, ``RAY_health_check_*``), as the benc
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -145,7 +144,6 @@ def head(args) -> int:
             raylet.wait(30)
         except subprocess.TimeoutExpired:
             raylet.kill()
-        shutil.rmtree(args.temp_dir, ignore_errors=True)
 
 
 def node(args) -> int:
