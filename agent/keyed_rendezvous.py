@@ -153,9 +153,15 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._kv.set("closed", b"1")
 
     def num_nodes_waiting(self) -> int:  # See base class.
-        """Announcements since the current round was decided (one small read): newcomers, or members that
-        went back to the rendezvous."""
-        return self._kv.pending(self.consumed)
+        """Nodes that announced a ``join`` since the current round was decided and did not leave again:
+        newcomers, or members that went back to the rendezvous (torch's wait list). A ``leave`` (a drained
+        member) or an ``evict`` is no node waiting: counting them made the survivors of a planned leave
+        decide ``scale_up`` instead of ``peer_drain``. One small read while the log did not move, else the
+        new entries."""
+        if self._kv.pending(self.consumed) == 0:
+            return 0
+        entries, _ = self._kv.announcements(self.consumed)
+        return len(fold(entries, self.round).joined)
 
     def shutdown(self) -> bool:  # See base class.
         self.set_closed()

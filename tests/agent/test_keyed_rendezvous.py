@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from trainguard.agent.config import RendezvousConfig
 from trainguard.agent.elastic_types import Plan, RendezvousAborted
 from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler, etcd_handler, tcp_handler
-from trainguard.agent.membership import Go, Record, assignment, encode_assignment, parse_lease, ranked
+from trainguard.agent.membership import JOIN, Entry, Go, Record, assignment, encode_assignment, parse_lease, ranked
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,3 +206,16 @@ def test_peek_sees_a_dead_member_through_the_ring(job):
     assert dead.node not in before.peek().participants
     p = other.peek()
     assert dead.node not in p.participants and p.round == other.round and p.this_node_participates
+
+
+def test_a_leave_is_no_node_waiting_a_join_is(job):
+    """``num_nodes_waiting`` (what the supervisor's scale-up check reads) counts joins since the round, not a
+    drained member's ``leave``: the survivors of a planned leave must see a peer drain, not a scale-up."""
+    a, b = job.node(), job.node()
+    assert sizes(job.round([a, b], Plan(members=frozenset([a.node, b.node])))) == [(0, 2), (1, 2)]
+    assert a.num_nodes_waiting() == 0
+    b.leave()
+    assert a.num_nodes_waiting() == 0
+    c = job.node()
+    c._kv.announce(Entry(c.node, JOIN, 0))
+    assert a.num_nodes_waiting() == 1
