@@ -152,7 +152,7 @@ def _instrument_keyed(counters: _Counters) -> None:
     """Count the keyed rendezvous's store requests on the wire: TCPStore calls (:class:`_CountingStore`,
     installed per handler by :func:`_count_keyed_handler`) and etcd gateway calls (request and answer JSON,
     base64 and all: pessimistic next to the dynamic baseline's state bytes; a watch counts its request)."""
-    from trainguard.agent import etcd_lease
+    import trainguard.agent.etcd_lease as etcd_lease
     from trainguard.agent.etcd_client import EtcdClient
 
     call0, watch0, renew0 = EtcdClient.call, EtcdClient._watch, etcd_lease.LeaseStream.renew
