@@ -222,13 +222,14 @@ def test_a_throttled_straggler_that_reads_stopped_at_every_tick_is_never_named(c
     stopped_reads = 0
     with DutyCycleThrottler(lambda: [p.pid], 0.8, 0.1):
         for _ in range(20):  # 4 s of real time, 4 s of fake time without a beat: the job is stalled
-            time.sleep(0.2)
+            for _ in range(10):  # the test's own reads, 20 ms apart: a read every 0.2 s alone can lock onto
+                time.sleep(0.02)  # the throttler's 20 ms run window (seen twice in the full suite: 0 and 1 of 20)
+                stopped_reads += read_stat(p.pid).state == "T"
             t[0] += 0.2
             w.observe_procs({0: p.pid})
-            stopped_reads += read_stat(p.pid).state == "T"
             v, act = w.check()
             assert act is None or v.why != "process_stopped", v
-    assert stopped_reads >= 5  # the reads did see it stopped, often
+    assert stopped_reads >= 50  # the reads did see it stopped, often (80 % of 200 reads unloaded)
     os.kill(p.pid, signal.SIGSTOP)
     _settle(lambda: read_stat(p.pid).state, "T")
     for _ in range(10):
