@@ -48,6 +48,7 @@ from typing import Any
 
 from trainguard.agent.hang import (HangAction, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang, evictable,
                                    hang_action, pick_verdict)
+from trainguard.agent.storecall import read_many
 from trainguard.agent.procstat import ProcSample, ProcState, classify, held_since, read_stat
 from trainguard.contract import protocol as proto
 from trainguard.contract.log import get_logger
@@ -92,18 +93,6 @@ def decode_verdict(raw: bytes, now: float) -> tuple[int, HangVerdict, dict[str, 
         return int(d["seq"]), v, {str(m): float(a) for m, a in dict(d.get("missed", {})).items()}
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-
-
-def _read_many(store: Any, keys: list[str]) -> list[bytes | None]:
-    """The values of ``keys`` (None where absent): one ``check`` and one ``multi_get`` when all are there."""
-    if not keys:
-        return []
-    if store.check(keys) and hasattr(store, "multi_get"):
-        try:
-            return [bytes(v) for v in store.multi_get(keys)]
-        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
-            pass
-    return [bytes(store.get(k)) if store.check([k]) else None for k in keys]
 
 
 def encode_record(node: str, seq: int, beats: list[proto.Progress], name: str = "") -> bytes:
@@ -326,7 +315,7 @@ class HangWatch:
             self._read_verdicts(store)
             return
         others = [m for m in members if m != me]
-        for m, raw_rec in zip(others, _read_many(store, [PROGRESS_KEY + m for m in others])):
+        for m, raw_rec in zip(others, read_many(store, [PROGRESS_KEY + m for m in others])):
             rec = None if raw_rec is None else decode_record(raw_rec)
             if rec is None:
                 continue
@@ -355,7 +344,7 @@ class HangWatch:
 
     def _read_verdicts(self, store: Any) -> None:
         readers = [r for r in self.readers() if r != self.node_id]
-        raws = _read_many(store, [VERDICT_KEY + r for r in readers])
+        raws = read_many(store, [VERDICT_KEY + r for r in readers])
         now = self._clock()
         with self._lock:
             if self._store is not store:

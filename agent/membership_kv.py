@@ -40,6 +40,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from trainguard.agent.etcd_wire import EtcdError, KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
+from trainguard.agent.storecall import read_many
 from trainguard.agent.membership import Entry, Go, bucket_of, decode_bucket, encode_buckets, heartbeat_alive
 
 HOLE_SKIP_S = 5.0
@@ -130,7 +131,7 @@ class TcpKv:
         return self.get(key) if self.wait(key, timeout_s) else None
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [self.get(k) for k in keys]
+        return read_many(self.store, keys)
 
     def publish_round(self, t: int, term: int, lease: bytes, assignments: Sequence[tuple[str, bytes]], record: bytes,
                       go: bytes) -> bytes:
@@ -163,10 +164,7 @@ class TcpKv:
         keys = [f"j/{i}" for i in range(after + 1, seq + 1)]
         if not keys:
             return [], after
-        if self.store.check(keys):
-            raws: list[bytes | None] = [bytes(v) for v in self.store.multi_get(keys)]
-        else:  # a writer between its add and its set (or dead there): read what is there
-            raws = [self.get(k) for k in keys]
+        raws = read_many(self.store, keys)  # (a hole: a writer between its add and its set, or dead there)
         out, pos, now = [], after, time.monotonic()
         for i, raw in zip(range(after + 1, seq + 1), raws):
             if raw is None:
@@ -193,10 +191,7 @@ class TcpKv:
         if not nodes:
             return frozenset()
         keys = [f"hb/{n}" for n in nodes]
-        if self.store.check(keys):
-            raws: list[bytes | None] = [bytes(v) for v in self.store.multi_get(keys)]
-        else:
-            raws = [self.get(k) for k in keys]
+        raws = read_many(self.store, keys)
         now = self.clock()
         return frozenset(n for n, raw in zip(nodes, raws)
                          if raw is not None and heartbeat_alive(_float(raw), now, self.interval_s, self.attempts))

@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -280,4 +281,19 @@ class BoundedStore:
         return self._view(self._guard.current())
 
 
-__all__ = ["BoundedC10dBackend", "BoundedStore", "ClientGuard", "Link", "StoreCallTimeout", "call_with_deadline", "backoff_s", "call_bound_s", "may_connect", "on_failure", "on_success"]
+
+def read_many(store: Any, keys: Sequence[str]) -> list[bytes | None]:
+    """The values of ``keys`` (None where absent): one ``check`` and one ``multi_get`` when all are there (a
+    store without ``multi_get``, or one that refuses it, is read key by key), else key by key."""
+    keys = list(keys)
+    if not keys:
+        return []
+    if store.check(keys) and hasattr(store, "multi_get"):
+        try:
+            return [bytes(v) for v in store.multi_get(keys)]
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            pass
+    return [bytes(store.get(k)) if store.check([k]) else None for k in keys]
+
+__all__ = ["BoundedC10dBackend", "BoundedStore", "ClientGuard", "Link", "StoreCallTimeout", "backoff_s", "call_bound_s", "call_with_deadline",
+           "may_connect", "on_failure", "on_success", "read_many"]
