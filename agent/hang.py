@@ -33,9 +33,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from trainguard.agent.probe import Answer
 from trainguard.agent.procstat import ProcState
 from trainguard.contract.configbase import require, require_finite
 from trainguard.contract.protocol import Phase
+
+UNANSWERED = frozenset({Answer.SILENT, Answer.GONE})
+"""Probe answers that are evidence against a node (:mod:`trainguard.agent.probe`)."""
 
 ACTIVE_PHASES = frozenset({Phase.BUSY, Phase.SAVE, Phase.RESTORE, Phase.PARKED})
 """Phases in which a rank that still beats is progressing by definition (each has its own bound)."""
@@ -92,6 +96,19 @@ class HangConfig:
     code (no C call of the training script holds its GIL), so its silence is better evidence than a
     worker's. Between ``stale_beats`` heartbeat intervals and ``silent_s``."""
 
+    probe_timeout_s: float = 0.25
+    """A peer agent whose record is late (nothing new for ``probe_after_s``, 1.5 heartbeat intervals) is
+    asked directly (:mod:`trainguard.agent.probe`: one byte over TCP to its ``probe_port``). No answer within
+    this many seconds, or its port refused (the agent is dead), while the job made no progress for
+    ``probe_after_s`` either, names its node frozen (or gone) without waiting out ``frozen_s``; an agent that
+    answers is alive, and its late record alone never names it. After a lost peer (a reset), a refused port
+    evicts at once. 0: no probes (silence alone: ``frozen_s``, and a missed heartbeat for an eviction). A
+    loaded machine answers late too: keep it well above the agents' scheduling delays."""
+
+    probe_port: int = 0
+    """The TCP port this agent answers probes on (every interface); 0: any free port. Its peers find it in
+    the agent's record, so only a firewall needs a fixed one."""
+
     step_factor: float = 3.0
     """k of the hang threshold ``max(min_s, k x p99 of the recent step times)``: a 40 s step gives 120 s."""
 
@@ -133,6 +150,13 @@ class HangConfig:
         require(self.stale_s <= self.frozen_s <= self.silent_s, "frozen_s",
                 f"must be between heartbeat_interval_s x stale_beats ({self.stale_s:g} s) and silent_s "
                 f"({self.silent_s:g} s), got {self.frozen_s}", "use 2, or lower hang.heartbeat_interval_s")
+        require_finite(self.probe_timeout_s, "probe_timeout_s", minimum=0.0,
+                       fix="use 0.25 (seconds; 0: no direct probes, silence alone)")
+        require(self.probe_timeout_s <= self.frozen_s, "probe_timeout_s",
+                f"must be at most frozen_s ({self.frozen_s:g} s), got {self.probe_timeout_s}",
+                "use 0.25: a probe must answer sooner than the silence it replaces")
+        require(isinstance(self.probe_port, int) and 0 <= self.probe_port <= 65535, "probe_port",
+                f"must be an integer port 0-65535, got {self.probe_port!r}", "use 0 (any free port) or a port your firewall opens")
         require_finite(self.step_factor, "step_factor", minimum=1.0,
                        fix="use 3: a step up to 3x slower than the recent p99 is no hang")
         require(isinstance(self.min_steps, int) and self.min_steps >= 1, "min_steps",
@@ -144,6 +168,11 @@ class HangConfig:
     def stale_s(self) -> float:
         """Silence after which a rank or an agent counts as silent (hang detection)."""
         return self.heartbeat_interval_s * self.stale_beats
+
+    @property
+    def probe_after_s(self) -> float:
+        """A peer agent's record this late is asked directly (when probes are on): 1.5 heartbeat intervals."""
+        return self.heartbeat_interval_s * 1.5
 
     @property
     def missed_s(self) -> float:
@@ -173,6 +202,9 @@ class RankView:
     """What the kernel says about the rank's process (local ranks only; :mod:`trainguard.agent.procstat`)."""
     proc_since: float = 0.0
     """Since when (observer's clock) ``proc`` has been what it is, without a break."""
+    agent_answer: Answer = Answer.UNKNOWN
+    """What the rank's node's agent answered to a direct probe asked after its last record
+    (:mod:`trainguard.agent.probe`; remote nodes only, UNKNOWN when none was asked since)."""
 
 
 @dataclass(slots=True)
@@ -296,7 +328,8 @@ class HangVerdict:
     culprit: RankView | None = None
     why: str = ""
     """How the culprit was named: ``process_stopped`` (the kernel says so), ``node_silent`` (its agent and
-    ranks all silent for ``hang.frozen_s``), ``heartbeat_stopped_first``, ``outside_the_collective`` (a phase or a
+    ranks all silent for ``hang.frozen_s``), ``agent_unanswered`` / ``agent_gone`` (its record late for
+    ``hang.probe_after_s`` and its agent did not answer a direct probe / its port refused), ``heartbeat_stopped_first``, ``outside_the_collective`` (a phase or a
     frame the others are not in), or ``unknown``."""
     node_frozen: bool = False
     """The culprit's node's agent is silent too (a frozen node): nobody there can act."""
@@ -334,14 +367,22 @@ def decide_hang(ranks: Sequence[RankView], now: float, cfg: HangConfig, p99: flo
     threshold = hang_threshold(cfg, p99, known_steps)
     silent = [r for r in ranks if now - r.beat_at > stale_s]
     stopped = [r for r in ranks if r.proc is ProcState.STOPPED and now - r.proc_since > cfg.stopped_s]
-    quiet = {r.node for r in ranks if now - r.agent_at > cfg.frozen_s} - {r.node for r in ranks if now - r.beat_at <= cfg.frozen_s}
+    quiet = ({r.node for r in ranks if now - r.agent_at > cfg.frozen_s and r.agent_answer is not Answer.ALIVE}
+             - {r.node for r in ranks if now - r.beat_at <= cfg.frozen_s})
+    unanswered = ({r.node for r in ranks if r.agent_answer in UNANSWERED and now - r.agent_at > cfg.probe_after_s}
+                  - {r.node for r in ranks if now - r.beat_at <= cfg.probe_after_s})
     frozen = [r for r in ranks if r.node in quiet]
+    probed = [r for r in ranks if r.node in unanswered]
     by_frozen = False
     if stalled <= threshold:
         if stopped:
             # The kernel says a rank cannot run: the job stalls at its next collective. No need to wait out
             # a silence, nor for its peers' stall to reach this agent.
             threshold = cfg.stopped_s
+        elif probed and stalled > cfg.probe_after_s:
+            # Its record is late, and its agent did not answer a direct probe (or its port is closed): the
+            # node is frozen or dead. No need to wait out frozen_s of silence.
+            threshold, by_frozen, frozen = cfg.probe_after_s, True, probed
         elif frozen and stalled > cfg.frozen_s:
             # A node's agent and its ranks all silent: the node is frozen (or cut off), nobody there acts.
             threshold, by_frozen = cfg.frozen_s, True
@@ -356,14 +397,16 @@ def decide_hang(ranks: Sequence[RankView], now: float, cfg: HangConfig, p99: flo
     if stopped:
         culprit, why = min(stopped, key=lambda r: (r.proc_since, r.rank)), "process_stopped"
     elif by_frozen:
-        culprit, why = min(frozen, key=lambda r: (r.beat_at, r.rank)), "node_silent"
+        culprit = min(frozen, key=lambda r: (r.beat_at, r.rank))
+        why = {Answer.GONE: "agent_gone", Answer.SILENT: "agent_unanswered"}.get(culprit.agent_answer, "node_silent")
     elif silent:
         culprit, why = min(silent, key=lambda r: (r.proc is ProcState.BUSY, r.beat_at, r.rank)), "heartbeat_stopped_first"
     else:
         odd = _odd_one_out(ranks, "phase") or _odd_one_out(ranks, "where")
         if odd is not None:
             culprit, why = odd, "outside_the_collective"
-    node_frozen = culprit is not None and now - culprit.agent_at > stale_s
+    node_frozen = culprit is not None and (now - culprit.agent_at > stale_s or (
+        culprit.agent_answer in UNANSWERED and now - culprit.agent_at > cfg.probe_after_s))
     return HangVerdict(True, stalled, threshold, culprit, why, node_frozen)
 
 
@@ -420,20 +463,29 @@ def hang_action(v: HangVerdict, *, node: str, previous_hangs: Iterable[float], n
 
 
 def evictable(members: Iterable[str], agent_at: Mapping[str, float | None], now: float, stale_s: float,
-              *, me: str, peer_lost: bool) -> frozenset[str]:
+              *, me: str, peer_lost: bool, answers: Mapping[str, Answer] | None = None,
+              probe_after_s: float | None = None) -> frozenset[str]:
     """Pure: the members a re-formation removes from the rendezvous at once. Only after a lost peer
     (``peer_lost``: a worker here saw a collective fail, e.g. a connection reset): the evidence is that
     reset plus a missed heartbeat of the member's agent (silent for ``stale_s``), not the full keep-alive
-    expiry. A member never seen publishing is left to the keep-alive (no evidence either way)."""
+    expiry; or the reset plus its agent's answer to a direct probe asked after its last record
+    (``answers``): its port refused (``GONE``: the agent is dead) at once, no answer (``SILENT``) once its
+    record is ``probe_after_s`` late. A member never seen publishing is left to the keep-alive (no evidence
+    either way); one that answered is not evicted for a late record alone until ``stale_s``."""
     if not peer_lost:
         return frozenset()
+    answers = answers or {}
     out = set()
     for m in members:
         at = agent_at.get(m)
-        if m != me and at is not None and now - at > stale_s:
+        if m == me or at is None:
+            continue
+        got = answers.get(m, Answer.UNKNOWN)
+        if (now - at > stale_s or got is Answer.GONE
+                or (got is Answer.SILENT and probe_after_s is not None and now - at > probe_after_s)):
             out.add(m)
     return frozenset(out)
 
 
-__all__ = ["ACTIVE_PHASES", "HangAct", "HangAction", "HangConfig", "HangVerdict", "RankView", "StepTimes", "Tracker",
+__all__ = ["ACTIVE_PHASES", "UNANSWERED", "HangAct", "HangAction", "HangConfig", "HangVerdict", "RankView", "StepTimes", "Tracker",
            "decide_hang", "evictable", "hang_action", "hang_threshold", "pick_verdict"]

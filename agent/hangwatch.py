@@ -44,10 +44,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-from trainguard.agent.hang import (HangAction, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang, evictable,
-                                   hang_action, pick_verdict)
+from trainguard.agent.hang import (UNANSWERED, HangAction, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang,
+                                   evictable, hang_action, pick_verdict)
+from trainguard.agent.probe import Answer, Prober, ProbeServer, format_addr
 from trainguard.agent.storecall import read_many
 from trainguard.agent.procstat import ProcSample, ProcState, classify, held_since, read_stat
 from trainguard.contract import protocol as proto
@@ -63,6 +64,9 @@ VERDICT_KEY = "trainguard/hangverdict/"
 
 READERS = 2
 """How many members (the first by group rank) read every record and publish a verdict."""
+
+PROBE_LIMIT = 8
+"""At most this many peers probed at once by one node (:mod:`trainguard.agent.probe`): the most silent."""
 
 
 def encode_verdict(seq: int, v: HangVerdict, now: float, missed: Mapping[str, float]) -> bytes:
@@ -95,20 +99,30 @@ def decode_verdict(raw: bytes, now: float) -> tuple[int, HangVerdict, dict[str, 
         return None
 
 
-def encode_record(node: str, seq: int, beats: list[proto.Progress], name: str = "") -> bytes:
-    return json.dumps({"node": node, "name": name, "seq": seq, "ranks": [
+def encode_record(node: str, seq: int, beats: list[proto.Progress], name: str = "", probe: str = "") -> bytes:
+    return json.dumps({"node": node, "name": name, "seq": seq, "probe": probe, "ranks": [
         {"rank": b.rank, "step": b.step, "phase": b.phase.value, "where": b.where, "beat": b.beat, "progress": b.progress}
         for b in beats]}).encode()
 
 
-def decode_record(raw: bytes) -> tuple[int, list[proto.Progress], str] | None:
-    """(seq, beats, node name) of a record, or None when it is malformed (a newer agent's extra keys are ignored)."""
+class Record(NamedTuple):
+    seq: int
+    beats: list[proto.Progress]
+    name: str
+    """The node's name (``agent.node_name``)."""
+    probe: str
+    """``host:port`` its agent answers probes on (:mod:`trainguard.agent.probe`); "" when it does not."""
+
+
+def decode_record(raw: bytes) -> Record | None:
+    """A record, or None when it is malformed (a newer agent's extra keys are ignored; an older agent's
+    record has no probe address)."""
     try:
         d = json.loads(raw)
         beats = [proto.Progress(rank=int(r["rank"]), local_rank=0, step=int(r["step"]), phase=proto.Phase(r["phase"]),
                                 beat=int(r["beat"]), progress=int(r["progress"]), where=str(r.get("where", ""))[:200])
                  for r in d["ranks"]]
-        return int(d["seq"]), beats, str(d.get("name", ""))[:200]
+        return Record(int(d["seq"]), beats, str(d.get("name", ""))[:200], str(d.get("probe", ""))[:300])
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -157,6 +171,16 @@ class HangWatch:
         self._woken: set[tuple[int, float]] = set()
         """(local rank, stopped since) already announced to the supervisor by the proc poll."""
         self._proc_thread: threading.Thread | None = None
+        self._wake: Callable[[], None] | None = None
+        """The supervisor's tick (set by :meth:`watch_procs` / :meth:`serve_probes`): a probe that was not
+        answered wakes it."""
+        self._addrs: dict[str, str] = {}
+        """Rendezvous id -> the probe address its record gives."""
+        self._probe_addr = ""
+        self._probe_server: ProbeServer | None = None
+        self.prober: Prober | None = (Prober(cfg.probe_timeout_s, clock=clock, on_answer=self._woken_by_probe)
+                                      if cfg.enabled and cfg.probe_timeout_s > 0 else None)
+        """Direct questions to peer agents whose record is late (:mod:`trainguard.agent.probe`)."""
 
     # ---- inputs ---------------------------------------------------------------------------------
     def on_progress(self, msg: proto.Progress) -> None:
@@ -229,11 +253,58 @@ class HangWatch:
         ``wake`` (the supervisor's tick, at once) when a stop has lasted ``hang.stopped_s``: the
         ``process_stopped`` verdict then comes at that bound, not up to a tick later. Starts once; no-op
         with ``proc_poll_s`` 0, with hang detection off, or without ``/proc``."""
+        self._wake = wake
         if (self._proc_thread is not None or not self.cfg.enabled or self.cfg.proc_poll_s <= 0
                 or not os.path.isdir("/proc/self")):
             return
         self._proc_thread = threading.Thread(target=self._poll_procs, args=(wake,), name="trainguard-procwatch", daemon=True)
         self._proc_thread.start()
+
+    def serve_probes(self, host: str, wake: Callable[[], None] | None = None) -> str:
+        """Answer peers' probes on ``hang.probe_port`` and name ``host`` (the address peers reach this node at)
+        in this node's record; ``wake``: the supervisor's tick, called when a probe of a peer is not answered.
+        The address, or "" with probes off. Idempotent."""
+        if wake is not None:
+            self._wake = wake
+        if self.prober is None:
+            return ""
+        if self._probe_server is None:
+            try:
+                self._probe_server = ProbeServer(self.cfg.probe_port)
+            except OSError as e:
+                log.warning("probe_port_unavailable", port=self.cfg.probe_port, error=f"{type(e).__name__}: {e}"[:300],
+                            effect="peers cannot probe this agent: they wait out hang.frozen_s of silence for it",
+                            fix="set hang.probe_port to a free port (0: any)")
+                return ""
+            self._probe_addr = format_addr(host, self._probe_server.port)
+            log.info("probe_serving", addr=self._probe_addr)
+        return self._probe_addr
+
+    def _woken_by_probe(self) -> None:
+        wake = self._wake
+        if wake is not None:
+            wake()
+
+    def _ask(self, nodes: list[str], now: float, *, limit: int = PROBE_LIMIT) -> None:
+        """Probe up to ``limit`` of ``nodes`` (the most silent first) whose address is known (under the lock)."""
+        if self.prober is None:
+            return
+        known = [n for n in nodes if self._addrs.get(n)]
+        known.sort(key=lambda n: self._tracker.agent_at(n) or now)
+        for n in known[:limit]:
+            self.prober.ask(n, self._addrs[n])
+
+    def _answers(self, nodes: Any) -> dict[str, Answer]:
+        """Each node's answer to a probe asked after its last record (under the lock); nodes with none left out."""
+        out: dict[str, Answer] = {}
+        if self.prober is None:
+            return out
+        for n in nodes:
+            addr, at = self._addrs.get(n), self._tracker.agent_at(n)
+            got = self.prober.answer(n, addr) if addr and at is not None else None
+            if got is not None and got[1] >= at:  # type: ignore[operator]
+                out[n] = got[0]
+        return out
 
     def _poll_procs(self, wake: Callable[[], None]) -> None:
         while not self._stop.wait(self.cfg.proc_poll_s):
@@ -298,7 +369,8 @@ class HangWatch:
                 return
             self._seq += 1
             seq = self._seq
-            raw = encode_record(me, self._seq, sorted(self._local.values(), key=lambda b: b.rank), self.node_name)
+            raw = encode_record(me, self._seq, sorted(self._local.values(), key=lambda b: b.rank), self.node_name,
+                                self._probe_addr)
         store.set(PROGRESS_KEY + me, raw)  # hangs while this node is cut off from the store
         now = self._clock()
         with self._lock:
@@ -319,10 +391,11 @@ class HangWatch:
             rec = None if raw_rec is None else decode_record(raw_rec)
             if rec is None:
                 continue
-            seq_m, beats, name = rec
+            seq_m, beats, name, probe = rec
             now = self._clock()
             with self._lock:
                 self._names[m] = name
+                self._addrs[m] = probe
                 if self._store is not store:  # a new world formed meanwhile
                     return
                 self._tracker.agent(m, seq_m, now)
@@ -330,14 +403,24 @@ class HangWatch:
                     for b in beats:  # a standby's beat (rank -1) is no rank of the world, as in on_progress
                         if b.rank >= 0:
                             self._tracker.beat(m, b.rank, b.step, b.phase, b.where, b.beat, b.progress, now)
+        now = self._clock()
+        with self._lock:
+            if self._store is not store:
+                return
+            late = [m for m in others
+                    if (at := self._tracker.agent_at(m)) is not None and now - at > self.cfg.probe_after_s]
+            self._ask(late, now)
         if reader:
             now = self._clock()
             with self._lock:
                 if self._store is not store:
                     return
                 v = self._decide(now) if self._watching else HangVerdict(False)
+                answers = self._answers(others)
                 missed = {m: now - at for m in others
-                          if (at := self._tracker.agent_at(m)) is not None and now - at > self.cfg.missed_s}
+                          if (at := self._tracker.agent_at(m)) is not None and (
+                              now - at > self.cfg.missed_s
+                              or (now - at > self.cfg.probe_after_s and answers.get(m) in UNANSWERED))}
             store.set(VERDICT_KEY + me, encode_verdict(seq, v, now, missed))
         else:
             self._read_verdicts(store)
@@ -364,6 +447,8 @@ class HangWatch:
         for t in (self._thread, self._proc_thread):
             if t is not None and t is not threading.current_thread():
                 t.join(timeout=2 * self.cfg.heartbeat_interval_s + 1.0)
+        if self._probe_server is not None:
+            self._probe_server.close()
 
     # ---- questions ------------------------------------------------------------------------------
     def _blind(self, now: float, silence_s: float) -> bool:
@@ -373,7 +458,7 @@ class HangWatch:
 
     def _decide(self, now: float) -> HangVerdict:
         """decide_hang over every rank this node tracks (under the lock)."""
-        views = self._with_procs(self._tracker.views(now, self.node_id))
+        views = self._with_answers(self._with_procs(self._tracker.views(now, self.node_id)))
         return decide_hang(views, now, self.cfg, self._steps.p99(), self._steps.count)
 
     def check(self) -> tuple[HangVerdict, HangAction | None]:
@@ -406,6 +491,11 @@ class HangWatch:
             out.append(v if seen is None else dataclasses.replace(v, proc=seen.state, proc_since=seen.since))
         return out
 
+    def _with_answers(self, views: list[RankView]) -> list[RankView]:
+        """Remote ranks' views with their agent's answer to a probe asked after its last record (under the lock)."""
+        answers = self._answers({v.node for v in views if v.node != self.node_id})
+        return [dataclasses.replace(v, agent_answer=answers[v.node]) if v.node in answers else v for v in views]
+
     def name_of(self, node_id: str) -> str:
         """The node name (``agent.node_name``) of a rendezvous id, as its record says (else the id)."""
         if node_id == self.node_id:
@@ -425,14 +515,19 @@ class HangWatch:
             if self._blind(now, self.cfg.missed_s):  # no evidence: this node could not see anyone
                 return frozenset()
             me = self.node_id
+            answers: dict[str, Answer] = {}
             if self._reads_all(now):
                 agent_at = {m: self._tracker.agent_at(m) for m in members}
+                if peer_lost:  # a reset was seen: ask the members now (a dead agent's port refuses at once)
+                    self._ask([m for m in members if m != me], now)
+                    answers = self._answers(members)
             else:
                 fresh = self._fresh_verdict(now)
                 missed, seen_at = (fresh[1], fresh[2]) if fresh else ({}, now)
                 agent_at = {m: seen_at - missed[m] for m in members if m in missed}
-        return evictable(members, agent_at, now, self.cfg.missed_s, me=me, peer_lost=peer_lost)
+        return evictable(members, agent_at, now, self.cfg.missed_s, me=me, peer_lost=peer_lost, answers=answers,
+                         probe_after_s=self.cfg.probe_after_s)
 
 
-__all__ = ["PROGRESS_KEY", "READERS", "VERDICT_KEY", "HangWatch", "decode_record", "decode_verdict", "encode_record",
+__all__ = ["PROBE_LIMIT", "PROGRESS_KEY", "READERS", "VERDICT_KEY", "HangWatch", "Record", "decode_record", "decode_verdict", "encode_record",
            "encode_verdict"]

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 
 import sys
 import threading
@@ -515,6 +516,8 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
 
         if self.hangs is not None:  # a stopped worker is acted on the moment its stop lasted hang.stopped_s
             self.hangs.watch_procs(self._wake.set)
+            # peers probe this agent directly when its record is late; an unanswered probe of a peer wakes us
+            self.hangs.serve_probes(self.cfg.rendezvous.local_addr or socket.getfqdn(), self._wake.set)
         self._thread = threading.Thread(target=target, name="supervisor", daemon=True)
         self._thread.start()
 

@@ -6,6 +6,7 @@ import pytest
 from trainguard.agent.configload import load_config
 from trainguard.agent.hang import (HangAct, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang, evictable,
                                    hang_action, hang_threshold, pick_verdict)
+from trainguard.agent.probe import Answer
 from trainguard.agent.procstat import ProcState
 from trainguard.agent.hangwatch import (PROGRESS_KEY, VERDICT_KEY, HangWatch, decode_record, decode_verdict, encode_record,
                                         encode_verdict)
@@ -17,9 +18,9 @@ S, A, B, SV, R, P = Phase.STEP, Phase.AGREEMENT, Phase.BUSY, Phase.SAVE, Phase.R
 
 
 def rv(rank, *, node="n0", step=60, phase=S, where="train.py:80 main", beat_at=0.0, progress_at=0.0, agent_at=None,
-       proc=ProcState.UNKNOWN, proc_since=0.0):
+       proc=ProcState.UNKNOWN, proc_since=0.0, answer=Answer.UNKNOWN):
     return RankView(rank, node, step, phase, where, beat_at, progress_at, beat_at if agent_at is None else agent_at,
-                    proc, proc_since)
+                    proc, proc_since, answer)
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -43,6 +44,9 @@ BAD = [
     ("", {"TRAINGUARD_HANG_FROZEN_S": "6.5"}, "hang.frozen_s", "and silent_s (6 s)"),
     ("", {"TRAINGUARD_HANG_SILENT_S": "7"}, "hang.silent_s", "and min_s (6 s)"),
     ("", {"TRAINGUARD_HANG_QUARANTINE_S": "-1"}, "hang.quarantine_s", "must be >= 0"),
+    ("hang:\n  probe_timeout_s: -1\n", {}, "hang.probe_timeout_s", "must be >= 0"),
+    ("", {"TRAINGUARD_HANG_PROBE_TIMEOUT_S": "3"}, "hang.probe_timeout_s", "at most frozen_s (2 s)"),
+    ("hang:\n  probe_port: 70000\n", {}, "hang.probe_port", "integer port 0-65535"),
     ("hang:\n  warmup_s: .nan\n", {}, "hang.warmup_s", "finite"),
 ]
 
@@ -225,6 +229,55 @@ def test_a_node_whose_agent_and_ranks_are_silent_is_named_frozen_at_frozen_s(ran
         assert a.act is HangAct.ABORT and a.evict == frozenset({"n1"})
 
 
+T_PROBE = HUNG_AT + CFG.probe_after_s + 0.1  # past probe_after_s, well before frozen_s
+SIL, GONE, ALIVE = Answer.SILENT, Answer.GONE, Answer.ALIVE
+
+PROBE_CASES = [
+    # id, ranks, now, hung, culprit rank, why
+    # n1's record is late and its agent did not answer a probe asked since: frozen, without frozen_s of silence
+    ("unanswered_named_at_probe_after_s", [rv(0, beat_at=T_PROBE, progress_at=HUNG_AT),
+                                           rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT, answer=SIL)],
+     T_PROBE, True, 1, "agent_unanswered"),
+    # its port refused: the agent is dead
+    ("gone_named_at_probe_after_s", [rv(0, beat_at=T_PROBE, progress_at=HUNG_AT),
+                                     rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT, answer=GONE)],
+     T_PROBE, True, 1, "agent_gone"),
+    # unanswered, but its record is not late yet: no evidence (a probe is asked only of a late record anyway)
+    ("unanswered_record_not_late", [rv(0, beat_at=T_PROBE, progress_at=HUNG_AT),
+                                    rv(1, node="n1", beat_at=T_PROBE - 0.1, progress_at=HUNG_AT, agent_at=T_PROBE - 0.1,
+                                       answer=SIL)],
+     T_PROBE, False, None, ""),
+    # unanswered and late, but the job progresses: no verdict (an agent alone may be slow; the workers train)
+    ("unanswered_job_progresses", [rv(0, beat_at=T_PROBE, progress_at=T_PROBE - 0.1),
+                                   rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT, answer=SIL)],
+     T_PROBE, False, None, ""),
+    # its agent answered: alive, however late its record; not even frozen_s of silence names it frozen
+    ("answered_is_not_frozen_at_frozen_s", [rv(0, beat_at=T_FROZEN, progress_at=HUNG_AT),
+                                            rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT,
+                                               answer=ALIVE)],
+     T_FROZEN, False, None, ""),
+    # no answer yet (UNKNOWN): silence alone, as without probes: frozen at frozen_s, not before
+    ("no_answer_waits_for_frozen_s", [rv(0, beat_at=T_PROBE, progress_at=HUNG_AT),
+                                      rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
+     T_PROBE, False, None, ""),
+    ("no_answer_frozen_at_frozen_s", [rv(0, beat_at=T_FROZEN, progress_at=HUNG_AT),
+                                      rv(1, node="n1", beat_at=HUNG_AT, progress_at=HUNG_AT, agent_at=HUNG_AT)],
+     T_FROZEN, True, 1, "node_silent"),
+]
+
+
+@pytest.mark.parametrize("ranks,now,hung,culprit,why", [c[1:] for c in PROBE_CASES], ids=[c[0] for c in PROBE_CASES])
+def test_a_late_node_whose_agent_does_not_answer_a_probe_is_frozen_at_probe_after_s(ranks, now, hung, culprit, why):
+    v = decide_hang(ranks, now, CFG, 0.05, 100)
+    assert v.hung is hung
+    assert (v.culprit.rank if v.culprit else None) == culprit
+    if hung:
+        assert v.why == why and v.node_frozen
+        assert v.threshold_s == (CFG.frozen_s if why == "node_silent" else CFG.probe_after_s)
+        a = hang_action(v, node="n0", previous_hangs=[], now=now, cfg=CFG)
+        assert a.act is HangAct.ABORT and a.evict == frozenset({"n1"})
+
+
 T_STOP = HUNG_AT + CFG.stopped_s + 0.3
 STOP, BUSY_C, IDLE = ProcState.STOPPED, ProcState.BUSY, ProcState.IDLE
 
@@ -382,6 +435,25 @@ def test_evictable(agent_at, lost, want):
     assert evictable(("a", "b"), agent_at, 10.0, CFG.missed_s, me="a", peer_lost=lost) == frozenset(want)
 
 
+EVICT_PROBED = [
+    # id, b's record at, b's answer, peer lost, evicted
+    ("refused_port_evicts_at_once", 9.9, GONE, True, {"b"}),
+    ("refused_port_needs_a_reset", 9.9, GONE, False, set()),
+    ("unanswered_and_late_evicts", 10.0 - CFG.probe_after_s - 0.01, SIL, True, {"b"}),
+    ("unanswered_not_late_yet", 10.0 - CFG.probe_after_s + 0.01, SIL, True, set()),
+    ("answered_waits_for_the_missed_heartbeat", 10.0 - CFG.probe_after_s - 0.01, ALIVE, True, set()),
+    ("answered_missed_heartbeat_still_evicts", 10.0 - CFG.missed_s - 0.01, ALIVE, True, {"b"}),
+    ("never_seen_is_left_to_the_keep_alive", None, GONE, True, set()),
+]
+
+
+@pytest.mark.parametrize("b_at,answer,lost,want", [e[1:] for e in EVICT_PROBED], ids=[e[0] for e in EVICT_PROBED])
+def test_evictable_with_probe_answers(b_at, answer, lost, want):
+    got = evictable(("a", "b"), {"a": 10.0, "b": b_at}, 10.0, CFG.missed_s, me="a", peer_lost=lost,
+                    answers={"b": answer}, probe_after_s=CFG.probe_after_s)
+    assert got == frozenset(want)
+
+
 # ---- step times and the tracker --------------------------------------------------------------------
 
 def test_step_times_skip_saves_busy_blocks_and_re_formations():
@@ -407,8 +479,9 @@ def test_tracker_counts_a_record_read_again_as_no_news():
 
 def test_record_codec_round_trip_and_garbage():
     beats = [Progress(rank=3, local_rank=0, step=7, phase=A, beat=9, progress=4, where="x.py:1 f")]
-    seq, got, name = decode_record(encode_record("n1", 5, beats, "node-b"))
-    assert (seq, name) == (5, "node-b")
+    seq, got, name, probe = decode_record(encode_record("n1", 5, beats, "node-b", "10.0.0.7:4711"))
+    assert (seq, name, probe) == (5, "node-b", "10.0.0.7:4711")
+    assert decode_record(b'{"seq": 2, "ranks": []}').probe == ""  # an older agent's record: no probe address
     assert [(b.rank, b.step, b.phase, b.beat, b.progress, b.where) for b in got] == [(3, 7, A, 9, 4, "x.py:1 f")]
     assert decode_record(b"{not json") is None
     assert decode_record(b'{"seq": 1, "ranks": [{"rank": 0}]}') is None
@@ -512,6 +585,68 @@ def test_watch_evicts_a_frozen_node_and_a_node_whose_agent_missed_a_heartbeat():
     assert b.evict(("A", "B"), peer_lost=True) == frozenset({"A"})
     assert b.evict(("A", "B"), peer_lost=False) == frozenset()
     assert store.check([PROGRESS_KEY + "B"])
+
+
+def _settle(w, timeout=10.0):
+    """Wait (real time) until no probe of ``w`` is in flight: the prober answers on its own threads."""
+    import time as _t
+    end = _t.monotonic() + timeout
+    while w.prober._flight and _t.monotonic() < end:
+        _t.sleep(0.002)
+
+
+def test_watch_names_a_frozen_node_whose_agent_does_not_answer_before_frozen_s():
+    """a freezes (agent and worker): b's probe of a's agent (a real port, a's address from a's record) gets no
+    answer, so b aborts and evicts a once a's record is probe_after_s late - not frozen_s."""
+    store, clock = DictStore(), Clock()
+    a, b = _pair(store, clock)
+    assert a.serve_probes("127.0.0.1").startswith("127.0.0.1:")
+    try:
+        for _ in range(20):
+            _tick(clock, a, b)
+            _settle(b)
+        assert b.check()[1] is None
+        b.prober._probe = lambda host, port, timeout_s: Answer.SILENT  # a's agent stopped: nobody answers
+        frozen_at, got = clock.t, None
+        for _ in range(40):
+            _tick(clock, a, b, a_worker=False, a_agent=False, step=20)
+            _settle(b)
+            v, act = b.check()
+            if act is not None:
+                got = (v, act)
+                break
+        assert got is not None
+        v, act = got
+        assert v.why == "agent_unanswered" and v.node_frozen and act.act is HangAct.ABORT and act.evict == frozenset({"A"})
+        assert clock.t - frozen_at < CFG.frozen_s  # before the silence bound
+        assert b.evict(("A", "B"), peer_lost=True) == frozenset({"A"})
+    finally:
+        a.close()
+        b.close()
+
+
+def test_watch_evicts_at_once_after_a_reset_when_the_lost_peers_port_refuses():
+    """a's agent dies (its probe port closes) right after a record: after the reset b asks, the port refuses,
+    and the next eviction poll removes a with no missed heartbeat; an agent that answers is not removed."""
+    store, clock = DictStore(), Clock()
+    a, b = _pair(store, clock)
+    a.serve_probes("127.0.0.1")
+    try:
+        for _ in range(5):
+            _tick(clock, a, b)
+        assert b.evict(("A", "B"), peer_lost=True) == frozenset()  # asks; a answers: alive
+        _settle(b)
+        assert b.evict(("A", "B"), peer_lost=True) == frozenset()
+        _settle(b)
+        a._probe_server.close()  # the agent died: nobody listens on its port
+        clock.t += 0.1
+        b.evict(("A", "B"), peer_lost=True)  # the reset: ask
+        _settle(b)
+        assert b.evict(("A", "B"), peer_lost=True) == frozenset({"A"})
+        assert b.evict(("A", "B"), peer_lost=False) == frozenset()  # no reset, no eviction
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_hang_with_no_culprit_counts_against_no_node():
