@@ -97,13 +97,14 @@ class HangConfig:
     worker's. Between ``stale_beats`` heartbeat intervals and ``silent_s``."""
 
     probe_timeout_s: float = 0.25
-    """A peer agent whose record is late (nothing new for ``probe_after_s``, 1.5 heartbeat intervals) is
-    asked directly (:mod:`trainguard.agent.probe`: one byte over TCP to its ``probe_port``). No answer within
-    this many seconds, or its port refused (the agent is dead), while the job made no progress for
-    ``probe_after_s`` either, names its node frozen (or gone) without waiting out ``frozen_s``; an agent that
-    answers is alive, and its late record alone never names it. After a lost peer (a reset), a refused port
-    evicts at once. 0: no probes (silence alone: ``frozen_s``, and a missed heartbeat for an eviction). A
-    loaded machine answers late too: keep it well above the agents' scheduling delays."""
+    """A peer agent whose record is late (nothing new for one heartbeat interval) is asked directly
+    (:mod:`trainguard.agent.probe`: one byte over TCP to its ``probe_port``). No answer within this many
+    seconds, or its port refused (the agent is dead), once its record is ``probe_after_s`` (1.5 intervals)
+    late and while the job makes no progress, names its node frozen (or gone) without waiting out
+    ``frozen_s``; an agent that answers is alive, and its late record alone never names it. After a lost
+    peer (a reset), a refused port evicts at once. 0: no probes (silence alone: ``frozen_s``, and a missed
+    heartbeat for an eviction). A loaded machine answers late too: keep it well above the agents'
+    scheduling delays."""
 
     probe_port: int = 0
     """The TCP port this agent answers probes on (every interface); 0: any free port. Its peers find it in
@@ -170,8 +171,15 @@ class HangConfig:
         return self.heartbeat_interval_s * self.stale_beats
 
     @property
+    def ask_after_s(self) -> float:
+        """A peer agent's record this late (one heartbeat interval without news) is asked about directly (when
+        probes are on). Asking is cheap and decides nothing by itself: an alive agent answers."""
+        return self.heartbeat_interval_s
+
+    @property
     def probe_after_s(self) -> float:
-        """A peer agent's record this late is asked directly (when probes are on): 1.5 heartbeat intervals."""
+        """A record this late, whose agent did not answer a probe asked since, while the job made no progress
+        for ``ask_after_s``, names its node frozen: 1.5 heartbeat intervals."""
         return self.heartbeat_interval_s * 1.5
 
     @property
@@ -379,10 +387,12 @@ def decide_hang(ranks: Sequence[RankView], now: float, cfg: HangConfig, p99: flo
             # The kernel says a rank cannot run: the job stalls at its next collective. No need to wait out
             # a silence, nor for its peers' stall to reach this agent.
             threshold = cfg.stopped_s
-        elif probed and stalled > cfg.probe_after_s:
+        elif probed and stalled > cfg.ask_after_s:
             # Its record is late, and its agent did not answer a direct probe (or its port is closed): the
-            # node is frozen or dead. No need to wait out frozen_s of silence.
-            threshold, by_frozen, frozen = cfg.probe_after_s, True, probed
+            # node is frozen or dead. No need to wait out frozen_s of silence. The job's stall only has to
+            # be seen at all (a heartbeat interval without progress; it is measured at the beats, up to one
+            # interval late): the probe is the evidence, the stall says the node is missed.
+            threshold, by_frozen, frozen = cfg.ask_after_s, True, probed
         elif frozen and stalled > cfg.frozen_s:
             # A node's agent and its ranks all silent: the node is frozen (or cut off), nobody there acts.
             threshold, by_frozen = cfg.frozen_s, True

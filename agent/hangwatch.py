@@ -294,6 +294,16 @@ class HangWatch:
         for n in known[:limit]:
             self.prober.ask(n, self._addrs[n])
 
+    def _ask_late(self, now: float) -> None:
+        """Probe the members whose record is ``hang.ask_after_s`` late, where this node reads every record
+        (under the lock). Called after each read and, between reads, from the proc poll's thread: a record
+        read late is asked about within ``hang.proc_poll_s``, not at the next exchange."""
+        if self.prober is None or self._store is None or not self._reads_all(now):
+            return
+        late = [m for m in self._members
+                if m != self.node_id and (at := self._tracker.agent_at(m)) is not None and now - at > self.cfg.ask_after_s]
+        self._ask(late, now)
+
     def _answers(self, nodes: Any) -> dict[str, Answer]:
         """Each node's answer to a probe asked after its last record (under the lock); nodes with none left out."""
         out: dict[str, Answer] = {}
@@ -315,6 +325,8 @@ class HangWatch:
                     self._sample(pids)
                     if self.stop_due():
                         wake()
+                with self._lock:
+                    self._ask_late(self._clock())
             except Exception as e:  # noqa: BLE001 - one failed read must not end the poll
                 log.debug("proc_poll_failed", error=f"{type(e).__name__}: {e}"[:300])
 
@@ -403,13 +415,10 @@ class HangWatch:
                     for b in beats:  # a standby's beat (rank -1) is no rank of the world, as in on_progress
                         if b.rank >= 0:
                             self._tracker.beat(m, b.rank, b.step, b.phase, b.where, b.beat, b.progress, now)
-        now = self._clock()
         with self._lock:
             if self._store is not store:
                 return
-            late = [m for m in others
-                    if (at := self._tracker.agent_at(m)) is not None and now - at > self.cfg.probe_after_s]
-            self._ask(late, now)
+            self._ask_late(self._clock())
         if reader:
             now = self._clock()
             with self._lock:

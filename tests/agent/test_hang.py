@@ -273,7 +273,7 @@ def test_a_late_node_whose_agent_does_not_answer_a_probe_is_frozen_at_probe_afte
     assert (v.culprit.rank if v.culprit else None) == culprit
     if hung:
         assert v.why == why and v.node_frozen
-        assert v.threshold_s == (CFG.frozen_s if why == "node_silent" else CFG.probe_after_s)
+        assert v.threshold_s == (CFG.frozen_s if why == "node_silent" else CFG.ask_after_s)
         a = hang_action(v, node="n0", previous_hangs=[], now=now, cfg=CFG)
         assert a.act is HangAct.ABORT and a.evict == frozenset({"n1"})
 
