@@ -31,12 +31,14 @@ def training(a, b):
     return a.worker_pids(), b.worker_pids()
 
 
-def two_nodes(tmp, keep_alive_s=1, frozen_s=None):
+def two_nodes(tmp, keep_alive_s=1, frozen_s=None, probes=True):
     ep = f"127.0.0.1:{free_port()}"
     common = ["--set", f"checkpoint.url={os.path.join(tmp, 'ckpt')}", "--set", f"rendezvous.keep_alive_interval_s={keep_alive_s}",
               "--set", "rendezvous.keep_alive_max_attempts=3", "--set", "checkpoint.interval=20"]
     if frozen_s is not None:
         common += ["--set", f"hang.frozen_s={frozen_s}"]
+    if not probes:
+        common += ["--set", "hang.probe_timeout_s=0"]
     a = Node("a", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=ARGS, extra=common)
     wait_listening(ep)
     b = Node("b", tmp, ep, nnodes="1:2", script=ELASTIC, script_args=ARGS, extra=common)
@@ -74,12 +76,15 @@ def test_a_stopped_worker_is_named_ended_and_rejoins_while_its_peer_re_forms_in_
             assert seen_by_a["action"] == "watch" and seen_by_a["rank"] == hung["rank"], seen_by_a
 
 
-@pytest.mark.parametrize("keep_alive_s,frozen_s,path", [(1, 6, "member_lost"), (5, None, "hang")])
-def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path, keep_alive_s, frozen_s, path):
-    """keep-alive 1 s x 3 expires before hang.frozen_s set to 6 s: member_lost aborts; 5 s x 3 does not
-    expire before the default hang.frozen_s (2 s): the hang watch names the frozen node (its agent and
-    rank silent), aborts and evicts it from the rendezvous before its keep-alive expires."""
-    a, b = two_nodes(str(tmp_path), keep_alive_s, frozen_s)
+@pytest.mark.parametrize("keep_alive_s,frozen_s,probes,path", [(1, 6, False, "member_lost"), (5, None, False, "node_silent"),
+                                                              (5, None, True, "agent_unanswered")])
+def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path, keep_alive_s, frozen_s, probes, path):
+    """Probes off (hang.probe_timeout_s 0: silence alone): keep-alive 1 s x 3 expires before hang.frozen_s set
+    to 6 s, member_lost aborts; 5 s x 3 does not expire before the default hang.frozen_s (2 s): the hang watch
+    names the frozen node (its agent and rank silent), aborts and evicts it from the rendezvous before its
+    keep-alive expires. Probes on (the default): b's agent does not answer a's probe once its record is late,
+    and a names it at hang.probe_after_s, without frozen_s of silence."""
+    a, b = two_nodes(str(tmp_path), keep_alive_s, frozen_s, probes)
     with running([a, b]):
         (pa,), (pb,) = training(a, b)
         for pid in (b.pid, pb):  # the whole node freezes: agent and worker, sockets open
@@ -98,10 +103,13 @@ def test_a_frozen_node_is_evicted_by_its_peer_which_re_forms_in_place(tmp_path, 
             assert [e for e in a.events("worker_reformed") if e.get("reason") == "peer_lost"]
             assert a.worker_pids() == [pa], "the survivor's worker was restarted"
             assert not [e for e in a.events("state_change") if e["new"] == "restarting"]
-            if path == "hang":
+            if path != "member_lost":
                 assert a.events("hang_detected") and not a.events("member_lost")
-                assert a.events("hang_detected")[0]["culprit_by"] == "node_silent"
-                frozen = a.events("hang_detected")[0]["node_id"]
+                hung = a.events("hang_detected")[0]
+                assert hung["culprit_by"] == path
+                if path == "agent_unanswered":  # named before frozen_s of silence would have
+                    assert hung["threshold_s"] == HangConfig().ask_after_s < HangConfig().frozen_s
+                frozen = hung["node_id"]
                 assert [e["nodes"] for e in a.events("member_evicted")] == [[frozen]]  # before its keep-alive expired
             else:
                 assert a.events("member_lost")
