@@ -426,10 +426,13 @@ class HangWatch:
                     return
                 v = self._decide(now) if self._watching else HangVerdict(False)
                 answers = self._answers(others)
-                missed = {m: now - at for m in others
+                # a member that failed a probe is published as missed (at least missed_s: the nodes that
+                # read only verdicts evict on it as on a missed heartbeat)
+                missed = {m: (now - at if now - at > self.cfg.missed_s else self.cfg.missed_s + 0.001) for m in others
                           if (at := self._tracker.agent_at(m)) is not None and (
                               now - at > self.cfg.missed_s
-                              or (now - at > self.cfg.probe_after_s and answers.get(m) in UNANSWERED))}
+                              or (now - at > self.cfg.probe_after_s and answers.get(m) in UNANSWERED)
+                              or answers.get(m) is Answer.GONE)}
             store.set(VERDICT_KEY + me, encode_verdict(seq, v, now, missed))
         else:
             self._read_verdicts(store)

@@ -851,3 +851,35 @@ def test_a_frozen_node_is_aborted_and_evicted_by_every_node_and_both_readers_fro
             break
     assert all(a.act is HangAct.ABORT and a.evict in (frozenset({"N0"}), frozenset({"N1"})) for a in got.values())
     assert ws[3].evict(members, peer_lost=True) == frozenset({"N0", "N1"})
+
+
+def test_at_scale_a_dead_agent_found_by_the_readers_probe_is_evicted_by_a_node_that_reads_only_verdicts():
+    """Six nodes: only N0 and N1 read every record (and probe). N4's agent dies (its port closes) right after
+    a record; 0.7 s later (under the missed heartbeat, 1 s) the readers have asked it, its port refused, and
+    their verdict names it missed: N3, which reads only verdicts, evicts it after its reset."""
+    store, clock = DictStore(), Clock()
+    ws = _world(store, clock, 6)
+    for w in ws:
+        w.serve_probes("127.0.0.1")
+    try:
+        for _ in range(5):
+            _tick_all(clock, ws)
+        for w in ws[:2]:
+            w.exchange()  # the readers read N4's last record (published after theirs in the tick)
+            _settle(w)
+        members = tuple(w.node_id for w in ws)
+        assert ws[3].evict(members, peer_lost=True) == frozenset()
+        ws[4]._probe_server.close()  # N4's agent is gone
+        clock.t += 0.6  # past ask_after_s (one interval), N4 published nothing since
+        for w in (ws[0], ws[1]):
+            w.exchange()
+            _settle(w)
+        clock.t += 0.1
+        for w in ws[:4] + ws[5:]:
+            w.exchange()
+        assert 0.7 < CFG.missed_s
+        assert ws[3].evict(members, peer_lost=True) == frozenset({"N4"})
+        assert ws[3].evict(members, peer_lost=False) == frozenset()
+    finally:
+        for w in ws:
+            w.close()
