@@ -285,14 +285,22 @@ class HangWatch:
         if wake is not None:
             wake()
 
-    def _ask(self, nodes: list[str], now: float, *, limit: int = PROBE_LIMIT) -> None:
-        """Probe up to ``limit`` of ``nodes`` (the most silent first) whose address is known (under the lock)."""
+    def _ask(self, nodes: list[str], now: float, *, limit: int = PROBE_LIMIT, again: bool = False) -> None:
+        """Probe up to ``limit`` of ``nodes`` (the most silent first) whose address is known and that were not
+        asked lately (``again``: ask those too - a reset was just seen; under the lock)."""
         if self.prober is None:
             return
-        known = [n for n in nodes if self._addrs.get(n)]
+        known = [n for n in nodes if self._addrs.get(n) and (again or not self._answered_lately(n, now))]
         known.sort(key=lambda n: self._tracker.agent_at(n) or now)
         for n in known[:limit]:
             self.prober.ask(n, self._addrs[n])
+
+    def _answered_lately(self, node: str, now: float) -> bool:
+        """Whether ``node`` was asked since its last record and within one heartbeat interval (no need to ask
+        again yet; under the lock)."""
+        got = self.prober.answer(node, self._addrs[node]) if self.prober is not None else None
+        at = self._tracker.agent_at(node)
+        return got is not None and at is not None and got[1] >= at and now - got[1] < self.cfg.heartbeat_interval_s
 
     def _ask_late(self, now: float) -> None:
         """Probe the members whose record is ``hang.ask_after_s`` late, where this node reads every record
@@ -304,15 +312,17 @@ class HangWatch:
                 if m != self.node_id and (at := self._tracker.agent_at(m)) is not None and now - at > self.cfg.ask_after_s]
         self._ask(late, now)
 
-    def _answers(self, nodes: Any) -> dict[str, Answer]:
-        """Each node's answer to a probe asked after its last record (under the lock); nodes with none left out."""
+    def _answers(self, nodes: Any, now: float) -> dict[str, Answer]:
+        """Each node's answer to a probe asked after its last record and answered within the last two
+        heartbeat intervals (under the lock); nodes with none left out. An answer ages: an agent that
+        answered and froze afterwards is asked again (:meth:`_ask`) and must not stay "alive"."""
         out: dict[str, Answer] = {}
         if self.prober is None:
             return out
         for n in nodes:
             addr, at = self._addrs.get(n), self._tracker.agent_at(n)
             got = self.prober.answer(n, addr) if addr and at is not None else None
-            if got is not None and got[1] >= at:  # type: ignore[operator]
+            if got is not None and got[1] >= at and now - got[2] <= 2 * self.cfg.heartbeat_interval_s:  # type: ignore[operator]
                 out[n] = got[0]
         return out
 
@@ -425,7 +435,7 @@ class HangWatch:
                 if self._store is not store:
                     return
                 v = self._decide(now) if self._watching else HangVerdict(False)
-                answers = self._answers(others)
+                answers = self._answers(others, now)
                 # a member that failed a probe is published as missed (at least missed_s: the nodes that
                 # read only verdicts evict on it as on a missed heartbeat)
                 missed = {m: (now - at if now - at > self.cfg.missed_s else self.cfg.missed_s + 0.001) for m in others
@@ -470,7 +480,7 @@ class HangWatch:
 
     def _decide(self, now: float) -> HangVerdict:
         """decide_hang over every rank this node tracks (under the lock)."""
-        views = self._with_answers(self._with_procs(self._tracker.views(now, self.node_id)))
+        views = self._with_answers(self._with_procs(self._tracker.views(now, self.node_id)), now)
         return decide_hang(views, now, self.cfg, self._steps.p99(), self._steps.count)
 
     def check(self) -> tuple[HangVerdict, HangAction | None]:
@@ -503,9 +513,9 @@ class HangWatch:
             out.append(v if seen is None else dataclasses.replace(v, proc=seen.state, proc_since=seen.since))
         return out
 
-    def _with_answers(self, views: list[RankView]) -> list[RankView]:
+    def _with_answers(self, views: list[RankView], now: float) -> list[RankView]:
         """Remote ranks' views with their agent's answer to a probe asked after its last record (under the lock)."""
-        answers = self._answers({v.node for v in views if v.node != self.node_id})
+        answers = self._answers({v.node for v in views if v.node != self.node_id}, now)
         return [dataclasses.replace(v, agent_answer=answers[v.node]) if v.node in answers else v for v in views]
 
     def name_of(self, node_id: str) -> str:
@@ -531,8 +541,8 @@ class HangWatch:
             if self._reads_all(now):
                 agent_at = {m: self._tracker.agent_at(m) for m in members}
                 if peer_lost:  # a reset was seen: ask the members now (a dead agent's port refuses at once)
-                    self._ask([m for m in members if m != me], now)
-                    answers = self._answers(members)
+                    self._ask([m for m in members if m != me], now, again=True)
+                    answers = self._answers(members, now)
             else:
                 fresh = self._fresh_verdict(now)
                 missed, seen_at = (fresh[1], fresh[2]) if fresh else ({}, now)

@@ -625,6 +625,37 @@ def test_watch_names_a_frozen_node_whose_agent_does_not_answer_before_frozen_s()
         b.close()
 
 
+def test_an_agent_that_answered_and_froze_afterwards_is_asked_again_and_named():
+    """a's record is late and its agent still answers (alive: not named, not even at frozen_s); then it stops
+    answering: the answer ages, a is asked again and named frozen."""
+    store, clock = DictStore(), Clock()
+    a, b = _pair(store, clock)
+    a.serve_probes("127.0.0.1")
+    try:
+        for _ in range(20):
+            _tick(clock, a, b)
+            _settle(b)
+        answer = {"now": Answer.ALIVE}
+        b.prober._probe = lambda host, port, timeout_s: answer["now"]
+        for _ in range(int(CFG.frozen_s / CFG.heartbeat_interval_s) + 4):  # past frozen_s: alive all the same
+            _tick(clock, a, b, a_worker=False, a_agent=False, step=20)
+            _settle(b)
+            assert b.check()[1] is None
+        answer["now"] = Answer.SILENT
+        got = None
+        for _ in range(6):
+            _tick(clock, a, b, a_worker=False, a_agent=False, step=20)
+            _settle(b)
+            v, act = b.check()
+            if act is not None:
+                got = (v, act)
+                break
+        assert got is not None and got[0].why == "agent_unanswered" and got[1].act is HangAct.ABORT
+    finally:
+        a.close()
+        b.close()
+
+
 def test_watch_evicts_at_once_after_a_reset_when_the_lost_peers_port_refuses():
     """a's agent dies (its probe port closes) right after a record: after the reset b asks, the port refuses,
     and the next eviction poll removes a with no missed heartbeat; an agent that answers is not removed."""

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from trainguard.agent.probe import Answer, Prober, ProbeServer, format_addr, parse_addr, probe_once
+from trainguard.agent.procstat import read_stat
 
 SERVE = """
 import sys, time
@@ -59,6 +60,7 @@ def test_an_agent_process_answers_alive_stopped_and_dead():
         port = int(p.stdout.readline())
         assert probe_once("127.0.0.1", port, 5.0) is Answer.ALIVE
         os.kill(p.pid, signal.SIGSTOP)
+        assert _wait(lambda: (st := read_stat(p.pid)) is not None and st.state == "T")  # the stop is asynchronous
         t0 = time.monotonic()
         assert probe_once("127.0.0.1", port, 0.3) is Answer.SILENT
         assert time.monotonic() - t0 < 2.0  # bounded by the timeout, not by the kernel's
