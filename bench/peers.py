@@ -343,10 +343,10 @@ def peers() -> list[Peer]:
     return [
         TorchrunPeer("torchrun", "torchrun_job.py", "torchrun 2.13 as installed, c10d, max-restarts 5"),
         TrainguardPeer("trainguard", "defaults, in-place re-formation"),
-        TrainguardPeer("trainguard-fast", "heartbeats every 0.1 s, probes answered within 0.15 s, a silent rank or node "
-                       "named after 1 s, keep-alive 1 s x 3",
+        TrainguardPeer("trainguard-fast", "heartbeats every 0.1 s, probes answered within 0.15 s, a stopped worker named "
+                       "after 0.15 s, a silent rank or node after 1 s, keep-alive 1 s x 3",
                        ("hang.heartbeat_interval_s=0.1", "hang.stale_beats=2", "hang.silent_s=1", "hang.frozen_s=1",
-                        "hang.probe_timeout_s=0.15",
+                        "hang.probe_timeout_s=0.15", "hang.stopped_s=0.15", "hang.proc_poll_s=0.05",
                         "rendezvous.keep_alive_interval_s=1", "rendezvous.keep_alive_max_attempts=3")),
         TorchftPeer("torchft", "quickstart lighthouse (--quorum_tick_ms 100 --join_timeout_ms 10000), heartbeat 5 s",
                     ["--quorum_tick_ms", "100", "--join_timeout_ms", "10000"], {}),
