@@ -141,7 +141,8 @@ class ControlServer:
         self._serving: set[threading.Thread] = set()
         """The threads serving a connection (one per worker or CLI client), until it closes."""
         self.status_extra: dict[str, Any] = {"pid": os.getpid(), "socket": path}
-        """Merged into every successful status reply (the daemon adds e.g. ``metrics_url``)."""
+        """Merged into every successful status reply (the daemon adds e.g. ``metrics_url``); a callable value is
+        called then (read on demand; left out when it fails or returns None)."""
         self.observers: list[Callable[[proto.Message], None]] = []
         """Called with every valid message before ``on_request`` (the daemon adds the drain costs,
         :class:`~trainguard.agent.lead.DrainCosts`); one that raises is logged and skipped."""
@@ -307,9 +308,24 @@ class ControlServer:
             log.exception("control_handler_failed", op=msg.OP)
             reply = proto.Reply(ok=False, error=f"internal error handling {msg.OP!r}: {type(e).__name__}: {e}")
         if reply is not None and reply.ok and isinstance(msg, proto.StatusRequest) and self.status_extra:
-            reply = proto.Reply(ok=True, error=reply.error, data={**reply.data, **self.status_extra})
+            reply = proto.Reply(ok=True, error=reply.error, data={**reply.data, **self._extra()})
         if reply is not None:
             self._send(conn, reply)
+
+    def _extra(self) -> dict[str, Any]:
+        """:attr:`status_extra` with its callables called (a value read on demand, e.g. the job's view from
+        the store); one that fails or returns None is left out."""
+        out: dict[str, Any] = {}
+        for k, v in list(self.status_extra.items()):
+            if callable(v):
+                try:
+                    v = v()
+                except Exception:  # noqa: BLE001 - a status must answer
+                    v = None
+                if v is None:
+                    continue
+            out[k] = v
+        return out
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -60,7 +60,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from trainguard.agent import rendezvous as rdzv
 from trainguard.agent import exitcodes, torchlogs, workerenv
-from trainguard.agent.census import check_census, job_view, node_status, share_interval, share_status
+from trainguard.agent.census import STATUS_READERS, check_census, job_view, node_status, read_view, share_interval, share_status
 from trainguard.agent.census import record as census_record
 from trainguard.agent.config import TrainguardConfig
 from trainguard.agent.configload import redacted
@@ -355,9 +355,12 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
         except Exception as e:  # noqa: BLE001 - observing only
             log.info("census_unavailable", error=f"{type(e).__name__}: {e}"[:300])
             return
-        records = share_status(store, job, me)
-        if records:
+        reads_all = world.group_rank < STATUS_READERS  # O(N) for the job: the others read the view on demand
+        records = share_status(store, job, me, reads_all=reads_all)
+        if reads_all and records:
             self.control.status_extra["job"] = job_view(records)
+        elif records:
+            self.control.status_extra["job"] = lambda: read_view(store, job)
 
     def _workers_gone(self) -> None:
         for pid in self.adapter.worker_pids().values():

@@ -4,6 +4,8 @@ rendezvous store expects (a mistyped job id), and nodes of one job that disagree
 from __future__ import annotations
 
 import datetime
+import json
+import time
 
 import pytest
 import structlog
@@ -215,3 +217,56 @@ def test_any_node_sees_the_job_through_the_store():
     finally:
         for m in ms:
             m.close()
+
+
+class CountingStore:
+    """An in-memory store with TCPStore's calls (append, check, get, set, multi_get) that counts the records read."""
+
+    def __init__(self):
+        self.d, self.reads = {}, 0
+
+    def set(self, k, v):
+        self.d[k] = bytes(v)
+
+    def append(self, k, v):
+        self.d[k] = self.d.get(k, b"") + bytes(v)
+
+    def check(self, ks):
+        return all(k in self.d for k in ks)
+
+    def get(self, k):
+        self.reads += 1
+        return self.d[k]
+
+    def multi_get(self, ks):
+        self.reads += len(ks)
+        return [self.d[k] for k in ks]
+
+
+def test_only_the_first_two_nodes_read_every_record_the_others_read_the_view_on_demand():
+    """Issue 40: the job's status is O(N) per interval, not O(N^2). With 64 nodes, only group ranks 0 and 1
+    read every record (and publish the job's view); the other 62 publish their own and read nothing; any
+    node's `trainguard status` reads the view once."""
+    from trainguard.agent.census import NodeStatus, STATUS_READERS, read_view, share_status
+
+    store, n, now = CountingStore(), 64, time.time()
+
+    def rec(i):
+        return NodeStatus(node=f"node-{i}", group_rank=i, ranks=(i,), state="running", step=100 + i, samples_per_second=2.0,
+                          last_checkpoint_step=90, last_checkpoint_unix_s=now - 5, cost=0.5, currency="USD",
+                          agent_start_unix_s=now - 60, unix_s=now)
+
+    for i in range(n):  # the first interval: everyone publishes (the readers see those before them)
+        share_status(store, "j", rec(i), reads_all=i < STATUS_READERS)
+    store.reads = 0
+    got = {i: share_status(store, "j", rec(i), reads_all=i < STATUS_READERS) for i in range(n)}  # one interval
+    assert store.reads <= STATUS_READERS * (n + 1)  # O(N): the two readers' reads, nobody else's
+    assert all(len(got[i]) == n for i in range(STATUS_READERS))
+    assert all([r.node for r in got[i]] == [f"node-{i}"] for i in range(STATUS_READERS, n))
+    store.reads = 0
+    view = read_view(store, "j")
+    assert store.reads == 1
+    assert [m["node"] for m in view["members"]] == [f"node-{i}" for i in range(n)]
+    assert view["step"] == 100 + n - 1 and view["last_checkpoint_step"] == 90
+    assert read_view(CountingStore(), "j") is None  # no reader published yet
+    assert read_view(None, "j") is None

@@ -88,6 +88,15 @@ def test_status_reply_carries_pid_socket_and_extras(server):
     r = control.request(s.path, proto.StatusRequest())
     assert r.data["job_id"] == "job" and r.data["pid"] == os.getpid() and r.data["socket"] == s.path
     assert r.data["metrics_url"] == "http://127.0.0.1:1"
+    # a callable is read at the request (the job's view from the store), left out when it fails or has none
+    calls = []
+    s.status_extra["job"] = lambda: calls.append(1) or {"members": [], "n": len(calls)}
+    s.status_extra["broken"] = lambda: 1 / 0
+    s.status_extra["none"] = lambda: None
+    for n in (1, 2):
+        r = control.request(s.path, proto.StatusRequest())
+        assert r.ok and r.data["job"] == {"members": [], "n": n}
+        assert "broken" not in r.data and "none" not in r.data
 
 
 def test_one_agent_per_socket(server, tmp_path):
