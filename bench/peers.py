@@ -35,7 +35,9 @@ size 3), or ``null`` with ``recovered: false`` when none came within ``--recover
 ``skipped`` / ``repeated`` samples against the job's own stream up to its last step
 (the global batch of every step rank 0 finished; trainguard: every attempt in its sample log that it did
 not roll back); ``completed`` (the job reached ``--steps``); trainguard's
-``every_step_once`` (``tests/samples.py``: each step committed once, each id used once). Per peer,
+``every_step_once`` (``tests/samples.py`` ``check_stream``: each step up to the last one logged committed once,
+with the ids the job's cursor deals it, so each id once per epoch; ``in_flight_at_end``: steps a rank had begun
+when the harness ended a job that outran ``--finish-wait``). Per peer,
 ``step_s`` is the median step interval at world size 2 before the fault, and ``overhead_pct`` that
 against plain torchrun's.
 
@@ -173,20 +175,28 @@ class TrainguardPeer(Peer):
 
     def used(self, d: str, evs: list[dict[str, Any]]) -> Counter[int]:
         """From the sample log: a rank that drains exits inside the agreed step's ``end_step``, before its
-        step line; every attempt (step, round) not rolled back counts once with its whole global batch."""
+        step line; every attempt (step, round) not rolled back counts once with its whole global batch, up to
+        the last step logged (``evs``), as the other peers' step lines count: an attempt after it was in flight
+        when the harness ended a job that outran ``--finish-wait`` (``in_flight_at_end``), never committed."""
         from tests import samples
 
+        last = max((e["step"] for e in evs), default=0)
         recs = samples.read(os.path.join(d, "samples"))
         void = {(r["step"], r["round"]) for r in recs if r.get("rolled_back")}
         attempts = {(r["step"], r["round"]): r["ids"] for r in recs
-                    if not r.get("rolled_back") and (r["step"], r["round"]) not in void}
+                    if not r.get("rolled_back") and (r["step"], r["round"]) not in void and r["step"] <= last}
         return Counter(i for ids in attempts.values() for i in ids)
 
     def expected(self, max_step: int) -> list[int]:
+        return [i for ids in self.stream(max_step) for i in ids]
+
+    @staticmethod
+    def stream(max_step: int) -> list[list[int]]:
+        """The global batch of each step 1..``max_step`` as the job's cursor deals them (epoch after epoch)."""
         from trainguard.runtime.cursor import GlobalSampleCursor
 
         cur = GlobalSampleCursor(common.N_SAMPLES, common.GLOBAL_BATCH, seed=common.SEED)
-        return [i for _ in range(max_step) for i in cur.next_global_batch()]
+        return [cur.next_global_batch() for _ in range(max_step)]
 
 
 class TorchftPeer(Peer):
@@ -512,9 +522,12 @@ def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace, rep: int 
     if isinstance(peer, TrainguardPeer):
         from tests import samples
 
-        try:
-            samples.check_exactly_once(os.path.join(d, "samples"), common.GLOBAL_BATCH)
+        stream = TrainguardPeer.stream(res["last_step"])
+        try:  # the stream's own order, epoch after epoch (a long run wraps: --steps over 341 is a second epoch)
+            cut = samples.check_stream(os.path.join(d, "samples"), lambda step: stream[step - 1], upto=res["last_step"])
             res["every_step_once"] = True
+            if cut:  # steps in flight when the harness ended the job (its finish wait ran out): never committed
+                res["in_flight_at_end"] = cut
         except AssertionError as e:
             res["every_step_once"] = False
             res["every_step_once_error"] = str(e)[:300]
