@@ -8,6 +8,7 @@ checkpoint) -> workers. Metrics only observe.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,7 +47,8 @@ def _start_metrics(cfg: TrainguardConfig) -> tuple[Any, Any]:
 def warn_foreign_runs(cfg: TrainguardConfig, metrics: Any = None) -> dict[str, int]:
     """A job that finds no committed checkpoint of its own while other runs have some under the same
     ``checkpoint.url`` is most likely a mistyped ``agent.job_id`` (it would train from step 0 into a
-    new run folder and bill for it): one loud ``checkpoint_other_runs`` error line at start. Returns
+    new run folder and bill for it): one loud ``checkpoint_other_runs`` error line, from a thread once the
+    node's start waits on others (:class:`_Background`). Returns
     those other runs (``{run: newest step}``); never raises (the workers report storage errors).
     When the job has committed steps, the newest seeds ``metrics``' last-commit series (the same scan)."""
     if not cfg.checkpoint.url:
@@ -73,6 +75,43 @@ def warn_foreign_runs(cfg: TrainguardConfig, metrics: Any = None) -> dict[str, i
               fix="if this node belongs to one of those runs, stop it and fix agent.job_id "
                   "(TRAINGUARD_AGENT_JOB_ID, --rdzv-id) on this node; a new job may ignore this line")
     return others
+
+
+class _Background:
+    """Runs ``fn`` once on a daemon thread of its own, from :meth:`start` (idempotent).
+
+    Why: the foreign-runs scan of :func:`warn_foreign_runs` imports the storage stack and lists
+    ``checkpoint.url`` (0.4 s of one core on this machine, several times that under load). It ran before the
+    supervisor started, so a node joining a running world began its warm-up (its workers' start, imports and
+    model build) that much later, and the world waited for it as long. The supervisor starts it once the
+    node's start waits on others (:attr:`Supervisor.on_start_waits`): in the first rendezvous, or beside a
+    joiner's warming workers."""
+
+    def __init__(self, fn: Callable[[], Any], name: str) -> None:
+        self._fn = fn
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._fn()
+        except Exception as e:  # noqa: BLE001 - an informing task must never end the agent
+            log.warning("background_task_failed", task=self._name, error=f"{type(e).__name__}: {e}"[:300])
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Wait briefly for a task that started (an agent that exits must not wait long on an informing scan
+        of a slow storage: the thread is a daemon and ends with the process); idempotent."""
+        with self._lock:
+            t = self._thread
+        if t is not None:
+            t.join(timeout_s)
 
 
 def _start_notices(cfg: TrainguardConfig, sup: Supervisor, metrics: Any) -> list[Any]:
@@ -152,15 +191,17 @@ def run_agent(cfg: TrainguardConfig, env: Mapping[str, str], *, extra_listeners:
 
     probe = open_probe(cfg.health)  # the pre-flight: a fatal GPU stops the start before any rendezvous
     metrics, exporter = _start_metrics(cfg)
-    warn_foreign_runs(cfg, metrics)
+    hints = _Background(lambda: warn_foreign_runs(cfg, metrics), "foreign-runs-check")
     listeners = list(extra_listeners or [])
     listeners.append(tell_systemd)
     if metrics is not None:
         listeners.append(lambda old, new, details: metrics.set_state(new))
     sup = Supervisor(cfg, listeners=listeners, observer=metrics)
+    sup.on_start_waits = hints.start
     if exporter is not None:  # `trainguard status` finds the exporter through the control socket
         sup.control.status_extra["metrics_url"] = getattr(exporter, "url", None)
     services: list[Any] = [s for s in (metrics, exporter) if s is not None]
+    services.append(hints)
     if probe is not None:  # a fatal GPU while training drains the node through the normal path
         health = HealthMonitor(probe, cfg.health, lambda why: sup.drain_self("health", why),
                                metrics.straggler if metrics is not None else None)

@@ -127,6 +127,10 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
         self.on_manual_drain: Callable[[float | None, str], Any] | None = None
         """``trainguard drain`` -> the drain coordinator (the daemon wires the manual watcher here);
         None: the request drains directly."""
+        self.on_start_waits: Callable[[], None] | None = None
+        """Called once (supervisor thread) when this node's start first waits on others: in its first
+        rendezvous, or, joining a running world, once its standby workers are spawned. Informing start-up
+        work (the daemon's foreign-runs scan) runs from here, off the path to the node's first world."""
         self.sm = StateMachine(listeners)
         self._drain: DrainRequest | None = None
         self._checkpoint_reason: str | None = None

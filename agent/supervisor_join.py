@@ -59,7 +59,11 @@ class Joining:
                 self.sm.to(AgentState.STOPPED, reason="straggler_quarantined" if admitted is AdmissionAct.QUARANTINE else "drained")
                 return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in self.adapter.world().global_ranks})
         try:
-            world = self._join_running_world() if self._should_warm_up() else self.adapter.start()
+            if self._should_warm_up():
+                world = self._join_running_world()
+            else:
+                self._start_waits()
+                world = self.adapter.start()
         except RendezvousAborted:
             return self._leave("drained_during_rendezvous")
         self._on_world(world)
@@ -105,6 +109,15 @@ class Joining:
             log.info("warm_up_skipped", error=f"{type(e).__name__}: {e}"[:200])
             return False
 
+    def _start_waits(self) -> None:
+        """Run :attr:`on_start_waits` once (it must not break supervision)."""
+        fn, self.on_start_waits = self.on_start_waits, None
+        if fn is not None:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                log.warning("start_hook_failed", error=f"{type(e).__name__}: {e}"[:300])
+
     def _job_closed(self) -> bool:
         """Whether the rendezvous is closed (the job is over); False when it cannot be read."""
         try:
@@ -118,6 +131,7 @@ class Joining:
         t0 = time.monotonic()
         self._standby_start = True
         self.adapter.start_standby()
+        self._start_waits()  # the workers warm up: what informs may run beside them now
         deadline = t0 + self.cfg.workers.reform_timeout_s
         n = self.cfg.workers.nproc_per_node
         look_at = t0 + 1.0

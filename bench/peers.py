@@ -35,7 +35,9 @@ size 3), or ``null`` with ``recovered: false`` when none came within ``--recover
 ``skipped`` / ``repeated`` samples against the job's own stream up to its last step
 (the global batch of every step rank 0 finished; trainguard: every attempt in its sample log that it did
 not roll back); ``completed`` (the job reached ``--steps``); trainguard's
-``every_step_once`` (``tests/samples.py``: each step committed once, each id used once). Per peer,
+``every_step_once`` (``tests/samples.py`` ``check_stream``: each step up to the last one logged committed once,
+with the ids the job's cursor deals it, so each id once per epoch; ``in_flight_at_end``: steps a rank had begun
+when the harness ended a job that outran ``--finish-wait``). Per peer,
 ``step_s`` is the median step interval at world size 2 before the fault, and ``overhead_pct`` that
 against plain torchrun's.
 
@@ -43,7 +45,9 @@ Peers are optional (``pip install 'trainguard[peers]'``); a peer that is not imp
 cannot start, gets rows saying why. ``--reps N`` runs the whole matrix N times (repetition by repetition, so that a load
 that drifts spreads over every peer alike); the table and the JSON's ``summary`` give per (peer, fault) the
 median ``recover_s`` of the runs that recovered, its min-max spread and how many did, and the worst run's
-lost / skipped / repeated; ``cells`` keeps every run. Run: ``OMP_NUM_THREADS=1 python bench/peers.py
+lost / skipped / repeated; ``cells`` keeps every run. ``--baseline PYTHON`` adds a row ``trainguard@base`` whose
+nodes run on another checkout's interpreter (its venv, its editable install): a change and the code before it
+side by side, under the same load. Run: ``OMP_NUM_THREADS=1 python bench/peers.py
 [--json PATH] [--png PATH] [--reps N] [--peers torchrun,trainguard,...] [--faults kill_node,...]``. Several minutes per peer,
 mostly the bounded waits of faults a peer does not recover from.
 """
@@ -150,15 +154,22 @@ class TorchrunPeer(Peer):
 class TrainguardPeer(Peer):
     """``trainguard run`` agents (c10d hosted by node a, worker API, in-place re-formation)."""
 
-    def __init__(self, key: str, settings: str, options: tuple[str, ...] = ()) -> None:
+    def __init__(self, key: str, settings: str, options: tuple[str, ...] = (), python: str = "") -> None:
         super().__init__(key, "trainguard_job.py", settings, "trainguard.runtime")
         self.options = options
         """``--set key=value`` pairs beside the defaults (the fast row)."""
+        self.python = python or sys.executable
+        """The interpreter of the agents (and so of their workers): ``--baseline`` gives another checkout's."""
+
+    def missing(self) -> str | None:
+        if self.python != sys.executable:
+            return None if os.access(self.python, os.X_OK) else f"--baseline {self.python}: not an executable"
+        return super().missing()
 
     def node(self, name: str, idx: int, d: str, c: dict[str, Any], a: argparse.Namespace) -> Proc:
         samples = os.path.join(d, "samples")
         os.makedirs(samples, exist_ok=True)
-        cmd = [sys.executable, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:3", "--nproc-per-node", "1",
+        cmd = [self.python, "-m", "trainguard.agent.cli", "run", "--nnodes", "1:3", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", c["endpoint"], "--rdzv-id", "peers",
                "--node-name", name, "--local-addr", "127.0.0.1", "--monitor-interval", str(MONITOR_INTERVAL),
                "--state-dir", os.path.join(d, f"state-{name}"), "--log-dir", os.path.join(d, f"logs-{name}"),
@@ -173,20 +184,28 @@ class TrainguardPeer(Peer):
 
     def used(self, d: str, evs: list[dict[str, Any]]) -> Counter[int]:
         """From the sample log: a rank that drains exits inside the agreed step's ``end_step``, before its
-        step line; every attempt (step, round) not rolled back counts once with its whole global batch."""
+        step line; every attempt (step, round) not rolled back counts once with its whole global batch, up to
+        the last step logged (``evs``), as the other peers' step lines count: an attempt after it was in flight
+        when the harness ended a job that outran ``--finish-wait`` (``in_flight_at_end``), never committed."""
         from tests import samples
 
+        last = max((e["step"] for e in evs), default=0)
         recs = samples.read(os.path.join(d, "samples"))
         void = {(r["step"], r["round"]) for r in recs if r.get("rolled_back")}
         attempts = {(r["step"], r["round"]): r["ids"] for r in recs
-                    if not r.get("rolled_back") and (r["step"], r["round"]) not in void}
+                    if not r.get("rolled_back") and (r["step"], r["round"]) not in void and r["step"] <= last}
         return Counter(i for ids in attempts.values() for i in ids)
 
     def expected(self, max_step: int) -> list[int]:
+        return [i for ids in self.stream(max_step) for i in ids]
+
+    @staticmethod
+    def stream(max_step: int) -> list[list[int]]:
+        """The global batch of each step 1..``max_step`` as the job's cursor deals them (epoch after epoch)."""
         from trainguard.runtime.cursor import GlobalSampleCursor
 
         cur = GlobalSampleCursor(common.N_SAMPLES, common.GLOBAL_BATCH, seed=common.SEED)
-        return [i for _ in range(max_step) for i in cur.next_global_batch()]
+        return [cur.next_global_batch() for _ in range(max_step)]
 
 
 class TorchftPeer(Peer):
@@ -514,9 +533,12 @@ def run_cell(peer: Peer, fault: str, work: str, a: argparse.Namespace, rep: int 
     if isinstance(peer, TrainguardPeer):
         from tests import samples
 
-        try:
-            samples.check_exactly_once(os.path.join(d, "samples"), common.GLOBAL_BATCH)
+        stream = TrainguardPeer.stream(res["last_step"])
+        try:  # the stream's own order, epoch after epoch (a long run wraps: --steps over 341 is a second epoch)
+            cut = samples.check_stream(os.path.join(d, "samples"), lambda step: stream[step - 1], upto=res["last_step"])
             res["every_step_once"] = True
+            if cut:  # steps in flight when the harness ended the job (its finish wait ran out): never committed
+                res["in_flight_at_end"] = cut
         except AssertionError as e:
             res["every_step_once"] = False
             res["every_step_once_error"] = str(e)[:300]
@@ -643,6 +665,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="an unpacked nvidia-resiliency-ext wheel (no wheel for this glibc/Python installs; see docs/benchmarks.md)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of every cell (the table gives medians and spread)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints)")
+    ap.add_argument("--baseline", default="", metavar="PYTHON",
+                    help="add a row trainguard@base (defaults) whose agents and workers run on this interpreter: another "
+                         "checkout's venv, for a before/after under the same load in one run")
     a = ap.parse_args(argv)
     faults = [f.strip() for f in a.faults.split(",") if f.strip()]
     if not faults or any(f not in FAULTS for f in faults):
@@ -651,7 +676,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--reps: at least 1, got {a.reps}")
     NvrxPeer.wheel_dir = os.path.abspath(a.nvrx_wheel_dir) if a.nvrx_wheel_dir else ""
     known = peers()
+    if a.baseline:
+        known.insert(1, TrainguardPeer("trainguard@base", f"defaults, on {a.baseline} (its checkout's code)",
+                                       python=os.path.abspath(a.baseline) if os.sep in a.baseline else a.baseline))
     wanted = [k.strip() for k in a.peers.split(",")] if a.peers else [p.key for p in known]
+    if a.baseline and "trainguard@base" not in wanted:
+        wanted.insert(0, "trainguard@base")
     unknown = set(wanted) - {p.key for p in known} - set(NOT_RUN)
     if unknown:
         ap.error(f"--peers: unknown {sorted(unknown)}; choose from {[p.key for p in known] + list(NOT_RUN)}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -59,6 +60,22 @@ def check_exactly_once(folder: str, global_batch: int) -> list[int]:
     assert all(len(steps[s]["ids"]) == global_batch for s in steps), "the global batch changed size"
     assert len(seen) == len(set(seen)), "a sample was used twice"
     return seen
+
+
+def check_stream(folder: str, expected: Callable[[int], list[int]], *, upto: int | None = None) -> list[int]:
+    """Every step 1..``upto`` (default: the last step logged) committed once, with exactly the ids the job's own
+    sample stream gives it (``expected(step)``: the global batch of that 1-based step; a seeded permutation per
+    epoch, so an id recurs once per epoch and nowhere else). :func:`check_exactly_once` asks for no id twice in
+    the whole run, which holds only while a run stays in its first epoch. Attempts of steps after ``upto`` are
+    left out (a job the caller stopped mid-step: those were in flight, never known committed); returns them."""
+    steps = committed_batches(folder)
+    assert steps, "no step was logged"
+    last = max(steps) if upto is None else upto
+    missing = sorted(set(range(1, last + 1)) - set(steps))
+    assert not missing, f"a step is missing: {missing[:10]}"
+    wrong = [s for s in range(1, last + 1) if steps[s]["ids"] != list(expected(s))]
+    assert not wrong, f"steps trained other ids than the stream's: {wrong[:10]}"
+    return sorted(s for s in steps if s > last)
 
 
 def lineage_batches(folder: str) -> tuple[dict[int, dict[str, Any]], dict[int, list[int]]]:

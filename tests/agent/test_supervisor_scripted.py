@@ -280,6 +280,26 @@ def test_a_joiner_warming_up_learns_that_the_job_is_over_and_exits_0_not_needed(
     assert sup._finish() == ExitCode.FINISHED == 0
 
 
+@pytest.mark.parametrize("warm", [True, False])
+def test_start_waits_hook_runs_once_after_a_joiners_standby_spawn_or_before_the_first_rendezvous(tmp_path, warm):
+    """Issue 39: the daemon's informing start-up work (the foreign-runs scan, 0.4 s of a core) runs from
+    ``on_start_waits``: a joiner calls it only once its standby workers are spawned (their warm-up is what the
+    world waits for), any other node just before its first rendezvous; once, whatever happens after."""
+    sup, fake, tr = make(tmp_path, [] if warm else [exited(0)])  # a cold start: its workers finish the job
+    fake.start_standby = lambda: fake.calls.append("standby")
+    fake.peek = lambda: Peek(round=1, complete=True, participants=("a",), waiting=0, this_node_participates=False,
+                             closed=True)  # the job ends while the joiner warms: the quickest way out of its loop
+    sup._should_warm_up = lambda: warm
+    sup.on_start_waits = lambda: fake.calls.append("hook")
+    sup._loop()
+    if warm:
+        assert fake.calls[:2] == ["standby", "hook"], fake.calls
+    else:
+        assert fake.calls[0] == "hook" and fake.calls[1] == "start", fake.calls
+    assert fake.calls.count("hook") == 1 and sup.on_start_waits is None
+    sup.control.close()
+
+
 def test_a_node_that_leaves_to_rejoin_says_so_and_a_drained_one_does_not(tmp_path):
     """The rejoin mark keeps an agent that hosts the store from taking it away while this node warms up."""
     sup, fake, tr = make(tmp_path, [exited(1), exited(0)])
