@@ -24,7 +24,11 @@ Commit protocol (see :mod:`trainguard.checkpoint.manifest` for the layout)
     4. rank 0 garbage-collects by :func:`~trainguard.checkpoint.discovery.gc_plan`: proven-corrupt
        steps are moved into ``quarantine/`` (the newest ``quarantine_keep`` stay there); deleted are
        half-written ones older than a later commit of their epoch, and retention within the lineage of
-       this epoch (branches only after ``keep_last`` newer commits). Never raises.
+       this epoch (branches only after ``keep_last`` newer commits). Never raises. A save whose commit
+       the world waits for (a stop's: ``save(collect=False)``) leaves it to the next commit or to
+       :meth:`close` (a worker that exits): the collection lists the run and deletes, which on object
+       storage takes its time. A survivor that re-forms in place leaves it to the next world's first
+       commit. Every collection plans from a fresh scan, so a deferred one loses nothing.
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ class DurableSave:
     _last_committed: int | None
     _committed_here: dict[int, SaveResult]
     _retention: Retention
+    _collect_owed: StepRef | None
     _group: Group
     _pg: Any
     _distributed: bool
@@ -165,7 +170,8 @@ class DurableSave:
         return self._stager.staging_bytes
 
     def save(self, step: int, state: dict[str, Any], kind: str = "periodic", *,
-             block: bool | None = None, source: SnapshotSource | None = None) -> Future[SaveResult]:
+             block: bool | None = None, source: SnapshotSource | None = None,
+             collect: bool = True) -> Future[SaveResult]:
         """Checkpoint ``state`` as ``step`` (a collective: call on every rank).
 
         Blocks while the previous save finishes (see the in-flight rule) and while ``state`` is copied
@@ -180,9 +186,12 @@ class DurableSave:
         ``source``: the tier-0 snapshot of this very state (:meth:`MemoryTier.lend`, taken at this step
         boundary): the tensors it holds are staged from it by the persist thread, so the caller blocks
         only for the rest (:mod:`~trainguard.checkpoint.staging`). The manager releases it in any case.
+
+        ``collect``: False leaves rank 0's garbage collection after this commit to the next commit or to
+        :meth:`close` (a stop's save: the world waits for its commit, not for the collection).
         """
         try:
-            done = self._save(step, state, kind, block, source)
+            done = self._save(step, state, kind, block, source, collect)
         except BaseException:
             if source is not None:
                 source.release()  # no copy out of it runs (or it ran and released it already)
@@ -192,7 +201,7 @@ class DurableSave:
         return done
 
     def _save(self, step: int, state: dict[str, Any], kind: str, block: bool | None,
-              source: SnapshotSource | None) -> Future[SaveResult]:
+              source: SnapshotSource | None, collect: bool = True) -> Future[SaveResult]:
         self._stager.deferred = None
         self._check_open()
         if kind not in KINDS:
@@ -229,13 +238,13 @@ class DurableSave:
                        staging_bytes=self._stager.staging_bytes, from_snapshot=self._stager.from_snapshot)
         self.last_blocked_s, self.last_stage_s = blocked, stage_s
         if sync:
-            return _done(self._persist(step, staged, kind, stage_s, blocked, ready, deferred, device))
+            return _done(self._persist(step, staged, kind, stage_s, blocked, ready, deferred, device, collect))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._inflight_step = step
         self._cancel_why = None
         self._inflight = self._executor.submit(self._persist, step, staged, kind, stage_s, blocked, ready, deferred,
-                                               device)
+                                               device, collect)
         return self._inflight
 
     def guard(self, optimizer: Any) -> None:
@@ -307,7 +316,7 @@ class DurableSave:
 
     def _persist(self, step: int, staged: dict[str, Any], kind: str, stage_s: float, blocked_s: float,
                  ready: Any = None, deferred: Callable[[], None] | None = None,
-                 device: Any = None) -> SaveResult:
+                 device: Any = None, collect: bool = True) -> SaveResult:
         """Claim if needed, write, commit and clean up one staged state (background thread, or caller).
         ``ready``: the event of the staging copies (GPU) on ``device`` (made this thread's current
         device first); ``deferred``: the copies out of a snapshot (:mod:`~trainguard.checkpoint.staging`),
@@ -351,7 +360,9 @@ class DurableSave:
         total = sum(f.size for f in files)
         self._fault("after_commit", step)
         if self.rank == 0:
-            self._cleanup(ref)
+            self._collect_owed = None if collect else ref  # a later commit's collection covers an owed one
+            if collect:
+                self._cleanup(ref)
         result = SaveResult(step=step, epoch=ref.epoch, kind=kind, nbytes=nbytes, total_bytes=total, stage_s=stage_s,
                             persist_s=time.monotonic() - t0, blocked_s=blocked_s)
         self._committed_here[step] = result
@@ -410,6 +421,12 @@ class DurableSave:
         self.storage.fsync_dir(rel)
         self.storage.write_bytes_atomic(f"{rel}/{MANIFEST_NAME}", m.to_json())
         self.storage.fsync_dir(self.run_id)
+
+    def _collect_deferred(self) -> None:
+        """Rank 0, from :meth:`close`: the collection a ``save(collect=False)`` left owed. Never raises."""
+        ref, self._collect_owed = self._collect_owed, None
+        if ref is not None and self._record is not None:
+            self._cleanup(ref)
 
     def _cleanup(self, committed: StepRef) -> None:
         """Rank 0, after a commit: retention and garbage collection (:class:`~.retention.Retention`).

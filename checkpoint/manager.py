@@ -166,6 +166,8 @@ class CheckpointManager(DurableSave):
         self._base: StepRef | None = base
         self._fenced: FencedError | None = None
         self._retention = Retention(self.storage, run_id, config)
+        self._collect_owed: StepRef | None = None
+        """Rank 0: a commit whose garbage collection ``save(collect=False)`` deferred (:meth:`close` runs it)."""
         self.last_restore_corrupt = 0
         """Committed steps the last :meth:`restore` found proven corrupt (skipped; quarantined by the next
         commit's cleanup)."""
@@ -359,13 +361,18 @@ class CheckpointManager(DurableSave):
         raise StorageError(f"no committed checkpoint under {self.url} could be restored: {detail}. Nothing was "
                            f"changed. Fix: check the storage endpoint and credentials, then restart", transient=True)
 
-    def close(self) -> None:
-        """Wait for the in-flight save (errors logged) and stop the background thread. Idempotent."""
+    def close(self, collect: bool = True) -> None:
+        """Wait for the in-flight save (errors logged), run the garbage collection a stop's save deferred
+        (rank 0; ``collect=False``: leave it to the next world's first commit, which plans from a fresh
+        scan: a survivor's re-formation does not wait for it), and stop the background thread. Idempotent."""
         if getattr(self, "_closed", True) and getattr(self, "_executor", None) is None:
             return
         stuck = False
         try:
             self._finish_inflight()
+            if collect:
+                self._collect_deferred()
+            self._collect_owed = None
         except InflightTimeout as e:
             stuck = True
             self._log.error("checkpoint_inflight_abandoned", error=str(e), effect="the manager closes without it; "

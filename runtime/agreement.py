@@ -1,13 +1,14 @@
 """The step agreement of one world: every rank's :class:`~trainguard.runtime.boundary.Flags`
 MAX-all-reduced over the world's gloo side group at a step boundary.
 
-**Issue and await.** By default (``workers.step_agreement: overlapped``) the exchange is issued at the
-end of step N (:meth:`StepAgreement.issue`), runs beside step N+1 and is awaited and acted on at the
-end of N+1 (:meth:`StepAgreement.await_flags`): no rank waits on the wire per step, and a stop or an
-out-of-cycle save takes effect one step after it was asked for (a periodic save is asked for the step
-it is due at). The first boundary of a world, with nothing issued yet, exchanges and waits; a world
-whose ranks are configured differently (both ``overlapped`` and ``blocking`` set there) agrees
-blocking (:attr:`StepAgreement.mixed`). ``blocking`` exchanges and acts at N: one round trip per step.
+**Issue and await.** By default (``workers.step_agreement: overlapped``) the exchange a boundary acts on
+is issued at the end of the step before it (:meth:`StepAgreement.issue`), runs beside the boundary's own
+step and is awaited and acted on at its end (:meth:`StepAgreement.await_flags`): no rank waits on the
+wire per step, and a stop or an out-of-cycle save takes effect one step after the exchange that carries
+it (a periodic save is asked for the step it is due at). The first boundary of a world, with nothing
+issued yet, exchanges and waits; a world whose ranks are configured differently (both ``overlapped``
+and ``blocking`` set there) agrees blocking (:attr:`StepAgreement.mixed`). ``blocking`` exchanges and
+acts at N: one round trip per step.
 
 **Stride.** Overlapped, the ranks agree only every ``stride`` steps: at the steps that are multiples of
 it (and at a world's first boundary). ``Flags.stride`` carries each rank's proposal
@@ -15,7 +16,12 @@ it (and at a world's first boundary). ``Flags.stride`` carries each rank's propo
 ``workers.step_agreement_period_s`` by its mean step time, 1 when a step is longer; a divisor of
 ``checkpoint.interval_steps`` when that is set, so that periodic saves keep their steps), and the world
 takes the smallest. Every rank reads the same agreed stride at the same boundary, so all compute the
-same next one. Between two boundaries (:meth:`StepAgreement.between`) a step only counts and snapshots.
+same next one (:meth:`StepAgreement.schedule`). Between two boundaries (:meth:`StepAgreement.between`)
+a step only counts and snapshots; the last of them issues the next boundary's exchange
+(:meth:`StepAgreement.issue_due`). Issued there, not at the boundary before (where it was until
+2026-11-29), the flags are one step old when they are acted on, not a stride: a stop asked for
+mid-stride takes effect at the next boundary, within ``step_agreement_period_s`` plus a step, not at the
+one after it (twice that); the exchange still costs once per stride and still runs beside a step.
 
 Not thread-safe: the training thread owns it. What the agreed flags mean is
 :func:`~trainguard.runtime.boundary.decide_boundary` (pure); the runtime fills and acts on them.
@@ -75,7 +81,8 @@ class StepAgreement:
         self.stride = 1
         """Steps between two agreements, as agreed by the world at its last boundary."""
         self.next_boundary = 0
-        """The step whose end acts on the exchange in flight (``step + ahead`` when it was issued)."""
+        """The step whose end is the next boundary (0: none scheduled; the next step's end is one: a world's
+        first, or every step when not overlapped). Its exchange is issued at the end of the step before it."""
         self.step_mean_s: float | None = None
         """Moving average of this rank's step time: its stride proposal."""
         self.mixed = False
@@ -84,12 +91,12 @@ class StepAgreement:
 
     def bind(self, group: Any) -> None:
         """A new world's side group: its first boundary exchanges and waits."""
-        self.group, self.mixed = group, False
+        self.group, self.mixed, self.next_boundary = group, False, 0
 
     def drop(self) -> None:
         """The world is gone: a pending exchange dies with its group, and its buffer is not reused (the
         dead work may still write it)."""
-        self.group, self.pending, self._bufs = None, None, _FlagBuffers()
+        self.group, self.pending, self._bufs, self.next_boundary = None, None, _FlagBuffers(), 0
 
     @property
     def overlapped(self) -> bool:
@@ -102,8 +109,20 @@ class StepAgreement:
         self.step_mean_s = step_s if m is None else 0.9 * m + 0.1 * step_s
 
     def between(self, step: int) -> bool:
-        """Whether ``step`` ends between two agreements: nothing is exchanged or acted on there."""
-        return self.pending is not None and step < self.next_boundary
+        """Whether ``step`` ends between two agreements: nothing is acted on there (the last such step
+        issues the next boundary's exchange: :meth:`issue_due`)."""
+        return step < self.next_boundary
+
+    def schedule(self, step: int) -> bool:
+        """Overlapped, at the boundary ``step`` once its flags are acted on: the next boundary is the next
+        multiple of the agreed stride. Whether its exchange is due now (a stride of 1: the next step is
+        the boundary); otherwise :meth:`issue_due` says when."""
+        self.next_boundary = step + self.stride - step % self.stride
+        return self.issue_due(step)
+
+    def issue_due(self, step: int) -> bool:
+        """Whether the end of ``step`` issues the next boundary's exchange: it is the step before it."""
+        return self.pending is None and step == self.next_boundary - 1
 
     def exchange(self, flags: torch.Tensor) -> Any:
         """Start the MAX all-reduce of the flags on the gloo side group (its work). Called on the group
@@ -112,7 +131,7 @@ class StepAgreement:
 
     def await_flags(self, local: LocalFlags) -> tuple[Flags, proto.StopReason]:
         """The flags every rank agreed for this boundary and this rank's own stop request in them: the
-        exchange issued at the previous boundary, or (blocking, a world's first boundary) one made and
+        exchange issued at the end of the step before, or (blocking, a world's first boundary) one made and
         waited for now. Raises what the exchange raises (a vanished peer)."""
         pending, self.pending = self.pending, None
         if pending is None:
@@ -126,12 +145,10 @@ class StepAgreement:
         return Flags.unpack(buf.tolist()), mine  # one conversion
 
     def issue(self, step: int, local: LocalFlags) -> None:
-        """Overlapped: issue the exchange the boundary at the next multiple of the stride acts on."""
-        ahead = self.stride - step % self.stride
-        flags, mine = local(ahead)
+        """Overlapped: issue the exchange the next boundary (:meth:`schedule`) acts on, one step on."""
+        flags, mine = local(self.next_boundary - step)
         buf = self._bufs.fill(flags)
         self.pending = (self.exchange(buf), buf, mine)
-        self.next_boundary = step + ahead
 
     def stride_proposal(self, interval_steps: int) -> int:
         """This rank's agreement stride: the whole steps of its mean step time that fit in

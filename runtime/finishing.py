@@ -22,7 +22,7 @@ class Finishing:
             self._tiers.replicator.settle()
         if self._metrics is not None:
             self._metrics.flush()
-        failed = self._agreement.complete()  # every rank issued it at its last boundary
+        failed = self._agreement.complete()  # every rank issued it at the same step (a boundary or the one before)
         if failed is not None:
             self._log.warning("step_agreement_failed", step=self.step, error=str(failed)[:300],
                               effect="ignored at the end of training; the final save says whether the world is whole")

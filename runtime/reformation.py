@@ -124,7 +124,9 @@ class Reformation:
             # reported after it, a slow commit kept the agent in the old round while its peers had left it.
             self.report_parked(reason)
             if rt._tiers.manager is not None:
-                rt._tiers.manager.close()  # an in-flight save finishes (or fails) on the old groups first
+                # An in-flight save finishes (or fails) on the old groups first; the garbage collection a
+                # stop's save deferred is left to the next world's first commit (the new world waits for this).
+                rt._tiers.manager.close(collect=False)
                 base, rt._tiers.manager = rt._tiers.manager.base, None
             rt._group = None
             rt._agreement.drop()

@@ -66,11 +66,14 @@ class StepEnd:
             self._tiers.interval.observe_step(step_s, persisting=self._tiers.manager.in_flight is not None)
         if between:
             self._tiers.snapshot()
+            if self._agreement.issue_due(self.step):  # the next step is the boundary: its exchange runs beside it
+                self._agreement.issue(self.step, lambda ahead: self._local_flags(time.monotonic(), ahead))
             self._step_started = time.monotonic()
             return True
-        # Overlapped: the exchange issued at the previous boundary has run beside the steps since; read
-        # it and act on it here, then issue this boundary's for the next one. Blocking, and the first
-        # boundary of a world (nothing issued yet): exchange now and wait.
+        # Overlapped: the exchange issued at the end of the previous step has run beside this one; read it
+        # and act on it here, then schedule the next boundary (its exchange is issued at the end of the
+        # step before it). Blocking, and the first boundary of a world (nothing issued yet): exchange now
+        # and wait.
         try:
             with self._phase(proto.Phase.AGREEMENT):
                 agreed, mine = self._agreement.await_flags(lambda ahead: self._local_flags(now, ahead))
@@ -84,7 +87,7 @@ class StepEnd:
         pace = self._pace.report(self.rank, self.local_rank)
         if pace is not None:
             self._session.report(pace)
-        if self._agreement.overlapped:  # for the next multiple of the agreed stride
+        if self._agreement.overlapped and self._agreement.schedule(self.step):  # a stride of 1: issued now
             self._agreement.issue(self.step, lambda ahead: self._local_flags(time.monotonic(), ahead))
         self._step_started = time.monotonic()
         return True
@@ -100,9 +103,10 @@ class StepEnd:
             self._log.info("checkpoint_requested", step=self.step + ahead, reason=notice)
         due = due or self._tiers.save_deferred
         mine = self._session.request()
-        # A save started at this very boundary counts only when the flags are acted on at the next step;
-        # acted on ``ahead`` > 1 steps later (a stride), it has those steps to persist, and counting it
-        # would defer every other save of an interval as short as the stride.
+        # Overlapped, the flags are issued the step before the boundary that acts on them (``ahead`` 1): a
+        # save still persisting then is busy. Acted on ``ahead`` > 1 steps later, a save started at this
+        # very boundary would have those steps to persist, and counting it would defer every other save
+        # of an interval as short as the stride.
         inflight = self._tiers.manager.in_flight if self._tiers.manager is not None else None
         overlapped = self.step_agreement == "overlapped"
         every = self._tiers.interval.policy.steps if self._tiers.interval is not None and self._tiers.manager is not None else 0

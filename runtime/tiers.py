@@ -286,7 +286,11 @@ class CheckpointTiers:
         # waits for its copies either way).
         source = self.memory.lend(rt.step) if background and self.memory is not None else None
         self.manager.guard(rt._optimizer)  # a GPU copy of its state holds back its step only, not the forward
-        done = self.manager.save(rt.step, rt._state(), kind=kind, block=not background, source=source)
+        # A stop's save: the world waits for its commit (the survivors re-form after it, the leaver leaves),
+        # not for rank 0's garbage collection: a worker that exits runs it at the manager's close, one that
+        # re-forms in place leaves it to the next world's first commit.
+        stop = kind in (proto.CheckpointKind.EMERGENCY.value, proto.CheckpointKind.RESIZE.value)
+        done = self.manager.save(rt.step, rt._state(), kind=kind, block=not background, source=source, collect=not stop)
         seconds = time.monotonic() - t0
         stage, blocked, step = self.manager.last_stage_s, self.manager.last_blocked_s, rt.step
         persisted = self.persisted  # list.append from the persist thread; drained by the training thread

@@ -5,6 +5,7 @@ import pytest
 
 from trainguard.agent.decisions import Act, Asked, Observation, decide
 from trainguard.agent.elastic import Plan, planned_complete
+from trainguard.agent.elastic_join import waits_for_leavers
 from trainguard.contract import protocol as proto
 
 W = proto.WorkerStatus
@@ -44,6 +45,26 @@ def test_planned_complete_after_a_loss_expects_the_live_members(name, members, a
     assert planned_complete(plan, parts, waiting, 1, 3, alive=alive) is want
     # A plan for a planned change ignores the heartbeats: every member not leaving is expected.
     assert planned_complete(Plan(frozenset(members)), parts, waiting, 1, 3, alive=alive) is (want and alive >= members)
+
+
+LEAVER_CASES = [
+    # (name, plan (members, leaving, round) or None, state round, complete, participants, fast poll)
+    ("drain 2->1: the leaver still in the round it leaves", ({"a", "b"}, {"b"}, 0), 0, True, {"b"}, True),
+    ("drain 3->1: both leavers still in it", ({"a", "b", "c"}, {"b", "c"}, 4), 4, True, {"b", "c"}, True),
+    ("drain 3->2: a survivor still in it too (its own re-formation)", ({"a", "b", "c"}, {"c"}, 0), 0, True,
+     {"b", "c"}, False),
+    ("the leaver left: the next round is forming", ({"a", "b"}, {"b"}, 0), 1, False, {"a"}, False),
+    ("nobody left in it (the round advances at the next write)", ({"a", "b"}, {"b"}, 0), 0, True, set(), False),
+    ("another round than the plan's", ({"a", "b"}, {"b"}, 0), 3, True, {"b"}, False),
+    ("no leaver announced (a scale-up, a loss)", ({"a", "b"}, set(), 0), 0, True, {"b"}, False),
+    ("no plan (torch's last-call rule)", None, 0, True, {"b"}, False),
+]
+
+
+@pytest.mark.parametrize("name,plan,round_,complete,parts,want", LEAVER_CASES, ids=[c[0] for c in LEAVER_CASES])
+def test_a_re_formation_polls_fast_only_while_announced_leavers_hold_it_up(name, plan, round_, complete, parts, want):
+    p = None if plan is None else Plan(frozenset(plan[0]), frozenset(plan[1]), round=plan[2])
+    assert waits_for_leavers(p, round_, complete, parts) is want
 
 
 DECISIONS = [

@@ -183,6 +183,44 @@ def test_retention_keeps_exactly_k(url: str) -> None:
     assert sorted(p.name for p in Path(url, "run").glob("step-*")) == [step_dir(s, 1) for s in (4, 5, 6)]
 
 
+def test_a_stop_save_leaves_its_collection_to_the_next_commit_or_to_close(url: str) -> None:
+    """``save(collect=False)`` (an emergency or resize save, whose commit the world waits for): committed,
+    but rank 0 collects nothing yet; the next commit's collection covers it, else ``close()`` runs it
+    (``close(collect=False)``, a survivor that re-forms in place: the next world's first commit does)."""
+    m, opt = _model()
+    on_disk = lambda: sorted(p.name for p in Path(url, "run").glob("step-*"))  # noqa: E731
+    mgr = _mgr(url, keep_last=2)
+    for s, collect in ((1, True), (2, True), (3, False)):
+        _train(m, opt)
+        mgr.save(s, {"model": ModelOptimizerState(m, opt)}, block=True, collect=collect)
+    assert [i.step for i in mgr.list()] == [1, 2, 3]  # step 1 is past keep_last, still there
+    _train(m, opt)
+    mgr.save(4, {"model": ModelOptimizerState(m, opt)}, collect=True)  # a later commit collects it all
+    mgr.wait(30)
+    assert on_disk() == [step_dir(s, 1) for s in (3, 4)]
+    _train(m, opt)
+    mgr.save(5, {"model": ModelOptimizerState(m, opt)}, kind="emergency", collect=False)
+    assert mgr.wait(30) == 5
+    assert on_disk() == [step_dir(s, 1) for s in (3, 4, 5)]
+    mgr.close()  # the owed collection runs here
+    assert on_disk() == [step_dir(s, 1) for s in (4, 5)]
+    mgr.close()
+    # A survivor's world (epoch 2, descending from step 5) and the next one (epoch 3), as re-formed in place.
+    cfg = CheckpointConfig(url=url, keep_last=2)
+    survivor = CheckpointManager(cfg, "run", rank=0, world_size=1, base=mgr.base)
+    for s in (6, 7):
+        _train(m, opt)
+        survivor.save(s, {"model": ModelOptimizerState(m, opt)}, kind="emergency", collect=False)
+        survivor.wait(30)
+    survivor.close(collect=False)  # left to the next world's first commit
+    assert on_disk() == [step_dir(4, 1), step_dir(5, 1), step_dir(6, 2), step_dir(7, 2)]
+    nxt = CheckpointManager(cfg, "run", rank=0, world_size=1, base=survivor.base)
+    _train(m, opt)
+    nxt.save(8, {"model": ModelOptimizerState(m, opt)})
+    nxt.close()
+    assert on_disk() == [step_dir(7, 2), step_dir(8, 3)]
+
+
 @pytest.mark.parametrize("verify", [True, False])  # caught by the size check, or by the load + a proof
 def test_truncated_shard_falls_back_to_previous_step(url: str, verify: bool) -> None:
     m, opt = _model()

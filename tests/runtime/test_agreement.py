@@ -2,7 +2,7 @@
 on what the ranks exchanged at step N, ``blocking`` at N; both stop every rank at the same step and
 take periodic saves at the steps they are due at. Ranks configured apart agree blocking. With an
 agreement period the ranks agree every ``stride`` steps (a divisor of the save interval) and nothing
-is exchanged between."""
+is exchanged between but the step before each boundary, which issues its exchange."""
 
 from __future__ import annotations
 
@@ -126,12 +126,14 @@ def test_a_strided_agreement_exchanges_only_at_multiples_of_the_agreed_stride(tm
     res = _run_two(tmp_path, mode, ckpt)
     assert res[0]["exchanged"] == res[1]["exchanged"]
     if mode == "strided":
-        # The world's first boundary exchanges and waits (step 1), then issues for the next multiple of
-        # the agreed stride, 3 (the interval's largest divisor in the period); from then on every 3 steps.
-        assert res[0]["exchanged"] == [1, 1, 3, 6, 9, 12]
+        # The world's first boundary exchanges and waits (step 1); the next boundary is the next multiple
+        # of the agreed stride, 3 (the interval's largest divisor in the period), whose exchange is issued
+        # the step before it (2); from then on every 3 steps, each one step before its boundary.
+        assert res[0]["exchanged"] == [1, 2, 5, 8, 11]
         assert [r["stride"] for r in res] == [3, 3]
-        # Rank 1's request of step 4 goes out at the boundary of step 6 and is acted on at the next, 9.
-        assert [r["stops"] for r in res] == [[[9, 1]], [[9, 1]]]
+        # Rank 1's request of step 4 goes out with the exchange issued at step 5 and is acted on at the
+        # boundary right after it, 6: within a stride and a step, not two strides (9, before 2026-11-29).
+        assert [r["stops"] for r in res] == [[[6, 1]], [[6, 1]]]
     else:  # one rank agrees every step: so does the world
         assert res[0]["exchanged"] == [1] + list(range(1, 13))
         assert [r["stride"] for r in res] == [1, 1]

@@ -198,9 +198,9 @@ def test_park_aborts_a_lost_nccl_world_before_settling_snapshots_and_saves(tmp_p
             seen.append(f"teardown(peer_lost={peer_lost})")
             return real_teardown(dev_, peer_lost=peer_lost, synchronize=lambda d: None)
 
-        def close():
-            seen.append("close")
-            real_close()
+        def close(collect=True):
+            seen.append("close" if collect is False else "close(collect=True)")  # a survivor leaves it to the next world
+            real_close(collect)
 
         monkeypatch.setattr(runtime_mod.rf, "teardown_world", teardown)
         monkeypatch.setattr(rt._tiers, "settle", lambda abandon_after=None: seen.append("settle"))
