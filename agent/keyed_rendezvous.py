@@ -15,9 +15,10 @@ The keys and why: :mod:`trainguard.agent.membership` (the decisions, pure); the 
 3. as the decider (the lease holder), every :data:`~trainguard.agent.elastic_types.POLL_INTERVAL_S`:
    read the new log entries and the candidates' heartbeats, :func:`~trainguard.agent.membership.decide`;
    to publish (:meth:`~trainguard.agent.membership_kv.Kv.publish_round`): TCPStore: each member's
-   assignment under the round and term, the round's record, then ``go`` (compare-and-set against absent:
-   two deciders can never publish the same round; the loser's assignments, under another term, are never
-   read); etcd: one transaction, if ``go`` is absent and ``lead`` still this decider's, of the bucket keys
+   assignment and the round's record under the round and term (the record created once: a term is never
+   reused), then ``go`` (compare-and-set against absent: two deciders can never publish the same round; the
+   loser's assignments and record, under another term, are never read: the record is read through ``go``'s
+   term); etcd: one transaction, if ``go`` is absent and ``lead`` still this decider's, of the bucket keys
    (``max_nodes / 16``, at most 120: each holds ``go`` and its nodes' assignments), the record, ``go`` and
    ``cur``; then release the lease. ``go`` names rank 0's address and announced port: the workers'
    ``MASTER_ADDR`` / ``MASTER_PORT``, so no member reads them from the round's store;
@@ -72,6 +73,7 @@ from trainguard.agent.membership import (
     lease_action,
     master_of,
     parse_lease,
+    rec_key,
 )
 from trainguard.agent.membership_kv import Kv
 from trainguard.contract.log import get_logger
@@ -127,10 +129,13 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self.round = -1
         self._rank = -1
         """This node's group rank in ``round`` (-1: none yet)."""
-        self._looked: tuple[int, bytes | None] = (-2, None)
+        self._looked: tuple[int, Record | None] = (-2, None)
         """``(cur, the record of round cur or None)`` as this node's first look in a round read them."""
         self.consumed = 0
-        self._members: tuple[str, ...] | None = None
+        self._go: Go | None = None
+        """``go`` of ``round`` (its term names the round's record)."""
+        self._held: Record | None = None
+        """The record of ``round`` once read (:meth:`members`)."""
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_kv: Kv = make_kv()  # made now: TCPStore clients connecting while others call stalled those 5 s
@@ -217,10 +222,17 @@ class KeyedRendezvousHandler(RendezvousHandler):
         # log's reader: this node's last round.)
         # A node that may take a vacant lease at once (below) reads its round's record in the same request:
         # as the decider it needs it, and a read of its own then would wait behind every node's announcement.
+        # (Its own round's record is usually held already: members() read it when the round was joined.)
         takes = self._rank < FIRST_TAKERS and self.round >= 0
-        keys = ["closed", "cur", "lead", f"r/{self.round + 1}/go"] + ([f"r/{self.round}/rec"] if takes else [])
+        read_rec = takes and self._held is None and self._go is not None
+        keys = ["closed", "cur", "lead", f"r/{self.round + 1}/go"] + ([rec_key(self.round, self._go.term)]  # type: ignore[union-attr]
+                                                                        if read_rec else [])
         closed, cur_raw, lead_raw, got, *rec = self._kv.enter(Entry(self.node, JOIN, self.round, get_free_port()), keys)
-        self._looked = (int(cur_raw) if cur_raw else -1, rec[0] if rec and rec[0] is not None else None)
+        if rec and rec[0] is not None:
+            self._held = Record.decode(rec[0])
+        cur_seen = int(cur_raw) if cur_raw else -1
+        # The record is this node's round's: it stands for cur's only when cur is that round.
+        self._looked = (cur_seen, self._held if takes and self._held is not None and self._held.round == cur_seen else None)
         if closed is not None:
             raise RendezvousClosedError
         target = (int(cur_raw) if cur_raw else -1) + 1
@@ -305,7 +317,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def _joined(self, target: int, go: Go, mine: bytes) -> RendezvousInfo:
         rank, size = assignment(mine)
-        self.round, self._rank, self.consumed, self._members = target, rank, go.consumed, None
+        self.round, self._rank, self.consumed, self._go, self._held = target, rank, go.consumed, go, None
         store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{target}", self._store)
         master = go.master_addr_port
         if master is None:  # rank 0 announced no port (an older agent): read them from the store, as torch does
@@ -360,22 +372,35 @@ class KeyedRendezvousHandler(RendezvousHandler):
         # ``target`` (a round published since is fenced off anyway: its go exists, so this decider's publish
         # loses); else read now.
         seen_cur, seen_rec = self._looked
-        if seen_cur == target - 1 and (seen_cur < 0 or seen_rec is not None):
-            cur, raw = seen_cur, seen_rec
+        if seen_cur == target - 1 and (seen_cur < 0 or (seen_rec is not None and seen_rec.round == seen_cur)):
             self._looked = (-2, None)  # once: a later decider's poll reads afresh
-            if cur < 0:
-                return _Decider(target, NO_RECORD)
-            return _Decider(target, Record.decode(raw)) if raw is not None else None
+            return _Decider(target, NO_RECORD if seen_rec is None else seen_rec)
         cur = self._cur()
         if cur >= target:
             return None
         if cur < 0:
             return _Decider(target, NO_RECORD)
-        raw = self._kv.get(f"r/{cur}/rec")
-        if raw is None:
+        prev = self._record_at(cur)
+        if prev is None:
             return None
-        prev = Record.decode(raw)
         return _Decider(cur + 1, prev) if cur + 1 == target else None
+
+    def _record_at(self, round_: int) -> Record | None:
+        """Round ``round_``'s record as published (under ``go``'s term), None when not (yet) there: the one
+        this node holds, else ``go`` and the record read (the record alone when ``go`` is this node's)."""
+        if round_ < 0:
+            return None
+        if round_ == self.round and self._held is not None and self._held.round == round_:
+            return self._held
+        if round_ == self.round and self._go is not None:
+            term = self._go.term
+        else:
+            go = self._kv.get(f"r/{round_}/go")
+            if go is None:
+                return None
+            term = Go.decode(go).term
+        raw = self._kv.get(rec_key(round_, term))
+        return Record.decode(raw) if raw else None
 
     def _decide(self, dec: _Decider, expect: frozenset[str]) -> bool:
         """One poll of the decider; True when the round was published (by this node or another)."""
@@ -444,21 +469,21 @@ class KeyedRendezvousHandler(RendezvousHandler):
             if lost:
                 members = tuple(m for m in members if m != lost.decode())
         elif cur >= 0:
-            raw = self._kv.get(f"r/{cur}/rec")
-            members = Record.decode(raw).members if raw else ()
+            rec = self._record_at(cur)
+            members = rec.members if rec is not None else ()
         else:
             members = ()
         return Peek(round=cur, complete=cur >= 0, participants=members, waiting=self.num_nodes_waiting(),
                     this_node_participates=self.node in members)
 
     def members(self) -> list[str]:
-        """The node ids of the current round by group rank (one read of the round's record, cached)."""
+        """The node ids of the current round by group rank (one read of the round's record, under its ``go``'s
+        term, then held)."""
         if self.round < 0:
             return []
-        if self._members is None:
-            raw = self._kv.get(f"r/{self.round}/rec")
-            self._members = Record.decode(raw).members if raw else ()
-        return list(self._members)
+        if self._held is None or self._held.round != self.round:
+            self._held = self._record_at(self.round)
+        return list(self._held.members) if self._held is not None else []
 
 
 def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float = 60.0,

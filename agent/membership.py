@@ -13,8 +13,10 @@ The keyed protocol splits that state into keys that each have one writer:
 ``lead``                    the decider's lease: ``"<term> <node>"``, taken by compare-and-set when it
                             is vacant or its holder's heartbeat expired, released after publishing
 ``r/<k>/<term>/a/<node>``   node's group rank and the world size in round ``k``, written by the decider
-``r/<k>/rec``               the whole record of round ``k`` (members by rank, spares carried, log
-                            position consumed): read by the next decider and by ``members()`` only
+``r/<k>/<term>/rec``        the whole record of round ``k`` (members by rank, spares carried, log
+                            position consumed) under the publishing term: read, through ``go``'s term,
+                            by the next decider and by ``members()`` only (a decider that lost the race
+                            for ``go`` wrote its record under its own term: never read)
 ``r/<k>/go``                created once (compare-and-set against absent): the fence, so two deciders
                             can never publish the same round; the waiting nodes block on it
 ``cur``                     the newest round published (a hint for nodes that arrive)
@@ -285,6 +287,11 @@ def ranked(nodes: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(nodes, key=node_order))
 
 
+def rec_key(round_: int, term: int) -> str:
+    """The key of round ``round_``'s record as published by ``term`` (read through ``go``'s term)."""
+    return f"r/{round_}/{term}/rec"
+
+
 def assignment(raw: bytes) -> tuple[int, int]:
     """``(group rank, world size)`` from ``r/<k>/<term>/a/<node>``."""
     rank, size = raw.decode().split()
@@ -339,4 +346,4 @@ def new_entries(consumed: int, seq: int) -> Sequence[int]:
 
 __all__ = ["BUCKET_NODES", "MAX_BUCKETS", "Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
            "Wants", "assignment", "bucket_of", "buckets_for", "decide", "decode_bucket", "encode_buckets", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
-           "master_of", "new_entries", "node_order", "parse_lease", "ranked"]
+           "master_of", "new_entries", "node_order", "parse_lease", "ranked", "rec_key"]

@@ -15,10 +15,10 @@ who is alive        ``multi_get`` of the nodes' ``hb`` keys    one range over ``
 announce            ``add jseq 1`` then ``set j/<seq>``        ``put j/<kind>/<node>``; its ``mod_revision``
                                                                orders the log
 read the log        ``multi_get`` of the new ``j/<seq>``       one range over ``j/`` with ``min_mod_revision``
-publish a round     each member's assignment under the         one transaction, if ``go`` is absent and the
-                    decider's term, the record, then ``go``    lease still this decider's: ``max_nodes/16``
-                    (compare-and-set against absent), ``cur``  bucket keys (<= 120) of assignments, each
-                                                               with ``go`` in it, the record, ``go``, ``cur``
+publish a round     each member's assignment and the record    one transaction, if ``go`` is absent and the
+                    (created once) under the decider's term,   lease still this decider's: ``max_nodes/16``
+                    then ``go`` (compare-and-set against       bucket keys (<= 120) of assignments, each
+                    absent), ``cur``                           with ``go`` in it, the record, ``go``, ``cur``
 wait for a round    ``check`` every :data:`WAIT_POLL_S`, then  a watch on the node's own bucket key: its one
                     a ``get`` of its assignment                event carries the round and the node's rank
 read a few keys     one ``check`` + ``get`` per key             one transaction of range operations
@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 from trainguard.agent.etcd_wire import EtcdError, KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
 from trainguard.agent.storecall import read_many
-from trainguard.agent.membership import Entry, Go, bucket_of, decode_bucket, encode_buckets, heartbeat_alive
+from trainguard.agent.membership import Entry, Go, bucket_of, decode_bucket, encode_buckets, heartbeat_alive, rec_key
 
 HOLE_SKIP_S = 5.0
 """A log position handed out (``add``) whose entry is still missing after this long is skipped: its
@@ -135,9 +135,14 @@ class TcpKv:
 
     def publish_round(self, t: int, term: int, lease: bytes, assignments: Sequence[tuple[str, bytes]], record: bytes,
                       go: bytes) -> bytes:
-        # Assignments under the decider's term: a decider that loses the race for go wrote keys nobody reads.
+        # Assignments and the record under the decider's term: a decider that loses the race for go wrote keys
+        # nobody reads (go names the winner's term). The record is created once: a term is never reused (the
+        # lease's compare-and-set; after a store restart the members raise the lease's term first), so only a
+        # member's republication of this very round can be there first, and then this decider publishes nothing.
+        # (At 92cd926 the record was one key r/<t>/rec, set by every decider: a loser overwrote the winner's.)
         self.set_many([(f"r/{t}/{term}/a/{n}", v) for n, v in assignments])
-        self.set(f"r/{t}/rec", record)
+        if self.create(rec_key(t, term), record) != record:
+            return self.get(f"r/{t}/go") or b""
         got = self.create(f"r/{t}/go", go)
         if got == go:
             self.set("cur", str(t).encode())
@@ -312,7 +317,7 @@ class EtcdKv:
         values = encode_buckets(go, assignments, self.buckets)
         go_key, lead = self._k(f"r/{t}/go"), self._k("lead")
         puts = [op_put(self._k(f"r/{t}/b/{i}"), v) for i, v in enumerate(values)]
-        puts += [op_put(self._k(f"r/{t}/rec"), record), op_put(go_key, go), op_put(self._k("cur"), str(t).encode())]
+        puts += [op_put(self._k(rec_key(t, term)), record), op_put(go_key, go), op_put(self._k("cur"), str(t).encode())]
         result = self.client.txn([cmp_absent(go_key), cmp_value(lead, lease)], puts, [op_range(go_key)])
         if result.succeeded:
             return go

@@ -1,6 +1,6 @@
 """The keyed rendezvous handler (``rendezvous.protocol: keyed``) on a real ``TCPStore`` and a real etcd: nodes
 are handlers on threads of this process. Form, planned leave, loss, join, spares beyond ``max_nodes``, the
-decider's lease passing on from a dead holder, the publish fence, abort and close."""
+decider's lease passing on from a dead holder, the publish fence (assignments and record), abort and close."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from trainguard.agent.config import RendezvousConfig
 from trainguard.agent.elastic_types import Plan, RendezvousAborted
 from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler, etcd_handler, tcp_handler
-from trainguard.agent.membership import JOIN, Entry, Go, Record, assignment, encode_assignment, parse_lease, ranked
+from trainguard.agent.membership import JOIN, Entry, Go, Record, assignment, encode_assignment, parse_lease, ranked, rec_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -149,7 +149,7 @@ def test_a_dead_deciders_lease_passes_on(job):
     dead.stop_heartbeats()
     dead._lease_raw = None
     assert sizes(job.round([a, b], Plan(members=frozenset([a.node, b.node])))) == [(0, 2), (1, 2)]
-    raw = a._kv.get(f"r/{a.round}/rec")
+    raw = a._kv.get(rec_key(a.round, Go.decode(a._kv.get(f"r/{a.round}/go")).term))
     assert raw is not None and Record.decode(raw).term > held_term
 
 
@@ -171,6 +171,28 @@ def test_the_publish_fence_one_term_per_round(job):
     for n, rank in ((b, 0), (a, 1)):
         go, mine = n._kv.wait_round(0, n.node, 5.0)
         assert go == Go(99, 2, 0) and assignment(mine) == (rank, 2)
+
+
+def test_a_losing_deciders_record_is_never_read(job):
+    """The record too is the winning term's: a decider that lost the race for ``go`` with another world in
+    mind (here: a third node, a later log position) must not change what the next decider builds on or what
+    a node that arrives reads as the round's members. (At 92cd926 the TCPStore's record was one key set by
+    every decider, so the loser's record replaced the winner's.)"""
+    a, b, c = job.node(), job.node(), job.node()
+    kv = a._kv
+    lease = b"99 " + b.node.encode()
+    assert kv.create("lead", lease) == lease
+    won = Record(0, (b.node, a.node), (), 0, 99)
+    first = Go(99, 2, 0).encode()
+    assert kv.publish_round(0, 99, lease, [(b.node, encode_assignment(0, 2)), (a.node, encode_assignment(1, 2))],
+                            won.encode(), first) == first
+    lost = Record(0, (a.node, b.node, c.node), (), 5, 100)
+    assert kv.publish_round(0, 100, lease, [(n, encode_assignment(i, 3)) for i, n in enumerate(lost.members)],
+                            lost.encode(), Go(100, 3, 5).encode()) == first
+    p = c.peek()  # a node that is in no round yet reads round 0's record through go's term
+    assert p.round == 0 and p.participants == won.members and not p.this_node_participates
+    dec = c._decider(1)  # what the next decider builds on
+    assert dec is not None and dec.prev == won
 
 
 def test_abort_leaves_and_the_others_form_without_it(job):
@@ -219,3 +241,4 @@ def test_a_leave_is_no_node_waiting_a_join_is(job):
     c = job.node()
     c._kv.announce(Entry(c.node, JOIN, 0))
     assert a.num_nodes_waiting() == 1
+
