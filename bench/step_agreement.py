@@ -71,7 +71,7 @@ def worker(a: argparse.Namespace) -> None:
         if i >= a.warmup and (i - a.warmup) % a.block:  # the first step of a block carries the switch
             rows[mode]["end_step_s"].append(t1 - t0)
             rows[mode]["period_s"].append(t1 - last)
-            rows[mode].setdefault("stride", []).append(rt._stride)
+            rows[mode].setdefault("stride", []).append(rt._agreement.stride)
         last = t1
     rt.finish()
     if a.rank == 0:
