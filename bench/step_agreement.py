@@ -54,11 +54,13 @@ def worker(a: argparse.Namespace) -> None:
     for i in range(a.warmup + a.steps):
         mode = MODES[(max(0, i - a.warmup) // a.block) % len(MODES)]
         if settings[mode] != (rt.step_agreement, rt.step_agreement_period_s):
-            pending, rt._pending_flags = rt._pending_flags, None  # switch modes at a block boundary
+            ag = rt._agreement  # switch modes at a block boundary
+            pending, ag.pending = ag.pending, None
             if pending is not None:
                 pending[0].wait()
             # The next boundary exchanges and waits, as a world's first: the stride is agreed afresh.
-            rt.step_agreement, rt.step_agreement_period_s = settings[mode]
+            ag.mode, ag.period_s = settings[mode]
+            ag.next_boundary, ag.stride = 0, 1
         for ids in rt.next_batches():
             with rt.accumulating(last=True):
                 rt.backward(model(x[ids]).pow(2).mean())
