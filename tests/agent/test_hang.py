@@ -595,26 +595,37 @@ def _settle(w, timeout=10.0):
         _t.sleep(0.002)
 
 
+def _probed_pair(ticks):
+    """Two watches over one store, a answering probes on a real port, trained ``ticks`` intervals."""
+    clock = Clock()
+    a, b = _pair(DictStore(), clock)
+    assert a.serve_probes("127.0.0.1").startswith("127.0.0.1:")
+    for _ in range(ticks):
+        _tick(clock, a, b)
+        _settle(b)
+    return clock, a, b
+
+
+def _frozen_until_b_acts(clock, a, b, ticks):
+    """a frozen (its worker and agent silent): tick until b acts; b's (verdict, action), or None."""
+    for _ in range(ticks):
+        _tick(clock, a, b, a_worker=False, a_agent=False, step=20)
+        _settle(b)
+        v, act = b.check()
+        if act is not None:
+            return v, act
+    return None
+
+
 def test_watch_names_a_frozen_node_whose_agent_does_not_answer_before_frozen_s():
     """a freezes (agent and worker): b's probe of a's agent (a real port, a's address from a's record) gets no
     answer, so b aborts and evicts a once a's record is probe_after_s late - not frozen_s."""
-    store, clock = DictStore(), Clock()
-    a, b = _pair(store, clock)
-    assert a.serve_probes("127.0.0.1").startswith("127.0.0.1:")
+    clock, a, b = _probed_pair(20)
     try:
-        for _ in range(20):
-            _tick(clock, a, b)
-            _settle(b)
         assert b.check()[1] is None
         b.prober._probe = lambda host, port, timeout_s: Answer.SILENT  # a's agent stopped: nobody answers
-        frozen_at, got = clock.t, None
-        for _ in range(40):
-            _tick(clock, a, b, a_worker=False, a_agent=False, step=20)
-            _settle(b)
-            v, act = b.check()
-            if act is not None:
-                got = (v, act)
-                break
+        frozen_at = clock.t
+        got = _frozen_until_b_acts(clock, a, b, 40)
         assert got is not None
         v, act = got
         assert v.why == "agent_unanswered" and v.node_frozen and act.act is HangAct.ABORT and act.evict == frozenset({"A"})
@@ -628,13 +639,8 @@ def test_watch_names_a_frozen_node_whose_agent_does_not_answer_before_frozen_s()
 def test_an_agent_that_answered_and_froze_afterwards_is_asked_again_and_named():
     """a's record is late and its agent still answers (alive: not named, not even at frozen_s); then it stops
     answering: the answer ages, a is asked again and named frozen."""
-    store, clock = DictStore(), Clock()
-    a, b = _pair(store, clock)
-    a.serve_probes("127.0.0.1")
+    clock, a, b = _probed_pair(20)
     try:
-        for _ in range(20):
-            _tick(clock, a, b)
-            _settle(b)
         answer = {"now": Answer.ALIVE}
         b.prober._probe = lambda host, port, timeout_s: answer["now"]
         for _ in range(int(CFG.frozen_s / CFG.heartbeat_interval_s) + 4):  # past frozen_s: alive all the same
@@ -642,14 +648,7 @@ def test_an_agent_that_answered_and_froze_afterwards_is_asked_again_and_named():
             _settle(b)
             assert b.check()[1] is None
         answer["now"] = Answer.SILENT
-        got = None
-        for _ in range(6):
-            _tick(clock, a, b, a_worker=False, a_agent=False, step=20)
-            _settle(b)
-            v, act = b.check()
-            if act is not None:
-                got = (v, act)
-                break
+        got = _frozen_until_b_acts(clock, a, b, 6)
         assert got is not None and got[0].why == "agent_unanswered" and got[1].act is HangAct.ABORT
     finally:
         a.close()
@@ -659,12 +658,8 @@ def test_an_agent_that_answered_and_froze_afterwards_is_asked_again_and_named():
 def test_watch_evicts_at_once_after_a_reset_when_the_lost_peers_port_refuses():
     """a's agent dies (its probe port closes) right after a record: after the reset b asks, the port refuses,
     and the next eviction poll removes a with no missed heartbeat; an agent that answers is not removed."""
-    store, clock = DictStore(), Clock()
-    a, b = _pair(store, clock)
-    a.serve_probes("127.0.0.1")
+    clock, a, b = _probed_pair(5)
     try:
-        for _ in range(5):
-            _tick(clock, a, b)
         assert b.evict(("A", "B"), peer_lost=True) == frozenset()  # asks; a answers: alive
         _settle(b)
         assert b.evict(("A", "B"), peer_lost=True) == frozenset()
