@@ -251,3 +251,20 @@ def test_elastic_job_loses_its_first_node_and_trains_on(slurm_cluster, short_tmp
         wait_until(lambda: any(st > step + 10 for st in job.steps_at(1)), 120, "the survivor training alone")
         assert job.state() == "RUNNING"
         print(f"elastic: {first} drained at step {step}; {other} trains on at world size 1 on the batch step's store")
+    # cancelled (a signal ends the batch script): its store ends with it, no orphan outlives the job
+    port = 15000 + int(job.id) % 10000
+    wait_until(lambda: not _stores_on(port), 30, f"the batch step's store on port {port} ended with the job")
+
+
+def _stores_on(port: int) -> list[int]:
+    """Pids of ``trainguard store`` processes listening on ``--port port`` (from /proc)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                args = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"store" in args and any(a == b"--port" and b == str(port).encode() for a, b in zip(args, args[1:])):
+            out.append(int(pid))
+    return out
