@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from trainguard.agent.hang import (UNANSWERED, HangAction, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang,
+from trainguard.agent.hang import (HangAction, HangConfig, HangVerdict, RankView, StepTimes, Tracker, decide_hang,
                                    evictable, hang_action, pick_verdict)
 from trainguard.agent.probe import Answer, Prober, ProbeServer, format_addr
 from trainguard.agent.storecall import read_many
@@ -295,12 +295,18 @@ class HangWatch:
         for n in known[:limit]:
             self.prober.ask(n, self._addrs[n])
 
+    def _since_record(self, node: str) -> tuple[Answer, float, float] | None:
+        """(answer, when asked, when answered) of the last probe of ``node`` at its record's address, if it
+        was asked after its last record (under the lock)."""
+        addr, at = self._addrs.get(node), self._tracker.agent_at(node)
+        got = self.prober.answer(node, addr) if self.prober is not None and addr and at is not None else None
+        return got if got is not None and got[1] >= at else None  # type: ignore[operator]
+
     def _answered_lately(self, node: str, now: float) -> bool:
         """Whether ``node`` was asked since its last record and within one heartbeat interval (no need to ask
         again yet; under the lock)."""
-        got = self.prober.answer(node, self._addrs[node]) if self.prober is not None else None
-        at = self._tracker.agent_at(node)
-        return got is not None and at is not None and got[1] >= at and now - got[1] < self.cfg.heartbeat_interval_s
+        got = self._since_record(node)
+        return got is not None and now - got[1] < self.cfg.heartbeat_interval_s
 
     def _ask_late(self, now: float) -> None:
         """Probe the members whose record is ``hang.ask_after_s`` late, where this node reads every record
@@ -317,12 +323,9 @@ class HangWatch:
         heartbeat intervals (under the lock); nodes with none left out. An answer ages: an agent that
         answered and froze afterwards is asked again (:meth:`_ask`) and must not stay "alive"."""
         out: dict[str, Answer] = {}
-        if self.prober is None:
-            return out
         for n in nodes:
-            addr, at = self._addrs.get(n), self._tracker.agent_at(n)
-            got = self.prober.answer(n, addr) if addr and at is not None else None
-            if got is not None and got[1] >= at and now - got[2] <= 2 * self.cfg.heartbeat_interval_s:  # type: ignore[operator]
+            got = self._since_record(n)
+            if got is not None and now - got[2] <= 2 * self.cfg.heartbeat_interval_s:
                 out[n] = got[0]
         return out
 
@@ -435,14 +438,12 @@ class HangWatch:
                 if self._store is not store:
                     return
                 v = self._decide(now) if self._watching else HangVerdict(False)
-                answers = self._answers(others, now)
-                # a member that failed a probe is published as missed (at least missed_s: the nodes that
-                # read only verdicts evict on it as on a missed heartbeat)
-                missed = {m: (now - at if now - at > self.cfg.missed_s else self.cfg.missed_s + 0.001) for m in others
-                          if (at := self._tracker.agent_at(m)) is not None and (
-                              now - at > self.cfg.missed_s
-                              or (now - at > self.cfg.probe_after_s and answers.get(m) in UNANSWERED)
-                              or answers.get(m) is Answer.GONE)}
+                # the members a reset would evict here, published as missed: a silent one with its silence, one
+                # that failed a probe with at least missed_s (the nodes that read only verdicts evict on it)
+                agent_at = {m: self._tracker.agent_at(m) for m in others}
+                gone = evictable(others, agent_at, now, self.cfg.missed_s, me=me, peer_lost=True,
+                                 answers=self._answers(others, now), probe_after_s=self.cfg.probe_after_s)
+                missed = {m: max(now - agent_at[m], self.cfg.missed_s + 0.001) for m in gone}  # type: ignore[operator]
             store.set(VERDICT_KEY + me, encode_verdict(seq, v, now, missed))
         else:
             self._read_verdicts(store)
