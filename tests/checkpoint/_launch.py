@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.fixtures.gloo_world import collect
+from tests.fixtures.gloo_world import FAULTHANDLER_ENV, collect
 from tests.fixtures.storage import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    env = {**os.environ, **FAULTHANDLER_ENV, "OMP_NUM_THREADS": "1", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.update(extra or {})
     return env

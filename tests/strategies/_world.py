@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.fixtures.gloo_world import collect
+from tests.fixtures.gloo_world import FAULTHANDLER_ENV, collect
 from tests.harness import REPO, free_port
 from trainguard.contract.protocol import RuntimeEnv
 
@@ -39,9 +39,9 @@ def run_segment(world: int, strategy: str, ckpt_url: str, *, steps: int, interva
     rt_env = RuntimeEnv(job_id=job_id, round=fence, checkpoint=ckpt, memory_dir=memory_dir).to_env()
     procs = []
     for r in range(world):
-        env = {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r), "LOCAL_RANK": str(r),
-               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), **rt_env}
+        env = {**base, **FAULTHANDLER_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r),
+               "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **rt_env}
         cmd = [sys.executable, script, "--strategy", strategy, "--steps", str(steps), "--loss-log", loss_log,
                *JOB, *(extra or [])]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
