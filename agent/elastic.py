@@ -119,6 +119,10 @@ class _LockedStore:
 
 
 TORCH_TAIL_LOGFILE = _tail_log.tail_logfile
+
+FIRST_CONNECT_S = 60.0
+"""How long :meth:`ElasticAdapter.bound_store_calls` may take to open its connection to the c10d endpoint
+(torch's c10d backend's default ``read_timeout``); each call on it is bounded afterwards."""
 """torch's own ``tail_logfile``, as this module found it (what :func:`install_whole_line_tail` replaces)."""
 
 
@@ -395,7 +399,12 @@ class ElasticAdapter:
         self._retired: list[Any] = []  # replaced clients; the first may be the store server this agent hosts
         self._guard = storecall.ClientGuard(lambda: handler._store, self._renew_handler_client, bound_s=bound,
                                             interval_s=keep_alive_interval_s, name="handler")
-        client = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=bound))
+        # The first connection may take as long as torch's own (its backend's read_timeout, 60 s): the handler
+        # reached the store a moment ago, and a busy store must not end the agent at its start (a 3 s connect
+        # did, at load 15: DistNetworkError out of Supervisor.start). Then each call is bounded.
+        client = dist.TCPStore(host, port, is_master=False, multi_tenant=True,
+                               timeout=timedelta(seconds=max(bound, FIRST_CONNECT_S)))
+        client.set_timeout(timedelta(seconds=bound))
         with handler._heartbeat_lock:
             holder._backend = storecall.BoundedC10dBackend(
                 client, handler._settings.run_id, host=host, port=port, bound_s=bound,

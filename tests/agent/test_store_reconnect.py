@@ -94,3 +94,31 @@ def test_endpoint_store_is_the_c10d_store_and_none_elsewhere(tmp_path):
         a.handler.shutdown()
         store.stop()
     assert static_adapter(tmp_path).endpoint_store() is None
+
+
+def test_bounding_the_store_calls_at_start_waits_for_a_slow_store_not_only_one_call_bound(tmp_path):
+    """The agent's start (Supervisor.start -> bound_store_calls) opens a connection of its own to the
+    endpoint. Each call on it is bounded by interval x attempts (3 s here), but not its opening: a store
+    that answers only after 12 s (restarted; at load 15 one that was merely slow) must not end the agent
+    with DistNetworkError, as a connect with the calls' 3 s timeout did (torch gives up after ~8 s: a
+    3 s try, a ~2.5 s delay, a second 3 s try)."""
+    import threading
+    import time
+
+    store = Store(str(tmp_path), "first")
+    a = adapter_for(store.endpoint, tmp_path, "a")
+    port = store.port
+    store.stop()
+    back: list[Store] = []
+    t = threading.Thread(target=lambda: (time.sleep(12), back.append(Store(str(tmp_path), "again", port=port))))
+    t.start()
+    try:
+        t0 = time.monotonic()
+        assert a.bound_store_calls(1, 3) is True
+        assert time.monotonic() - t0 >= 11.0  # it did wait for the store, past one call's bound
+        t.join(30)
+        assert a.handler._state_holder._backend.get_state() is None  # a call answers: no round there yet
+    finally:
+        t.join(30)
+        for s in back:
+            s.stop()
