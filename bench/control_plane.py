@@ -316,7 +316,8 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any], pr
         try:
             h = handlers[i]
             info = h.next_round(lambda: False, plan) if keyed else next_round(h, lambda: False, plan)
-            h.members()  # as ElasticAdapter.world() does on every node after every round (dynamic: from memory)
+            if keyed:  # as ElasticAdapter.world() does on every node after every round (dynamic: from its state)
+                h.members()
             out[i] = {"done": time.time(), "rank": info.rank, "world": info.world_size}
         except Exception as e:  # noqa: BLE001 - reported to the parent
             out[i] = {"error": f"{type(e).__name__}: {e}"[:300], "done": time.time()}
