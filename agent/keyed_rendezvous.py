@@ -65,8 +65,10 @@ from trainguard.agent.membership import (
     Lease,
     Record,
     Settings,
+    apply_change,
     assignment,
     buckets_for,
+    change_of,
     decide,
     encode_assignment,
     fold,
@@ -136,6 +138,10 @@ class KeyedRendezvousHandler(RendezvousHandler):
         """``go`` of ``round`` (its term names the round's record)."""
         self._held: Record | None = None
         """The record of ``round`` once read (:meth:`members`)."""
+        self._before: Record | None = None
+        """The record this node held when it joined ``round``: the base of ``go``'s change (:meth:`members`)."""
+        self.record_reads = 0
+        """Rounds whose members this node read as a whole record (the others it derived from ``go``'s change)."""
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_kv: Kv = make_kv()  # made now: TCPStore clients connecting while others call stalled those 5 s
@@ -317,6 +323,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def _joined(self, target: int, go: Go, mine: bytes) -> RendezvousInfo:
         rank, size = assignment(mine)
+        self._before = self._held
         self.round, self._rank, self.consumed, self._go, self._held = target, rank, go.consumed, go, None
         store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{target}", self._store)
         master = go.master_addr_port
@@ -419,7 +426,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         t = dec.target
         assigned = ([(n, encode_assignment(i, len(d.members))) for i, n in enumerate(d.members)]
                     + [(n, encode_assignment(-1, len(d.members))) for n in d.spares])
-        go = Go(term, len(d.members), dec.pos, master_of(d.members, wants)).encode()
+        go = Go(term, len(d.members), dec.pos, master_of(d.members, wants), change_of(dec.prev, d.members, d.spares)).encode()
         assert self._lease_raw is not None
         if self._kv.publish_round(t, term, self._lease_raw, assigned, Record(t, d.members, d.spares, dec.pos, term).encode(),
                                   go) == go:
@@ -477,13 +484,26 @@ class KeyedRendezvousHandler(RendezvousHandler):
                     this_node_participates=self.node in members)
 
     def members(self) -> list[str]:
-        """The node ids of the current round by group rank (one read of the round's record, under its ``go``'s
-        term, then held)."""
+        """The node ids of the current round by group rank, then held: derived from the round this node held
+        before and ``go``'s :class:`~trainguard.agent.membership.Change` (no read), else one read of the
+        round's record under its ``go``'s term (a newcomer, a big change)."""
         if self.round < 0:
             return []
         if self._held is None or self._held.round != self.round:
-            self._held = self._record_at(self.round)
+            derived = self._derived()
+            if derived is None:
+                self.record_reads += 1
+            self._held = derived or self._record_at(self.round)
         return list(self._held.members) if self._held is not None else []
+
+    def _derived(self) -> Record | None:
+        """This round's record from the one held before it and ``go``'s change, without a read (None: no
+        change, another base, or a digest mismatch)."""
+        go, before = self._go, self._before
+        if go is None or go.change is None or before is None:
+            return None
+        members = apply_change(before, go.change)
+        return None if members is None else Record(self.round, members, go.change.spares, go.consumed, go.term)
 
 
 def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float = 60.0,

@@ -98,25 +98,92 @@ NO_RECORD = Record(round=-1, members=())
 """Before the first round."""
 
 
+CHANGE_MAX = 32
+"""At most this many names (members added and removed, spares) in a round's :class:`Change`; a bigger change
+(the first round, a mass arrival) has none and every member reads the round's record."""
+
+
+def members_digest(members: Sequence[str]) -> int:
+    """CRC-32 of the members by group rank: what a member checks the members it derived against."""
+    return zlib.crc32("\n".join(members).encode())
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """Round ``k``'s members as a change of round ``prev``'s, carried by ``go``: a member that holds round
+    ``prev``'s record derives round ``k``'s from it (:func:`apply_change`) instead of reading the whole
+    record, so a membership change costs each member O(change) bytes, not O(N) (N members reading N names
+    each was O(N^2) per change). ``digest`` (:func:`members_digest`) guards the derivation: on a mismatch the
+    member reads the record."""
+
+    prev: int
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    spares: tuple[str, ...] = ()
+    digest: int = 0
+
+    def encode(self) -> str:
+        return json.dumps([self.prev, list(self.added), list(self.removed), list(self.spares), self.digest],
+                          separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, text: str) -> Change | None:
+        """None for what is not a change (never fatal: the member reads the record)."""
+        try:
+            prev, added, removed, spares, digest = json.loads(text)
+            return cls(int(prev), tuple(map(str, added)), tuple(map(str, removed)), tuple(map(str, spares)),
+                       int(digest))
+        except (ValueError, TypeError):
+            return None
+
+
+def change_of(prev: Record, members: Sequence[str], spares: Sequence[str]) -> Change | None:
+    """Pure: round ``members`` (and ``spares``) as a change of ``prev`` (a published round), None when there is
+    no previous round or the change names more than :data:`CHANGE_MAX` nodes."""
+    if prev.round < 0:
+        return None
+    now, before = set(members), set(prev.members)
+    added = tuple(m for m in members if m not in before)
+    removed = tuple(m for m in prev.members if m not in now)
+    if len(added) + len(removed) + len(spares) > CHANGE_MAX:
+        return None
+    return Change(prev.round, added, removed, tuple(spares), members_digest(members))
+
+
+def apply_change(prev: Record, change: Change) -> tuple[str, ...] | None:
+    """Pure: the members of the round ``change`` describes, derived from ``prev`` (by group rank:
+    :func:`ranked`, as :func:`decide` orders them); None when ``prev`` is not the change's base or the result
+    does not match its digest."""
+    if prev.round < 0 or change.prev != prev.round:
+        return None
+    members = ranked((set(prev.members) - set(change.removed)) | set(change.added))
+    return members if members_digest(members) == change.digest else None
+
+
 @dataclass(frozen=True, slots=True)
 class Go:
-    """The value of ``r/<k>/go``: which decider's term published round ``k``, its size, the log position, and
+    """The value of ``r/<k>/go``: which decider's term published round ``k``, its size, the log position,
     where the workers of group rank 0 listen (``master``: ``"addr:port"`` from rank 0's ``join``; empty when
-    it announced none: the members then read ``MASTER_ADDR`` / ``MASTER_PORT`` from the round's store)."""
+    it announced none: the members then read ``MASTER_ADDR`` / ``MASTER_PORT`` from the round's store), and
+    the round as a :class:`Change` of the one before (None: none, read the record)."""
 
     term: int
     world_size: int
     consumed: int
     master: str = ""
+    change: Change | None = None
 
     def encode(self) -> bytes:
         tail = f" {self.master}" if self.master else ""
-        return f"{self.term} {self.world_size} {self.consumed}{tail}".encode()
+        change = f"|{self.change.encode()}" if self.change is not None else ""
+        return f"{self.term} {self.world_size} {self.consumed}{tail}{change}".encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Go:
-        term, size, consumed, *rest = raw.decode().split()
-        return cls(int(term), int(size), int(consumed), rest[0] if rest else "")
+        head, sep, change = raw.decode().partition("|")
+        term, size, consumed, *rest = head.split()
+        return cls(int(term), int(size), int(consumed), rest[0] if rest else "",
+                   Change.decode(change) if sep else None)
 
     @property
     def master_addr_port(self) -> tuple[str, int] | None:
@@ -344,6 +411,6 @@ def new_entries(consumed: int, seq: int) -> Sequence[int]:
     return range(consumed + 1, seq + 1)
 
 
-__all__ = ["BUCKET_NODES", "MAX_BUCKETS", "Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
-           "Wants", "assignment", "bucket_of", "buckets_for", "decide", "decode_bucket", "encode_buckets", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
-           "master_of", "new_entries", "node_order", "parse_lease", "ranked", "rec_key"]
+__all__ = ["BUCKET_NODES", "CHANGE_MAX", "MAX_BUCKETS", "Action", "Change", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
+           "Wants", "apply_change", "assignment", "bucket_of", "change_of", "buckets_for", "decide", "decode_bucket", "encode_buckets", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
+           "master_of", "members_digest", "new_entries", "node_order", "parse_lease", "ranked", "rec_key"]

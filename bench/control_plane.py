@@ -11,7 +11,8 @@ Each simulated node is one rendezvous handler built by the agent's own code, for
 ``next_round`` and a :class:`~trainguard.agent.elastic.Plan`, left with the exit operation as
 ``ElasticAdapter.leave`` does; run up to ``--baseline-max`` nodes per store, where it fails or takes
 minutes) and ``keyed`` (``rendezvous.protocol: keyed``, :mod:`trainguard.agent.keyed_rendezvous`: joined
-with its ``next_round`` and the same plan, left with its ``leave``), running on a thread; the nodes are
+with its ``next_round`` and the same plan, left with its ``leave``), running on a thread; after each round
+every node reads the round's members (``members()``, as the agent's ``world()`` does); the nodes are
 spread over ``--procs`` processes. No workers, no training: only the control plane. Per N, side by side:
 
 ==================  ================================================================================
@@ -315,6 +316,8 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any], pr
         try:
             h = handlers[i]
             info = h.next_round(lambda: False, plan) if keyed else next_round(h, lambda: False, plan)
+            if keyed:  # as ElasticAdapter.world() does on every node after every round (dynamic: from its state)
+                h.members()
             out[i] = {"done": time.time(), "rank": info.rank, "world": info.world_size}
         except Exception as e:  # noqa: BLE001 - reported to the parent
             out[i] = {"error": f"{type(e).__name__}: {e}"[:300], "done": time.time()}

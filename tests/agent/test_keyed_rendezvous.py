@@ -116,6 +116,9 @@ def test_form_leave_loss_join(job):
     assert sizes({**out, **joined}) == [(0, 3), (1, 3), (2, 3)]
     ranks = {**{n: r for n, (r, _) in out.items()}, e.node: joined[e.node][0]}
     assert tuple(n for n, _ in sorted(ranks.items(), key=lambda kv: kv[1])) == ranked(ranks) == tuple(a.members())
+    # a member read the whole record once (the first round has no change) and derived the members of the
+    # leave, the loss and the join from go's change; the newcomer read the record of the round it joined
+    assert e.members() == a.members() and a.record_reads == 1 and e.record_reads == 1
 
 
 def test_spares_beyond_max_nodes_are_carried_and_take_a_leavers_place(job):

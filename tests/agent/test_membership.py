@@ -5,24 +5,29 @@ from __future__ import annotations
 import pytest
 
 from trainguard.agent.membership import (
+    CHANGE_MAX,
     EVICT,
     JOIN,
     LEAVE,
     NO_RECORD,
     Action,
+    Change,
     Entry,
     Go,
     Lease,
     Record,
     Settings,
     Wants,
+    apply_change,
     assignment,
+    change_of,
     decide,
     encode_assignment,
     fold,
     heartbeat_alive,
     lease_action,
     master_of,
+    members_digest,
     bucket_of,
     buckets_for,
     decode_bucket,
@@ -213,3 +218,34 @@ def test_buckets_carry_go_and_each_nodes_assignment_once():
     assert decode_bucket(values[0], "not_in_it_0") == (Go(3, 3, 17, "10.0.0.5:29500"), None)
     assert decode_bucket(values[bucket_of("10.0.0.1_12_0", 4)], "10.0.0.1_12") [1] is None  # a prefix is no match
     assert bucket_of("10.0.0.1_12_0", 4) == bucket_of("10.0.0.1_12_0", 4) and {bucket_of(n, 4) for n in nodes} == {0, 1, 2, 3}
+
+
+N = [f"10.0.0.{i}_7_0" for i in range(1, 9)]  # ranked: by address
+
+
+@pytest.mark.parametrize(("name", "prev", "members", "spares", "added", "removed"), [
+    ("a planned leave", Record(4, tuple(N[:4])), N[:3], (), (), (N[3],)),
+    ("a loss in the middle", Record(4, tuple(N[:4])), [N[0], N[2], N[3]], (), (), (N[1],)),
+    ("a join that ranks first", Record(4, tuple(N[1:4])), N[:4], (), (N[0],), ()),
+    ("a join and a leave at once", Record(4, tuple(N[:3])), [N[0], N[1], N[5]], (), (N[5],), (N[2],)),
+    ("a spare carried", Record(4, tuple(N[:2])), N[:2], (N[6],), (), ()),
+    ("nothing changed", Record(4, tuple(N[:2])), N[:2], (), (), ()),
+])
+def test_a_change_derives_the_next_rounds_members(name, prev, members, spares, added, removed):
+    ch = change_of(prev, members, spares)
+    assert ch == Change(prev.round, added, removed, tuple(spares), members_digest(members)), name
+    assert apply_change(prev, ch) == tuple(members), name
+    go = Go(7, len(members), 30, "10.0.0.1:29500", ch)
+    assert Go.decode(go.encode()) == go and decode_bucket(encode_buckets(go.encode(), [], 1)[0], "x")[0] == go
+
+
+def test_no_change_for_the_first_round_or_a_big_one_and_a_wrong_base_or_digest_derives_nothing():
+    many = [f"10.1.{i // 250}.{i % 250}_7_0" for i in range(CHANGE_MAX + 1)]
+    assert change_of(NO_RECORD, N[:2], ()) is None  # the first round: every member reads the record
+    assert change_of(Record(0, ()), sorted(many), ()) is None  # a mass arrival: the record too
+    assert change_of(Record(0, ()), sorted(many)[:CHANGE_MAX], ()) is not None
+    ch = change_of(Record(4, tuple(N[:4])), N[:3], ())
+    assert apply_change(Record(3, tuple(N[:4])), ch) is None  # not the round the change is of
+    assert apply_change(Record(4, tuple(N[:5])), ch) is None  # another member list under that round: digest
+    assert Change.decode("not json") is None and Change.decode("[1, 2]") is None
+    assert Go.decode(b"3 2 42 10.0.0.5:29500|garbage") == Go(3, 2, 42, "10.0.0.5:29500", None)
