@@ -42,7 +42,10 @@ def test_a_signal_that_ends_the_batch_script_ends_its_store(tmp_path, sig):
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "STUB_DIR": str(tmp_path),
            "SLURM_JOB_ID": "4711", "SLURM_JOB_NODELIST": "node-a"}
-    batch = subprocess.Popen(["bash", SCRIPT, "trainguard", "run", "train.py"], env=env)
+    # (SIGINT at its default, as slurmd starts a batch script: a suite started in the background by a shell
+    # inherits SIGINT ignored, and bash cannot trap a signal ignored at its start)
+    batch = subprocess.Popen(["bash", SCRIPT, "trainguard", "run", "train.py"], env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pid_file = tmp_path / "store.pid"
     store = None
     try:
