@@ -138,7 +138,11 @@ def decide(o: Observation) -> Decision:
     if o.parked >= o.nproc > 0:
         return Decision(Act.REFORM, o.park_reason.value if o.park_reason is not None else "reform")
     if o.member_lost and not o.draining:
-        return Decision(Act.RESTART, "member_lost", consume_restart=False, workers_may_be_stuck=True)
+        # (a member that announced its drain left: the same restart, named for what it is - its workers
+        # may be stuck in a collective with the leaver, e.g. a script without trainguard's runtime whose
+        # worker is slow to exit on its peer's reset)
+        return Decision(Act.RESTART, "peer_drain" if o.peer_draining else "member_lost", consume_restart=False,
+                        workers_may_be_stuck=True)
     if o.member_gone and o.api_workers and o.reform_in_place and o.asked is Asked.NOTHING and not o.draining:
         # Workers joining a world that lost a member wait in its arrival count and go back to the agent
         # alive; workers training park at their next step boundary. Those that cannot (blocked in a

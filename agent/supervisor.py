@@ -401,7 +401,7 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
             drain_deadline_passed=drain is not None and time.time() >= drain.deadline,
             asked=self._asked,
             api_workers=bool(self.control.api_workers()),
-            peer_draining=not healthy and self._peer_draining(),
+            peer_draining=(not healthy or member_lost) and self._peer_draining(),
             checkpoint_requested=self._checkpoint_reason is not None,
             nproc=self.cfg.workers.nproc_per_node,
             parked=len(parked) if healthy else 0,

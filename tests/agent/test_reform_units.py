@@ -76,6 +76,8 @@ DECISIONS = [
      Act.LEAVE, "drained"),
     ("a member lost while ours run on -> restart, no restart consumed",
      Observation(W.HEALTHY, member_lost=True, api_workers=True), Act.RESTART, "member_lost"),
+    ("the member lost had announced its drain, ours still run on -> the same restart, named a peer drain",
+     Observation(W.HEALTHY, member_lost=True, peer_draining=True), Act.RESTART, "peer_drain"),
     ("a member gone, ours re-form in place -> ask them back (a join waiting for it is called off)",
      Observation(W.HEALTHY, member_gone=True, api_workers=True, reform_in_place=True), Act.ASK_RESIZE, "member_lost"),
     ("a member gone, restart mode -> wait out the grace period",
