@@ -26,6 +26,15 @@ The keys and why: :mod:`trainguard.agent.membership` (the decisions, pure); the 
    came late: it announces again for the next round (spares that did not fit ``max_nodes`` are carried by
    the record).
 
+A restarted ``trainguard store`` (:meth:`~KeyedRendezvousHandler.reconnect`, called by the supervisor when
+its store calls fail) lost every key: the node opens new connections, writes its heartbeat at once and,
+as a member of round ``k``, republishes what it holds of that round: first the floors (the lease's term
+at the round's, so that a decider after the restart takes a newer term and never reuses the round's keys;
+the log position ``jseq`` at the round's, so that new announcements come after it), then the round's
+assignments and record under its term and ``go``, each created once
+(:func:`~trainguard.agent.membership.republish_action`): the first member's copy wins, the others find
+the same round; a different world under that round number is never overwritten (``conflict``).
+
 A planned leave (:meth:`~KeyedRendezvousHandler.leave`) is one ``leave`` entry and a dead heartbeat: the
 decider completes the survivors' round without waiting for a timeout. Evidence that a member is gone
 (``Plan.evict``) is an ``evict`` entry about the round it was gathered in. A round's agents share the
@@ -34,7 +43,8 @@ elastic's rank assignment, trainguard's drain record); fencing of checkpoints st
 claimed in the checkpoint store, independent of rounds.
 
 Log events: ``rendezvous_decider`` (this node took the lease: term), ``rendezvous_round_published``
-(round, nodes, reason, seconds), ``rendezvous_publish_lost`` (another decider's term published the round).
+(round, nodes, reason, seconds), ``rendezvous_publish_lost`` (another decider's term published the round),
+``rendezvous_store_reconnected`` (round, republished: publish / same / conflict / moved_on / none).
 """
 
 from __future__ import annotations
@@ -53,7 +63,9 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from trainguard.agent import storecall
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, RendezvousAborted
+from trainguard.agent.exitbarrier import RoundView
 from trainguard.agent.membership import (
     EVICT,
     JOIN,
@@ -64,16 +76,20 @@ from trainguard.agent.membership import (
     Go,
     Lease,
     Record,
+    Republish,
     Settings,
     assignment,
     buckets_for,
     decide,
     encode_assignment,
+    floor_value,
     fold,
     lease_action,
+    lease_floor,
     master_of,
     parse_lease,
     rec_key,
+    republish_action,
 )
 from trainguard.agent.membership_kv import Kv
 from trainguard.contract.log import get_logger
@@ -117,13 +133,18 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def __init__(self, *, run_id: str, addr: str, settings: Settings, keep_alive_s: float, join_timeout_s: float,
                  make_kv: Callable[[], Kv], store: Any, backend: str, poll_s: float = POLL_INTERVAL_S,
-                 look_s: float | None = None) -> None:
+                 look_s: float | None = None, attempts: int = 3,
+                 reconnect: tuple[Callable[[], Any], Callable[[Any], Kv]] | None = None) -> None:
         self._run_id, self._addr, self._limits = run_id, addr, settings
         self._keep_alive_s, self._join_timeout_s, self._poll_s = keep_alive_s, join_timeout_s, poll_s
         self._look_s = keep_alive_s if look_s is None else look_s
         """How often a node waiting in the rendezvous looks at the lease, ``cur``, the close mark and its
         evidence (between looks it only waits for ``go``)."""
         self._make_kv, self._store, self._backend = make_kv, store, backend
+        self._attempts = attempts
+        self._reconnect = reconnect
+        """``(connect, kv_on)``: a new client to the store and a :class:`Kv` on it (TCPStore only; etcd keeps
+        its keys across its own restarts)."""
         self.node = node_id(addr)
         self._kv = make_kv()
         self.round = -1
@@ -135,7 +156,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._go: Go | None = None
         """``go`` of ``round`` (its term names the round's record)."""
         self._held: Record | None = None
-        """The record of ``round`` once read (:meth:`members`)."""
+        """The record of ``round`` once read (:meth:`members`): what this node republishes after a restart."""
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_kv: Kv = make_kv()  # made now: TCPStore clients connecting while others call stalled those 5 s
@@ -183,10 +204,9 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._hb_thread.start()
 
     def _beat(self) -> None:
-        kv = self._hb_kv
         while not self._hb_stop.wait(self._keep_alive_s):
             try:
-                kv.beat(self.node)
+                self._hb_kv.beat(self.node)  # (read each time: :meth:`reconnect` replaces it)
             except Exception as e:  # noqa: BLE001 - a missed beat is what the timeout is for; keep beating
                 log.warning("rendezvous_heartbeat_failed", node=self.node, error=f"{type(e).__name__}: {e}"[:200])
 
@@ -443,12 +463,22 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def side_store(self, round_: int) -> Any:
         """:meth:`round_store` for another thread: on a ``TCPStore``, a connection of its own (a client is not
-        safe to share between threads), with a short timeout; the etcd store is thread-safe."""
+        safe to share between threads), with a short timeout, its calls bounded by the keep-alive window and
+        the connection renewed after one gave up or failed (a partition, a restarted store:
+        :class:`~trainguard.agent.storecall.ClientGuard`); the etcd store is thread-safe."""
         if not isinstance(self._store, dist.TCPStore):
             return self.round_store(round_)
-        client = dist.TCPStore(self._store.host, self._store.port, is_master=False, multi_tenant=True,
-                               timeout=timedelta(seconds=5))
-        return dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", client)
+        host, port = self._store.host, self._store.port
+
+        def connect() -> Any:
+            return dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=5))
+        slot = [connect()]
+
+        def renew() -> None:
+            slot[0] = connect()
+        guard = storecall.ClientGuard(lambda: slot[0], renew, bound_s=self.keep_alive_window_s,
+                                      interval_s=self._keep_alive_s, name="side")
+        return storecall.BoundedStore(guard, lambda c: dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", c))
 
     def peek(self) -> Peek:
         """The newest round, its members and the announcements since this node's round, without joining:
@@ -485,6 +515,100 @@ class KeyedRendezvousHandler(RendezvousHandler):
             self._held = self._record_at(self.round)
         return list(self._held.members) if self._held is not None else []
 
+    @property
+    def keep_alive_window_s(self) -> float:
+        """``keep_alive_interval_s x keep_alive_max_attempts``: a heartbeat this old is expired."""
+        return float(self._keep_alive_s * self._attempts)
+
+    def round_view(self) -> RoundView:
+        """The exit barrier's and the store host's read (:mod:`trainguard.agent.exitbarrier`): the newest round,
+        whether the rendezvous is closed, the round's members still in it and every node with a live heartbeat.
+
+        A member is out of the round once its heartbeat expired (or it left: a dead heartbeat), it was marked
+        lost or evicted about this round, or it announced since the round was decided (``join``: it went back
+        to the rendezvous, as a node whose workers restarted; ``leave``), as torch's state drops it from the
+        participants. ``known`` also holds the nodes waiting for a next round (their ``join`` since). Reads:
+        the close mark, ``cur``, the log since the round (usually empty), its lost mark, the heartbeats."""
+        closed = self.is_closed()
+        cur = self._cur()
+        rec = self._record_at(cur)
+        if rec is None:
+            return RoundView(round=cur, closed=closed, participants=frozenset())
+        entries, _ = self._kv.announcements(rec.consumed)
+        moved = {e.node for e in entries if e.kind != EVICT or e.base == rec.round}
+        waiting = {e.node for e in entries if e.kind == JOIN}
+        lost = self._kv.get(f"r/{rec.round}/lost")
+        alive = self._kv.alive(set(rec.members) | set(rec.spares) | waiting)
+        out = frozenset(m for m in rec.members if m in alive and m not in moved and (not lost or m != lost.decode()))
+        return RoundView(round=rec.round, closed=closed, participants=out, known=alive)
+
+    # -- a restarted store ---------------------------------------------------------------------------
+    def reconnect(self) -> bool:
+        """After the store restarted (every call fails): new connections, this node's heartbeat at once, and
+        its round republished (see the module docstring). False (nothing changed) on etcd or while the store
+        does not answer yet. Called from the supervisor thread (the heartbeat thread picks up its new client)."""
+        if self._reconnect is None:
+            return False
+        connect, kv_on = self._reconnect
+        bound = self.keep_alive_window_s
+        try:
+            base = storecall.call_with_deadline(connect, bound, "connect")
+            beat_client = storecall.call_with_deadline(connect, bound, "connect")
+        except Exception:  # noqa: BLE001 - not back yet: the caller tries again later
+            return False
+        self._store, self._kv, self._hb_kv = base, kv_on(base), kv_on(beat_client)
+        if self._hb_thread is not None and self._hb_thread.is_alive():
+            self._kv.beat(self.node)
+        outcome = self._republish()
+        if outcome is Republish.CONFLICT:  # what this node held is not the store's round: read the store's from now on
+            self._held, self._go = None, None
+        fields = {"node": self.node, "round": self.round, "republished": outcome.value if outcome else "none"}
+        if outcome is Republish.CONFLICT:
+            log.error("rendezvous_store_reconnected", **fields,
+                      cause="the restarted store holds another world under this round number",
+                      effect="left as it is: this node's next rendezvous joins the store's rounds; "
+                             "the checkpoint epochs fence the two worlds")
+        else:
+            log.warning("rendezvous_store_reconnected", **fields,
+                        effect="new connections; this node's heartbeat and round are in the store again")
+        return True
+
+    def _republish(self) -> Republish | None:
+        """Republish the held round into a store that lost it (:func:`~trainguard.agent.membership.republish_action`):
+        ``publish`` when this node's copy won, ``same`` when a peer's did."""
+        held, go = self._held, self._go
+        if held is None or go is None or held.round != self.round:
+            return None
+        k, kv = held.round, self._kv
+        self._raise("lead", lambda raw: lease_floor(raw, go.term))
+        self._raise("jseq", lambda raw: floor_value(raw, held.consumed))
+        act, won = Republish.PUBLISH, False
+        for _ in range(3):  # publish, then read back what the store holds
+            act = republish_action(held, go, kv.get(rec_key(k, go.term)), kv.get(f"r/{k}/go"), self._cur())
+            if act is not Republish.PUBLISH:
+                break
+            kv.set_many([(f"r/{k}/{go.term}/a/{n}", encode_assignment(i, len(held.members)))
+                         for i, n in enumerate(held.members)]
+                        + [(f"r/{k}/{go.term}/a/{n}", encode_assignment(-1, len(held.members))) for n in held.spares])
+            if kv.create(rec_key(k, go.term), held.encode()) == held.encode():
+                won = kv.create(f"r/{k}/go", go.encode()) == go.encode() or won
+        if act is Republish.SAME:
+            self._raise("cur", lambda raw: floor_value(raw, k))
+            return Republish.PUBLISH if won else Republish.SAME  # (the log says who republished)
+        return act
+
+    def _raise(self, key: str, want: Callable[[bytes | None], bytes | None]) -> None:
+        """Compare-and-set ``key`` to ``want(value there)`` until ``want`` says it is high enough."""
+        raw = self._kv.get(key)
+        for _ in range(5):
+            new = want(raw)
+            if new is None:
+                return
+            got = self._kv.create(key, new) if raw is None else self._kv.swap(key, raw, new)
+            if got == new:
+                return
+            raw = got or None
+
 
 def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float = 60.0,
                 is_host: bool = False) -> KeyedRendezvousHandler:
@@ -503,14 +627,17 @@ def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float
     base = server if server is not None else client()
     clients = iter([base])
 
+    def kv_on(store: Any) -> Kv:
+        return TcpKv(dist.PrefixStore(f"trainguard.keyed.{run_id}", store), cfg.keep_alive_interval_s,
+                     cfg.keep_alive_max_attempts)
+
     def make_kv() -> Kv:
-        return TcpKv(dist.PrefixStore(f"trainguard.keyed.{run_id}", next(clients, None) or client()),
-                     cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
+        return kv_on(next(clients, None) or client())
 
     return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
                                   keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
                                   make_kv=make_kv, store=base, backend="keyed-c10d",
-                                  look_s=_look_s(cfg))
+                                  look_s=_look_s(cfg), attempts=cfg.keep_alive_max_attempts, reconnect=(client, kv_on))
 
 
 def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
@@ -528,7 +655,7 @@ def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
     return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
                                   keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
                                   make_kv=make_kv, store=EtcdStore(client, prefix), backend="keyed-etcd-v3",
-                                  look_s=_look_s(cfg))
+                                  look_s=_look_s(cfg), attempts=cfg.keep_alive_max_attempts)
 
 
 def create_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:

@@ -1,6 +1,7 @@
 """The keyed rendezvous handler (``rendezvous.protocol: keyed``) on a real ``TCPStore`` and a real etcd: nodes
 are handlers on threads of this process. Form, planned leave, loss, join, spares beyond ``max_nodes``, the
-decider's lease passing on from a dead holder, the publish fence (assignments and record), abort and close."""
+decider's lease passing on from a dead holder, the publish fence (assignments and record), abort and close,
+what the exit barrier reads, and a restarted ``trainguard store`` (a real store process restarted on its port)."""
 
 from __future__ import annotations
 
@@ -242,3 +243,89 @@ def test_a_leave_is_no_node_waiting_a_join_is(job):
     c._kv.announce(Entry(c.node, JOIN, 0))
     assert a.num_nodes_waiting() == 1
 
+
+def test_round_view_holds_the_members_still_in_the_round(job):
+    """What the exit barrier reads: a member that left (dead heartbeat) or went back to the rendezvous (a
+    ``join`` since the round) is no participant any more; one waiting for a next round is still known."""
+    a, b, c = job.node(), job.node(), job.node()
+    names = frozenset([a.node, b.node, c.node])
+    assert sizes(job.round([a, b, c], Plan(members=names))) == [(0, 3), (1, 3), (2, 3)]
+    v = a.round_view()
+    assert (v.round, v.closed, v.participants, v.known) == (0, False, names, names)
+    c.leave()
+    v = a.round_view()
+    assert v.participants == {a.node, b.node} and c.node not in v.known
+    b._kv.announce(Entry(b.node, JOIN, 0))  # b's workers restarted: it waits in the rendezvous for round 1
+    v = b.round_view()
+    assert v.participants == {a.node} and b.node in v.known and v.round == 0
+    a.set_closed()
+    assert a.round_view().closed
+
+
+def _restartable(tmp_path, **cfg: Any) -> tuple[Any, Job]:
+    from tests.e2e.test_checkpoint_epochs import Store
+
+    store = Store(str(tmp_path), "first")
+    return store, Job("tcp", store.endpoint, **cfg)
+
+
+def _restart(tmp_path, store: Any) -> Any:
+    from tests.e2e.test_checkpoint_epochs import Store
+
+    store.stop()
+    return Store(str(tmp_path), "restarted", port=store.port)
+
+
+def test_members_republish_their_round_into_a_restarted_store_and_go_on(tmp_path):
+    store, job = _restartable(tmp_path)
+    try:
+        a, b = job.node(), job.node()
+        both = frozenset([a.node, b.node])
+        assert sizes(job.round([a, b], Plan(members=both))) == [(0, 2), (1, 2)]
+        assert set(a.members()) == set(b.members()) == both  # (what the agent reads after each round)
+        held_rec, held_go = a._held, a._go
+        store = _restart(tmp_path, store)
+        with pytest.raises(Exception):  # the old connection is dead for good
+            a.peek()
+        assert a.reconnect() and b.reconnect()  # one republishes, the other finds the same round
+        kv = a._kv
+        assert Go.decode(kv.get("r/0/go")) == held_go and Record.decode(kv.get(rec_key(0, held_go.term))) == held_rec
+        assert kv.get("cur") == b"0" and parse_lease(kv.get("lead"))[0] >= held_go.term
+        assert int(kv.store.add("jseq", 0)) >= held_rec.consumed
+        for h in (a, b):
+            p = h.peek()
+            assert p.round == 0 and set(p.participants) == both and p.this_node_participates and p.waiting == 0
+        assert a.round_view().participants == both  # heartbeats are in the new store
+
+        # A node that arrives at the restarted store joins the next round: the decider builds on the
+        # republished record (its announcement comes after the held log position), with a newer term.
+        c = job.node()
+        out = job.round([a, b, c], Plan(members=both))
+        assert sizes(out) == [(0, 3), (1, 3), (2, 3)]
+        assert a.round == b.round == c.round == 1
+        assert set(a.members()) == both | {c.node} and a._go.term > held_go.term
+    finally:
+        job.close()
+        store.stop()
+
+
+def test_a_different_world_under_the_same_round_is_never_overwritten(tmp_path):
+    """A node that reached the restarted store before the members republished formed round 0 alone: the
+    members' republication of their round 0 is refused (``conflict``), the store keeps the first world,
+    and the members read the store's round from then on (their next rendezvous joins after it)."""
+    store, job = _restartable(tmp_path, min_nodes=1, last_call_timeout_s=0.5)
+    try:
+        a, b = job.node(), job.node()
+        both = frozenset([a.node, b.node])
+        assert sizes(job.round([a, b], Plan(members=both))) == [(0, 2), (1, 2)]
+        assert set(a.members()) == both
+        store = _restart(tmp_path, store)
+        z = job.node()
+        assert sizes(job.round([z], None)) == [(0, 1)]
+        z_go = z._kv.get("r/0/go")
+        assert a.reconnect()
+        assert a._kv.get("r/0/go") == z_go  # never overwritten
+        assert a.members() == [z.node] and not a.peek().this_node_participates
+    finally:
+        job.close()
+        store.stop()

@@ -14,14 +14,17 @@ from trainguard.agent.membership import (
     Go,
     Lease,
     Record,
+    Republish,
     Settings,
     Wants,
     assignment,
     decide,
     encode_assignment,
+    floor_value,
     fold,
     heartbeat_alive,
     lease_action,
+    lease_floor,
     master_of,
     bucket_of,
     buckets_for,
@@ -29,6 +32,7 @@ from trainguard.agent.membership import (
     encode_buckets,
     new_entries,
     parse_lease,
+    republish_action,
 )
 
 S = Settings(min_nodes=2, max_nodes=4, last_call_s=2.0)
@@ -213,3 +217,53 @@ def test_buckets_carry_go_and_each_nodes_assignment_once():
     assert decode_bucket(values[0], "not_in_it_0") == (Go(3, 3, 17, "10.0.0.5:29500"), None)
     assert decode_bucket(values[bucket_of("10.0.0.1_12_0", 4)], "10.0.0.1_12") [1] is None  # a prefix is no match
     assert bucket_of("10.0.0.1_12_0", 4) == bucket_of("10.0.0.1_12_0", 4) and {bucket_of(n, 4) for n in nodes} == {0, 1, 2, 3}
+
+
+# -- a restarted store: what a member republishes ------------------------------------------------------------
+HELD = Record(3, ("a", "b"), ("s",), consumed=7, term=2)
+HELD_GO = Go(2, 2, 7)
+
+
+@pytest.mark.parametrize(("name", "rec", "go", "cur", "want"), [
+    ("store empty after its restart", None, None, -1, Republish.PUBLISH),
+    ("a peer republished the same round", HELD.encode(), HELD_GO.encode(), 3, Republish.SAME),
+    ("same round, cur not raised yet", HELD.encode(), HELD_GO.encode(), -1, Republish.SAME),
+    ("a peer between its record and its go", HELD.encode(), None, -1, Republish.PUBLISH),
+    ("go there, record not yet (identical go)", None, HELD_GO.encode(), 3, Republish.PUBLISH),
+    ("another world under the round: other members", Record(3, ("a", "c"), (), 7, 2).encode(), Go(2, 2, 7).encode(), 3,
+     Republish.CONFLICT),
+    ("another world under the round: another term's go", None, Go(5, 1, 0).encode(), 3, Republish.CONFLICT),
+    ("same members, another log position", Record(3, ("a", "b"), ("s",), 9, 2).encode(), None, 3, Republish.CONFLICT),
+    ("record without its spares", Record(3, ("a", "b"), (), 7, 2).encode(), HELD_GO.encode(), 3, Republish.CONFLICT),
+    ("a torn go", None, b"garbage", 3, Republish.CONFLICT),
+    ("a torn record", b"{not json", None, 3, Republish.CONFLICT),
+    ("the store is past the round", None, None, 4, Republish.MOVED_ON),
+    ("the store is past the round, whatever is under it", b"{not json", b"x", 9, Republish.MOVED_ON),
+])
+def test_republish_action(name, rec, go, cur, want):
+    assert republish_action(HELD, HELD_GO, rec, go, cur) is want, name
+
+
+@pytest.mark.parametrize(("there", "floor", "want"), [
+    (None, 7, b"7"),          # absent (restarted store): set it
+    (b"0", 7, b"7"),          # a counter that restarted below the held position
+    (b"3", 7, b"7"),
+    (b"7", 7, None),          # there already
+    (b"12", 7, None),         # past it (announcements after the restart): left alone
+    (b"junk", 7, b"7"),       # unreadable: replaced
+    (b"", 0, b"0"),
+])
+def test_floor_value(there, floor, want):
+    assert floor_value(there, floor) == want
+
+
+@pytest.mark.parametrize(("there", "term", "want"), [
+    (None, 2, b"2 -"),             # no lease after the restart: vacant at the round's term
+    (b"1 x_1_0", 2, b"2 -"),        # a decider after the restart took a lower term: the next takes 3
+    (b"2 -", 2, None),
+    (b"2 x_1_0", 2, None),
+    (b"5 x_1_0", 2, None),          # newer terms stand
+    (b"junk", 2, b"2 -"),
+])
+def test_lease_floor(there, term, want):
+    assert lease_floor(there, term) == want
