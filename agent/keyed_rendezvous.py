@@ -44,7 +44,8 @@ claimed in the checkpoint store, independent of rounds.
 
 Log events: ``rendezvous_decider`` (this node took the lease: term), ``rendezvous_round_published``
 (round, nodes, reason, seconds), ``rendezvous_publish_lost`` (another decider's term published the round),
-``rendezvous_store_reconnected`` (round, republished: publish / same / conflict / moved_on / none).
+``rendezvous_store_reconnected`` (round, republished: publish / same / conflict / moved_on / none),
+``rendezvous_heartbeat_failed`` / ``rendezvous_heartbeat_resumed`` (one line each per outage).
 """
 
 from __future__ import annotations
@@ -204,11 +205,18 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._hb_thread.start()
 
     def _beat(self) -> None:
+        failed = 0
         while not self._hb_stop.wait(self._keep_alive_s):
             try:
                 self._hb_kv.beat(self.node)  # (read each time: :meth:`reconnect` replaces it)
             except Exception as e:  # noqa: BLE001 - a missed beat is what the timeout is for; keep beating
-                log.warning("rendezvous_heartbeat_failed", node=self.node, error=f"{type(e).__name__}: {e}"[:200])
+                failed += 1
+                if failed == 1:  # one line per outage (a restarted store failed every beat until the reconnect)
+                    log.warning("rendezvous_heartbeat_failed", node=self.node, error=f"{type(e).__name__}: {e}"[:200])
+                continue
+            if failed:
+                log.info("rendezvous_heartbeat_resumed", node=self.node, missed=failed)
+                failed = 0
 
     def stop_heartbeats(self) -> None:
         self._hb_stop.set()

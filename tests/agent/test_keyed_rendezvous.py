@@ -262,6 +262,48 @@ def test_round_view_holds_the_members_still_in_the_round(job):
     assert a.round_view().closed
 
 
+def test_heartbeat_outage_logs_one_line_and_one_on_resume(job, monkeypatch):
+    """A store that fails every beat (restarted, cut off) gives one ``rendezvous_heartbeat_failed`` line for the
+    outage, not one per beat, and one ``rendezvous_heartbeat_resumed`` with the beats missed."""
+    from trainguard.agent import keyed_rendezvous
+
+    lines: list[tuple[str, dict]] = []
+
+    class Log:
+        def warning(self, event: str, **kw: Any) -> None:
+            lines.append((event, kw))
+
+        def info(self, event: str, **kw: Any) -> None:
+            lines.append((event, kw))
+
+    monkeypatch.setattr(keyed_rendezvous, "log", Log())
+    h = job.node()
+    h._keep_alive_s = 0.05
+    real = h._hb_kv
+    down = threading.Event()
+    down.set()
+
+    class Flaky:
+        def beat(self, node: str) -> None:
+            if down.is_set():
+                raise RuntimeError("Broken pipe")
+            real.beat(node)
+
+        def close(self) -> None:
+            real.close()
+
+    h._hb_kv = Flaky()  # type: ignore[assignment]
+    h._hb_thread = threading.Thread(target=h._beat, daemon=True)
+    h._hb_thread.start()
+    time.sleep(0.6)  # ~12 failed beats
+    down.clear()
+    time.sleep(0.3)
+    h.stop_heartbeats()
+    events = [e for e, _ in lines]
+    assert events == ["rendezvous_heartbeat_failed", "rendezvous_heartbeat_resumed"], events
+    assert lines[1][1]["missed"] >= 5
+
+
 def _restartable(tmp_path, **cfg: Any) -> tuple[Any, Job]:
     from tests.e2e.test_checkpoint_epochs import Store
 
