@@ -590,6 +590,13 @@ class KeyedRendezvousHandler(RendezvousHandler):
         k, kv = held.round, self._kv
         self._raise("lead", lambda raw: lease_floor(raw, go.term))
         self._raise("jseq", lambda raw: floor_value(raw, held.consumed))
+        if republish_action(held, go, kv.get(rec_key(k, go.term)), kv.get(f"r/{k}/go"), self._cur()) in (
+                Republish.PUBLISH, Republish.SAME):
+            # The peers' heartbeats are gone with the store: vouch for them as of now (created once), as the
+            # dynamic protocol's reconnect refreshes every heartbeat, or this node's first ring check finds a
+            # peer that has not reconnected yet dead and the world re-forms without it (seen in
+            # test_keyed_store_restart at 0a43d75: member_lost 14 ms after the reconnect).
+            kv.vouch([*held.members, *held.spares])
         act, won = Republish.PUBLISH, False
         for _ in range(3):  # publish, then read back what the store holds
             act = republish_action(held, go, kv.get(rec_key(k, go.term)), kv.get(f"r/{k}/go"), self._cur())
