@@ -507,7 +507,7 @@ class ElasticAdapter:
     @property
     def store(self) -> Any:
         """The current round's store (keys under the round's prefix), or None before the first round."""
-        if self._guard is not None and self.group.store is not None:
+        if (self._guard is not None or self.keyed) and self.group.store is not None:  # (bounded: see round_store)
             return self.round_store(self._store_round)
         return self.group.store
 

@@ -88,6 +88,7 @@ from trainguard.agent.membership import (
     lease_action,
     lease_floor,
     master_of,
+    moved_since,
     parse_lease,
     rec_key,
     republish_action,
@@ -135,7 +136,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
     def __init__(self, *, run_id: str, addr: str, settings: Settings, keep_alive_s: float, join_timeout_s: float,
                  make_kv: Callable[[], Kv], store: Any, backend: str, poll_s: float = POLL_INTERVAL_S,
                  look_s: float | None = None, attempts: int = 3,
-                 reconnect: tuple[Callable[[], Any], Callable[[Any], Kv]] | None = None) -> None:
+                 reconnect: tuple[Callable[[], Any], Callable[[Any], Kv], Callable[[Any], Kv]] | None = None) -> None:
         self._run_id, self._addr, self._limits = run_id, addr, settings
         self._keep_alive_s, self._join_timeout_s, self._poll_s = keep_alive_s, join_timeout_s, poll_s
         self._look_s = keep_alive_s if look_s is None else look_s
@@ -144,8 +145,8 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._make_kv, self._store, self._backend = make_kv, store, backend
         self._attempts = attempts
         self._reconnect = reconnect
-        """``(connect, kv_on)``: a new client to the store and a :class:`Kv` on it (TCPStore only; etcd keeps
-        its keys across its own restarts)."""
+        """``(connect, kv_main, kv_beat)``: a new client to the store, the handler's :class:`Kv` on it and the
+        heartbeat thread's (TCPStore only; etcd keeps its keys across its own restarts)."""
         self.node = node_id(addr)
         self._kv = make_kv()
         self.round = -1
@@ -183,12 +184,21 @@ class KeyedRendezvousHandler(RendezvousHandler):
         """Nodes that announced a ``join`` since the current round was decided and did not leave again:
         newcomers, or members that went back to the rendezvous (torch's wait list). A ``leave`` (a drained
         member) or an ``evict`` is no node waiting: counting them made the survivors of a planned leave
-        decide ``scale_up`` instead of ``peer_drain``. One small read while the log did not move, else the
-        new entries."""
+        decide ``scale_up`` instead of ``peer_drain``. A member of the current round that announced ``join``
+        went back to the rendezvous: it left this world (:meth:`peek` drops it from the participants, the
+        running members call their workers off the collectives it no longer takes part in), it is no
+        newcomer to scale up for (counted as one, the members asked their workers for a resize at a step
+        boundary they never reached, stuck in a collective with a partitioned node: test_partition on keyed
+        at 19b2572). One small read while the log did not move, else the new entries."""
         if self._kv.pending(self.consumed) == 0:
             return 0
         entries, _ = self._kv.announcements(self.consumed)
-        return len(fold(entries, self.round).joined)
+        return self._newcomers(entries)
+
+    def _newcomers(self, entries: list[Entry]) -> int:
+        """Nodes that want into the next round by ``entries`` and are no member of this node's round."""
+        members = set(self.members())
+        return sum(1 for n in fold(entries, self.round).joined if n not in members)
 
     def shutdown(self) -> bool:  # See base class.
         self.set_closed()
@@ -466,8 +476,16 @@ class KeyedRendezvousHandler(RendezvousHandler):
         return self._store if isinstance(self._store, dist.TCPStore) else None
 
     def round_store(self, round_: int) -> Any:
-        """The store of round ``round_``'s agents (the prefix torch's handler uses, too)."""
-        return dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", self._store)
+        """The store of round ``round_``'s agents (the prefix torch's handler uses, too). On a ``TCPStore``
+        its calls run through the handler's :class:`~trainguard.agent.storecall.ClientGuard` (bounded by the
+        keep-alive window; the client renewed after one gave up): the supervisor's drain and worker-API marks
+        must not hang its loop under a partition. (The round's store handed to torch elastic for its rank
+        assignment, whose ``get`` waits for rank 0, stays unbounded, as with ``dynamic``.)"""
+        prefix = f"torch.rendezvous.{self._run_id}.{round_}"
+        guard = getattr(self._kv, "guard", None)
+        if guard is not None:
+            return storecall.BoundedStore(guard, lambda c: dist.PrefixStore(prefix, c))
+        return dist.PrefixStore(prefix, self._store)
 
     def side_store(self, round_: int) -> Any:
         """:meth:`round_store` for another thread: on a ``TCPStore``, a connection of its own (a client is not
@@ -495,7 +513,9 @@ class KeyedRendezvousHandler(RendezvousHandler):
         Liveness in a running world is watched as a ring: each member reads the heartbeat of the next one
         by rank (one key) and, when it expired, marks it in ``r/<round>/lost``; every member reads that
         mark. So a member whose agent died is missing from ``participants`` here on every node within a
-        keep-alive interval of its expiry, for O(1) reads per node (torch's state holds every heartbeat)."""
+        keep-alive interval of its expiry, for O(1) reads per node (torch's state holds every heartbeat).
+        A member that announced since the round (went back to the rendezvous, left, or was evicted about it:
+        :func:`~trainguard.agent.membership.moved_since`) is missing at once, as torch's state drops it."""
         cur = self._cur()
         if cur == self.round and cur >= 0:
             members = tuple(self.members())
@@ -511,7 +531,14 @@ class KeyedRendezvousHandler(RendezvousHandler):
             members = rec.members if rec is not None else ()
         else:
             members = ()
-        return Peek(round=cur, complete=cur >= 0, participants=members, waiting=self.num_nodes_waiting(),
+        waiting = 0
+        if self._kv.pending(self.consumed) > 0:  # (one small read while the log did not move)
+            entries, _ = self._kv.announcements(self.consumed)
+            waiting = self._newcomers(entries)
+            if cur == self.round:  # members that went back to the rendezvous, left, or were evicted since
+                moved = moved_since(entries, cur)
+                members = tuple(m for m in members if m not in moved)
+        return Peek(round=cur, complete=cur >= 0, participants=members, waiting=waiting,
                     this_node_participates=self.node in members)
 
     def members(self) -> list[str]:
@@ -543,7 +570,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         if rec is None:
             return RoundView(round=cur, closed=closed, participants=frozenset())
         entries, _ = self._kv.announcements(rec.consumed)
-        moved = {e.node for e in entries if e.kind != EVICT or e.base == rec.round}
+        moved = moved_since(entries, rec.round)
         waiting = {e.node for e in entries if e.kind == JOIN}
         lost = self._kv.get(f"r/{rec.round}/lost")
         alive = self._kv.alive(set(rec.members) | set(rec.spares) | waiting)
@@ -557,14 +584,14 @@ class KeyedRendezvousHandler(RendezvousHandler):
         does not answer yet. Called from the supervisor thread (the heartbeat thread picks up its new client)."""
         if self._reconnect is None:
             return False
-        connect, kv_on = self._reconnect
+        connect, kv_main, kv_beat = self._reconnect
         bound = self.keep_alive_window_s
         try:
             base = storecall.call_with_deadline(connect, bound, "connect")
             beat_client = storecall.call_with_deadline(connect, bound, "connect")
         except Exception:  # noqa: BLE001 - not back yet: the caller tries again later
             return False
-        self._store, self._kv, self._hb_kv = base, kv_on(base), kv_on(beat_client)
+        self._store, self._kv, self._hb_kv = base, kv_main(base), kv_beat(beat_client)
         if self._hb_thread is not None and self._hb_thread.is_alive():
             self._kv.beat(self.node)
         outcome = self._republish()
@@ -629,7 +656,13 @@ def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float
                 is_host: bool = False) -> KeyedRendezvousHandler:
     """The keyed handler on a ``TCPStore`` at ``host:port`` (``trainguard store``, or this agent's own
     when ``is_host``): two connections, one for the handler's calls and the round stores, one for the
-    heartbeat thread."""
+    heartbeat thread. Every call on them gives up after ``keep_alive_interval_s x keep_alive_max_attempts``
+    (:func:`~trainguard.agent.storecall.call_bound_s`, issue 37's bound for ``dynamic``) and the connection
+    is renewed after a backoff (:class:`~trainguard.agent.storecall.ClientGuard`): a ``TCPStore`` call on a
+    connection cut off by a partition waits past its own timeout, and after the heal its queued bytes wait
+    for TCP's retransmission backoff. (Unbounded, the cut-off node's supervisor hung in a handler call for
+    the whole partition and ~24 s after the heal, then named a healthy peer of the majority frozen from its
+    stale view: test_partition on keyed at 19b2572.)"""
     from trainguard.agent.membership_kv import TcpKv
 
     def client() -> Any:
@@ -641,18 +674,36 @@ def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float
                                timeout=timedelta(seconds=timeout_s))
     base = server if server is not None else client()
     clients = iter([base])
+    bound = storecall.call_bound_s(cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
+    made: list[KeyedRendezvousHandler] = []
 
-    def kv_on(store: Any) -> Kv:
-        return TcpKv(dist.PrefixStore(f"trainguard.keyed.{run_id}", store), cfg.keep_alive_interval_s,
-                     cfg.keep_alive_max_attempts)
+    def kv_on(store: Any, main: bool = False) -> Kv:
+        slot = [store]
+
+        def renew() -> None:
+            slot[0] = client()
+            if main and made:  # the handler's own client: the round stores torch elastic gets follow it
+                made[0]._store = slot[0]
+        guard = storecall.ClientGuard(lambda: slot[0], renew, bound_s=bound, interval_s=cfg.keep_alive_interval_s,
+                                      name="keyed" if main else "keyed-heartbeat")
+        kv = TcpKv(storecall.BoundedStore(guard, lambda c: dist.PrefixStore(f"trainguard.keyed.{run_id}", c)),
+                   cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
+        kv.guard = guard  # type: ignore[attr-defined]  # (the handler's round stores share its guard)
+        return kv
+
+    first = [True]
 
     def make_kv() -> Kv:
-        return kv_on(next(clients, None) or client())
+        main, first[0] = first[0], False
+        return kv_on(next(clients, None) or client(), main)
 
-    return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
-                                  keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
-                                  make_kv=make_kv, store=base, backend="keyed-c10d",
-                                  look_s=_look_s(cfg), attempts=cfg.keep_alive_max_attempts, reconnect=(client, kv_on))
+    h = KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
+                               keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
+                               make_kv=make_kv, store=base, backend="keyed-c10d", look_s=_look_s(cfg),
+                               attempts=cfg.keep_alive_max_attempts,
+                               reconnect=(client, lambda s: kv_on(s, True), kv_on))
+    made.append(h)
+    return h
 
 
 def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:

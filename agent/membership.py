@@ -164,6 +164,18 @@ def fold(entries: Iterable[Entry], prev_round: int) -> Wants:
     return Wants(tuple(order), frozenset(leaving), frozenset(evicted), tuple(sorted(ports.items())))
 
 
+def moved_since(entries: Iterable[Entry], round_: int) -> frozenset[str]:
+    """Pure: the members of round ``round_`` that are no longer in it by the log since it was decided: a node
+    that announced ``join`` (it went back to the rendezvous: its workers restarted, or it re-forms) or
+    ``leave``, or that a peer evicted on evidence about ``round_`` (evidence about an older round says
+    nothing of this one). torch's dynamic state drops such a node from the participants at once (its exit
+    op, or the eviction): the running members see a member gone and call their workers off a collective
+    that may wait for it, instead of waiting for a heartbeat to expire (test_partition at 19b2572: the
+    majority's second node saw only the decider's ``join`` as a node waiting, asked for a resize at a step
+    boundary its workers, stuck in a collective with the partitioned node, never reached)."""
+    return frozenset(e.node for e in entries if e.kind != EVICT or e.base == round_)
+
+
 def master_of(members: Sequence[str], wants: Wants) -> str:
     """Pure: ``"addr:port"`` of group rank 0 (``members[0]``; its address is the node id's, see
     :func:`node_order`) from the port its ``join`` announced; empty when it announced none."""
@@ -410,5 +422,5 @@ def new_entries(consumed: int, seq: int) -> Sequence[int]:
 
 __all__ = ["BUCKET_NODES", "MAX_BUCKETS", "Action", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record",
            "Republish", "Settings", "Wants", "assignment", "bucket_of", "buckets_for", "decide", "decode_bucket", "encode_buckets",
-           "encode_assignment", "floor_value", "fold", "heartbeat_alive", "lease_action", "lease_floor", "master_of", "new_entries",
+           "encode_assignment", "floor_value", "fold", "heartbeat_alive", "lease_action", "lease_floor", "master_of", "moved_since", "new_entries",
            "node_order", "parse_lease", "ranked", "rec_key", "republish_action"]

@@ -19,7 +19,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from trainguard.agent.config import RendezvousConfig
 from trainguard.agent.elastic_types import Plan, RendezvousAborted
 from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler, etcd_handler, tcp_handler
-from trainguard.agent.membership import JOIN, Entry, Go, Record, assignment, encode_assignment, parse_lease, ranked, rec_key
+from trainguard.agent.membership import EVICT, JOIN, Entry, Go, Record, assignment, encode_assignment, parse_lease, ranked, rec_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -363,6 +363,8 @@ def test_a_different_world_under_the_same_round_is_never_overwritten(tmp_path):
     try:
         a, b = job.node(), job.node()
         both = frozenset([a.node, b.node])
+        for h in (a, b):  # both alive before either decides (min_nodes=1: else the first may form alone)
+            h.start_heartbeats()
         assert sizes(job.round([a, b], Plan(members=both))) == [(0, 2), (1, 2)]
         assert set(a.members()) == both
         store = _restart(tmp_path, store)
@@ -375,3 +377,63 @@ def test_a_different_world_under_the_same_round_is_never_overwritten(tmp_path):
     finally:
         job.close()
         store.stop()
+
+
+def test_peek_drops_members_that_announced_since_the_round(job):
+    """What the running members' member check reads: a member that went back to the rendezvous (its ``join``)
+    and one it evicted are gone from ``participants`` at once, before any heartbeat expired, as torch's state
+    drops them; only a newcomer's ``join`` counts as a node waiting."""
+    nodes = [job.node() for _ in range(3)]
+    job.round(nodes, Plan(members=frozenset(h.node for h in nodes)))
+    a, b, c = (next(h for h in nodes if h.node == n) for n in nodes[0].members())
+    assert set(b.peek().participants) == {a.node, b.node, c.node}
+    c._kv.announce(Entry(c.node, JOIN, c.round))  # c re-forms without a (frozen): its join, then its evict of a
+    c._kv.announce(Entry(a.node, EVICT, c.round))
+    p = b.peek()
+    # a member that went back to the rendezvous left this world: no newcomer to scale up for
+    assert p.participants == (b.node,) and p.waiting == 0 and p.this_node_participates and p.round == b.round
+    assert b.num_nodes_waiting() == 0
+    d = job.node()
+    d._kv.announce(Entry(d.node, JOIN, -1))  # a newcomer is one
+    assert b.peek().waiting == 1 and b.num_nodes_waiting() == 1
+
+
+def test_handler_calls_give_up_under_a_partition_and_reconnect_after_the_heal():
+    """A cut-off node's handler calls (what the supervisor's loop makes: peek, nodes waiting, the round store)
+    give up within the keep-alive window instead of waiting past the client's 60 s timeout, fail at once
+    while the connection is known stuck, and work again on a new connection after the heal, with the round's
+    state as it was. (Unbounded, the cut-off node's supervisor hung for the partition and ~24 s after the
+    heal: test_partition on keyed at 19b2572.)"""
+    from tests.agent.test_storecall import BlackHoleProxy
+    from trainguard.agent.storecall import StoreCallTimeout
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    proxy = BlackHoleProxy(("127.0.0.1", server.port))
+    job = Job("tcp", f"127.0.0.1:{proxy.port}", keep_alive_interval_s=1, keep_alive_max_attempts=2)
+    try:
+        a, b = job.node(), job.node()
+        assert sizes(job.round([a, b], Plan(members=frozenset([a.node, b.node])))) == [(0, 2), (1, 2)]
+        assert set(a.peek().participants) == {a.node, b.node}
+        a.round_store(a.round).set("k", b"v")
+        bound = 1 * 2
+        proxy.cut()
+        for call in (a.peek, a.num_nodes_waiting, lambda: a.round_store(a.round).check(["k"])):
+            t0 = time.monotonic()
+            with pytest.raises(StoreCallTimeout):
+                call()
+            waited = time.monotonic() - t0
+            assert waited < bound + 5.0, f"a handler call blocked {waited:.1f} s past its bound of {bound} s"
+        proxy.heal()  # new connections forward again; the old ones stay black-holed
+        deadline = time.monotonic() + 30
+        while True:  # the guard renews the connection after its backoff (<= the bound)
+            try:
+                p = a.peek()
+                break
+            except StoreCallTimeout:
+                assert time.monotonic() < deadline, "no new connection after the heal"
+                time.sleep(0.1)
+        assert p.round == 0 and a.node in p.participants
+        assert a.round_store(a.round).get("k") == b"v"
+    finally:
+        job.close()
+        proxy.close()

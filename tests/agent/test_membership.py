@@ -26,6 +26,7 @@ from trainguard.agent.membership import (
     lease_action,
     lease_floor,
     master_of,
+    moved_since,
     bucket_of,
     buckets_for,
     decode_bucket,
@@ -267,3 +268,15 @@ def test_floor_value(there, floor, want):
 ])
 def test_lease_floor(there, term, want):
     assert lease_floor(there, term) == want
+
+
+@pytest.mark.parametrize(("entries", "round_", "want"), [
+    ([], 3, set()),
+    ([Entry("b", JOIN, 3)], 3, {"b"}),                            # went back to the rendezvous (re-forms, restarted)
+    ([Entry("b", LEAVE, 3)], 3, {"b"}),                           # planned leave
+    ([Entry("a", EVICT, 3)], 3, {"a"}),                           # evicted on evidence about this round
+    ([Entry("a", EVICT, 2)], 3, set()),                           # evidence about an older round: not this one
+    ([Entry("c", JOIN, 3), Entry("a", EVICT, 3)], 3, {"a", "c"}),  # the partition case: decider's join + its evict
+])
+def test_moved_since(entries, round_, want):
+    assert moved_since(entries, round_) == want
