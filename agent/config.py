@@ -81,8 +81,9 @@ class RendezvousConfig:
     """How the nodes agree on each round. ``dynamic``: torch's dynamic rendezvous (one shared state with
     every node's heartbeat behind one compare-and-set key: O(N^2) store bytes per membership change, fine
     up to a few dozen nodes). ``keyed``: trainguard's (per-node heartbeat keys, one fenced decider that
-    publishes each round; O(N) bytes per change, for large jobs; ``c10d`` or ``etcd``; opt-in while the
-    end-to-end suite runs on ``dynamic``, see docs/rendezvous.md#sizing-the-store-for-large-jobs)."""
+    publishes each round; O(N) bytes per change, for large jobs; ``c10d`` or ``etcd``; survives a restarted
+    ``trainguard store`` and a partition as ``dynamic`` does; opt-in until the whole test suite passes on it,
+    see docs/rendezvous.md#two-protocols-dynamic-torchs-and-keyed-for-large-jobs)."""
 
     endpoint: str = "127.0.0.1:29400"
     """``host:port`` of the rendezvous store (c10d) or of etcd; for ``etcd`` a comma-separated list of
