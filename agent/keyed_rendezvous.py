@@ -472,8 +472,13 @@ class KeyedRendezvousHandler(RendezvousHandler):
     # -- what the agent reads ------------------------------------------------------------------------
     @property
     def endpoint_store(self) -> Any:
-        """The ``TCPStore`` at the endpoint (keyed on ``c10d``; census and straggler keys), else None."""
-        return self._store if isinstance(self._store, dist.TCPStore) else None
+        """The ``TCPStore`` at the endpoint (keyed on ``c10d``; census and straggler keys), else None; its calls
+        bounded through the handler's guard as :meth:`round_store`'s (unbounded, the cut-off node's supervisor
+        hung ~23 s past the heal in a straggler-key call on the dead connection: the e2e run at 172b51e)."""
+        if not isinstance(self._store, dist.TCPStore):
+            return None
+        guard = getattr(self._kv, "guard", None)
+        return storecall.BoundedStore(guard) if guard is not None else self._store
 
     def round_store(self, round_: int) -> Any:
         """The store of round ``round_``'s agents (the prefix torch's handler uses, too). On a ``TCPStore``

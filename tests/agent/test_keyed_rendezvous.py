@@ -410,9 +410,9 @@ def test_peek_drops_members_that_announced_since_the_round(job):
 
 
 def test_handler_calls_give_up_under_a_partition_and_reconnect_after_the_heal():
-    """A cut-off node's handler calls (what the supervisor's loop makes: peek, nodes waiting, the round store)
-    give up within the keep-alive window instead of waiting past the client's 60 s timeout, fail at once
-    while the connection is known stuck, and work again on a new connection after the heal, with the round's
+    """A cut-off node's handler calls (what the supervisor's loop makes: peek, nodes waiting, the round store,
+    the endpoint store) give up within the keep-alive window instead of waiting past the client's 60 s timeout,
+    fail at once while the connection is known stuck, and work again on a new connection after the heal, with the round's
     state as it was. (Unbounded, the cut-off node's supervisor hung for the partition and ~24 s after the
     heal: test_partition on keyed at 19b2572.)"""
     from tests.agent.test_storecall import BlackHoleProxy
@@ -428,7 +428,9 @@ def test_handler_calls_give_up_under_a_partition_and_reconnect_after_the_heal():
         a.round_store(a.round).set("k", b"v")
         bound = 1 * 2
         proxy.cut()
-        for call in (a.peek, a.num_nodes_waiting, lambda: a.round_store(a.round).check(["k"])):
+        calls = (a.peek, a.num_nodes_waiting, lambda: a.round_store(a.round).check(["k"]),
+                 lambda: a.endpoint_store.check(["k"]))  # (census and straggler keys)
+        for call in calls:
             t0 = time.monotonic()
             with pytest.raises(StoreCallTimeout):
                 call()
@@ -445,6 +447,8 @@ def test_handler_calls_give_up_under_a_partition_and_reconnect_after_the_heal():
                 time.sleep(0.1)
         assert p.round == 0 and a.node in p.participants
         assert a.round_store(a.round).get("k") == b"v"
+        a.endpoint_store.set("census", b"1")  # the endpoint store follows the renewed connection
+        assert server.get("census") == b"1"
     finally:
         job.close()
         proxy.close()
