@@ -289,6 +289,12 @@ class KeyedRendezvousHandler(RendezvousHandler):
                 if abort():
                     self._kv.announce(Entry(self.node, LEAVE, target - 1))
                     raise RendezvousAborted("left the rendezvous before the round completed (draining)")
+                if got is None:
+                    # Evidence that a member is gone (Plan.evict: this node's own reads) is announced as soon as
+                    # it is there, as dynamic's join evicts before each of its steps: reported only at a look,
+                    # every keep_alive_interval_s x (attempts - 1), the frozen member's heartbeat could expire
+                    # first, and the survivors waited for it (test_hang's frozen node, keep-alive 5 s x 3).
+                    self._report_evictions(plan, target, reported, evicted)
                 if got is None and now >= next_look:
                     # One look (one round trip on etcd): the close mark, the newest round, the lease, the round.
                     next_look = now + self._look_s
@@ -300,7 +306,6 @@ class KeyedRendezvousHandler(RendezvousHandler):
                         if cur >= target:  # a round was published while this node looked elsewhere
                             target = cur
                             continue
-                        self._report_evictions(plan, target, reported, evicted)
                         self._lease_from(lead_raw)
                 if got is not None:
                     go = Go.decode(got)

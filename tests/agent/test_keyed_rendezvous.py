@@ -409,6 +409,35 @@ def test_peek_drops_members_that_announced_since_the_round(job):
     assert b.peek().waiting == 1 and b.num_nodes_waiting() == 1
 
 
+def test_evidence_evicts_a_frozen_member_at_once_not_at_the_next_look(job):
+    """A survivor's evidence that a member is gone (``Plan.evict``: its hang watch named the member frozen) is
+    announced as soon as the rendezvous has it, and the survivor's round completes without the member while its
+    heartbeat is still alive: with keep-alive 10 s x 3 a waiting node looks only every 20 s, and the evidence
+    read only at a look came after a frozen member's heartbeat could expire (test_hang's frozen node, keep-alive
+    5 s x 3, at 172b51e: ``member_evicted`` never logged)."""
+    job.cfg = dataclasses.replace(job.cfg, min_nodes=1, keep_alive_interval_s=10, keep_alive_max_attempts=3)
+    a, b = job.node(), job.node()
+    both = frozenset([a.node, b.node])
+    assert sizes(job.round([a, b], Plan(members=both))) == [(0, 2), (1, 2)]
+    b.stop_heartbeats()  # frozen: no more beats, its last one alive for 30 s
+    named: list[int] = []
+
+    def evidence() -> frozenset[str]:  # the hang watch names it a little after the re-formation began
+        named.append(1)
+        return frozenset([b.node]) if len(named) > 3 else frozenset()
+
+    evicted: list[str] = []
+    out: dict[str, Any] = {}
+    plan = Plan(members=both, lost=True, evict=evidence, round=a.round)
+    t = threading.Thread(target=lambda: out.update(r=a.next_round(lambda: False, plan, evicted)), daemon=True)
+    t.start()
+    t.join(15)  # (before the first look, 20 s in)
+    assert not t.is_alive(), "the evidence was not acted on before the next look"
+    assert (out["r"].rank, out["r"].world_size) == (0, 1) and a.members() == [a.node]
+    assert evicted == [b.node]
+    assert a._kv.alive([b.node]) == {b.node}, "its heartbeat expired first: not a test of the eviction"
+
+
 def test_handler_calls_give_up_under_a_partition_and_reconnect_after_the_heal():
     """A cut-off node's handler calls (what the supervisor's loop makes: peek, nodes waiting, the round store,
     the endpoint store) give up within the keep-alive window instead of waiting past the client's 60 s timeout,
