@@ -163,6 +163,10 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._hb_thread: threading.Thread | None = None
         self._hb_kv: Kv = make_kv()  # made now: TCPStore clients connecting while others call stalled those 5 s
         self._lease_raw: bytes | None = None
+        self._renewed = False
+        """Set by the guard of the handler's connection after it renewed it by itself (``tcp_handler``): the store
+        may have restarted empty, so the next :meth:`peek` / :meth:`num_nodes_waiting` restores this node's
+        heartbeat and round there (:meth:`_restore`) before it reads."""
 
     # -- RendezvousHandler ---------------------------------------------------------------------------
     def get_backend(self) -> str:  # See base class.
@@ -190,7 +194,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         newcomer to scale up for (counted as one, the members asked their workers for a resize at a step
         boundary they never reached, stuck in a collective with a partitioned node: test_partition on keyed
         at 19b2572). One small read while the log did not move, else the new entries."""
-        if self._kv.pending(self.consumed) == 0:
+        if self._renewed_read(lambda: self._kv.pending(self.consumed)) == 0:
             return 0
         entries, _ = self._kv.announcements(self.consumed)
         return self._newcomers(entries)
@@ -526,7 +530,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         keep-alive interval of its expiry, for O(1) reads per node (torch's state holds every heartbeat).
         A member that announced since the round (went back to the rendezvous, left, or was evicted about it:
         :func:`~trainguard.agent.membership.moved_since`) is missing at once, as torch's state drops it."""
-        cur = self._cur()
+        cur = self._renewed_read(self._cur)
         if cur == self.round and cur >= 0:
             members = tuple(self.members())
             if self.node in members and len(members) > 1:
@@ -602,12 +606,41 @@ class KeyedRendezvousHandler(RendezvousHandler):
         except Exception:  # noqa: BLE001 - not back yet: the caller tries again later
             return False
         self._store, self._kv, self._hb_kv = base, kv_main(base), kv_beat(beat_client)
+        self._renewed = False
+        self._restore("new")
+        return True
+
+    def _after_renewal(self) -> None:
+        """The handler's connection guard renewed its connection by itself (a call failed, a later one
+        reconnected): restore this node's heartbeat and round as :meth:`reconnect` does. Without this the guard
+        reconnected to a restarted, empty store before the supervisor's reconnect ran, the member check read
+        no round there and the world re-formed (test_keyed_store_restart on keyed at 6c3b812: 'store_reconnected'
+        from the guard, no 'rendezvous_store_reconnected', member_lost). After a partition's heal the store
+        still holds the round: ``same``, nothing written but heartbeats that are absent."""
+        if not self._renewed:
+            return
+        self._renewed = False
+        self._restore("renewed")
+
+    def _renewed_read(self, read: Callable[[], Any]) -> Any:
+        """``read()`` after :meth:`_after_renewal`, and again after it when that read was the call that renewed
+        the connection."""
+        self._after_renewal()
+        out = read()
+        if self._renewed:
+            self._after_renewal()
+            out = read()
+        return out
+
+    def _restore(self, connection: str) -> None:
+        """This node's heartbeat at once and its round republished on the current connection, one log line."""
         if self._hb_thread is not None and self._hb_thread.is_alive():
             self._kv.beat(self.node)
         outcome = self._republish()
         if outcome is Republish.CONFLICT:  # what this node held is not the store's round: read the store's from now on
             self._held, self._go = None, None
-        fields = {"node": self.node, "round": self.round, "republished": outcome.value if outcome else "none"}
+        fields = {"node": self.node, "round": self.round, "republished": outcome.value if outcome else "none",
+                  "connection": connection}
         if outcome is Republish.CONFLICT:
             log.error("rendezvous_store_reconnected", **fields,
                       cause="the restarted store holds another world under this round number",
@@ -616,7 +649,6 @@ class KeyedRendezvousHandler(RendezvousHandler):
         else:
             log.warning("rendezvous_store_reconnected", **fields,
                         effect="new connections; this node's heartbeat and round are in the store again")
-        return True
 
     def _republish(self) -> Republish | None:
         """Republish the held round into a store that lost it (:func:`~trainguard.agent.membership.republish_action`):
@@ -694,6 +726,7 @@ def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float
             slot[0] = client()
             if main and made:  # the handler's own client: the round stores torch elastic gets follow it
                 made[0]._store = slot[0]
+                made[0]._renewed = True  # (the store may have restarted empty: see KeyedRendezvousHandler._after_renewal)
         guard = storecall.ClientGuard(lambda: slot[0], renew, bound_s=bound, interval_s=cfg.keep_alive_interval_s,
                                       name="keyed" if main else "keyed-heartbeat")
         kv = TcpKv(storecall.BoundedStore(guard, lambda c: dist.PrefixStore(f"trainguard.keyed.{run_id}", c)),

@@ -366,6 +366,35 @@ def test_members_republish_their_round_into_a_restarted_store_and_go_on(tmp_path
         store.stop()
 
 
+def test_a_connection_the_guard_renewed_by_itself_republishes_the_round(tmp_path):
+    """The handler's connection guard reconnects by itself after its backoff (no ``reconnect()`` call from the
+    supervisor first): the next ``peek`` republishes the held round into the restarted store, so the member
+    check still finds both members (at 6c3b812 it read an empty store and the world re-formed)."""
+    from trainguard.agent.storecall import StoreCallTimeout
+
+    store, job = _restartable(tmp_path)
+    try:
+        a, b = job.node(), job.node()
+        both = frozenset([a.node, b.node])
+        assert sizes(job.round([a, b], Plan(members=both))) == [(0, 2), (1, 2)]
+        assert set(a.members()) == both
+        held_go = a._go
+        store = _restart(tmp_path, store)
+        deadline = time.monotonic() + 30
+        while True:  # what the supervisor's member check does: peek every interval until it answers
+            try:
+                p = a.peek()
+                break
+            except (StoreCallTimeout, dist.DistNetworkError, RuntimeError):
+                assert time.monotonic() < deadline, "the guard never renewed the connection"
+                time.sleep(0.2)
+        assert p.round == 0 and set(p.participants) == both and p.this_node_participates
+        assert Go.decode(a._kv.get("r/0/go")) == held_go
+    finally:
+        job.close()
+        store.stop()
+
+
 def test_a_different_world_under_the_same_round_is_never_overwritten(tmp_path):
     """A node that reached the restarted store before the members republished formed round 0 alone: the
     members' republication of their round 0 is refused (``conflict``), the store keeps the first world,
