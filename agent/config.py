@@ -24,7 +24,21 @@ from trainguard.contract.protocol import STEP_AGREEMENT_PERIOD_S, STEP_AGREEMENT
 from trainguard.metrics.config import CostConfig, MetricsConfig
 
 RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
-RDZV_PROTOCOLS = ("dynamic", "keyed")
+RDZV_PROTOCOLS = ("auto", "dynamic", "keyed")
+KEYED_ABOVE_NODES = 32
+"""``rendezvous.protocol: auto`` resolves to ``keyed`` when ``max_nodes`` is above this (docs/rendezvous.md,
+"Sizing the store for large jobs": at 32 nodes a ``dynamic`` change moves 2-4 MB and takes 0.5-2.6 s, at 128
+it is 119-146 MB and 7-10 s; ``keyed`` is O(N) bytes per change)."""
+KEYED_BACKENDS = ("c10d", "etcd")
+
+
+def resolve_protocol(protocol: str, backend: str, max_nodes: int) -> str:
+    """Pure: the rendezvous protocol a node runs, ``dynamic`` or ``keyed``. ``auto``: ``keyed`` on the ``c10d``
+    or ``etcd`` backend when ``max_nodes`` > :data:`KEYED_ABOVE_NODES`, else ``dynamic``. Every node of a job
+    resolves the same (``max_nodes`` is the job's ``--nnodes MAX``), so two protocols never share a store."""
+    if protocol != "auto":
+        return protocol
+    return "keyed" if backend in KEYED_BACKENDS and max_nodes > KEYED_ABOVE_NODES else "dynamic"
 ETCD_ONLY_KEYS = ("ca_file", "cert_file", "key_file", "server_name", "username", "password", "password_file")
 """TLS and authentication settings; only the ``etcd`` backend has them (a TCPStore has neither)."""
 LOG_FORMATS = ("auto", "json", "console")
@@ -77,12 +91,19 @@ class RendezvousConfig:
     """``c10d`` (TCPStore at ``endpoint``), ``etcd`` (etcd's v3 API, with TLS and authentication),
     ``etcd-v2`` (deprecated: etcd's v2 API, ``--enable-v2=true``, gone in etcd 3.6) or ``static``."""
 
-    protocol: str = "dynamic"
+    protocol: str = "auto"
     """How the nodes agree on each round. ``dynamic``: torch's dynamic rendezvous (one shared state with
     every node's heartbeat behind one compare-and-set key: O(N^2) store bytes per membership change, fine
     up to a few dozen nodes). ``keyed``: trainguard's (per-node heartbeat keys, one fenced decider that
-    publishes each round; O(N) bytes per change, for large jobs; ``c10d`` or ``etcd``; opt-in while the
-    end-to-end suite runs on ``dynamic``, see docs/rendezvous.md#sizing-the-store-for-large-jobs)."""
+    publishes each round; O(N) bytes per change; ``c10d`` or ``etcd``; survives a restarted ``trainguard store``
+    and a partition as ``dynamic`` does). ``auto``: ``keyed`` when
+    ``max_nodes`` is above 32 on ``c10d`` or ``etcd``, else ``dynamic`` (every node of a job resolves the
+    same; the effective value is logged at start). See docs/rendezvous.md#two-protocols-dynamic-torchs-and-keyed-for-large-jobs."""
+
+    @property
+    def effective_protocol(self) -> str:
+        """``protocol`` with ``auto`` resolved (:func:`resolve_protocol`): ``dynamic`` or ``keyed``."""
+        return resolve_protocol(self.protocol, self.backend, self.max_nodes)
 
     endpoint: str = "127.0.0.1:29400"
     """``host:port`` of the rendezvous store (c10d) or of etcd; for ``etcd`` a comma-separated list of
@@ -154,8 +175,8 @@ class RendezvousConfig:
         require(self.backend in RDZV_BACKENDS, "backend", f"must be one of {list(RDZV_BACKENDS)}, got {self.backend!r}",
                 "use 'c10d' (with `trainguard store` for spot clusters) or 'etcd'")
         require(self.protocol in RDZV_PROTOCOLS, "protocol", f"must be one of {list(RDZV_PROTOCOLS)}, got {self.protocol!r}",
-                "use 'dynamic' (torch's rendezvous) or 'keyed' (for large jobs)")
-        require(self.protocol == "dynamic" or self.backend in ("c10d", "etcd"), "protocol",
+                "use 'auto' (keyed above 32 nodes), 'dynamic' (torch's rendezvous) or 'keyed' (for large jobs)")
+        require(self.protocol != "keyed" or self.backend in KEYED_BACKENDS, "protocol",
                 f"'keyed' runs on the c10d or etcd backend, not on {self.backend!r}",
                 "set backend to 'c10d' (with `trainguard store`) or 'etcd', or protocol to 'dynamic'")
         require(self.min_nodes >= 1, "min_nodes", f"must be >= 1, got {self.min_nodes}", "set min_nodes to at least 1")

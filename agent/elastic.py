@@ -46,6 +46,7 @@ Two changes to how the dynamic rendezvous joins (see :func:`next_round`), instal
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 import signal
@@ -186,7 +187,12 @@ class ElasticAdapter:
     def _next_keyed(self) -> RendezvousInfo:
         plan, self._plan = self._plan, None
         self.evicted.clear()
-        return self.handler.next_round(self._abort, plan, self.evicted)  # type: ignore[attr-defined]
+        info = self.handler.next_round(self._abort, plan, self.evicted)  # type: ignore[attr-defined]
+        self._store_round = self.round
+        self._joined = (self.round, frozenset(self.members()))
+        if self._rejoin_marked:
+            self._mark_rejoining(False)
+        return info
 
     @property
     def group(self) -> WorkerGroup:
@@ -331,13 +337,12 @@ class ElasticAdapter:
         (:func:`~trainguard.agent.exitbarrier.wait_for_members`; torch's own barrier waits for every
         member, also one that left). A handler without shared state (static): torch's barrier."""
         holder = getattr(self.handler, "_state_holder", None)
-        if holder is None or self._joined is None:
+        if (holder is None and not self.keyed) or self._joined is None:
             self._agent._exit_barrier()
             return None
         round_, members = self._joined
         me = self.node_id
-        lock = self.handler._heartbeat_lock
-        store = _LockedStore(self.round_store(round_), lock)
+        store = _LockedStore(self.round_store(round_), self._lock())
         self._agent._in_exit_barrier = True  # torch's health check reads it: the agent is alive, not stuck
         try:
             out = wait_for_members(
@@ -350,8 +355,16 @@ class ElasticAdapter:
         finally:
             self._agent._in_exit_barrier = False
 
+    def _lock(self) -> Any:
+        """The lock the handler's client is used under: torch's keep-alive thread shares it; the keyed handler's
+        client is the supervisor thread's alone (its heartbeat thread has a client of its own)."""
+        return contextlib.nullcontext() if self.keyed else self.handler._heartbeat_lock
+
     def _round_view(self) -> RoundView:
-        """Sync and read the shared rendezvous state (sanitized: expired keep-alives are gone)."""
+        """Sync and read the shared rendezvous state (sanitized: expired keep-alives are gone). Keyed: the
+        handler's read (:meth:`~trainguard.agent.keyed_rendezvous.KeyedRendezvousHandler.round_view`)."""
+        if self.keyed:
+            return self.handler.round_view()  # type: ignore[attr-defined]
         holder = self.handler._state_holder
         with self.handler._heartbeat_lock:
             holder.sync()
@@ -361,13 +374,15 @@ class ElasticAdapter:
                              known=frozenset(str(n) for n in st.last_heartbeats))
 
     def _keep_alive_window_s(self) -> float:
+        if self.keyed:
+            return float(self.handler.keep_alive_window_s)  # type: ignore[attr-defined]
         settings = self.handler._settings
         return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
 
     def hosts_store(self) -> bool:
         """Whether this agent's process hosts the c10d rendezvous store (listens on its port). The port is
         the handler client's (the endpoint store may be a bounded wrapper: :meth:`bound_store_calls`)."""
-        if self.keyed or self.endpoint_store() is None:
+        if self.endpoint_store() is None:
             return False
         port = int(getattr(getattr(self.handler, "_store", None), "port", 0) or 0)
         return bool(port) and listens_here(port)
@@ -440,12 +455,20 @@ class ElasticAdapter:
         compare-and-set against the empty key: one copy wins, the others read it). The current round's
         store (worker-API mark, drain keys) is rebuilt on the new client; keys written under it before
         the restart are gone. Returns False (nothing changed) for other backends, or while the endpoint
-        does not answer yet. (A store hosted by an agent dies with that agent: nothing to reconnect to.)"""
+        does not answer yet. (A store hosted by an agent dies with that agent: nothing to reconnect to.)
+        Keyed: the handler reconnects, writes its heartbeat and republishes its round
+        (:meth:`~trainguard.agent.keyed_rendezvous.KeyedRendezvousHandler.reconnect`); etcd keeps its keys."""
         handler = self.handler
+        if self.keyed:  # new connections, its heartbeat, its round republished (create-once: the first member wins)
+            if not handler.reconnect():  # type: ignore[attr-defined]
+                return False
+            if self.group.store is not None:
+                self.group.store = handler.round_store(self.round)  # type: ignore[attr-defined]
+            return True
         holder = getattr(handler, "_state_holder", None)
         backend = getattr(holder, "_backend", None)
-        if self.keyed or not isinstance(backend, C10dRendezvousBackend) or getattr(handler, "_store", None) is None:
-            return False  # (keyed: a restarted store lost every node's keys; not handled yet)
+        if not isinstance(backend, C10dRendezvousBackend) or getattr(handler, "_store", None) is None:
+            return False
         old = handler._store
         host = getattr(old, "host", "")
         port = int(getattr(old, "port", 0) or 0)
@@ -493,7 +516,7 @@ class ElasticAdapter:
     @property
     def store(self) -> Any:
         """The current round's store (keys under the round's prefix), or None before the first round."""
-        if self._guard is not None and self.group.store is not None:
+        if (self._guard is not None or self.keyed) and self.group.store is not None:  # (bounded: see round_store)
             return self.round_store(self._store_round)
         return self.group.store
 
@@ -532,6 +555,8 @@ class ElasticAdapter:
         take it away meanwhile should the job end (:data:`~trainguard.agent.exitbarrier.REJOINING_KEY`).
         """
         if self.keyed:  # one announcement and a dead heartbeat
+            if rejoin or self._rejoin_marked:
+                self._mark_rejoining(rejoin)
             started = time.monotonic()
             self.handler.leave()  # type: ignore[attr-defined]
             log.info("rendezvous_left", seconds=round(time.monotonic() - started, 3))
@@ -556,7 +581,8 @@ class ElasticAdapter:
         saw leave, have exited too (they learn from the store that the job is over:
         :func:`~trainguard.agent.exitbarrier.wait_for_exits`), within ``workers.exit_barrier_timeout_s``."""
         self.handler.shutdown()
-        if getattr(self.handler, "_state_holder", None) is None or getattr(self.handler, "_store", None) is None:
+        if (getattr(self.handler, "_state_holder", None) is None and not self.keyed) \
+                or getattr(self.handler, "_store", None) is None:
             return None
         me = self.node_id
         store = self._exit_store()
@@ -584,8 +610,8 @@ class ElasticAdapter:
 
     def _exit_store(self) -> _LockedStore:
         """The job's store for the end of the job (exited and rejoining marks), not tied to a round."""
-        return _LockedStore(dist.PrefixStore(f"trainguard.exit.{self.handler._settings.run_id}", self.handler._store),
-                            self.handler._heartbeat_lock)
+        return _LockedStore(dist.PrefixStore(f"trainguard.exit.{self.handler.get_run_id()}", self.handler._store),
+                            self._lock())
 
 
 __all__ = ["POLL_INTERVAL_S", "RendezvousClosedError", "evict_nodes", "ElasticAdapter", "Peek", "Plan", "Poll", "RendezvousAborted",

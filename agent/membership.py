@@ -26,7 +26,8 @@ So a change costs each node O(1) (its announcement, its wait on ``go``, its own 
 decider O(N) (the log, the heartbeats, the assignments): O(N) bytes per change, O(N) bytes per keep-alive
 interval. This module holds what is decided: how an announcement log folds into who wants in
 (:func:`fold`), whether a heartbeat is fresh (:func:`heartbeat_alive`), whether a node takes the decider's
-lease (:func:`lease_action`) and what the next round is (:func:`decide`); the store I/O is
+lease (:func:`lease_action`), what the next round is (:func:`decide`) and what a member republishes into a
+restarted store (:func:`republish_action`, :func:`floor_value`, :func:`lease_floor`); the store I/O is
 :mod:`trainguard.agent.membership_kv`, the handler :mod:`trainguard.agent.keyed_rendezvous`.
 """
 
@@ -230,6 +231,18 @@ def fold(entries: Iterable[Entry], prev_round: int) -> Wants:
     return Wants(tuple(order), frozenset(leaving), frozenset(evicted), tuple(sorted(ports.items())))
 
 
+def moved_since(entries: Iterable[Entry], round_: int) -> frozenset[str]:
+    """Pure: the members of round ``round_`` that are no longer in it by the log since it was decided: a node
+    that announced ``join`` (it went back to the rendezvous: its workers restarted, or it re-forms) or
+    ``leave``, or that a peer evicted on evidence about ``round_`` (evidence about an older round says
+    nothing of this one). torch's dynamic state drops such a node from the participants at once (its exit
+    op, or the eviction): the running members see a member gone and call their workers off a collective
+    that may wait for it, instead of waiting for a heartbeat to expire (test_partition at 19b2572: the
+    majority's second node saw only the decider's ``join`` as a node waiting, asked for a resize at a step
+    boundary its workers, stuck in a collective with the partitioned node, never reached)."""
+    return frozenset(e.node for e in entries if e.kind != EVICT or e.base == round_)
+
+
 def master_of(members: Sequence[str], wants: Wants) -> str:
     """Pure: ``"addr:port"`` of group rank 0 (``members[0]``; its address is the node id's, see
     :func:`node_order`) from the port its ``join`` announced; empty when it announced none."""
@@ -340,6 +353,69 @@ def decide(prev: Record, wants: Wants, alive: frozenset[str], settings: Settings
     return Decision(Action.WAIT, min_since=since, reason="last call", missing=missing)
 
 
+class Republish(enum.Enum):
+    """What a member of round ``k`` does about that round in a store it reconnected to (:func:`republish_action`)."""
+
+    PUBLISH = "publish"
+    """The round is missing (a restarted ``trainguard store`` lost every key): write its record and
+    assignments under the round's own term and create ``go`` (create-once: the first member wins, the
+    others find :attr:`SAME`)."""
+    SAME = "same"
+    """The store holds exactly the round this node holds (its own republication or a peer's)."""
+    CONFLICT = "conflict"
+    """The store holds another world under this round number: never overwritten (nothing is republished;
+    the checkpoint epochs fence the two worlds)."""
+    MOVED_ON = "moved_on"
+    """The store is at a later round already: nothing to republish."""
+
+
+def republish_action(held: Record, held_go: Go, rec: bytes | None, go: bytes | None, cur: int) -> Republish:
+    """Pure: what a member that holds round ``held`` (published with ``held_go``) does after reconnecting,
+    given what the store has: ``rec`` (``r/<k>/<held term>/rec``), ``go`` (``r/<k>/go``) and ``cur``
+    (-1 when absent). Republishing is only ever the same world under the same round, term and log
+    position; anything else under that round number is a :attr:`Republish.CONFLICT`."""
+    if cur > held.round:
+        return Republish.MOVED_ON
+    if go is not None:
+        try:
+            there_go = Go.decode(go)
+        except ValueError:
+            return Republish.CONFLICT
+        if there_go != held_go:
+            return Republish.CONFLICT
+    if rec is not None:
+        try:
+            there = Record.decode(rec)
+        except (ValueError, KeyError, TypeError):
+            return Republish.CONFLICT
+        if there != held:
+            return Republish.CONFLICT
+    return Republish.SAME if go is not None and rec is not None else Republish.PUBLISH
+
+
+def floor_value(there: bytes | None, floor: int) -> bytes | None:
+    """Pure: the value to compare-and-set a counter key to so that it is at least ``floor`` (``jseq``: the
+    log position the held round consumed, or new announcements would sort before it and never be read;
+    ``cur``: the held round), or None when it is there already. An unreadable value is replaced."""
+    try:
+        value = int(there) if there else None
+    except ValueError:
+        value = None
+    if value is not None and value >= floor:
+        return None
+    return str(floor).encode()
+
+
+def lease_floor(there: bytes | None, term: int) -> bytes | None:
+    """Pure: a vacant decider's lease at ``term`` (``"<term> -"``) when the store holds none or a lower
+    term, so that a decider after a store restart takes a term above the held round's (a lower term could
+    reuse its keys ``r/<k>/<term>/...``); None to leave the lease as it is."""
+    if there is None:
+        return f"{term} -".encode()
+    have, _ = parse_lease(there)
+    return None if have >= term else f"{term} -".encode()
+
+
 def node_order(node: str) -> tuple[str, int, int, str]:
     """Pure: the sort key of a node id ``addr_pid_n``: address, then pid and local id as numbers (torch
     sorts its ``_NodeDesc(addr, pid, local_id)`` so); an id of another shape sorts by its text."""
@@ -411,6 +487,8 @@ def new_entries(consumed: int, seq: int) -> Sequence[int]:
     return range(consumed + 1, seq + 1)
 
 
-__all__ = ["BUCKET_NODES", "CHANGE_MAX", "MAX_BUCKETS", "Action", "Change", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease", "NO_RECORD", "Record", "Settings",
-           "Wants", "apply_change", "assignment", "bucket_of", "change_of", "buckets_for", "decide", "decode_bucket", "encode_buckets", "encode_assignment", "fold", "heartbeat_alive", "lease_action",
-           "master_of", "members_digest", "new_entries", "node_order", "parse_lease", "ranked", "rec_key"]
+__all__ = ["BUCKET_NODES", "CHANGE_MAX", "MAX_BUCKETS", "Action", "Change", "Decision", "EVICT", "Entry", "Go", "JOIN", "LEAVE", "Lease",
+           "NO_RECORD", "Record", "Republish", "Settings", "Wants", "apply_change", "assignment", "bucket_of", "buckets_for", "change_of",
+           "decide", "decode_bucket", "encode_assignment", "encode_buckets", "floor_value", "fold", "heartbeat_alive", "lease_action",
+           "lease_floor", "master_of", "members_digest", "moved_since", "new_entries", "node_order", "parse_lease", "ranked", "rec_key",
+           "republish_action"]

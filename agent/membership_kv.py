@@ -88,6 +88,10 @@ class Kv(Protocol):
     def unbeat(self, node: str) -> None:
         """The node leaves: it is dead for everyone at once."""
     def alive(self, nodes: Collection[str]) -> frozenset[str]: ...
+    def vouch(self, nodes: Collection[str]) -> None:
+        """A restarted store: a heartbeat as of now for each of ``nodes`` that has none there (created once,
+        never over a node's own beat), so that members that have not reconnected yet are not found dead at
+        once; one that died meanwhile beats no more and expires after the usual window."""
     def close(self) -> None: ...
 
 
@@ -200,6 +204,11 @@ class TcpKv:
         now = self.clock()
         return frozenset(n for n, raw in zip(nodes, raws)
                          if raw is not None and heartbeat_alive(_float(raw), now, self.interval_s, self.attempts))
+
+    def vouch(self, nodes: Collection[str]) -> None:
+        now = f"{self.clock():.3f}".encode()
+        for n in nodes:
+            self.create(f"hb/{n}", now)
 
     def close(self) -> None:
         pass
@@ -406,6 +415,9 @@ class EtcdKv:
                                                "keys_only": True})
         present = {unb64(kv.get("key"))[len(start):].decode() for kv in answer.get("kvs", [])}
         return frozenset(n for n in nodes if n in present)
+
+    def vouch(self, nodes: Collection[str]) -> None:
+        pass  # (etcd keeps its keys across its own restarts: nothing is lost to vouch for)
 
     def close(self) -> None:
         if self._stream:

@@ -22,9 +22,9 @@ log = get_logger("trainguard.agent.rendezvous")
 
 
 def build_handler(cfg: RendezvousConfig, run_id: str) -> RendezvousHandler:
-    """Create the rendezvous handler for ``cfg``: torch's dynamic one, or with ``protocol: keyed`` ours
-    (:mod:`trainguard.agent.keyed_rendezvous`)."""
-    if cfg.protocol == "keyed":
+    """Create the rendezvous handler for ``cfg``: torch's dynamic one, or with ``protocol: keyed`` (or ``auto``
+    above 32 nodes: :func:`~trainguard.agent.config.resolve_protocol`) ours (:mod:`trainguard.agent.keyed_rendezvous`)."""
+    if cfg.effective_protocol == "keyed":
         from trainguard.agent.keyed_rendezvous import create_handler as create_keyed_handler
 
         return create_keyed_handler(cfg, run_id)

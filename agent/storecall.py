@@ -225,7 +225,7 @@ class ClientGuard:
         t0 = time.monotonic()
         try:
             out = call_with_deadline(lambda: getattr(view(client), op)(*args, **kwargs), self.bound_s, op)
-        except StoreCallTimeout as exc:
+        except (StoreCallTimeout, dist.DistNetworkError) as exc:  # (a broken connection: a restarted store)
             with self._lock:
                 self.stuck = client
                 self._note_failure(op, exc, t0)

@@ -510,7 +510,8 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
 
     # ---- lifecycle (main thread) --------------------------------------------------------------
     def start(self) -> None:
-        log.info("agent_starting", node=self.cfg.agent.node_name, pid=os.getpid(), config=redacted(self.cfg))
+        log.info("agent_starting", node=self.cfg.agent.node_name, pid=os.getpid(), config=redacted(self.cfg),
+                 rendezvous_protocol=self.cfg.rendezvous.effective_protocol)
 
         def target() -> None:
             try:

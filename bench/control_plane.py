@@ -7,7 +7,8 @@ with the number of nodes.
         [--json out.json] [--plot out.png]
 
 Each simulated node is one rendezvous handler built by the agent's own code, for ``--protocols``:
-``dynamic`` (today's default, the baseline: ``build_handler`` from a ``RendezvousConfig``, joined with
+``dynamic`` (the baseline, and the default up to 32 nodes under ``auto``: ``build_handler`` from a
+``RendezvousConfig`` that names it, since ``auto`` would choose ``keyed`` above 32 nodes, joined with
 ``next_round`` and a :class:`~trainguard.agent.elastic.Plan`, left with the exit operation as
 ``ElasticAdapter.leave`` does; run up to ``--baseline-max`` nodes per store, where it fails or takes
 minutes) and ``keyed`` (``rendezvous.protocol: keyed``, :mod:`trainguard.agent.keyed_rendezvous`: joined
@@ -301,7 +302,8 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any], pr
     out: dict[int, Any] = {}
 
     def make(i: int) -> None:
-        cfg = RendezvousConfig(endpoint=endpoint, local_addr=f"n{i}", **cfg_kw)
+        # (the protocol named, not the default: auto would pick keyed for the baseline above 32 nodes)
+        cfg = RendezvousConfig(endpoint=endpoint, local_addr=f"n{i}", protocol="keyed" if keyed else "dynamic", **cfg_kw)
         if keyed:
             handlers[i] = create_keyed(cfg, run_id)
             _count_keyed_handler(handlers[i], counters)
@@ -536,7 +538,7 @@ def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], store: str = "tcp",
             protocol: str = "dynamic") -> dict[str, Any]:
     """One N on a fresh ``store`` (:class:`StoreServer`): form, steady keep-alives, a planned leave, an
-    unannounced loss, a join; ``protocol``: ``dynamic`` (torch's handler, today's default) or ``keyed``."""
+    unannounced loss, a join; ``protocol``: ``dynamic`` (torch's handler, the baseline) or ``keyed``."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="tg-cp-") as folder:

@@ -200,3 +200,28 @@ def test_config_keys_snapshot():
             json.dump(keys, fh, indent=1, sort_keys=True)
     with open(SNAPSHOT) as fh:
         assert keys == json.load(fh)
+
+
+@pytest.mark.parametrize(("protocol", "backend", "max_nodes", "want"), [
+    ("auto", "c10d", 1, "dynamic"),
+    ("auto", "c10d", 32, "dynamic"),      # up to 32 nodes: torch's handler
+    ("auto", "c10d", 33, "keyed"),        # above: O(N) bytes per change
+    ("auto", "etcd", 1024, "keyed"),
+    ("auto", "etcd-v2", 1024, "dynamic"),  # keyed runs on c10d and etcd only
+    ("auto", "static", 64, "dynamic"),
+    ("dynamic", "c10d", 1024, "dynamic"),  # an explicit choice stands
+    ("keyed", "c10d", 2, "keyed"),
+])
+def test_resolve_protocol(protocol, backend, max_nodes, want):
+    from trainguard.agent.config import resolve_protocol
+
+    assert resolve_protocol(protocol, backend, max_nodes) == want
+
+
+def test_auto_is_the_default_and_resolves_by_max_nodes():
+    from trainguard.agent.config import RendezvousConfig
+
+    assert RendezvousConfig().protocol == "auto" and RendezvousConfig().effective_protocol == "dynamic"
+    assert RendezvousConfig(max_nodes=64).effective_protocol == "keyed"
+    assert RendezvousConfig(backend="etcd-v2", endpoint="127.0.0.1:2379", max_nodes=64).effective_protocol == "dynamic"
+    assert RendezvousConfig(protocol="dynamic", max_nodes=64).effective_protocol == "dynamic"

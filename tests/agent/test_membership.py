@@ -16,6 +16,7 @@ from trainguard.agent.membership import (
     Go,
     Lease,
     Record,
+    Republish,
     Settings,
     Wants,
     apply_change,
@@ -23,17 +24,21 @@ from trainguard.agent.membership import (
     change_of,
     decide,
     encode_assignment,
+    floor_value,
     fold,
     heartbeat_alive,
     lease_action,
+    lease_floor,
     master_of,
     members_digest,
+    moved_since,
     bucket_of,
     buckets_for,
     decode_bucket,
     encode_buckets,
     new_entries,
     parse_lease,
+    republish_action,
 )
 
 S = Settings(min_nodes=2, max_nodes=4, last_call_s=2.0)
@@ -249,3 +254,65 @@ def test_no_change_for_the_first_round_or_a_big_one_and_a_wrong_base_or_digest_d
     assert apply_change(Record(4, tuple(N[:5])), ch) is None  # another member list under that round: digest
     assert Change.decode("not json") is None and Change.decode("[1, 2]") is None
     assert Go.decode(b"3 2 42 10.0.0.5:29500|garbage") == Go(3, 2, 42, "10.0.0.5:29500", None)
+
+
+# -- a restarted store: what a member republishes ------------------------------------------------------------
+HELD = Record(3, ("a", "b"), ("s",), consumed=7, term=2)
+HELD_GO = Go(2, 2, 7)
+
+
+@pytest.mark.parametrize(("name", "rec", "go", "cur", "want"), [
+    ("store empty after its restart", None, None, -1, Republish.PUBLISH),
+    ("a peer republished the same round", HELD.encode(), HELD_GO.encode(), 3, Republish.SAME),
+    ("same round, cur not raised yet", HELD.encode(), HELD_GO.encode(), -1, Republish.SAME),
+    ("a peer between its record and its go", HELD.encode(), None, -1, Republish.PUBLISH),
+    ("go there, record not yet (identical go)", None, HELD_GO.encode(), 3, Republish.PUBLISH),
+    ("another world under the round: other members", Record(3, ("a", "c"), (), 7, 2).encode(), Go(2, 2, 7).encode(), 3,
+     Republish.CONFLICT),
+    ("another world under the round: another term's go", None, Go(5, 1, 0).encode(), 3, Republish.CONFLICT),
+    ("same members, another log position", Record(3, ("a", "b"), ("s",), 9, 2).encode(), None, 3, Republish.CONFLICT),
+    ("record without its spares", Record(3, ("a", "b"), (), 7, 2).encode(), HELD_GO.encode(), 3, Republish.CONFLICT),
+    ("a torn go", None, b"garbage", 3, Republish.CONFLICT),
+    ("a torn record", b"{not json", None, 3, Republish.CONFLICT),
+    ("the store is past the round", None, None, 4, Republish.MOVED_ON),
+    ("the store is past the round, whatever is under it", b"{not json", b"x", 9, Republish.MOVED_ON),
+])
+def test_republish_action(name, rec, go, cur, want):
+    assert republish_action(HELD, HELD_GO, rec, go, cur) is want, name
+
+
+@pytest.mark.parametrize(("there", "floor", "want"), [
+    (None, 7, b"7"),          # absent (restarted store): set it
+    (b"0", 7, b"7"),          # a counter that restarted below the held position
+    (b"3", 7, b"7"),
+    (b"7", 7, None),          # there already
+    (b"12", 7, None),         # past it (announcements after the restart): left alone
+    (b"junk", 7, b"7"),       # unreadable: replaced
+    (b"", 0, b"0"),
+])
+def test_floor_value(there, floor, want):
+    assert floor_value(there, floor) == want
+
+
+@pytest.mark.parametrize(("there", "term", "want"), [
+    (None, 2, b"2 -"),             # no lease after the restart: vacant at the round's term
+    (b"1 x_1_0", 2, b"2 -"),        # a decider after the restart took a lower term: the next takes 3
+    (b"2 -", 2, None),
+    (b"2 x_1_0", 2, None),
+    (b"5 x_1_0", 2, None),          # newer terms stand
+    (b"junk", 2, b"2 -"),
+])
+def test_lease_floor(there, term, want):
+    assert lease_floor(there, term) == want
+
+
+@pytest.mark.parametrize(("entries", "round_", "want"), [
+    ([], 3, set()),
+    ([Entry("b", JOIN, 3)], 3, {"b"}),                            # went back to the rendezvous (re-forms, restarted)
+    ([Entry("b", LEAVE, 3)], 3, {"b"}),                           # planned leave
+    ([Entry("a", EVICT, 3)], 3, {"a"}),                           # evicted on evidence about this round
+    ([Entry("a", EVICT, 2)], 3, set()),                           # evidence about an older round: not this one
+    ([Entry("c", JOIN, 3), Entry("a", EVICT, 3)], 3, {"a", "c"}),  # the partition case: decider's join + its evict
+])
+def test_moved_since(entries, round_, want):
+    assert moved_since(entries, round_) == want

@@ -1,0 +1,88 @@
+"""A restarted ``trainguard store`` under both rendezvous protocols (issue 40): the running world of two goes on
+training and saving, both agents reconnect (keyed: each republishes the round it holds, created once, so one
+copy wins and the other finds the same round), and a third node that arrives at the restarted store joins a
+world of three built on the republished round. No committed step is lost or overwritten, epochs only grow.
+(``test_checkpoint_epochs.py`` restarts the store under a world of one, then splits the brain.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.e2e.test_checkpoint_epochs import ELASTIC, Store, ckpt_events, claims, committed_refs, worlds
+from tests.harness import Node, continued, running, wait_until
+from trainguard.checkpoint.discovery import scan_run
+from trainguard.checkpoint.storage import Storage
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+ARGS = ["--steps", "100000", "--log-every", "5", "--step-sleep", "0.03", "--global-batch", "24"]
+
+
+@pytest.mark.parametrize("protocol", [
+    pytest.param("dynamic", marks=pytest.mark.xfail(strict=False, reason=(
+        "dynamic: a re-formation without the peer right after the republish (member_lost at the first peek); "
+        "failed 2 of 2 on main's code 92cd926 and 2 of 3 at 0a43d75 (load 3-7): a defect of the dynamic reconnect, "
+        "not of keyed (issue 40 report)"))),
+    "keyed"])
+def test_a_store_restart_loses_no_committed_step_and_the_job_still_grows(tmp_path, protocol):
+    tmp = str(tmp_path)
+    ckpt = os.path.join(tmp, "ckpt")
+    extra = ["--set", f"checkpoint.url={ckpt}", "--set", "checkpoint.interval_steps=5",
+             "--set", "checkpoint.keep_last=1000", "--set", "rendezvous.is_host=false",
+             "--set", "rendezvous.keep_alive_interval_s=1", "--set", "rendezvous.keep_alive_max_attempts=4"]
+    env = {"TRAINGUARD_RENDEZVOUS_PROTOCOL": protocol}
+    store = Store(tmp, "s")
+    stores = [store]
+
+    def node(name: str) -> Node:
+        return Node(name, tmp, store.endpoint, nnodes="1:3", script=ELASTIC, script_args=ARGS, extra=extra, env=env)
+
+    nodes: list[Node] = []
+    try:
+        with running(nodes) as nodes:
+            nodes += [node("a"), node("b")]
+            a, b = nodes
+            wait_until(lambda: worlds(a)[-1:] == [2] and worlds(b)[-1:] == [2], 150, "world size 2")
+
+            def refs() -> set:
+                return committed_refs(a) | committed_refs(b)
+
+            wait_until(lambda: len(refs()) >= 2, 120, "two commits at world size 2")
+            rounds_before = (len(worlds(a)), len(worlds(b)))
+
+            store.stop()
+            store = Store(tmp, "s-restarted", port=store.port)
+            stores.append(store)
+            before = refs()
+            wait_until(lambda: a.events("rendezvous_store_reconnected") and b.events("rendezvous_store_reconnected"), 90,
+                       "both agents reconnected to the restarted store")
+            wait_until(lambda: len(refs() - before) >= 2, 90, "the world goes on saving after the restart")
+            assert (len(worlds(a)), len(worlds(b))) == rounds_before  # no re-formation, no restart
+            assert not [e for n in (a, b) for e in n.events("state_change") if e.get("new") == "restarting"]
+            if protocol == "keyed":
+                ways = sorted(n.events("rendezvous_store_reconnected")[0]["republished"] for n in (a, b))
+                assert ways in (["publish", "same"], ["publish", "publish"]), ways  # (publish twice: identical copies)
+                assert not [n.name for n in (a, b) for e in n.events("rendezvous_store_reconnected")
+                            if e["republished"] == "conflict"]
+
+            # A node that arrives at the restarted store joins: a world of three on the republished round.
+            last = max(refs())
+            nodes.append(node("c"))
+            c = nodes[-1]
+            wait_until(lambda: all(worlds(n)[-1:] == [3] for n in (a, b, c)), 150, "world size 3 after the restart")
+            wait_until(lambda: any(continued(n, 3) for n in (a, b, c)), 90, "the world of 3 continues")
+            cont = next(e for n in (a, b, c) for e in continued(n, 3))
+            assert cont["step"] >= last.step, (cont, last)
+            wait_until(lambda: any(r.step > cont["step"] for r in committed_refs(a) | committed_refs(b) | committed_refs(c)),
+                       90, "a commit by the world of 3")
+
+            everything = refs() | committed_refs(c)
+            scan = scan_run(Storage(ckpt), "job")
+            assert everything <= set(scan.committed), sorted(everything - set(scan.committed))
+            epochs = [e["epoch"] for n in (a, b, c) for e in claims(n)]
+            assert len(set(epochs)) == len(set((e["epoch"], e.get("rdzv_round")) for n in (a, b, c) for e in claims(n)))
+            assert not [e for n in (a, b, c) for e in ckpt_events(n, "checkpoint_fenced")]
+    finally:
+        for s in stores:
+            s.stop()
