@@ -206,3 +206,24 @@ def test_a_guarded_client_gives_up_fails_fast_then_renews_after_the_heal(proxied
     assert len(renewals) == 1 and guard.link == Link() and guard.stuck is None
     store.add("n", 2)
     assert int(bytes(server.get("p/n"))) == 2
+
+
+def test_a_call_thread_runs_calls_in_turn_on_one_thread_and_is_abandoned_to_a_stuck_call():
+    """storecall.CallThread: a client's bounded calls on one thread (no thread started per call); a call past
+    its bound raises StoreCallTimeout and leaves the thread to it; abandon() ends the thread once it returns."""
+    from trainguard.agent.storecall import CallThread, StoreCallTimeout
+
+    th = threading
+
+    calls = CallThread("test-calls")
+    idents = {calls.call(th.get_ident, 1.0) for _ in range(20)}
+    assert len(idents) == 1 and th.get_ident() not in idents
+    with pytest.raises(ValueError, match="bad"):
+        calls.call(lambda: (_ for _ in ()).throw(ValueError("bad")), 1.0)
+    release = th.Event()
+    with pytest.raises(StoreCallTimeout, match="get gave no answer within 0.2 s"):
+        calls.call(lambda: release.wait(10), 0.2, "get")
+    calls.abandon()
+    release.set()
+    calls._thread.join(5)
+    assert not calls._thread.is_alive()
