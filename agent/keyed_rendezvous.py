@@ -26,7 +26,7 @@ The keys and why: :mod:`trainguard.agent.membership` (the decisions, pure); the 
    came late: it announces again for the next round (spares that did not fit ``max_nodes`` are carried by
    the record).
 
-A restarted ``trainguard store`` (:meth:`~KeyedRendezvousHandler.reconnect`, called by the supervisor when
+A restarted ``trainguard store`` (:mod:`~trainguard.agent.keyed_restart`: ``reconnect``, called by the supervisor when
 its store calls fail) lost every key: the node opens new connections, writes its heartbeat at once and,
 as a member of round ``k``, republishes what it holds of that round: first the floors (the lease's term
 at the round's, so that a decider after the restart takes a newer term and never reuses the round's keys;
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -77,24 +76,20 @@ from trainguard.agent.membership import (
     Go,
     Lease,
     Record,
-    Republish,
     Settings,
     apply_change,
     assignment,
-    buckets_for,
     change_of,
     decide,
     encode_assignment,
-    floor_value,
     fold,
     lease_action,
-    lease_floor,
     master_of,
     moved_since,
     parse_lease,
     rec_key,
-    republish_action,
 )
+from trainguard.agent.keyed_restart import StoreRestart
 from trainguard.agent.membership_kv import Kv
 from trainguard.contract.log import get_logger
 
@@ -129,7 +124,7 @@ class _Decider:
         self.started = time.monotonic()
 
 
-class KeyedRendezvousHandler(RendezvousHandler):
+class KeyedRendezvousHandler(StoreRestart, RendezvousHandler):
     """See the module docstring. ``make_kv()`` builds one :class:`Kv` per thread that talks to the store
     (this handler's calls, the heartbeat thread); ``store`` is the job's ``torch.distributed.Store`` under
     which each round's store lives. Methods are called from one thread at a time (the supervisor's), except
@@ -610,208 +605,5 @@ class KeyedRendezvousHandler(RendezvousHandler):
         out = frozenset(m for m in rec.members if m in alive and m not in moved and (not lost or m != lost.decode()))
         return RoundView(round=rec.round, closed=closed, participants=out, known=alive)
 
-    # -- a restarted store ---------------------------------------------------------------------------
-    def reconnect(self) -> bool:
-        """After the store restarted (every call fails): new connections, this node's heartbeat at once, and
-        its round republished (see the module docstring). False (nothing changed) on etcd or while the store
-        does not answer yet. Called from the supervisor thread (the heartbeat thread picks up its new client)."""
-        if self._reconnect is None:
-            return False
-        connect, kv_main, kv_beat = self._reconnect
-        bound = self.keep_alive_window_s
-        try:
-            base = storecall.call_with_deadline(connect, bound, "connect")
-            beat_client = storecall.call_with_deadline(connect, bound, "connect")
-        except Exception:  # noqa: BLE001 - not back yet: the caller tries again later
-            return False
-        self._store, self._kv, self._hb_kv = base, kv_main(base), kv_beat(beat_client)
-        self._renewed = False
-        self._restore("new")
-        return True
 
-    def _after_renewal(self) -> None:
-        """The handler's connection guard renewed its connection by itself (a call failed, a later one
-        reconnected): restore this node's heartbeat and round as :meth:`reconnect` does. Without this the guard
-        reconnected to a restarted, empty store before the supervisor's reconnect ran, the member check read
-        no round there and the world re-formed (test_keyed_store_restart on keyed at 6c3b812: 'store_reconnected'
-        from the guard, no 'rendezvous_store_reconnected', member_lost). After a partition's heal the store
-        still holds the round: ``same``, nothing written but heartbeats that are absent."""
-        if not self._renewed:
-            return
-        self._renewed = False
-        self._restore("renewed")
-
-    def _renewed_read(self, read: Callable[[], Any]) -> Any:
-        """``read()`` after :meth:`_after_renewal`, and again after it when that read was the call that renewed
-        the connection."""
-        self._after_renewal()
-        out = read()
-        if self._renewed:
-            self._after_renewal()
-            out = read()
-        return out
-
-    def _restore(self, connection: str) -> None:
-        """This node's heartbeat at once and its round republished on the current connection, one log line."""
-        if self._hb_thread is not None and self._hb_thread.is_alive():
-            self._kv.beat(self.node)
-        outcome = self._republish()
-        if outcome is Republish.CONFLICT:  # what this node held is not the store's round: read the store's from now on
-            self._held, self._go = None, None
-        fields = {"node": self.node, "round": self.round, "republished": outcome.value if outcome else "none",
-                  "connection": connection}
-        if outcome is Republish.CONFLICT:
-            log.error("rendezvous_store_reconnected", **fields,
-                      cause="the restarted store holds another world under this round number",
-                      effect="left as it is: this node's next rendezvous joins the store's rounds; "
-                             "the checkpoint epochs fence the two worlds")
-        else:
-            log.warning("rendezvous_store_reconnected", **fields,
-                        effect="new connections; this node's heartbeat and round are in the store again")
-
-    def _republish(self) -> Republish | None:
-        """Republish the held round into a store that lost it (:func:`~trainguard.agent.membership.republish_action`):
-        ``publish`` when this node's copy won, ``same`` when a peer's did."""
-        held, go = self._held, self._go
-        if held is None or go is None or held.round != self.round:
-            return None
-        k, kv = held.round, self._kv
-        self._raise("lead", lambda raw: lease_floor(raw, go.term))
-        self._raise("jseq", lambda raw: floor_value(raw, held.consumed))
-        if republish_action(held, go, kv.get(rec_key(k, go.term)), kv.get(f"r/{k}/go"), self._cur()) in (
-                Republish.PUBLISH, Republish.SAME):
-            # The peers' heartbeats are gone with the store: vouch for them as of now (created once), as the
-            # dynamic protocol's reconnect refreshes every heartbeat, or this node's first ring check finds a
-            # peer that has not reconnected yet dead and the world re-forms without it (seen in
-            # test_keyed_store_restart at 0a43d75: member_lost 14 ms after the reconnect).
-            kv.vouch([*held.members, *held.spares])
-        act, won = Republish.PUBLISH, False
-        for _ in range(3):  # publish, then read back what the store holds
-            act = republish_action(held, go, kv.get(rec_key(k, go.term)), kv.get(f"r/{k}/go"), self._cur())
-            if act is not Republish.PUBLISH:
-                break
-            kv.set_many([(f"r/{k}/{go.term}/a/{n}", encode_assignment(i, len(held.members)))
-                         for i, n in enumerate(held.members)]
-                        + [(f"r/{k}/{go.term}/a/{n}", encode_assignment(-1, len(held.members))) for n in held.spares])
-            if kv.create(rec_key(k, go.term), held.encode()) == held.encode():
-                won = kv.create(f"r/{k}/go", go.encode()) == go.encode() or won
-        if act is Republish.SAME:
-            self._raise("cur", lambda raw: floor_value(raw, k))
-            return Republish.PUBLISH if won else Republish.SAME  # (the log says who republished)
-        return act
-
-    def _raise(self, key: str, want: Callable[[bytes | None], bytes | None]) -> None:
-        """Compare-and-set ``key`` to ``want(value there)`` until ``want`` says it is high enough."""
-        raw = self._kv.get(key)
-        for _ in range(5):
-            new = want(raw)
-            if new is None:
-                return
-            got = self._kv.create(key, new) if raw is None else self._kv.swap(key, raw, new)
-            if got == new:
-                return
-            raw = got or None
-
-
-def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float = 60.0,
-                is_host: bool = False) -> KeyedRendezvousHandler:
-    """The keyed handler on a ``TCPStore`` at ``host:port`` (``trainguard store``, or this agent's own
-    when ``is_host``): two connections, one for the handler's calls and the round stores, one for the
-    heartbeat thread. Every call on them gives up after ``keep_alive_interval_s x keep_alive_max_attempts``
-    (:func:`~trainguard.agent.storecall.call_bound_s`, issue 37's bound for ``dynamic``) and the connection
-    is renewed after a backoff (:class:`~trainguard.agent.storecall.ClientGuard`): a ``TCPStore`` call on a
-    connection cut off by a partition waits past its own timeout, and after the heal its queued bytes wait
-    for TCP's retransmission backoff. (Unbounded, the cut-off node's supervisor hung in a handler call for
-    the whole partition and ~24 s after the heal, then named a healthy peer of the majority frozen from its
-    stale view: test_partition on keyed at 19b2572.)"""
-    from trainguard.agent.membership_kv import TcpKv
-
-    def client() -> Any:
-        return dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=timeout_s))
-
-    server = None
-    if is_host:
-        server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                               timeout=timedelta(seconds=timeout_s))
-    base = server if server is not None else client()
-    clients = iter([base])
-    bound = storecall.call_bound_s(cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
-    made: list[KeyedRendezvousHandler] = []
-
-    def kv_on(store: Any, main: bool = False) -> Kv:
-        slot = [store]
-
-        def renew() -> None:
-            slot[0] = client()
-            if main and made:  # the handler's own client: the round stores torch elastic gets follow it
-                made[0]._store = slot[0]
-                made[0]._renewed = True  # (the store may have restarted empty: see KeyedRendezvousHandler._after_renewal)
-        guard = storecall.ClientGuard(lambda: slot[0], renew, bound_s=bound, interval_s=cfg.keep_alive_interval_s,
-                                      name="keyed" if main else "keyed-heartbeat")
-        kv = TcpKv(storecall.BoundedStore(guard, lambda c: dist.PrefixStore(f"trainguard.keyed.{run_id}", c)),
-                   cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
-        kv.guard = guard  # type: ignore[attr-defined]  # (the handler's round stores share its guard)
-        return kv
-
-    first = [True]
-
-    def make_kv() -> Kv:
-        main, first[0] = first[0], False
-        return kv_on(next(clients, None) or client(), main)
-
-    h = KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
-                               keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
-                               make_kv=make_kv, store=base, backend="keyed-c10d", look_s=_look_s(cfg),
-                               attempts=cfg.keep_alive_max_attempts,
-                               reconnect=(client, lambda s: kv_on(s, True), kv_on))
-    made.append(h)
-    return h
-
-
-def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
-    """The keyed handler on etcd v3 under ``<prefix>/<job>/k/``; the round stores under ``.../store/``."""
-    from trainguard.agent.etcd_rendezvous import EtcdStore, connect
-    from trainguard.agent.membership_kv import EtcdKv
-
-    client, prefix = connect(cfg, run_id)
-
-    buckets = buckets_for(cfg.max_nodes)
-
-    def make_kv() -> Kv:
-        return EtcdKv(client, prefix + "k/", cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts, buckets)
-
-    return KeyedRendezvousHandler(run_id=run_id, addr=cfg.local_addr or socket.getfqdn(), settings=_settings(cfg),
-                                  keep_alive_s=cfg.keep_alive_interval_s, join_timeout_s=cfg.join_timeout_s,
-                                  make_kv=make_kv, store=EtcdStore(client, prefix), backend="keyed-etcd-v3",
-                                  look_s=_look_s(cfg), attempts=cfg.keep_alive_max_attempts)
-
-
-def create_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
-    """The keyed handler for a ``rendezvous`` config: on etcd v3 (``backend: etcd``) or on the ``TCPStore`` at
-    ``endpoint`` (``backend: c10d``; ``is_host`` as torch's rule: unset = host when the endpoint is an address
-    of this machine and the port is free, else connect)."""
-    if cfg.backend == "etcd":
-        return etcd_handler(cfg, run_id)
-    from trainguard.agent.preflight import is_local_address
-
-    host, _, port = cfg.endpoint.rpartition(":")
-    host = host.strip("[]")
-    if cfg.is_host is None and is_local_address(host):
-        try:
-            return tcp_handler(cfg, run_id, host=host, port=int(port), is_host=True)
-        except (RuntimeError, OSError):  # another agent on this machine hosts it
-            pass
-    return tcp_handler(cfg, run_id, host=host, port=int(port), is_host=bool(cfg.is_host))
-
-
-def _look_s(cfg: Any) -> float:
-    """A waiting node looks at the decider's lease every ``interval x (attempts - 1)``: a dead decider is
-    not seen before its heartbeat expires anyway, and at 1,024 nodes on etcd every look is a request."""
-    return float(cfg.keep_alive_interval_s * max(1, cfg.keep_alive_max_attempts - 1))
-
-
-def _settings(cfg: Any) -> Settings:
-    return Settings(cfg.min_nodes, cfg.max_nodes, cfg.last_call_timeout_s)
-
-
-__all__ = ["ALIVE_EVERY_S", "FIRST_TAKERS", "KeyedRendezvousHandler", "create_handler", "etcd_handler", "node_id", "tcp_handler"]
+__all__ = ["ALIVE_EVERY_S", "FIRST_TAKERS", "KeyedRendezvousHandler", "node_id"]

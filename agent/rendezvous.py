@@ -25,7 +25,7 @@ def build_handler(cfg: RendezvousConfig, run_id: str) -> RendezvousHandler:
     """Create the rendezvous handler for ``cfg``: torch's dynamic one, or with ``protocol: keyed`` (or ``auto``
     above 32 nodes: :func:`~trainguard.agent.config.resolve_protocol`) ours (:mod:`trainguard.agent.keyed_rendezvous`)."""
     if cfg.effective_protocol == "keyed":
-        from trainguard.agent.keyed_rendezvous import create_handler as create_keyed_handler
+        from trainguard.agent.keyed_stores import create_handler as create_keyed_handler
 
         return create_keyed_handler(cfg, run_id)
     extra: dict[str, Any] = {

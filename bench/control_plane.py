@@ -290,7 +290,7 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any], pr
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from trainguard.agent.config import RendezvousConfig
     from trainguard.agent.elastic import Plan, fresh_reads, next_round
-    from trainguard.agent.keyed_rendezvous import create_handler as create_keyed
+    from trainguard.agent.keyed_stores import create_handler as create_keyed
     from trainguard.agent.rendezvous import build_handler
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 

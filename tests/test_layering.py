@@ -91,7 +91,7 @@ AGENT_IMPORTS_ALLOWED = {
     # lease stream's renewals, etcd_lease) on the wire, and it measures the hang watch's store load (hang, hangwatch).
     os.path.join("bench", "control_plane.py"): {"trainguard.agent.config", "trainguard.agent.elastic",
                                                 "trainguard.agent.etcd_rendezvous",
-                                                "trainguard.agent.rendezvous", "trainguard.agent.keyed_rendezvous",
+                                                "trainguard.agent.rendezvous", "trainguard.agent.keyed_stores",
                                                 "trainguard.agent.membership_kv", "trainguard.agent.etcd_client",
                                                 "trainguard.agent.etcd_wire", "trainguard.agent.etcd_lease",
                                                 "trainguard.agent.hang", "trainguard.agent.hangwatch"},

@@ -18,7 +18,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from trainguard.agent.config import RendezvousConfig
 from trainguard.agent.elastic_types import Plan, RendezvousAborted
-from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler, etcd_handler, tcp_handler
+from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler
+from trainguard.agent.keyed_stores import etcd_handler, tcp_handler
 from trainguard.agent.membership import EVICT, JOIN, Entry, Go, Record, assignment, encode_assignment, parse_lease, ranked, rec_key
 
 pytestmark = pytest.mark.timeout(120)
