@@ -120,11 +120,11 @@ class _LockedStore:
 
 
 TORCH_TAIL_LOGFILE = _tail_log.tail_logfile
+"""torch's own ``tail_logfile``, as this module found it (what :func:`install_whole_line_tail` replaces)."""
 
 FIRST_CONNECT_S = 60.0
 """How long :meth:`ElasticAdapter.bound_store_calls` may take to open its connection to the c10d endpoint
 (torch's c10d backend's default ``read_timeout``); each call on it is bounded afterwards."""
-"""torch's own ``tail_logfile``, as this module found it (what :func:`install_whole_line_tail` replaces)."""
 
 
 def install_whole_line_tail() -> None:
@@ -177,20 +177,18 @@ class ElasticAdapter:
 
     def _next_rendezvous(self) -> RendezvousInfo:
         plan, self._plan = self._plan, None
-        info = next_round(self.handler, self._abort, plan, self.evicted)
-        self._store_round = self.round  # the round whose prefix info.store (the group's store) carries
-        self._joined = (self.round, frozenset(self.members()))
-        if self._rejoin_marked:  # back in a round: nobody needs to wait for this node on its mark any more
-            self._mark_rejoining(False)
-        return info
+        return self._in_round(next_round(self.handler, self._abort, plan, self.evicted))
 
     def _next_keyed(self) -> RendezvousInfo:
         plan, self._plan = self._plan, None
         self.evicted.clear()
-        info = self.handler.next_round(self._abort, plan, self.evicted)  # type: ignore[attr-defined]
-        self._store_round = self.round
+        return self._in_round(self.handler.next_round(self._abort, plan, self.evicted))  # type: ignore[attr-defined]
+
+    def _in_round(self, info: RendezvousInfo) -> RendezvousInfo:
+        """What either protocol's next round leaves this adapter: the round it is in and its members."""
+        self._store_round = self.round  # the round whose prefix info.store (the group's store) carries
         self._joined = (self.round, frozenset(self.members()))
-        if self._rejoin_marked:
+        if self._rejoin_marked:  # back in a round: nobody needs to wait for this node on its mark any more
             self._mark_rejoining(False)
         return info
 

@@ -46,33 +46,8 @@ class StoreCallTimeout(TimeoutError):
     """A store call did not answer within its bound (its thread is left to the dropped connection)."""
 
 
-def call_with_deadline(fn: Callable[[], Any], bound_s: float, what: str = "store call") -> Any:
-    """``fn()``, or :class:`StoreCallTimeout` after ``bound_s``. A ``TCPStore`` client's timeout does not
-    bound a call on a connection whose peer went silent: measured on torch 2.13 through a black-holing
-    proxy, ``get``, ``check``, ``add``, ``compare_set``, ``multi_get`` and the connect itself blocked past
-    a 1.5 s timeout (``get`` times out its wait, then blocks reading the cancel's answer); only ``set``
-    (no answer awaited) returned. So the call runs in a thread of its own, abandoned on timeout with its
-    connection (the caller drops the client); the thread ends when that socket answers or fails."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["out"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["exc"] = exc
-
-    t = threading.Thread(target=run, name="trainguard-store-call", daemon=True)
-    t.start()
-    t.join(bound_s)
-    if t.is_alive():
-        raise StoreCallTimeout(f"{what} gave no answer within {bound_s:g} s")
-    if "exc" in box:
-        raise box["exc"]
-    return box.get("out")
-
-
 class CallThread:
-    """One thread that runs a client's calls in turn, each bounded as :func:`call_with_deadline` bounds it,
+    """One thread that runs a client's calls in turn, each bounded (see :func:`call_with_deadline` for why),
     without a thread started per call: a keyed agent polls ``go`` every 0.25 s, and ``bench/control_plane.py``
     runs 256 such agents per process, where a thread start per call made the simulator what was measured
     (a planned leave at 1,024 nodes on ``trainguard store`` took 5.4 s instead of 1.1 s). A call that gave up
@@ -111,6 +86,21 @@ class CallThread:
     def abandon(self) -> None:
         """No more calls: the thread ends after the call it is in (if any)."""
         self._queue.put(None)
+
+
+def call_with_deadline(fn: Callable[[], Any], bound_s: float, what: str = "store call") -> Any:
+    """``fn()``, or :class:`StoreCallTimeout` after ``bound_s``. A ``TCPStore`` client's timeout does not
+    bound a call on a connection whose peer went silent: measured on torch 2.13 through a black-holing
+    proxy, ``get``, ``check``, ``add``, ``compare_set``, ``multi_get`` and the connect itself blocked past
+    a 1.5 s timeout (``get`` times out its wait, then blocks reading the cancel's answer); only ``set``
+    (no answer awaited) returned. So the call runs in a thread of its own (a one-call :class:`CallThread`),
+    abandoned on timeout with its connection (the caller drops the client); the thread ends when that socket
+    answers or fails."""
+    calls = CallThread("trainguard-store-call")
+    try:
+        return calls.call(fn, bound_s, what)
+    finally:
+        calls.abandon()
 
 
 def call_bound_s(keep_alive_interval_s: float, keep_alive_max_attempts: int) -> float:
