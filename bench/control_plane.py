@@ -138,8 +138,13 @@ class _CountingStore:
         fn = getattr(self._store, name)
 
         def call(*args: Any) -> Any:
+            t0 = time.monotonic()
             out = fn(*args)
             keys = args[0] if args and isinstance(args[0], list) else args[:1]
+            first = keys[0] if keys else ""
+            kind = "/".join(p for p in (first.decode(errors="replace") if isinstance(first, bytes) else str(first)).split("/")
+                            if p and not p.lstrip("-").isdigit())
+            self._c.kind(f"{name} {kind}{' x%d' % len(keys) if len(keys) > 1 else ''}", time.monotonic() - t0)
             with self._c.lock:
                 self._c.gets += 1
                 self._c.bytes += _size(args) + _size(out) + self._plen * len(keys)
@@ -446,7 +451,8 @@ class Cluster:
             out.update(self.conns[p].recv())
         errors = [v["error"] for v in out.values() if "error" in v]
         worlds = {v.get("world") for v in out.values() if "error" not in v}
-        return {"seconds": max(v["done"] for v in out.values()) - t0, "errors": errors[:3], "n_errors": len(errors),
+        done = sorted(v["done"] - t0 for v in out.values())
+        return {"seconds": done[-1], "median_s": done[len(done) // 2], "errors": errors[:3], "n_errors": len(errors),
                 "world_sizes": sorted(w for w in worlds if w is not None)}
 
     def stats(self) -> dict[str, float]:
@@ -606,7 +612,10 @@ def _note(row: dict[str, Any], phase: str) -> None:
 def _ops(d: dict[str, float]) -> dict[str, float]:
     profile = {k[2:]: {"requests": int(v), "client_s": round(d.get("s:" + k[2:], 0.0), 3)}
                for k, v in sorted(d.items()) if k.startswith("n:") and v}
-    return {"ops": d["gets"] + d["sets"], "bytes": d["bytes"], "cas_lost": d["cas_lost"], "profile": profile}
+    # The phase's CPU: the store server's and all simulating processes' together (on a 2-core machine a
+    # phase whose clients use more than its wall x cores measures the simulator, not the control plane).
+    return {"ops": d["gets"] + d["sets"], "bytes": d["bytes"], "cas_lost": d["cas_lost"], "profile": profile,
+            "store_cpu_s": round(d.get("store_cpu_s", 0.0), 3), "client_cpu_s": round(d.get("cpu_s", 0.0), 3)}
 
 
 # ---- the hang watch's store load (issue 40, part 2) --------------------------------------------------
