@@ -247,7 +247,9 @@ class KeyedRendezvousHandler(StoreRestart, RendezvousHandler):
     def leave(self) -> None:
         """The planned leave: one ``leave`` entry and a dead heartbeat; the rendezvous stays open."""
         self.stop_heartbeats()
-        self._kv.announce(Entry(self.node, LEAVE, self.round))
+        # On the heartbeat's connection, idle now: the handler's may be in a wait for a round (TCPStore: a
+        # blocking read, up to half the call bound) when a drain arrives during the rendezvous.
+        self._hb_kv.announce(Entry(self.node, LEAVE, self.round))
         self._hb_kv.unbeat(self.node)
 
     # -- the round -----------------------------------------------------------------------------------

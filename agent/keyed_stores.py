@@ -54,6 +54,8 @@ def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float
         kv = TcpKv(storecall.BoundedStore(guard, lambda c: dist.PrefixStore(f"trainguard.keyed.{run_id}", c)),
                    cfg.keep_alive_interval_s, cfg.keep_alive_max_attempts)
         kv.guard = guard  # type: ignore[attr-defined]  # (the handler's round stores share its guard)
+        if main:  # its waits for a round block; the node's alarm ends one over the heartbeat's connection
+            kv.wake_via = lambda: made[0]._hb_kv
         return kv
 
     first = [True]

@@ -33,6 +33,7 @@ restarted store (:func:`republish_action`, :func:`floor_value`, :func:`lease_flo
 
 from __future__ import annotations
 
+import bisect
 import enum
 import json
 import zlib
@@ -157,7 +158,14 @@ def apply_change(prev: Record, change: Change) -> tuple[str, ...] | None:
     does not match its digest."""
     if prev.round < 0 or change.prev != prev.round:
         return None
-    members = ranked((set(prev.members) - set(change.removed)) | set(change.added))
+    # prev's members are ranked already: drop the removed, insert the added in order (O(N) and a few sort keys;
+    # ranking all N again cost each of 1,023 members 0.6 ms of CPU per change). An unranked prev (not what
+    # decide publishes) gives a list the digest refuses: the member then reads the record.
+    removed, added = set(change.removed), set(change.added)
+    kept = [n for n in prev.members if n not in removed and n not in added]
+    for n in sorted(added, key=node_order):
+        kept.insert(bisect.bisect_left(kept, node_order(n), key=node_order), n)
+    members = tuple(kept)
     return members if members_digest(members) == change.digest else None
 
 
@@ -445,6 +453,29 @@ def encode_assignment(rank: int, size: int) -> bytes:
     return f"{rank} {size}".encode()
 
 
+WAKE_MARK = b"~"
+"""TCPStore: the value a waiting node's own alarm writes to its wake key (:func:`wake_key`) to end its wait."""
+
+
+def wake_key(t: int, node: str) -> str:
+    """TCPStore: the key ``node`` blocks on while it waits for round ``t``: written by the decider after it
+    published the round (:func:`encode_wake`), or by the node's own alarm (:data:`WAKE_MARK`)."""
+    return f"r/{t}/w/{node}"
+
+
+def encode_wake(go: bytes, mine: bytes) -> bytes:
+    """Pure: a member's wake value: its assignment and ``go``, so that the wait's one read gives both."""
+    return mine + b"\n" + go
+
+
+def decode_wake(raw: bytes) -> tuple[Go, bytes] | None:
+    """Pure: ``(go, assignment)`` of a wake value; None for the node's own mark (the round is not known)."""
+    mine, sep, go = raw.partition(b"\n")
+    if not sep:
+        return None
+    return Go.decode(go), mine
+
+
 BUCKET_NODES = 16
 """etcd: about this many nodes' assignments per bucket key (:func:`buckets_for`)."""
 
@@ -491,4 +522,4 @@ __all__ = ["BUCKET_NODES", "CHANGE_MAX", "MAX_BUCKETS", "Action", "Change", "Dec
            "NO_RECORD", "Record", "Republish", "Settings", "Wants", "apply_change", "assignment", "bucket_of", "buckets_for", "change_of",
            "decide", "decode_bucket", "encode_assignment", "encode_buckets", "floor_value", "fold", "heartbeat_alive", "lease_action",
            "lease_floor", "master_of", "members_digest", "moved_since", "new_entries", "node_order", "parse_lease", "ranked", "rec_key",
-           "republish_action"]
+           "republish_action", "WAKE_MARK", "decode_wake", "encode_wake", "wake_key"]

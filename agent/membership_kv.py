@@ -19,8 +19,10 @@ publish a round     each member's assignment and the record    one transaction, 
                     (created once) under the decider's term,   lease still this decider's: ``max_nodes/16``
                     then ``go`` (compare-and-set against       bucket keys (<= 120) of assignments, each
                     absent), ``cur``                           with ``go`` in it, the record, ``go``, ``cur``
-wait for a round    ``check`` every :data:`WAIT_POLL_S`, then  a watch on the node's own bucket key: its one
-                    a ``get`` of its assignment                event carries the round and the node's rank
+wait for a round    one blocking ``get`` of the node's wake    a watch on the node's own bucket key: its one
+                    key (the decider writes it with ``go``     event carries the round and the node's rank
+                    and the assignment; the node's alarm ends
+                    it); the decider's short waits poll
 read a few keys     one ``check`` + ``get`` per key             one transaction of range operations
 create-once         ``compare_set(key, "", value)``            a transaction comparing ``create_revision`` 0
 ==================  =========================================  ===============================================
@@ -36,19 +38,35 @@ be shared by threads, see :meth:`trainguard.agent.elastic.ElasticAdapter.side_st
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
+from trainguard.agent.alarm import ALARMS
 from trainguard.agent.etcd_wire import EtcdError, KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
 from trainguard.agent.storecall import read_many
-from trainguard.agent.membership import Entry, Go, bucket_of, decode_bucket, encode_buckets, heartbeat_alive, rec_key
+from trainguard.agent.membership import (
+    WAKE_MARK,
+    Entry,
+    Go,
+    bucket_of,
+    decode_bucket,
+    decode_wake,
+    encode_buckets,
+    encode_wake,
+    heartbeat_alive,
+    rec_key,
+    wake_key,
+)
 
 HOLE_SKIP_S = 5.0
 """A log position handed out (``add``) whose entry is still missing after this long is skipped: its
 writer died between the two calls."""
 
 WAIT_POLL_S = 0.25
-"""TCPStore: how often a node waiting for a round looks for it (etcd: a watch)."""
+"""TCPStore: how often a node waiting for a round looks for it, when it polls (etcd: a watch)."""
+
+LONG_WAIT_S = 2 * WAIT_POLL_S
+"""TCPStore: a wait for a round at least this long blocks on the node's wake key instead of polling."""
 
 FEW = 4
 """etcd: up to this many nodes' heartbeats are read key by key, more with one range over ``hb/``."""
@@ -103,6 +121,12 @@ class TcpKv:
         self.store, self.poll_s = store, poll_s
         self.interval_s, self.attempts, self.clock = interval_s, attempts, clock
         self._holes: dict[int, float] = {}
+        self.wake_via: Callable[[], Kv] | None = None
+        """The :class:`Kv` on another connection to the same store (the heartbeat thread's) on which this
+        node's alarm ends its wait for a round (:meth:`wait_round`); None: the wait polls ``go``."""
+        self.max_block_s = interval_s * attempts / 2
+        """A blocking wait is ended by the node's alarm after at most this long: half the bound of a call
+        on a guarded client (``interval x attempts``), past which the guard would drop the connection."""
 
     def get(self, key: str) -> bytes | None:
         return bytes(self.store.get(key)) if self.store.check([key]) else None
@@ -119,6 +143,16 @@ class TcpKv:
 
     def swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
         return bytes(self.store.compare_set(key, expected, desired))
+
+    def create_soon(self, key: str, value: bytes) -> None:
+        """:meth:`create` without waiting for the answer where the store can (a guarded client: queued on its
+        call thread), else now. For a node's alarm: 256 simulated nodes' alarms due at once must not wait
+        for each other's round trips."""
+        post = getattr(self.store, "post", None)
+        if post is not None:
+            post("compare_set", key, b"", value)
+        else:
+            self.create(key, value)
 
     def wait(self, key: str, timeout_s: float) -> bool:
         # Polled, not TCPStore.wait: a wait that times out costs the client a cancel round trip, and with a
@@ -150,14 +184,37 @@ class TcpKv:
         got = self.create(f"r/{t}/go", go)
         if got == go:
             self.set("cur", str(t).encode())
+            # After go (see wait_round): each named node's wait ends with its assignment and go.
+            self.set_many([(wake_key(t, n), encode_wake(go, v)) for n, v in assignments])
         return got
 
     def wait_round(self, t: int, node: str, timeout_s: float) -> tuple[Go, bytes | None] | None:
-        raw = self.wait_value(f"r/{t}/go", timeout_s)
-        if raw is None:
-            return None
-        go = Go.decode(raw)
-        return go, self.get(f"r/{t}/{go.term}/a/{node}")
+        """A short wait (the decider's, between its polls) or one without :attr:`wake_via` polls ``go``.
+        A long one is one blocking read of the node's wake key (:func:`~.membership.wake_key`): the decider
+        writes each member's (and spare's) after it published the round, with ``go`` and the assignment in
+        the value, so the wait is one request however long it takes (polled, 1,023 nodes waiting out a lost
+        node's keep-alive made ~20,000 requests and their client CPU set the seconds of the bench). Its end
+        without a round is the node's own alarm, which writes :data:`~.membership.WAKE_MARK` there over
+        ``wake_via``'s connection: then the mark is deleted and ``go`` read once (the decider creates ``go``
+        before the wake keys, so a round published meanwhile is seen: by the read, if the delete removed
+        its wake value)."""
+        if self.wake_via is None or timeout_s < LONG_WAIT_S:
+            raw = self.wait_value(f"r/{t}/go", timeout_s)
+            if raw is None:
+                return None
+            go = Go.decode(raw)
+            return go, self.get(f"r/{t}/{go.term}/a/{node}")
+        key, via = wake_key(t, node), self.wake_via
+        ticket = ALARMS.arm(min(timeout_s, self.max_block_s), lambda: via().create_soon(key, WAKE_MARK))
+        try:
+            raw = bytes(self.store.get(key))  # (blocks until the key exists)
+        finally:
+            ALARMS.disarm(ticket)
+        woken = decode_wake(raw)
+        if woken is not None:
+            return woken
+        self.store.delete_key(key)
+        return self.wait_round(t, node, 0.0)
 
     def enter(self, entry: Entry, keys: Sequence[str]) -> list[bytes | None]:
         out = self.get_many(keys)
@@ -424,4 +481,4 @@ class EtcdKv:
             self._stream.close()
 
 
-__all__ = ["EtcdKv", "FEW", "HOLE_SKIP_S", "Kv", "TcpKv", "WAIT_POLL_S"]
+__all__ = ["EtcdKv", "FEW", "HOLE_SKIP_S", "Kv", "LONG_WAIT_S", "TcpKv", "WAIT_POLL_S"]

@@ -83,6 +83,11 @@ class CallThread:
             raise box["exc"]
         return box.get("out")
 
+    def post(self, fn: Callable[[], Any]) -> None:
+        """``fn()`` on this thread after the calls queued before it, without waiting for it (its outcome is
+        dropped: for a write whose effect the caller sees some other way)."""
+        self._queue.put((fn, {}, threading.Event()))
+
     def abandon(self) -> None:
         """No more calls: the thread ends after the call it is in (if any)."""
         self._queue.put(None)
@@ -282,6 +287,12 @@ class ClientGuard:
             log.info("store_reconnected", client=self.name, down_s=round(ended, 3), bound_s=self.bound_s)
         return out
 
+    def post(self, view: Callable[[Any], Any], op: str, args: tuple[Any, ...]) -> None:
+        """``op(*args)`` on the current client, queued on its call thread without waiting (:meth:`CallThread.post`):
+        no reconnect is tried for it, and its failure is not counted (the next :meth:`call` finds out)."""
+        client = self.current()
+        self._call_thread().post(lambda: getattr(view(client), op)(*args))
+
     def _usable(self) -> Any:
         with self._lock:
             client = self.current()
@@ -319,6 +330,10 @@ class BoundedStore:
         if op.startswith("_"):
             raise AttributeError(op)
         return lambda *args, **kwargs: self._guard.call(self._view, op, args, kwargs)
+
+    def post(self, op: str, *args: Any) -> None:
+        """``op(*args)`` queued on the guard's call thread, not waited for (:meth:`ClientGuard.post`)."""
+        self._guard.post(self._view, op, args)
 
     @property
     def unbounded(self) -> Any:

@@ -19,8 +19,11 @@ from trainguard.agent.membership import (
     Republish,
     Settings,
     Wants,
+    WAKE_MARK,
     apply_change,
     assignment,
+    decode_wake,
+    encode_wake,
     change_of,
     decide,
     encode_assignment,
@@ -184,6 +187,16 @@ def test_record_go_and_assignment_round_trip():
     assert Go.decode(b"3 2 42") == Go(3, 2, 42, "")  # from an older decider
     assert assignment(encode_assignment(1, 2)) == (1, 2)
     assert list(new_entries(3, 6)) == [4, 5, 6] and list(new_entries(6, 6)) == []
+
+
+@pytest.mark.parametrize("go", [Go(3, 2, 42), Go(3, 2, 42, "10.0.0.5:29500"), Go(7, 1024, 9, "[::1]:1", None)])
+@pytest.mark.parametrize("mine", [encode_assignment(0, 2), encode_assignment(-1, 2), encode_assignment(1023, 1024)])
+def test_a_wake_value_carries_go_and_the_assignment(go, mine):
+    assert decode_wake(encode_wake(go.encode(), mine)) == (go, mine)
+
+
+def test_the_nodes_own_mark_carries_no_round():
+    assert decode_wake(WAKE_MARK) is None
 
 
 def test_fold_keeps_each_joiners_last_port():

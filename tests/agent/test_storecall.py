@@ -227,3 +227,33 @@ def test_a_call_thread_runs_calls_in_turn_on_one_thread_and_is_abandoned_to_a_st
     release.set()
     calls._thread.join(5)
     assert not calls._thread.is_alive()
+
+
+def test_a_posted_call_runs_after_the_queued_ones_without_being_waited_for():
+    """CallThread.post / BoundedStore.post (a keyed node's alarm writes its wake mark so): the caller returns at
+    once, the write lands after the calls queued before it, and a posted call that fails stops nothing."""
+    from trainguard.agent.storecall import BoundedStore, CallThread, ClientGuard
+
+    calls = CallThread("test-post")
+    order: list[str] = []
+    release = threading.Event()
+    waiter = threading.Thread(target=lambda: calls.call(lambda: (release.wait(10), order.append("first")), 10.0))
+    waiter.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    calls.post(lambda: order.append("posted"))
+    calls.post(lambda: 1 / 0)
+    assert time.monotonic() - t0 < 1.0 and order == []  # not waited for: the first call still blocks
+    release.set()
+    waiter.join(5)
+    assert calls.call(lambda: list(order), 5.0) == ["first", "posted"]
+    calls.abandon()
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    guard = ClientGuard(lambda: client, lambda: None, bound_s=5.0, interval_s=0.5, name="test")
+    store = BoundedStore(guard, lambda c: dist.PrefixStore("p", c))
+    store.post("compare_set", "k", b"", b"v")
+    store.post("compare_set", "k", b"", b"w")  # (create-once: the first stands)
+    assert bytes(store.get("k")) == b"v"  # queued after both posts on the same thread
+    assert bytes(server.get("p/k")) == b"v"
