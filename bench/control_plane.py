@@ -3,7 +3,7 @@ against a real ``trainguard store`` or etcd (plain or TLS) - how forming and re-
 with the number of nodes.
 
     OMP_NUM_THREADS=1 python bench/control_plane.py [--nodes 8,32,128,512,1024] [--stores tcp,etcd,etcd-tls]
-        [--protocols dynamic,keyed] [--baseline-max tcp=128,etcd=128] [--procs 4] [--steady-s 10]
+        [--protocols dynamic,keyed] [--baseline-max tcp=128,etcd=128] [--procs 16] [--steady-s 10]
         [--json out.json] [--plot out.png]
 
 Each simulated node is one rendezvous handler built by the agent's own code, for ``--protocols``:
@@ -14,7 +14,12 @@ Each simulated node is one rendezvous handler built by the agent's own code, for
 minutes) and ``keyed`` (``rendezvous.protocol: keyed``, :mod:`trainguard.agent.keyed_rendezvous`: joined
 with its ``next_round`` and the same plan, left with its ``leave``), running on a thread; after each round
 every node reads the round's members (``members()``, as the agent's ``world()`` does); the nodes are
-spread over ``--procs`` processes. No workers, no training: only the control plane. Per N, side by side:
+spread over ``--procs`` processes (16 by default: 64 nodes per process at 1,024; with 4, each process ran
+~1,000 threads - a node's, its two store clients' call threads, its heartbeat's - whose contention for the
+interpreter lock doubled the simulator's CPU: a planned leave at 1,024 nodes on ``trainguard store`` took
+10.8 CPU-s of clients at 37fb2a0 with 4 processes, 4.6 with 16; the phases report the clients' CPU and the
+node threads' own, so that a figure set by the simulator shows as such). No workers, no training: only the
+control plane. Per N, side by side:
 
 ==================  ================================================================================
 form_s              all N join a fresh rendezvous (the plan names them all): go -> the last node's
@@ -34,6 +39,11 @@ state_bytes         the pickled rendezvous state's size after forming
 store_cpu           the store process's CPU seconds per wall second at steady state
 client_cpu          the simulating processes' CPU seconds per wall second, per node (the simulator
                     itself: a figure that grows with it is the machine, not the store)
+phase CPU           (JSON, per phase) ``store_cpu_s``: the store server's CPU seconds in the phase;
+                    ``client_cpu_s``: the simulating processes'; ``node_threads_cpu_s``: the nodes' own
+                    threads' (their calls, decisions and members read); ``median_s``: the median node's
+                    seconds. A phase whose clients use about its wall time x the cores measured the
+                    simulator
 ==================  ================================================================================
 
 The table ends with the fitted growth exponent of each figure (slope of log figure over log N); the
@@ -320,12 +330,13 @@ def _proc_main(conn: Any, endpoint: str, run_id: str, cfg_kw: dict[str, Any], pr
         return handlers[i].node if keyed else str(handlers[i]._this_node)
 
     def join(i: int, plan: Any, out: dict[int, Any]) -> None:
+        c0 = time.thread_time()
         try:
             h = handlers[i]
             info = h.next_round(lambda: False, plan) if keyed else next_round(h, lambda: False, plan)
             if keyed:  # as ElasticAdapter.world() does on every node after every round (dynamic: from its state)
                 h.members()
-            out[i] = {"done": time.time(), "rank": info.rank, "world": info.world_size}
+            out[i] = {"done": time.time(), "rank": info.rank, "world": info.world_size, "cpu": time.thread_time() - c0}
         except Exception as e:  # noqa: BLE001 - reported to the parent
             out[i] = {"error": f"{type(e).__name__}: {e}"[:300], "done": time.time()}
 
@@ -453,6 +464,7 @@ class Cluster:
         worlds = {v.get("world") for v in out.values() if "error" not in v}
         done = sorted(v["done"] - t0 for v in out.values())
         return {"seconds": done[-1], "median_s": done[len(done) // 2], "errors": errors[:3], "n_errors": len(errors),
+                "node_threads_cpu_s": round(sum(v.get("cpu", 0.0) for v in out.values()), 3),
                 "world_sizes": sorted(w for w in worlds if w is not None)}
 
     def stats(self) -> dict[str, float]:
@@ -782,7 +794,7 @@ def _fmt(v: Any) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="8,32,128")
-    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--procs", type=int, default=16)
     ap.add_argument("--steady-s", type=float, default=10.0)
     ap.add_argument("--keep-alive-s", type=int, default=2, help="rendezvous.keep_alive_interval_s")
     ap.add_argument("--keep-alive-attempts", type=int, default=3, help="rendezvous.keep_alive_max_attempts")
