@@ -170,27 +170,31 @@ def _same(b: bytes) -> bytes:
     return b
 
 
+_stubs: dict[int, Any] = {}
+"""id of a channel of the loop -> its ``Watch`` multi-callable (channels live as long as the process)."""
+
+
 async def _watch(settings: Any, endpoint: str, metadata: Any, request: bytes, timeout_s: float) -> KeyValue | None:
     import grpc
 
-    call = _the_loop().channel(settings, endpoint).stream_stream(
-        METHOD, request_serializer=_same, response_deserializer=_same)(metadata=metadata)
-
-    async def until_done() -> KeyValue | None:
-        await call.write(request)
-        while True:
-            raw = await call.read()
-            if raw is grpc.aio.EOF:
-                raise EtcdError(EtcdFailure.UNAVAILABLE, "watch stream ended", endpoint=endpoint)
-            try:
-                done, kv = settle(decode_watch_response(bytes(raw)))
-            except ValueError as e:
-                raise EtcdError(EtcdFailure.REQUEST, f"watch: malformed answer: {e}", endpoint=endpoint) from e
-            if done:
-                return kv
-
+    channel = _the_loop().channel(settings, endpoint)
+    stub = _stubs.get(id(channel))
+    if stub is None:
+        stub = _stubs[id(channel)] = channel.stream_stream(METHOD, request_serializer=_same, response_deserializer=_same)
+    call = stub(metadata=metadata)
     try:
-        return await asyncio.wait_for(until_done(), timeout_s)
+        async with asyncio.timeout(timeout_s):  # (not wait_for: no task of its own per watch)
+            await call.write(request)
+            while True:
+                raw = await call.read()
+                if raw is grpc.aio.EOF:
+                    raise EtcdError(EtcdFailure.UNAVAILABLE, "watch stream ended", endpoint=endpoint)
+                try:
+                    done, kv = settle(decode_watch_response(bytes(raw)))
+                except ValueError as e:
+                    raise EtcdError(EtcdFailure.REQUEST, f"watch: malformed answer: {e}", endpoint=endpoint) from e
+                if done:
+                    return kv
     except TimeoutError:
         return None
     except grpc.aio.AioRpcError as e:
