@@ -41,7 +41,7 @@ def _self_cpu() -> float:
 
 
 def run(settings: Any, etcd_pid: int, transport: str, waiters: int, rounds: int) -> dict[str, Any]:
-    from trainguard.agent import etcd_watch
+    import trainguard.agent.etcd_watch as etcd_watch
     from trainguard.agent.etcd_client import EtcdClient
     from trainguard.agent.etcd_wire import op_put
 
