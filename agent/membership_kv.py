@@ -20,9 +20,10 @@ publish a round     each member's assignment and the record    one transaction, 
                     then ``go`` (compare-and-set against       bucket keys (<= 120) of assignments, each
                     absent), ``cur``                           with ``go`` in it, the record, ``go``, ``cur``
 wait for a round    one blocking ``get`` of the node's wake    a watch on the node's own bucket key: its one
-                    key (the decider writes it with ``go``     event carries the round and the node's rank
-                    and the assignment; the node's alarm ends
-                    it); the decider's short waits poll
+                    key (the decider writes it with ``go``     event carries the round and the node's rank;
+                    and the assignment; the node's alarm ends  a stream on the process's gRPC channel
+                    it); the decider's short waits poll        (:mod:`~.etcd_watch`; the gateway's
+                                                               ``watch``, a connection each, without grpcio)
 read a few keys     one ``check`` + ``get`` per key             one transaction of range operations
 create-once         ``compare_set(key, "", value)``            a transaction comparing ``create_revision`` 0
 ==================  =========================================  ===============================================
@@ -42,7 +43,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from trainguard.agent.alarm import ALARMS
-from trainguard.agent.etcd_wire import EtcdError, KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
+from trainguard.agent.etcd_wire import EtcdError, EtcdFailure, KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
 from trainguard.agent.storecall import read_many
 from trainguard.agent.membership import (
     WAKE_MARK,
@@ -296,6 +297,8 @@ class EtcdKv:
         self._stream: Any = None
         """The node's lease stream (:class:`~trainguard.agent.etcd_lease.LeaseStream`), opened on the first
         renewal; False when grpcio is missing (the gateway renews)."""
+        self._grpc_watch: bool | None = None
+        """Whether :meth:`_watch_key` watches on gRPC (:mod:`~trainguard.agent.etcd_watch`): grpcio is installed."""
 
     def _k(self, key: str) -> bytes:
         return self.prefix + key.encode()
@@ -350,12 +353,33 @@ class EtcdKv:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            written = self.client.watch_key(k, revision, left)  # the event carries the value: no read after it
+            written = self._watch_key(k, revision, left)  # the event carries the value: no read after it
             if written is not None:
                 return written.value
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)  # (deleted, compacted, or the watch failed: read again)
+
+    def _watch_key(self, key: bytes, after: int, timeout_s: float) -> KeyValue | None:
+        """``key`` as written after ``after`` (None: timed out, deleted, compacted or the watch failed: the caller
+        reads again): on a gRPC ``Watch`` stream of the process's channel when grpcio is installed, else through the
+        gateway, whose every watch is a new connection (with TLS a handshake: 1,023 at once in a leave at 1,024
+        nodes, 4.8-6.3 s)."""
+        from trainguard.agent import etcd_lease, etcd_watch
+
+        if self._grpc_watch is None:
+            self._grpc_watch = etcd_lease.available()
+        if not self._grpc_watch:
+            return self.client.watch_key(key, after, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        try:
+            return etcd_watch.watch_key(self.client.settings, self.client.auth_token, key, after, timeout_s)
+        except EtcdError as e:
+            if e.failure is not EtcdFailure.TOKEN_EXPIRED or not self.client.settings.username:
+                raise
+            self.client.authenticate()  # (expired, or a member restarted) once more with a new token, as the gateway does
+            return etcd_watch.watch_key(self.client.settings, self.client.auth_token, key, after,
+                                        deadline - time.monotonic())
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._read(keys, [])
@@ -399,7 +423,7 @@ class EtcdKv:
         if after is None:
             raw = self.wait_value(key, timeout_s)
         else:
-            written = self.client.watch_key(self._k(key), after, timeout_s)
+            written = self._watch_key(self._k(key), after, timeout_s)
             raw = None if written is None else written.value
             if raw is None:
                 self._absent_at.pop(self._k(f"r/{t}/go"), None)  # (timed out, or compacted: read first next time)

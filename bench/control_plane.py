@@ -168,11 +168,14 @@ class _CountingStore:
 def _instrument_keyed(counters: _Counters) -> None:
     """Count the keyed rendezvous's store requests on the wire: TCPStore calls (:class:`_CountingStore`,
     installed per handler by :func:`_count_keyed_handler`) and etcd gateway calls (request and answer JSON,
-    base64 and all: pessimistic next to the dynamic baseline's state bytes; a watch counts its request)."""
+    base64 and all: pessimistic next to the dynamic baseline's state bytes; a watch counts its request), the gRPC
+    lease renewals and the gRPC watches (``grpc watch``: the protobuf messages and their framing)."""
     import trainguard.agent.etcd_lease as etcd_lease
+    import trainguard.agent.etcd_watch as etcd_watch
     from trainguard.agent.etcd_client import EtcdClient
 
     call0, watch0, renew0 = EtcdClient.call, EtcdClient._watch, etcd_lease.LeaseStream.renew
+    grpc_watch0 = etcd_watch.watch_key
 
     def call(self: Any, method: str, body: dict[str, Any], **kw: Any) -> Any:
         t0 = time.monotonic()
@@ -210,8 +213,25 @@ def _instrument_keyed(counters: _Counters) -> None:
                 counters.gets += 1
                 counters.bytes += len(etcd_lease.encode_keepalive(lease_id)) + 40 + 2 * (5 + 9)
 
+    def grpc_watch(settings: Any, token_fn: Any, key: bytes, after_revision: int, timeout_s: float) -> Any:
+        # A stream on the open channel: HEADERS to open it and RST_STREAM to end it (~64 bytes with HPACK's indexed
+        # path and token), the create request, etcd's `created` answer (~40) and the event with the key and its
+        # value (~40 of header and revisions), each message with its 5-byte gRPC prefix and 9-byte HTTP/2 frame header.
+        t0 = time.monotonic()
+        out = None
+        try:
+            out = grpc_watch0(settings, token_fn, key, after_revision, timeout_s)
+            return out
+        finally:
+            counters.kind(f"grpc watch {_kind_of(key)}", time.monotonic() - t0)
+            with counters.lock:
+                counters.gets += 1
+                counters.bytes += (64 + len(etcd_watch.encode_watch_create(key, after_revision + 1)) + 40 + 2 * (5 + 9)
+                                   + (len(out.key) + len(out.value) + 40 + 5 + 9 if out is not None else 0))
+
     EtcdClient.call, EtcdClient._watch = call, watch  # type: ignore[method-assign]
     etcd_lease.LeaseStream.renew = renew  # type: ignore[method-assign]
+    etcd_watch.watch_key = grpc_watch  # (membership_kv looks it up on the module at each call)
 
 
 def _kind_of(key: bytes) -> str:
