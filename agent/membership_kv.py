@@ -43,7 +43,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from trainguard.agent.alarm import ALARMS
-from trainguard.agent.etcd_wire import EtcdError, EtcdFailure, KeyValue, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
+from trainguard.agent.etcd_wire import EtcdError, EtcdFailure, KeyValue, TxnResult, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
 from trainguard.agent.storecall import read_many
 from trainguard.agent.membership import (
     WAKE_MARK,
@@ -299,6 +299,8 @@ class EtcdKv:
         renewal; False when grpcio is missing (the gateway renews)."""
         self._grpc_watch: bool | None = None
         """Whether :meth:`_watch_key` watches on gRPC (:mod:`~trainguard.agent.etcd_watch`): grpcio is installed."""
+        self._grpc_txn: bool | None = None
+        """Whether :meth:`_txn` runs on gRPC (:mod:`~trainguard.agent.etcd_txn`): grpcio is installed."""
 
     def _k(self, key: str) -> bytes:
         return self.prefix + key.encode()
@@ -312,11 +314,11 @@ class EtcdKv:
 
     def set_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         for i in range(0, len(items), 100):  # etcd's --max-txn-ops is 128 by default
-            self.client.txn([], [op_put(self._k(k), v) for k, v in items[i:i + 100]])
+            self._txn([], [op_put(self._k(k), v) for k, v in items[i:i + 100]])
 
     def create(self, key: str, value: bytes) -> bytes:
         k = self._k(key)
-        result = self.client.txn([cmp_absent(k)], [op_put(k, value)], [op_range(k)])
+        result = self._txn([cmp_absent(k)], [op_put(k, value)], [op_range(k)])
         if result.succeeded:
             return value
         kvs = result.kvs(0)
@@ -324,7 +326,7 @@ class EtcdKv:
 
     def swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
         k = self._k(key)
-        result = self.client.txn([cmp_value(k, expected)], [op_put(k, desired)], [op_range(k)])
+        result = self._txn([cmp_value(k, expected)], [op_put(k, desired)], [op_range(k)])
         if result.succeeded:
             return desired
         kvs = result.kvs(0)
@@ -381,6 +383,25 @@ class EtcdKv:
             return etcd_watch.watch_key(self.client.settings, self.client.auth_token, key, after,
                                         deadline - time.monotonic())
 
+    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+             failure: Sequence[dict[str, Any]] = ()) -> TxnResult:
+        """One transaction: on the gRPC ``KV/Txn`` call of the process's channel when grpcio is installed, else
+        through the gateway (JSON, base64 and a hop inside etcd: 1,023 enter transactions at once in a leave at
+        1,024 nodes on etcd with TLS waited 1.6 s on average). Idempotent, as the gateway has always run these."""
+        from trainguard.agent import etcd_lease, etcd_txn
+
+        if self._grpc_txn is None:
+            self._grpc_txn = etcd_lease.available()
+        if not self._grpc_txn:
+            return self.client.txn(compare, success, failure)
+        try:
+            return etcd_txn.txn(self.client.settings, self.client.auth_token, compare, success, failure)
+        except EtcdError as e:
+            if e.failure is not EtcdFailure.TOKEN_EXPIRED or not self.client.settings.username:
+                raise
+            self.client.authenticate()  # (expired, or a member restarted) once more with a new token, as the gateway does
+            return etcd_txn.txn(self.client.settings, self.client.auth_token, compare, success, failure)
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._read(keys, [])
 
@@ -390,7 +411,7 @@ class EtcdKv:
     def _read(self, keys: Sequence[str], then: list[dict[str, Any]]) -> list[bytes | None]:
         """``keys`` read in one transaction, with the operations ``then`` after the reads."""
         ks = [self._k(k) for k in keys]
-        result = self.client.txn([], [op_range(k) for k in ks] + then)
+        result = self._txn([], [op_range(k) for k in ks] + then)
         out: list[bytes | None] = []
         self._absent_at.clear()
         for i, k in enumerate(ks):
@@ -408,7 +429,7 @@ class EtcdKv:
         go_key, lead = self._k(f"r/{t}/go"), self._k("lead")
         puts = [op_put(self._k(f"r/{t}/b/{i}"), v) for i, v in enumerate(values)]
         puts += [op_put(self._k(rec_key(t, term)), record), op_put(go_key, go), op_put(self._k("cur"), str(t).encode())]
-        result = self.client.txn([cmp_absent(go_key), cmp_value(lead, lease)], puts, [op_range(go_key)])
+        result = self._txn([cmp_absent(go_key), cmp_value(lead, lease)], puts, [op_range(go_key)])
         if result.succeeded:
             return go
         kvs = result.kvs(0)
