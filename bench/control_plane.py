@@ -169,13 +169,15 @@ def _instrument_keyed(counters: _Counters) -> None:
     """Count the keyed rendezvous's store requests on the wire: TCPStore calls (:class:`_CountingStore`,
     installed per handler by :func:`_count_keyed_handler`) and etcd gateway calls (request and answer JSON,
     base64 and all: pessimistic next to the dynamic baseline's state bytes; a watch counts its request), the gRPC
-    lease renewals and the gRPC watches (``grpc watch``: the protobuf messages and their framing)."""
+    lease renewals, the gRPC watches (``grpc watch``: the protobuf messages and their framing) and the gRPC
+    transactions (``grpc txn``: the same)."""
     import trainguard.agent.etcd_lease as etcd_lease
+    import trainguard.agent.etcd_txn as etcd_txn
     import trainguard.agent.etcd_watch as etcd_watch
     from trainguard.agent.etcd_client import EtcdClient
 
     call0, watch0, renew0 = EtcdClient.call, EtcdClient._watch, etcd_lease.LeaseStream.renew
-    grpc_watch0 = etcd_watch.watch_key
+    grpc_watch0, grpc_txn0 = etcd_watch.watch_key, etcd_txn.txn
 
     def call(self: Any, method: str, body: dict[str, Any], **kw: Any) -> Any:
         t0 = time.monotonic()
@@ -229,9 +231,32 @@ def _instrument_keyed(counters: _Counters) -> None:
                 counters.bytes += (64 + len(etcd_watch.encode_watch_create(key, after_revision + 1)) + 40 + 2 * (5 + 9)
                                    + (len(out.key) + len(out.value) + 40 + 5 + 9 if out is not None else 0))
 
+    def grpc_txn(settings: Any, token_fn: Any, compare: Any, success: Any, failure: Any = (), **kw: Any) -> Any:
+        # A stream on the open channel: HEADERS (~64 bytes with HPACK's indexed path and token) and the request, then
+        # etcd's HEADERS (~20), the answer and its trailers (~30); each message with its 5-byte gRPC prefix and
+        # 9-byte HTTP/2 frame header. The answer: its header (~30: cluster and member ids, revision, term), ~12 per
+        # response and each key with its value and ~20 of revisions and tags.
+        t0 = time.monotonic()
+        out = None
+        try:
+            out = grpc_txn0(settings, token_fn, compare, success, failure, **kw)
+            return out
+        finally:
+            body = {"compare": list(compare), "success": list(success)}
+            counters.kind(f"grpc txn {_key_kind(body)}", time.monotonic() - t0)
+            with counters.lock:
+                counters.gets += 1
+                counters.bytes += 64 + len(etcd_txn.encode_txn(compare, success, failure)) + 20 + 30 + 2 * (5 + 9)
+                if out is not None:
+                    counters.bytes += 30 + sum(12 + sum(len(kv.key) + len(kv.value) + 20 for kv in out.kvs(i))
+                                               for i in range(len(out.responses)))
+                    if compare and not out.succeeded:
+                        counters.cas_lost += 1
+
     EtcdClient.call, EtcdClient._watch = call, watch  # type: ignore[method-assign]
     etcd_lease.LeaseStream.renew = renew  # type: ignore[method-assign]
     etcd_watch.watch_key = grpc_watch  # (membership_kv looks it up on the module at each call)
+    etcd_txn.txn = grpc_txn  # (the same)
 
 
 def _kind_of(key: bytes) -> str:

@@ -88,14 +88,14 @@ def test_only_the_protocol_module_reads_or_writes_runtime_env_vars():
 AGENT_IMPORTS_ALLOWED = {
     # The control-plane bench drives the agents' own rendezvous path (issue 40) without their workers.
     # Its keyed runs count the keyed rendezvous's store requests (membership_kv, etcd_client, etcd_wire, the lease
-    # stream's renewals, etcd_lease, and the gRPC watches, etcd_watch) on the wire, and it measures the hang watch's
-    # store load (hang, hangwatch).
+    # stream's renewals, etcd_lease, the gRPC watches, etcd_watch, and the gRPC transactions, etcd_txn) on the wire,
+    # and it measures the hang watch's store load (hang, hangwatch).
     os.path.join("bench", "control_plane.py"): {"trainguard.agent.config", "trainguard.agent.elastic",
                                                 "trainguard.agent.etcd_rendezvous",
                                                 "trainguard.agent.rendezvous", "trainguard.agent.keyed_stores",
                                                 "trainguard.agent.membership_kv", "trainguard.agent.etcd_client",
                                                 "trainguard.agent.etcd_wire", "trainguard.agent.etcd_lease",
-                                                "trainguard.agent.etcd_watch",
+                                                "trainguard.agent.etcd_watch", "trainguard.agent.etcd_txn",
                                                 "trainguard.agent.hang", "trainguard.agent.hangwatch"},
     # The etcd watch bench (issue 40) times the gateway's watch against the gRPC one.
     os.path.join("bench", "etcd_watch.py"): {"trainguard.agent.etcd_watch", "trainguard.agent.etcd_client",
