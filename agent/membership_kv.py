@@ -28,7 +28,9 @@ read a few keys     one ``check`` + ``get`` per key             one transaction 
 create-once         ``compare_set(key, "", value)``            a transaction comparing ``create_revision`` 0
 ==================  =========================================  ===============================================
 
-Every method is one round trip or a fixed few (``set_many`` on etcd: one transaction per 100 keys). On etcd
+Every method is one round trip or a fixed few (``set_many`` on etcd: one transaction per 100 keys). etcd's
+transactions are unary ``KV/Txn`` calls on the process's gRPC channel (:mod:`~.etcd_txn`) when grpcio is installed,
+else gateway requests. On etcd
 a waiting node makes ~3 requests per membership change (its look with its announcement in one transaction,
 the decider's heartbeat, the watch), where it made ~11 at 3621de7: at 1,024 nodes every gateway request costs etcd
 ~0.3 ms of CPU, and the requests of a change were what a change waited for. Not
