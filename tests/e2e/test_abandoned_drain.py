@@ -59,10 +59,12 @@ def test_a_survivor_whose_emergency_save_is_cut_off_reforms_in_place_from_memory
         assert reformed["reason"] == "peer_lost" and reformed["step"] == s, reformed
         wait_until(lambda: any(e["world_size"] == 1 and e["step"] >= s + 10 for e in a.events("train_step")), 90,
                    "a trains on at world size 1")
-        # (a may have trained alone before b's agent came up, nnodes 1:2 on a loaded machine: count from the re-formation)
-        evs = a.events()
-        since = next(k for k, e in enumerate(evs) if e.get("event") == "worker_reformed" and e["world_size"] == 1)
-        first = min(e["step"] for e in evs[since:] if e.get("event") == "train_step" and e["world_size"] == 1)
+        # Count from a's last step at world size 2 (a may have trained alone before b's agent came up, nnodes 1:2
+        # on a loaded machine), in the order of the job's own step lines: the runtime's worker_reformed line goes
+        # to the other stream, relayed apart (it came after step s + 1's line in the suite run at bea8b36).
+        trained = [(e["step"], e["world_size"]) for e in a.events("train_step")]
+        last_at_2 = max(k for k, (_, size) in enumerate(trained) if size == 2)
+        first = next(step for step, size in trained[last_at_2 + 1:] if size == 1)
         assert first == s + 1, (first, s)  # nothing rolled back to the last commit, nothing skipped
         assert a.worker_pids() == [pa], "a's worker was restarted"
         assert not [e for e in a.events("state_change") if e["new"] == "restarting"], a.dump()
