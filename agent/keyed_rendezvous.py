@@ -8,8 +8,10 @@ The keys and why: :mod:`trainguard.agent.membership` (the decisions, pure); the 
    node's lease on an open gRPC stream, :mod:`~trainguard.agent.etcd_lease`) and announce ``join`` in the
    log with a free port of its own, reading at once (etcd: in the same transaction) the close mark, the
    newest round ``cur`` and the decider's lease ``lead``;
-2. wait for round ``cur + 1`` (TCPStore: ``check`` of ``go`` every 0.25 s, then a read of its assignment;
-   etcd: a watch on the node's own bucket key, whose one event carries ``go`` and its rank), every
+2. wait for round ``cur + 1`` (TCPStore: one blocking read of the node's wake key, which the decider writes
+   with ``go`` and the node's assignment, and the node's alarm ends when no round came (:meth:`~.membership_kv.
+   TcpKv.wait_round`); etcd: a watch on the node's own bucket key on gRPC, whose one event carries ``go`` and
+   its rank), every
    ``keep_alive_interval_s x (keep_alive_max_attempts - 1)`` looking at ``lead`` (one key, and its holder's
    heartbeat): vacant or its holder dead -> take it (compare-and-set, a new term);
 3. as the decider (the lease holder), every :data:`~trainguard.agent.elastic_types.POLL_INTERVAL_S`:
