@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from trainguard.agent.alarm import ALARMS
 from trainguard.agent.etcd_wire import EtcdError, EtcdFailure, KeyValue, TxnResult, b64, cmp_absent, cmp_value, op_put, op_range, prefix_range_end, unb64
@@ -60,6 +60,8 @@ from trainguard.agent.membership import (
     rec_key,
     wake_key,
 )
+
+_T = TypeVar("_T")
 
 HOLE_SKIP_S = 5.0
 """A log position handed out (``add``) whose entry is still missing after this long is skipped: its
@@ -299,10 +301,9 @@ class EtcdKv:
         self._stream: Any = None
         """The node's lease stream (:class:`~trainguard.agent.etcd_lease.LeaseStream`), opened on the first
         renewal; False when grpcio is missing (the gateway renews)."""
-        self._grpc_watch: bool | None = None
-        """Whether :meth:`_watch_key` watches on gRPC (:mod:`~trainguard.agent.etcd_watch`): grpcio is installed."""
-        self._grpc_txn: bool | None = None
-        """Whether :meth:`_txn` runs on gRPC (:mod:`~trainguard.agent.etcd_txn`): grpcio is installed."""
+        self._grpc: bool | None = None
+        """Whether watches (:mod:`~trainguard.agent.etcd_watch`) and transactions (:mod:`~trainguard.agent.etcd_txn`)
+        go on gRPC: grpcio is installed (:meth:`_on_grpc`)."""
 
     def _k(self, key: str) -> bytes:
         return self.prefix + key.encode()
@@ -369,40 +370,40 @@ class EtcdKv:
         reads again): on a gRPC ``Watch`` stream of the process's channel when grpcio is installed, else through the
         gateway, whose every watch is a new connection (with TLS a handshake: 1,023 at once in a leave at 1,024
         nodes, 4.8-6.3 s)."""
-        from trainguard.agent import etcd_lease, etcd_watch
+        from trainguard.agent import etcd_watch
 
-        if self._grpc_watch is None:
-            self._grpc_watch = etcd_lease.available()
-        if not self._grpc_watch:
-            return self.client.watch_key(key, after, timeout_s)
         deadline = time.monotonic() + timeout_s
-        try:
-            return etcd_watch.watch_key(self.client.settings, self.client.auth_token, key, after, timeout_s)
-        except EtcdError as e:
-            if e.failure is not EtcdFailure.TOKEN_EXPIRED or not self.client.settings.username:
-                raise
-            self.client.authenticate()  # (expired, or a member restarted) once more with a new token, as the gateway does
-            return etcd_watch.watch_key(self.client.settings, self.client.auth_token, key, after,
-                                        deadline - time.monotonic())
+        return self._on_grpc(
+            lambda: etcd_watch.watch_key(self.client.settings, self.client.auth_token, key, after,
+                                         max(0.0, deadline - time.monotonic())),
+            lambda: self.client.watch_key(key, after, timeout_s))
 
     def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
              failure: Sequence[dict[str, Any]] = ()) -> TxnResult:
         """One transaction: on the gRPC ``KV/Txn`` call of the process's channel when grpcio is installed, else
         through the gateway (JSON, base64 and a hop inside etcd: 1,023 enter transactions at once in a leave at
         1,024 nodes on etcd with TLS waited 1.6 s on average). Idempotent, as the gateway has always run these."""
-        from trainguard.agent import etcd_lease, etcd_txn
+        from trainguard.agent import etcd_txn
 
-        if self._grpc_txn is None:
-            self._grpc_txn = etcd_lease.available()
-        if not self._grpc_txn:
-            return self.client.txn(compare, success, failure)
+        return self._on_grpc(lambda: etcd_txn.txn(self.client.settings, self.client.auth_token, compare, success, failure),
+                             lambda: self.client.txn(compare, success, failure))
+
+    def _on_grpc(self, grpc: Callable[[], _T], gateway: Callable[[], _T]) -> _T:
+        """``grpc()`` when grpcio is installed (:func:`~trainguard.agent.etcd_lease.available`, asked once), else
+        ``gateway()``; on gRPC an expired token (or a member restarted) is renewed once more, as the gateway does."""
+        from trainguard.agent import etcd_lease
+
+        if self._grpc is None:
+            self._grpc = etcd_lease.available()
+        if not self._grpc:
+            return gateway()
         try:
-            return etcd_txn.txn(self.client.settings, self.client.auth_token, compare, success, failure)
+            return grpc()
         except EtcdError as e:
             if e.failure is not EtcdFailure.TOKEN_EXPIRED or not self.client.settings.username:
                 raise
-            self.client.authenticate()  # (expired, or a member restarted) once more with a new token, as the gateway does
-            return etcd_txn.txn(self.client.settings, self.client.auth_token, compare, success, failure)
+            self.client.authenticate()
+            return grpc()
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._read(keys, [])

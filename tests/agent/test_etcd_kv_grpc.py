@@ -6,14 +6,12 @@ use of it (:class:`EtcdKv`: create-once, swap, enter; the gateway without grpcio
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 
 from trainguard.agent import etcd_txn
 from trainguard.agent.etcd_client import EtcdClient, EtcdSettings
-from trainguard.agent.etcd_lease import available
 from trainguard.agent.etcd_txn import decode_txn, encode_compare, encode_op, encode_txn, failure_of_call, txn
 from trainguard.agent.etcd_wire import (
     EtcdError,
@@ -28,6 +26,7 @@ from trainguard.agent.etcd_wire import (
     op_put,
     op_range,
 )
+from tests.fixtures.etcd_grpc import client, etcd, FakeClient, need_etcd_grpc, secure, user_client  # noqa: F401 - fixtures
 
 # ----------------------------------------------------------------------------------- codec
 @pytest.mark.parametrize(("cmp", "raw"), [
@@ -133,30 +132,6 @@ def test_failure_of_call(code, details, idempotent, failure):
 
 
 # ----------------------------------------------------------------------------------- a real etcd
-def _need_etcd() -> None:
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd not installed (Debian package etcd-server)")
-    if not available():
-        pytest.skip("grpcio not installed")
-
-
-@pytest.fixture(scope="module", params=["plain", "tls"])
-def etcd(request, tmp_path_factory):
-    _need_etcd()
-    from tests.fixtures.etcd import make_pki, start_etcd
-
-    tmp = tmp_path_factory.mktemp(f"etcd-{request.param}")
-    pki = make_pki(tmp / "pki") if request.param == "tls" else None
-    with start_etcd(tmp / "etcd", pki=pki) as server:
-        kw = {} if pki is None else {"ca_file": pki.ca_file, "cert_file": pki.client_cert, "key_file": pki.client_key}
-        yield EtcdSettings(endpoints=(server.endpoint,), **kw)
-
-
-@pytest.fixture
-def client(etcd):
-    c = EtcdClient(etcd)
-    yield c
-    c.close()
 
 
 def test_reads_of_present_and_absent_keys_and_a_put_in_one_transaction(etcd, client):
@@ -223,32 +198,18 @@ def test_etcdkv_creates_once_swaps_and_enters_on_grpc_not_the_gateway(etcd, clie
     assert kv.swap("once", b"first", b"next") == b"next" and kv.get("once") == b"next"
     kv.set_many([(f"m/{i}", f"{i}".encode()) for i in range(150)])  # two transactions
     assert kv.get_many(["m/0", "m/149", "m/150"]) == [b"0", b"149", None]
-    assert kv._grpc_txn is True
+    assert kv._grpc is True
     entry = Entry(node="n1", kind="join", base=0)
     assert kv.enter(entry, ["once", "nothing"]) == [b"next", None]
     assert kv.get("j/join/n1") == entry.encode()
 
 
 # ----------------------------------------------------------------------------------- RBAC
-@pytest.fixture(scope="module")
-def secure(tmp_path_factory):
-    _need_etcd()
-    from tests.fixtures.etcd import start_secure_etcd
-
-    with start_secure_etcd(tmp_path_factory.mktemp("secure-etcd")) as server:
-        yield server
-
-
-def _user_client(secure, user: str, password_file: str) -> EtcdClient:
-    with open(password_file) as fh:
-        password = fh.read().strip()
-    return EtcdClient(EtcdSettings(endpoints=(secure.endpoint,), ca_file=secure.pki.ca_file, cert_file=secure.pki.client_cert,
-                                   key_file=secure.pki.client_key, username=user, password=password))
 
 
 def test_the_token_travels_and_a_key_outside_the_users_prefix_is_refused(secure):
-    job = _user_client(secure, secure.job_user, secure.job_password_file)
-    outsider = _user_client(secure, secure.outsider_user, secure.outsider_password_file)
+    job = user_client(secure, secure.job_user, secure.job_password_file)
+    outsider = user_client(secure, secure.outsider_user, secure.outsider_password_file)
     try:
         key = (secure.job_prefix + "t/h").encode()
         result = txn(job.settings, job.auth_token, [cmp_absent(key)], [op_put(key, b"mine")], [op_range(key)])
@@ -267,7 +228,7 @@ def test_the_token_travels_and_a_key_outside_the_users_prefix_is_refused(secure)
 def test_etcdkv_reauthenticates_once_on_an_expired_token(secure):
     from trainguard.agent.membership_kv import EtcdKv
 
-    job = _user_client(secure, secure.job_user, secure.job_password_file)
+    job = user_client(secure, secure.job_user, secure.job_password_file)
     try:
         kv = EtcdKv(job, secure.job_prefix, 2.0, 3)
         assert kv.create("t/i", b"v") == b"v"
@@ -279,25 +240,6 @@ def test_etcdkv_reauthenticates_once_on_an_expired_token(secure):
 
 
 # ----------------------------------------------------------------------------------- EtcdKv's choice
-class _Settings:
-    endpoints = ("127.0.0.1:1",)
-    username = "u"
-
-
-class _Client:
-    def __init__(self):
-        self.settings = _Settings()
-        self.calls: list[str] = []
-
-    def auth_token(self):
-        return "t"
-
-    def authenticate(self):
-        self.calls.append("authenticate")
-
-    def txn(self, compare, success, failure=(), **kw):
-        self.calls.append("gateway txn")
-        return TxnResult(True, 3, [{"response_range": {"kvs": []}}])
 
 
 def test_etcdkv_reauthenticates_once_and_uses_the_gateway_without_grpcio(monkeypatch):
@@ -314,14 +256,14 @@ def test_etcdkv_reauthenticates_once_and_uses_the_gateway_without_grpcio(monkeyp
         return out
 
     monkeypatch.setattr(etcd_txn, "txn", fake)
-    client = _Client()
+    client = FakeClient(txn_answer=TxnResult(True, 3, [{"response_range": {"kvs": []}}]))
     kv = EtcdKv(client, "/p/", 2.0, 3)
-    kv._grpc_txn = True
+    kv._grpc = True
     assert kv.get_many(["k"]) == [None]  # expired token: re-authenticated, sent again
     assert client.calls == ["authenticate"] and kv._absent_at == {b"/p/k": 3}
     with pytest.raises(EtcdError):  # expired twice in a row: raised
         kv.get_many(["k"])
-    kv._grpc_txn = False
+    kv._grpc = False
     client.calls.clear()
     assert kv.get_many(["k"]) == [None]
     assert client.calls == ["gateway txn"]

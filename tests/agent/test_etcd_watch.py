@@ -5,7 +5,6 @@ channel; and the keyed rendezvous's choice between the stream and the gateway (:
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 
@@ -13,7 +12,7 @@ import pytest
 
 from trainguard.agent import etcd_watch
 from trainguard.agent.etcd_client import EtcdClient, EtcdSettings
-from trainguard.agent.etcd_lease import _the_loop, available
+from trainguard.agent.etcd_lease import _the_loop
 from trainguard.agent.etcd_watch import (
     DELETE,
     PUT,
@@ -26,6 +25,7 @@ from trainguard.agent.etcd_watch import (
     watch_key,
 )
 from trainguard.agent.etcd_wire import EtcdError, EtcdFailure, KeyValue, op_put
+from tests.fixtures.etcd_grpc import client, etcd, FakeClient, need_etcd_grpc, secure, user_client  # noqa: F401 - fixtures
 
 KV_K = b"\x0a\x01k\x10\x05\x18\x06\x20\x02\x2a\x02v1\x30\x07"  # key k, create 5, mod 6, version 2, value v1, lease 7
 PUT_K = b"\x12\x0f" + KV_K                                      # Event{type PUT (zero: left out), kv}
@@ -121,30 +121,6 @@ def test_failure_of_status(code, details, failure):
 
 
 # ----------------------------------------------------------------------------------- a real etcd
-def _need_etcd() -> None:
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd not installed (Debian package etcd-server)")
-    if not available():
-        pytest.skip("grpcio not installed")
-
-
-@pytest.fixture(scope="module", params=["plain", "tls"])
-def etcd(request, tmp_path_factory):
-    _need_etcd()
-    from tests.fixtures.etcd import make_pki, start_etcd
-
-    tmp = tmp_path_factory.mktemp(f"etcd-{request.param}")
-    pki = make_pki(tmp / "pki") if request.param == "tls" else None
-    with start_etcd(tmp / "etcd", pki=pki) as server:
-        kw = {} if pki is None else {"ca_file": pki.ca_file, "cert_file": pki.client_cert, "key_file": pki.client_key}
-        yield EtcdSettings(endpoints=(server.endpoint,), **kw)
-
-
-@pytest.fixture
-def client(etcd):
-    c = EtcdClient(etcd)
-    yield c
-    c.close()
 
 
 def _later(fn, *args):
@@ -225,25 +201,11 @@ def test_a_failed_member_gives_none_and_the_next_watch_goes_to_the_next(etcd, cl
 
 
 # ----------------------------------------------------------------------------------- RBAC
-@pytest.fixture(scope="module")
-def secure(tmp_path_factory):
-    _need_etcd()
-    from tests.fixtures.etcd import start_secure_etcd
-
-    with start_secure_etcd(tmp_path_factory.mktemp("secure-etcd")) as server:
-        yield server
-
-
-def _user_client(secure, user: str, password_file: str) -> EtcdClient:
-    with open(password_file) as fh:
-        password = fh.read().strip()
-    return EtcdClient(EtcdSettings(endpoints=(secure.endpoint,), ca_file=secure.pki.ca_file, cert_file=secure.pki.client_cert,
-                                   key_file=secure.pki.client_key, username=user, password=password))
 
 
 def test_the_token_travels_and_a_watch_outside_the_users_prefix_is_refused(secure):
-    job = _user_client(secure, secure.job_user, secure.job_password_file)
-    outsider = _user_client(secure, secure.outsider_user, secure.outsider_password_file)
+    job = user_client(secure, secure.job_user, secure.job_password_file)
+    outsider = user_client(secure, secure.outsider_user, secure.outsider_password_file)
     try:
         key = (secure.job_prefix + "w/f").encode()
         _, rev = job.get(key)
@@ -262,25 +224,6 @@ def test_the_token_travels_and_a_watch_outside_the_users_prefix_is_refused(secur
 
 
 # ----------------------------------------------------------------------------------- EtcdKv's choice
-class _Settings:
-    endpoints = ("127.0.0.1:1",)
-    username = "u"
-
-
-class _Client:
-    def __init__(self):
-        self.settings = _Settings()
-        self.calls: list[str] = []
-
-    def auth_token(self):
-        return "t"
-
-    def authenticate(self):
-        self.calls.append("authenticate")
-
-    def watch_key(self, key, after, timeout_s):
-        self.calls.append("gateway watch")
-        return _KV
 
 
 def test_etcdkv_watches_on_grpc_reauthenticates_once_and_uses_the_gateway_without_grpcio(monkeypatch):
@@ -296,14 +239,14 @@ def test_etcdkv_watches_on_grpc_reauthenticates_once_and_uses_the_gateway_withou
         return out
 
     monkeypatch.setattr(etcd_watch, "watch_key", fake)
-    client = _Client()
+    client = FakeClient(watch_answer=_KV)
     kv = EtcdKv(client, "/p/", 2.0, 3)
-    kv._grpc_watch = True
+    kv._grpc = True
     assert kv._watch_key(b"/p/k", 1, 5.0) == _KV  # expired token: re-authenticated, watched again
     assert client.calls == ["authenticate"]
     with pytest.raises(EtcdError):  # expired twice in a row: raised (the caller's read re-authenticates)
         kv._watch_key(b"/p/k", 1, 5.0)
-    kv._grpc_watch = False
+    kv._grpc = False
     client.calls.clear()
     assert kv._watch_key(b"/p/k", 1, 5.0) == _KV
     assert client.calls == ["gateway watch"]
