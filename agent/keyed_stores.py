@@ -14,6 +14,21 @@ from trainguard.agent import storecall
 from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler
 from trainguard.agent.membership import Settings, buckets_for
 from trainguard.agent.membership_kv import Kv
+from trainguard.contract.log import get_logger
+
+log = get_logger("trainguard.agent.rendezvous")
+
+ETCD_RENEWALS_PER_S = 400
+"""Lease renewals per second one etcd core serves within 10 % of itself: 0.22-0.24 ms each measured at 1,024
+simulated nodes on gRPC streams (``docs/benchmarks.md``, e611fee: 11.1-11.4 % at 512/s, 7.9-8.9 % at ~370/s)."""
+
+
+def etcd_keep_alive_advice(max_nodes: int, interval_s: float) -> int | None:
+    """Pure: the smallest ``keep_alive_interval_s`` (whole seconds, as the setting) that keeps ``max_nodes``
+    leases' renewals within :data:`ETCD_RENEWALS_PER_S`, or None when ``interval_s`` does already."""
+    if max_nodes / interval_s <= ETCD_RENEWALS_PER_S:
+        return None
+    return -(-max_nodes // ETCD_RENEWALS_PER_S)
 
 
 def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float = 60.0,
@@ -79,6 +94,14 @@ def etcd_handler(cfg: Any, run_id: str) -> KeyedRendezvousHandler:
     from trainguard.agent.membership_kv import EtcdKv
 
     client, prefix = connect(cfg, run_id)
+    advice = etcd_keep_alive_advice(cfg.max_nodes, cfg.keep_alive_interval_s)
+    if advice is not None:
+        log.warning("rendezvous_keep_alive_load", max_nodes=cfg.max_nodes, interval_s=cfg.keep_alive_interval_s,
+                    renewals_per_s=round(cfg.max_nodes / cfg.keep_alive_interval_s),
+                    effect="at full size the leases' renewals take over 10 % of one etcd core (0.22-0.24 ms each "
+                           "measured; docs/rendezvous.md, sizing)",
+                    fix=f"set rendezvous.keep_alive_interval_s: {advice} (the detection bound of a silent node becomes "
+                        f"{advice} x keep_alive_max_attempts s), or give etcd its own cores")
 
     buckets = buckets_for(cfg.max_nodes)
 
@@ -119,4 +142,4 @@ def _settings(cfg: Any) -> Settings:
     return Settings(cfg.min_nodes, cfg.max_nodes, cfg.last_call_timeout_s)
 
 
-__all__ = ["create_handler", "etcd_handler", "tcp_handler"]
+__all__ = ["ETCD_RENEWALS_PER_S", "create_handler", "etcd_handler", "etcd_keep_alive_advice", "tcp_handler"]

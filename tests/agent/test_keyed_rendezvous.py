@@ -517,3 +517,43 @@ def test_handler_calls_give_up_under_a_partition_and_reconnect_after_the_heal():
     finally:
         job.close()
         proxy.close()
+
+
+@pytest.mark.parametrize(("max_nodes", "interval_s", "advice"), [
+    (32, 2, None),
+    (800, 2, None),      # 400 renewals/s: at the line
+    (801, 2, 3),
+    (1024, 2, 3),        # 512/s -> 3 s (~341/s)
+    (1024, 3, None),
+    (4096, 5, 11),
+    (4096, 11, None),
+])
+def test_etcd_keep_alive_advice(max_nodes, interval_s, advice):
+    from trainguard.agent.keyed_stores import etcd_keep_alive_advice
+
+    assert etcd_keep_alive_advice(max_nodes, interval_s) == advice
+
+
+def test_a_large_job_on_etcd_is_told_its_keep_alive_load(tmp_path):
+    """etcd_handler warns, naming the setting and the value, when max_nodes' renewals would exceed
+    ETCD_RENEWALS_PER_S at keep_alive_interval_s; a small job is not warned."""
+    from structlog.testing import capture_logs
+
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd not installed (Debian package etcd-server)")
+    from tests.fixtures.etcd import start_etcd
+
+    with start_etcd(tmp_path / "etcd") as server:
+        made = []
+        try:
+            with capture_logs() as logs:
+                made.append(etcd_handler(RendezvousConfig(backend="etcd", endpoint=server.endpoint, max_nodes=1024,
+                                                          keep_alive_interval_s=2), "big"))
+                made.append(etcd_handler(RendezvousConfig(backend="etcd", endpoint=server.endpoint, max_nodes=64,
+                                                          keep_alive_interval_s=2), "small"))
+        finally:
+            for h in made:
+                h.stop_heartbeats()
+    [warned] = [e for e in logs if e["event"] == "rendezvous_keep_alive_load"]
+    assert warned["max_nodes"] == 1024 and warned["renewals_per_s"] == 512
+    assert "rendezvous.keep_alive_interval_s: 3" in warned["fix"]
