@@ -29,7 +29,9 @@ Environment: this module never reads :data:`os.environ`; the CLI entry point pas
 :func:`main` (for ``NOTIFY_SOCKET`` / ``WATCHDOG_USEC``).
 
 Log events: ``store_ready`` (host, port, pid, exposed, firewalled), ``store_exposed`` (warning),
-``store_stopping`` (signal), ``store_stopped``, ``store_failed``.
+``store_stopping`` (signal), ``store_stopped``, ``store_failed``, ``store_parent_gone`` (warning: started with
+``--exit-with-parent``, it was reparented; it stops), ``store_close_stuck`` (error: the server's shutdown did not
+return within :data:`CLOSE_DEADLINE_S`; the process exits without it).
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="state that the port is reachable only from the cluster's nodes (security group / firewall); "
              "silences the store_exposed warning logged when listening beyond loopback",
+    )
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started this store exits, however it exits (a batch script killed by "
+             "Slurm before its EXIT trap ran left its store behind, listening after the job ended)",
     )
     p.add_argument(
         "--port",
@@ -210,6 +218,18 @@ class StoreServer:
         del store  # the TCPServer shuts down (and closes its socket) when its last reference goes
 
 
+CLOSE_DEADLINE_S = 10.0
+"""How long the stopping store waits for the server's own shutdown before it exits without it."""
+
+
+def _close_within(server: "StoreServer", seconds: float) -> bool:
+    """``server.close()`` on a thread of its own; False when it has not returned within ``seconds``."""
+    closer = threading.Thread(target=server.close, name="store-close", daemon=True)
+    closer.start()
+    closer.join(seconds)
+    return not closer.is_alive()
+
+
 def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     """Run the store until SIGTERM or SIGINT; returns the process exit code (0 on a clean stop).
 
@@ -222,6 +242,7 @@ def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     if env is None:
         env = getattr(args, "environ", None) or {}
     configure(getattr(args, "log_format", "auto"), getattr(args, "log_level", "info"))
+    parent = os.getppid() if getattr(args, "exit_with_parent", False) else None
     notifier = Notifier.from_env(env)
     stop = threading.Event()
     received: list[int] = []
@@ -264,13 +285,22 @@ def main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         if interval is not None:
             watchdog = WatchdogThread(notifier, interval, server.healthy).start()
         while not stop.wait(timeout=1.0):
-            pass
-        signame = signal.Signals(received[0]).name if received else "unknown"
+            if parent is not None and os.getppid() != parent:  # reparented: whoever started it is gone
+                log.warning("store_parent_gone", parent=parent, effect="stopping (--exit-with-parent)")
+                break
+        signame = signal.Signals(received[0]).name if received else "parent_exited" if parent is not None else "unknown"
         log.info("store_stopping", signal=signame, keys=server.num_keys())
         if watchdog is not None:  # first: a ping in flight (its health check is a round trip) came after STOPPING
             watchdog.stop()
         notifier.stopping(status=f"stopping on {signame}")
-        server.close()
+        if not _close_within(server, CLOSE_DEADLINE_S):
+            # The server's shutdown never returned: a store of a cancelled Slurm job hung so, in the C++ join of its
+            # libuv thread, for an hour after its SIGTERM (main thread in a futex, the loop in epoll_wait; not
+            # reproduced alone). Nothing is left to do but end: the kernel releases the port.
+            log.error("store_close_stuck", port=server.port, waited_s=CLOSE_DEADLINE_S,
+                      effect="the process exits without the server's shutdown")
+            notifier.close()
+            os._exit(0)
         log.info("store_stopped", port=server.port, uptime_s=round(time.monotonic() - started, 3))
         return 0
     finally:

@@ -280,3 +280,76 @@ def test_cli_store_subcommand_notifies_systemd(
     assert notify_socket.recv(timeout=10).get("READY") == "1", log_path.read_text()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=STOP_TIMEOUT_S) == 0
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_store_started_with_exit_with_parent_stops_when_its_parent_is_killed(tmp_path: Path, flag: bool) -> None:
+    """A batch script killed before its EXIT trap ran (SIGKILL: no trap runs) left its store listening after the
+    job ended. With --exit-with-parent the store sees itself reparented and stops; without it, it stays."""
+    log_path, pid_file = tmp_path / "store.log", tmp_path / "store.pid"
+    args = " --exit-with-parent" if flag else ""
+    script = (f"{sys.executable} -m trainguard.agent.store --host 127.0.0.1 --port 0{args} > {log_path} 2>&1 &\n"
+              f"echo $! > {pid_file}\nwait\n")
+    parent = subprocess.Popen(["bash", "-c", script], stdin=subprocess.DEVNULL)
+    store = StoreProcess(subprocess.Popen(["true"]), log_path)  # (only its log is read)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    try:
+        while not [e for e in store.events() if e.get("event") == "store_ready"]:
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        parent.kill()  # as slurmd's SIGKILL after KillWait: no EXIT trap runs
+        parent.wait(10)
+
+        def alive() -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            with open(f"/proc/{pid}/stat") as fh:  # (an exited child of init not reaped yet is a zombie)
+                return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+        end = time.monotonic() + (STOP_TIMEOUT_S if flag else 3.0)  # (it looks every second)
+        while alive() and time.monotonic() < end:
+            time.sleep(0.1)
+        if flag:
+            assert not alive(), log_path.read_text()
+            gone = next(e for e in store.events() if e.get("event") == "store_parent_gone")
+            assert gone["level"] == "warning"
+            assert next(e for e in store.events() if e.get("event") == "store_stopping")["signal"] == "parent_exited"
+        else:
+            assert alive()
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_close_that_never_returns_is_not_waited_for() -> None:
+    """The stopping store gives the server's shutdown CLOSE_DEADLINE_S, then exits without it (a cancelled Slurm
+    job's store hung in it for an hour)."""
+    from trainguard.agent.store import _close_within
+
+    class Hangs:
+        def __init__(self) -> None:
+            self.release = threading.Event()
+
+        def close(self) -> None:
+            self.release.wait(30)
+
+    class Closes:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    hung = Hangs()
+    try:
+        assert _close_within(hung, 0.3) is False
+    finally:
+        hung.release.set()
+    fine = Closes()
+    assert _close_within(fine, 5.0) is True and fine.closed
