@@ -152,8 +152,7 @@ class _CountingStore:
             out = fn(*args)
             keys = args[0] if args and isinstance(args[0], list) else args[:1]
             first = keys[0] if keys else ""
-            kind = "/".join(p for p in (first.decode(errors="replace") if isinstance(first, bytes) else str(first)).split("/")
-                            if p and not p.lstrip("-").isdigit())
+            kind = _tcp_kind(first.decode(errors="replace") if isinstance(first, bytes) else str(first))
             self._c.kind(f"{name} {kind}{' x%d' % len(keys) if len(keys) > 1 else ''}", time.monotonic() - t0)
             with self._c.lock:
                 self._c.gets += 1
@@ -163,6 +162,13 @@ class _CountingStore:
             return out
 
         return call
+
+
+def _tcp_kind(key: str) -> str:
+    """The kind of a keyed key on ``trainguard store`` for the profile: ``r/w`` for ``r/3/w/<node>``, ``hb`` for
+    ``hb/<node>``, ``j`` for ``j/17`` (no node names: one row per kind, not per node)."""
+    parts = [p for p in key.split("/") if p and not p.lstrip("-").isdigit()]
+    return "/".join(parts[:2]) if parts and parts[0] == "r" else (parts[0] if parts else "")
 
 
 def _instrument_keyed(counters: _Counters) -> None:
