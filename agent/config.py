@@ -39,6 +39,33 @@ def resolve_protocol(protocol: str, backend: str, max_nodes: int) -> str:
     if protocol != "auto":
         return protocol
     return "keyed" if backend in KEYED_BACKENDS and max_nodes > KEYED_ABOVE_NODES else "dynamic"
+
+
+ETCD_RENEWALS_PER_S = 400
+"""Lease renewals per second one etcd core serves within 10 % of itself: 0.22-0.24 ms each measured at 1,024
+simulated nodes on gRPC streams (``docs/benchmarks.md``, e611fee: 11.1-11.4 % at 512/s, 7.9-8.9 % at ~341/s)."""
+KEEP_ALIVE_INTERVAL_S = 2
+"""``keep_alive_interval_s`` when it is ``auto`` (null), except for a large keyed job on etcd."""
+
+
+def etcd_keep_alive_advice(max_nodes: int, interval_s: float) -> int | None:
+    """Pure: the smallest ``keep_alive_interval_s`` (whole seconds, as the setting) that keeps ``max_nodes``
+    leases' renewals within :data:`ETCD_RENEWALS_PER_S`, or None when ``interval_s`` does already."""
+    if max_nodes / interval_s <= ETCD_RENEWALS_PER_S:
+        return None
+    return -(-max_nodes // ETCD_RENEWALS_PER_S)
+
+
+def auto_keep_alive_interval_s(backend: str, protocol: str, max_nodes: int) -> int:
+    """Pure: ``keep_alive_interval_s: auto``. :data:`KEEP_ALIVE_INTERVAL_S` (2 s), except a ``keyed`` job on etcd
+    whose ``max_nodes`` would renew more than :data:`ETCD_RENEWALS_PER_S` leases a second at 2 s: its interval
+    is the smallest that does not (1,024 nodes: 3 s), so the keep-alives stay within 10 % of one etcd core.
+    Every node of a job resolves the same (``max_nodes`` is the job's ``--nnodes MAX``)."""
+    if backend == "etcd" and resolve_protocol(protocol, backend, max_nodes) == "keyed":
+        return etcd_keep_alive_advice(max_nodes, KEEP_ALIVE_INTERVAL_S) or KEEP_ALIVE_INTERVAL_S
+    return KEEP_ALIVE_INTERVAL_S
+
+
 ETCD_ONLY_KEYS = ("ca_file", "cert_file", "key_file", "server_name", "username", "password", "password_file")
 """TLS and authentication settings; only the ``etcd`` backend has them (a TCPStore has neither)."""
 LOG_FORMATS = ("auto", "json", "console")
@@ -134,8 +161,11 @@ class RendezvousConfig:
     close_timeout_s: float = 30.0
     """Deadline of the close operation when the job ends."""
 
-    keep_alive_interval_s: int = 2
-    """Heartbeat period (whole seconds, a torch limit). A node silent for interval x attempts is dead."""
+    keep_alive_interval_s: int | None = None
+    """Heartbeat period (whole seconds, a torch limit). A node silent for interval x attempts is dead.
+    ``auto`` (null): 2, except a ``keyed`` job on etcd with more than 800 ``max_nodes``: ``ceil(max_nodes /
+    400)`` (1,024 nodes: 3), which keeps the leases' renewals within 10 % of one etcd core (docs/rendezvous.md,
+    sizing). Resolved when the config loads; the agent logs the number it runs with."""
 
     keep_alive_max_attempts: int = 3
     """Missed heartbeats before a node is declared dead. interval x attempts < 4 s risks splitting a
@@ -189,6 +219,8 @@ class RendezvousConfig:
             require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "endpoint",
                     f"must be host:port{' (or a comma-separated list of them)' if self.backend == 'etcd' else ''}, "
                     f"got {self.endpoint!r}", "e.g. '10.0.0.5:29400'" if self.backend != "etcd" else "e.g. '10.0.0.5:2379'")
+        if self.keep_alive_interval_s is None:
+            self.keep_alive_interval_s = auto_keep_alive_interval_s(self.backend, self.protocol, self.max_nodes)
         require(self.keep_alive_interval_s >= 1, "keep_alive_interval_s", f"must be >= 1, got {self.keep_alive_interval_s}",
                 "use whole seconds, e.g. 2")
         require(self.keep_alive_max_attempts >= 2, "keep_alive_max_attempts",

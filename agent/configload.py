@@ -76,7 +76,9 @@ def _coerce(key: str, tp: Any, value: Any, source: str, *, from_text: bool, synt
 
     if origin in (typing.Union, types.UnionType):
         non_none = [a for a in args if a is not type(None)]
-        if value is None or (from_text and str(value).lower() in {"", "none", "null", "auto"}):
+        # (every optional setting's None means "decided by the agent": `auto` names it, in YAML too)
+        if value is None or (isinstance(value, str) and value.lower() == "auto") or (
+                from_text and str(value).lower() in {"", "none", "null"}):
             return None
         return _coerce(key, non_none[0], value, source, from_text=from_text, syntax=syntax)
     if tp is bool:

@@ -11,24 +11,13 @@ from typing import Any
 import torch.distributed as dist
 
 from trainguard.agent import storecall
+from trainguard.agent.config import ETCD_RENEWALS_PER_S, etcd_keep_alive_advice
 from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler
 from trainguard.agent.membership import Settings, buckets_for
 from trainguard.agent.membership_kv import Kv
 from trainguard.contract.log import get_logger
 
 log = get_logger("trainguard.agent.rendezvous")
-
-ETCD_RENEWALS_PER_S = 400
-"""Lease renewals per second one etcd core serves within 10 % of itself: 0.22-0.24 ms each measured at 1,024
-simulated nodes on gRPC streams (``docs/benchmarks.md``, e611fee: 11.1-11.4 % at 512/s, 7.9-8.9 % at ~370/s)."""
-
-
-def etcd_keep_alive_advice(max_nodes: int, interval_s: float) -> int | None:
-    """Pure: the smallest ``keep_alive_interval_s`` (whole seconds, as the setting) that keeps ``max_nodes``
-    leases' renewals within :data:`ETCD_RENEWALS_PER_S`, or None when ``interval_s`` does already."""
-    if max_nodes / interval_s <= ETCD_RENEWALS_PER_S:
-        return None
-    return -(-max_nodes // ETCD_RENEWALS_PER_S)
 
 
 def tcp_handler(cfg: Any, run_id: str, *, host: str, port: int, timeout_s: float = 60.0,

@@ -618,10 +618,20 @@ def measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], store: 
             server.close()
 
 
+def _interval(cfg_kw: dict[str, Any], server: Any, protocol: str) -> int:
+    """The keep-alive interval the simulated agents run with (``auto`` resolved as the agent does)."""
+    from trainguard.agent.config import auto_keep_alive_interval_s
+
+    given = cfg_kw.get("keep_alive_interval_s")
+    backend = "etcd" if server.kind.startswith("etcd") else "c10d"
+    return given if given is not None else auto_keep_alive_interval_s(backend, protocol, cfg_kw["max_nodes"])
+
+
 def _measure(n: int, procs: int, steady_s: float, cfg_kw: dict[str, Any], server: StoreServer,
              protocol: str = "dynamic") -> dict[str, Any]:
     c = Cluster(n, procs, cfg_kw, server, protocol)
-    row: dict[str, Any] = {"nodes": n, "store": server.kind, "protocol": protocol, "procs": len(c.conns)}
+    row: dict[str, Any] = {"nodes": n, "store": server.kind, "protocol": protocol, "procs": len(c.conns),
+                           "keep_alive_interval_s": _interval(cfg_kw, server, protocol)}
     try:
         everyone = list(range(n))
         _note(row, "form")
@@ -847,7 +857,9 @@ def main() -> int:
     ap.add_argument("--nodes", default="8,32,128")
     ap.add_argument("--procs", type=int, default=16)
     ap.add_argument("--steady-s", type=float, default=10.0)
-    ap.add_argument("--keep-alive-s", type=int, default=2, help="rendezvous.keep_alive_interval_s")
+    ap.add_argument("--keep-alive-s", type=lambda v: None if v == "auto" else int(v), default=None,
+                    help="rendezvous.keep_alive_interval_s (default auto: the agent's default for the store and N; "
+                         "each row records the one it ran with)")
     ap.add_argument("--keep-alive-attempts", type=int, default=3, help="rendezvous.keep_alive_max_attempts")
     ap.add_argument("--stores", default="tcp", help="comma-separated: tcp, etcd, etcd-tls")
     ap.add_argument("--protocols", default="dynamic,keyed",

@@ -534,6 +534,50 @@ def test_etcd_keep_alive_advice(max_nodes, interval_s, advice):
     assert etcd_keep_alive_advice(max_nodes, interval_s) == advice
 
 
+@pytest.mark.parametrize(("backend", "protocol", "max_nodes", "interval_s"), [
+    ("c10d", "auto", 1024, 2),      # a TCPStore's keep-alives cost it 0.6 % of a core at 1,024 nodes: 2 s
+    ("c10d", "keyed", 4096, 2),
+    ("etcd", "auto", 32, 2),        # auto -> dynamic below 33 nodes
+    ("etcd", "dynamic", 1024, 2),   # no leases to renew: torch's rendezvous state
+    ("etcd", "auto", 800, 2),       # 400 renewals/s: at the line
+    ("etcd", "auto", 801, 3),
+    ("etcd", "keyed", 1025, 3),     # the bench's 1,024 nodes (max_nodes N + 1)
+    ("etcd", "auto", 4096, 11),
+])
+def test_auto_keep_alive_interval(backend, protocol, max_nodes, interval_s):
+    from trainguard.agent.config import ETCD_RENEWALS_PER_S, auto_keep_alive_interval_s
+
+    assert auto_keep_alive_interval_s(backend, protocol, max_nodes) == interval_s
+    endpoint = "127.0.0.1:2379" if backend == "etcd" else "127.0.0.1:29400"
+    cfg = RendezvousConfig(backend=backend, protocol=protocol, endpoint=endpoint, max_nodes=max_nodes)
+    assert cfg.keep_alive_interval_s == interval_s  # what the agent runs with when the setting is left out
+    if backend == "etcd" and interval_s > 2:
+        assert max_nodes / interval_s <= ETCD_RENEWALS_PER_S < max_nodes / (interval_s - 1)
+    # A value given is kept, even one that loads etcd (that one is warned: below).
+    assert RendezvousConfig(backend=backend, protocol=protocol, endpoint=endpoint, max_nodes=max_nodes,
+                            keep_alive_interval_s=2).keep_alive_interval_s == 2
+
+
+def test_auto_keep_alive_interval_from_yaml_env_and_flags(tmp_path):
+    """``auto`` (null) is the default, and can be asked for by name in YAML, the environment or a flag."""
+    from trainguard.agent.configload import load_config
+
+    path = tmp_path / "tg.yaml"
+    base = "rendezvous:\n  backend: etcd\n  endpoint: 127.0.0.1:2379\n  max_nodes: 1024\n"
+    path.write_text(base)
+    assert load_config(str(path)).rendezvous.keep_alive_interval_s == 3
+    for given in ("null", "auto"):
+        path.write_text(base + f"  keep_alive_interval_s: {given}\n")
+        assert load_config(str(path)).rendezvous.keep_alive_interval_s == 3, given
+    env = "TRAINGUARD_RENDEZVOUS_KEEP_ALIVE_INTERVAL_S"
+    assert load_config(str(path), env={env: "5"}).rendezvous.keep_alive_interval_s == 5
+    assert load_config(str(path), env={env: "5"}, overrides={"rendezvous.keep_alive_interval_s": "auto"}
+                       ).rendezvous.keep_alive_interval_s == 3
+    path.write_text(base + "  keep_alive_interval_s: often\n")
+    with pytest.raises(Exception, match="keep_alive_interval_s"):
+        load_config(str(path))
+
+
 def test_a_large_job_on_etcd_is_told_its_keep_alive_load(tmp_path):
     """etcd_handler warns, naming the setting and the value, when max_nodes' renewals would exceed
     ETCD_RENEWALS_PER_S at keep_alive_interval_s; a small job is not warned."""
@@ -551,6 +595,9 @@ def test_a_large_job_on_etcd_is_told_its_keep_alive_load(tmp_path):
                                                           keep_alive_interval_s=2), "big"))
                 made.append(etcd_handler(RendezvousConfig(backend="etcd", endpoint=server.endpoint, max_nodes=64,
                                                           keep_alive_interval_s=2), "small"))
+                # the default (auto) is sized for the job: not warned
+                made.append(etcd_handler(RendezvousConfig(backend="etcd", endpoint=server.endpoint, max_nodes=1024),
+                                         "big-auto"))
         finally:
             for h in made:
                 h.stop_heartbeats()
