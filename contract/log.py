@@ -56,7 +56,11 @@ def configure(fmt: str = "auto", level: str = "info", stream: TextIO | None = No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # One write call per line (structlog's PrintLogger makes two: the text, then "\n"): the agent's
+        # stderr also carries its workers' tee'd lines, written by other threads, and with
+        # PYTHONUNBUFFERED=1 (the systemd unit, the image) one landed between the two, gluing a worker's
+        # event to the agent's: two JSON lines no collector could parse (tests/agent/test_log_lines.py).
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     # torch.distributed.elastic logs through the stdlib; keep its lines, at WARNING and above.
