@@ -169,6 +169,7 @@ class BoundedC10dBackend(C10dRendezvousBackend):
         self._lock = threading.Lock()
         self._link = Link()
         self._inner: C10dRendezvousBackend | None = C10dRendezvousBackend(store, run_id)
+        self._seen_state = False  # a state read or written once: a store without one restarted (_no_lost_round)
 
     def _connect(self) -> Any:
         timeout = timedelta(seconds=self.bound_s)
@@ -183,10 +184,24 @@ class BoundedC10dBackend(C10dRendezvousBackend):
         return self._inner is not None
 
     def get_state(self) -> Any:
-        return self._bounded("get_state", lambda b: b.get_state())
+        return self._no_lost_round(self._bounded("get_state", lambda b: b.get_state()))
 
     def set_state(self, state: bytes, token: Any = None) -> Any:
-        return self._bounded("set_state", lambda b: b.set_state(state, token))
+        return self._no_lost_round(self._bounded("set_state", lambda b: b.set_state(state, token)))
+
+    def _no_lost_round(self, answer: Any) -> Any:
+        """``answer`` (``None``: the store holds no state, torch's sentinel), unless this backend has read a
+        state before: then the store restarted and nobody has republished the round yet, and torch's holder
+        would take the empty state for the job's (a round 0 without members: every member of the running
+        world "lost", and the agents re-formed without each other right after a store restart). The key
+        exists meanwhile: a peer's reconnect writes the sentinel (torch's backend does, when it is created)
+        an instant before its copy of the round."""
+        if answer is not None:
+            self._seen_state = True
+        elif self._seen_state:
+            raise RendezvousConnectionError("the rendezvous store holds no round (it restarted, and the round is not "
+                                            "republished yet); the supervisor republishes it")
+        return answer
 
     def _open(self) -> C10dRendezvousBackend:
         client = self._connect_fn()

@@ -304,6 +304,7 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
             return False
         if now >= self._member_check_at:
             self._member_check_at = now + self.cfg.rendezvous.keep_alive_interval_s
+            peek = None
             try:
                 peek = self.adapter.peek()
                 gone = peek.round != world.round or not set(world.members) <= set(peek.participants)
@@ -311,9 +312,10 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
             except Exception as e:
                 self._store_failed("peek", e)
                 gone = False
-            if gone and self._member_lost_since is None:
+            if gone and self._member_lost_since is None and peek is not None:
                 self._member_lost_since = now
                 log.warning("member_lost", round=world.round, members=list(world.members),
+                            seen_round=peek.round, missing=sorted(set(world.members) - set(peek.participants)),
                             grace_s=MEMBER_LOST_GRACE_S)
             elif not gone:
                 self._member_lost_since = None

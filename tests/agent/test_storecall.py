@@ -172,6 +172,36 @@ def test_a_store_that_lost_the_round_is_not_read_as_an_empty_state(proxied_store
     assert not server.check(["torch.rendezvous.job2"]), "a reconnect wrote the sentinel into a restarted store"
 
 
+def test_a_round_replaced_by_the_sentinel_is_not_read_as_an_empty_state(proxied_store):
+    """The key is there but holds torch's no-state sentinel: a peer's reconnect created its backend on the restarted
+    store (which writes the sentinel) an instant before republishing its copy of the round. A backend that has seen
+    a state refuses to hand that to torch's holder as the job's state, read or written; one that never has (a new
+    job) reads None as torch's does, and the republished round is read again."""
+    server, _ = proxied_store
+    key = "torch.rendezvous.job3"
+    connect = lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False, multi_tenant=True,  # noqa: E731
+                                    timeout=timedelta(seconds=5))
+    fresh = BoundedC10dBackend(connect(), "job3", host="127.0.0.1", port=server.port, bound_s=5.0, interval_s=0.2,
+                               connect=connect)
+    assert fresh.get_state() is None  # a new job: no state yet, torch's answer
+    backend = BoundedC10dBackend(connect(), "job3", host="127.0.0.1", port=server.port, bound_s=5.0, interval_s=0.2,
+                                 connect=connect)
+    _, token, ok = backend.set_state(pickle.dumps({"round": 4}))
+    assert ok
+    sentinel = BoundedC10dBackend._NULL_SENTINEL
+    server.set(key, sentinel)  # the restarted store, between a peer's backend creation and its republish
+    with pytest.raises(RendezvousConnectionError, match="holds no round"):
+        backend.get_state()
+    with pytest.raises(RendezvousConnectionError, match="holds no round"):
+        backend.set_state(pickle.dumps({"round": 4, "mine": True}), token)
+    assert server.get(key) == sentinel.encode(), "a refused write changed the store"
+    assert backend.connected  # the connection is fine: only the store's content is not a round
+    # The republish (a CAS against the sentinel, as reconnect_store does it), then reads go on.
+    assert BoundedC10dBackend(connect(), "job3", host="127.0.0.1", port=server.port, bound_s=5.0, interval_s=0.2,
+                              connect=connect).set_state(pickle.dumps({"round": 4}), None)[2]
+    assert pickle.loads(backend.get_state()[0]) == {"round": 4}
+
+
 def test_a_guarded_client_gives_up_fails_fast_then_renews_after_the_heal(proxied_store):
     from trainguard.agent.storecall import BoundedStore, ClientGuard, StoreCallTimeout
 
