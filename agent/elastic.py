@@ -153,6 +153,7 @@ class ElasticAdapter:
         self._rejoin_marked = False
         """This node's rejoin mark is up (:meth:`leave` with ``rejoin``) until it joins again or leaves for good."""
         self._store_round = -1
+        self._reconnects = 0  # see store_generation
         self._guard: storecall.ClientGuard | None = None
         """c10d with :meth:`bound_store_calls`: the handler client's guard."""
         install_whole_line_tail()
@@ -435,6 +436,7 @@ class ElasticAdapter:
 
     def _renew_handler_client(self) -> None:
         """Replace the handler's client (torch's rank assignment, the round store) with a new connection."""
+        self._reconnects += 1  # (the store may have restarted: what this node wrote there may be gone)
         handler = self.handler
         new = self._connect(getattr(handler._store, "timeout", None) or timedelta(seconds=60))
         self._retired.append(handler._store)
@@ -505,6 +507,7 @@ class ElasticAdapter:
             holder.sync()
         if self.group.store is not None:  # the running world's round store, as _next_rendezvous built it
             self.group.store = dist.PrefixStore(f"torch.rendezvous.{run_id}.{self.round}", new)
+        self._reconnects += 1
         log.warning("rendezvous_store_reconnected", endpoint=f"{host}:{port}", round=self.round,
                     published=bool(result and result[2]),
                     effect="this node's view of the round was republished to the restarted store" if result and result[2]
@@ -517,6 +520,12 @@ class ElasticAdapter:
         if (self._guard is not None or self.keyed) and self.group.store is not None:  # (bounded: see round_store)
             return self.round_store(self._store_round)
         return self.group.store
+
+    @property
+    def store_generation(self) -> int:
+        """Counts this node's reconnections to the rendezvous store (its own and, keyed, its handler's restores):
+        keys it wrote before one (a restarted store holds none) are written again (the worker-API mark)."""
+        return self._reconnects + (int(getattr(self.handler, "restores", 0)) if self.keyed else 0)
 
     @property
     def round(self) -> int:

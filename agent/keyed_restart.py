@@ -74,6 +74,7 @@ class StoreRestart:
 
     def _restore(self, connection: str) -> None:
         """This node's heartbeat at once and its round republished on the current connection, one log line."""
+        self.restores = getattr(self, "restores", 0) + 1  # (keys the supervisor wrote may be gone: it counts these)
         if self._hb_thread is not None and self._hb_thread.is_alive():
             self._kv.beat(self.node)
         outcome = self._republish()

@@ -157,7 +157,7 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
         self._current: World | None = None
         self._interval_shared_at = 0.0  # monotonic s of the next share_interval
         self._standby_start = False
-        self._marked_api_round = -1
+        self._marked_api: tuple[int, int] | None = None  # (round, store generation) the worker-API mark was written for
         self._store_down_since: float | None = None
         self._store_failures = 0
         self._reconnect_at = 0.0

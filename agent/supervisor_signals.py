@@ -46,13 +46,15 @@ class RoundSignals:
         return frozenset(out)
 
     def _mark_worker_api(self) -> None:
-        """Tell nodes that will join this world that its workers use the worker API (they warm up)."""
+        """Tell nodes that will join this world that its workers use the worker API (they warm up). Once per
+        round, and again after a reconnection to the store (a restarted store lost the mark)."""
         world = self._current
-        if world is None or self._marked_api_round == world.round or not self.control.api_workers():
+        mark = None if world is None else (world.round, getattr(self.adapter, "store_generation", 0))
+        if world is None or self._marked_api == mark or not self.control.api_workers():
             return
         try:
             self.adapter.store.set(WORKER_API_KEY, "1")
-            self._marked_api_round = world.round
+            self._marked_api = mark
             self._store_ok()
         except Exception as e:
             self._store_failed("mark_worker_api", e)

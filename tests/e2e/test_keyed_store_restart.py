@@ -75,6 +75,9 @@ def test_a_store_restart_loses_no_committed_step_and_the_job_still_grows(tmp_pat
             c = nodes[-1]
             wait_until(lambda: all(worlds(n)[-1:] == [3] for n in (a, b, c)), 150, "world size 3 after the restart")
             wait_until(lambda: any(continued(n, 3) for n in (a, b, c)), 90, "the world of 3 continues")
+            # c warmed its workers up first: the running world's worker-API mark, lost with the store, was
+            # written again after the reconnect
+            assert c.events("joined_running_world"), c.dump()
             cont = next(e for n in (a, b, c) for e in continued(n, 3))
             assert cont["step"] >= last.step, (cont, last)
             wait_until(lambda: any(r.step > cont["step"] for r in committed_refs(a) | committed_refs(b) | committed_refs(c)),
