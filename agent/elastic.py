@@ -525,7 +525,7 @@ class ElasticAdapter:
     def store_generation(self) -> int:
         """Counts this node's reconnections to the rendezvous store (its own and, keyed, its handler's restores):
         keys it wrote before one (a restarted store holds none) are written again (the worker-API mark)."""
-        return self._reconnects + (int(getattr(self.handler, "restores", 0)) if self.keyed else 0)
+        return self._reconnects + (self.handler.restores if self.keyed else 0)  # type: ignore[attr-defined]
 
     @property
     def round(self) -> int:

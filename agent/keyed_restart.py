@@ -29,6 +29,9 @@ class StoreRestart:
     _hb_thread: Any
     node: str
     round: int
+    restores = 0
+    """Times :meth:`_restore` put this node's heartbeat and round back (keys the supervisor wrote there may be gone:
+    :attr:`~trainguard.agent.elastic.ElasticAdapter.store_generation` counts these)."""
     keep_alive_window_s: float
     _cur: Callable[[], int]
 
@@ -74,7 +77,7 @@ class StoreRestart:
 
     def _restore(self, connection: str) -> None:
         """This node's heartbeat at once and its round republished on the current connection, one log line."""
-        self.restores = getattr(self, "restores", 0) + 1  # (keys the supervisor wrote may be gone: it counts these)
+        self.restores += 1
         if self._hb_thread is not None and self._hb_thread.is_alive():
             self._kv.beat(self.node)
         outcome = self._republish()

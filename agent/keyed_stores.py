@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainguard.agent import storecall
-from trainguard.agent.config import ETCD_RENEWALS_PER_S, etcd_keep_alive_advice
+from trainguard.agent.config import etcd_keep_alive_advice
 from trainguard.agent.keyed_rendezvous import KeyedRendezvousHandler
 from trainguard.agent.membership import Settings, buckets_for
 from trainguard.agent.membership_kv import Kv
@@ -131,4 +131,4 @@ def _settings(cfg: Any) -> Settings:
     return Settings(cfg.min_nodes, cfg.max_nodes, cfg.last_call_timeout_s)
 
 
-__all__ = ["ETCD_RENEWALS_PER_S", "create_handler", "etcd_handler", "etcd_keep_alive_advice", "tcp_handler"]
+__all__ = ["create_handler", "etcd_handler", "tcp_handler"]

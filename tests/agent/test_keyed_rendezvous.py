@@ -529,7 +529,7 @@ def test_handler_calls_give_up_under_a_partition_and_reconnect_after_the_heal():
     (4096, 11, None),
 ])
 def test_etcd_keep_alive_advice(max_nodes, interval_s, advice):
-    from trainguard.agent.keyed_stores import etcd_keep_alive_advice
+    from trainguard.agent.config import etcd_keep_alive_advice
 
     assert etcd_keep_alive_advice(max_nodes, interval_s) == advice
 

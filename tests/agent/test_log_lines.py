@@ -13,8 +13,6 @@ import json
 import sys
 import threading
 
-import structlog
-
 from trainguard.contract.log import configure, get_logger
 
 
@@ -71,4 +69,3 @@ def test_lines_of_another_writer_never_land_inside_a_log_line(tmp_path):
             bad.append(line)
     assert not bad, f"{len(bad)} lines do not parse, e.g. {bad[:2]}"
     assert seen == {"agent_line": n, "worker_line": n}
-    structlog.reset_defaults()

@@ -1,8 +1,8 @@
 """A restarted ``trainguard store`` under both rendezvous protocols (issue 40): the running world of two goes on
 training and saving, both agents reconnect (keyed: each republishes the round it holds, created once, so one
 copy wins and the other finds the same round; dynamic: the first to reconnect republishes its view of the state,
-the other reads it, and nobody takes the restarted store's empty key for the job's state), and a third node that arrives at the restarted store joins a
-world of three built on the republished round. No committed step is lost or overwritten, epochs only grow.
+the other reads it, and nobody takes the restarted store's empty key for the job's state), and a third node that
+arrives at the restarted store joins a world of three built on the republished round. No committed step is lost or overwritten, epochs only grow.
 (``test_checkpoint_epochs.py`` restarts the store under a world of one, then splits the brain.)"""
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def test_a_store_restart_loses_no_committed_step_and_the_job_still_grows(tmp_pat
             store = Store(tmp, "s-restarted", port=store.port)
             stores.append(store)
             before = refs()
+
             def reconnected(n: Node) -> bool:
                 # dynamic: a node whose state backend reconnects after a peer republished the round reads that
                 # round and has nothing to republish (its backend's store_reconnected, the endpoint named)
