@@ -160,15 +160,26 @@ def _user_defaults() -> dict[str, Any]:
 
 def _start(cfg: TrainguardConfig, env: Mapping[str, str], *, announce: bool, note: str = "") -> int:
     """Checks, start-up warnings, then the agent (see :mod:`trainguard.agent.preflight`)."""
-    from trainguard.agent import preflight, rundir, torchlogs
-    from trainguard.agent.daemon import run_agent
-    from trainguard.contract.protocol import control_socket_path
+    from trainguard.agent import prestart, preflight, rundir, torchlogs
 
     tglog.configure(cfg.agent.log_format, cfg.agent.log_level)
     torchlogs.install()
     preflight.check(cfg)
     if cfg.agent.log_dir.startswith(rundir.private_base() + os.sep):
         rundir.ensure_private_dir(cfg.agent.log_dir, key="agent.log_dir")
+    prestart.start(cfg, os.environ)  # the workers' interpreters import torch beside the agent's import of it
+    try:
+        code = _run(cfg, env, announce=announce, note=note)
+    finally:
+        prestart.close("the agent stops")
+    return _exit_now(code)
+
+
+def _run(cfg: TrainguardConfig, env: Mapping[str, str], *, announce: bool, note: str) -> int:
+    from trainguard.agent import preflight
+    from trainguard.agent.daemon import run_agent
+    from trainguard.contract.protocol import control_socket_path
+
     for w in preflight.warnings(cfg, env):
         log.warning(w.event, **w.fields)
     if not cfg.checkpoint.url:
@@ -183,7 +194,7 @@ def _start(cfg: TrainguardConfig, env: Mapping[str, str], *, announce: bool, not
     if announce:
         print(f"trainguard: job {cfg.agent.job_id}; drain it with `trainguard drain` "
               f"(or `{drain}`), status with `trainguard status`", file=sys.stderr, flush=True)
-    return _exit_now(run_agent(cfg, env))
+    return run_agent(cfg, env)
 
 
 def _exit_now(code: int) -> int:

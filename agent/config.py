@@ -299,6 +299,11 @@ def _client_cert_error(cert_file: str, key_file: str, err: ssl.SSLError) -> Fiel
                       "give the client key in PEM without a passphrase (openssl pkey -in KEY -out KEY.plain)")
 
 
+PRESTART_IMPORTS = ("torch", "trainguard.runtime.runtime", "torch._dynamo")
+"""``workers.prestart_imports`` by default."""
+
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
 @dataclass(kw_only=True, slots=True)
 class WorkersConfig:
     entrypoint: str = ""
@@ -363,6 +368,21 @@ class WorkersConfig:
     """How long a parked worker waits for its new world (and a joiner's workers for theirs) before it
     gives up and the agent restarts the world."""
 
+    prestart: bool = True
+    """Start one interpreter per worker first thing, before the agent's own imports: it imports
+    ``prestart_imports`` while the agent starts up and waits for its first world, and the node's first
+    worker start adopts it (same pid, log files and environment as a fresh worker) instead of starting a
+    process that imports them then. It is adopted only if the worker's environment differs from the one
+    it was started in by rank variables alone (else it is ended and the worker starts afresh,
+    ``prestart_discarded``). Each holds its imports' memory (a few hundred MB with torch) until then.
+    Not with ``no_python``; restarts start their workers afresh."""
+
+    prestart_imports: list[str] = field(default_factory=lambda: list(PRESTART_IMPORTS), metadata={"text": "shell"})
+    """Modules the prestarted interpreters import before the hand-over (a failing one is reported and
+    skipped). The default is what a worker-API script imports anyway: torch, the worker runtime, and
+    ``torch._dynamo``, which torch's optimizers import at their first construction. As an env var or
+    ``--set`` value: shell words or a JSON list."""
+
     step_agreement: str = "overlapped"
     """How worker-API ranks agree at a step boundary on a stop, a re-formation or a checkpoint (a
     7-integer all-reduce over a gloo side group): ``overlapped`` (the exchange of step N runs beside
@@ -403,6 +423,9 @@ class WorkersConfig:
                 "use 'in-process' (default) or 'restart'")
         require(0 < self.reform_timeout_s <= 3600, "reform_timeout_s",
                 f"must be within (0, 3600] seconds, got {self.reform_timeout_s}", "e.g. 120")
+        for name in self.prestart_imports:
+            require(isinstance(name, str) and MODULE_NAME.fullmatch(name) is not None, "prestart_imports",
+                    f"{name!r} is not a module name", "give dotted module names, e.g. torch torch._dynamo")
         require(self.step_agreement in STEP_AGREEMENTS, "step_agreement",
                 f"must be one of {', '.join(STEP_AGREEMENTS)}, got {self.step_agreement!r}",
                 "use 'overlapped' (default) or 'blocking'")

@@ -65,7 +65,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 
-from trainguard.agent import storecall
+from trainguard.agent import prestart, prestart_handler, storecall
 from trainguard.agent.elastic_join import _Executor, evict_nodes, fresh_reads, next_round, planned_complete  # noqa: F401 (re-exported)
 from trainguard.agent.elastic_types import POLL_INTERVAL_S, Peek, Plan, Poll, RendezvousAborted, World
 from trainguard.agent.exitbarrier import (EXITED_KEY, FINISHED_KEY, REJOINING_KEY, ExitOutcome, LingerOutcome,
@@ -98,6 +98,12 @@ class _Agent(LocalElasticAgent):
 
     def _invoke_run(self, role: str = "default") -> RunResult:  # See base class.
         return self._body()
+
+    def _start_workers(self, worker_group: Any) -> dict[int, Any]:  # See base class.
+        try:
+            return super()._start_workers(worker_group)
+        finally:  # the prestarted interpreters are for this node's first workers only
+            prestart.close("the first workers started")
 
 
 class _LockedStore:
@@ -157,6 +163,7 @@ class ElasticAdapter:
         self._guard: storecall.ClientGuard | None = None
         """c10d with :meth:`bound_store_calls`: the handler client's guard."""
         install_whole_line_tail()
+        prestart_handler.install()
         self._agent = _Agent(spec, logs, exit_barrier_timeout, self._run_body, worker_env)
         self.keyed = isinstance(self.handler, KeyedRendezvousHandler)
         """``rendezvous.protocol: keyed``: trainguard's own handler, interruptible and planned by itself."""

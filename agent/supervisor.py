@@ -49,7 +49,6 @@ import dataclasses
 import os
 import socket
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -87,7 +86,7 @@ MEMBER_LOST_GRACE_S = 3.0
 workers usually notice first, in their next collective, and park)."""
 
 # Set once, deliberately, for the whole agent process: see the module docstring.
-os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+os.environ.update(workerenv.AGENT_ENV)  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,19 +97,6 @@ class DrainRequest:
     """Absolute wall-clock time (epoch seconds) by which this node must be gone."""
     reason: str = ""
     received_at: float = dataclasses.field(default_factory=time.time)
-
-
-def worker_command(cfg: TrainguardConfig) -> tuple[str, tuple[str, ...]]:
-    """(entrypoint, args) for elastic: the orphan-safety shim, then the user's program."""
-    w = cfg.workers
-    if not w.entrypoint:
-        raise ValueError("workers.entrypoint is empty: set YAML key `workers.entrypoint` or env var "
-                         "TRAINGUARD_WORKERS_ENTRYPOINT (or pass the script to `trainguard run`)")
-    shim = ["-m", "trainguard.runtime.shim"]
-    if w.no_python:
-        return sys.executable, (*shim, "--no-python", "--", w.entrypoint, *w.args)
-    program = ["-u", "-m", w.entrypoint] if w.module else ["-u", w.entrypoint]
-    return sys.executable, (*shim, "--", *program, *w.args)
 
 
 class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
@@ -198,7 +184,7 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
         # Tier 0: the agent owns its workers' snapshot memory (it outlives a worker); removed in _finish.
         self.snapshots = NodeSnapshots(cfg.checkpoint, cfg.agent.job_id, cfg.agent.node_name)
         self.memory_dir = self.snapshots.open()
-        entrypoint, args = worker_command(cfg)
+        entrypoint, args = workerenv.worker_command(cfg.workers)
         spec = WorkerSpec(
             role=workerenv.ROLE,
             local_world_size=cfg.workers.nproc_per_node,
@@ -582,4 +568,4 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
         return int(code)
 
 
-__all__ = ["DRAIN_KEY", "LEAVING_KEY", "MEMBER_LOST_GRACE_S", "WORKER_API_KEY", "DrainRequest", "Supervisor", "worker_command"]
+__all__ = ["DRAIN_KEY", "LEAVING_KEY", "MEMBER_LOST_GRACE_S", "WORKER_API_KEY", "DrainRequest", "Supervisor"]

@@ -9,9 +9,16 @@ does, ...). Pure functions; the supervisor adds the result to each worker's envi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 from trainguard.agent.config import WorkersConfig
+from trainguard.runtime.shim import SHIM_MODULE
+
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""Set in the agent's own environment when the supervisor is imported (every worker inherits it): no
+TCPStore shared between the agent and its workers (the module docstring of
+:mod:`trainguard.agent.supervisor` says why)."""
 
 ROLE = "default"
 """The worker role (``ROLE_NAME``, and the ``[default0]:`` prefix of tee'd worker output), as torchrun."""
@@ -64,3 +71,15 @@ def worker_log_format(w: WorkersConfig, configured: str, rendered: str) -> str:
     if w.tee:
         return rendered
     return "" if configured == "auto" else configured
+
+
+def worker_command(w: WorkersConfig) -> tuple[str, tuple[str, ...]]:
+    """(entrypoint, args) for elastic: the orphan-safety shim, then the user's program."""
+    if not w.entrypoint:
+        raise ValueError("workers.entrypoint is empty: set YAML key `workers.entrypoint` or env var "
+                         "TRAINGUARD_WORKERS_ENTRYPOINT (or pass the script to `trainguard run`)")
+    shim = ["-m", SHIM_MODULE]
+    if w.no_python:
+        return sys.executable, (*shim, "--no-python", "--", w.entrypoint, *w.args)
+    program = ["-u", "-m", w.entrypoint] if w.module else ["-u", w.entrypoint]
+    return sys.executable, (*shim, "--", *program, *w.args)

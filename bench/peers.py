@@ -407,13 +407,22 @@ def steps(d: str) -> list[tuple[float, dict[str, Any]]]:
     return sorted(out, key=lambda te: te[0])
 
 
+def program_of(args: list[str]) -> str | None:
+    """The script a Python command line (arguments after the interpreter) runs: its first non-option
+    argument, or, for trainguard's prestarted interpreter (``-m trainguard.runtime.warm FD -- SCRIPT``),
+    the first after its ``--``."""
+    if "trainguard.runtime.warm" in args and "--" in args:
+        args = args[args.index("--") + 1:]
+    return next((x for x in args if not x.startswith("-")), None)
+
+
 def job_pid(node: Proc, script: str) -> int | None:
     """The node's live training process: ``python [-u] <script> ...`` (not a helper the launcher forked,
     such as ft_launcher's rank monitor, whose command line names the script only as an argument)."""
     for pid in descendants(node.proc.pid):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as fh:
             args = [x.decode(errors="replace") for x in fh.read().split(b"\0")[1:]]
-            if next((x for x in args if not x.startswith("-")), None) == script and alive(pid):
+            if program_of(args) == script and alive(pid):
                 return pid
     return None
 

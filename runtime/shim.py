@@ -27,6 +27,9 @@ from trainguard.contract.protocol import RuntimeEnv
 
 PR_SET_PDEATHSIG = 1
 
+SHIM_MODULE = "trainguard.runtime.shim"
+"""The module elastic starts every worker through (``python -m trainguard.runtime.shim -- ...``)."""
+
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     """Ask Linux to send ``sig`` to this process when its parent (thread) dies. False if unsupported."""

@@ -89,6 +89,7 @@ def test_membership_changes_in_place(tmp_path, aws_imds, strategy):  # noqa: F81
         nodes.append(b2)
         r2 = wait_until(lambda: rejoined(nodes, 2, after=s1), 120, "a and b2 re-formed at world size 2")
         assert b2.events("joiner_warm") and b2.events("joined_running_world"), b2.dump()
+        assert b2.events("prestart_adopted"), b2.dump()  # its worker is the interpreter started with the agent
         assert b2.events("rendezvous_complete")[-1]["group_rank"] == 0, b2.dump()  # the joiner is rank 0
         wait_until(lambda: any(e["world_size"] == 2 and e["step"] >= r2[0]["step"] + 3 for e in stepped(nodes)),
                    60, "training at world size 2")

@@ -107,3 +107,13 @@ def test_ray_run_processes_are_found_by_their_environment(tmp_path) -> None:
         for p in (mine, other):
             p.kill()
             p.wait(10)
+
+
+def test_the_training_process_is_found_behind_the_prestarted_interpreter() -> None:
+    """kill_worker and hang aim at the process that runs the job script, whether python runs it directly or
+    trainguard's prestarted interpreter does (``-m trainguard.runtime.warm FD -- SCRIPT``)."""
+    with bench_module("peers.py") as peers:
+        assert peers.program_of(["-u", "/j/job.py", "--steps", "5"]) == "/j/job.py"
+        assert peers.program_of(["-u", "-m", "trainguard.runtime.warm", "7", "--", "/j/job.py", "--steps"]) == "/j/job.py"
+        assert peers.program_of(["-m", "trainguard.runtime.shim", "--", "-u", "/j/job.py"]) == "trainguard.runtime.shim"
+        assert peers.program_of(["/usr/bin/ft_monitor", "/j/job.py"]) == "/usr/bin/ft_monitor"  # a helper naming it
