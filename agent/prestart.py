@@ -23,8 +23,10 @@ Pure parts (:func:`spare_command`, :func:`spare_env`, :func:`env_mismatch`) besi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -144,13 +146,15 @@ class Spare:
         return True
 
     def discard(self) -> None:
-        """End the interpreter (end of file on its socket: it exits 0; SIGKILL if it lingers)."""
+        """End the interpreter at once: none of the program has run in it (its session is SIGKILLed, so an
+        import's helper process goes too; the socket closed, one between its imports and the hand-over
+        exits 0 by itself). Never waits on a slow import: a refused interpreter must not delay the fresh
+        worker that replaces it."""
         self._sock.close()
-        try:
-            self.proc.wait(2.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 _lock = threading.Lock()
