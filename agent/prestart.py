@@ -12,8 +12,8 @@ over a socket pair.
 
 The one safety rule (:func:`env_mismatch`): an interpreter is adopted only if the environment it was
 started in equals the worker's final one in everything but the variables that name the worker's place
-in its world (:func:`is_identity`: ranks, sizes, the master, ``TORCHELASTIC_*``, ``TRAINGUARD_RT_*``),
-which no import reads. Anything else different (a variable an import may have read) and it is ended,
+in its world (:func:`is_identity`: ranks, sizes, the master, ``TORCHELASTIC_*``, the runtime contract of
+:class:`~trainguard.contract.protocol.RuntimeEnv`), which no import reads. Anything else different (a variable an import may have read) and it is ended,
 ``prestart_discarded`` names the variables, and the worker starts afresh. Spares not adopted by the first
 start are ended then (:func:`close`); a restart later starts its workers the usual way.
 
