@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-
 import threading
 import time
 from collections.abc import Callable
