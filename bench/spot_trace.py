@@ -921,6 +921,8 @@ def _agent_truth(ag: AgentRun, kept: list[Exec], raw: ReplayRaw) -> dict[str, An
     out["metric_wasted_s"] = {r: _metric(ag.scrape, "trainguard_wasted_seconds_total", {"reason": r})
                               for r in ("startup", "drain", "resize", "restart", "recompute", "checkpoint", "other")}
     out["final_scrape"] = stop is not None and ag.scrape_at >= stop
+    if start and mine:  # the agent's start to its workers' first step: paid, not productive
+        out["truth_first_step_s"] = round(min(e.t0 for e in mine) - start, 3)
     if start and stop and not ag.killed_at:
         # The truth at the instant the metric was read: the stop, or the last scrape when it came before
         # (the agent's last second or so then counts in neither).
