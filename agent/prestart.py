@@ -29,7 +29,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
@@ -99,8 +98,7 @@ def spare_env(cfg: TrainguardConfig, inherited: Mapping[str, str], *, agent_pid:
     w = cfg.workers
     env = dict(inherited)
     env.update(workerenv.AGENT_ENV)
-    env.update(workerenv.torchrun_defaults(w, inherited))
-    env.update(workerenv.gpu_defaults(w, inherited, reform_in_process=w.reform == "in-process"))
+    env.update(workerenv.worker_defaults(w, inherited))
     if cfg.metrics.enabled:
         from trainguard.metrics import channel
 
@@ -112,18 +110,20 @@ def spare_env(cfg: TrainguardConfig, inherited: Mapping[str, str], *, agent_pid:
 
 
 class Spare:
-    """One prestarted interpreter: its process, the agent's end of its socket, what it was started with."""
+    """One prestarted interpreter: its process, the agent's end of its socket, the worker command it stands
+    for (elastic's ``(entrypoint, args)``) and the environment it started in."""
 
-    def __init__(self, local_rank: int, command: list[str], env: dict[str, str]) -> None:
+    def __init__(self, local_rank: int, worker: tuple[str, tuple[str, ...]], env: dict[str, str]) -> None:
         self.local_rank = local_rank
+        self.worker = worker
         self.env = env
-        self.command = command
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
         try:
-            cmd = list(command)
-            cmd[cmd.index("--") - 1] = str(theirs.fileno())
-            self.proc = subprocess.Popen(cmd, env=env, pass_fds=(theirs.fileno(),), start_new_session=True,
+            command = spare_command(worker[0], worker[1], theirs.fileno())
+            if command is None:
+                raise ValueError(f"not a Python program of the shim's form: {worker}")
+            self.proc = subprocess.Popen(command, env=env, pass_fds=(theirs.fileno(),), start_new_session=True,
                                          stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
@@ -166,15 +166,15 @@ def start(cfg: TrainguardConfig, inherited: Mapping[str, str]) -> int:
     w = cfg.workers
     if not w.prestart or w.no_python or not w.entrypoint:
         return 0
-    command = spare_command(sys.executable, workerenv.worker_command(w)[1], 0)
-    if command is None:
+    worker = workerenv.worker_command(w)
+    if spare_program(worker[1]) is None:
         log.info("prestart_skipped", reason="the worker command is not a plain script or module")
         return 0
     env = spare_env(cfg, inherited, agent_pid=os.getpid())
     with _lock:
         for rank in range(w.nproc_per_node):
             try:
-                _pool[rank] = Spare(rank, command, env)
+                _pool[rank] = Spare(rank, worker, env)
             except OSError as e:
                 log.warning("prestart_failed", local_rank=rank, error=f"{type(e).__name__}: {e}")
                 break
@@ -190,10 +190,8 @@ def take(local_rank: int, entrypoint: str, args: Sequence[str], final_env: Mappi
         spare = _pool.pop(local_rank, None)
     if spare is None:
         return None
-    expected = spare_command(entrypoint, args, 0)
     reason = ""
-    if expected is None or expected[expected.index("--"):] != spare.command[spare.command.index("--"):] \
-            or entrypoint != spare.command[0]:
+    if (entrypoint, tuple(args)) != spare.worker:
         reason = "the worker command changed"
     elif spare.proc.poll() is not None:
         reason = f"the interpreter exited ({spare.proc.returncode})"

@@ -10,6 +10,7 @@ session of its own, as a fresh worker does) and reads the exit code of the same 
 
 from __future__ import annotations
 
+import os
 from subprocess import Popen
 from typing import Any
 
@@ -48,8 +49,6 @@ def handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: str, stde
     kwargs = dict(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
                   local_rank_id=local_rank_id, numa_options=numa_options)
     if numa_options is None and prestart.pending():
-        import os
-
         final = {**os.environ, **env}  # what SubprocessHandler gives the process
         spare = prestart.take(local_rank_id, entrypoint, tuple(str(a) for a in args), final)
         if spare is not None:

@@ -267,8 +267,7 @@ class Supervisor(ControlOps, RoundSignals, HangActions, Joining, Worlds):
             progress_interval_s=cfg.hang.heartbeat_interval_s if self.hangs is not None else 0.0,
             log_format=workerenv.worker_log_format(cfg.workers, cfg.agent.log_format, rendered_format()),
         ).to_env()
-        env.update(workerenv.torchrun_defaults(cfg.workers, os.environ))
-        env.update(workerenv.gpu_defaults(cfg.workers, os.environ, reform_in_process=self.reform_enabled))
+        env.update(workerenv.worker_defaults(cfg.workers, os.environ))
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         if self.observer is not None:
             env.update(self.observer.worker_env())

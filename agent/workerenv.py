@@ -62,6 +62,13 @@ def torchrun_defaults(w: WorkersConfig, inherited: Mapping[str, str]) -> dict[st
     return {"OMP_NUM_THREADS": "1"} if omp_default(w, inherited) else {}
 
 
+def worker_defaults(w: WorkersConfig, inherited: Mapping[str, str]) -> dict[str, str]:
+    """The worker variables that follow from the config and the agent's environment alone (torchrun's and
+    the GPU defaults): the supervisor gives them to every worker, and a prestarted interpreter
+    (:mod:`trainguard.agent.prestart`) starts with them."""
+    return {**torchrun_defaults(w, inherited), **gpu_defaults(w, inherited, reform_in_process=w.reform == "in-process")}
+
+
 def worker_log_format(w: WorkersConfig, configured: str, rendered: str) -> str:
     """The log format the workers render in (:attr:`RuntimeEnv.log_format
     <trainguard.contract.protocol.RuntimeEnv.log_format>`): the agent's own (``rendered``) while their

@@ -98,10 +98,9 @@ PROGRAM = textwrap.dedent("""
 def _spare(tmp_path, extra_env: dict[str, str] | None = None) -> tuple[prestart.Spare, str]:
     script = tmp_path / "prog.py"
     script.write_text(PROGRAM)
-    command = prestart.spare_command(sys.executable, (*SHIM, "-u", str(script), "--flag"), 0)
-    assert command is not None
+    worker = (sys.executable, (*SHIM, "-u", str(script), "--flag"))
     env = {**os.environ, "MARK": "started", IMPORTS_ENV: "decimal", AGENT_PID_ENV: str(os.getpid()), **(extra_env or {})}
-    return prestart.Spare(0, command, env), str(script)
+    return prestart.Spare(0, worker, env), str(script)
 
 
 def test_a_handed_over_interpreter_runs_the_program_as_python_would(tmp_path) -> None:
